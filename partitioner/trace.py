@@ -1,0 +1,208 @@
+"""`trace(model, example_inputs) -> OpGraph`: capture, cost, expand, assign.
+
+    capture   torch.export or torch.fx, shapes symbolic in batch and sequence
+    cost      per-op FLOPs, bytes and saved activations (op_rules)
+    expand    copy a three-block trace to every block of the layer stack (blocks)
+    assign    resolve tied parameters, give each to its first user, mark blocks
+
+Pure: the user's module is never modified (the three-block model is a shallow
+copy), and nothing is cached between calls.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal, Sequence
+
+import torch
+from torch import nn
+
+from cost_models.errors import TraceError
+from partitioner.blocks import TRACED_BLOCKS, Costed, LayerStack, NotRepeating, block_index, expand, find_layer_stack, truncated
+from partitioner.capture import Capture, RawNode, RawSpec, capture
+from partitioner.op_rules import known_op, op_cost
+from partitioner.opgraph import Block, OpCost, OpGraph, OpNode, ParamSpec, TensorSpec
+from partitioner.symbolic import Poly, to_poly
+
+__all__ = ["trace"]
+
+
+def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), example_kwargs: dict[str, Any] | None = None,
+          *, method: Literal["auto", "export", "fx"] = "auto", expand_repeated: bool = True,
+          dynamic_seq: bool = True, leaf_modules: Sequence[type] = ()) -> OpGraph:
+    """Trace `model(*example_inputs, **example_kwargs)` into an OpGraph.
+
+    Batch is dimension 0 of every tensor input; for integer token inputs
+    dimension 1 is the sequence. `method` forces torch.export or torch.fx
+    ("auto" tries export, then fx). `expand_repeated` traces three blocks of
+    a uniform layer stack and copies them (much faster for deep models; the
+    result equals a full trace). `leaf_modules` keeps modules of those
+    classes whole (fx only). Works with a model on the meta device.
+
+    >>> g = trace(gpt_small(), (tokens,))                # doctest: +SKIP
+    >>> g.num_params, len(g.blocks)                       # doctest: +SKIP
+    (5289472, 4)
+    """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"model: expected a torch.nn.Module, got {type(model).__name__}; pass the module itself, not its class or output")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TraceError(f"example_inputs: expected a tuple of inputs, got {type(example_inputs).__name__}; wrap a single input as (x,)")
+    kwargs = dict(example_kwargs or {})
+    if not example_inputs and not kwargs:
+        raise TraceError("example_inputs: empty; pass the inputs of one forward call, e.g. trace(model, (tokens,))")
+    args, kwargs = _batch_of_two(tuple(example_inputs), kwargs)
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    traced_b = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
+    seq = next((int(x.shape[1]) for x in tensors if x.dim() >= 2 and not x.dtype.is_floating_point and x.dtype != torch.bool), None)
+    seq = seq if dynamic_seq else None
+
+    stack = find_layer_stack(model)
+    leaf = tuple(leaf_modules)
+    costed, cap, expanded_from = None, None, None
+    if expand_repeated and stack is not None and stack.uniform and stack.size > TRACED_BLOCKS:
+        try:
+            cap = capture(truncated(model, stack, TRACED_BLOCKS), args, kwargs, method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
+            costed = expand(_cost(cap, model, stack, seq), stack)
+            expanded_from = TRACED_BLOCKS
+        except (TraceError, NotRepeating):
+            costed = None  # the model does not repeat, or its forward needs every block: trace all of it
+    if costed is None:
+        cap = capture(model, args, kwargs, method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
+        costed = _cost(cap, model, stack, seq)
+    unknown = sorted({n.op for n in costed if not known_op(n.op)})
+    if unknown:
+        warnings.warn(f"trace: no cost rule for {unknown}; counted as one FLOP per output element", stacklevel=2)
+    return _assemble(costed, cap, model, stack, traced_b, seq, expanded_from)
+
+
+def _batch_of_two(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A batch of 1 would be specialised by the tracer (size-1 dims are static); trace 2 instead."""
+    def grow(x):
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == 1:
+            return torch.cat([x, x]) if x.device.type != "meta" else x.new_empty((2, *x.shape[1:]))
+        return x
+    return tuple(grow(a) for a in args), {k: grow(v) for k, v in kwargs.items()}
+
+
+def _spec(raw: RawSpec, s_value: int | None) -> TensorSpec:
+    return TensorSpec(shape=tuple(to_poly(d, s_value=s_value or 1) for d in raw.shape),
+                      dtype=str(raw.dtype).removeprefix("torch."), itemsize=raw.itemsize)
+
+
+def _cost(cap: Capture, model: nn.Module, stack: LayerStack | None, seq: int | None) -> list[Costed]:
+    """Cost every node; work out which outputs backward keeps (views resolved to their base)."""
+    rg_param = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
+    rg: dict[str, bool] = {}
+    base: dict[str, str | None] = {}
+    sym = {}
+    kept: set[str] = set()
+    extra: dict[str, Any] = {}
+    for n in cap.nodes:
+        arg_rg = [rg_param.get(a.ref, False) if a.kind == "param" else rg.get(a.ref, False) if a.kind == "node" else False
+                  for a in n.args]
+        c = op_cost(n, arg_rg)
+        sym[n.name] = c
+        rg[n.name] = any(arg_rg) and n.outputs[0].dtype.is_floating_point
+        if c.is_view:
+            src = next((a for a in n.args if a.kind == "node"), None)
+            base[n.name] = base.get(src.ref, src.ref) if src is not None else None
+        else:
+            base[n.name] = n.name
+        ex = c.extra_saved_bytes
+        for i in c.saved_args:
+            a = n.args[i]
+            if a.kind == "node" and base.get(a.ref):
+                kept.add(base[a.ref])
+            elif a.kind == "input" and a.spec is not None:
+                ex = ex + a.spec.numel() * a.spec.itemsize
+        if c.saves_output and base[n.name]:
+            kept.add(base[n.name])
+        extra[n.name] = ex
+
+    s_value = seq or 1
+    out: list[Costed] = []
+    for n in cap.nodes:
+        c = sym[n.name]
+        act = extra[n.name] + (n.outputs[0].numel() * n.outputs[0].itemsize if n.name in kept else 0)
+        cost = OpCost(forward_flops=to_poly(c.forward_flops, s_value=s_value),
+                      backward_flops=to_poly(c.backward_flops, s_value=s_value),
+                      bytes_read=to_poly(c.bytes_read, s_value=s_value),
+                      bytes_written=to_poly(c.bytes_written, s_value=s_value),
+                      activation_bytes=to_poly(act, s_value=s_value), op_class=c.op_class)
+        out.append(Costed(
+            name=n.name, op=n.op, target=n.target,
+            inputs=tuple(a.ref for a in n.args if a.kind in ("node", "input")),
+            params=tuple(dict.fromkeys(a.ref for a in n.args if a.kind == "param")),
+            output=_spec(n.outputs[0], seq), cost=cost, requires_grad=rg[n.name],
+            module_path=n.module_path, module_type=n.module_type,
+            block=block_index(n.module_path, stack.path) if stack is not None else None))
+    return out
+
+
+def _assemble(costed: list[Costed], cap: Capture, model: nn.Module, stack: LayerStack | None,
+              traced_b: int, seq: int | None, expanded_from: int | None) -> OpGraph:
+    # Tied parameters: one tensor, several names; the first name is canonical.
+    by_id: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+    canonical = {n: names[0] for names in by_id.values() for n in names}
+
+    # Glue between blocks (a tuple index on a block's output) travels with the block before it;
+    # nodes before the first block are the prefix, after the last the suffix (block None).
+    last_block = max((n.block for n in costed if n.block is not None), default=None)
+    blocks_of: list[int | None] = []
+    current: int | None = None
+    for n in costed:
+        if n.block is not None:
+            current = n.block
+        blocks_of.append(n.block if n.block is not None else None if current in (None, last_block) else current)
+    id_of = {names[0]: i for i, names in by_id.items()}
+
+    owner: dict[str, tuple[str, int | None]] = {}
+    nodes: list[OpNode] = []
+    for n, blk in zip(costed, blocks_of):
+        params = tuple(dict.fromkeys(canonical.get(p, p) for p in n.params))
+        mine = [p for p in params if p not in owner]
+        for p in mine:
+            owner[p] = (n.name, blk)
+        owned = [tensors[id_of[p]] for p in mine if p in id_of]
+        numel = sum(t.numel() for t in owned)
+        nbytes = sum(t.numel() * t.element_size() for t in owned)
+        nodes.append(OpNode(name=n.name, op=n.op, target=n.target, inputs=n.inputs, output=n.output, cost=n.cost,
+                            params=params, param_count=numel, param_bytes=nbytes, module_path=n.module_path,
+                            module_type=n.module_type, block=blk, requires_grad=n.requires_grad))
+
+    unknown = [p for p in owner if p not in canonical]
+    if unknown:
+        raise TraceError(f"trace: the graph reads parameters the model does not have: {unknown[:5]}; "
+                         "this is a tracer bug for this model, please report it with the model")
+    params = []
+    for names in by_id.values():
+        p = tensors[id_of[names[0]]]
+        own, blk = owner.get(names[0], (None, None))
+        params.append(ParamSpec(name=names[0], shape=tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."),
+                                numel=p.numel(), nbytes=p.numel() * p.element_size(), aliases=tuple(names[1:]),
+                                owner=own, block=blk))
+    # Parameters no node reads keep owner None and still count in num_params.
+
+    blocks = []
+    if stack is not None:
+        for i in sorted({b for b in blocks_of if b is not None}):
+            idx = [k for k, b in enumerate(blocks_of) if b == i]
+            blocks.append(Block(index=i, name=f"{stack.path}.{i}" if stack.path else str(i), module_type=stack.module_type,
+                                first_node=idx[0], last_node=idx[-1],
+                                param_count=sum(nodes[k].param_count for k in idx)))
+    buffers = {id(b): b for b in model.buffers()}
+    dtypes = [p.dtype for p in tensors.values()]
+    dtype = str(max(set(dtypes), key=dtypes.count)).removeprefix("torch.") if dtypes else "float32"
+    return OpGraph(nodes=tuple(nodes), params=tuple(params), blocks=tuple(blocks),
+                   inputs=tuple(_spec(s, seq) for _, s in cap.inputs), dtype=dtype,
+                   traced_batch_size=traced_b, traced_seq_len=seq, batch_symbolic=cap.batch_symbolic,
+                   method=cap.method, model_name=type(model).__name__,
+                   block_container=stack.path if stack is not None else None, expanded_from=expanded_from,
+                   buffer_bytes=sum(b.numel() * b.element_size() for b in buffers.values()),
+                   graph_module=cap.graph_module)

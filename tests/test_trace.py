@@ -1,0 +1,319 @@
+"""The tracer: parameters, FLOPs against Megatron's formula and hand counts, symbolic
+costs, repeated-block expansion against a full trace, meta device, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from examples import cnn as cnn_mod
+from examples import gpt as gpt_mod
+from examples import mlp as mlp_mod
+from partitioner import OpGraph, PartitionerError, TraceError, trace
+
+transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
+
+
+def unique_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def megatron_flops(B, s, l, h, V):
+    """Narayanan et al. 2021, eq. (3): forward + backward FLOPs of a GPT step."""
+    return 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * h * l))
+
+
+def hf_gpt2(L=4, h=128, heads=4, V=1000, n_pos=64):
+    cfg = transformers.GPT2Config(n_layer=L, n_embd=h, n_head=heads, vocab_size=V, n_positions=n_pos,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def hf_llama(L=4, h=128, V=1000):
+    cfg = transformers.LlamaConfig(num_hidden_layers=L, hidden_size=h, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=2 * h, vocab_size=V, max_position_embeddings=64, use_cache=False,
+                                   bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_trace(model, tokens, **kw) -> OpGraph:
+    return trace(model, (), dict(input_ids=tokens, labels=tokens, use_cache=False), **kw)
+
+
+def same_graph(a: OpGraph, b: OpGraph) -> None:
+    """Node-by-node equality up to node names (wiring compared by position)."""
+    assert len(a.nodes) == len(b.nodes)
+    pa = {n.name: i for i, n in enumerate(a.nodes)}
+    pb = {n.name: i for i, n in enumerate(b.nodes)}
+    for x, y in zip(a.nodes, b.nodes):
+        kx = (x.op, x.module_path, x.output, x.cost, x.params, x.block, x.param_count, x.requires_grad,
+              [pa.get(i, i) for i in x.inputs])
+        ky = (y.op, y.module_path, y.output, y.cost, y.params, y.block, y.param_count, y.requires_grad,
+              [pb.get(i, i) for i in y.inputs])
+        assert kx == ky, f"{x.name} != {y.name}"
+    assert [dataclasses.replace(p, owner=pa.get(p.owner)) for p in a.params] == \
+        [dataclasses.replace(p, owner=pb.get(p.owner)) for p in b.params]
+    assert a.blocks == b.blocks
+
+
+# ---------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("make", [mlp_mod.mlp, cnn_mod.cnn, gpt_mod.gpt_tiny, gpt_mod.gpt_small])
+def test_param_totals_equal_unique_parameters(make):
+    model = make()
+    mod = sys.modules[make.__module__]
+    g = trace(model, mod.example_inputs(model))
+    assert g.num_params == unique_params(model)
+    assert sum(n.param_count for n in g.nodes) == g.num_params  # every used tensor owned exactly once
+
+
+def test_tied_embedding_and_lm_head_counted_once():
+    model = gpt_mod.gpt_tiny()
+    g = trace(model, gpt_mod.example_batch(model, 2))
+    tied = [p for p in g.params if p.aliases]
+    assert [(p.name, p.aliases) for p in tied] == [("transformer.wte.weight", ("lm_head.weight",))]
+    users = [n for n in g.nodes if "transformer.wte.weight" in n.params]
+    assert len(users) == 2 and users[0].param_count == tied[0].numel and users[1].param_count == 0
+
+
+@pytest.mark.parametrize("builder", [hf_gpt2, hf_llama])
+def test_hugging_face_models_trace_with_exact_param_totals(builder):
+    torch.manual_seed(0)
+    model = builder()
+    g = hf_trace(model, torch.randint(0, 1000, (2, 32)))
+    assert g.num_params == unique_params(model)
+    assert len(g.blocks) == 4 and g.method == "export"
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+@pytest.mark.parametrize("L,h,heads,s,V", [(4, 512, 8, 512, 8192), (8, 768, 12, 1024, 50304), (2, 1024, 16, 256, 32000)])
+def test_example_gpt_flops_match_megatron_formula(L, h, heads, s, V):
+    cfg = gpt_mod.GPTConfig(n_layer=L, n_head=heads, n_embd=h, block_size=1024, vocab_size=V)
+    with torch.device("meta"):
+        model = gpt_mod.GPT(cfg)
+    tokens = torch.empty(2, s, dtype=torch.long, device="meta")
+    g = trace(model, (tokens, tokens))
+    for B in (1, 8):
+        assert g.flops(batch_size=B) == pytest.approx(megatron_flops(B, s, L, h, V), rel=0.02)
+
+
+@pytest.mark.parametrize("L,h,heads,s,V", [(4, 256, 4, 128, 1000), (2, 768, 12, 256, 50257)])
+def test_hf_gpt2_flops_match_megatron_formula(L, h, heads, s, V):
+    with torch.device("meta"):
+        model = hf_gpt2(L=L, h=h, heads=heads, V=V, n_pos=s)
+    tokens = torch.empty(2, s, dtype=torch.long, device="meta")
+    g = hf_trace(model, tokens)
+    assert g.flops(batch_size=4) == pytest.approx(megatron_flops(4, s, L, h, V), rel=0.02)
+
+
+def test_cnn_flops_equal_the_hand_count():
+    model = cnn_mod.cnn()
+    g = trace(model, cnn_mod.example_inputs(model, batch_size=8))
+    B = 5
+    convs_and_linear = sum(n.cost.forward_flops(B) for n in g.nodes if n.op in ("conv2d", "linear"))
+    bias = 10  # the Linear's bias adds one FLOP per output
+    assert convs_and_linear == cnn_mod.FORWARD_FLOPS_PER_IMAGE * B + bias * B
+    # The rest, by op_rules' conventions: BatchNorm 8/element, ReLU 1/element, pooling 1 per input
+    # element, plus BatchNorm's num_batches_tracked += 1 (5 of them, independent of batch).
+    stem, block = 64 * 32 * 32, 64 * 16 * 16
+    rest = 8 * (stem + 4 * block) + (stem + 4 * block) + stem + block
+    assert g.forward_flops(B) == convs_and_linear + rest * B + 5
+    # Backward: the stem's input needs no gradient, so its conv only computes the weight gradient.
+    stem_conv = g.nodes[0]
+    assert stem_conv.op == "conv2d" and stem_conv.cost.backward_flops(B) == stem_conv.cost.forward_flops(B)
+    block_conv = next(n for n in g.nodes if n.module_path == "blocks.0.conv")
+    assert block_conv.cost.backward_flops(B) == 2 * block_conv.cost.forward_flops(B)
+
+
+def test_fx_and_export_agree_on_the_cnn_and_mlp():
+    for mod, make in ((cnn_mod, cnn_mod.cnn), (mlp_mod, mlp_mod.mlp)):
+        model = make()
+        ex = trace(model, mod.example_inputs(model), method="export")
+        fx = trace(model, mod.example_inputs(model), method="fx")
+        assert fx.method == "fx" and ex.method == "export"
+        assert fx.num_params == ex.num_params
+        matmul = lambda g: sum(n.cost.forward_flops(16) for n in g.nodes if n.cost.op_class in ("conv", "matmul"))
+        assert matmul(fx) == matmul(ex)
+        assert fx.flops(16) == pytest.approx(ex.flops(16), rel=1e-3)
+
+
+# ---------------------------------------------------------------- symbolic costs
+
+
+def test_costs_are_functions_of_batch_and_sequence():
+    model = gpt_mod.gpt_small()
+    g2 = trace(model, (torch.randint(0, 100, (2, 64)), torch.randint(0, 100, (2, 64))))
+    g6 = trace(model, (torch.randint(0, 100, (6, 32)), torch.randint(0, 100, (6, 32))))
+    assert g2.batch_symbolic and g2.traced_seq_len == 64 and g6.traced_seq_len == 32
+    # Traced at (2, 64) and (6, 32), the same polynomials come out.
+    assert [n.cost for n in g2.nodes] == [n.cost for n in g6.nodes]
+    assert g2.flops(batch_size=8, seq_len=100) == g6.flops(batch_size=8, seq_len=100)
+    attn = next(n for n in g2.nodes if n.op == "matmul")
+    assert attn.cost.forward_flops(b=3, s=50) == 2 * 3 * 4 * 50 * 50 * 64  # q @ k^T: B*nh*T*T*hs MACs
+    assert g2.forward_flops(batch_size=1) == g2.forward_flops(batch_size=1, seq_len=64)
+
+
+def test_a_batch_of_one_still_traces_symbolically():
+    model = gpt_mod.gpt_tiny()
+    g = trace(model, gpt_mod.example_batch(model, 1))
+    assert g.batch_symbolic and g.traced_batch_size == 2
+    assert g.flops(batch_size=4) > g.flops(batch_size=2)
+
+
+def test_hard_coded_batch_is_reported_when_asked_for_another():
+    class Fixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(x.view(8, 16))
+
+    g = trace(Fixed(), (torch.randn(8, 16),))
+    assert not g.batch_symbolic
+    assert g.forward_flops(batch_size=8) == 2 * 8 * 16 * 4 + 8 * 4
+    with pytest.raises(TraceError, match="batch_size=4.*fixed its batch size to 8"):
+        g.forward_flops(batch_size=4)
+
+
+def test_activation_bytes_count_a_viewed_tensor_once():
+    model = gpt_mod.gpt_tiny()
+    g = trace(model, gpt_mod.example_batch(model, 2))
+    qkv = next(n for n in g.nodes if n.module_path.endswith("h.0.attn.c_attn"))
+    # q, k and v are views of the fused projection: q @ k^T and att @ v keep all of it, counted here once.
+    assert qkv.cost.activation_bytes(b=2, s=128) == 2 * 128 * 3 * 128 * 4
+    assert all(n.cost.activation_bytes(b=2, s=128) == 0 for n in g.nodes if n.op in ("view", "transpose", "split"))
+
+
+# ---------------------------------------------------------------- repeated blocks
+
+
+@pytest.mark.parametrize("name", ["gpt_small", "hf_gpt2", "hf_llama", "cnn"])
+def test_copied_blocks_equal_a_full_trace(name):
+    torch.manual_seed(0)
+    if name.startswith("hf_"):
+        model = hf_gpt2() if name == "hf_gpt2" else hf_llama()
+        tokens = torch.randint(0, 1000, (2, 32))
+        fast, full = hf_trace(model, tokens), hf_trace(model, tokens, expand_repeated=False)
+    else:
+        mod = gpt_mod if name.startswith("gpt") else cnn_mod
+        model = getattr(mod, name)()
+        ins = gpt_mod.example_batch(model, 2) if mod is gpt_mod else mod.example_inputs(model)
+        fast, full = trace(model, ins), trace(model, ins, expand_repeated=False)
+    assert fast.expanded_from == 3 and full.expanded_from is None
+    same_graph(fast, full)
+
+
+def test_blocks_partition_the_stack():
+    model = gpt_mod.gpt_small()
+    g = trace(model, gpt_mod.example_batch(model, 2))
+    assert [b.name for b in g.blocks] == [f"transformer.h.{i}" for i in range(4)]
+    per_block = 12 * 256**2 + 13 * 256
+    assert all(b.param_count == per_block for b in g.blocks)
+    for b in g.blocks:
+        assert all(n.block == b.index for n in g.block_nodes(b.index))
+    labels = [label for label, _ in g.segments()]
+    assert labels == ["prefix", *[b.name for b in g.blocks], "suffix"]
+
+
+def test_trace_leaves_the_users_module_alone():
+    model = gpt_mod.gpt_small()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = [n for n, _ in model.named_modules()]
+    trace(model, gpt_mod.example_batch(model, 2))
+    assert len(model.transformer.h) == 4 and [n for n, _ in model.named_modules()] == modules
+    assert model.lm_head.weight is model.transformer.wte.weight
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_gpt3_175b_on_meta_traces_without_allocating_parameters():
+    with torch.device("meta"):
+        model = gpt_mod.gpt3_175b()
+    tokens = torch.empty(1, 2048, dtype=torch.long, device="meta")
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    g = trace(model, (tokens, tokens))
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert grown_kib < 1024 * 1024  # peak grew by < 1 GiB; fp32 parameters alone would be 700 GB
+    assert all(p.is_meta for p in model.parameters())
+    assert g.num_params == unique_params(model) == 174_615_846_912
+    assert len(g.blocks) == 96 and g.expanded_from == 3
+    assert g.flops(batch_size=1536) == pytest.approx(megatron_flops(1536, 2048, 96, 12288, 51200), rel=0.02)
+
+
+# ---------------------------------------------------------------- errors and printing
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a tensor value: neither export nor fx can capture it
+            return self.fc(x)
+        return x
+
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = DataDependent()
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+def test_untraceable_model_names_module_line_and_what_to_try():
+    with pytest.raises(TraceError) as info:
+        trace(Wrapper(), (torch.randn(2, 4),))
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, PartitionerError)
+    assert "inner (DataDependent)" in msg
+    assert "test_trace.py" in msg and "if x.sum() > 0" in msg
+    assert "example_kwargs" in msg and "method=" in msg and "leaf_modules" in msg
+
+
+@pytest.mark.parametrize("args,match", [
+    ((nn.Linear, (torch.randn(2, 2),)), "expected a torch.nn.Module"),
+    ((nn.Linear(2, 2), [[1, 2]].__iter__()), "expected a tuple of inputs"),
+    ((nn.Linear(2, 2), ()), "example_inputs: empty"),
+])
+def test_bad_arguments_are_refused_with_the_fix(args, match):
+    with pytest.raises(TraceError, match=match):
+        trace(*args)
+
+
+def test_bad_method_is_refused():
+    with pytest.raises(TraceError, match="method='jit'"):
+        trace(nn.Linear(2, 2), (torch.randn(2, 2),), method="jit")
+
+
+def test_table_prints_blocks_and_totals():
+    model = gpt_mod.gpt_tiny()
+    g = trace(model, gpt_mod.example_batch(model, 2))
+    text = str(g)
+    assert "prefix" in text and "transformer.h.1" in text and "suffix" in text and "total" in text
+    assert f"{g.num_params:,} parameters" in text
+    per_node = g.table(batch_size=4, per="node")
+    assert len(per_node.splitlines()) == len(g.nodes) + 3 and "linear" in per_node
+
+
+def test_cli_trace_prints_the_table_and_exits_cleanly():
+    ok = subprocess.run([sys.executable, "-m", "partitioner", "trace", "examples/gpt.py:gpt_tiny"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "transformer.h.0" in ok.stdout and "traced in" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "partitioner", "trace", "examples/gpt.py:nope"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "has no 'nope'" in bad.stderr and "Traceback" not in bad.stderr
