@@ -1,0 +1,194 @@
+"""Calibration: every tunable factor of the cost models, in one frozen record.
+
+The compute, communication and memory formulas (compute.py, comm.py,
+memory.py) are textbook models; what makes them predict a real machine are
+the few factors held here. The defaults come from published measurements
+(each field names its source); `partitioner autotune` fits them to measured
+step times by least squares and stores them with `save`/`load` as JSON.
+
+>>> Calibration().matmul_eff_max
+0.75
+>>> Calibration.from_dict({"mem_eff": 0.85}).mem_eff
+0.85
+>>> saturating_efficiency(1e9, eff_max=0.75, half_flops=1e9)
+0.375
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from cost_models.errors import PartitionerError
+
+__all__ = ["Calibration", "saturating_efficiency"]
+
+
+def saturating_efficiency(flops: float, *, eff_max: float, half_flops: float) -> float:
+    """Fraction of peak FLOP/s an op of `flops` FLOP reaches (dimensionless).
+
+    eff(F) = eff_max * F / (F + F_half)
+
+    A Michaelis-Menten style curve: tiny ops are latency/occupancy bound
+    (too few thread blocks to fill the SMs, tile quantisation, wave tails),
+    large ops approach `eff_max`, and an op of exactly `half_flops` FLOP runs
+    at half of `eff_max`. The shape follows the GEMM throughput-vs-size plots
+    of NVIDIA's "Matrix Multiplication Background User's Guide" (Deep
+    Learning Performance docs), which rise steeply and then plateau; the two
+    parameters are fitted by the autotuner.
+
+    >>> saturating_efficiency(1e9, eff_max=0.8, half_flops=1e9)
+    0.4
+    >>> round(saturating_efficiency(1e12, eff_max=0.8, half_flops=1e9), 4)
+    0.7992
+    """
+    if flops <= 0:
+        return 0.0
+    return eff_max * flops / (flops + half_flops)
+
+
+_FRACTIONS = (  # fields that are a fraction in (0, 1]
+    "matmul_eff_max", "conv_eff_max", "attention_eff_max", "vector_eff",
+    "mem_eff", "same_device_bw_eff", "intra_node_bw_eff", "inter_node_bw_eff",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Tunable factors of the cost models; units in each field's comment.
+
+    Compute (compute.RooflineCompute):
+      matmul_eff_max: plateau of the matmul efficiency curve (fraction of the
+          dtype's dense peak). Large cuBLAS GEMMs reach ~70-80 % of peak on
+          A100/H100 (NVIDIA "Matrix Multiplication Background User's Guide");
+          Megatron-LM end to end reaches 52 % of peak, 163 of 312 TFLOP/s
+          per A100 (Narayanan et al. 2021, "Efficient Large-Scale Language
+          Model Training on GPU Clusters Using Megatron-LM", SC'21).
+      conv_eff_max: plateau for convolutions, a little under matmul:
+          implicit-GEMM convolutions reach GEMM-like throughput when channels
+          are multiples of 8 (NVIDIA "Convolutional Layers User's Guide").
+      attention_eff_max: plateau for fused attention: FlashAttention-2 reaches
+          50-73 % of A100 peak (Dao 2023, "FlashAttention-2"), taken as 0.6.
+      gemm_half_flops: F_half of the curve, FLOP; 1e9 puts a 1 GFLOP GEMM at
+          half of the plateau (a 1 GFLOP GEMM is ~3 us at A100 peak, about a
+          kernel launch, so it cannot fill the GPU).
+      vector_eff: compute ceiling of elementwise, reduction, embedding and
+          other ops, as a fraction of the device's plain fp32 peak: they run
+          on CUDA cores, not tensor cores (A100: 19.5 TFLOP/s fp32 vs 312
+          TFLOP/s bf16 tensor, A100 datasheet). 1.0, the roofline's ideal
+          ceiling: these ops are bandwidth bound, so it rarely decides.
+      mem_eff: achieved fraction of HBM bandwidth for streaming kernels:
+          STREAM-like measurements (BabelStream, Deakin et al. 2018) reach
+          ~80-90 % of the datasheet bandwidth on V100/A100.
+      launch_overhead_s: seconds per kernel; CUDA launch costs a few
+          microseconds per kernel (NVIDIA blog "Getting Started with CUDA
+          Graphs", 2019).
+
+    Communication (comm.CommModel), per link level:
+      *_bw_eff: achieved fraction of the link's bytes/s for large messages.
+          Intra-node: nccl-tests all_reduce busbw on DGX A100 is about
+          230-240 GB/s of 300 GB/s NVLink3 per direction = 0.78. Inter-node:
+          NCCL over InfiniBand reaches about 85-90 % of line rate per NIC, 0.85.
+          Same device: a memory copy, 1.0.
+      *_extra_latency_s: seconds added to the link's latency (the alpha of
+          alpha-beta) per algorithm step; 0 until fitted, since the
+          topology presets already give per-hop latencies.
+      collective_base_latency_s: fixed seconds per collective call: NCCL's
+          own tuning model uses a base latency of 8.4 us for Ring/Simple
+          (NCCL src/graph/tuning.cc, `baseLat`).
+
+    Overlap:
+      dp_overlap: fraction of the data-parallel gradient collectives hidden
+          behind backward compute. DDP and ZeRO overlap bucketed reductions
+          with backward (Li et al. 2020, "PyTorch Distributed", VLDB); the
+          last bucket cannot overlap. A rule of thumb, 0.7, to be fitted.
+
+    source: where the numbers come from (free text, e.g. "autotune 2x8xA100
+        2025-01-01"); the defaults say "literature defaults".
+    """
+
+    matmul_eff_max: float = 0.75
+    conv_eff_max: float = 0.7
+    attention_eff_max: float = 0.6
+    gemm_half_flops: float = 1e9
+    vector_eff: float = 1.0
+    mem_eff: float = 0.8
+    launch_overhead_s: float = 5e-6
+
+    same_device_bw_eff: float = 1.0
+    intra_node_bw_eff: float = 0.78
+    inter_node_bw_eff: float = 0.85
+    same_device_extra_latency_s: float = 0.0
+    intra_node_extra_latency_s: float = 0.0
+    inter_node_extra_latency_s: float = 0.0
+    collective_base_latency_s: float = 8.4e-6
+
+    dp_overlap: float = 0.7
+
+    source: str = "literature defaults"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "source":
+                if not isinstance(value, str):
+                    raise PartitionerError(
+                        f"Calibration.source must be a string, got {value!r}")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise PartitionerError(
+                    f"Calibration.{f.name} must be a finite number, got {value!r}")
+            if f.name in _FRACTIONS and not 0 < value <= 1:
+                raise PartitionerError(
+                    f"Calibration.{f.name} = {value} is a fraction of peak and must "
+                    f"lie in (0, 1]")
+            if f.name == "dp_overlap" and not 0 <= value <= 1:
+                raise PartitionerError(
+                    f"Calibration.dp_overlap = {value} must lie in [0, 1] "
+                    f"(0 = no overlap, 1 = fully hidden)")
+            if f.name == "gemm_half_flops" and value <= 0:
+                raise PartitionerError(
+                    f"Calibration.gemm_half_flops = {value} must be > 0 FLOP")
+            if value < 0:
+                raise PartitionerError(
+                    f"Calibration.{f.name} = {value} must be >= 0")
+
+    # --- serialisation ------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a plain dict (JSON-ready)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Calibration":
+        """Build from a dict; missing keys keep their defaults.
+
+        Unknown keys raise PartitionerError naming them and the valid keys,
+        so a typo in a hand-edited calibration file is not silently ignored.
+        """
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise PartitionerError(
+                f"unknown Calibration key(s) {unknown}; valid keys are {names}")
+        return cls(**dict(d))
+
+    def save(self, path: str | Path) -> None:
+        """Write `to_dict()` as indented JSON to `path`."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        """Read a file written by `save` (or by hand; see `from_dict`)."""
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise PartitionerError(f"calibration file {path} is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise PartitionerError(
+                f"calibration file {path} must hold a JSON object of factors, "
+                f"got {type(d).__name__}")
+        return cls.from_dict(d)

@@ -1,0 +1,221 @@
+"""Memory per rank: model state, activations, in-flight microbatches, buffers.
+
+All results are bytes (floats: a sharded count such as 12P/64 need not be an
+integer; round up where an allocation is meant). GB below means 1e9 bytes.
+
+>>> round(model_state_bytes(7.5e9, precision="bf16-mixed", optimizer="adam",
+...                         zero_stage=3, dp=64).total / 1e9, 3)     # ZeRO paper: 1.9 GB
+1.875
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from cost_models.compute import PRECISIONS
+from cost_models.errors import PartitionerError
+
+__all__ = [
+    "PRECISIONS", "OPTIMIZERS", "ZERO_STAGES", "RECOMPUTE_POLICIES", "SCHEDULES",
+    "DDP_BUCKET_BYTES", "ModelStateBytes", "model_state_bytes",
+    "transformer_activation_bytes", "inflight_microbatches",
+    "TemporaryBytes", "temporary_buffer_bytes",
+]
+
+OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+# Bytes per parameter: (params, grads, optimizer state).
+# fp32: fp32 weights and grads; Adam keeps m and v in fp32 (8), SGD with
+# momentum one fp32 buffer (4), plain SGD nothing.
+# Mixed precision (ZeRO paper, Rajbhandari et al. 2020, section 3.1): 16-bit
+# weights and grads (2 + 2); the optimizer keeps an fp32 master copy (4) plus
+# its fp32 state: Adam m and v (8) -> K = 12; SGD-momentum 4 -> 8; SGD -> 4.
+_BYTES_PER_PARAM = {
+    ("fp32", "adam"): (4, 4, 8),
+    ("fp32", "sgd"): (4, 4, 0),
+    ("fp32", "sgd-momentum"): (4, 4, 4),
+    **{(mixed, "adam"): (2, 2, 12) for mixed in ("bf16-mixed", "fp16-mixed")},
+    **{(mixed, "sgd"): (2, 2, 4) for mixed in ("bf16-mixed", "fp16-mixed")},
+    **{(mixed, "sgd-momentum"): (2, 2, 8) for mixed in ("bf16-mixed", "fp16-mixed")},
+}
+
+# torch DistributedDataParallel's default gradient bucket: bucket_cap_mb=25,
+# which DDP converts as 25 * 1024 * 1024 bytes.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def _choice(field: str, value, valid) -> None:
+    if value not in valid:
+        raise PartitionerError(f"{field}={value!r} is not one of {list(valid)}")
+
+
+def _positive(**kw) -> None:
+    for k, v in kw.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1:
+            raise PartitionerError(f"{k}={v!r} must be a number >= 1")
+
+
+# --- model state --------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer state held by one rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(num_params: float, *, precision: str, optimizer: str,
+                      zero_stage: int, dp: int) -> ModelStateBytes:
+    """Model state of one rank holding `num_params` parameters (before ZeRO).
+
+    Per parameter: (params, grads, optimizer) bytes = (4, 4, 8) fp32 Adam,
+    (4, 4, 4) fp32 SGD-momentum, (4, 4, 0) fp32 SGD, (2, 2, 12) mixed Adam
+    (ZeRO paper's 2 + 2 + K, K = 12), (2, 2, 8) / (2, 2, 4) mixed SGD with /
+    without momentum. ZeRO stage s divides by dp (= N_d): stage >= 1 the
+    optimizer state, >= 2 the grads, 3 the params. Mixed Adam (Psi = P):
+      stage 0: 16P, 1: 4P + 12P/N_d, 2: 2P + 14P/N_d, 3: 16P/N_d.
+
+    >>> s = model_state_bytes(7.5e9, precision="bf16-mixed", optimizer="adam",
+    ...                       zero_stage=1, dp=64)
+    >>> round(s.total / 1e9, 1)          # ZeRO paper, Figure 1: 31.4 GB
+    31.4
+    """
+    _choice("precision", precision, PRECISIONS)
+    _choice("optimizer", optimizer, OPTIMIZERS)
+    _choice("zero_stage", zero_stage, ZERO_STAGES)
+    _positive(dp=dp)
+    if num_params < 0:
+        raise PartitionerError(f"num_params={num_params} must be >= 0")
+    p, g, o = _BYTES_PER_PARAM[precision, optimizer]
+    return ModelStateBytes(
+        params=num_params * p / (dp if zero_stage >= 3 else 1),
+        grads=num_params * g / (dp if zero_stage >= 2 else 1),
+        optimizer=num_params * o / (dp if zero_stage >= 1 else 1),
+    )
+
+
+# --- activations ----------------------------------------------------------
+def transformer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
+                                 recompute: Literal["none", "selective", "full"] = "none",
+                                 sequence_parallel: bool = False) -> float:
+    """Activation bytes one transformer layer keeps for backward, per microbatch.
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models" (Table 2); s: sequence length, b: microbatch size,
+    h: hidden size, a: attention heads, t: tensor-parallel degree.
+      none:                 s b h (10 + 24/t + 5 a s / (h t))   (t = 1: 34 + 5as/h)
+      none, seq. parallel:  s b h (34 / t + 5 a s / (h t))
+      selective:            drops the 5 a s / h attention term: s b h (10 + 24/t),
+                            or 34 s b h / t with sequence parallelism
+      full:                 only the layer input, 2 s b h (/ t with seq. parallel)
+    Assumes 16-bit activations and 1-byte dropout masks, as the paper does;
+    the layer's own parameter-sized buffers are not counted.
+
+    >>> transformer_activation_bytes(s=2048, b=1, h=12288, a=96) / 1e9    # GPT-3, 114 sbh
+    2.868903936
+    """
+    _positive(s=s, b=b, h=h, a=a, t=t)
+    _choice("recompute", recompute, RECOMPUTE_POLICIES)
+    sbh = s * b * h
+    attention = 5 * a * s / (h * t)  # the softmax/dropout/QK^T term, paper's 5as/h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    rest = 34 / t if sequence_parallel else 10 + 24 / t
+    return sbh * (rest + (attention if recompute == "none" else 0.0))
+
+
+# --- pipeline schedules -------------------------------------------------------
+def inflight_microbatches(schedule: str, *, pp: int, stage: int, num_microbatches: int,
+                          interleave: int = 1) -> int:
+    """Microbatches whose activations a pipeline stage holds at its peak.
+
+      gpipe: all m forwards run before any backward: m.
+      1f1b: stage i warms up with pp - i forwards, then alternates
+          (Narayanan et al. 2021, PipeDream-Flush / Megatron): min(m, pp - i).
+      interleaved-1f1b (Narayanan et al. 2021, SC'21, section 2.2), each
+          stage holds `interleave` (v) model chunks of 1/v of its layers.
+          Megatron-LM's warm-up (schedules.py,
+          forward_backward_pipelining_with_interleaving) runs
+          (pp - i - 1) * 2 + (v - 1) * pp forwards, then one more before the
+          first backward: min(that + 1, m * v), counted in chunk-microbatches
+          (each 1/v of a stage-microbatch's activations). Stage 0 thus holds
+          pp * (1 + (pp - 1) / (pp v)) stage-microbatches' worth, the paper's
+          figure.
+
+    >>> inflight_microbatches("1f1b", pp=4, stage=0, num_microbatches=8)
+    4
+    >>> inflight_microbatches("interleaved-1f1b", pp=4, stage=0, num_microbatches=8, interleave=2)
+    11
+    """
+    _choice("schedule", schedule, SCHEDULES)
+    _positive(pp=pp, num_microbatches=num_microbatches, interleave=interleave)
+    if not 0 <= stage < pp:
+        raise PartitionerError(f"stage={stage} must lie in 0..{pp - 1} for pp={pp}")
+    m = num_microbatches
+    if schedule != "interleaved-1f1b":
+        if interleave != 1:
+            raise PartitionerError(f"interleave={interleave} applies only to "
+                                   f"schedule='interleaved-1f1b', not {schedule!r}")
+        return m if schedule == "gpipe" else min(m, pp - stage)
+    if interleave < 2:
+        raise PartitionerError("schedule='interleaved-1f1b' needs interleave >= 2 model "
+                               "chunks per stage; with 1 chunk use schedule='1f1b'")
+    warmup = (pp - stage - 1) * 2 + (interleave - 1) * pp
+    return min(warmup + 1, m * interleave)
+
+
+# --- temporary buffers ------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TemporaryBytes:
+    """Short-lived buffers of one rank at its peak (bytes)."""
+
+    dp_bucket: float
+    gathered_params: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.dp_bucket + self.gathered_params + self.logits
+
+
+def temporary_buffer_bytes(*, dp: int = 1, zero_stage: int = 0,
+                           bucket_bytes: float = DDP_BUCKET_BYTES,
+                           largest_block_param_bytes: float = 0.0, prefetch: bool = True,
+                           b: int = 0, s: int = 0, vocab: int = 0) -> TemporaryBytes:
+    """Buffers that live for part of a step, beyond model state and activations.
+
+      dp_bucket: one gradient bucket being reduced when dp > 1 (DDP's default
+          25 MiB, `DDP_BUCKET_BYTES`), else 0.
+      gathered_params: ZeRO-3 all-gathers a block's full parameters before
+          use: largest_block_param_bytes (unsharded, compute dtype), times 2
+          with prefetch (the block computing and the next one, FSDP's
+          default), 0 for stages 0-2.
+      logits: b * s * vocab * 4 bytes, the fp32 logits the loss reads (pass
+          vocab / t under a vocabulary-parallel head; 0 on non-last stages).
+
+    >>> temporary_buffer_bytes(dp=8, zero_stage=3, largest_block_param_bytes=1e8,
+    ...                        b=1, s=2048, vocab=50304).total
+    638304768.0
+    """
+    _positive(dp=dp)
+    _choice("zero_stage", zero_stage, ZERO_STAGES)
+    for k, v in {"bucket_bytes": bucket_bytes,
+                 "largest_block_param_bytes": largest_block_param_bytes,
+                 "b": b, "s": s, "vocab": vocab}.items():
+        if v < 0:
+            raise PartitionerError(f"{k}={v} must be >= 0")
+    gathered = largest_block_param_bytes * (2 if prefetch else 1) if zero_stage == 3 else 0.0
+    return TemporaryBytes(
+        dp_bucket=float(bucket_bytes) if dp > 1 else 0.0,
+        gathered_params=float(gathered),
+        logits=float(b * s * vocab * 4),
+    )
