@@ -17,7 +17,6 @@ import copy
 import dataclasses
 from collections import Counter
 
-import torch
 from torch import nn
 
 from partitioner.opgraph import TensorSpec, OpCost

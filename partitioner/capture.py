@@ -14,9 +14,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
-import sys
 import traceback
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import sympy
 import torch

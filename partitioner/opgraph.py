@@ -13,10 +13,12 @@ serves every candidate plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any, Iterable, Literal
 
+from cost_models.errors import TraceError
 from partitioner.symbolic import Poly
 
 __all__ = ["TensorSpec", "OpCost", "OpNode", "ParamSpec", "Block", "OpGraph"]
@@ -163,8 +165,6 @@ class OpGraph:
     def _bs(self, batch_size: int | None, seq_len: int | None) -> tuple[int, int]:
         b = self.traced_batch_size if batch_size is None else batch_size
         if not self.batch_symbolic and b != self.traced_batch_size:
-            from cost_models.errors import TraceError
-
             raise TraceError(
                 f"batch_size={b}: the model fixed its batch size to {self.traced_batch_size} while tracing "
                 f"(a hard-coded shape such as x.view({self.traced_batch_size}, -1)); use batch_size="
@@ -193,15 +193,11 @@ class OpGraph:
 
     # ---- structure --------------------------------------------------------
     def node(self, name: str) -> OpNode:
-        return self._index()[name]
+        return self._by_name[name]
 
-    def _index(self) -> dict[str, OpNode]:
-        # Frozen: cache the name index on the instance without mutating fields.
-        idx = self.__dict__.get("_name_index")
-        if idx is None:
-            idx = {n.name: n for n in self.nodes}
-            object.__setattr__(self, "_name_index", idx)
-        return idx
+    @functools.cached_property
+    def _by_name(self) -> dict[str, OpNode]:
+        return {n.name: n for n in self.nodes}
 
     def block_nodes(self, block: int) -> tuple[OpNode, ...]:
         blk = self.blocks[block]

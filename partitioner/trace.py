@@ -19,10 +19,10 @@ from torch import nn
 
 from cost_models.errors import TraceError
 from partitioner.blocks import TRACED_BLOCKS, Costed, LayerStack, NotRepeating, block_index, expand, find_layer_stack, truncated
-from partitioner.capture import Capture, RawNode, RawSpec, capture
+from partitioner.capture import Capture, RawSpec, capture
 from partitioner.op_rules import known_op, op_cost
 from partitioner.opgraph import Block, OpCost, OpGraph, OpNode, ParamSpec, TensorSpec
-from partitioner.symbolic import Poly, to_poly
+from partitioner.symbolic import to_poly
 
 __all__ = ["trace"]
 

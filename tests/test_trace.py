@@ -7,7 +7,6 @@ import dataclasses
 import resource
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
