@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import transformers  # a test extra (pip install -e '.[test]'): missing, it must fail, not skip
 from torch import nn
 
 from examples import cnn as cnn_mod
@@ -17,7 +18,6 @@ from examples import gpt as gpt_mod
 from examples import mlp as mlp_mod
 from partitioner import OpGraph, PartitionerError, TraceError, trace
 
-transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
 
 
 def unique_params(model: nn.Module) -> int:
