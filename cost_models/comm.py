@@ -25,6 +25,7 @@ Conventions, all functions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections import Counter
@@ -175,6 +176,37 @@ def calibrated_link(link: LinkSpec, calibration: Calibration) -> LinkSpec:
 
 # --- the model over a topology ----------------------------------------------
 @dataclasses.dataclass(frozen=True)
+class _GroupShape:
+    p: int
+    level: LinkLevel
+    nodes: int
+    per_node: int
+    uniform_per_node: bool
+    ranks_per_node: dict
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrated_link_of(model: "CommModel", level: LinkLevel) -> LinkSpec:
+    return calibrated_link(model.topology.link(level), model.calibration)
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_shape(model: "CommModel", op: str, ranks: tuple[int, ...]) -> _GroupShape:
+    """Size, slowest link and per-node layout of a group: checked once per (model, group).
+
+    Keyed on the (hashable, frozen) model and the rank tuple, so the planner's
+    thousands of calls on the same data-parallel group cost O(1) each.
+    """
+    model._check_ranks(ranks)
+    if len(set(ranks)) != len(ranks):
+        dup = sorted(r for r, c in Counter(ranks).items() if c > 1)
+        raise PartitionerError(f"{op}: ranks {dup} appear more than once in {list(ranks)}")
+    per_node = Counter(model.topology.node_of(r) for r in ranks)
+    k = min(per_node.values()) if per_node else 0
+    return _GroupShape(p=len(ranks), level=model.topology.group_level(ranks) if ranks else LinkLevel.SAME_DEVICE,
+                       nodes=len(per_node), per_node=k, uniform_per_node=bool(per_node) and k == max(per_node.values()),
+                       ranks_per_node=dict(per_node))
+@dataclasses.dataclass(frozen=True)
 class CommModel:
     """Collective times for groups of ranks on a Topology (seconds).
 
@@ -196,7 +228,7 @@ class CommModel:
     calibration: Calibration = Calibration()
 
     def _link(self, level: LinkLevel) -> LinkSpec:
-        return calibrated_link(self.topology.link(level), self.calibration)
+        return _calibrated_link_of(self, level)
 
     def _check_ranks(self, ranks: Sequence[int]) -> None:
         world = self.topology.world_size
@@ -212,28 +244,20 @@ class CommModel:
         valid = [*flat, *(["hierarchical"] if hier else []), "auto"]
         if algorithm not in valid:
             raise PartitionerError(f"{op}: algorithm={algorithm!r} is not one of {valid}")
-        ranks = list(ranks)
-        self._check_ranks(ranks)
-        if len(set(ranks)) != len(ranks):
-            dup = sorted(r for r, c in Counter(ranks).items() if c > 1)
-            raise PartitionerError(f"{op}: ranks {dup} appear more than once in {ranks}")
-        p = len(ranks)
-        if _empty(nbytes, p):
+        shape = _group_shape(self, op, tuple(ranks))
+        if _empty(nbytes, shape.p):
             return 0.0
-        link = self._link(self.topology.group_level(ranks))
-        times = {name: f(nbytes, p, link) for name, f in flat.items()}
-        per_node = Counter(self.topology.node_of(r) for r in ranks)
-        k = min(per_node.values())
-        if hier and k == max(per_node.values()):
-            nodes = len(per_node)
+        link = self._link(shape.level)
+        times = {name: f(nbytes, shape.p, link) for name, f in flat.items()}
+        if hier and shape.uniform_per_node:
             # One node: both phases on the group's own link (the inter phase is empty).
-            intra = self._link(LinkLevel.INTRA_NODE) if nodes > 1 else link
-            inter = self._link(LinkLevel.INTER_NODE) if nodes > 1 else link
-            times["hierarchical"] = hier(nbytes, nodes, k, intra, inter)
+            intra = self._link(LinkLevel.INTRA_NODE) if shape.nodes > 1 else link
+            inter = self._link(LinkLevel.INTER_NODE) if shape.nodes > 1 else link
+            times["hierarchical"] = hier(nbytes, shape.nodes, shape.per_node, intra, inter)
         elif algorithm == "hierarchical":
             raise PartitionerError(
                 f"{op}: algorithm='hierarchical' needs the same number of ranks on "
-                f"every node; this group has {dict(per_node)} (node: ranks) "
+                f"every node; this group has {shape.ranks_per_node} (node: ranks) "
                 f"(use 'ring' or 'auto')")
         t = min(times.values()) if algorithm == "auto" else times[algorithm]
         return t + self.calibration.collective_base_latency_s

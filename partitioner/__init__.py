@@ -1,15 +1,18 @@
 """partitioner: trace a PyTorch model, plan its parallelism, generate per-rank programs.
 
->>> from partitioner import trace, Topology
+>>> from partitioner import compile, trace, Topology
 """
 
 from cost_models.errors import DeclarationError, PartitionerError, TopologyError, TraceError
 from cost_models.specs import DeviceSpec
 from cost_models.topology import Topology
+from partitioner.compile import PlanInfeasibleError, compile
 from partitioner.opgraph import Block, OpCost, OpGraph, OpNode, ParamSpec, TensorSpec
+from partitioner.plan import Plan, PlanMismatchError
+from partitioner.plan_json import PlanFormatError
 from partitioner.trace import trace
 
 __all__ = [
-    "trace", "Topology", "DeviceSpec", "OpGraph", "OpNode", "OpCost", "TensorSpec", "ParamSpec", "Block",
+    "compile", "Plan", "PlanInfeasibleError", "PlanMismatchError", "PlanFormatError", "trace", "Topology", "DeviceSpec", "OpGraph", "OpNode", "OpCost", "TensorSpec", "ParamSpec", "Block",
     "PartitionerError", "TopologyError", "TraceError", "DeclarationError",
 ]

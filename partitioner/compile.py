@@ -1,0 +1,259 @@
+"""`compile(model, topology, ...) -> Plan`: trace, split, search, cut, schedule, predict.
+
+    trace            model -> OpGraph (skipped when given an OpGraph)
+    find_splits      Megatron splits from the graph's dataflow
+    search           every allowed configuration, exact stage cuts, best first
+    build_schedule   the winner's per-rank instruction lists
+    simulate         the predicted step time from those same lists
+
+Pure: nothing global, nothing cached across calls; the same inputs give a
+byte-identical plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from cost_models.calibration import Calibration
+from cost_models.compute import dtype_for
+from cost_models.errors import DeclarationError, PartitionerError
+from cost_models.specs import LinkLevel
+from cost_models.topology import Topology
+from partitioner.costing import Candidate, CostContext, StageEvaluator
+from partitioner.cut import Cut
+from partitioner.declarations import Declarations, check_declarations
+from partitioner.opgraph import OpGraph
+from partitioner.plan import (PLAN_VERSION, Alternative, MemoryBreakdown, MeshCoord, ParallelConfig, ParamPlacement,
+                              Plan, Predicted, StagePlan)
+from partitioner.schedule import build_schedule
+from partitioner.search import Scored, enumerate_candidates, least_memory, search
+from partitioner.simulate import Durations, simulate
+from partitioner.tensor_split import TensorSplits, find_splits
+from partitioner.trace import trace
+
+__all__ = ["compile", "PlanInfeasibleError"]
+
+
+class PlanInfeasibleError(PartitionerError):
+    """No configuration fits in memory: says how far off the best one is and what to relax."""
+
+
+def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequence[Any] | None = None,
+            example_kwargs: dict[str, Any] | None = None, *, global_batch_size: int | None = None,
+            precision: str = "bf16-mixed", optimizer: str = "adam", dp: int | None = None, tp: int | None = None,
+            pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
+            schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
+            max_memory_fraction: float = 0.9, calibration: Calibration | str | None = None,
+            cut_granularity: str = "block", alternatives: int = 5) -> Plan:
+    """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
+
+    `model` is an nn.Module (traced with `example_inputs`/`example_kwargs`,
+    which may live on the meta device) or an OpGraph from `trace`.
+
+    >>> plan = compile(gpt_small(), "local:4", example_inputs=example_batch(m, 8), global_batch_size=32)  # doctest: +SKIP
+    >>> print(plan)                                                                                       # doctest: +SKIP
+    """
+    topo = Topology.coerce(topology)
+    if isinstance(model, OpGraph):
+        g = model
+    else:
+        if example_inputs is None and not example_kwargs:
+            raise DeclarationError("example_inputs: required to trace the model, e.g. example_inputs=(tokens,); "
+                                   "or pass an OpGraph from partitioner.trace")
+        g = trace(model, example_inputs or (), example_kwargs)
+    if global_batch_size is None:
+        raise DeclarationError("global_batch_size: required, the samples per optimizer step over all replicas "
+                               "(e.g. global_batch_size=512)")
+    if cut_granularity not in ("block", "node"):
+        raise DeclarationError(f"cut_granularity={cut_granularity!r}: must be 'block' or 'node'")
+    cal = Calibration.load(calibration) if isinstance(calibration, str) else (calibration or Calibration())
+    decl = Declarations(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp,
+                        pp=pp, zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule,
+                        interleave=interleave, recompute=recompute, max_memory_fraction=max_memory_fraction)
+    splits = find_splits(g)
+    valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
+    units = "blocks" if g.blocks and cut_granularity == "block" else "nodes"
+    ctx = CostContext(g, topo, splits, precision=precision, optimizer=optimizer, seq_len=g.traced_seq_len,
+                      memory_cap=max_memory_fraction * topo.device.memory_bytes, calibration=cal,
+                      granularity=cut_granularity)
+    check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=len(ctx.units),
+                       unit_name=units, valid_tp=valid_tp, tp_divisors=splits.divisors)
+    cands = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
+                                      num_units=len(ctx.units), valid_tp=valid_tp))
+    if not cands:
+        raise DeclarationError(
+            f"no configuration satisfies the declarations {decl.pinned()} with global_batch_size="
+            f"{global_batch_size} on {topo.world_size} devices; relax a pinned value")
+    result = search(ctx, cands, keep=max(1, alternatives + 1))
+    if not result.ranked:
+        _infeasible(ctx, cands, decl, topo)
+    return _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space)
+
+
+def _infeasible(ctx: CostContext, cands: list[Candidate], decl: Declarations, topo: Topology) -> None:
+    need, who = least_memory(ctx, cands)
+    have = ctx.memory_cap
+    hints = []
+    if decl.zero_stage is None or decl.zero_stage < 3:
+        hints.append("ZeRO-3 (zero_stage=3)")
+    if decl.recompute != "full":
+        hints.append("activation recomputation (recompute='full')")
+    if decl.microbatch_size not in (None, 1):
+        hints.append("a smaller microbatch_size")
+    if decl.pinned():
+        hints.append(f"unpinning {', '.join(decl.pinned())}")
+    hints.append("more devices")
+    raise PlanInfeasibleError(
+        f"no plan fits: the least memory per rank any candidate needs is {need / 2**30:.1f} GiB "
+        f"({who}), but {topo.device.name} offers {have / 2**30:.1f} GiB "
+        f"({decl.max_memory_fraction:g} of {topo.device.memory_bytes / 2**30:.0f} GiB); try {', or '.join(hints)}")
+
+
+def _config(c: Candidate) -> ParallelConfig:
+    return ParallelConfig(dp=c.dp, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage, microbatch_size=c.microbatch_size,
+                          num_microbatches=c.num_microbatches, schedule=c.schedule, interleave=c.interleave,
+                          recompute=c.recompute)
+
+
+def _mesh(c: Candidate, topo: Topology) -> tuple[MeshCoord, ...]:
+    """rank = pp_index * (dp * tp) + dp_index * tp + tp_index: tensor groups are consecutive ranks
+    (inside a node), pipeline neighbours furthest apart (across nodes)."""
+    out = []
+    for r in range(topo.world_size):
+        out.append(MeshCoord(rank=r, pp=r // (c.dp * c.tp), dp=(r // c.tp) % c.dp, tp=r % c.tp, node=topo.node_of(r)))
+    return tuple(out)
+
+
+def _why(best: Scored, other: Scored) -> str:
+    t0, t1 = best.cut.step_time_s, other.cut.step_time_s
+    a, b = best.cand, other.cand
+    diffs = [f"{k}={getattr(b, k)} vs {getattr(a, k)}" for k in
+             ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
+             if getattr(a, k) != getattr(b, k)]
+    if t1 > t0:
+        return f"slower by {100 * (t1 / t0 - 1):.1f} % ({', '.join(diffs)})"
+    return f"as fast, but not simpler ({', '.join(diffs)})"
+
+
+def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSplits, ctx: CostContext,
+              ranked: tuple[Scored, ...], evaluated: int, space: int) -> Plan:
+    best = ranked[0]
+    cand, cut = best.cand, best.cut
+    ev = ctx.prepare(cand)
+    mesh = _mesh(cand, topo)
+    S = cand.pp * cand.interleave
+
+    stages = []
+    unit_stage = {}
+    for k in range(S):
+        i, j = cut.bounds[k], cut.bounds[k + 1]
+        for u in range(i, j):
+            unit_stage[u] = k
+        st = cut.stages[k]
+        first, last = ctx.units[i][0], ctx.units[j - 1][1] - 1
+        names = tuple(dict.fromkeys(_segment_name(g, n) for n in range(first, last + 1)))
+        rank = k % cand.pp
+        ranks = tuple(m.rank for m in mesh if m.pp == rank)
+        stages.append(StagePlan(index=k, blocks=names, first_node=first, last_node=last, num_params=round(st.params),
+                                ranks=ranks, forward_s=st.forward_s, backward_s=st.backward_s,
+                                memory=MemoryBreakdown(params=st.memory[0], grads=st.memory[1], optimizer=st.memory[2],
+                                                       activations=st.memory[3], buffers=st.memory[4])))
+
+    node_stage = {}
+    for u, (a, b) in enumerate(ctx.units):
+        for n in range(a, b):
+            node_stage[n] = unit_stage[u]
+    param_stages: dict[str, set[int]] = {}
+    for idx, n in enumerate(g.nodes):
+        for p in n.params:
+            param_stages.setdefault(p, set()).add(node_stage[idx])
+    placements = []
+    for pl in splits.placements:
+        spec, reason = (pl.spec, pl.reason) if cand.tp > 1 else ("R", "tp=1: every rank holds the whole tensor")
+        placements.append(ParamPlacement(param=pl.param, spec=spec, role=pl.role, reason=reason,
+                                         stages=tuple(sorted(param_stages.get(pl.param, ()))), fused=pl.fused))
+
+    sched = build_schedule(cand.schedule, pp=cand.pp, num_microbatches=cand.num_microbatches,
+                           interleave=cand.interleave)
+    sim = simulate(sched, _durations(ev, cut))
+    predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim)
+    alternatives = tuple(Alternative(config=_config(o.cand), step_time_s=o.cut.step_time_s,
+                                     peak_memory_bytes=max(s.memory_total * o.cand.interleave for s in o.cut.stages),
+                                     fits=True, why=_why(best, o)) for o in ranked[1:])
+    return Plan(version=PLAN_VERSION, model_name=g.model_name, graph_hash=g.fingerprint(), topology=topo.to_dict(),
+                topology_hash=topo.fingerprint(), topology_name=str(topo), world_size=topo.world_size,
+                global_batch_size=decl.global_batch_size, seq_len=g.traced_seq_len, precision=decl.precision,
+                optimizer=decl.optimizer, declarations=decl.pinned(), config=_config(cand), mesh=mesh,
+                stages=tuple(stages), placements=tuple(placements), schedule=sched, predicted=predicted,
+                alternatives=alternatives, candidates_evaluated=evaluated, search_space=space)
+
+
+def _segment_name(g: OpGraph, n: int) -> str:
+    node = g.nodes[n]
+    if node.block is not None:
+        return g.blocks[node.block].name
+    first_block = g.blocks[0].first_node if g.blocks else len(g.nodes)
+    return "prefix" if n < first_block else "suffix"
+
+
+def _durations(ev: StageEvaluator, cut: Cut) -> Durations:
+    """Per-stage times for the simulator: compute apart from the p2p it models itself."""
+    S = len(cut.stages)
+    p2p = ev._p2p
+    fwd, bwd, sync, optim = [], [], [], []
+    for k, st in enumerate(cut.stages):
+        i, j = cut.bounds[k], cut.bounds[k + 1]
+        fwd.append(st.forward_s - (p2p[i - 1] if k > 0 else 0.0))
+        bwd.append(st.backward_s - (p2p[j - 1] if k < S - 1 else 0.0))
+        sync.append(st.exposed_comm_s)
+        optim.append(st.tail_s - st.exposed_comm_s)
+    links = tuple(p2p[cut.bounds[k + 1] - 1] for k in range(S - 1))
+    return Durations(forward=tuple(fwd), backward=tuple(bwd), p2p=links, grad_sync=tuple(sync), overlap=0.0,
+                     optim=tuple(optim))
+
+
+def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, ev: StageEvaluator, cand: Candidate,
+             cut: Cut, stages: list[StagePlan], sim: Any) -> Predicted:
+    step = sim.step_time_s
+    gb, s = decl.global_batch_size, g.traced_seq_len or 1
+    model_flops = g.flops(batch_size=gb, seq_len=g.traced_seq_len) if g.batch_symbolic else \
+        g.flops() * gb / g.traced_batch_size
+    per_device = model_flops / topo.world_size / step
+    peak = topo.device.flops(dtype_for(decl.precision))
+    # A rank holds its v virtual stages; the peak rank is the one that holds the most.
+    per_rank: dict[int, list[MemoryBreakdown]] = {}
+    for st in stages:
+        per_rank.setdefault(st.index % cand.pp, []).append(st.memory)
+    totals = {r: MemoryBreakdown(**{f: sum(getattr(m, f) for m in ms) for f in
+                                    ("params", "grads", "optimizer", "activations", "buffers")})
+              for r, ms in per_rank.items()}
+    worst = max(totals.values(), key=lambda m: m.total)
+    return Predicted(step_time_s=step, tokens_per_s=gb * s / step, samples_per_s=gb / step,
+                     model_tflops_per_device=per_device / 1e12, mfu=per_device / peak,
+                     peak_memory_bytes=worst.total, memory=worst, memory_capacity_bytes=float(topo.device.memory_bytes),
+                     bytes_per_link=_traffic(ctx, ev, cand, cut, topo), bubble_fraction=sim.bubble_fraction,
+                     exposed_comm_s=max(st.exposed_comm_s for st in cut.stages))
+
+
+def _traffic(ctx: CostContext, ev: StageEvaluator, cand: Candidate, cut: Cut, topo: Topology) -> dict[str, float]:
+    """Bytes one rank of the busiest stage sends per step, by link level (ring collectives: 2(p-1)/p of the buffer)."""
+    out = {LinkLevel.INTRA_NODE.value: 0.0, LinkLevel.INTER_NODE.value: 0.0}
+    mb, m, s = cand.microbatch_size, cand.num_microbatches, ctx.seq
+    grad_bytes = 4 if ctx.precision == "fp32" else 2
+    busiest = max(range(len(cut.stages)), key=lambda k: cut.stages[k].params)
+    i, j = cut.bounds[busiest], cut.bounds[busiest + 1]
+    if cand.tp > 1:
+        level = topo.group_level(range(cand.tp)).value
+        tp_bytes = sum(c.bytes(mb, s) * ctx.scale for u in range(i, j) for a, b in [ctx.units[u]]
+                       for n in ctx.g.nodes[a:b] for c in ctx._collectives.get(n.name, ()))
+        out[level] = out.get(level, 0.0) + 2 * (cand.tp - 1) / cand.tp * tp_bytes * m
+    if cand.dp > 1:
+        ranks = ev.dp_ranks(busiest % cand.pp)
+        level = topo.group_level(ranks).value
+        vol = cut.stages[busiest].params * grad_bytes
+        factor = {0: 2, 1: 2, 2: 2, 3: 1 + 2 * m}[cand.zero_stage]
+        out[level] = out.get(level, 0.0) + factor * (cand.dp - 1) / cand.dp * vol
+    if cand.pp > 1 and busiest < len(cut.stages) - 1:
+        level = topo.link_level(0, cand.dp * cand.tp).value
+        out[level] = out.get(level, 0.0) + 2 * ctx.boundary_bytes(j - 1, mb) * m
+    return {k: v for k, v in out.items() if k != LinkLevel.SAME_DEVICE.value}

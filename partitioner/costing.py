@@ -1,0 +1,411 @@
+"""What a candidate costs: per-unit times and memory, per-stage evaluation.
+
+Units are what pipeline cuts move between stages: the repeated blocks (the
+prefix rides with the first, the suffix with the last) or, at node
+granularity, single nodes. For a setting (tp, microbatch, recompute) each
+unit gets a forward and backward time per microbatch, the activation bytes
+it keeps per in-flight microbatch, and its parameters per tensor rank.
+A stage (a run of units at pipeline position k) then gets
+
+    c_k    = f_k + b_k                 compute + TP collectives + p2p receive, per microbatch
+    tail_k = exposed DP sync + optimizer step, once per training step
+    mem_k  = model state (ZeRO) + activations x in-flight microbatches + buffers
+
+and the step time of a cut (Narayanan et al. 2021, eq. 1 generalised to
+unequal stages; v = virtual stages per rank) is
+
+    T = (m*v - 1) * max_k c_k + sum_k c_k / v + max_k tail_k
+
+which the schedule simulator reproduces for uniform stages (tests check it).
+
+Units of everything: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from cost_models.calibration import Calibration
+from cost_models.comm import CommModel
+from cost_models.compute import RooflineCompute, dtype_for
+from cost_models.memory import inflight_microbatches, model_state_bytes
+from cost_models.topology import Topology
+from partitioner.opgraph import OpGraph
+from partitioner.symbolic import Poly
+from partitioner.tensor_split import TensorSplits
+
+__all__ = ["CostContext", "UnitCost", "UnitArrays", "StageCost", "StageEvaluator", "Candidate", "units_of"]
+
+# Adam's step reads param, grad, m, v and writes param, m, v: 7 fp32 words per
+# parameter (torch.optim.Adam foreach path; the fp32 master copy under mixed precision).
+_OPTIM_BYTES_PER_PARAM = 28
+# ZeRO-3 keeps the next block's parameters gathered while computing this one (prefetch): two blocks' worth.
+_ZERO3_GATHERED_BLOCKS = 2
+
+
+def units_of(g: OpGraph, granularity: str = "block") -> tuple[tuple[int, int], ...]:
+    """Node ranges [start, end) of the units; the prefix joins the first block, the suffix the last."""
+    if granularity == "node" or not g.blocks:
+        return tuple((i, i + 1) for i in range(len(g.nodes)))
+    starts = [0] + [b.first_node for b in g.blocks[1:]]
+    ends = starts[1:] + [len(g.nodes)]
+    return tuple(zip(starts, ends))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnitCost:
+    forward_s: float
+    backward_s: float
+    activation_bytes: float  # kept per in-flight microbatch
+    working_bytes: float  # recomputation's working set (the unit's full activations), full recompute only
+    params: float  # per tensor rank
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageCost:
+    forward_s: float
+    backward_s: float
+    tail_s: float
+    exposed_comm_s: float
+    params: float
+    memory: tuple[float, float, float, float, float]  # params, grads, optimizer, activations, buffers
+    fits: bool
+
+    @property
+    def c(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, order=True)
+class Candidate:
+    """The settings a stage evaluation needs (a ParallelConfig less nothing, plus memory cap)."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str
+    interleave: int
+    recompute: str
+
+
+class CostContext:
+    """Everything fixed for one compile(): graph, splits, hardware, precision.
+
+    Not a cache in disguise: unit costs are memoised per (unit shape, tp,
+    microbatch, recompute), a key that fully determines them.
+    """
+
+    def __init__(self, g: OpGraph, topo: Topology, splits: TensorSplits, *, precision: str, optimizer: str,
+                 seq_len: int | None, memory_cap: float, calibration: Calibration | None = None,
+                 granularity: str = "block"):
+        self.g, self.topo, self.splits = g, topo, splits
+        self.precision = precision
+        self.optimizer = "adam" if optimizer == "adamw" else optimizer  # same state: m and v
+        self.seq = seq_len or 1
+        self.memory_cap = memory_cap
+        self.cal = calibration or Calibration()
+        self.compute = RooflineCompute(device=topo.device, dtype=dtype_for(precision), calibration=self.cal)
+        self.comm = CommModel(topo, self.cal)
+        # Activations and traffic were traced at the model's dtype; mixed precision halves float tensors.
+        traced = 4 if g.dtype == "float32" else 2 if g.dtype in ("bfloat16", "float16") else 8
+        self.scale = (4 if precision == "fp32" else 2) / traced
+        self.units = units_of(g, granularity)
+        self._unit_of = [0] * len(g.nodes)
+        for u, (a, b) in enumerate(self.units):
+            for i in range(a, b):
+                self._unit_of[i] = u
+        self._collectives: dict[str, list] = {}
+        for c in splits.collectives:
+            self._collectives.setdefault(c.node, []).append(c)
+        # Units with the same nodes, costs and splits (copied blocks) share one id, so their
+        # costs are evaluated once per setting and memo keys stay small.
+        ids: dict[tuple, int] = {}
+        self._keys = [ids.setdefault(self._unit_key(a, b), len(ids)) for a, b in self.units]
+        self._boundary = self._boundary_bytes()
+        self._memo: dict[tuple, UnitCost] = {}
+        self._arrays: dict[tuple, UnitArrays] = {}
+        self._p2p: dict[tuple, tuple[float, ...]] = {}
+        self._param_local = self._param_sizes()
+        self._sharded = {pl.param: pl.spec != "R" for pl in splits.placements}
+
+    # ---- static structure ------------------------------------------------
+    def _unit_key(self, a: int, b: int) -> tuple:
+        nodes = self.g.nodes[a:b]
+        return tuple((n.cost, n.name in self.splits.sharded_nodes,
+                      tuple((c.phase, c.bytes) for c in self._collectives.get(n.name, ())),
+                      n.output.nbytes(1, 1) if n.output else 0) for n in nodes)
+
+    def _boundary_bytes(self) -> list[Poly]:
+        """Bytes crossing each unit boundary: outputs made before it and read after it."""
+        last_use: dict[str, int] = {}
+        for i, n in enumerate(self.g.nodes):
+            for x in n.inputs:
+                last_use[x] = max(last_use.get(x, -1), self._unit_of[i])
+        diff = [Poly() for _ in range(len(self.units) + 1)]
+        for i, n in enumerate(self.g.nodes):
+            u, last = self._unit_of[i], last_use.get(n.name, -1)
+            if last > u and n.output is not None:
+                nbytes = Poly.from_terms({m: c * n.output.itemsize for m, c in _numel_poly(n.output).terms})
+                diff[u] = diff[u] + nbytes
+                diff[last] = diff[last] + nbytes * -1
+        out, acc = [], Poly()
+        for u in range(len(self.units) - 1):
+            acc = acc + diff[u]
+            out.append(acc)
+        return out
+
+    def _param_sizes(self) -> dict[int, list[tuple[str, float]]]:
+        """Per unit: (parameter, elements per tensor rank at tp=1) for each parameter its nodes read."""
+        numel = {p.name: p.numel for p in self.g.params}
+        per_unit: dict[int, list[tuple[str, float]]] = {}
+        for u, (a, b) in enumerate(self.units):
+            seen = dict.fromkeys(p for n in self.g.nodes[a:b] for p in n.params)
+            per_unit[u] = [(p, numel[p]) for p in seen]
+        return per_unit
+
+    def boundary_bytes(self, u: int, mb: int) -> float:
+        """Activation bytes sent from unit u to unit u + 1 for one microbatch."""
+        return self._boundary[u](mb, self.seq) * self.scale
+
+    # ---- per unit ----------------------------------------------------------
+    def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str) -> UnitCost:
+        key = (self._keys[u], tp, mb, recompute)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute)
+        params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
+        return dataclasses.replace(hit, params=params)
+
+    def _sharded_param(self, name: str) -> bool:
+        return self._sharded[name]
+
+    def _eval_unit(self, u: int, tp: int, mb: int, recompute: str) -> UnitCost:
+        a, b = self.units[u]
+        s, sc = self.seq, self.scale
+        tp_ranks = tuple(range(tp))
+        fwd = bwd = act = drop_f = drop_act = 0.0
+        for n in self.g.nodes[a:b]:
+            c = n.cost
+            d = tp if (tp > 1 and n.name in self.splits.sharded_nodes) else 1
+            flops = c.forward_flops(mb, s) / d
+            moved = (c.bytes_read(mb, s) + c.bytes_written(mb, s)) * sc / d
+            tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
+            bflops = c.backward_flops(mb, s) / d
+            tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
+            kept = c.activation_bytes(mb, s) * sc / d
+            # Selective recomputation (Korthikanti et al. 2022) drops what grows with s^2:
+            # the attention scores, softmax and dropout mask, and recomputes them in backward.
+            if any(j >= 2 for (_, j), _ in c.activation_bytes.terms):
+                drop_f += tf
+                drop_act += kept
+            fwd, bwd, act = fwd + tf, bwd + tb, act + kept
+            if tp > 1:
+                for coll in self._collectives.get(n.name, ()):
+                    t = self.comm.all_reduce(coll.bytes(mb, s) * sc, tp_ranks)
+                    if coll.phase == "forward":
+                        fwd += t
+                    else:
+                        bwd += t
+        if recompute == "selective":
+            return UnitCost(forward_s=fwd, backward_s=bwd + drop_f, activation_bytes=act - drop_act,
+                            working_bytes=drop_act, params=0.0)
+        if recompute == "full":
+            kept_input = (self._boundary[u - 1](mb, s) * sc) if u > 0 else 0.0
+            return UnitCost(forward_s=fwd, backward_s=bwd + fwd, activation_bytes=kept_input,
+                            working_bytes=act, params=0.0)
+        return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0)
+
+    def unit_arrays(self, tp: int, mb: int, recompute: str) -> "UnitArrays":
+        key = (tp, mb, recompute)
+        hit = self._arrays.get(key)
+        if hit is None:
+            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute) for u in range(len(self.units))]
+            owners: dict[str, list[tuple[int, float]]] = {}
+            for u in range(len(self.units)):
+                for p, numel in self._param_local[u]:
+                    owners.setdefault(p, []).append((u, numel / (tp if self._sharded_param(p) else 1)))
+            hit = self._arrays[key] = UnitArrays(
+                costs=tuple(uc), f=tuple(_prefix([x.forward_s for x in uc])), b=tuple(_prefix([x.backward_s for x in uc])),
+                act=tuple(_prefix([x.activation_bytes for x in uc])), par=tuple(_prefix([x.params for x in uc])),
+                work=tuple(x.working_bytes for x in uc), shared=tuple(tuple(v) for v in owners.values() if len(v) > 1),
+                total_c=sum(x.forward_s + x.backward_s for x in uc),
+                max_unit_c=max(x.forward_s + x.backward_s for x in uc))
+        return hit
+
+    def p2p_times(self, pp: int, stride: int, mb: int) -> tuple[float, ...]:
+        """Time to send one microbatch's activations across each unit boundary.
+
+        Pipeline neighbours sit dp*tp ranks apart in the mesh; every adjacent
+        pair is equally far, so ranks 0 -> stride stand for all of them.
+        """
+        if pp == 1:
+            return tuple(0.0 for _ in range(len(self.units) - 1))
+        key = (stride, mb)
+        hit = self._p2p.get(key)
+        if hit is None:
+            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb), 0, stride)
+                                         for u in range(len(self.units) - 1))
+        return hit
+
+    def prepare(self, cand: Candidate) -> "StageEvaluator":
+        return StageEvaluator(self, cand)
+
+
+def _numel_poly(spec) -> Poly:
+    acc = Poly.const(1.0)
+    for d in spec.shape:
+        acc = _mul(acc, d)
+    return acc
+
+
+def _mul(p: Poly, q: Poly) -> Poly:
+    out: dict[tuple[int, int], float] = {}
+    for (i, j), c in p.terms:
+        for (k, l), e in q.terms:
+            out[(i + k, j + l)] = out.get((i + k, j + l), 0.0) + c * e
+    return Poly.from_terms(out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnitArrays:
+    """Prefix sums over units for one (tp, microbatch, recompute)."""
+
+    costs: tuple[UnitCost, ...]
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    act: tuple[float, ...]
+    par: tuple[float, ...]
+    work: tuple[float, ...]
+    shared: tuple[tuple[tuple[int, float], ...], ...]  # parameters read by several units: (unit, size) each
+    total_c: float
+    max_unit_c: float
+
+
+class StageEvaluator:
+    """Stage costs for one candidate in O(1) per stage, from prefix sums over units."""
+
+    def __init__(self, ctx: CostContext, cand: Candidate):
+        self.ctx, self.cand = ctx, cand
+        self.num_stages = cand.pp * cand.interleave
+        arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute)
+        self.arrays = arr
+        self.unit_costs = arr.costs
+        self._f, self._b, self._act, self._par, self._work = arr.f, arr.b, arr.act, arr.par, arr.work
+        self._shared = arr.shared
+        self._p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size)
+        self._grad_bytes = 4 if ctx.precision == "fp32" else 2
+        self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.mem_eff
+        self.total_c = arr.total_c
+        self._largest_unit_params = max((x.params for x in arr.costs), default=0.0)
+        self._sync_memo: dict[float, tuple[float, float, float]] = {}
+
+    def lower_bound(self) -> float:
+        """No cut beats this (math.inf: no cut fits in memory).
+
+        Compute: perfectly balanced stages, no p2p. Tail: the stage holding the
+        most parameters holds at least the average, and its optimizer step
+        (and, for ZeRO-1/2, its parameter all-gather, which nothing hides) is
+        increasing and affine in them. Memory: that stage's model state alone.
+        """
+        c, ctx = self.cand, self.ctx
+        S, m, v = self.num_stages, c.num_microbatches, c.interleave
+        avg = self._par[-1] / S
+        state = model_state_bytes(avg, precision=ctx.precision, optimizer=ctx.optimizer,
+                                  zero_stage=c.zero_stage, dp=c.dp).total
+        if state * v > ctx.memory_cap:
+            return math.inf
+        tail = avg / (c.dp if c.zero_stage >= 1 else 1) * _OPTIM_BYTES_PER_PARAM / self._hbm
+        if c.zero_stage in (1, 2) and c.dp > 1:
+            tail += ctx.comm.all_gather(avg * self._grad_bytes, self.dp_ranks(0))
+        return (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c / v + tail
+
+    def dp_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
+        c = self.cand
+        base = pipeline_rank * c.dp * c.tp
+        return tuple(base + d * c.tp for d in range(c.dp))
+
+    def stage(self, i: int, j: int, k: int) -> StageCost:
+        """Units [i, j) as virtual stage k of num_stages."""
+        ctx, cand = self.ctx, self.cand
+        S = self.num_stages
+        f = self._f[j] - self._f[i] + (self._p2p[i - 1] if k > 0 else 0.0)
+        b = self._b[j] - self._b[i] + (self._p2p[j - 1] if k < S - 1 else 0.0)
+        params = self._par[j] - self._par[i]
+        for users in self._shared:
+            inside = [size for u, size in users if i <= u < j]
+            if len(inside) > 1:
+                params -= sum(inside[1:])
+        m, v = cand.num_microbatches, cand.interleave
+        state = model_state_bytes(params, precision=ctx.precision, optimizer=ctx.optimizer,
+                                  zero_stage=cand.zero_stage, dp=cand.dp)
+        rank = k % cand.pp
+        inflight = inflight_microbatches(cand.schedule, pp=cand.pp, stage=rank, num_microbatches=m,
+                                         interleave=v) if cand.pp > 1 else 1
+        if v > 1:
+            inflight = math.ceil(inflight / v)  # the rank's in-flight count spread over its v chunks
+        acts = (self._act[j] - self._act[i]) * inflight + max(self._work[i:j], default=0.0)
+        buffers = self._buffers(params)
+        fits = state.total * v + acts * v + buffers <= ctx.memory_cap
+        exposed, optim = self._tail(params, f, b)
+        return StageCost(forward_s=f, backward_s=b, tail_s=exposed + optim, exposed_comm_s=exposed, params=params,
+                         memory=(state.params, state.grads, state.optimizer, acts, buffers), fits=fits)
+
+    def _buffers(self, params: float) -> float:
+        cand = self.cand
+        if cand.zero_stage == 3:
+            return _ZERO3_GATHERED_BLOCKS * self._largest_unit_params * self._grad_bytes
+        if cand.dp > 1:
+            # DDP-style gradient buckets in flight while reducing (torch DDP: 25 MiB, two in flight).
+            return min(params * self._grad_bytes, 2 * 25 * 2**20)
+        return 0.0
+
+    def _sync(self, params: float) -> tuple[float, float, float]:
+        """(all-reduce, reduce-scatter, all-gather) of a stage's gradients over its data-parallel group.
+
+        Every pipeline rank's group has the same shape (the mesh is regular), so
+        pipeline rank 0's stands for all; stages repeat sizes, hence the memo.
+        """
+        hit = self._sync_memo.get(params)
+        if hit is None:
+            comm, ranks, nbytes = self.ctx.comm, self.dp_ranks(0), params * self._grad_bytes
+            hit = self._sync_memo[params] = (comm.all_reduce(nbytes, ranks), comm.reduce_scatter(nbytes, ranks),
+                                             comm.all_gather(nbytes, ranks))
+        return hit
+
+    def _tail(self, params: float, f: float, b: float) -> tuple[float, float]:
+        """(exposed data-parallel communication, optimizer step) of one stage, per step."""
+        cand, ctx = self.cand, self.ctx
+        m = cand.num_microbatches
+        overlap = ctx.cal.dp_overlap
+        if cand.dp == 1:
+            exposed = 0.0
+        else:
+            all_reduce, reduce_scatter, all_gather = self._sync(params)
+            if cand.zero_stage == 0:
+                exposed = max(0.0, all_reduce - overlap * b)
+            elif cand.zero_stage in (1, 2):
+                # reduce-scatter the gradients (hidden behind the last backward), all-gather the
+                # updated parameters after the optimizer step (exposed).
+                exposed = max(0.0, reduce_scatter - overlap * b) + all_gather
+            else:
+                exposed = (max(0.0, 2 * m * all_gather - overlap * m * (f + b))
+                           + max(0.0, reduce_scatter - overlap * b))
+        shard = params / (cand.dp if cand.zero_stage >= 1 else 1)
+        optim = shard * _OPTIM_BYTES_PER_PARAM / self._hbm
+        return exposed, optim
+
+
+def _prefix(xs: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out

@@ -1,0 +1,127 @@
+"""What the user declares to `compile()`, checked before any search.
+
+A value pins a dimension of the search, None leaves it to the planner. Every
+refusal names the relation that fails and suggests values that hold
+(STYLE.md item 8), raised as `DeclarationError` (a `ValueError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cost_models.errors import DeclarationError
+
+__all__ = ["Declarations", "check_declarations", "divisors"]
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Declarations:
+    global_batch_size: int
+    precision: str = "bf16-mixed"
+    optimizer: str = "adam"
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero_stage: int | None = None
+    microbatch_size: int | None = None
+    schedule: str | None = None
+    interleave: int | None = None
+    recompute: str | None = None
+    max_memory_fraction: float = 0.9
+
+    def pinned(self) -> dict[str, Any]:
+        """The declarations that pin something, for the plan's record."""
+        names = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _int(name: str, v: Any, lo: int = 1) -> None:
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise DeclarationError(f"{name}={v!r}: must be an integer")
+    if v < lo:
+        raise DeclarationError(f"{name}={v}: must be >= {lo}")
+
+
+def _choice(name: str, v: Any, valid: tuple) -> None:
+    if v is not None and v not in valid:
+        raise DeclarationError(f"{name}={v!r}: must be one of {', '.join(map(repr, valid))}")
+
+
+def check_declarations(d: Declarations, *, world_size: int, topology_name: str, num_units: int,
+                       unit_name: str, valid_tp: tuple[int, ...], tp_divisors: tuple[tuple[str, int], ...]) -> None:
+    """Raise DeclarationError for the first declaration that cannot hold."""
+    _int("global_batch_size", d.global_batch_size)
+    for name in ("dp", "tp", "pp", "microbatch_size", "interleave"):
+        _int(name, getattr(d, name))
+    _int("zero_stage", d.zero_stage, lo=0)
+    if d.zero_stage is not None and d.zero_stage > 3:
+        raise DeclarationError(f"zero_stage={d.zero_stage}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
+    _choice("precision", d.precision, PRECISIONS)
+    _choice("optimizer", d.optimizer, OPTIMIZERS)
+    _choice("schedule", d.schedule, SCHEDULES)
+    _choice("recompute", d.recompute, RECOMPUTE)
+    if isinstance(d.max_memory_fraction, bool) or not isinstance(d.max_memory_fraction, (int, float)) \
+            or not 0 < d.max_memory_fraction <= 1:
+        raise DeclarationError(f"max_memory_fraction={d.max_memory_fraction!r}: must be in (0, 1], e.g. 0.9")
+
+    # dp * tp * pp must be the world size.
+    pinned = {k: getattr(d, k) for k in ("dp", "tp", "pp") if getattr(d, k) is not None}
+    prod = 1
+    for v in pinned.values():
+        prod *= v
+    if len(pinned) == 3 and prod != world_size:
+        raise DeclarationError(
+            f"dp({d.dp}) * tp({d.tp}) * pp({d.pp}) = {prod} != world size {world_size} of topology "
+            f"{topology_name}; the three degrees must multiply to the number of devices")
+    if pinned and world_size % prod:
+        shown = " * ".join(f"{k}({v})" for k, v in pinned.items())
+        raise DeclarationError(
+            f"{shown} = {prod} does not divide world size {world_size} of topology {topology_name}; "
+            f"valid products: {', '.join(map(str, divisors(world_size)))}")
+
+    if d.tp is not None and d.tp not in valid_tp:
+        why = [f"{what} ({n})" for what, n in tp_divisors if n % d.tp]
+        raise DeclarationError(
+            f"tp={d.tp} does not divide {', '.join(why[:3]) or 'the split dimensions'}; "
+            f"valid tp: {', '.join(map(str, valid_tp))}")
+    if d.pp is not None and d.pp > num_units:
+        raise DeclarationError(
+            f"pp={d.pp} > {num_units} {unit_name}: a pipeline stage needs at least one; "
+            f"valid pp: {', '.join(str(p) for p in divisors(world_size) if p <= num_units)}")
+    if d.interleave is not None and d.interleave > 1 and d.schedule not in (None, "interleaved-1f1b"):
+        raise DeclarationError(
+            f"interleave={d.interleave} needs schedule='interleaved-1f1b', not {d.schedule!r}; "
+            "drop interleave or change the schedule")
+    if d.schedule == "interleaved-1f1b" and d.interleave == 1:
+        raise DeclarationError("schedule='interleaved-1f1b' with interleave=1 is plain 1F1B: "
+                               "use interleave >= 2 or schedule='1f1b'")
+    if d.schedule == "interleaved-1f1b" and d.pp is not None and d.pp * (d.interleave or 2) > num_units:
+        raise DeclarationError(
+            f"interleaved-1f1b with pp={d.pp} x interleave={d.interleave or 2} needs "
+            f"{d.pp * (d.interleave or 2)} {unit_name}, the model has {num_units}")
+    if d.dp is not None and d.microbatch_size is not None:
+        step = d.dp * d.microbatch_size
+        if d.global_batch_size % step:
+            lo = d.global_batch_size // step * step
+            near = [x for x in (lo, lo + step) if x > 0]
+            raise DeclarationError(
+                f"global_batch_size={d.global_batch_size} is not divisible by dp({d.dp}) * "
+                f"microbatch_size({d.microbatch_size}) = {step}; valid global batch sizes near it: "
+                f"{', '.join(map(str, near))}")
+    if d.dp is not None and d.global_batch_size % d.dp:
+        lo = d.global_batch_size // d.dp * d.dp
+        raise DeclarationError(
+            f"global_batch_size={d.global_batch_size} is not divisible by dp({d.dp}); "
+            f"valid global batch sizes near it: {', '.join(str(x) for x in (lo, lo + d.dp) if x > 0)}")

@@ -1,0 +1,268 @@
+"""Plan: the planner's decision and its evidence, as plain frozen data.
+
+A Plan names the parallel configuration, the device mesh, the stage cuts,
+the tensor placement of every parameter, the pipeline schedule as per-rank
+instruction lists, the predicted cost and the runners-up. It saves as
+versioned JSON tied to the hashes of the graph and the topology it was made
+for, so a plan for another model or cluster is refused on load.
+
+>>> plan = compile(model, Topology.parse("8xA100-80GB"), example_inputs=(x,))   # doctest: +SKIP
+>>> plan.dp, plan.tp, plan.pp, plan.zero_stage                                   # doctest: +SKIP
+(8, 1, 1, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from cost_models.errors import PartitionerError
+from partitioner.plan_json import PlanFormatError, decode, encode
+from partitioner.schedule import Schedule
+
+__all__ = ["ParallelConfig", "MeshCoord", "MemoryBreakdown", "StagePlan", "ParamPlacement", "Predicted",
+           "Alternative", "Plan", "PlanMismatchError", "PLAN_VERSION"]
+
+PLAN_VERSION = 1
+
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+Recompute = Literal["none", "selective", "full"]
+
+
+class PlanMismatchError(PartitionerError):
+    """A plan loaded against a model or topology other than the one it was made for."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, order=True)
+class ParallelConfig:
+    """One point of the search space.
+
+    dp, tp, pp: data, tensor and pipeline degrees (dp * tp * pp = world size).
+    zero_stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters: FSDP).
+    microbatch_size x num_microbatches per data-parallel rank = global batch / dp.
+    schedule/interleave: the pipeline schedule and virtual stages per rank.
+    recompute: activation recomputation policy.
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: ScheduleKind
+    interleave: int
+    recompute: Recompute
+
+    def __str__(self) -> str:
+        sched = self.schedule + (f"x{self.interleave}" if self.interleave > 1 else "")
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero_stage} "
+                f"mb{self.microbatch_size}x{self.num_microbatches} {sched} recompute={self.recompute}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshCoord:
+    """Where one rank sits: its pipeline stage, data-parallel replica and tensor slice, and its node."""
+
+    rank: int
+    pp: int
+    dp: int
+    tp: int
+    node: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes one rank holds at its peak."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage (a virtual stage when interleaved).
+
+    blocks: names of the repeated blocks it holds ("prefix"/"suffix" for the
+    nodes before and after the layer stack). first_node/last_node: inclusive
+    range into OpGraph.nodes. num_params: parameters each of its ranks holds
+    before ZeRO sharding (tensor-parallel shards counted per rank).
+    forward_s/backward_s: predicted time per microbatch, including
+    tensor-parallel collectives and recomputation.
+    """
+
+    index: int
+    blocks: tuple[str, ...]
+    first_node: int
+    last_node: int
+    num_params: int
+    ranks: tuple[int, ...]
+    forward_s: float
+    backward_s: float
+    memory: MemoryBreakdown
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParamPlacement:
+    """How one parameter is laid out over its tensor group: "S(d)" sharded on dim d, "R" replicated."""
+
+    param: str
+    spec: str
+    role: str
+    reason: str
+    stages: tuple[int, ...]
+    fused: int = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Predicted:
+    """The cost model's prediction for one training step.
+
+    peak_memory_bytes: the largest per-rank total, memory its breakdown;
+    bytes_per_link: bytes each rank sends per step, per link level.
+    """
+
+    step_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    model_tflops_per_device: float
+    mfu: float
+    peak_memory_bytes: float
+    memory: MemoryBreakdown
+    memory_capacity_bytes: float
+    bytes_per_link: dict[str, float]
+    bubble_fraction: float
+    exposed_comm_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Alternative:
+    """A runner-up: its configuration, prediction, and why it lost."""
+
+    config: ParallelConfig
+    step_time_s: float
+    peak_memory_bytes: float
+    fits: bool
+    why: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The compiled plan. Plain data: `save`/`load` JSON, `print` for the table."""
+
+    version: int
+    model_name: str
+    graph_hash: str
+    topology: dict[str, Any]
+    topology_hash: str
+    topology_name: str
+    world_size: int
+    global_batch_size: int
+    seq_len: int | None
+    precision: Precision
+    optimizer: str
+    declarations: dict[str, Any]
+    config: ParallelConfig
+    mesh: tuple[MeshCoord, ...]
+    stages: tuple[StagePlan, ...]
+    placements: tuple[ParamPlacement, ...]
+    schedule: Schedule
+    predicted: Predicted
+    alternatives: tuple[Alternative, ...]
+    candidates_evaluated: int
+    search_space: int
+
+    # ---- the configuration, by name ---------------------------------------
+    dp = property(lambda self: self.config.dp)
+    tp = property(lambda self: self.config.tp)
+    pp = property(lambda self: self.config.pp)
+    zero_stage = property(lambda self: self.config.zero_stage)
+    microbatch_size = property(lambda self: self.config.microbatch_size)
+    num_microbatches = property(lambda self: self.config.num_microbatches)
+    interleave = property(lambda self: self.config.interleave)
+    recompute = property(lambda self: self.config.recompute)
+
+    @property
+    def schedule_kind(self) -> str:
+        return self.config.schedule
+
+    def placement(self, param: str) -> ParamPlacement:
+        for p in self.placements:
+            if p.param == param:
+                return p
+        raise KeyError(f"no parameter {param!r} in this plan")
+
+    # ---- JSON ----------------------------------------------------------
+    def to_json(self) -> str:
+        """Deterministic: the same plan gives byte-identical text."""
+        return json.dumps(encode(self), indent=1, sort_keys=True) + "\n"
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"plan: not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise PlanFormatError("plan: expected a JSON object at the top level")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise PlanFormatError(f"plan: version {version!r} is not supported (this build reads version {PLAN_VERSION}); "
+                                  "recompile the plan with this version")
+        return decode(Plan, data)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)  # atomic: a reader never sees half a plan
+        return path
+
+    @staticmethod
+    def load(path: str | Path, *, graph: Any = None, topology: Any = None) -> "Plan":
+        """Read a plan; with `graph` (an OpGraph) or `topology`, refuse one made for others."""
+        path = Path(path)
+        if not path.is_file():
+            raise PlanFormatError(f"plan file {path} does not exist")
+        try:
+            plan = Plan.from_json(path.read_text())
+        except PlanFormatError as e:
+            raise PlanFormatError(f"{path}: {e}") from None
+        plan.check(graph=graph, topology=topology)
+        return plan
+
+    def check(self, *, graph: Any = None, topology: Any = None) -> None:
+        if graph is not None and graph.fingerprint() != self.graph_hash:
+            raise PlanMismatchError(
+                f"this plan was compiled for another model: graph hash {self.graph_hash[:12]} "
+                f"({self.model_name}) != {graph.fingerprint()[:12]} ({graph.model_name}); "
+                "compile a plan for this model")
+        if topology is not None:
+            from cost_models.topology import Topology
+
+            topo = Topology.coerce(topology)
+            if topo.fingerprint() != self.topology_hash:
+                raise PlanMismatchError(
+                    f"this plan was compiled for topology {self.topology_name} (world size {self.world_size}), "
+                    f"not {topo} (world size {topo.world_size}); compile a plan for this topology")
+
+    # ---- text --------------------------------------------------------------
+    def __str__(self) -> str:
+        from partitioner.plan_text import format_plan
+
+        return format_plan(self)
+
+    def explain(self) -> str:
+        from partitioner.plan_text import explain_plan
+
+        return explain_plan(self)
