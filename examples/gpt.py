@@ -260,7 +260,9 @@ class GPT(nn.Module):
 # --- named configurations ----------------------------------------------------------------
 # GPT-2 sizes from the GPT-2 paper (vocab padded to 50304 like nanoGPT), GPT-3 sizes from
 # Brown et al. 2020 Table 2.1 (13B with d=5120, as Megatron uses), 1T from Narayanan et
-# al. 2021 (Megatron-LM scaling) Table 1.
+# al. 2021 (Megatron-LM scaling) Table 1. The GPT-3-sized models train with dropout 0.1, as
+# Megatron-LM does by default (--hidden-dropout 0.1 --attention-dropout 0.1): their masks are
+# part of the activation memory a planner must fit (Korthikanti et al. 2022 count them).
 
 CONFIGS: dict[str, GPTConfig] = {
     "gpt_tiny": GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=1024),
@@ -269,12 +271,12 @@ CONFIGS: dict[str, GPTConfig] = {
     "gpt2_medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
     "gpt2_large": GPTConfig(n_layer=36, n_head=20, n_embd=1280, block_size=1024, vocab_size=50304),
     "gpt2_xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600, block_size=1024, vocab_size=50304),
-    "gpt3_1_3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=51200),
-    "gpt3_2_7b": GPTConfig(n_layer=32, n_head=32, n_embd=2560, block_size=2048, vocab_size=51200),
-    "gpt3_6_7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048, vocab_size=51200),
-    "gpt3_13b": GPTConfig(n_layer=40, n_head=40, n_embd=5120, block_size=2048, vocab_size=51200),
-    "gpt3_175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, block_size=2048, vocab_size=51200),
-    "gpt_1t": GPTConfig(n_layer=128, n_head=160, n_embd=25600, block_size=2048, vocab_size=51200),
+    "gpt3_1_3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=51200, dropout=0.1),
+    "gpt3_2_7b": GPTConfig(n_layer=32, n_head=32, n_embd=2560, block_size=2048, vocab_size=51200, dropout=0.1),
+    "gpt3_6_7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048, vocab_size=51200, dropout=0.1),
+    "gpt3_13b": GPTConfig(n_layer=40, n_head=40, n_embd=5120, block_size=2048, vocab_size=51200, dropout=0.1),
+    "gpt3_175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, block_size=2048, vocab_size=51200, dropout=0.1),
+    "gpt_1t": GPTConfig(n_layer=128, n_head=160, n_embd=25600, block_size=2048, vocab_size=51200, dropout=0.1),
 }
 
 

@@ -1,7 +1,9 @@
 """The `partitioner` command line (also `python -m partitioner`).
 
+    partitioner compile examples/gpt.py:gpt_small --topology local:4 --global-batch-size 32
+    partitioner compile examples/gpt.py:gpt3_175b --device meta --topology 128x8xA100-80GB --global-batch-size 1536 -o gpt.plan.json
+    partitioner show gpt.plan.json --explain
     partitioner trace examples/gpt.py:gpt_small            # per-block cost table
-    partitioner trace examples/gpt.py:gpt3_175b --device meta --per block
     partitioner trace examples/cnn.py:cnn --per node --batch-size 32
 
 Exit codes: 0 success, 2 bad input (the message says what to fix),
@@ -33,6 +35,38 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile(args: argparse.Namespace) -> int:
+    from partitioner.compile import compile
+    from partitioner.loading import load_model
+
+    model, inputs, _ = load_model(args.model, device=args.device, batch_size=2)
+    pins = {k: getattr(args, k) for k in ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule",
+                                         "interleave", "recompute") if getattr(args, k) is not None}
+    t0 = time.perf_counter()
+    plan = compile(model, args.topology, example_inputs=inputs, global_batch_size=args.global_batch_size,
+                   precision=args.precision, optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction,
+                   **pins)
+    dt = time.perf_counter() - t0
+    print(plan.to_json() if args.json else plan, end="" if args.json else "\n")
+    if args.explain and not args.json:
+        print("\n" + plan.explain())
+    if args.output:
+        plan.save(args.output)
+    if not args.json:
+        print(f"\ncompiled in {dt:.2f} s" + (f"; plan written to {args.output}" if args.output else ""))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from partitioner.plan import Plan
+
+    plan = Plan.load(args.plan)
+    print(plan.to_json() if args.json else plan, end="" if args.json else "\n")
+    if args.explain and not args.json:
+        print("\n" + plan.explain())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="partitioner", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -48,6 +82,31 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None, help="build the model on this device, e.g. meta for huge models")
     t.add_argument("--no-expand", action="store_true", help="trace every block instead of copying repeated ones")
     t.set_defaults(func=_trace)
+
+    c = sub.add_parser("compile", help="plan a model for a topology and print the plan",
+                       description="Compile MODEL for TOPOLOGY: trace, search, cut, schedule; print the plan table.")
+    c.add_argument("model", help="e.g. examples/gpt.py:gpt_small")
+    c.add_argument("--topology", required=True, help='e.g. "local:4", "4x8xA100-80GB", or a .json/.yaml file')
+    c.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step, all replicas")
+    c.add_argument("--precision", default="bf16-mixed", choices=("fp32", "bf16-mixed", "fp16-mixed"))
+    c.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    for name, kind in (("dp", int), ("tp", int), ("pp", int), ("zero-stage", int), ("microbatch-size", int),
+                       ("interleave", int)):
+        c.add_argument(f"--{name}", type=kind, default=None, help=f"pin {name} (default: the planner chooses)")
+    c.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None, help="pin the schedule")
+    c.add_argument("--recompute", choices=("none", "selective", "full"), default=None, help="pin recomputation")
+    c.add_argument("--max-memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
+    c.add_argument("--device", default=None, help="build the model on this device, e.g. meta for huge models")
+    c.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    c.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    c.add_argument("--explain", action="store_true", help="also print why this plan won")
+    c.set_defaults(func=_compile)
+
+    sh = sub.add_parser("show", help="print a saved plan", description="Print the plan saved in PLAN (JSON).")
+    sh.add_argument("plan", help="a plan JSON written by compile -o")
+    sh.add_argument("--json", action="store_true", help="print the JSON")
+    sh.add_argument("--explain", action="store_true", help="also print why this plan won")
+    sh.set_defaults(func=_show)
     return p
 
 

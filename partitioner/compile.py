@@ -19,7 +19,7 @@ from cost_models.compute import dtype_for
 from cost_models.errors import DeclarationError, PartitionerError
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
-from partitioner.costing import Candidate, CostContext, StageEvaluator
+from partitioner.costing import Candidate, CostContext, StageEvaluator, units_of
 from partitioner.cut import Cut
 from partitioner.declarations import Declarations, check_declarations
 from partitioner.opgraph import OpGraph
@@ -72,12 +72,13 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                         interleave=interleave, recompute=recompute, max_memory_fraction=max_memory_fraction)
     splits = find_splits(g)
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
-    units = "blocks" if g.blocks and cut_granularity == "block" else "nodes"
+    unit_name = "blocks" if g.blocks and cut_granularity == "block" else "nodes"
+    num_units = len(units_of(g, cut_granularity))
+    check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=num_units,
+                       unit_name=unit_name, valid_tp=valid_tp, tp_divisors=splits.divisors)
     ctx = CostContext(g, topo, splits, precision=precision, optimizer=optimizer, seq_len=g.traced_seq_len,
                       memory_cap=max_memory_fraction * topo.device.memory_bytes, calibration=cal,
                       granularity=cut_granularity)
-    check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=len(ctx.units),
-                       unit_name=units, valid_tp=valid_tp, tp_divisors=splits.divisors)
     cands = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
                                       num_units=len(ctx.units), valid_tp=valid_tp))
     if not cands:
@@ -122,6 +123,21 @@ def _mesh(c: Candidate, topo: Topology) -> tuple[MeshCoord, ...]:
     for r in range(topo.world_size):
         out.append(MeshCoord(rank=r, pp=r // (c.dp * c.tp), dp=(r // c.tp) % c.dp, tp=r % c.tp, node=topo.node_of(r)))
     return tuple(out)
+
+
+def rank_memory(cut: Cut, pp: int) -> dict[int, MemoryBreakdown]:
+    """Per pipeline rank: the sum over its virtual stages, buffers counted once (they are reused)."""
+    out: dict[int, MemoryBreakdown] = {}
+    for k, st in enumerate(cut.stages):
+        r = k % pp
+        prev = out.get(r)
+        p, g, o, a, b = st.memory
+        if prev is None:
+            out[r] = MemoryBreakdown(params=p, grads=g, optimizer=o, activations=a, buffers=b)
+        else:
+            out[r] = MemoryBreakdown(params=prev.params + p, grads=prev.grads + g, optimizer=prev.optimizer + o,
+                                     activations=prev.activations + a, buffers=max(prev.buffers, b))
+    return out
 
 
 def _why(best: Scored, other: Scored) -> str:
@@ -178,7 +194,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
     sim = simulate(sched, _durations(ev, cut))
     predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim)
     alternatives = tuple(Alternative(config=_config(o.cand), step_time_s=o.cut.step_time_s,
-                                     peak_memory_bytes=max(s.memory_total * o.cand.interleave for s in o.cut.stages),
+                                     peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp).values()),
                                      fits=True, why=_why(best, o)) for o in ranked[1:])
     return Plan(version=PLAN_VERSION, model_name=g.model_name, graph_hash=g.fingerprint(), topology=topo.to_dict(),
                 topology_hash=topo.fingerprint(), topology_name=str(topo), world_size=topo.world_size,
@@ -220,14 +236,7 @@ def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, e
         g.flops() * gb / g.traced_batch_size
     per_device = model_flops / topo.world_size / step
     peak = topo.device.flops(dtype_for(decl.precision))
-    # A rank holds its v virtual stages; the peak rank is the one that holds the most.
-    per_rank: dict[int, list[MemoryBreakdown]] = {}
-    for st in stages:
-        per_rank.setdefault(st.index % cand.pp, []).append(st.memory)
-    totals = {r: MemoryBreakdown(**{f: sum(getattr(m, f) for m in ms) for f in
-                                    ("params", "grads", "optimizer", "activations", "buffers")})
-              for r, ms in per_rank.items()}
-    worst = max(totals.values(), key=lambda m: m.total)
+    worst = max(rank_memory(cut, cand.pp).values(), key=lambda m: m.total)
     return Predicted(step_time_s=step, tokens_per_s=gb * s / step, samples_per_s=gb / step,
                      model_tflops_per_device=per_device / 1e12, mfu=per_device / peak,
                      peak_memory_bytes=worst.total, memory=worst, memory_capacity_bytes=float(topo.device.memory_bytes),

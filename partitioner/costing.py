@@ -354,7 +354,9 @@ class StageEvaluator:
             inflight = math.ceil(inflight / v)  # the rank's in-flight count spread over its v chunks
         acts = (self._act[j] - self._act[i]) * inflight + max(self._work[i:j], default=0.0)
         buffers = self._buffers(params)
-        fits = state.total * v + acts * v + buffers <= ctx.memory_cap
+        # Interleaved: a rank holds v chunks; each may use 1/v of the memory (safe, if conservative
+        # for uneven chunks: the rank's sum then fits for certain).
+        fits = (state.total + acts) * v + buffers <= ctx.memory_cap
         exposed, optim = self._tail(params, f, b)
         return StageCost(forward_s=f, backward_s=b, tail_s=exposed + optim, exposed_comm_s=exposed, params=params,
                          memory=(state.params, state.grads, state.optimizer, acts, buffers), fits=fits)

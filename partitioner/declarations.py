@@ -8,6 +8,7 @@ refusal names the relation that fails and suggests values that hold
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from cost_models.errors import DeclarationError
@@ -18,6 +19,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE = ("none", "selective", "full")
+_BLOCK_INDEX = re.compile(r"\.\d+\.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,7 +94,8 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
             f"valid products: {', '.join(map(str, divisors(world_size)))}")
 
     if d.tp is not None and d.tp not in valid_tp:
-        why = [f"{what} ({n})" for what, n in tp_divisors if n % d.tp]
+        # Blocks repeat: "heads of h.0.attn", "heads of h.1.attn" -> "heads of h.*.attn" once.
+        why = list(dict.fromkeys(f"{_BLOCK_INDEX.sub('.*.', what)} ({n})" for what, n in tp_divisors if n % d.tp))
         raise DeclarationError(
             f"tp={d.tp} does not divide {', '.join(why[:3]) or 'the split dimensions'}; "
             f"valid tp: {', '.join(map(str, valid_tp))}")

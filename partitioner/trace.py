@@ -22,7 +22,7 @@ from partitioner.blocks import TRACED_BLOCKS, Costed, LayerStack, NotRepeating, 
 from partitioner.capture import Capture, RawSpec, capture
 from partitioner.op_rules import known_op, op_cost
 from partitioner.opgraph import Block, OpCost, OpGraph, OpNode, ParamSpec, TensorSpec
-from partitioner.symbolic import to_poly
+from partitioner.symbolic import S, to_poly
 
 __all__ = ["trace"]
 
@@ -63,18 +63,57 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     costed, cap, expanded_from = None, None, None
     if expand_repeated and stack is not None and stack.uniform and stack.size > TRACED_BLOCKS:
         try:
-            cap = capture(truncated(model, stack, TRACED_BLOCKS), args, kwargs, method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
+            cap = _capture(truncated(model, stack, TRACED_BLOCKS), args, kwargs, method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
             costed = expand(_cost(cap, model, stack, seq), stack)
             expanded_from = TRACED_BLOCKS
         except (TraceError, NotRepeating):
             costed = None  # the model does not repeat, or its forward needs every block: trace all of it
     if costed is None:
-        cap = capture(model, args, kwargs, method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
+        cap = _capture(model, args, kwargs, method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
         costed = _cost(cap, model, stack, seq)
     unknown = sorted({n.op for n in costed if not known_op(n.op)})
     if unknown:
         warnings.warn(f"trace: no cost rule for {unknown}; counted as one FLOP per output element", stacklevel=2)
     return _assemble(costed, cap, model, stack, traced_b, seq, expanded_from)
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, **kw) -> Capture:
+    """capture(), keeping the sequence symbolic when the example pins it.
+
+    An example as long as the model's context (seq == block_size) lets the
+    exporter prove `x[:, :, :T, :T]` is the whole buffer and fix T: the costs
+    would lose their dependence on s, and with it what selective
+    recomputation saves. Then capture again with half the sequence, once,
+    which keeps T symbolic; every cost is still evaluated at the user's length.
+    """
+    cap = capture(model, args, kwargs, **kw)
+    if not kw.get("dynamic_seq") or _has_seq_symbol(cap):
+        return cap
+    shorter = _halve_sequence(args, kwargs)
+    if shorter is None:
+        return cap
+    try:
+        retry = capture(model, *shorter, **kw)
+    except TraceError:
+        return cap
+    return retry if _has_seq_symbol(retry) else cap
+
+
+def _has_seq_symbol(cap: Capture) -> bool:
+    """Every token input kept its sequence dimension symbolic."""
+    tokens = [spec for _, spec in cap.inputs
+              if len(spec.shape) >= 2 and not spec.dtype.is_floating_point and spec.dtype != torch.bool]
+    return bool(tokens) and all(S in getattr(t.shape[1], "free_symbols", ()) for t in tokens)
+
+
+def _halve_sequence(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def cut(x):
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.dtype.is_floating_point and x.dtype != torch.bool:
+            return x[:, : max(2, x.shape[1] // 2)].contiguous()  # models call .view on their inputs
+        return x
+    new_args, new_kwargs = tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+    changed = any(a is not b for a, b in zip(args, new_args)) or any(kwargs[k] is not new_kwargs[k] for k in kwargs)
+    return (new_args, new_kwargs) if changed else None
 
 
 def _batch_of_two(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

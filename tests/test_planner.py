@@ -1,0 +1,278 @@
+"""The planner: optimal under its cost model, sane against practice, honours pins,
+deterministic, refuses what cannot hold."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from examples import gpt as gpt_mod
+from partitioner import (DeclarationError, OpGraph, Plan, PlanFormatError, PlanInfeasibleError, PlanMismatchError,
+                         Topology, compile, trace)
+from partitioner.costing import CostContext
+from partitioner.cut import evaluate_cut
+from partitioner.declarations import Declarations
+from partitioner.schedule import peak_inflight, validate
+from partitioner.search import enumerate_candidates, search
+from partitioner.tensor_split import find_splits
+
+GiB = 2**30
+
+
+def meta_gpt(n_layer, n_embd=64, n_head=4, block=64, vocab=256, dropout=0.0, seq=None) -> OpGraph:
+    cfg = gpt_mod.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block, vocab_size=vocab,
+                            dropout=dropout)
+    with torch.device("meta"):
+        model = gpt_mod.GPT(cfg)
+    idx = torch.empty(2, seq or block, dtype=torch.long, device="meta")
+    return trace(model, (idx, idx))
+
+
+@pytest.fixture(scope="module")
+def small() -> OpGraph:
+    model = gpt_mod.gpt_small()
+    return trace(model, gpt_mod.example_batch(model, 8))
+
+
+@pytest.fixture(scope="module")
+def gpt3_175b() -> OpGraph:
+    with torch.device("meta"):
+        model = gpt_mod.gpt3_175b()
+    idx = torch.empty(1, 2048, dtype=torch.long, device="meta")
+    return trace(model, (idx, idx))
+
+
+# ---------------------------------------------------------------- optimality
+
+
+def exhaustive_best(ctx: CostContext, cands) -> float:
+    """The best step time over every candidate and every cut into contiguous stages."""
+    n = len(ctx.units)
+    best = math.inf
+    for cand in cands:
+        ev = ctx.prepare(cand)
+        S = ev.num_stages
+        if S > n:
+            continue
+        for inner in itertools.combinations(range(1, n), S - 1):
+            cut = evaluate_cut(ev, (0, *inner, n))
+            if cut is not None:
+                best = min(best, cut.step_time_s)
+    return best
+
+
+INSTANCES = [  # (layers, topology, global batch, memory fraction, pins)
+    (3, "local:4", 8, 0.9, {}),
+    (5, "2x4xA100-80GB", 16, 0.9, {}),
+    (8, "1x8xH100-80GB", 16, 2e-5, {}),
+    (6, "2x2xV100-32GB", 8, 3e-5, {"precision": "fp16-mixed"}),
+    (12, "2x8xA100-40GB", 32, 1e-4, {"zero_stage": 1, "recompute": "selective", "microbatch_size": 1}),
+    (10, "4x4xA100-80GB", 16, 0.9, {"tp": 1, "zero_stage": 0, "recompute": "none", "microbatch_size": 1}),
+]
+
+
+@pytest.mark.parametrize("layers,topo,gb,frac,pins", INSTANCES)
+def test_search_finds_the_exhaustive_optimum(layers, topo, gb, frac, pins):
+    rng = random.Random(layers)
+    g = meta_gpt(layers, n_embd=rng.choice([64, 128]))
+    topology = Topology.parse(topo)
+    splits = find_splits(g)
+    decl = Declarations(global_batch_size=gb, **pins)
+    ctx = CostContext(g, topology, splits, precision=decl.precision, optimizer="adam", seq_len=g.traced_seq_len,
+                      memory_cap=frac * topology.device.memory_bytes)
+    valid = splits.valid_tp(tuple(t for t in range(1, topology.world_size + 1) if topology.world_size % t == 0))
+    cands = list(enumerate_candidates(decl, world_size=topology.world_size,
+                                      devices_per_node=topology.devices_per_node, num_units=len(ctx.units),
+                                      valid_tp=valid))
+    found = search(ctx, cands, keep=1)
+    truth = exhaustive_best(ctx, cands)
+    if math.isinf(truth):
+        assert not found.ranked
+    else:
+        assert found.ranked and found.ranked[0].cut.step_time_s == pytest.approx(truth, rel=1e-9)
+    assert found.evaluated <= found.space
+
+
+def test_memory_cap_is_respected_and_binds(small):
+    loose = compile(small, "local:4", global_batch_size=32, max_memory_fraction=0.9)
+    cap = loose.predicted.peak_memory_bytes * 0.6 / (8 * GiB)
+    tight = compile(small, "local:4", global_batch_size=32, max_memory_fraction=cap)
+    assert tight.predicted.peak_memory_bytes <= cap * 8 * GiB * (1 + 1e-9)
+    assert tight.config != loose.config
+
+
+# ---------------------------------------------------------------- practice
+
+
+def test_gpt3_175b_on_1024_a100s_looks_like_practice(gpt3_175b):
+    plan = compile(gpt3_175b, "128x8xA100-80GB", global_batch_size=1536)
+    assert plan.predicted.peak_memory_bytes <= 80 * GiB
+    assert plan.pp > 1 and 1 < plan.tp <= 8
+    assert 0.30 <= plan.predicted.mfu <= 0.60
+    # Under Megatron-LM's own constraint (no ZeRO: every replica holds full optimizer state),
+    # memory forces tp * pp >= 64 and the planner picks Megatron's published layout: tensor
+    # groups of 8 inside a node, pipeline across nodes (Narayanan et al. 2021, Table 1).
+    megatron = compile(gpt3_175b, "128x8xA100-80GB", global_batch_size=1536, zero_stage=0)
+    assert megatron.tp == 8 and megatron.pp > 1
+    assert megatron.predicted.peak_memory_bytes <= 80 * GiB and 0.30 <= megatron.predicted.mfu <= 0.60
+    tp_groups = {tuple(m.rank for m in megatron.mesh if m.pp == 0 and m.dp == d) for d in range(megatron.dp)}
+    for group in tp_groups:
+        assert len({megatron.mesh[r].node for r in group}) == 1  # a tensor group never leaves its node
+
+
+def test_gpt3_1_3b_on_8_a100s_is_pure_data_parallel():
+    with torch.device("meta"):
+        model = gpt_mod.gpt3_1_3b()
+    idx = torch.empty(1, 2048, dtype=torch.long, device="meta")
+    plan = compile(model, "8xA100-80GB", example_inputs=(idx, idx), global_batch_size=512)
+    assert (plan.dp, plan.tp, plan.pp) == (8, 1, 1)
+
+
+def test_stages_balance_time_and_carry_embedding_and_head(gpt3_175b):
+    plan = compile(gpt3_175b, "128x8xA100-80GB", global_batch_size=1536, zero_stage=0, tp=8, pp=8, schedule="1f1b")
+    c = [s.forward_s + s.backward_s for s in plan.stages]
+    assert max(c) / min(c) < 1.1  # balanced...
+    sizes = [len([b for b in s.blocks if b.startswith("transformer.h.")]) for s in plan.stages]
+    assert sum(sizes) == 96 and sizes[0] <= sizes[3] and sizes[-1] <= sizes[3]  # ...by giving the ends fewer layers
+    assert plan.stages[0].blocks[0] == "prefix" and plan.stages[-1].blocks[-1] == "suffix"
+
+
+# ---------------------------------------------------------------- pins
+
+
+@pytest.mark.parametrize("pins", [
+    dict(dp=2, tp=2, pp=2),
+    dict(zero_stage=3),
+    dict(pp=2, schedule="gpipe", microbatch_size=2),
+    dict(pp=2, schedule="interleaved-1f1b", interleave=2),
+    dict(recompute="full", tp=4),
+    dict(dp=8),
+])
+def test_pinned_declarations_are_honoured(small, pins):
+    plan = compile(small, "local:8", global_batch_size=32, **pins)
+    for k, v in pins.items():
+        assert getattr(plan.config, k) == v, k
+    assert plan.dp * plan.tp * plan.pp == 8
+    assert plan.dp * plan.microbatch_size * plan.num_microbatches == 32
+    validate(plan.schedule)
+
+
+@pytest.mark.parametrize("pins,match", [
+    (dict(dp=2, tp=2, pp=1), r"dp\(2\) \* tp\(2\) \* pp\(1\) = 4 != world size 8"),
+    (dict(tp=3), r"tp\(3\) = 3 does not divide world size 8 of topology local:8; valid products: 1, 2, 4, 8"),
+    (dict(pp=8), r"pp=8 > 4 blocks.*valid pp: 1, 2, 4"),
+    (dict(dp=4, microbatch_size=3), r"global_batch_size=32 is not divisible by dp\(4\) \* microbatch_size\(3\) = 12; "
+                                    r"valid global batch sizes near it: 24, 36"),
+    (dict(zero_stage=4), r"zero_stage=4: must be 0 \(DDP\), 1, 2 or 3"),
+    (dict(schedule="zigzag"), r"schedule='zigzag': must be one of 'gpipe', '1f1b', 'interleaved-1f1b'"),
+    (dict(interleave=2, schedule="1f1b"), r"interleave=2 needs schedule='interleaved-1f1b'"),
+    (dict(precision="fp8"), r"precision='fp8': must be one of"),
+    (dict(max_memory_fraction=1.5), r"max_memory_fraction=1.5: must be in \(0, 1\]"),
+])
+def test_impossible_declarations_are_refused_with_the_fix(small, pins, match):
+    with pytest.raises(DeclarationError, match=match) as info:
+        compile(small, "local:8", global_batch_size=32, **pins)
+    assert isinstance(info.value, ValueError)
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused(small):
+    with pytest.raises(DeclarationError, match=r"tp=3 does not divide heads of transformer\.h\.\*\.attn \(4\), "
+                                               r"ffn .*valid tp: 1, 2$"):
+        compile(small, "local:6", global_batch_size=36, tp=3)
+
+
+def test_a_precision_the_device_lacks_is_refused(small):
+    with pytest.raises(ValueError, match="'V100-32GB' has no peak FLOP/s for dtype 'bf16'.*choose another precision"):
+        compile(small, "2xV100-32GB", global_batch_size=8, precision="bf16-mixed")
+
+
+def test_global_batch_must_divide(small):
+    with pytest.raises(DeclarationError, match=r"global_batch_size=30 is not divisible by dp\(8\)"):
+        compile(small, "local:8", global_batch_size=30, dp=8)
+
+
+def test_nothing_fits_says_how_far_and_what_to_relax(gpt3_175b):
+    with pytest.raises(PlanInfeasibleError) as info:
+        compile(gpt3_175b, "8xA100-80GB", global_batch_size=64)
+    msg = str(info.value)
+    assert "least memory per rank any candidate needs is" in msg and "GiB" in msg
+    assert "A100-80GB offers 72.0 GiB" in msg
+    assert "more devices" in msg and "recompute='full'" in msg and "ZeRO-3" in msg
+
+
+# ---------------------------------------------------------------- the plan as data
+
+
+def test_same_inputs_give_byte_identical_json(small):
+    a = compile(small, "local:8", global_batch_size=32)
+    b = compile(small, "local:8", global_batch_size=32)
+    assert a.to_json() == b.to_json()
+
+
+def test_save_load_round_trips_and_checks_what_it_belongs_to(small, tmp_path):
+    plan = compile(small, "local:8", global_batch_size=32, pp=2, schedule="1f1b")
+    path = plan.save(tmp_path / "p.plan.json")
+    loaded = Plan.load(path, graph=small, topology="local:8")
+    assert loaded == plan and loaded.to_json() == plan.to_json()
+    other = meta_gpt(3)
+    with pytest.raises(PlanMismatchError, match="compiled for another model"):
+        Plan.load(path, graph=other)
+    with pytest.raises(PlanMismatchError, match="compiled for topology local:8 .* not local:4"):
+        Plan.load(path, topology="local:4")
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d.update(version=99), "version 99 is not supported"),
+    (lambda d: d["config"].update(dp="two"), r"plan.config.dp: expected an integer"),
+    (lambda d: d.update(surprise=1), r"unknown field\(s\) \['surprise'\]"),
+    (lambda d: d.update(schedule="rank 0: 0X0"), r"plan.schedule"),
+])
+def test_corrupt_plan_files_are_refused_naming_the_field(small, tmp_path, edit, match):
+    data = json.loads(compile(small, "local:4", global_batch_size=16).to_json())
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFormatError, match=match):
+        Plan.load(path)
+
+
+def test_plan_carries_mesh_placements_schedule_and_prediction(small):
+    plan = compile(small, "local:8", global_batch_size=32, dp=2, tp=2, pp=2, schedule="1f1b")
+    assert [(m.pp, m.dp, m.tp) for m in plan.mesh[:4]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert {p.param for p in plan.placements} == {p.name for p in small.params}
+    assert plan.placement("transformer.h.0.mlp.c_fc.weight").spec == "S(0)"
+    assert plan.placement("transformer.h.0.mlp.c_proj.weight").spec == "S(1)"
+    assert plan.placement("transformer.h.0.ln_1.weight").spec == "R"
+    assert plan.placement("transformer.wte.weight").stages == (0, 1)  # tied: embedding and LM head
+    validate(plan.schedule)
+    assert peak_inflight(plan.schedule) == (2, 1) if plan.num_microbatches >= 2 else True
+    pr = plan.predicted
+    assert pr.step_time_s > 0 and pr.tokens_per_s == pytest.approx(32 * 128 / pr.step_time_s)
+    assert pr.peak_memory_bytes == pytest.approx(pr.memory.total)
+    assert 0 < pr.mfu < 1 and pr.bytes_per_link["intra_node"] > 0
+    text = str(plan)
+    assert "dp2 tp2 pp2" in text and "c_fc.weight" in text and "S(1)" in text and "runners-up" in text
+    assert "Why dp2 tp2 pp2" in plan.explain()
+
+
+def test_node_granularity_cuts_inside_blocks():
+    g = meta_gpt(2)
+    plan = compile(g, "local:4", global_batch_size=8, pp=4, cut_granularity="node", precision="fp32")
+    assert plan.pp == 4 and len(plan.stages) == 4
+    assert all(s.first_node <= s.last_node for s in plan.stages)
+    assert plan.stages[-1].last_node == len(g.nodes) - 1
+
+
+def test_compile_traces_a_model_given_example_inputs():
+    model = gpt_mod.gpt_tiny()
+    plan = compile(model, "local:2", example_inputs=gpt_mod.example_batch(model, 2), global_batch_size=8)
+    assert plan.dp * plan.tp * plan.pp == 2 and plan.model_name == "GPT"
+    with pytest.raises(DeclarationError, match="example_inputs: required"):
+        compile(model, "local:2", global_batch_size=8)
+    with pytest.raises(DeclarationError, match="global_batch_size: required"):
+        compile(model, "local:2", example_inputs=gpt_mod.example_batch(model, 2))
