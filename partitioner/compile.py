@@ -185,8 +185,9 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
             param_stages.setdefault(p, set()).add(node_stage[idx])
     placements = []
     for pl in splits.placements:
-        spec, reason = (pl.spec, pl.reason) if cand.tp > 1 else ("R", "tp=1: every rank holds the whole tensor")
-        placements.append(ParamPlacement(param=pl.param, spec=spec, role=pl.role, reason=reason,
+        spec, role, reason = (pl.spec, pl.role, pl.reason) if cand.tp > 1 else \
+            ("R", "replicated", f"tp=1: every rank holds the whole tensor (with tp > 1: {pl.role}, {pl.spec})")
+        placements.append(ParamPlacement(param=pl.param, spec=spec, role=role, reason=reason,
                                          stages=tuple(sorted(param_stages.get(pl.param, ()))), fused=pl.fused))
 
     sched = build_schedule(cand.schedule, pp=cand.pp, num_microbatches=cand.num_microbatches,
