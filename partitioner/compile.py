@@ -19,7 +19,7 @@ from cost_models.compute import dtype_for
 from cost_models.errors import DeclarationError, PartitionerError
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
-from partitioner.costing import Candidate, CostContext, StageEvaluator, units_of
+from partitioner.costing import CostContext, StageEvaluator, units_of
 from partitioner.cut import Cut
 from partitioner.declarations import Declarations, check_declarations
 from partitioner.opgraph import OpGraph
@@ -91,7 +91,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     return _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space)
 
 
-def _infeasible(ctx: CostContext, cands: list[Candidate], decl: Declarations, topo: Topology) -> None:
+def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declarations, topo: Topology) -> None:
     need, who = least_memory(ctx, cands)
     have = ctx.memory_cap
     hints = []
@@ -110,13 +110,7 @@ def _infeasible(ctx: CostContext, cands: list[Candidate], decl: Declarations, to
         f"({decl.max_memory_fraction:g} of {topo.device.memory_bytes / 2**30:.0f} GiB); try {', or '.join(hints)}")
 
 
-def _config(c: Candidate) -> ParallelConfig:
-    return ParallelConfig(dp=c.dp, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage, microbatch_size=c.microbatch_size,
-                          num_microbatches=c.num_microbatches, schedule=c.schedule, interleave=c.interleave,
-                          recompute=c.recompute)
-
-
-def _mesh(c: Candidate, topo: Topology) -> tuple[MeshCoord, ...]:
+def _mesh(c: ParallelConfig, topo: Topology) -> tuple[MeshCoord, ...]:
     """rank = pp_index * (dp * tp) + dp_index * tp + tp_index: tensor groups are consecutive ranks
     (inside a node), pipeline neighbours furthest apart (across nodes)."""
     out = []
@@ -194,13 +188,13 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                            interleave=cand.interleave)
     sim = simulate(sched, _durations(ev, cut))
     predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim)
-    alternatives = tuple(Alternative(config=_config(o.cand), step_time_s=o.cut.step_time_s,
+    alternatives = tuple(Alternative(config=o.cand, step_time_s=o.cut.step_time_s,
                                      peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp).values()),
                                      fits=True, why=_why(best, o)) for o in ranked[1:])
     return Plan(version=PLAN_VERSION, model_name=g.model_name, graph_hash=g.fingerprint(), topology=topo.to_dict(),
                 topology_hash=topo.fingerprint(), topology_name=str(topo), world_size=topo.world_size,
                 global_batch_size=decl.global_batch_size, seq_len=g.traced_seq_len, precision=decl.precision,
-                optimizer=decl.optimizer, declarations=decl.pinned(), config=_config(cand), mesh=mesh,
+                optimizer=decl.optimizer, declarations=decl.pinned(), config=cand, mesh=mesh,
                 stages=tuple(stages), placements=tuple(placements), schedule=sched, predicted=predicted,
                 alternatives=alternatives, candidates_evaluated=evaluated, search_space=space)
 
@@ -229,7 +223,7 @@ def _durations(ev: StageEvaluator, cut: Cut) -> Durations:
                      optim=tuple(optim))
 
 
-def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, ev: StageEvaluator, cand: Candidate,
+def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig,
              cut: Cut, stages: list[StagePlan], sim: Any) -> Predicted:
     step = sim.step_time_s
     gb, s = decl.global_batch_size, g.traced_seq_len or 1
@@ -245,7 +239,7 @@ def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, e
                      exposed_comm_s=max(st.exposed_comm_s for st in cut.stages))
 
 
-def _traffic(ctx: CostContext, ev: StageEvaluator, cand: Candidate, cut: Cut, topo: Topology) -> dict[str, float]:
+def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cut, topo: Topology) -> dict[str, float]:
     """Bytes one rank of the busiest stage sends per step, by link level (ring collectives: 2(p-1)/p of the buffer)."""
     out = {LinkLevel.INTRA_NODE.value: 0.0, LinkLevel.INTER_NODE.value: 0.0}
     mb, m, s = cand.microbatch_size, cand.num_microbatches, ctx.seq

@@ -33,10 +33,11 @@ from cost_models.compute import RooflineCompute, dtype_for
 from cost_models.memory import inflight_microbatches, model_state_bytes
 from cost_models.topology import Topology
 from partitioner.opgraph import OpGraph
+from partitioner.plan import ParallelConfig
 from partitioner.symbolic import Poly
 from partitioner.tensor_split import TensorSplits
 
-__all__ = ["CostContext", "UnitCost", "UnitArrays", "StageCost", "StageEvaluator", "Candidate", "units_of"]
+__all__ = ["CostContext", "UnitCost", "UnitArrays", "StageCost", "StageEvaluator", "units_of"]
 
 # Adam's step reads param, grad, m, v and writes param, m, v: 7 fp32 words per
 # parameter (torch.optim.Adam foreach path; the fp32 master copy under mixed precision).
@@ -80,21 +81,6 @@ class StageCost:
     @property
     def memory_total(self) -> float:
         return sum(self.memory)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, order=True)
-class Candidate:
-    """The settings a stage evaluation needs (a ParallelConfig less nothing, plus memory cap)."""
-
-    dp: int
-    tp: int
-    pp: int
-    zero_stage: int
-    microbatch_size: int
-    num_microbatches: int
-    schedule: str
-    interleave: int
-    recompute: str
 
 
 class CostContext:
@@ -256,7 +242,7 @@ class CostContext:
                                          for u in range(len(self.units) - 1))
         return hit
 
-    def prepare(self, cand: Candidate) -> "StageEvaluator":
+    def prepare(self, cand: ParallelConfig) -> "StageEvaluator":
         return StageEvaluator(self, cand)
 
 
@@ -293,7 +279,7 @@ class UnitArrays:
 class StageEvaluator:
     """Stage costs for one candidate in O(1) per stage, from prefix sums over units."""
 
-    def __init__(self, ctx: CostContext, cand: Candidate):
+    def __init__(self, ctx: CostContext, cand: ParallelConfig):
         self.ctx, self.cand = ctx, cand
         self.num_stages = cand.pp * cand.interleave
         arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute)

@@ -15,9 +15,10 @@ import dataclasses
 import math
 from typing import Iterator
 
-from partitioner.costing import Candidate, CostContext
+from partitioner.costing import CostContext
 from partitioner.cut import Cut, cut_stages, evaluate_cut
 from partitioner.declarations import Declarations, divisors
+from partitioner.plan import ParallelConfig
 
 __all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
 
@@ -26,14 +27,14 @@ _SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2}
 _INTERLEAVES = (2, 3, 4)
 
 
-def simplicity(c: Candidate) -> tuple:
+def simplicity(c: ParallelConfig) -> tuple:
     return (c.pp, c.tp, c.zero_stage, _RECOMPUTE_ORDER[c.recompute], _SCHEDULE_ORDER[c.schedule], c.interleave,
             -c.microbatch_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Scored:
-    cand: Candidate
+    cand: ParallelConfig
     cut: Cut
 
 
@@ -45,7 +46,7 @@ class SearchResult:
 
 
 def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: int, num_units: int,
-                         valid_tp: tuple[int, ...]) -> Iterator[Candidate]:
+                         valid_tp: tuple[int, ...]) -> Iterator[ParallelConfig]:
     """Every configuration the declarations allow (not yet checked for memory)."""
     gb = d.global_batch_size
     tps = [d.tp] if d.tp is not None else [t for t in valid_tp if world_size % t == 0 and t <= devices_per_node]
@@ -68,7 +69,7 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                     recomputes = [d.recompute] if d.recompute is not None else ["none", "selective", "full"]
                     for z in zeros:
                         for rc in recomputes:
-                            yield Candidate(dp=dp, tp=tp, pp=pp, zero_stage=z, microbatch_size=mb,
+                            yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=z, microbatch_size=mb,
                                             num_microbatches=m, schedule=sched, interleave=v, recompute=rc)
 
 
@@ -88,14 +89,14 @@ def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[s
     return out
 
 
-def search(ctx: CostContext, candidates: list[Candidate], *, keep: int = 5) -> SearchResult:
+def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5) -> SearchResult:
     """The `keep` best candidates with their exact cuts."""
     order = []
     for cand in candidates:
         ev = ctx.prepare(cand)
         order.append((ev.lower_bound(), simplicity(cand), cand, ev))
     order.sort(key=lambda x: (x[0], x[1]))
-    ranked: list[tuple[float, tuple, Candidate, Cut]] = []
+    ranked: list[tuple[float, tuple, ParallelConfig, Cut]] = []
     evaluated = 0
     for lb, simple, cand, ev in order:
         kth = ranked[keep - 1][0] if len(ranked) >= keep else math.inf
@@ -114,7 +115,7 @@ def search(ctx: CostContext, candidates: list[Candidate], *, keep: int = 5) -> S
                         evaluated=evaluated, space=len(candidates))
 
 
-def least_memory(ctx: CostContext, candidates: list[Candidate]) -> tuple[float, Candidate | None]:
+def least_memory(ctx: CostContext, candidates: list[ParallelConfig]) -> tuple[float, ParallelConfig | None]:
     """The smallest peak memory per rank of any candidate's balanced cut (for the infeasible error)."""
     best, who = math.inf, None
     for cand in candidates:
