@@ -195,7 +195,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 topology_hash=topo.fingerprint(), topology_name=str(topo), world_size=topo.world_size,
                 global_batch_size=decl.global_batch_size, seq_len=g.traced_seq_len, precision=decl.precision,
                 optimizer=decl.optimizer, declarations=decl.pinned(), config=cand, mesh=mesh,
-                stages=tuple(stages), placements=tuple(placements), schedule=sched, predicted=predicted,
+                stages=tuple(stages), placements=tuple(placements), instructions=sched, predicted=predicted,
                 alternatives=alternatives, candidates_evaluated=evaluated, search_space=space)
 
 

@@ -1,8 +1,8 @@
 """Plan: the planner's decision and its evidence, as plain frozen data.
 
 A Plan names the parallel configuration, the device mesh, the stage cuts,
-the tensor placement of every parameter, the pipeline schedule as per-rank
-instruction lists, the predicted cost and the runners-up. It saves as
+the tensor placement of every parameter, the pipeline schedule and its per-rank
+instruction lists (`plan.instructions`), the predicted cost and the runners-up. It saves as
 versioned JSON tied to the hashes of the graph and the topology it was made
 for, so a plan for another model or cluster is refused on load.
 
@@ -176,7 +176,7 @@ class Plan:
     mesh: tuple[MeshCoord, ...]
     stages: tuple[StagePlan, ...]
     placements: tuple[ParamPlacement, ...]
-    schedule: Schedule
+    instructions: Schedule  # per pipeline rank, the ordered actions (0F0 0SEND_F0 ...)
     predicted: Predicted
     alternatives: tuple[Alternative, ...]
     candidates_evaluated: int
@@ -192,9 +192,7 @@ class Plan:
     interleave = property(lambda self: self.config.interleave)
     recompute = property(lambda self: self.config.recompute)
 
-    @property
-    def schedule_kind(self) -> str:
-        return self.config.schedule
+    schedule = property(lambda self: self.config.schedule)  # "gpipe" | "1f1b" | "interleaved-1f1b"
 
     def placement(self, param: str) -> ParamPlacement:
         for p in self.placements:

@@ -84,9 +84,9 @@ def format_plan(p: "Plan") -> str:
         groups[key] = groups.get(key, 0) + 1
     rows = [[name, spec, role, str(n)] for (name, spec, role), n in groups.items()]
     lines += ["", *("  " + x for x in _table(["parameter", "split", "role", "count"], rows, {3}))]
-    first = " ".join(str(a) for a in p.schedule.ranks[0][:12])
-    lines += ["", f"  schedule   {p.schedule.kind}, {p.schedule.num_microbatches} microbatches; "
-                  f"rank 0: {first}{' ...' if len(p.schedule.ranks[0]) > 12 else ''}"]
+    first = " ".join(str(a) for a in p.instructions.ranks[0][:12])
+    lines += ["", f"  schedule   {p.instructions.kind}, {p.instructions.num_microbatches} microbatches; "
+                  f"rank 0: {first}{' ...' if len(p.instructions.ranks[0]) > 12 else ''}"]
     if p.alternatives:
         rows = [[str(a.config), f"{a.step_time_s * 1e3:.1f}", _gib(a.peak_memory_bytes), a.why] for a in p.alternatives]
         lines += ["", "  runners-up", *("  " + x for x in _table(["config", "ms/step", "peak memory", "why it lost"], rows, {1, 2}))]

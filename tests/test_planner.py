@@ -159,7 +159,7 @@ def test_pinned_declarations_are_honoured(small, pins):
         assert getattr(plan.config, k) == v, k
     assert plan.dp * plan.tp * plan.pp == 8
     assert plan.dp * plan.microbatch_size * plan.num_microbatches == 32
-    validate(plan.schedule)
+    validate(plan.instructions)
 
 
 @pytest.mark.parametrize("pins,match", [
@@ -230,7 +230,7 @@ def test_save_load_round_trips_and_checks_what_it_belongs_to(small, tmp_path):
     (lambda d: d.update(version=99), "version 99 is not supported"),
     (lambda d: d["config"].update(dp="two"), r"plan.config.dp: expected an integer"),
     (lambda d: d.update(surprise=1), r"unknown field\(s\) \['surprise'\]"),
-    (lambda d: d.update(schedule="rank 0: 0X0"), r"plan.schedule"),
+    (lambda d: d.update(instructions="rank 0: 0X0"), r"plan.instructions"),
 ])
 def test_corrupt_plan_files_are_refused_naming_the_field(small, tmp_path, edit, match):
     data = json.loads(compile(small, "local:4", global_batch_size=16).to_json())
@@ -249,8 +249,9 @@ def test_plan_carries_mesh_placements_schedule_and_prediction(small):
     assert plan.placement("transformer.h.0.mlp.c_proj.weight").spec == "S(1)"
     assert plan.placement("transformer.h.0.ln_1.weight").spec == "R"
     assert plan.placement("transformer.wte.weight").stages == (0, 1)  # tied: embedding and LM head
-    validate(plan.schedule)
-    assert peak_inflight(plan.schedule) == (2, 1) if plan.num_microbatches >= 2 else True
+    assert plan.schedule == "1f1b" and plan.instructions.kind == "1f1b"
+    validate(plan.instructions)
+    assert peak_inflight(plan.instructions) == (min(2, plan.num_microbatches), 1)
     pr = plan.predicted
     assert pr.step_time_s > 0 and pr.tokens_per_s == pytest.approx(32 * 128 / pr.step_time_s)
     assert pr.peak_memory_bytes == pytest.approx(pr.memory.total)
