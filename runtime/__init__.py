@@ -1,0 +1,6 @@
+"""runtime: what the generated per-rank programs link against.
+
+Process groups from the plan's mesh, the collectives shim, data-parallel
+engines (DDP, ZeRO-1/2/3), launch (torchrun, mpirun, SLURM, local spawn).
+Never imports the planner (shared/DESIGN.md).
+"""
