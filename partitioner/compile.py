@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from cost_models.calibration import Calibration
 from cost_models.compute import dtype_for
 from cost_models.errors import DeclarationError, PartitionerError
+from cost_models.memory import DDP_BUCKET_BYTES
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
 from partitioner.costing import CostContext, StageEvaluator, units_of
@@ -178,10 +179,13 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
         for p in n.params:
             param_stages.setdefault(p, set()).add(node_stage[idx])
     placements = []
+    param_spec = {p.name: p for p in g.params}
     for pl in splits.placements:
         spec, role, reason = (pl.spec, pl.role, pl.reason) if cand.tp > 1 else \
             ("R", "replicated", f"tp=1: every rank holds the whole tensor (with tp > 1: {pl.role}, {pl.spec})")
-        placements.append(ParamPlacement(param=pl.param, spec=spec, role=role, reason=reason,
+        spec_ = param_spec[pl.param]
+        placements.append(ParamPlacement(param=pl.param, shape=spec_.shape, spec=spec, role=role, reason=reason,
+                                         block=g.blocks[spec_.block].name if spec_.block is not None else None,
                                          stages=tuple(sorted(param_stages.get(pl.param, ()))), fused=pl.fused))
 
     sched = build_schedule(cand.schedule, pp=cand.pp, num_microbatches=cand.num_microbatches,
@@ -196,7 +200,8 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 global_batch_size=decl.global_batch_size, seq_len=g.traced_seq_len, precision=decl.precision,
                 optimizer=decl.optimizer, declarations=decl.pinned(), config=cand, mesh=mesh,
                 stages=tuple(stages), placements=tuple(placements), instructions=sched, predicted=predicted,
-                alternatives=alternatives, candidates_evaluated=evaluated, search_space=space)
+                alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, candidates_evaluated=evaluated,
+                search_space=space)
 
 
 def _segment_name(g: OpGraph, n: int) -> str:

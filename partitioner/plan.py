@@ -117,10 +117,12 @@ class ParamPlacement:
     """How one parameter is laid out over its tensor group: "S(d)" sharded on dim d, "R" replicated."""
 
     param: str
+    shape: tuple[int, ...]
     spec: str
     role: str
     reason: str
     stages: tuple[int, ...]
+    block: str | None = None  # the repeated block it belongs to (ZeRO-3 gathers per block)
     fused: int = 1
 
 
@@ -179,6 +181,7 @@ class Plan:
     instructions: Schedule  # per pipeline rank, the ordered actions (0F0 0SEND_F0 ...)
     predicted: Predicted
     alternatives: tuple[Alternative, ...]
+    bucket_bytes: int  # data-parallel gradient bucket (torch DDP's 25 MiB default)
     candidates_evaluated: int
     search_space: int
 
@@ -199,6 +202,19 @@ class Plan:
             if p.param == param:
                 return p
         raise KeyError(f"no parameter {param!r} in this plan")
+
+    # ---- programs ------------------------------------------------------
+    def program(self, rank: int):
+        """The RankProgram of `rank`: readable, executable Python (see partitioner.codegen)."""
+        from partitioner.codegen import program
+
+        return program(self, rank)
+
+    def write_programs(self, directory: str | Path) -> Path:
+        """Write plan.json and rank_{r}.py for every rank into `directory`."""
+        from partitioner.codegen import write_programs
+
+        return write_programs(self, directory)
 
     # ---- JSON ----------------------------------------------------------
     def to_json(self) -> str:

@@ -1,0 +1,57 @@
+"""Module-level training pieces for running plans: picklable, so worker processes can import them.
+
+    from runtime import launch_local
+    from examples.training import gpt_tiny_seeded, adamw, gpt_loss
+    out = launch_local(plan, gpt_tiny_seeded, adamw, gpt_loss, batches)
+
+Every factory seeds torch before building, so every rank (and the
+single-process reference) starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from examples import gpt
+
+__all__ = ["gpt_tiny_seeded", "gpt_small_seeded", "hf_gpt2_seeded", "adamw", "sgd", "gpt_loss", "hf_loss"]
+
+
+def gpt_tiny_seeded() -> gpt.GPT:
+    torch.manual_seed(0)
+    return gpt.gpt_tiny()
+
+
+def gpt_small_seeded() -> gpt.GPT:
+    torch.manual_seed(0)
+    return gpt.gpt_small()
+
+
+def hf_gpt2_seeded():
+    """A small Hugging Face GPT-2 built from a config (no download), dropout off."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def gpt_loss(output, targets) -> torch.Tensor:
+    """Mean next-token cross entropy of the example GPT's (logits, loss) output."""
+    logits = output[0]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def hf_loss(output, targets) -> torch.Tensor:
+    logits = output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))

@@ -1,0 +1,127 @@
+"""Process groups from the plan's device mesh: one per data, tensor and pipeline line.
+
+Every rank sits at (pp, dp, tp). Its data-parallel group holds the ranks that
+share its pp and tp (the replicas of its shard), its tensor group those that
+share pp and dp (the other slices of its layer), its pipeline group those that
+share dp and tp (the other stages of its replica).
+
+c10d requires every rank to call `new_group` for every group, in the same
+order, even for groups it is not in; `make_groups` walks all groups of all
+axes in one fixed order (axis dp, tp, pp; groups sorted by their ranks) on
+every rank. `group_ranks` is that walk without torch.distributed.
+Inside an initialised process group, on rank 2 of a dp 2 x tp 2 mesh:
+
+>>> mesh = [(0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1)]   # (rank, pp, dp, tp): dp 2 x tp 2
+>>> group_ranks(mesh)
+{'dp': [(0, 2), (1, 3)], 'tp': [(0, 1), (2, 3)], 'pp': [(0,), (1,), (2,), (3,)]}
+>>> g = make_groups(2, mesh)  # doctest: +SKIP
+>>> g.dp_ranks, g.tp_ranks, g.pp_ranks, g.pp  # doctest: +SKIP
+((0, 2), (2, 3), (2,), None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+__all__ = ["ProcessGroups", "Axis", "AXES", "make_groups", "group_ranks"]
+
+Axis = Literal["dp", "tp", "pp"]
+AXES: tuple[Axis, ...] = ("dp", "tp", "pp")
+# The coordinates a group's members share: dp groups vary dp only, and so on.
+_SHARED = {"dp": ("pp", "tp"), "tp": ("pp", "dp"), "pp": ("dp", "tp")}
+_COORDS = ("pp", "dp", "tp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessGroups:
+    """This rank's groups, one per mesh axis.
+
+    A group is None when this rank is alone on that axis (degree 1): skip the
+    collective then, since c10d reads `group=None` as the *world* group. A group
+    spanning every rank is `dist.group.WORLD` rather than a copy of it.
+    `*_ranks` are the global ranks of each group in group-rank order (c10d
+    orders a group's members by global rank), so `dp_ranks.index(rank)` is this
+    rank's index in its dp group. coord: this rank's (pp, dp, tp) coordinates.
+    """
+
+    rank: int
+    coord: tuple[int, int, int]
+    dp: Any
+    tp: Any
+    pp: Any
+    dp_ranks: tuple[int, ...]
+    tp_ranks: tuple[int, ...]
+    pp_ranks: tuple[int, ...]
+
+    def group(self, axis: Axis):
+        return getattr(self, axis)
+
+    def ranks(self, axis: Axis) -> tuple[int, ...]:
+        return getattr(self, f"{axis}_ranks")
+
+
+def group_ranks(mesh: Sequence[Any]) -> dict[Axis, list[tuple[int, ...]]]:
+    """All groups of each axis as sorted rank tuples, in the order `make_groups` creates them.
+
+    mesh: (rank, pp, dp, tp) tuples or objects with those attributes (the
+    plan's MeshCoord). Raises ValueError unless ranks are 0..n-1 once each and
+    the coordinates form a full pp x dp x tp grid.
+    """
+    coords = [_coord(m) for m in mesh]
+    ranks = sorted(c[0] for c in coords)
+    if ranks != list(range(len(coords))):
+        raise ValueError(f"mesh ranks {ranks} are not 0..{len(coords) - 1} once each: "
+                         "the mesh must list every rank of the world exactly once")
+    degree = {a: len({c[1 + _COORDS.index(a)] for c in coords}) for a in _COORDS}
+    points = {c[1:] for c in coords}
+    if len(points) != len(coords) or degree["pp"] * degree["dp"] * degree["tp"] != len(coords):
+        raise ValueError(f"mesh of {len(coords)} ranks is not a full pp x dp x tp grid "
+                         f"(pp {degree['pp']}, dp {degree['dp']}, tp {degree['tp']}, "
+                         f"{len(points)} distinct coordinates): two ranks share coordinates or some are missing")
+    out: dict[Axis, list[tuple[int, ...]]] = {}
+    for axis in AXES:
+        lines: dict[tuple[int, ...], list[int]] = {}
+        for r, *xyz in coords:
+            key = tuple(xyz[_COORDS.index(a)] for a in _SHARED[axis])
+            lines.setdefault(key, []).append(r)
+        out[axis] = sorted(tuple(sorted(v)) for v in lines.values())
+    return out
+
+
+def make_groups(rank: int, mesh: Sequence[Any]) -> ProcessGroups:
+    """Create every group of the mesh (a collective: all ranks call it) and return this rank's.
+
+    Singleton groups are not created (every rank skips the same ones); a group of
+    all ranks is the world group.
+    """
+    import torch.distributed as dist
+
+    world = len(mesh)
+    if dist.is_initialized() and dist.get_world_size() != world:
+        raise ValueError(f"mesh has {world} ranks but the default process group has {dist.get_world_size()}: "
+                         "launch as many processes as the plan's world size")
+    mine = next((c for c in map(_coord, mesh) if c[0] == rank), None)
+    if mine is None:
+        raise ValueError(f"rank {rank} is not in the mesh (ranks 0..{world - 1})")
+    fields: dict[str, Any] = {"rank": rank, "coord": mine[1:]}
+    for axis, groups in group_ranks(mesh).items():
+        for ranks in groups:
+            if len(ranks) == 1:
+                pg = None
+            elif len(ranks) == world:
+                pg = dist.group.WORLD
+            else:
+                pg = dist.new_group(list(ranks))
+            if rank in ranks:
+                fields[axis], fields[f"{axis}_ranks"] = pg, ranks
+    return ProcessGroups(**fields)
+
+
+def _coord(m: Any) -> tuple[int, int, int, int]:
+    """(rank, pp, dp, tp) from a tuple or an object with those attributes."""
+    if hasattr(m, "rank"):
+        return int(m.rank), int(m.pp), int(m.dp), int(m.tp)
+    rank, pp, dp, tp = m[:4]
+    return int(rank), int(pp), int(dp), int(tp)

@@ -1,0 +1,392 @@
+"""Run a plan's per-rank programs as local processes over Gloo: the path tests and autotune use.
+
+>>> result = launch_local(plan, mlp, sgd, mse, batches, timeout_s=60)   # doctest: +SKIP
+>>> result.losses, result.collective_counts[0]                          # doctest: +SKIP
+([2.31, 2.12, 1.98], {'all_reduce': 9})
+
+Everything that can be checked is checked before a process starts: the world
+size, that the callables can be sent to spawned workers, that the model has
+the plan's parameters (built on the meta device, nothing allocated), that each
+program compiles.
+
+Failure detection (the parent never just joins): each worker records in
+shared memory the time and phase of its last progress (started, built, each
+step, state gathered). The parent waits on the workers' process sentinels in
+0.1 s slices and after each wake-up checks (1) which workers exited without a
+result file: a Python exception (the worker writes type, message and
+traceback to `error_{rank}.json`, then `os._exit(1)`s without running c10d
+teardown) or a death by signal; the first such rank is reported, a signal
+death first since exceptions on other ranks ("connection closed") follow from
+it; (2) whether any unfinished worker has made no progress for `timeout_s`
+plus a few seconds (a deadlock that c10d's own timeout did not end). Either
+way the other workers are killed at once (SIGTERM, then SIGKILL), so ranks
+blocked in a collective with a dead peer never keep the parent waiting. Temp
+files (store, programs, batches, results) go with the temp directory in every
+case; workers also exit if the parent process disappears.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+from runtime.env import LaunchError
+
+__all__ = ["LaunchResult", "launch_local", "check_world_size", "check_sendable", "check_model"]
+
+_GRACE_S = 5.0  # on top of timeout_s before a silent rank is declared hung
+_PH_START, _PH_BUILD, _PH_STEP0 = 0, 1, 2  # phases; _PH_STEP0 + k: k steps done
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchResult:
+    """What a local run measured.
+
+    losses, step_times_s: per step, from rank 0 (every rank returns the same loss).
+    state_dict: the full trained parameters under the model's names (rank 0's full_state_dict()).
+    peak_memory_bytes: per rank, the process's peak resident memory (ru_maxrss; includes torch itself).
+    collective_counts: per rank, the runner's `collectives.counts` after all steps.
+    held_bytes: per rank, the runner's held_bytes() (params, grads, optimizer).
+    """
+
+    losses: list[float]
+    state_dict: dict[str, torch.Tensor]
+    step_times_s: list[float]
+    peak_memory_bytes: list[int]
+    collective_counts: list[dict[str, int]]
+    held_bytes: list[dict[str, int]]
+
+
+def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable,
+                 batches: Sequence[Any], *, timeout_s: float = 120, world_size: int | None = None,
+                 programs: Mapping[int, str] | None = None) -> LaunchResult:
+    """Spawn one process per rank, run each rank's program on `batches` (global batches), gather the results.
+
+    plan: the Plan (or anything with world_size, placements and program(rank)).
+    programs: rank -> program source, instead of `plan.program(rank).source`.
+    timeout_s: c10d's collective timeout, and how long any rank may go without progress.
+    Raises LaunchError for a bad setup or any failed rank (naming it, with its traceback).
+    """
+    world = plan.world_size if world_size is None else world_size
+    check_world_size(plan, world)
+    for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("loss_fn", loss_fn)):
+        check_sendable(name, fn)
+    check_model(plan, model_fn)
+    sources = _sources(plan, world, programs)
+    batches = list(batches)
+
+    tmp = Path(tempfile.mkdtemp(prefix="runtime-launch-"))
+    procs: list[Any] = []
+    ok = False
+    try:
+        torch.save(batches, tmp / "batches.pt")
+        for r, src in sources.items():
+            (tmp / f"rank_{r}.py").write_text(src)
+        ctx = mp.get_context("spawn")
+        progress = ctx.Array("d", [time.time()] * world, lock=False)  # time of each rank's last progress
+        phase = ctx.Array("i", [_PH_START] * world, lock=False)
+        job = _Job(world_size=world, dir=str(tmp), timeout_s=timeout_s, parent_pid=os.getpid(),
+                   model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn)
+        for r in range(world):
+            p = ctx.Process(target=_worker, args=(job, r, progress, phase), name=f"runtime-rank{r}")
+            p.start()
+            procs.append(p)
+        _watch(procs, tmp, progress, phase, timeout_s, len(batches))
+        results = [torch.load(tmp / f"result_{r}.pt", weights_only=True) for r in range(world)]
+        ok = True
+    finally:
+        _stop(procs, grace_s=5.0 if ok else 0.0)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _collect(results)
+
+
+# ---- checks before anything starts ------------------------------------------------------
+
+
+def check_world_size(plan: Any, world_size: int) -> None:
+    if world_size != plan.world_size:
+        raise LaunchError(f"plan is for {plan.world_size} ranks, launched on {world_size}: the plan's mesh fixes "
+                          f"the number of processes; launch {plan.world_size} processes or recompile the plan "
+                          f"for a topology of {world_size} devices")
+
+
+def check_sendable(name: str, fn: Any) -> None:
+    """`fn` must reach spawned workers by reference: a module-level function or class (or a partial of one)."""
+    if not callable(fn):
+        raise LaunchError(f"{name} must be callable; got {type(fn).__name__} {fn!r}")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise LaunchError(f"{name}={fn!r} cannot be sent to the worker processes ({type(exc).__name__}: {exc}): "
+                          "lambdas and local functions cannot be sent to worker processes; define it at module "
+                          "level (a functools.partial of a module-level function also works)") from None
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise LaunchError(f"{name}={fn!r} is defined in an interactive session (__main__ has no file), which "
+                          "spawned workers cannot import; define it in a module file and import it")
+
+
+def check_model(plan: Any, model_fn: Callable) -> None:
+    """The model from `model_fn()` (built on the meta device) must have exactly the plan's parameters."""
+    placements = getattr(plan, "placements", None)
+    if placements is None:
+        return
+    try:
+        with torch.device("meta"):
+            model = model_fn()
+    except Exception as exc:
+        raise LaunchError(f"model_fn() failed under torch.device('meta'), where it is built to check it against "
+                          f"the plan without allocating memory: {type(exc).__name__}: {exc}; let model_fn build on "
+                          "the current device (no .to()/.cuda(), no reading tensor values while constructing)") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise LaunchError(f"model_fn() returned {type(model).__name__}, not a torch.nn.Module")
+    planned = {p.param: getattr(p, "shape", None) for p in placements}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    aliases: dict[int, list[str]] = {}
+    for n, t in params.items():
+        aliases.setdefault(id(t), []).append(n)
+    missing = [n for n in planned if n not in params]
+    unplanned = [names[0] for names in aliases.values() if not any(n in planned for n in names)]
+    shapes = [f"{n} model {tuple(params[n].shape)} vs plan {tuple(s)}" for n, s in planned.items()
+              if s is not None and n in params and tuple(params[n].shape) != tuple(s)]
+    if missing or unplanned or shapes:
+        parts = [f"{what}: {_few(items)}" for what, items in (
+            ("the plan's parameters missing from the model", missing),
+            ("the model's parameters not in the plan", unplanned),
+            ("shapes that differ", shapes)) if items]
+        raise LaunchError(f"the model from model_fn ({type(model).__name__}) does not match the plan: "
+                          f"{'; '.join(parts)}. The plan was compiled for another model: recompile it for this "
+                          "model, or pass the model_fn it was compiled for")
+
+
+def _few(items: list[str], k: int = 4) -> str:
+    more = f" (and {len(items) - k} more)" if len(items) > k else ""
+    return ", ".join(items[:k]) + more
+
+
+def _sources(plan: Any, world: int, programs: Mapping[int, str] | None) -> dict[int, str]:
+    if programs is not None:
+        missing, extra = sorted(set(range(world)) - set(programs)), sorted(set(programs) - set(range(world)))
+        if missing or extra:
+            raise LaunchError(f"programs must map each rank 0..{world - 1} to a source; missing {missing}, "
+                              f"unexpected {extra}")
+        sources = {r: programs[r] for r in range(world)}
+    else:
+        sources = {r: plan.program(r).source for r in range(world)}
+    for r, src in sources.items():
+        try:
+            compile(src, f"rank_{r}.py", "exec")
+        except SyntaxError as exc:
+            raise LaunchError(f"the program for rank {r} does not compile: {exc.msg} at line {exc.lineno}: "
+                              f"{(exc.text or '').strip()!r}") from None
+    return sources
+
+
+# ---- the worker -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Job:
+    world_size: int
+    dir: str
+    timeout_s: float
+    parent_pid: int
+    model_fn: Callable
+    optimizer_fn: Callable
+    loss_fn: Callable
+
+
+def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
+    import torch.distributed as dist
+
+    def mark(ph: int) -> None:
+        phase[rank], progress[rank] = ph, time.time()
+
+    _exit_with_parent(job.parent_pid)
+    d = Path(job.dir)
+    try:
+        torch.set_num_threads(1)  # a few ranks share a few cores
+        timeout = timedelta(seconds=job.timeout_s)
+        # A FileStore in the temp dir: no port to find or to expose.
+        store = dist.FileStore(str(d / "store"), job.world_size)
+        store.set_timeout(timeout)
+        dist.init_process_group("gloo", rank=rank, world_size=job.world_size, store=store, timeout=timeout)
+        path = d / f"rank_{rank}.py"
+        ns: dict[str, Any] = {"__name__": f"rank_{rank}", "__file__": str(path)}
+        exec(compile(path.read_text(), str(path), "exec"), ns)  # filename: tracebacks show program lines
+        if not callable(ns.get("build")):
+            raise LaunchError(f"the program for rank {rank} defines no build(model_fn, optimizer_fn, loss_fn)")
+        mark(_PH_BUILD)
+        runner = ns["build"](job.model_fn, job.optimizer_fn, job.loss_fn)
+        batches = torch.load(d / "batches.pt", weights_only=True)
+        losses, times = [], []
+        for k, batch in enumerate(batches):
+            mark(_PH_STEP0 + k)
+            t0 = time.perf_counter()
+            loss = runner.step(batch)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+        mark(_PH_STEP0 + len(batches))
+        state = runner.full_state_dict()
+        result = {"losses": losses, "step_times_s": times, "state_dict": state,
+                  "held_bytes": {k: int(v) for k, v in runner.held_bytes().items()},
+                  "counts": {k: int(v) for k, v in runner.collectives.counts.items()},
+                  "peak_memory_bytes": _peak_rss()}
+        _write_atomic(d / f"result_{rank}.pt", lambda f: torch.save(result, f))
+        mark(_PH_STEP0 + len(batches) + 1)
+    except BaseException as exc:  # report, then leave without c10d teardown (peers may be blocked)
+        err = {"type": type(exc).__qualname__, "message": str(exc), "traceback": traceback.format_exc(),
+               "time": time.time()}
+        _write_atomic(d / f"error_{rank}.json", lambda f: f.write(json.dumps(err).encode()))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Leave if the launching process dies, rather than linger blocked in a collective."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
+def _write_atomic(path: Path, write: Callable[[Any], Any]) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def _peak_rss() -> int:
+    import resource
+
+    kb_or_b = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb_or_b if sys.platform == "darwin" else kb_or_b * 1024)
+
+
+# ---- the parent: watching, stopping, collecting ------------------------------------------
+
+
+def _watch(procs: list[Any], tmp: Path, progress: Any, phase: Any, timeout_s: float, n_steps: int) -> None:
+    n = len(procs)
+    while True:
+        exits = [p.exitcode for p in procs]  # before the result check: a result is written before exit
+        done = [(tmp / f"result_{r}.pt").exists() for r in range(n)]
+        if all(done):
+            return
+        dead = [r for r in range(n) if exits[r] is not None and not done[r]]
+        if dead:
+            _stop(procs, grace_s=0.0)
+            raise _failure(dead, exits, tmp, phase, n_steps)
+        now = time.time()
+        silent = [r for r in range(n) if not done[r] and now - progress[r] > timeout_s + _GRACE_S]
+        if silent:
+            _stop(procs, grace_s=0.0)
+            where = "; ".join(f"rank {r} {_phase(phase[r], n_steps)}, silent {now - progress[r]:.0f} s"
+                              for r in silent)
+            raise LaunchError(f"no progress within timeout_s={timeout_s:g} s (+{_GRACE_S:g} s): {where}. A "
+                              "collective that not every rank reaches (a deadlock in the programs), or a phase "
+                              "slower than timeout_s; all ranks were killed. Raise timeout_s if the work is "
+                              "just slow")
+        multiprocessing.connection.wait([p.sentinel for p, d in zip(procs, done) if not d], timeout=0.1)
+
+
+def _failure(dead: list[int], exits: list[int | None], tmp: Path, phase: Any, n_steps: int) -> LaunchError:
+    errors = {}
+    for r in range(len(exits)):
+        f = tmp / f"error_{r}.json"
+        if f.exists():
+            errors[r] = json.loads(f.read_text())
+    # A death by signal first (exceptions elsewhere follow from it), then the earliest exception.
+    root = min(dead, key=lambda r: (not (exits[r] or 0) < 0, errors.get(r, {}).get("time", math.inf), r))
+    code = exits[root]
+    where = _phase(phase[root], n_steps)
+    if root in errors:
+        e = errors[root]
+        msg = f"rank {root} raised {e['type']}: {e['message']} ({where})\n\nrank {root}'s traceback:\n{e['traceback']}"
+    elif code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        msg = (f"rank {root} died from {name} (exit code {code}) {where}, without a Python exception"
+               f"{_SIGNAL_HINTS.get(name, '')}")
+    else:
+        msg = (f"rank {root} exited with code {code} {where} without a result or an exception: something in its "
+               "program called sys.exit() or os._exit()")
+    others = [f"rank {r}: {errors[r]['type']}: {errors[r]['message'].splitlines()[0] if errors[r]['message'] else ''}"
+              for r in sorted(errors) if r != root]
+    if others:
+        msg += "\nother ranks failed too, likely as a consequence: " + "; ".join(others)
+    return LaunchError(msg + "\nthe other ranks were killed")
+
+
+_SIGNAL_HINTS = {
+    "SIGKILL": ": killed from outside (the out-of-memory killer: see `dmesg`; or a kill -9)",
+    "SIGABRT": ": an abort in native code (Gloo aborts when a receive gets a message of another size: a "
+               "send/recv mismatch, see TORCH-NOTES; or a failed internal check)",
+    "SIGSEGV": ": a crash in native code",
+}
+
+
+def _phase(ph: int, n_steps: int) -> str:
+    if ph == _PH_START:
+        return "while starting (import, rendezvous, program load)"
+    if ph == _PH_BUILD:
+        return "in build()"
+    k = ph - _PH_STEP0
+    if k < n_steps:
+        return f"in step {k + 1} of {n_steps}"
+    return "in full_state_dict()/held_bytes()" if k == n_steps else "after finishing"
+
+
+def _stop(procs: list[Any], *, grace_s: float) -> None:
+    """Join workers for up to grace_s, then SIGTERM, then SIGKILL what is left."""
+    deadline = time.time() + grace_s
+    for p in procs:
+        if p.exitcode is None and grace_s > 0:
+            p.join(max(0.0, deadline - time.time()))
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    for p in procs:
+        p.join(2.0)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def _collect(results: list[dict[str, Any]]) -> LaunchResult:
+    losses = results[0]["losses"]
+    for r, res in enumerate(results[1:], 1):
+        for k, (a, b) in enumerate(zip(losses, res["losses"])):
+            if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7):
+                raise LaunchError(f"step {k + 1}: rank 0 returned loss {a!r}, rank {r} {b!r}; the program contract "
+                                  "is that step() returns the global mean loss on every rank: reduce it first")
+    if results[0]["state_dict"] is None:
+        raise LaunchError("rank 0's full_state_dict() returned None; the program contract is that it returns the "
+                          "full parameters on rank 0")
+    return LaunchResult(losses=losses, state_dict=results[0]["state_dict"],
+                        step_times_s=results[0]["step_times_s"],
+                        peak_memory_bytes=[res["peak_memory_bytes"] for res in results],
+                        collective_counts=[res["counts"] for res in results],
+                        held_bytes=[res["held_bytes"] for res in results])

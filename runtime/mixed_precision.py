@@ -1,0 +1,98 @@
+"""Mixed-precision policy for the data-parallel engine: 16-bit compute, fp32 masters.
+
+The model's parameters are cast to the compute dtype; the optimizer steps fp32
+master copies; gradients are upcast to fp32 *before* they are reduced, so the
+data-parallel average is taken in fp32 (the ZeRO / Megatron recipe, and FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
+
+fp16 additionally needs loss scaling (its exponent range is too small for raw
+gradients). `LossScaler` is a dynamic scaler with torch's `GradScaler`
+defaults except the start value: the engine multiplies the gradient flowing
+into the model's outputs by ``scale`` (so the caller's ``loss.backward()``
+needs no change), divides it out of the fp32 gradients, and when any rank saw
+an inf/NaN it halves the scale and skips the step.
+
+>>> policy("bf16-mixed").param_dtype, policy("bf16-mixed").loss_scaling
+(torch.bfloat16, False)
+>>> s = LossScaler(); s.scale, s.update(found_inf=True), s.scale
+(32768.0, None, 16384.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+from torch.utils._pytree import tree_map
+
+__all__ = ["Precision", "PrecisionName", "policy", "LossScaler", "cast_floating"]
+
+PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Precision:
+    name: PrecisionName
+    """The user's name for the policy."""
+    param_dtype: torch.dtype
+    """Dtype the model's parameters are cast to and the forward/backward compute in."""
+    reduce_dtype: torch.dtype = torch.float32
+    """Dtype gradients are reduced in (always fp32: they are upcast before the collective)."""
+    loss_scaling: bool = False
+    """Whether gradients are scaled during backward (fp16 only) by a dynamic `LossScaler`."""
+
+    @property
+    def mixed(self) -> bool:
+        """True when the model computes in 16-bit and separate fp32 masters exist."""
+        return self.param_dtype != torch.float32
+
+
+_POLICIES = {
+    "fp32": Precision(name="fp32", param_dtype=torch.float32),
+    "bf16-mixed": Precision(name="bf16-mixed", param_dtype=torch.bfloat16),
+    "fp16-mixed": Precision(name="fp16-mixed", param_dtype=torch.float16, loss_scaling=True),
+}
+
+
+def policy(name: str) -> Precision:
+    """The `Precision` for a name; ValueError naming the choices otherwise."""
+    if name not in _POLICIES:
+        raise ValueError(f"precision={name!r} is not one of {sorted(_POLICIES)}")
+    return _POLICIES[name]
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a pytree (a forward's args/kwargs) to `dtype`;
+    integer tensors (token ids, targets) and non-tensors pass through."""
+    return tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x, tree)
+
+
+@dataclasses.dataclass
+class LossScaler:
+    """Dynamic loss scale: x backoff on an overflow, x growth after `growth_interval` clean steps.
+
+    Defaults from `torch.amp.GradScaler` (growth 2.0, backoff 0.5, interval 2000)
+    except ``scale=2**15``: the engine scales the gradient *in* the 16-bit output
+    (not an fp32 loss, as GradScaler does), and 2**16 overflows fp16 (max 65504)
+    for any output gradient of magnitude >= 1, so GradScaler's start value would
+    waste the first step.
+    """
+
+    scale: float = 2.0**15
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    clean_steps: int = 0
+    skipped_steps: int = 0
+
+    def update(self, *, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
