@@ -162,7 +162,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     return runtime.step.StepRunner(
         engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, dp_group=groups.dp,
         dp_rank={me.dp}, dp_size={c.dp}, microbatch_size={c.microbatch_size}, num_microbatches={c.num_microbatches},
-        clip_grad_norm=None, program_hash=PROGRAM_HASH)
+        clip_grad_norm={plan.clip_grad_norm!r}, program_hash=PROGRAM_HASH)
 '''
     return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)
 

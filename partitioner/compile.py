@@ -44,7 +44,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             precision: str = "bf16-mixed", optimizer: str = "adam", dp: int | None = None, tp: int | None = None,
             pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
-            max_memory_fraction: float = 0.9, calibration: Calibration | str | None = None,
+            max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
+            calibration: Calibration | str | None = None,
             cut_granularity: str = "block", alternatives: int = 5) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
 
@@ -65,6 +66,9 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     if global_batch_size is None:
         raise DeclarationError("global_batch_size: required, the samples per optimizer step over all replicas "
                                "(e.g. global_batch_size=512)")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+                                       or not clip_grad_norm > 0):
+        raise DeclarationError(f"clip_grad_norm={clip_grad_norm!r}: must be a number > 0 (e.g. 1.0), or None")
     if cut_granularity not in ("block", "node"):
         raise DeclarationError(f"cut_granularity={cut_granularity!r}: must be 'block' or 'node'")
     cal = Calibration.load(calibration) if isinstance(calibration, str) else (calibration or Calibration())
@@ -89,7 +93,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     result = search(ctx, cands, keep=max(1, alternatives + 1))
     if not result.ranked:
         _infeasible(ctx, cands, decl, topo)
-    return _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space)
+    return _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space,
+                     clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm))
 
 
 def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declarations, topo: Topology) -> None:
@@ -147,7 +152,7 @@ def _why(best: Scored, other: Scored) -> str:
 
 
 def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSplits, ctx: CostContext,
-              ranked: tuple[Scored, ...], evaluated: int, space: int) -> Plan:
+              ranked: tuple[Scored, ...], evaluated: int, space: int, *, clip_grad_norm: float | None) -> Plan:
     best = ranked[0]
     cand, cut = best.cand, best.cut
     ev = ctx.prepare(cand)
@@ -200,7 +205,8 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 global_batch_size=decl.global_batch_size, seq_len=g.traced_seq_len, precision=decl.precision,
                 optimizer=decl.optimizer, declarations=decl.pinned(), config=cand, mesh=mesh,
                 stages=tuple(stages), placements=tuple(placements), instructions=sched, predicted=predicted,
-                alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, candidates_evaluated=evaluated,
+                alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, clip_grad_norm=clip_grad_norm,
+                candidates_evaluated=evaluated,
                 search_space=space)
 
 

@@ -182,6 +182,7 @@ class Plan:
     predicted: Predicted
     alternatives: tuple[Alternative, ...]
     bucket_bytes: int  # data-parallel gradient bucket (torch DDP's 25 MiB default)
+    clip_grad_norm: float | None  # clip gradients to this global L2 norm (over all shards) before each step
     candidates_evaluated: int
     search_space: int
 
