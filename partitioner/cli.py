@@ -52,8 +52,13 @@ def _compile(args: argparse.Namespace) -> int:
         print("\n" + plan.explain())
     if args.output:
         plan.save(args.output)
+    if args.programs:
+        plan.write_programs(args.programs)
     if not args.json:
-        print(f"\ncompiled in {dt:.2f} s" + (f"; plan written to {args.output}" if args.output else ""))
+        wrote = [f"plan written to {args.output}"] if args.output else []
+        wrote += [f"programs written to {args.programs}/ (run: torchrun --nproc-per-node {plan.world_size} "
+                  f"-m runtime.run {args.programs}/plan.json --model {args.model})"] if args.programs else []
+        print(f"\ncompiled in {dt:.2f} s" + "".join("; " + w for w in wrote))
     return 0
 
 
@@ -98,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
     c.add_argument("--device", default=None, help="build the model on this device, e.g. meta for huge models")
     c.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    c.add_argument("--programs", default=None, metavar="DIR",
+                   help="write plan.json and one program per rank (rank_R.py) into DIR, for runtime.run")
     c.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     c.add_argument("--explain", action="store_true", help="also print why this plan won")
     c.set_defaults(func=_compile)

@@ -28,7 +28,7 @@ from cost_models.errors import PartitionerError
 if TYPE_CHECKING:
     from partitioner.plan import Plan
 
-__all__ = ["RankProgram", "program", "write_programs", "CodegenError"]
+__all__ = ["RankProgram", "program", "write_programs", "expected_collectives", "CodegenError"]
 
 _ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
@@ -87,6 +87,7 @@ def program(plan: "Plan", rank: int) -> RankProgram:
     impl, why_impl = _reduce_scatter_impl(plan)
     per = c.microbatch_size * c.num_microbatches
     first = me.dp * per
+    expected = ", ".join(f"{n} {op}" for op, n in sorted(expected_collectives(plan).items())) or "none"
 
     params = ",\n".join(f"    ({p.param!r}, {tuple(p.shape)!r})" for p in plan.placements)
     blocks: dict[str, list[str]] = {}
@@ -149,7 +150,8 @@ def build(model_fn, optimizer_fn, loss_fn):
 
     # Data parallelism over replicas {dp_ranks} (this rank is replica {me.dp} of {c.dp}).
     # {_ZERO_WHAT[c.zero_stage]}.
-    # Gradient buckets of {plan.bucket_bytes:,} bytes. This rank holds:
+    # Gradient buckets of {plan.bucket_bytes:,} bytes. Collectives per step: {expected}.
+    # This rank holds:
 {shards}
     engine = DataParallel(model, group=groups.dp, ranks={dp_ranks!r}, zero_stage={c.zero_stage},
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
@@ -165,6 +167,39 @@ def build(model_fn, optimizer_fn, loss_fn):
         clip_grad_norm={plan.clip_grad_norm!r}, program_hash=PROGRAM_HASH)
 '''
     return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)
+
+
+def expected_collectives(plan: "Plan") -> dict[str, int]:
+    """The collectives one training step of a data-parallel program issues, by op.
+
+    The plan's instruction lists hold one GRAD_SYNC per stage per step; the
+    data-parallel engine realises it as (B = gradient buckets, cut by
+    `runtime.flat.bucket` over parameters in reverse registration order;
+    U = ZeRO-3 units, the blocks plus the parameters outside them; m =
+    microbatches):
+      DDP      B all-reduces
+      ZeRO-1   B all-reduces, then 1 all-gather of the updated flat buffer
+      ZeRO-2   m*B reduce-scatters (every microbatch), B all-gathers
+      ZeRO-3   m*U reduce-scatters; m*(2U - 1) all-gathers: U in forward, U - 1 in
+               backward (the unit outside the blocks stays gathered until its backward)
+    plus one all-reduce of the reported loss, and one of the squared norm when
+    clipping at ZeRO >= 1. Tests compare these with the counting shim.
+    """
+    from runtime.flat import bucket  # the engine's own bucketing rule, not a copy of it
+
+    c = plan.config
+    if c.dp == 1:
+        return {}
+    names = [p.param for p in plan.placements][::-1]
+    numels = [math.prod(p.shape) for p in plan.placements][::-1]
+    B = len(bucket(names, numels, plan.bucket_bytes))
+    U = len({p.block for p in plan.placements})
+    m = c.num_microbatches
+    out = {0: {"all_reduce": B}, 1: {"all_reduce": B, "all_gather": 1},
+           2: {"reduce_scatter": m * B, "all_gather": B},
+           3: {"reduce_scatter": m * U, "all_gather": m * (2 * U - 1)}}[c.zero_stage]
+    out["all_reduce"] = out.get("all_reduce", 0) + 1 + (1 if plan.clip_grad_norm and c.zero_stage >= 1 else 0)
+    return out
 
 
 def write_programs(plan: "Plan", directory: str | Path) -> Path:

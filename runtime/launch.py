@@ -22,7 +22,10 @@ plus a few seconds (a deadlock that c10d's own timeout did not end). Either
 way the other workers are killed at once (SIGTERM, then SIGKILL), so ranks
 blocked in a collective with a dead peer never keep the parent waiting. Temp
 files (store, programs, batches, results) go with the temp directory in every
-case; workers also exit if the parent process disappears.
+case; workers also exit if the parent process disappears. A worker that
+succeeded writes `result_{rank}.pt` atomically, passes a barrier (so no rank
+leaves while a peer is still in its last collective) and exits at once.
+Rendezvous is a FileStore in the temp directory: no port is opened for it.
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -52,7 +56,7 @@ from runtime.env import LaunchError
 __all__ = ["LaunchResult", "launch_local", "check_world_size", "check_sendable", "check_model"]
 
 _GRACE_S = 5.0  # on top of timeout_s before a silent rank is declared hung
-_PH_START, _PH_BUILD, _PH_STEP0 = 0, 1, 2  # phases; _PH_STEP0 + k: k steps done
+_PH_SPAWNED, _PH_START, _PH_BUILD, _PH_STEP0 = -1, 0, 1, 2  # phases; _PH_STEP0 + k: k steps done
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,9 +65,12 @@ class LaunchResult:
 
     losses, step_times_s: per step, from rank 0 (every rank returns the same loss).
     state_dict: the full trained parameters under the model's names (rank 0's full_state_dict()).
-    peak_memory_bytes: per rank, the process's peak resident memory (ru_maxrss; includes torch itself).
+    peak_memory_bytes: per rank, the most bytes of parameters, gradients and optimizer state the
+        runner held (held_bytes()'s params + grads + optimizer) after build and after any step: what the plan's memory
+        prediction (params + grads + optimizer) is checked against.
     collective_counts: per rank, the runner's `collectives.counts` after all steps.
-    held_bytes: per rank, the runner's held_bytes() (params, grads, optimizer).
+    held_bytes: per rank, the runner's held_bytes() after the last step.
+    peak_rss_bytes: per rank, the process's peak resident memory (ru_maxrss; includes torch itself).
     """
 
     losses: list[float]
@@ -72,6 +79,7 @@ class LaunchResult:
     peak_memory_bytes: list[int]
     collective_counts: list[dict[str, int]]
     held_bytes: list[dict[str, int]]
+    peak_rss_bytes: list[int]
 
 
 def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable,
@@ -101,7 +109,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
             (tmp / f"rank_{r}.py").write_text(src)
         ctx = mp.get_context("spawn")
         progress = ctx.Array("d", [time.time()] * world, lock=False)  # time of each rank's last progress
-        phase = ctx.Array("i", [_PH_START] * world, lock=False)
+        phase = ctx.Array("i", [_PH_SPAWNED] * world, lock=False)
         job = _Job(world_size=world, dir=str(tmp), timeout_s=timeout_s, parent_pid=os.getpid(),
                    model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn)
         for r in range(world):
@@ -219,6 +227,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
     def mark(ph: int) -> None:
         phase[rank], progress[rank] = ph, time.time()
 
+    mark(_PH_START)
     _exit_with_parent(job.parent_pid)
     d = Path(job.dir)
     try:
@@ -228,6 +237,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         store = dist.FileStore(str(d / "store"), job.world_size)
         store.set_timeout(timeout)
         dist.init_process_group("gloo", rank=rank, world_size=job.world_size, store=store, timeout=timeout)
+        mark(_PH_START)
         path = d / f"rank_{rank}.py"
         ns: dict[str, Any] = {"__name__": f"rank_{rank}", "__file__": str(path)}
         exec(compile(path.read_text(), str(path), "exec"), ns)  # filename: tracebacks show program lines
@@ -235,6 +245,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
             raise LaunchError(f"the program for rank {rank} defines no build(model_fn, optimizer_fn, loss_fn)")
         mark(_PH_BUILD)
         runner = ns["build"](job.model_fn, job.optimizer_fn, job.loss_fn)
+        peak = _state_bytes(runner.held_bytes())
         batches = torch.load(d / "batches.pt", weights_only=True)
         losses, times = [], []
         for k, batch in enumerate(batches):
@@ -243,22 +254,35 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
             loss = runner.step(batch)
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
+            peak = max(peak, _state_bytes(runner.held_bytes()))
         mark(_PH_STEP0 + len(batches))
         state = runner.full_state_dict()
         result = {"losses": losses, "step_times_s": times, "state_dict": state,
                   "held_bytes": {k: int(v) for k, v in runner.held_bytes().items()},
                   "counts": {k: int(v) for k, v in runner.collectives.counts.items()},
-                  "peak_memory_bytes": _peak_rss()}
+                  "peak_memory_bytes": int(peak), "peak_rss_bytes": _peak_rss()}
         _write_atomic(d / f"result_{rank}.pt", lambda f: torch.save(result, f))
         mark(_PH_STEP0 + len(batches) + 1)
     except BaseException as exc:  # report, then leave without c10d teardown (peers may be blocked)
         err = {"type": type(exc).__qualname__, "message": str(exc), "traceback": traceback.format_exc(),
                "time": time.time()}
         _write_atomic(d / f"error_{rank}.json", lambda f: f.write(json.dumps(err).encode()))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    dist.destroy_process_group()
+        _exit(1)
+    try:  # leave only once every rank is past its last collective: an early exit could cut a peer's gather
+        dist.barrier()
+    finally:
+        _exit(0)  # the result is written; c10d and interpreter teardown would only add seconds
+
+
+def _state_bytes(held: Mapping[str, int]) -> int:
+    """params + grads + optimizer (other keys, such as a "total", are not added again)."""
+    return sum(int(held.get(k, 0)) for k in ("params", "grads", "optimizer"))
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -299,7 +323,7 @@ def _watch(procs: list[Any], tmp: Path, progress: Any, phase: Any, timeout_s: fl
         dead = [r for r in range(n) if exits[r] is not None and not done[r]]
         if dead:
             _stop(procs, grace_s=0.0)
-            raise _failure(dead, exits, tmp, phase, n_steps)
+            raise _failure(dead, exits, tmp, phase, progress, n_steps)
         now = time.time()
         silent = [r for r in range(n) if not done[r] and now - progress[r] > timeout_s + _GRACE_S]
         if silent:
@@ -313,7 +337,8 @@ def _watch(procs: list[Any], tmp: Path, progress: Any, phase: Any, timeout_s: fl
         multiprocessing.connection.wait([p.sentinel for p, d in zip(procs, done) if not d], timeout=0.1)
 
 
-def _failure(dead: list[int], exits: list[int | None], tmp: Path, phase: Any, n_steps: int) -> LaunchError:
+def _failure(dead: list[int], exits: list[int | None], tmp: Path, phase: Any, progress: Any,
+             n_steps: int) -> LaunchError:
     errors = {}
     for r in range(len(exits)):
         f = tmp / f"error_{r}.json"
@@ -330,6 +355,11 @@ def _failure(dead: list[int], exits: list[int | None], tmp: Path, phase: Any, n_
         name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
         msg = (f"rank {root} died from {name} (exit code {code}) {where}, without a Python exception"
                f"{_SIGNAL_HINTS.get(name, '')}")
+    elif phase[root] == _PH_SPAWNED:
+        msg = (f"rank {root} exited with code {code} before its worker ran: the new process could not start or "
+               "unpickle its arguments (its traceback is on stderr). Common causes: a script that launches without "
+               "an `if __name__ == \"__main__\":` guard, or model_fn/optimizer_fn/loss_fn in a module a fresh "
+               "process cannot import")
     else:
         msg = (f"rank {root} exited with code {code} {where} without a result or an exception: something in its "
                "program called sys.exit() or os._exit()")
@@ -337,7 +367,12 @@ def _failure(dead: list[int], exits: list[int | None], tmp: Path, phase: Any, n_
               for r in sorted(errors) if r != root]
     if others:
         msg += "\nother ranks failed too, likely as a consequence: " + "; ".join(others)
-    return LaunchError(msg + "\nthe other ranks were killed")
+    now = time.time()
+    running = [f"rank {r} {_phase(phase[r], n_steps)} (last progress {now - progress[r]:.1f} s ago)"
+               for r in range(len(exits)) if exits[r] is None and r not in errors]
+    if running:
+        msg += "\nstill running, then killed: " + "; ".join(running)
+    return LaunchError(msg)
 
 
 _SIGNAL_HINTS = {
@@ -349,6 +384,8 @@ _SIGNAL_HINTS = {
 
 
 def _phase(ph: int, n_steps: int) -> str:
+    if ph == _PH_SPAWNED:
+        return "while starting the process"
     if ph == _PH_START:
         return "while starting (import, rendezvous, program load)"
     if ph == _PH_BUILD:
@@ -389,4 +426,5 @@ def _collect(results: list[dict[str, Any]]) -> LaunchResult:
                         step_times_s=results[0]["step_times_s"],
                         peak_memory_bytes=[res["peak_memory_bytes"] for res in results],
                         collective_counts=[res["counts"] for res in results],
-                        held_bytes=[res["held_bytes"] for res in results])
+                        held_bytes=[res["held_bytes"] for res in results],
+                        peak_rss_bytes=[res["peak_rss_bytes"] for res in results])

@@ -10,7 +10,10 @@ gradients). `LossScaler` is a dynamic scaler with torch's `GradScaler`
 defaults except the start value: the engine multiplies the gradient flowing
 into the model's outputs by ``scale`` (so the caller's ``loss.backward()``
 needs no change), divides it out of the fp32 gradients, and when any rank saw
-an inf/NaN it halves the scale and skips the step.
+an inf/NaN it halves the scale and skips the step. The scaling sits on the
+outputs the caller sees (`scale_grad` wraps each one), not on tensors inside the
+model: an output computed from another (GPT's loss from its logits) must not be
+scaled twice.
 
 >>> policy("bf16-mixed").param_dtype, policy("bf16-mixed").loss_scaling
 (torch.bfloat16, False)
@@ -26,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["Precision", "PrecisionName", "policy", "LossScaler", "cast_floating"]
+__all__ = ["LossScaler", "Precision", "PrecisionName", "cast_floating", "policy", "scale_grad"]
 
 PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 
@@ -96,3 +99,23 @@ class LossScaler:
         if self.clean_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.clean_steps = 0
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the incoming gradient by the scaler's current scale."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
+        ctx.scaler = scaler
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scaler.scale, None
+
+
+def scale_grad(tree: Any, scaler: LossScaler) -> Any:
+    """Wrap every floating tensor that requires grad in a pytree (a forward's output) so the
+    gradient entering it is multiplied by ``scaler.scale``."""
+    return tree_map(lambda x: _ScaleGrad.apply(x, scaler)
+                    if torch.is_tensor(x) and x.requires_grad and x.is_floating_point() else x, tree)

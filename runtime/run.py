@@ -21,12 +21,14 @@ import functools
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     _init(env, timedelta(seconds=args.timeout_s))
+    finished = False
     try:
         ns: dict[str, Any] = {"__name__": f"rank_{env.rank}", "__file__": str(program)}
         exec(compile(program.read_text(), str(program), "exec"), ns)
@@ -78,8 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             if env.rank == 0:
                 torch.save(state, args.save)
                 print(f"saved the trained parameters to {args.save}", flush=True)
+        # No rank may tear Gloo down while a peer is still in its last collective (or rank 0 still
+        # saving), and even after this barrier, whichever rank destroys its group and exits first
+        # breaks the others' connections mid-teardown: their processes abort ("terminate called
+        # without an active exception"), failing a job that trained correctly. So after the barrier
+        # the entry point leaves without c10d teardown (os._exit below), as launch_local's workers do.
+        dist.barrier()
+        finished = True
     finally:
-        dist.destroy_process_group()
+        if not finished:
+            dist.destroy_process_group()
     return 0
 
 
@@ -134,8 +145,15 @@ def default_optimizer(name: str) -> Callable:
     return functools.partial(cls, lr=lr)
 
 
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for integer targets (logits (..., C), targets (...)), mean squared error otherwise."""
+def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for integer targets (logits (..., C), targets (...)), mean squared error otherwise.
+
+    A tuple output uses its first element (the example GPT returns (logits, loss)), an output with
+    `.logits` those (Hugging Face models).
+    """
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    output = getattr(output, "logits", output)
     if not target.is_floating_point():
         return F.cross_entropy(output.flatten(0, -2), target.flatten())
     return F.mse_loss(output, target)
@@ -200,7 +218,10 @@ def _parser() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
     except LaunchError as exc:
         print(f"runtime.run: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # every rank passed the final barrier; skip the c10d teardown race (see main)

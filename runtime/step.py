@@ -75,6 +75,7 @@ class StepRunner:
         self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
         self.clip_grad_norm, self.program_hash = clip_grad_norm, program_hash
         self.last_grad_norm: float | None = None
+        self._peak: dict[str, int] = {}
 
     def _my_rows(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
         per = self.microbatch_size * self.num_microbatches
@@ -101,6 +102,8 @@ class StepRunner:
         if self.clip_grad_norm is not None:
             self.last_grad_norm = self.engine.clip_grad_norm_(self.clip_grad_norm)
         self.optimizer.step()
+        # The peak of model state: gradients still held, optimizer state just created or updated.
+        self._note_peak(self.engine.held_bytes(self.optimizer))
         self.engine.after_step()
         self.engine.zero_grad()
         self.optimizer.zero_grad(set_to_none=True)
@@ -119,7 +122,14 @@ class StepRunner:
         return self.engine.full_state_dict()
 
     def held_bytes(self) -> dict[str, int]:
-        return self.engine.held_bytes(self.optimizer)
+        """Bytes of parameters, gradients and optimizer state at this rank's peak so far."""
+        self._note_peak(self.engine.held_bytes(self.optimizer))
+        return dict(self._peak)
+
+    def _note_peak(self, now: dict[str, int]) -> None:
+        total = sum(now.get(k, 0) for k in ("params", "grads", "optimizer"))
+        if total >= sum(self._peak.get(k, 0) for k in ("params", "grads", "optimizer")):
+            self._peak = dict(now)
 
 
 def _batch_size(x: Any) -> int:
