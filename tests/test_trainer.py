@@ -1,0 +1,82 @@
+"""runtime.Trainer: a plan inside the user's own loop, the process group from the launcher's environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from examples import gpt as gpt_mod
+from examples import training
+from partitioner import compile, trace
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, programs: str, batches, out_file: str) -> None:
+    # What torchrun sets; Trainer initialises the process group from it.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from runtime import Trainer
+
+    trainer = Trainer(programs, training.gpt_tiny_seeded, training.sgd, training.gpt_loss, timeout_s=60)
+    losses = [trainer.step(b) for b in batches]
+    x = batches[0][0]
+    logits = trainer.predict(x[:2])[0]
+    state = trainer.state_dict()
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        torch.save({"losses": losses, "state": state, "logits": logits}, out_file)
+
+
+def test_trainer_in_a_users_loop_trains_like_one_process(tmp_path):
+    model = training.gpt_tiny_seeded()
+    g = trace(model, gpt_mod.example_batch(model, 2, seq_len=32))
+    plan = compile(g, "local:2", global_batch_size=8, pp=1, tp=1, zero_stage=1, precision="fp32")
+    programs = str(plan.write_programs(tmp_path / "programs"))
+    batches = [gpt_mod.example_batch(model, 8, seq_len=32, seed=s) for s in range(3)]
+    out_file = str(tmp_path / "out.pt")
+    mp.start_processes(_worker, args=(2, _free_port(), programs, batches, out_file), nprocs=2, join=True,
+                       start_method="spawn")
+    got = torch.load(out_file, weights_only=True)
+
+    ref = training.gpt_tiny_seeded()
+    opt = training.sgd(ref.parameters())
+    losses = []
+    for x, y in batches:
+        loss = training.gpt_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got["state"][name], p.detach(), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(got["logits"], ref(batches[0][0][:2])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_refuses_a_plan_for_another_world_size(tmp_path):
+    from runtime.env import LaunchError
+    from runtime.trainer import program_source
+
+    model = training.gpt_tiny_seeded()
+    g = trace(model, gpt_mod.example_batch(model, 2, seq_len=32))
+    plan = compile(g, "local:2", global_batch_size=8, pp=1, tp=1, precision="fp32")
+    d = plan.write_programs(tmp_path / "p")
+    src, world = program_source(d, 1)
+    assert world == 2 and "RANK = 1" in src
+    with pytest.raises(LaunchError, match="expected plan.json and rank_0.py written by plan.write_programs"):
+        program_source(tmp_path, 0)
