@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import functools
 from pathlib import Path
 
@@ -239,7 +240,9 @@ def _worker(rank: int, world: int, store_path: str, out_path: str, runs: list[Ru
             results[run] = go(run, rank, world)
         if rank == 0:
             torch.save(results, out_path)
+        dist.barrier()  # nobody tears Gloo down while a peer is still in its last collective
     finally:
+        gc.collect()  # frees c10d objects held in cycles while the group still exists (else rare exit aborts)
         dist.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ same world) at rtol 1e-5, atol 1e-6.
 from __future__ import annotations
 
 import datetime
+import gc
 import functools
 import math
 from pathlib import Path
@@ -213,7 +214,9 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
                    "seq": _run_sequence(rank, world, group, coll),
                    "dtensor": _run_dtensor(rank, world)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # nobody tears Gloo down while a peer is still in its last collective
     finally:
+        gc.collect()  # frees c10d objects held in cycles while the group still exists (else rare exit aborts)
         dist.destroy_process_group()
 
 
