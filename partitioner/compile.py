@@ -221,7 +221,7 @@ def _segment_name(g: OpGraph, n: int) -> str:
 def _durations(ev: StageEvaluator, cut: Cut) -> Durations:
     """Per-stage times for the simulator: compute apart from the p2p it models itself."""
     S = len(cut.stages)
-    p2p = ev._p2p
+    p2p = ev.p2p
     fwd, bwd, sync, optim = [], [], [], []
     for k, st in enumerate(cut.stages):
         i, j = cut.bounds[k], cut.bounds[k + 1]

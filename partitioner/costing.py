@@ -140,7 +140,7 @@ class CostContext:
         for i, n in enumerate(self.g.nodes):
             u, last = self._unit_of[i], last_use.get(n.name, -1)
             if last > u and n.output is not None:
-                nbytes = Poly.from_terms({m: c * n.output.itemsize for m, c in _numel_poly(n.output).terms})
+                nbytes = n.output.nbytes_poly()
                 diff[u] = diff[u] + nbytes
                 diff[last] = diff[last] + nbytes * -1
         out, acc = [], Poly()
@@ -246,21 +246,6 @@ class CostContext:
         return StageEvaluator(self, cand)
 
 
-def _numel_poly(spec) -> Poly:
-    acc = Poly.const(1.0)
-    for d in spec.shape:
-        acc = _mul(acc, d)
-    return acc
-
-
-def _mul(p: Poly, q: Poly) -> Poly:
-    out: dict[tuple[int, int], float] = {}
-    for (i, j), c in p.terms:
-        for (k, l), e in q.terms:
-            out[(i + k, j + l)] = out.get((i + k, j + l), 0.0) + c * e
-    return Poly.from_terms(out)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UnitArrays:
     """Prefix sums over units for one (tp, microbatch, recompute)."""
@@ -287,7 +272,7 @@ class StageEvaluator:
         self.unit_costs = arr.costs
         self._f, self._b, self._act, self._par, self._work = arr.f, arr.b, arr.act, arr.par, arr.work
         self._shared = arr.shared
-        self._p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size)
+        self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size)  # per unit boundary
         self._grad_bytes = 4 if ctx.precision == "fp32" else 2
         self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.mem_eff
         self.total_c = arr.total_c
@@ -323,8 +308,8 @@ class StageEvaluator:
         """Units [i, j) as virtual stage k of num_stages."""
         ctx, cand = self.ctx, self.cand
         S = self.num_stages
-        f = self._f[j] - self._f[i] + (self._p2p[i - 1] if k > 0 else 0.0)
-        b = self._b[j] - self._b[i] + (self._p2p[j - 1] if k < S - 1 else 0.0)
+        f = self._f[j] - self._f[i] + (self.p2p[i - 1] if k > 0 else 0.0)
+        b = self._b[j] - self._b[i] + (self.p2p[j - 1] if k < S - 1 else 0.0)
         params = self._par[j] - self._par[i]
         for users in self._shared:
             inside = [size for u, size in users if i <= u < j]

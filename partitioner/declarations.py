@@ -11,14 +11,14 @@ import dataclasses
 import re
 from typing import Any
 
+from cost_models.compute import PRECISIONS
 from cost_models.errors import DeclarationError
+from cost_models.memory import RECOMPUTE_POLICIES as RECOMPUTE
+from cost_models.memory import SCHEDULES
 
 __all__ = ["Declarations", "check_declarations", "divisors"]
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-OPTIMIZERS = ("adam", "adamw", "sgd")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-RECOMPUTE = ("none", "selective", "full")
+OPTIMIZERS = ("adam", "adamw", "sgd")  # adamw keeps Adam's state; cost_models.memory counts it as adam
 _BLOCK_INDEX = re.compile(r"\.\d+\.")
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import operator
 from typing import Any, Iterable, Literal
 
 from cost_models.errors import TraceError
@@ -42,6 +43,10 @@ class TensorSpec:
 
     def nbytes(self, b: float = 1, s: float = 1) -> float:
         return self.numel(b, s) * self.itemsize
+
+    def nbytes_poly(self) -> Poly:
+        """Bytes as a Poly in (b, s): the product of the dims times the item size."""
+        return functools.reduce(operator.mul, self.shape, Poly.const(1)) * self.itemsize
 
     def __str__(self) -> str:
         return "(" + ", ".join(str(d) for d in self.shape) + ")"

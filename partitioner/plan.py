@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from cost_models.errors import PartitionerError
 from partitioner.plan_json import PlanFormatError, decode, encode
-from partitioner.schedule import Schedule
+from partitioner.schedule import Schedule, ScheduleKind
 
 __all__ = ["ParallelConfig", "MeshCoord", "MemoryBreakdown", "StagePlan", "ParamPlacement", "Predicted",
            "Alternative", "Plan", "PlanMismatchError", "PLAN_VERSION"]
@@ -28,7 +28,6 @@ __all__ = ["ParallelConfig", "MeshCoord", "MemoryBreakdown", "StagePlan", "Param
 PLAN_VERSION = 1
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
-ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 Recompute = Literal["none", "selective", "full"]
 
 

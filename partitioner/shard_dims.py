@@ -14,6 +14,7 @@ contiguous block per rank.
 
 from __future__ import annotations
 
+import operator
 from functools import reduce
 from typing import Iterable
 
@@ -48,16 +49,8 @@ _ONE = Poly.const(1)
 # ---------------------------------------------------------------- shapes
 
 
-def _pmul(a: Poly, b: Poly) -> Poly:
-    acc: dict[tuple[int, int], float] = {}
-    for (i, j), c in a.terms:
-        for (k, m), e in b.terms:
-            acc[(i + k, j + m)] = acc.get((i + k, j + m), 0.0) + c * e
-    return Poly.from_terms(acc)
-
-
 def _prod(dims: Iterable[Poly]) -> Poly:
-    return reduce(_pmul, dims, _ONE)
+    return reduce(operator.mul, dims, _ONE)
 
 
 def _const(p: Poly) -> int | None:
@@ -92,9 +85,9 @@ def _reshape_dim(ish: tuple[Poly, ...], osh: tuple[Poly, ...], d: int) -> tuple[
             for y in ish[d + 1:]:
                 if group == x:
                     break
-                group = _pmul(group, y)
+                group = group * y
             return (j, k) if group == x else None
-        acc = _pmul(acc, x)
+        acc = acc * x
     return None
 
 

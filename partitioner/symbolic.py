@@ -53,7 +53,13 @@ class Poly:
 
     __radd__ = __add__
 
-    def __mul__(self, k: float) -> "Poly":
+    def __mul__(self, k: "Poly | float") -> "Poly":
+        if isinstance(k, Poly):  # polynomial product: a shape's dims multiply to its numel
+            acc: dict[Monomial, float] = {}
+            for (i, j), c in self.terms:
+                for (p, q), e in k.terms:
+                    acc[(i + p, j + q)] = acc.get((i + p, j + q), 0.0) + c * e
+            return Poly.from_terms(acc)
         return Poly.from_terms({m: c * k for m, c in self.terms})
 
     __rmul__ = __mul__
