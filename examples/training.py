@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from examples import gpt
 
-__all__ = ["gpt_tiny_seeded", "gpt_small_seeded", "hf_gpt2_seeded", "adamw", "sgd", "gpt_loss", "hf_loss"]
+__all__ = ["gpt_tiny_seeded", "gpt_small_seeded", "gpt_4l_seeded", "gpt_8l_seeded", "hf_gpt2_seeded",
+           "hf_gpt2_4l_seeded", "adamw", "sgd", "gpt_loss", "hf_loss"]
 
 
 def gpt_tiny_seeded() -> gpt.GPT:
@@ -26,6 +27,28 @@ def gpt_tiny_seeded() -> gpt.GPT:
 def gpt_small_seeded() -> gpt.GPT:
     torch.manual_seed(0)
     return gpt.gpt_small()
+
+
+def gpt_4l_seeded() -> gpt.GPT:
+    """The example GPT, 4 blocks of width 64: small enough for 8-process pipeline x tensor tests."""
+    torch.manual_seed(0)
+    return gpt.GPT(gpt.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=512))
+
+
+def gpt_8l_seeded() -> gpt.GPT:
+    """8 blocks: 4 pipeline ranks x 2 virtual stages (interleaved 1F1B) need 8 to cut."""
+    torch.manual_seed(0)
+    return gpt.GPT(gpt.GPTConfig(n_layer=8, n_head=4, n_embd=64, block_size=64, vocab_size=512))
+
+
+def hf_gpt2_4l_seeded():
+    """hf_gpt2_seeded with 4 blocks, for 4 pipeline stages."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
 
 
 def hf_gpt2_seeded():

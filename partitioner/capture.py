@@ -217,7 +217,7 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool) -> Capture:
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)
     return Capture(nodes=tuple(nodes), inputs=tuple(inputs), method="export",
-                   batch_symbolic=batch_symbolic, graph_module=ep.module)
+                   batch_symbolic=batch_symbolic, graph_module=ep)
 
 
 def _positional_names(model: torch.nn.Module, n: int) -> list[str]:

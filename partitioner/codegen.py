@@ -8,8 +8,7 @@ source defines `build(model_fn, optimizer_fn, loss_fn)`, which returns the
 runtime's step runner (`runtime.step.StepRunner`).
 
 Data-parallel plans (pp = tp = 1, any ZeRO stage) are emitted here;
-pipeline and tensor-parallel programs are refused with a clear error until
-their executors exist.
+pipeline, tensor-parallel and 3D programs by `partitioner.codegen_pipeline`.
 
 >>> print(plan.program(1).source)           # doctest: +SKIP
 \"\"\"Per-rank program: rank 1 of 4 ...
@@ -77,9 +76,10 @@ def program(plan: "Plan", rank: int) -> RankProgram:
         raise CodegenError(f"rank={rank!r}: the plan has ranks 0..{plan.world_size - 1}")
     c = plan.config
     if c.pp > 1 or c.tp > 1:
-        raise CodegenError(
-            f"this plan uses pp={c.pp}, tp={c.tp}: per-rank programs for pipeline and tensor parallelism "
-            "are not implemented yet (only data-parallel plans: DDP, ZeRO-1/2/3); compile with pp=1, tp=1")
+        from partitioner.codegen_pipeline import pipeline_program_source
+
+        source, h = pipeline_program_source(plan, rank)
+        return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)
     plan_json = plan.to_json()
     h = hashlib.sha256(plan_json.encode()).hexdigest()
     me = plan.mesh[rank]

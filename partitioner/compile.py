@@ -13,6 +13,8 @@ byte-identical plan.
 from __future__ import annotations
 
 from typing import Any, Sequence
+import torch
+
 
 from cost_models.calibration import Calibration
 from cost_models.compute import dtype_for
@@ -28,6 +30,7 @@ from partitioner.plan import (PLAN_VERSION, Alternative, MemoryBreakdown, MeshCo
                               Plan, Predicted, StagePlan)
 from partitioner.schedule import build_schedule
 from partitioner.search import Scored, enumerate_candidates, least_memory, search
+from partitioner.segments import SegmentError, extract
 from partitioner.simulate import Durations, simulate
 from partitioner.tensor_split import TensorSplits, find_splits
 from partitioner.trace import trace
@@ -207,7 +210,21 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 stages=tuple(stages), placements=tuple(placements), instructions=sched, predicted=predicted,
                 alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, clip_grad_norm=clip_grad_norm,
                 candidates_evaluated=evaluated,
-                search_space=space)
+                search_space=space, **_model_code(g, splits, cand))
+
+
+def _model_code(g: OpGraph, splits, cand: ParallelConfig) -> dict:
+    """The prefix/block/suffix code that pipeline and tensor-parallel programs run (none for DP plans)."""
+    if cand.pp == 1 and cand.tp == 1:
+        return {}
+    if not isinstance(g.graph_module, torch.export.ExportedProgram):
+        how = "traced with torch.fx" if g.graph_module is not None else "given as an OpGraph without its graph"
+        return {"code_note": f"the model was {how}; programs for pp/tp plans are generated from torch.export's "
+                             "graph: compile the nn.Module (trace method 'export')"}
+    try:
+        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp)}
+    except SegmentError as e:
+        return {"code_note": str(e)}
 
 
 def _segment_name(g: OpGraph, n: int) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from cost_models.errors import PartitionerError
 from partitioner.plan_json import PlanFormatError, decode, encode
 from partitioner.schedule import Schedule, ScheduleKind
+from partitioner.segments import ModelCode
 
 __all__ = ["ParallelConfig", "MeshCoord", "MemoryBreakdown", "StagePlan", "ParamPlacement", "Predicted",
            "Alternative", "Plan", "PlanMismatchError", "PLAN_VERSION"]
@@ -184,6 +185,10 @@ class Plan:
     clip_grad_norm: float | None  # clip gradients to this global L2 norm (over all shards) before each step
     candidates_evaluated: int
     search_space: int
+    # the model as code (prefix, block, suffix) for pipeline / tensor-parallel programs; None for
+    # data-parallel plans, or when the graph could not be cut (code_note says why)
+    code: ModelCode | None = None
+    code_note: str = ""
 
     # ---- the configuration, by name ---------------------------------------
     dp = property(lambda self: self.config.dp)

@@ -135,12 +135,15 @@ class TensorSplits:
     sharded_nodes: nodes whose compute, bytes and activations divide by tp.
     collectives: Megatron's f/g all-reduces and the parallel cross entropy's.
     divisors: (what, n) pairs tp must divide (heads, kv heads, ffn width, vocab).
+    shard_dims: (node, dim) for every sharded node: the dim of its output that is
+        split, which the code generator divides by tp in views and splits.
     """
 
     placements: tuple[Placement, ...]
     sharded_nodes: frozenset[str]
     collectives: tuple[TPCollective, ...]
     divisors: tuple[tuple[str, int], ...]
+    shard_dims: tuple[tuple[str, int], ...] = ()
 
     def valid_tp(self, candidates: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> tuple[int, ...]:
         """The degrees among `candidates` that divide every divisor."""
@@ -173,7 +176,8 @@ class TensorSplits:
         return {"placements": [dataclasses.asdict(p) for p in self.placements],
                 "sharded_nodes": sorted(self.sharded_nodes),
                 "collectives": [{**dataclasses.asdict(c), "bytes": c.bytes.to_json()} for c in self.collectives],
-                "divisors": [list(d) for d in self.divisors]}
+                "divisors": [list(d) for d in self.divisors],
+                "shard_dims": [list(d) for d in self.shard_dims]}
 
     @staticmethod
     def from_json(data: dict) -> TensorSplits:
@@ -181,7 +185,8 @@ class TensorSplits:
                             sharded_nodes=frozenset(data["sharded_nodes"]),
                             collectives=tuple(TPCollective(**{**c, "bytes": Poly.from_json(c["bytes"])})
                                               for c in data["collectives"]),
-                            divisors=tuple((str(k), int(n)) for k, n in data["divisors"]))
+                            divisors=tuple((str(k), int(n)) for k, n in data["divisors"]),
+                            shard_dims=tuple((str(k), int(d)) for k, d in data.get("shard_dims", ())))
 
 
 # ---------------------------------------------------------------- one pass
@@ -525,7 +530,9 @@ def find_splits(g: OpGraph) -> TensorSplits:
         no_vocab.update(new_vocab)
     return TensorSplits(placements=tuple(_placement(ctx, p.name, uses.get(p.name, [])) for p in g.params),
                         sharded_nodes=frozenset(x for reg in res.regions for x in reg.nodes),
-                        collectives=_collectives(ctx, res), divisors=_divisors(ctx, res))
+                        collectives=_collectives(ctx, res), divisors=_divisors(ctx, res),
+                        shard_dims=tuple(sorted((x, res.state[x].dim) for reg in res.regions for x in reg.nodes
+                                               if x in res.state)))
 
 
 def _conflicts(ctx: _Context, res: _Pass,

@@ -74,7 +74,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -146,7 +146,8 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, *, group, ranks: tuple[int, ...], zero_stage: int,
                  collectives: Collectives, bucket_bytes: int = 25 * 2**20,
-                 precision: PrecisionName = "fp32", units: Sequence[Sequence[str]] | None = None):
+                 precision: PrecisionName = "fp32", units: Sequence[Sequence[str]] | None = None,
+                 unit_modules: Sequence[str] | None = None):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0 (DDP), 1, 2 or 3 (FSDP), got {zero_stage}")
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -182,7 +183,7 @@ class DataParallel:
         self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._root_post_forward))
         if zero_stage == 3:
-            self._build_sharded(resolve_units(model, units))
+            self._build_sharded(resolve_units(model, units), unit_modules)
         else:
             self._build_replicated(trainable, bucket_bytes)
 
@@ -252,7 +253,9 @@ class DataParallel:
         self._next = 0  # next bucket to launch in this backward (buckets launch in index order on every rank)
 
     @torch.no_grad()
-    def _build_sharded(self, units: tuple[tuple[str, ...], ...]) -> None:
+    def _build_sharded(self, units: tuple[tuple[str, ...], ...], unit_modules: Sequence[str] | None) -> None:
+        if unit_modules is not None and len(unit_modules) != len(units):
+            raise ValueError(f"unit_modules names {len(unit_modules)} modules for {len(units)} units; give one each")
         aliases: dict[str, list[str]] = {}
         for a, n in self._alias.items():
             aliases.setdefault(n, []).append(a)
@@ -274,7 +277,9 @@ class DataParallel:
                 if len(set(parts)) > 1:
                     break
                 common.append(parts[0])
-            module = self.module.get_submodule(".".join(common))
+            # the module whose forward gathers the unit: by default the smallest holding all its
+            # parameters; generated stage code, which reads them from its root, names the root ("")
+            module = self.module.get_submodule(".".join(common) if unit_modules is None else unit_modules[i])
             slots, owners = [], []
             for k, n in enumerate(names):
                 for a in aliases[n]:
@@ -375,6 +380,37 @@ class DataParallel:
         for g in grads:
             g.mul_(coef)
         return norm.item()
+
+    @torch.no_grad()
+    def grad_square_sum(self, weight: Callable[[str], float]) -> torch.Tensor:
+        """Sum over this rank's gradients of weight(name) * |g|^2 (float64), after finish_gradients.
+
+        For a global norm over more axes than dp (pipeline stages, tensor shards): ZeRO >= 1 ranks
+        hold disjoint slices, so the caller sums this over dp; DDP replicas hold the same values.
+        `weight` lets a caller count a parameter replicated over the tensor group once (1/tp)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        if self.zero_stage == 0:
+            for n, p in self._params.items():
+                g = (self._masters[n] if self.precision.mixed else p).grad
+                if g is not None:
+                    sq += weight(n) * torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+            return sq
+        for f in self._flats:
+            if f.shard.grad is None:
+                continue
+            lo, _ = f.layout.shard_range(self.rank)
+            offsets = dict(zip(f.layout.names, f.layout.offsets))
+            for n, a, b in f.layout.owned_pieces(self.rank):
+                piece = f.shard.grad[offsets[n] + a - lo: offsets[n] + b - lo]
+                sq += weight(n) * torch.linalg.vector_norm(piece, dtype=torch.float64) ** 2
+        return sq
+
+    @torch.no_grad()
+    def scale_grads_(self, coef: torch.Tensor) -> None:
+        """Multiply every gradient the optimizer will step by coef (clipping across groups)."""
+        for p in self.optimizer_params():
+            if p.grad is not None:
+                p.grad.mul_(coef)
 
     @torch.no_grad()
     def after_step(self) -> None:

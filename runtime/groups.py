@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-__all__ = ["ProcessGroups", "Axis", "AXES", "make_groups", "group_ranks"]
+__all__ = ["ProcessGroups", "Axis", "AXES", "make_groups", "group_ranks", "make_group_among", "make_self_group"]
 
 Axis = Literal["dp", "tp", "pp"]
 AXES: tuple[Axis, ...] = ("dp", "tp", "pp")
@@ -125,3 +125,34 @@ def _coord(m: Any) -> tuple[int, int, int, int]:
         return int(m.rank), int(m.pp), int(m.dp), int(m.tp)
     rank, pp, dp, tp = m[:4]
     return int(rank), int(pp), int(dp), int(tp)
+
+
+def make_group_among(rank: int, groups: Sequence[Sequence[int]]):
+    """Create every group of `groups` (a collective: all ranks call it with the same list, in the same
+    order) and return the one holding `rank`: None when it holds none or only this rank.
+
+    For groups outside the mesh axes, such as the first and last pipeline stages that hold a tied
+    embedding and LM head (Megatron's embedding group)."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in groups:
+        ranks = sorted(ranks)
+        pg = None if len(ranks) == 1 else (dist.group.WORLD if len(ranks) == dist.get_world_size()
+                                           else dist.new_group(ranks))
+        if rank in ranks:
+            mine = pg
+    return mine
+
+
+def make_self_group(rank: int, world: int):
+    """A one-rank group per rank (all ranks create all, in order), for engines that need a real group
+    when this rank has no data-parallel peers (c10d reads group=None as the world)."""
+    import torch.distributed as dist
+
+    mine = None
+    for r in range(world):
+        pg = dist.new_group([r])
+        if r == rank:
+            mine = pg
+    return mine

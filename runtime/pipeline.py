@@ -301,8 +301,10 @@ class PipelineExecutor:
                                     f"or run {s - 1}F{i} first when stage {s - 1} is on this rank")
             x = x.detach().requires_grad_(x.is_floating_point())
         out = _call(self.stages[s], x)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"stage {s} returned {type(out).__name__}; pipeline stages must return one tensor")
+        if s < self.num_stages - 1 and not isinstance(out, torch.Tensor):
+            # the last stage's output goes to loss_fn, in whatever structure the model returns
+            raise TypeError(f"stage {s} returned {type(out).__name__}; pipeline stages before the last must "
+                            "return one tensor")
         self._inputs[(s, i)], self._outputs[(s, i)] = x, out
         if s + 1 in self.stages:
             self._inputs[(s + 1, i)] = out.detach()

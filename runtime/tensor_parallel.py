@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,10 @@ __all__ = [
     "reduce_from_tp",
     "scatter_to_tp",
     "shard_parameter",
+    "TPContext",
+    "tp_copy",
+    "tp_reduce",
+    "tp_vocab_embedding",
     "unshard_parameter",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
@@ -375,3 +380,30 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.group, self.collectives)
         return y if self.bias is None else y + self.bias
+
+
+# ---------------------------------------------------------------- what generated code calls
+
+class TPContext(NamedTuple):
+    """The tensor-parallel group as generated stage code sees it (the `tp` argument of every
+    segment function; None when tp = 1, where no segment calls these)."""
+
+    group: object
+    collectives: Collectives
+    rank: int
+    world: int
+
+
+def tp_copy(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """f at a column-parallel region's input (see `copy_to_tp`)."""
+    return copy_to_tp(x, tp.group, tp.collectives)
+
+
+def tp_reduce(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """g after a row-parallel matmul (see `reduce_from_tp`)."""
+    return reduce_from_tp(x, tp.group, tp.collectives)
+
+
+def tp_vocab_embedding(local_weight: torch.Tensor, ids: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """aten.embedding(weight, ids) with the table split by rows over the group (see `vocab_parallel_embedding`)."""
+    return vocab_parallel_embedding(ids, local_weight, tp.rank * local_weight.shape[0], tp.group, tp.collectives)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+
 import ast
+import dataclasses
 import re
 
 import pytest
@@ -78,9 +80,18 @@ def test_write_programs_writes_one_file_per_rank_and_the_plan(graph, tmp_path):
     assert (d / "rank_1.py").read_text() == plan.program(1).source
 
 
-def test_pipeline_and_tensor_plans_are_refused_until_their_executors_exist(graph):
-    plan = compile(graph, "local:4", global_batch_size=16, pp=2, tp=1, precision="fp32")
-    with pytest.raises(CodegenError, match="pp=2, tp=1: per-rank programs for pipeline and tensor parallelism"):
+def test_pipeline_programs_need_the_exported_graph(graph):
+    without = dataclasses.replace(graph, graph_module=None)  # as an OpGraph loaded from JSON
+    plan = compile(without, "local:4", global_batch_size=16, pp=2, tp=1, precision="fp32")
+    with pytest.raises(CodegenError, match=r"\(pp=2, tp=1\) carries no model code: the model was given as an "
+                                           "OpGraph without its graph"):
         plan.program(0)
+    # the example batch passes targets, so that graph computes its loss in the suffix, from a model input
+    with pytest.raises(CodegenError, match=r"the suffix reads \['targets'\] besides the last block's output"):
+        compile(graph, "local:4", global_batch_size=16, pp=2, tp=1, precision="fp32").program(0)
+    model = gpt_mod.gpt_tiny()
+    logits_only = trace(model, (gpt_mod.example_batch(model, 2)[0],))
+    assert "def block(tp, x" in compile(logits_only, "local:4", global_batch_size=16, pp=2, tp=1,
+                                        precision="fp32").program(0).source
     with pytest.raises(CodegenError, match="rank=7: the plan has ranks 0..3"):
         dp_plan(graph, 0).program(7)

@@ -1,0 +1,401 @@
+"""The model as code: prefix, one block, suffix, cut from the exported graph.
+
+A pipeline stage runs the prefix (stage 0), a run of blocks, and the suffix
+(the last stage). `extract(ep, g)` cuts those three pieces out of the
+ExportedProgram the tracer captured (the model with its first blocks), and
+writes each as a plain Python function over ATen ops. The block function is
+a template: block 1's graph with its parameter names relative to the block,
+so one function serves every block (the tracer checked they repeat).
+
+Only one tensor crosses a cut: the hidden state. Everything else a block
+reads from outside is either a parameter or buffer, or computed from
+*shapes alone* (sizes, an arange of positions, a causal mask built from
+them, rotary tables from a buffer): those are recomputed inside the
+segment from the hidden state's sizes, so a stage never needs the model's
+input. A block that reads the model's input data, or a prefix value other
+than the hidden state, is refused with the node named.
+
+With tensor parallelism (tp > 1) the graph is rewritten as the tensor
+splits say (Megatron): a column-parallel matmul's input goes through
+`tp_copy` (identity forward, all-reduce backward), a row-parallel matmul
+drops its bias, all-reduces its partial output (`tp_reduce`) and adds the
+bias after; a vocab-parallel embedding becomes `tp_vocab_embedding`; and
+every view, reshape, expand or split of a split tensor has its size on the
+split dim divided by tp (12 heads become 12/tp heads, a fused 3*768 qkv
+split at 768 becomes 3*768/tp split at 768/tp).
+
+>>> code = extract(ep, g)                      # doctest: +SKIP
+>>> print(code.block.source)                   # doctest: +SKIP
+def block(tp, x, ln_1_weight, ...):
+    layer_norm = torch.ops.aten.layer_norm.default(x, [256], ln_1_weight, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+from torch import fx
+
+from cost_models.errors import PartitionerError
+from partitioner.blocks import block_index
+
+__all__ = ["ModelCode", "Segment", "SegmentError", "extract"]
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.linear.default: (0, 1, 2), _aten.addmm.default: (1, 2, 0),  # (activation, weight, bias)
+            _aten.mm.default: (0, 1, None), _aten.matmul.default: (0, 1, None)}
+_SIZED = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default}
+_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default}
+
+
+class SegmentError(PartitionerError):
+    """The model's graph cannot be cut into prefix, block and suffix functions."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Segment:
+    """One function of the model's code.
+
+    source: `def <name>(tp, <inputs>, <param and buffer arguments>)` returning one tensor
+        (the suffix: the model's flat outputs, a tuple).
+    inputs: argument names of what flows in (the prefix: the model's own inputs; else ("x",)).
+    params/buffers: (argument, name in the model); a block's names hold "{i}" for its index.
+    """
+
+    name: str
+    source: str
+    inputs: tuple[str, ...]
+    params: tuple[tuple[str, str], ...]
+    buffers: tuple[tuple[str, str], ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelCode:
+    """The model's code for one tensor-parallel degree. Without a layer stack the prefix is the
+    whole model (block and suffix None, and only pp = 1 can run it)."""
+
+    stack: str | None
+    num_blocks: int
+    tp: int
+    prefix: Segment
+    block: Segment | None
+    suffix: Segment | None
+    output_spec: str  # torch.utils._pytree.treespec_dumps of the model's output structure
+
+    def block_params(self, i: int) -> tuple[str, ...]:
+        return tuple(n.format(i=i) for _, n in self.block.params) if self.block else ()
+
+
+def _argname(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+class _Source:
+    """What every node of the exported graph is: parameter, buffer, input, shape-only, or in which segment."""
+
+    def __init__(self, ep: Any, g: Any):
+        self.ep, self.gm = ep, ep.graph_module
+        canonical = {a: p.name for p in g.params for a in (p.name, *p.aliases)}
+        self.param: dict[fx.Node, str] = {}
+        self.buffer: dict[fx.Node, str] = {}
+        self.inputs: list[fx.Node] = []
+        by_name = {n.name: n for n in self.gm.graph.nodes}
+        for spec in ep.graph_signature.input_specs:
+            node = by_name[spec.arg.name]
+            kind = spec.kind.name
+            if kind == "PARAMETER":
+                self.param[node] = canonical.get(spec.target, spec.target)
+            elif kind in ("BUFFER", "CONSTANT_TENSOR"):
+                self.buffer[node] = spec.target
+            elif kind == "USER_INPUT":
+                self.inputs.append(node)
+            else:
+                raise SegmentError(f"input {spec.arg.name} of kind {kind} is not supported in stage code")
+        self.stack = g.block_container
+        self.shape_only: dict[fx.Node, bool] = {}
+        self.segment: dict[fx.Node, Any] = {}  # "prefix" | block index | "suffix"
+        seen_block = False
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                self.shape_only[n] = n in self.buffer
+            elif n.op == "call_function":
+                self.shape_only[n] = n.target is _aten.sym_size.int or \
+                    all(self.shape_only[a] for a in n.all_input_nodes)
+                if self.shape_only[n] or not n.users:
+                    continue
+                b = block_index(self._path(n), self.stack) if self.stack is not None else None
+                if b is not None:
+                    seen_block = True
+                    self.segment[n] = b
+                else:
+                    self.segment[n] = "suffix" if seen_block else "prefix"
+        self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
+
+    @staticmethod
+    def _path(n: fx.Node) -> str:
+        stack = n.meta.get("nn_module_stack") or {}
+        return list(stack.values())[-1][0] if stack else ""
+
+    def members(self, seg: Any) -> list[fx.Node]:
+        return [n for n, s in self.segment.items() if s == seg]
+
+    def crossing(self, members: list[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+        """(outside values the members read, member values read outside), shape-only values excluded."""
+        inside = set(members)
+        reads = {a for m in members for a in m.all_input_nodes
+                 if a not in inside and a.op != "placeholder" and not self.shape_only[a]}
+        reads |= {a for m in members for a in m.all_input_nodes if a in self.inputs}
+        out = {m for m in members for u in m.users if u not in inside and (u.op == "output" or u in self.segment)}
+        return reads, out
+
+
+def _describe(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or {}
+    where = list(stack.values())[-1][0] if stack else "the model's forward"
+    return f"{n.name} ({n.target} in {where or 'the root module'})"
+
+
+class _Builder:
+    """Copies one segment's nodes into a fresh graph, recomputing shape-only values from its input."""
+
+    def __init__(self, src: _Source, name: str, *, carried: fx.Node | None, block: int | None,
+                 placements: dict[str, Any], dims: dict[str, int], tp: int):
+        self.src, self.name, self.carried, self.block = src, name, carried, block
+        self.placements, self.dims, self.tp = placements, dims, tp
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.params: dict[str, str] = {}
+        self.buffers: dict[str, str] = {}
+        self.copies: dict[fx.Node, fx.Node] = {}  # tp_copy per activation (one f per region input)
+        self.tp_arg = self.graph.placeholder("tp")
+        if carried is None:
+            self.input_names = tuple(n.name for n in src.inputs)
+            for n in src.inputs:
+                self.env[n] = self.graph.placeholder(n.name)
+                self.env[n].meta = dict(n.meta)
+        else:
+            self.input_names = ("x",)
+            self.env[carried] = self.graph.placeholder("x")
+            self.env[carried].meta = dict(carried.meta)
+        self.arg_nodes: list[tuple[str, fx.Node]] = []
+
+    def _relative(self, name: str) -> str:
+        if self.block is None:
+            return name
+        head = f"{self.src.stack}.{self.block}." if self.src.stack else f"{self.block}."
+        return name.removeprefix(head)
+
+    def _arg(self, n: fx.Node, full: str, table: dict[str, str]) -> fx.Node:
+        rel = self._relative(full)
+        arg = _argname(rel)
+        if arg not in table:
+            template = (f"{self.src.stack}.{{i}}.{rel}" if self.src.stack else f"{{i}}.{rel}") \
+                if rel != full else full
+            table[arg] = template
+            self.env[n] = node = self.graph.placeholder(arg)
+            node.meta = dict(n.meta)
+        return self.env[n]
+
+    def value(self, n: fx.Node) -> fx.Node:
+        if n in self.env:
+            return self.env[n]
+        if n in self.src.param:
+            return self._arg(n, self.src.param[n], self.params)
+        if n in self.src.buffer:
+            return self._arg(n, self.src.buffer[n], self.buffers)
+        if n in self.src.inputs:
+            raise SegmentError(f"the {self.name} reads the model input {n.name!r} directly; a pipeline stage only "
+                               "receives the hidden state. Keep the layer stack's inputs computed from the hidden "
+                               "state (or run with pp=1)")
+        if not self.src.shape_only.get(n, False):
+            raise SegmentError(f"the {self.name} reads {_describe(n)}, computed outside it: only the hidden state "
+                               "may cross a stage boundary (plus values computed from shapes alone)")
+        if n.target is _aten.sym_size.int and n.args[0] not in self.env and self.carried is not None:
+            # a batch or sequence size read from a tensor this segment does not have: read it from its input
+            want = str(n.meta.get("val"))
+            shape = self.carried.meta["val"].shape
+            dims = [j for j, s in enumerate(shape) if str(s) == want]
+            if not dims:
+                raise SegmentError(f"the {self.name} needs size {want} ({n.name}), which its input "
+                                   f"{self.carried.name} of shape {tuple(shape)} does not carry")
+            self.env[n] = self.graph.call_function(_aten.sym_size.int, (self.env[self.carried], dims[0]))
+            self.env[n].meta = dict(n.meta)
+            return self.env[n]
+        self.env[n] = self.graph.node_copy(n, self.value)
+        return self.env[n]
+
+    # ---- tensor-parallel rewriting ----------------------------------------------------
+    def _role(self, n: fx.Node) -> tuple[str, Any] | None:
+        w = n.args[_MATMULS[n.target][1]] if n.target in _MATMULS else \
+            (n.args[0] if n.target is _aten.embedding.default else None)
+        if not isinstance(w, fx.Node) or w not in self.src.param:
+            return None
+        p = self.placements.get(self.src.param[w])
+        return (p.role, p) if p is not None else None
+
+    def copy(self, n: fx.Node) -> None:
+        role = self._role(n) if self.tp > 1 else None
+        if role is not None and role[0] == "vocab_head":
+            raise SegmentError(f"{_describe(n)} is a vocab-parallel LM head feeding an in-model cross entropy; "
+                               "its parallel cross entropy is not generated yet: pin tp=1 for this model")
+        if role is not None and role[0] == "column" and n.target in _MATMULS:
+            a = _MATMULS[n.target][0]
+            act = self.value(n.args[a])
+            if act not in self.copies:
+                self.copies[act] = self.graph.create_node("call_function", _tp_copy, (act, self.tp_arg), name="f")
+            new = self.graph.node_copy(n, self.value)
+            new.args = tuple(self.copies[act] if i == a else x for i, x in enumerate(new.args))
+            self.env[n] = new
+            return
+        if role is not None and role[0] == "row" and n.target in _MATMULS:
+            a, w, b = _MATMULS[n.target]
+            x, weight = self.value(n.args[a]), self.value(n.args[w])
+            op = _aten.mm.default if n.target is _aten.addmm.default else \
+                (_aten.linear.default if n.target is _aten.linear.default else n.target)
+            partial = self.graph.call_function(op, (x, weight))
+            out = self.graph.create_node("call_function", _tp_reduce, (partial, self.tp_arg), name="g")
+            bias = n.args[b] if b is not None and len(n.args) > b else None
+            if bias is not None:
+                out = self.graph.call_function(_aten.add.Tensor, (out, self.value(bias)))
+            out.meta = dict(n.meta)
+            self.env[n] = out
+            return
+        if role is not None and role[0] == "vocab_embedding":
+            self.env[n] = self.graph.create_node("call_function", _tp_vocab_embedding,
+                                                 (self.value(n.args[0]), self.value(n.args[1]), self.tp_arg),
+                                                 name=n.name)
+            self.env[n].meta = dict(n.meta)
+            return
+        new = self.graph.node_copy(n, self.value)
+        if self.tp > 1 and n.target in _SIZED and n.name in self.dims:
+            d, sizes = self.dims[n.name], list(new.args[1])
+            if isinstance(sizes[d], int) and sizes[d] != -1:
+                sizes[d] //= self.tp  # a split dim: each rank holds 1/tp of it
+                new.args = (new.args[0], sizes, *new.args[2:])
+        elif self.tp > 1 and n.target in _SPLITS and n.args[0].name in self.dims:
+            x = n.args[0]
+            dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+            dim %= len(x.meta["val"].shape)
+            if dim == self.dims[x.name]:
+                size = new.args[1]
+                size = [s // self.tp for s in size] if isinstance(size, (list, tuple)) else size // self.tp
+                new.args = (new.args[0], size, *new.args[2:])
+        self.env[n] = new
+
+    def finish(self, outputs: Any) -> Segment:
+        self.graph.output(outputs)
+        self.graph.eliminate_dead_code()
+        code = self.graph.python_code(root_module="self")
+        src, globs = code.src, dict(code.globals)
+        for fn in RUNTIME_FUNCTIONS:  # fx names a function by its module path; the program imports it bare
+            mangled = f"{__name__.replace('.', '_')}_{fn}"
+            src = src.replace(mangled, fn)
+            if mangled in globs:
+                globs[fn] = globs.pop(mangled)
+        _check_globals(globs, self.name)
+        src = src.replace("def forward(self, ", f"def {self.name}(", 1).strip() + "\n"
+        return Segment(name=self.name, source=src, inputs=self.input_names,
+                       params=tuple(self.params.items()), buffers=tuple(self.buffers.items()))
+
+
+# The runtime functions generated code may call (runtime.tensor_parallel defines them; the
+# planner must not import the runtime, so these stand-ins carry their names into the graph).
+def tp_copy(x, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def tp_reduce(x, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def tp_vocab_embedding(weight, ids, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+_tp_copy, _tp_reduce, _tp_vocab_embedding = tp_copy, tp_reduce, tp_vocab_embedding
+RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding")
+_KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", *RUNTIME_FUNCTIONS}
+
+
+def _check_globals(globs: dict[str, Any], name: str) -> None:
+    unknown = sorted(k for k in globs if k not in _KNOWN_GLOBALS)
+    if unknown:
+        raise SegmentError(f"the {name} code calls {unknown}, which a generated program cannot import; "
+                           "the graph holds a non-ATen call")
+
+
+def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
+    """Cut `ep` (the ExportedProgram `trace` captured for OpGraph `g`) into prefix, block, suffix code."""
+    import torch.utils._pytree as pytree
+
+    src = _Source(ep, g)
+    placements = {p.param: p for p in splits.placements} if splits is not None else {}
+    dims = dict(splits.shard_dims) if splits is not None else {}
+    if tp > 1 and splits is None:
+        raise SegmentError("tp > 1 needs the tensor splits (partitioner.tensor_split.find_splits)")
+    spec = pytree.treespec_dumps(ep.call_spec.out_spec)
+    flat_out = src.output.args[0]
+    blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
+    kw = dict(placements=placements, dims=dims, tp=tp)
+
+    def run(b: _Builder, members: list[fx.Node]) -> None:
+        for m in sorted(members, key=_order(src)):
+            b.copy(m)
+
+    if not blocks:
+        b = _Builder(src, "prefix", carried=None, block=None, **kw)
+        run(b, src.members("prefix") + src.members("suffix"))
+        prefix = b.finish(tuple(b.value(x) if isinstance(x, fx.Node) else x for x in flat_out))
+        return ModelCode(stack=None, num_blocks=0, tp=tp, prefix=prefix, block=None, suffix=None, output_spec=spec)
+
+    # prefix -> block 0: one tensor
+    pre = src.members("prefix")
+    reads, outs = src.crossing(pre)
+    if len(outs) != 1:
+        raise SegmentError(f"the prefix (before {src.stack}) hands {len(outs)} values to what follows "
+                           f"({', '.join(sorted(o.name for o in outs))}); a pipeline cut passes exactly one tensor")
+    hidden = next(iter(outs))
+    b = _Builder(src, "prefix", carried=None, block=None, **kw)
+    run(b, pre)
+    prefix = b.finish(b.value(hidden))
+
+    # the block template: block 1 when traced, else block 0
+    t = 1 if len(blocks) > 1 else 0
+    members = src.members(blocks[t])
+    reads, outs = src.crossing(members)
+    direct = sorted(r.name for r in reads if r in src.inputs)
+    if direct:
+        raise SegmentError(f"block {t} of {src.stack} reads the model input {direct[0]!r} directly; a pipeline stage "
+                           "only receives the hidden state. Compute what the blocks need from the hidden state "
+                           "(or from shapes), or keep this model at pp=1 and tp=1")
+    if len(reads) != 1 or len(outs) != 1:
+        raise SegmentError(f"block {t} of {src.stack} reads {sorted(r.name for r in reads)} and hands on "
+                           f"{sorted(o.name for o in outs)} across its boundary; a pipeline cut passes exactly one tensor")
+    (x_in,), (x_out,) = reads, outs
+    b = _Builder(src, "block", carried=x_in, block=blocks[t], **kw)
+    run(b, members)
+    block = b.finish(b.value(x_out))
+
+    last = src.members(blocks[-1])
+    _, (last_out, *more) = src.crossing(last)
+    if more:
+        raise SegmentError(f"the last block hands {1 + len(more)} values to the suffix; a pipeline cut passes one")
+    suf = src.members("suffix")
+    reads, _ = src.crossing(suf)
+    if reads - {last_out}:
+        raise SegmentError(f"the suffix reads {sorted(r.name for r in reads - {last_out})} besides the last block's "
+                           "output; a pipeline cut passes exactly one tensor")
+    b = _Builder(src, "suffix", carried=last_out, block=None, **kw)
+    run(b, suf)
+    suffix = b.finish(tuple(b.value(x) if isinstance(x, fx.Node) else x for x in flat_out))
+    return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
+                     prefix=prefix, block=block, suffix=suffix, output_spec=spec)
+
+
+def _order(src: _Source):
+    pos = {n: i for i, n in enumerate(src.gm.graph.nodes)}
+    return lambda n: pos[n]
+

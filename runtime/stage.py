@@ -1,0 +1,153 @@
+"""A pipeline rank's model: its stages' parameters, tensor shards, and the generated code that runs them.
+
+`StageModel` takes the user's full model (built by `model_fn` on every rank,
+never re-traced) and the generated segment functions (prefix, block, suffix)
+and keeps only what this rank's virtual stages need:
+
+- blocks of other stages are replaced by empty modules, and parameters of the
+  prefix/suffix this rank does not run are dropped (names of the rest are
+  unchanged, so checkpoints and the plan speak the same names);
+- tensor-parallel parameters are cut to this rank's shard (`shard_parameter`);
+- each kept block's `forward` becomes the generated block function over its
+  own parameters, so module hooks (ZeRO-3 gathers) still fire per block;
+- the root's `forward(*inputs, _stage=s)` runs virtual stage s: the prefix
+  on stage 0, its blocks, the suffix on the last stage;
+- with recompute, each block keeps only its input and runs again in backward
+  (torch.utils.checkpoint, non-reentrant).
+
+Parameters used by stages on different pipeline ranks (a tied embedding and
+LM head) are *tied*: each holder keeps its copy outside the data-parallel
+engine (`self.tied`); their gradients are summed over the holders and
+averaged over the replicas by `PipelineRunner` (Megatron's embedding group).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from runtime.tensor_parallel import shard_parameter
+
+__all__ = ["StageModel", "StageSpec"]
+
+# stage index -> (first block, end block, runs prefix, runs suffix)
+StageSpec = tuple[int, int, bool, bool]
+
+
+def _split(name: str) -> tuple[str, str]:
+    mod, _, attr = name.rpartition(".")
+    return mod, attr
+
+
+class StageModel:
+    """Prunes `model` in place to this rank's stages; `self.module` is what the engine wraps."""
+
+    def __init__(self, model: nn.Module, *, functions: Mapping[str, Callable], stack: str | None,
+                 prefix_args: Sequence[tuple[str, str]], block_args: Sequence[tuple[str, str]],
+                 suffix_args: Sequence[tuple[str, str]], output_spec: str | None, stages: Mapping[int, StageSpec],
+                 placements: Mapping[str, tuple[str, int]], tied: Sequence[str], tp: Any = None,
+                 tp_rank: int = 0, tp_world: int = 1, recompute: str = "none"):
+        self.module, self.functions, self.stack, self.stages = model, dict(functions), stack, dict(stages)
+        self.prefix_args, self.block_args, self.suffix_args = tuple(prefix_args), tuple(block_args), tuple(suffix_args)
+        self.out_spec = pytree.treespec_loads(output_spec) if output_spec else None
+        self.tp, self.recompute = tp, recompute
+        self.cast: torch.dtype | None = None  # mixed precision: tied parameters enter the code in this dtype
+
+        blocks = sorted({i for a, b, _, _ in self.stages.values() for i in range(a, b)})
+        need = set()
+        for a, b, pre, suf in self.stages.values():
+            if pre:
+                need |= {n for _, n in self.prefix_args}
+            if suf:
+                need |= {n for _, n in self.suffix_args}
+            for i in range(a, b):
+                need |= {n.format(i=i) for _, n in self.block_args}
+        aliases: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(n)
+        first = {id(p): n for n, p in model.named_parameters()}
+
+        # other stages' blocks: gone (their buffers too)
+        container = model.get_submodule(stack) if stack is not None else None
+        if container is not None:
+            for i in range(len(container)):
+                if i not in blocks:
+                    container[i] = nn.Module()
+        # parameters no stage of this rank reads: dropped; tensor-parallel ones: cut to the shard
+        self.tied: dict[str, nn.Parameter] = {}
+        self._alias_of: dict[str, str] = {}
+        for pid, names in aliases.items():
+            canon = first.get(pid, names[0])
+            try:
+                p = model.get_parameter(names[0])
+            except AttributeError:
+                continue  # lived in a removed block
+            if not any(n in need for n in names):
+                for n in names:
+                    mod, attr = _split(n)
+                    model.get_submodule(mod)._parameters[attr] = None
+                continue
+            spec, fused = placements.get(canon, ("R", 1))
+            if spec != "R" and tp_world > 1:
+                p = nn.Parameter(shard_parameter(p.data, spec, tp_rank, tp_world, fused), requires_grad=p.requires_grad)
+            if canon in tied:
+                self.tied[canon] = p
+            for n in names:
+                mod, attr = _split(n)
+                model.get_submodule(mod)._parameters[attr] = None if canon in tied else p
+            for n in names:
+                self._alias_of[n] = canon
+
+        if container is not None:
+            for i in blocks:
+                container[i].forward = functools.partial(self._block, i)
+        model.forward = self._stage
+
+    # ---- what the generated functions read --------------------------------------------------
+    def _get(self, name: str) -> torch.Tensor:
+        canon = self._alias_of.get(name, name)
+        if canon in self.tied:
+            p = self.tied[canon]
+            return p if self.cast is None else p.to(self.cast)
+        mod, attr = _split(name)
+        return getattr(self.module.get_submodule(mod), attr)  # a ZeRO-3 unit's gathered view, when sharded
+
+    def _args(self, table: Sequence[tuple[str, str]], i: int | None = None) -> dict[str, torch.Tensor]:
+        return {a: self._get(n if i is None else n.format(i=i)) for a, n in table}
+
+    def _block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "none":
+            return self.functions["block"](self.tp, x, **self._args(self.block_args, i))
+        # "full" and "selective" both keep only the block's input and run it again in backward
+        # (selective recomputation of the attention core alone is not generated yet)
+        return checkpoint(self.functions["block"], self.tp, x, use_reentrant=False, **self._args(self.block_args, i))
+
+    def _stage(self, *inputs: Any, _stage: int = 0, **kw: Any) -> Any:
+        a, b, pre, suf = self.stages[_stage]
+        x = self.functions["prefix"](self.tp, *inputs, **kw, **self._args(self.prefix_args)) if pre else inputs[0]
+        container = self.module.get_submodule(self.stack) if self.stack is not None else None
+        for i in range(a, b):
+            x = container[i](x)
+        if suf and "suffix" in self.functions:
+            x = self.functions["suffix"](self.tp, x, **self._args(self.suffix_args))
+        if (suf or self.stack is None) and self.out_spec is not None:
+            flat = list(x) if isinstance(x, (tuple, list)) else [x]
+            return pytree.tree_unflatten(flat, self.out_spec)
+        return x
+
+    def stage_callable(self, s: int) -> Callable:
+        """What the pipeline executor runs for virtual stage s: the root module's call (engine hooks fire)."""
+        return lambda *inputs, **kw: self.module(*inputs, _stage=s, **kw)
+
+
+def state_keys(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """(state_dict key, the name its tensor is gathered under): tied aliases map to the first name."""
+    first = {id(p): n for n, p in model.named_parameters()}
+    alias = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    return tuple((k, alias.get(k, k)) for k in model.state_dict(keep_vars=True))

@@ -1,0 +1,121 @@
+"""The model as code: prefix, block template and suffix cut from the exported graph, and rewritten for tp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from examples.training import gpt_4l_seeded, hf_gpt2_4l_seeded
+from partitioner import compile, trace
+from partitioner.plan import Plan
+from partitioner.segments import SegmentError, extract
+from partitioner.tensor_split import find_splits
+
+HEADER = "import torch\nfrom torch import device\ninf, nan = float('inf'), float('nan')\n"
+
+
+def _code(model, tp=1):
+    g = trace(model, (torch.randint(0, 100, (2, 16)),))
+    return extract(g.graph_module, g, splits=find_splits(g), tp=tp)
+
+
+@pytest.mark.parametrize("model_fn", [gpt_4l_seeded, hf_gpt2_4l_seeded], ids=["gpt", "hf-gpt2"])
+def test_prefix_blocks_suffix_compute_the_model_exactly(model_fn):
+    model = model_fn()
+    code = _code(model)
+    ns: dict = {}
+    exec(HEADER + code.prefix.source + code.block.source + code.suffix.source, ns)
+
+    def args(seg, i=None):
+        get = lambda kind, n: getattr(model, kind)(n.format(i=i))
+        return {a: get("get_parameter", n) for a, n in seg.params} | {a: get("get_buffer", n) for a, n in seg.buffers}
+
+    x = torch.randint(0, 500, (3, 11))  # neither the traced batch nor the traced sequence length
+    h = ns["prefix"](None, x, **args(code.prefix))
+    for i in range(code.num_blocks):
+        h = ns["block"](None, h, **args(code.block, i))
+    out = pytree.tree_unflatten(list(ns["suffix"](None, h, **args(code.suffix))), pytree.treespec_loads(code.output_spec))
+    want = model(x)
+    assert type(out) is type(want)
+    assert torch.equal(out[0], want[0])
+
+
+def test_block_template_names_its_parameters_relative_to_the_block():
+    code = _code(gpt_4l_seeded())
+    assert code.stack == "transformer.h" and code.num_blocks == 4
+    assert ("attn_c_attn_weight", "transformer.h.{i}.attn.c_attn.weight") in code.block.params
+    assert code.block_params(3)[0] == "transformer.h.3.ln_1.weight"
+    assert "transformer_h_1" not in code.block.source  # the template, not block 1
+    # sizes the blocks need are read from their own input, never from the model's input
+    assert code.block.inputs == ("x",) and "sym_size.int(x, 0)" in code.block.source
+
+
+def test_tensor_parallel_rewrite_splits_heads_and_inserts_f_and_g():
+    src = _code(gpt_4l_seeded(), tp=2).block.source
+    assert src.count("tp_copy(") == 2 and src.count("tp_reduce(") == 2  # one f and one g per region
+    assert "[sym_size_int, sym_size_int_1, 2, 16]" in src  # 4 heads of 16 -> 2 per rank
+    assert "split.Tensor(linear_4, 32, 2)" in src  # the fused qkv: 3 x 64 features -> 3 x 32
+    assert "[sym_size_int, sym_size_int_1, 32]" in src  # the attention output before the row-parallel proj
+    hf = _code(hf_gpt2_4l_seeded(), tp=2).block.source
+    assert "[sym_size_int, sym_size_int_1, 96]" in hf and "addmm" in hf  # Conv1D's 192 outputs -> 96
+
+
+class _ReadsInput(nn.Module):
+    """Every block reads the token ids again: no stage boundary can carry that."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.blocks = nn.ModuleList(_Gate() for _ in range(4))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h, ids)
+        return h.sum(-1)
+
+
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h, ids):
+        return self.lin(h) * (ids > 3).unsqueeze(-1)
+
+
+def test_a_block_that_reads_the_model_input_is_refused_by_name():
+    m = _ReadsInput()
+    g = trace(m, (torch.randint(0, 32, (2, 5)),))
+    with pytest.raises(SegmentError, match=r"block 1 of blocks reads the model input 'ids' directly"):
+        extract(g.graph_module, g)
+
+
+def test_plans_carry_code_only_when_they_need_it_and_round_trip():
+    m = gpt_4l_seeded()
+    g = trace(m, (torch.randint(0, 100, (2, 16)),))
+    dp = compile(g, "local:2", global_batch_size=8, precision="fp32", dp=2, tp=1, pp=1)
+    assert dp.code is None
+    plan = compile(g, "local:8", global_batch_size=8, precision="fp32", pp=2, dp=2, tp=2, zero_stage=1,
+                   microbatch_size=2)
+    assert plan.code is not None and plan.code.tp == 2
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.program(5).source == plan.program(5).source
+
+
+def test_each_rank_program_holds_only_its_stage_and_shard():
+    m = gpt_4l_seeded()
+    g = trace(m, (torch.randint(0, 100, (2, 16)),))
+    plan = compile(g, "local:8", global_batch_size=8, precision="fp32", pp=2, dp=2, tp=2, zero_stage=1,
+                   microbatch_size=2, schedule="1f1b")
+    for m_ in plan.mesh:
+        src = plan.program(m_.rank).source
+        first = m_.pp == 0
+        assert ("0: (0, 2, True, False),  # prefix, blocks 0..1" in src) == first
+        assert ("1: (2, 4, False, True),  # blocks 2..3, suffix" in src) == (not first)
+        assert ("'transformer.h.0.attn.c_attn.weight': ('S(0)', 3),  # column" in src) == first
+        assert ("'transformer.h.3.mlp.c_proj.weight': ('S(1)', 1),  # row" in src) == (not first)
+        assert f"TPContext(groups.tp, collectives, {m_.tp}, 2)" in src
+        assert "TIED = ('transformer.wte.weight',)" in src  # embedding on stage 0, LM head on stage 1
