@@ -49,6 +49,7 @@ _MATMULS = {_aten.linear.default: (0, 1, 2), _aten.addmm.default: (1, 2, 0),  # 
             _aten.mm.default: (0, 1, None), _aten.matmul.default: (0, 1, None)}
 _SIZED = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default}
 _SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default}
+_CASTS = {_aten.to.dtype_layout, _aten.to.dtype, _aten._to_copy.default}
 
 
 class SegmentError(PartitionerError):
@@ -180,7 +181,8 @@ class _Builder:
             self.input_names = ("x",)
             self.env[carried] = self.graph.placeholder("x")
             self.env[carried].meta = dict(carried.meta)
-        self.arg_nodes: list[tuple[str, fx.Node]] = []
+        self.dtype: fx.Node | None = None  # the parameters' dtype at run time, read from dtype_param
+        self.dtype_param: fx.Node | None = None
 
     def _relative(self, name: str) -> str:
         if self.block is None:
@@ -269,7 +271,13 @@ class _Builder:
                                                  name=n.name)
             self.env[n].meta = dict(n.meta)
             return
+        cast = n.target in _CASTS and self._to_param_dtype(n)
         new = self.graph.node_copy(n, self.value)
+        if cast:
+            if "dtype" in new.kwargs:
+                new.kwargs = {**new.kwargs, "dtype": self.dtype}
+            else:
+                new.args = (new.args[0], self.dtype, *new.args[2:])
         if self.tp > 1 and n.target in _SIZED and n.name in self.dims:
             d, sizes = self.dims[n.name], list(new.args[1])
             if isinstance(sizes[d], int) and sizes[d] != -1:
@@ -284,6 +292,18 @@ class _Builder:
                 size = [s // self.tp for s in size] if isinstance(size, (list, tuple)) else size // self.tp
                 new.args = (new.args[0], size, *new.args[2:])
         self.env[n] = new
+
+    def _to_param_dtype(self, n: fx.Node) -> bool:
+        """Whether `n` casts to the traced parameter dtype (fp32; e.g. HF's `.to(inputs_embeds.dtype)`): that
+        is a cast to whatever dtype the parameters have when the code runs (bf16 under mixed precision),
+        so it is rewritten to read it (`self.dtype`, made here, before the cast's copy)."""
+        traced = next(iter(self.src.param), None)
+        want = n.kwargs.get("dtype", n.args[1] if n.target is _aten.to.dtype and len(n.args) > 1 else None)
+        if traced is None or self.dtype_param is None or want != traced.meta["val"].dtype:
+            return False
+        if self.dtype is None:
+            self.dtype = self.graph.call_function(getattr, (self.value(self.dtype_param), "dtype"))
+        return True
 
     def finish(self, outputs: Any) -> Segment:
         self.graph.output(outputs)
@@ -317,7 +337,7 @@ def tp_vocab_embedding(weight, ids, tp):
 
 _tp_copy, _tp_reduce, _tp_vocab_embedding = tp_copy, tp_reduce, tp_vocab_embedding
 RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding")
-_KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", *RUNTIME_FUNCTIONS}
+_KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS}
 
 
 def _check_globals(globs: dict[str, Any], name: str) -> None:
@@ -342,7 +362,10 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
     kw = dict(placements=placements, dims=dims, tp=tp)
 
     def run(b: _Builder, members: list[fx.Node]) -> None:
-        for m in sorted(members, key=_order(src)):
+        members = sorted(members, key=_order(src))
+        b.dtype_param = next((a for m in members for a in m.all_input_nodes
+                              if a in src.param and a.meta["val"].is_floating_point()), None)
+        for m in members:
             b.copy(m)
 
     if not blocks:

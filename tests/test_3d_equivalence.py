@@ -110,3 +110,53 @@ def test_trains_like_one_process(name, pp, dp, tp, schedule, interleave, zero):
             recvs = 2 * ops.count("RECV_F") + ops.count("RECV_B")
             counts = out.collective_counts[m.rank]
             assert (counts.get("send", 0), counts.get("recv", 0)) == (STEPS * sends, STEPS * recvs), m
+
+
+def test_every_plan_compile_makes_runs_and_trains_like_one_process():
+    """The chosen plan for 8 local processes and its top runners-up, each pinned and run for 2 steps."""
+    example = (torch.randint(0, VOCAB, (2, SEQ)),)
+    best = compile(gpt_4l_seeded(), "local:8", example_inputs=example, global_batch_size=BATCH, precision="fp32",
+                   alternatives=4)
+    configs = [best.config] + [a.config for a in best.alternatives[:3]]
+    for c in configs:
+        plan = compile(gpt_4l_seeded(), "local:8", example_inputs=example, global_batch_size=BATCH, precision="fp32",
+                       dp=c.dp, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage, microbatch_size=c.microbatch_size,
+                       schedule=c.schedule, interleave=c.interleave, recompute=c.recompute)
+        assert plan.config == c
+        assert_same_training(plan, "gpt", steps=2)
+
+
+def test_clipping_counts_every_shard_of_every_stage_once():
+    """pp 2 x dp 2 x tp 2, ZeRO-2, clip at a norm the gradients exceed: equal to torch's clip_grad_norm_."""
+    model_fn, loss_fn = MODELS["gpt"]
+    plan = compile(model_fn(), "local:8", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
+                   global_batch_size=BATCH, precision="fp32", pp=2, dp=2, tp=2, zero_stage=2, microbatch_size=2,
+                   schedule="1f1b", clip_grad_norm=0.05)
+    data = batches(2)
+    out = launch_local(plan, model_fn, adamw, loss_fn, data, timeout_s=180)
+    model = model_fn()
+    opt = adamw(model.parameters())
+    losses = []
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) > 0.05  # it does clip
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(out.state_dict[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_bf16_mixed_precision_3d_follows_fp32_training():
+    """pp 2 x tp 2 in bf16-mixed: fp32 masters, bf16 compute; the losses track fp32 training closely."""
+    model_fn, loss_fn = MODELS["hf"]
+    plan = compile(model_fn(), "local:4", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
+                   global_batch_size=BATCH, precision="bf16-mixed", pp=2, dp=1, tp=2, microbatch_size=2,
+                   schedule="1f1b")
+    data = batches()
+    out = launch_local(plan, model_fn, adamw, loss_fn, data, timeout_s=180)
+    want, _ = reference(model_fn, loss_fn, data)
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(want), rtol=0, atol=2e-2)
+    assert all(v.dtype == torch.float32 for v in out.state_dict.values() if v.is_floating_point())
