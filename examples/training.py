@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from examples import gpt
 
 __all__ = ["gpt_tiny_seeded", "gpt_small_seeded", "gpt_4l_seeded", "gpt_8l_seeded", "hf_gpt2_seeded",
-           "hf_gpt2_4l_seeded", "adamw", "sgd", "gpt_loss", "hf_loss"]
+           "hf_gpt2_4l_seeded", "hf_llama_seeded", "adamw", "sgd", "gpt_loss", "hf_loss", "in_model_loss"]
 
 
 def gpt_tiny_seeded() -> gpt.GPT:
@@ -82,3 +82,19 @@ def gpt_loss(output, targets) -> torch.Tensor:
 def hf_loss(output, targets) -> torch.Tensor:
     logits = output.logits
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def hf_llama_seeded():
+    """A small Hugging Face Llama built from a config: untied vocab-parallel embedding, rotary, SwiGLU, GQA."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=64, use_cache=False,
+                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def in_model_loss(output, targets) -> torch.Tensor:
+    """The loss a model computed itself (the example GPT's (logits, loss) when called with targets)."""
+    return output[1]

@@ -147,7 +147,7 @@ from runtime.data_parallel import DataParallel
 from runtime.groups import make_group_among, make_groups, make_self_group
 from runtime.pipeline_step import PipelineRunner
 from runtime.stage import StageModel, state_keys
-from runtime.tensor_parallel import TPContext, tp_copy, tp_reduce, tp_vocab_embedding
+from runtime.tensor_parallel import TPContext, tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding
 
 inf, nan = float("inf"), float("nan")
 
@@ -206,7 +206,9 @@ def build(model_fn, optimizer_fn, loss_fn):
     runtime.step.check_parameters(model, PARAMS)
     full_keys = state_keys(model)
     tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp}) if {c.tp} > 1 else None
-    stage = StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, prefix_args=PREFIX_ARGS,
+    stage = StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
+                       block_inputs={code.block.model_inputs if code.block else ()!r},
+                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                        block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
                        placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
                        recompute={c.recompute!r})

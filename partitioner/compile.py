@@ -12,6 +12,7 @@ byte-identical plan.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 import torch
 
@@ -80,6 +81,16 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                         interleave=interleave, recompute=recompute, max_memory_fraction=max_memory_fraction)
     splits = find_splits(g)
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
+    # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
+    # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them.
+    no_pp, no_tp = _code_limits(g, splits, valid_tp)
+    for axis, value, why in (("pp", pp, no_pp), ("tp", tp, no_tp or no_pp)):
+        if why and value not in (None, 1):
+            raise DeclarationError(f"{axis}={value}: no per-rank program can be generated for this model with "
+                                   f"{axis} > 1 ({why}); leave {axis} unpinned or pin {axis}=1")
+    if no_pp or no_tp:
+        valid_tp = (1,)
+        decl = dataclasses.replace(decl, tp=1, pp=1 if no_pp else decl.pp)
     unit_name = "blocks" if g.blocks and cut_granularity == "block" else "nodes"
     num_units = len(units_of(g, cut_granularity))
     check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=num_units,
@@ -211,6 +222,24 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, clip_grad_norm=clip_grad_norm,
                 candidates_evaluated=evaluated,
                 search_space=space, **_model_code(g, splits, cand))
+
+
+def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> tuple[str, str]:
+    """(why pp > 1 cannot run, why tp > 1 cannot run), "" where it can or where the graph is not at hand."""
+    if not isinstance(g.graph_module, torch.export.ExportedProgram):
+        return "", ""
+    try:
+        extract(g.graph_module, g, splits=splits, tp=1)
+    except SegmentError as e:
+        return str(e), str(e)
+    t = next((t for t in valid_tp if t > 1), None)
+    if t is None:
+        return "", ""
+    try:
+        extract(g.graph_module, g, splits=splits, tp=t)
+    except SegmentError as e:
+        return "", str(e)
+    return "", ""
 
 
 def _model_code(g: OpGraph, splits, cand: ParallelConfig) -> dict:

@@ -8,12 +8,13 @@ a template: block 1's graph with its parameter names relative to the block,
 so one function serves every block (the tracer checked they repeat).
 
 Only one tensor crosses a cut: the hidden state. Everything else a block
-reads from outside is either a parameter or buffer, or computed from
-*shapes alone* (sizes, an arange of positions, a causal mask built from
-them, rotary tables from a buffer): those are recomputed inside the
-segment from the hidden state's sizes, so a stage never needs the model's
-input. A block that reads the model's input data, or a prefix value other
-than the hidden state, is refused with the node named.
+reads from outside is a parameter or buffer, a model input (every pipeline
+rank has the batch: labels for an in-model loss, an attention mask), or
+computed from *shapes alone* (sizes, an arange of positions, a causal mask
+built from them, rotary tables from a buffer): those are recomputed inside
+the segment from the hidden state's sizes. A block that reads any other
+prefix value, or hands on more than the hidden state, is refused with the
+nodes named.
 
 With tensor parallelism (tp > 1) the graph is rewritten as the tensor
 splits say (Megatron): a column-parallel matmul's input goes through
@@ -33,6 +34,7 @@ def block(tp, x, ln_1_weight, ...):
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from typing import Any
 
@@ -60,15 +62,18 @@ class SegmentError(PartitionerError):
 class Segment:
     """One function of the model's code.
 
-    source: `def <name>(tp, <inputs>, <param and buffer arguments>)` returning one tensor
-        (the suffix: the model's flat outputs, a tuple).
+    source: `def <name>(tp, <inputs>, <model inputs>, <param and buffer arguments>)` returning one
+        tensor (the suffix: the model's flat outputs, a tuple).
     inputs: argument names of what flows in (the prefix: the model's own inputs; else ("x",)).
+    model_inputs: model inputs a block or the suffix reads besides (labels, an attention mask),
+        passed as `input_<name>`: every pipeline rank has the batch, so no stage sends them.
     params/buffers: (argument, name in the model); a block's names hold "{i}" for its index.
     """
 
     name: str
     source: str
     inputs: tuple[str, ...]
+    model_inputs: tuple[str, ...]
     params: tuple[tuple[str, str], ...]
     buffers: tuple[tuple[str, str], ...]
 
@@ -122,6 +127,11 @@ class _Source:
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
                 self.shape_only[n] = n in self.buffer
+            elif n.op == "get_attr":  # a nested graph of a higher-order op (a no_grad or autocast region)
+                self.shape_only[n] = True
+                if not isinstance(getattr(self.gm, n.target), fx.GraphModule):
+                    raise SegmentError(f"the graph reads attribute {n.target!r}, which is not a nested graph: "
+                                       "stage code cannot hold it")
             elif n.op == "call_function":
                 self.shape_only[n] = n.target is _aten.sym_size.int or \
                     all(self.shape_only[a] for a in n.all_input_nodes)
@@ -148,7 +158,6 @@ class _Source:
         inside = set(members)
         reads = {a for m in members for a in m.all_input_nodes
                  if a not in inside and a.op != "placeholder" and not self.shape_only[a]}
-        reads |= {a for m in members for a in m.all_input_nodes if a in self.inputs}
         out = {m for m in members for u in m.users if u not in inside and (u.op == "output" or u in self.segment)}
         return reads, out
 
@@ -181,6 +190,7 @@ class _Builder:
             self.input_names = ("x",)
             self.env[carried] = self.graph.placeholder("x")
             self.env[carried].meta = dict(carried.meta)
+        self.model_inputs: list[str] = []  # model inputs a block or the suffix reads (every stage has them)
         self.dtype: fx.Node | None = None  # the parameters' dtype at run time, read from dtype_param
         self.dtype_param: fx.Node | None = None
 
@@ -208,10 +218,11 @@ class _Builder:
             return self._arg(n, self.src.param[n], self.params)
         if n in self.src.buffer:
             return self._arg(n, self.src.buffer[n], self.buffers)
-        if n in self.src.inputs:
-            raise SegmentError(f"the {self.name} reads the model input {n.name!r} directly; a pipeline stage only "
-                               "receives the hidden state. Keep the layer stack's inputs computed from the hidden "
-                               "state (or run with pp=1)")
+        if n in self.src.inputs:  # a model input read after the prefix (labels, an attention mask)
+            self.env[n] = node = self.graph.placeholder(f"input_{n.name}")
+            node.meta = dict(n.meta)
+            self.model_inputs.append(n.name)
+            return node
         if not self.src.shape_only.get(n, False):
             raise SegmentError(f"the {self.name} reads {_describe(n)}, computed outside it: only the hidden state "
                                "may cross a stage boundary (plus values computed from shapes alone)")
@@ -226,8 +237,32 @@ class _Builder:
             self.env[n] = self.graph.call_function(_aten.sym_size.int, (self.env[self.carried], dims[0]))
             self.env[n].meta = dict(n.meta)
             return self.env[n]
-        self.env[n] = self.graph.node_copy(n, self.value)
+        self.env[n] = self._copy_plain(n)
         return self.env[n]
+
+    def _copy_plain(self, n: fx.Node) -> Any:
+        """node_copy, except: a higher-order op's nested graph is inlined (its value: a tuple of nodes),
+        and an item of such a tuple is that node."""
+        if n.target is operator.getitem and isinstance(self.value(n.args[0]), tuple):
+            return self.value(n.args[0])[n.args[1]]
+        sub = next((i for i, a in enumerate(n.args) if isinstance(a, fx.Node) and a.op == "get_attr"), None)
+        if sub is None:
+            return self.graph.node_copy(n, self.value)
+        # wrap_with_set_grad_enabled / wrap_with_autocast: (flags..., graph, *inputs). Inlined, the region runs
+        # in the caller's grad and autocast mode: the same values wherever (as here) it computes from shapes
+        # and buffers, which need no gradient, and no autocast runs around generated code.
+        nested = getattr(self.src.gm, n.args[sub].target)
+        env: dict[fx.Node, Any] = {}
+        holes = [x for x in nested.graph.nodes if x.op == "placeholder"]
+        for ph, a in zip(holes, n.args[sub + 1:]):
+            env[ph] = self.value(a) if isinstance(a, fx.Node) else a
+        out: Any = ()
+        for x in nested.graph.nodes:
+            if x.op == "call_function" and x.users:
+                env[x] = self.graph.node_copy(x, lambda y: env[y])
+            elif x.op == "output":
+                out = tuple(env[o] if isinstance(o, fx.Node) else o for o in x.args[0])
+        return out
 
     # ---- tensor-parallel rewriting ----------------------------------------------------
     def _role(self, n: fx.Node) -> tuple[str, Any] | None:
@@ -240,10 +275,11 @@ class _Builder:
 
     def copy(self, n: fx.Node) -> None:
         role = self._role(n) if self.tp > 1 else None
-        if role is not None and role[0] == "vocab_head":
-            raise SegmentError(f"{_describe(n)} is a vocab-parallel LM head feeding an in-model cross entropy; "
-                               "its parallel cross entropy is not generated yet: pin tp=1 for this model")
-        if role is not None and role[0] == "column" and n.target in _MATMULS:
+        if self.tp > 1 and n.target is _aten.cross_entropy_loss.default and n.args[0].name in self.dims:
+            self.env[n] = self._parallel_cross_entropy(n)
+            return
+        # a vocab-parallel LM head (its weight maybe tied with a vocab-parallel embedding) is column-parallel
+        if role is not None and role[0] in ("column", "vocab_head", "vocab_embedding") and n.target in _MATMULS:
             a = _MATMULS[n.target][0]
             act = self.value(n.args[a])
             if act not in self.copies:
@@ -265,14 +301,17 @@ class _Builder:
             out.meta = dict(n.meta)
             self.env[n] = out
             return
-        if role is not None and role[0] == "vocab_embedding":
+        if role is not None and role[0] == "vocab_embedding" and n.target is _aten.embedding.default:
             self.env[n] = self.graph.create_node("call_function", _tp_vocab_embedding,
                                                  (self.value(n.args[0]), self.value(n.args[1]), self.tp_arg),
                                                  name=n.name)
             self.env[n].meta = dict(n.meta)
             return
         cast = n.target in _CASTS and self._to_param_dtype(n)
-        new = self.graph.node_copy(n, self.value)
+        new = self._copy_plain(n)
+        if not isinstance(new, fx.Node):  # an inlined nested graph, or an item of one
+            self.env[n] = new
+            return
         if cast:
             if "dtype" in new.kwargs:
                 new.kwargs = {**new.kwargs, "dtype": self.dtype}
@@ -293,14 +332,40 @@ class _Builder:
                 new.args = (new.args[0], size, *new.args[2:])
         self.env[n] = new
 
+    def _parallel_cross_entropy(self, n: fx.Node) -> fx.Node:
+        """aten.cross_entropy_loss over logits split by vocabulary: three all-reduces of one number per
+        token (runtime.tensor_parallel.vocab_parallel_cross_entropy), never the logits."""
+        args = list(n.args) + [None, 1, -100, 0.0][len(n.args) - 2:]
+        weight, reduction, ignore_index, smoothing = args[2:6]
+        if weight is not None or reduction != 1 or smoothing:
+            raise SegmentError(f"{_describe(n)}: a vocab-parallel cross entropy is generated for the mean "
+                               "reduction without class weights or label smoothing; pin tp=1 for this model")
+        out = self.graph.create_node("call_function", _tp_cross_entropy,
+                                     (self.value(n.args[0]), self.value(n.args[1]), ignore_index, self.tp_arg),
+                                     name=n.name)
+        out.meta = dict(n.meta)
+        return out
+
+    def output(self, x: Any) -> Any:
+        """A model output; one split over the tensor group (vocab-parallel logits) is gathered for it."""
+        if not isinstance(x, fx.Node):
+            return x
+        v = self.value(x)
+        if self.tp > 1 and x.name in self.dims:
+            v = self.graph.create_node("call_function", _tp_gather, (v, self.dims[x.name], self.tp_arg),
+                                       name=f"{x.name}_full")
+        return v
+
     def _to_param_dtype(self, n: fx.Node) -> bool:
         """Whether `n` casts to the traced parameter dtype (fp32; e.g. HF's `.to(inputs_embeds.dtype)`): that
         is a cast to whatever dtype the parameters have when the code runs (bf16 under mixed precision),
         so it is rewritten to read it (`self.dtype`, made here, before the cast's copy)."""
         traced = next(iter(self.src.param), None)
         want = n.kwargs.get("dtype", n.args[1] if n.target is _aten.to.dtype and len(n.args) > 1 else None)
-        if traced is None or self.dtype_param is None or want != traced.meta["val"].dtype:
-            return False
+        src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        if traced is None or self.dtype_param is None or want != traced.meta["val"].dtype or \
+                not isinstance(src, torch.Tensor) or not src.is_floating_point():
+            return False  # integer positions cast to float stay fp32
         if self.dtype is None:
             self.dtype = self.graph.call_function(getattr, (self.value(self.dtype_param), "dtype"))
         return True
@@ -317,7 +382,7 @@ class _Builder:
                 globs[fn] = globs.pop(mangled)
         _check_globals(globs, self.name)
         src = src.replace("def forward(self, ", f"def {self.name}(", 1).strip() + "\n"
-        return Segment(name=self.name, source=src, inputs=self.input_names,
+        return Segment(name=self.name, source=src, inputs=self.input_names, model_inputs=tuple(self.model_inputs),
                        params=tuple(self.params.items()), buffers=tuple(self.buffers.items()))
 
 
@@ -335,8 +400,17 @@ def tp_vocab_embedding(weight, ids, tp):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
+def tp_cross_entropy(local_logits, targets, ignore_index, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def tp_gather(x, dim, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
 _tp_copy, _tp_reduce, _tp_vocab_embedding = tp_copy, tp_reduce, tp_vocab_embedding
-RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding")
+_tp_cross_entropy, _tp_gather = tp_cross_entropy, tp_gather
+RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather")
 _KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS}
 
 
@@ -371,7 +445,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
     if not blocks:
         b = _Builder(src, "prefix", carried=None, block=None, **kw)
         run(b, src.members("prefix") + src.members("suffix"))
-        prefix = b.finish(tuple(b.value(x) if isinstance(x, fx.Node) else x for x in flat_out))
+        prefix = b.finish(tuple(b.output(x) for x in flat_out))
         return ModelCode(stack=None, num_blocks=0, tp=tp, prefix=prefix, block=None, suffix=None, output_spec=spec)
 
     # prefix -> block 0: one tensor
@@ -389,11 +463,6 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
     t = 1 if len(blocks) > 1 else 0
     members = src.members(blocks[t])
     reads, outs = src.crossing(members)
-    direct = sorted(r.name for r in reads if r in src.inputs)
-    if direct:
-        raise SegmentError(f"block {t} of {src.stack} reads the model input {direct[0]!r} directly; a pipeline stage "
-                           "only receives the hidden state. Compute what the blocks need from the hidden state "
-                           "(or from shapes), or keep this model at pp=1 and tp=1")
     if len(reads) != 1 or len(outs) != 1:
         raise SegmentError(f"block {t} of {src.stack} reads {sorted(r.name for r in reads)} and hands on "
                            f"{sorted(o.name for o in outs)} across its boundary; a pipeline cut passes exactly one tensor")
@@ -413,7 +482,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
                            "output; a pipeline cut passes exactly one tensor")
     b = _Builder(src, "suffix", carried=last_out, block=None, **kw)
     run(b, suf)
-    suffix = b.finish(tuple(b.value(x) if isinstance(x, fx.Node) else x for x in flat_out))
+    suffix = b.finish(tuple(b.output(x) for x in flat_out))
     return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
                      prefix=prefix, block=block, suffix=suffix, output_spec=spec)
 

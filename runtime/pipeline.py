@@ -174,6 +174,9 @@ class PipelineExecutor:
         received input; None: a header message precedes each activation.
     timeout: how long a receive may wait before PipelineError (None: the
         process group's timeout).
+    feed_inputs: call every stage as stage(x, model inputs of the microbatch)
+        (stage 0 with x None), for stages that read the model's inputs (labels,
+        masks); every rank then passes microbatches_in.
     """
 
     def __init__(self, *, actions: Sequence[Any], stages: dict[int, Callable], num_stages: int,
@@ -181,11 +184,12 @@ class PipelineExecutor:
                  num_microbatches: int, group=None, grad_sync: Callable[[int], None] | None = None,
                  optim: Callable[[int], None] | None = None,
                  activation_shape: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]] | None = None,
-                 timeout: datetime.timedelta | None = None):
+                 timeout: datetime.timedelta | None = None, feed_inputs: bool = False):
         self.actions = tuple(parse_action(a) for a in actions)
         self.stages, self.num_stages, self.m = dict(stages), num_stages, num_microbatches
         self.stage_to_rank, self.collectives, self.loss_fn, self.group = stage_to_rank, collectives, loss_fn, group
         self.grad_sync, self.optim, self.activation_shape, self.timeout = grad_sync, optim, activation_shape, timeout
+        self.feed_inputs = feed_inputs
         self._check()
         self._reset()
 
@@ -300,7 +304,10 @@ class PipelineExecutor:
                 raise PipelineError(f"pipeline action {step} ({a}) has no input: add {s}RECV_F{i} before it, "
                                     f"or run {s - 1}F{i} first when stage {s - 1} is on this rank")
             x = x.detach().requires_grad_(x.is_floating_point())
-        out = _call(self.stages[s], x)
+        if self.feed_inputs:  # stage(x, the microbatch's model inputs); stage 0: x is None
+            out = self.stages[s](None if s == 0 else x, microbatches_in[i])
+        else:
+            out = _call(self.stages[s], x)
         if s < self.num_stages - 1 and not isinstance(out, torch.Tensor):
             # the last stage's output goes to loss_fn, in whatever structure the model returns
             raise TypeError(f"stage {s} returned {type(out).__name__}; pipeline stages before the last must "
@@ -385,7 +392,8 @@ class PipelineExecutor:
         None on other ranks."""
         for name, given, stage in (("microbatches_in", microbatches_in, 0),
                                    ("targets", targets, self.num_stages - 1)):
-            if stage in self.stages and (given is None or len(given) != self.m):
+            if (stage in self.stages or (self.feed_inputs and name == "microbatches_in")) and \
+                    (given is None or len(given) != self.m):
                 raise ValueError(f"this rank holds stage {stage}: pass {name} as a list of "
                                  f"num_microbatches={self.m} items, got {'None' if given is None else len(given)}")
         self._reset()

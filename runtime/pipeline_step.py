@@ -50,7 +50,8 @@ class PipelineRunner:
         self.executor = PipelineExecutor(
             actions=actions, stages={s: stage.stage_callable(s) for s in mine}, num_stages=num_stages,
             stage_to_rank=lambda s: stage_ranks[s], collectives=collectives, loss_fn=loss_fn,
-            num_microbatches=num_microbatches, group=None, grad_sync=self._grad_sync, optim=self._optim)
+            num_microbatches=num_microbatches, group=None, grad_sync=self._grad_sync, optim=self._optim,
+            feed_inputs=True)
         self.last_grad_norm: float | None = None
         self._peak: dict[str, int] = {}
 
@@ -69,8 +70,7 @@ class PipelineRunner:
         ys = [_rows(targets, a + i * mb, a + (i + 1) * mb) for i in range(self.num_microbatches)]
         self._synced = self._stepped = 0
         with self.engine.no_sync():
-            loss = self.executor.run(xs if 0 in self.stage.stages else None,
-                                     ys if self.num_stages - 1 in self.stage.stages else None)
+            loss = self.executor.run(xs, ys if self.num_stages - 1 in self.stage.stages else None)
         mean = torch.tensor([0.0 if loss is None else float(loss)])
         if self.groups.pp is not None:  # only the last stage knows the loss
             self.collectives.all_reduce(mean, self.groups.pp, op="sum")

@@ -49,6 +49,7 @@ class StageModel:
     """Prunes `model` in place to this rank's stages; `self.module` is what the engine wraps."""
 
     def __init__(self, model: nn.Module, *, functions: Mapping[str, Callable], stack: str | None,
+                 input_names: Sequence[str], block_inputs: Sequence[str] = (), suffix_inputs: Sequence[str] = (),
                  prefix_args: Sequence[tuple[str, str]], block_args: Sequence[tuple[str, str]],
                  suffix_args: Sequence[tuple[str, str]], output_spec: str | None, stages: Mapping[int, StageSpec],
                  placements: Mapping[str, tuple[str, int]], tied: Sequence[str], tp: Any = None,
@@ -57,6 +58,8 @@ class StageModel:
         self.prefix_args, self.block_args, self.suffix_args = tuple(prefix_args), tuple(block_args), tuple(suffix_args)
         self.out_spec = pytree.treespec_loads(output_spec) if output_spec else None
         self.tp, self.recompute = tp, recompute
+        self.input_names, self.block_inputs, self.suffix_inputs = tuple(input_names), tuple(block_inputs), \
+            tuple(suffix_inputs)
         self.cast: torch.dtype | None = None  # mixed precision: tied parameters enter the code in this dtype
 
         blocks = sorted({i for a, b, _, _ in self.stages.values() for i in range(a, b)})
@@ -121,29 +124,42 @@ class StageModel:
     def _args(self, table: Sequence[tuple[str, str]], i: int | None = None) -> dict[str, torch.Tensor]:
         return {a: self._get(n if i is None else n.format(i=i)) for a, n in table}
 
-    def _block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def _block(self, i: int, x: torch.Tensor, **model_inputs: Any) -> torch.Tensor:
         if self.recompute == "none":
-            return self.functions["block"](self.tp, x, **self._args(self.block_args, i))
+            return self.functions["block"](self.tp, x, **model_inputs, **self._args(self.block_args, i))
         # "full" and "selective" both keep only the block's input and run it again in backward
         # (selective recomputation of the attention core alone is not generated yet)
-        return checkpoint(self.functions["block"], self.tp, x, use_reentrant=False, **self._args(self.block_args, i))
+        return checkpoint(self.functions["block"], self.tp, x, use_reentrant=False, **model_inputs,
+                          **self._args(self.block_args, i))
 
-    def _stage(self, *inputs: Any, _stage: int = 0, **kw: Any) -> Any:
+    def _named(self, inputs: Any) -> dict[str, Any]:
+        """A microbatch's model inputs by the forward's argument names (a dict, a tuple, or one tensor)."""
+        if isinstance(inputs, dict):
+            return dict(inputs)
+        values = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        return dict(zip(self.input_names, values))
+
+    def _stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
         a, b, pre, suf = self.stages[_stage]
-        x = self.functions["prefix"](self.tp, *inputs, **kw, **self._args(self.prefix_args)) if pre else inputs[0]
+        named = self._named(inputs)
+        if pre:
+            x = self.functions["prefix"](self.tp, *(named[n] for n in self.input_names), **self._args(self.prefix_args))
         container = self.module.get_submodule(self.stack) if self.stack is not None else None
+        extra = {f"input_{n}": named[n] for n in self.block_inputs}
         for i in range(a, b):
-            x = container[i](x)
+            x = container[i](x, **extra)
         if suf and "suffix" in self.functions:
-            x = self.functions["suffix"](self.tp, x, **self._args(self.suffix_args))
+            x = self.functions["suffix"](self.tp, x, **{f"input_{n}": named[n] for n in self.suffix_inputs},
+                                         **self._args(self.suffix_args))
         if (suf or self.stack is None) and self.out_spec is not None:
             flat = list(x) if isinstance(x, (tuple, list)) else [x]
             return pytree.tree_unflatten(flat, self.out_spec)
         return x
 
     def stage_callable(self, s: int) -> Callable:
-        """What the pipeline executor runs for virtual stage s: the root module's call (engine hooks fire)."""
-        return lambda *inputs, **kw: self.module(*inputs, _stage=s, **kw)
+        """What the pipeline executor runs for virtual stage s, as stage(x, model inputs): the root
+        module's call, so the data-parallel engine's hooks fire."""
+        return lambda x, inputs: self.module(x, inputs, _stage=s)
 
 
 def state_keys(model: nn.Module) -> tuple[tuple[str, str], ...]:

@@ -76,6 +76,8 @@ __all__ = [
     "tp_copy",
     "tp_reduce",
     "tp_vocab_embedding",
+    "tp_cross_entropy",
+    "tp_gather",
     "unshard_parameter",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
@@ -407,3 +409,29 @@ def tp_reduce(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
 def tp_vocab_embedding(local_weight: torch.Tensor, ids: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """aten.embedding(weight, ids) with the table split by rows over the group (see `vocab_parallel_embedding`)."""
     return vocab_parallel_embedding(ids, local_weight, tp.rank * local_weight.shape[0], tp.group, tp.collectives)
+
+
+def tp_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                     tp: TPContext) -> torch.Tensor:
+    """aten.cross_entropy_loss (mean) over logits split by vocabulary (see `vocab_parallel_cross_entropy`)."""
+    return vocab_parallel_cross_entropy(local_logits, targets, tp.rank * local_logits.shape[-1], tp.group,
+                                        tp.collectives, ignore_index=ignore_index)
+
+
+class _GatherOutput(torch.autograd.Function):
+    """All-gather along dim forward; backward keeps this rank's slice. For a model output every
+    tensor rank computes the same function of: the gradient is the same on all, so no reduction."""
+
+    @staticmethod
+    def forward(ctx, x, dim, tp):
+        ctx.dim, ctx.rank, ctx.world = dim, tp.rank, tp.world
+        return _all_gather(x, dim, tp.group, tp.collectives)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.world, ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+def tp_gather(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
+    """A model output split over the tensor group (vocab-parallel logits), whole on every rank."""
+    return _GatherOutput.apply(x, dim % x.dim(), tp)

@@ -20,6 +20,8 @@ from examples.training import (
     gpt_8l_seeded,
     gpt_loss,
     hf_gpt2_4l_seeded,
+    hf_llama_seeded,
+    in_model_loss,
     hf_loss,
 )
 from partitioner import compile
@@ -27,7 +29,8 @@ from runtime import launch_local
 
 pytestmark = pytest.mark.slow
 
-MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "gpt8": (gpt_8l_seeded, gpt_loss), "hf": (hf_gpt2_4l_seeded, hf_loss)}
+MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "gpt8": (gpt_8l_seeded, gpt_loss), "hf": (hf_gpt2_4l_seeded, hf_loss),
+          "llama": (hf_llama_seeded, hf_loss)}
 VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 3
 
 
@@ -93,6 +96,9 @@ CASES = [
     ("hf", 2, 1, 2, "1f1b", 1, 0),
     ("hf", 2, 2, 2, "1f1b", 1, 1),
     ("hf", 2, 2, 1, "1f1b", 1, 3),
+    # HF Llama: vocab-parallel (untied) embedding, rotary tables from a no_grad region, grouped-query attention
+    ("llama", 1, 1, 2, "1f1b", 1, 0),
+    ("llama", 2, 1, 2, "1f1b", 1, 0),
 ]
 
 
@@ -160,3 +166,26 @@ def test_bf16_mixed_precision_3d_follows_fp32_training():
     want, _ = reference(model_fn, loss_fn, data)
     torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(want), rtol=0, atol=2e-2)
     assert all(v.dtype == torch.float32 for v in out.state_dict.values() if v.is_floating_point())
+
+
+def test_a_loss_computed_inside_the_model_reads_the_labels_on_the_last_stage():
+    """model(idx, targets) -> (logits, loss): the suffix reads the targets, a model input every rank has;
+    with tp the tied embedding / LM head is vocab-parallel and the cross entropy is the parallel one."""
+    model_fn = gpt_4l_seeded
+    two = (torch.randint(0, VOCAB, (2, SEQ)), torch.randint(0, VOCAB, (2, SEQ)))  # distinct: export would alias one
+    plan = compile(model_fn(), "local:4", example_inputs=two, global_batch_size=BATCH, precision="fp32", pp=2, dp=1, tp=2, microbatch_size=2, schedule="1f1b")
+    assert plan.code.suffix.model_inputs == ("targets",)
+    data = [((x, y), y) for x, y in batches()]
+    out = launch_local(plan, model_fn, adamw, in_model_loss, data, timeout_s=180)
+    model = model_fn()
+    opt = adamw(model.parameters())
+    losses = []
+    for (x, y), _ in data:
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(out.state_dict[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -86,10 +88,37 @@ class _Gate(nn.Module):
         return self.lin(h) * (ids > 3).unsqueeze(-1)
 
 
-def test_a_block_that_reads_the_model_input_is_refused_by_name():
+def test_blocks_may_read_model_inputs_which_every_stage_has():
     m = _ReadsInput()
+    ids = torch.randint(0, 32, (3, 7))
     g = trace(m, (torch.randint(0, 32, (2, 5)),))
-    with pytest.raises(SegmentError, match=r"block 1 of blocks reads the model input 'ids' directly"):
+    code = extract(g.graph_module, g)
+    assert code.block.model_inputs == ("ids",) and re.search(r"def block\(tp, x, .*input_ids", code.block.source)
+    ns: dict = {}
+    exec(HEADER + code.prefix.source + code.block.source + code.suffix.source, ns)
+    h = ns["prefix"](None, ids, emb_weight=m.emb.weight)
+    for i in range(4):
+        h = ns["block"](None, h, input_ids=ids, lin_weight=m.blocks[i].lin.weight, lin_bias=m.blocks[i].lin.bias)
+    assert torch.equal(ns["suffix"](None, h)[0], m(ids))
+
+
+class _TwoOut(nn.Module):
+    """Each block hands on two tensors: no single-tensor cut exists."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        a, b = x, x * 2
+        for blk in self.blocks:
+            a, b = blk(a) + b, a
+        return a + b
+
+
+def test_a_block_handing_on_two_tensors_is_refused_by_name():
+    g = trace(_TwoOut(), (torch.randn(2, 4),))
+    with pytest.raises(SegmentError, match=r"reads \[.linear., .* a pipeline cut passes exactly one tensor"):
         extract(g.graph_module, g)
 
 
@@ -119,3 +148,14 @@ def test_each_rank_program_holds_only_its_stage_and_shard():
         assert ("'transformer.h.3.mlp.c_proj.weight': ('S(1)', 1),  # row" in src) == (not first)
         assert f"TPContext(groups.tp, collectives, {m_.tp}, 2)" in src
         assert "TIED = ('transformer.wte.weight',)" in src  # embedding on stage 0, LM head on stage 1
+
+
+def test_an_in_model_loss_gets_the_vocab_parallel_cross_entropy_on_local_logits():
+    m = gpt_4l_seeded()
+    g = trace(m, (torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))))
+    code = extract(g.graph_module, g, splits=find_splits(g), tp=2)
+    assert "tp_vocab_embedding(transformer_wte_weight, idx, tp)" in code.prefix.source
+    src = code.suffix.source
+    assert "view.default(linear_12, [-1, 256])" in src  # this rank's half of the 512 classes
+    assert "tp_cross_entropy(view_12, view_13, -1, tp)" in src  # the loss from local logits
+    assert "tp_gather(linear_12, 2, tp)" in src  # only the returned logits are made whole

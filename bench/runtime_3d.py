@@ -1,0 +1,574 @@
+"""Step time of compiled pipeline and tensor-parallel programs vs torch's own, same model, same batches, same run.
+
+Benchmark script, not a test: figures are printed, never asserted. Usage (from anywhere)::
+
+    python bench/runtime_3d.py                                   # gpipe/1f1b at pp 2 and 4, tp 2 (a few minutes)
+    python bench/runtime_3d.py --rows pp2-gpipe,tp2 --steps 20
+    python bench/runtime_3d.py --rounds 3                        # alternate compiled/torch 3 times, pool the steps
+    python bench/runtime_3d.py --torch-same-work                 # torch pipeline also syncs the tie and the loss
+
+Rows (the name is what ``--rows`` takes):
+
+    pp2-gpipe pp2-1f1b pp4-gpipe pp4-1f1b   pipeline, dp = tp = 1, 4 microbatches of 2
+    tp2                                     tensor parallel, pp = dp = 1, one microbatch of 8
+
+Pipeline rows. Model: the TORCH-NOTES benchmark model,
+``examples.training.gpt_small_seeded`` (4 blocks, d=256, 4 heads, seq 128,
+vocab 8192, wte tied to lm_head), fp32, AdamW (``examples.training.adamw``),
+global batch 8; step s uses ``examples.gpt.example_batch(model, 8, seed=s)``.
+
+    compiled  g = trace(model, (example_batch(model, 2)[0],))      token ids only: a graph traced with
+                                                                    targets holds the loss and cannot be cut
+              plan = compile(g, f"local:{pp}", global_batch_size=8, pp=pp, dp=1, tp=1, schedule=kind,
+                             microbatch_size=2, precision="fp32", recompute="none")
+              launch_local(plan, gpt_small_seeded, adamw, gpt_loss, batches, timeout_s=300).step_times_s
+    torch     torch.distributed.pipelining: PipelineStage + ScheduleGPipe / Schedule1F1B, n_microbatches=4,
+              on the plan's own cut (``plan.stages[i].blocks``). Each stage module is built by hand from a
+              gpt_small_seeded() model: the first holds wte + wpe (+ dropout) and its blocks, a middle one its
+              blocks, the last its blocks + ln_f + lm_head. The last stage's lm_head is therefore an untied
+              copy of wte (equal at step 0, drifting after): fine for timing. loss_fn = cross entropy over
+              the logits (gpt_loss on logits); schedule.step(..., return_outputs=False), so the last stage
+              does not concatenate the logits, which the compiled program does not do either.
+
+Tensor-parallel row. Model: ``examples.training.hf_llama_seeded`` (HF Llama from a
+config: 4 layers, d=64, 4 heads / 2 kv heads, SwiGLU 128, vocab 512, untied
+lm_head), fp32, AdamW, loss ``examples.training.hf_loss``; step s uses 8 x 64
+random tokens from ``torch.Generator().manual_seed(s)``, targets the next token.
+Both ranks see the whole batch (tensor ranks share the data).
+
+    compiled  plan = compile(hf_llama_seeded(), "local:2", example_inputs=(tokens (2, 64),), global_batch_size=8,
+                             pp=1, dp=1, tp=2, microbatch_size=8, precision="fp32", recompute="none")
+              launch_local(plan, hf_llama_seeded, adamw, hf_loss, batches, timeout_s=300).step_times_s
+    torch     DTensor TP: parallelize_module on each decoder layer over init_device_mesh("cpu", (2,)) with
+              torchtitan's Llama plan (q/k/v_proj, gate/up_proj ColwiseParallel; o_proj, down_proj
+              RowwiseParallel); embedding, norms and lm_head replicated. HF attention reshapes with -1
+              heads and the q/kv head ratio is unchanged, so no attribute needs adjusting; the two sides'
+              first-step losses are printed to show it is the same model and data (they agree to ~1e-6).
+
+The torch harness copies what launch_local's workers do, as runtime_dp does:
+spawned processes (``multiprocessing`` "spawn" context),
+``torch.set_num_threads(1)`` per rank, Gloo over a FileStore in a temp dir with
+the same timeout, the global batches loaded from a file, every rank timing each
+step with ``time.perf_counter`` around the whole step: pipeline
+``schedule.step(...)``, ``optimizer.step()``, ``zero_grad(set_to_none=True)``;
+tensor parallel ``hf_loss(model(idx), targets)``, ``backward()``, the same
+optimizer calls and ``float(loss)``. Reported is rank 0's time on both sides
+(launch_local's ``step_times_s`` is rank 0's): on a pipeline that is the first
+stage, which runs the last backward, so its step spans the whole pipeline.
+
+Work the compiled pipeline step does that torch's does not (by default): it
+all-reduces the tied wte/lm_head gradient between the first and last stage
+(2.1M floats, 8 MB) and sums the scalar loss over the pipeline (its contract
+is to return the global loss on every rank); before each activation it also
+sends a small shape header (one extra Gloo message per microbatch and stage
+boundary). ``--torch-same-work`` makes the torch pipeline do the first two as
+well (then the two sides train the identical tied model and their losses agree
+at every step). The compiled TP plan shards the embedding by vocabulary rows
+(a vocab-parallel embedding, one more all-reduce per step); the torch side
+keeps it replicated.
+
+Each reported time is the median over the steps after the first ``--warmup``
+(default 2) of ``--steps`` (default 12) per launch, pooled over ``--rounds``
+(default 1; each round runs compiled then torch, alternating which goes
+first). ratio = compiled / torch (goal <= 1.05). "predicted" is
+``plan.predicted.step_time_s``, printed next to the measurement to calibrate
+the cost model for this CPU. Noise between runs here is about +-10 % (TORCH-NOTES).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing.connection
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+GLOBAL_BATCH = 8
+MICROBATCH = 2  # pipeline rows: 4 microbatches of 2
+LLAMA_SEQ, LLAMA_VOCAB = 64, 512  # hf_llama_seeded: max_position_embeddings 64, vocab 512
+TIMEOUT_S = 300
+GOAL_RATIO = 1.05
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Row:
+    """One comparison: a compiled plan and torch's implementation of the same parallelism."""
+
+    name: str
+    schedule: str  # "gpipe" or "1f1b"; the tp row runs one microbatch, whose schedule is moot
+    pp: int
+    tp: int
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp
+
+    @property
+    def torch_name(self) -> str:
+        if self.tp > 1:
+            return "DTensor parallelize_module (Colwise q/k/v/gate/up, Rowwise o/down)"
+        return {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[self.schedule] + " + PipelineStage"
+
+
+ROWS = {r.name: r for r in (
+    Row(name="pp2-gpipe", schedule="gpipe", pp=2, tp=1),
+    Row(name="pp2-1f1b", schedule="1f1b", pp=2, tp=1),
+    Row(name="pp4-gpipe", schedule="gpipe", pp=4, tp=1),
+    Row(name="pp4-1f1b", schedule="1f1b", pp=4, tp=1),
+    Row(name="tp2", schedule="1f1b", pp=1, tp=2),
+)}
+
+
+def llama_batch(seed: int) -> tuple:
+    """(idx, targets), each (8, 64): random tokens and the next token (the last one a fresh random token)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, LLAMA_VOCAB, (GLOBAL_BATCH, LLAMA_SEQ), generator=g)  # (B, T)
+    nxt = torch.randint(0, LLAMA_VOCAB, (GLOBAL_BATCH, 1), generator=g)
+    return idx, torch.cat([idx[:, 1:], nxt], dim=1)
+
+
+# ------------------------------------------------------------------ torch baseline: pipeline stage modules
+
+
+def _logits_loss(logits, targets):
+    """examples.training.gpt_loss on bare logits (the last stage returns logits, not (logits, loss))."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def _gpt_stage(model, blocks: tuple[str, ...]):
+    """The nn.Module for one pipeline stage of examples.gpt.GPT, sharing `model`'s parameters.
+
+    blocks: a StagePlan's names, e.g. ("prefix", "transformer.h.0") or ("transformer.h.3", "suffix").
+    """
+    import torch
+    from torch import nn
+
+    class GPTStage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            t = model.transformer
+            self.first, self.last = "prefix" in blocks, "suffix" in blocks
+            if self.first:
+                self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
+            self.h = nn.ModuleList(model.get_submodule(b) for b in blocks if b not in ("prefix", "suffix"))
+            if self.last:
+                self.ln_f, self.lm_head = t.ln_f, model.lm_head  # untied here: wte lives on the first stage
+
+        def forward(self, x):
+            if self.first:  # as GPT.forward: x is idx (b, t)
+                pos = torch.arange(0, x.size(1), dtype=torch.long, device=x.device)  # (t,)
+                x = self.drop(self.wte(x) + self.wpe(pos))  # (b, t, n_embd)
+            for block in self.h:
+                x = block(x)
+            if self.last:
+                x = self.lm_head(self.ln_f(x))  # (b, t, vocab_size)
+            return x
+
+    return GPTStage()
+
+
+def _torch_pipeline(row: Row, rank: int, batches: list, stage_blocks: list, same_work: bool):
+    """One pipeline rank: (losses or None per step, step times). Losses on the last stage (every rank if same_work)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from examples.training import adamw, gpt_small_seeded
+
+    pp, first, last = row.pp, rank == 0, rank == row.pp - 1
+    module = _gpt_stage(gpt_small_seeded(), tuple(stage_blocks[rank]))
+    stage = PipelineStage(module, rank, pp, device=torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[row.schedule]
+    schedule = cls(stage, n_microbatches=GLOBAL_BATCH // MICROBATCH, loss_fn=_logits_loss)
+    optimizer = adamw(module.parameters())
+    tie_group = dist.new_group([0, pp - 1]) if same_work else None  # every rank calls new_group
+    tied = module.wte.weight if first else module.lm_head.weight if last else None
+    losses, times = [], []
+    for idx, targets in batches:
+        t0 = time.perf_counter()
+        mb_losses: list = []
+        if first:
+            schedule.step(idx, return_outputs=False)
+        elif last:
+            schedule.step(target=targets, losses=mb_losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        if same_work and tied is not None:
+            dist.all_reduce(tied.grad, group=tie_group)  # as the compiled step: sum the tied gradient
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = None
+        if last or same_work:
+            lv = torch.stack(mb_losses).mean().detach().reshape(1) if last else torch.zeros(1)
+            if same_work:
+                dist.all_reduce(lv)  # as the compiled step: only the last stage knows the loss
+            value = float(lv.item())
+        times.append(time.perf_counter() - t0)
+        losses.append(value)
+    return losses, times
+
+
+def _torch_tp(row: Row, rank: int, batches: list):
+    """One tensor-parallel rank: (losses, step times)."""
+    import torch.distributed as dist  # noqa: F401 (the group is already up)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from examples.training import adamw, hf_llama_seeded, hf_loss
+
+    model = hf_llama_seeded()
+    mesh = init_device_mesh("cpu", (row.tp,))
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    optimizer = adamw(model.parameters())
+    losses, times = [], []
+    for idx, targets in batches:
+        t0 = time.perf_counter()
+        loss = hf_loss(model(idx), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = float(loss.detach().item())
+        times.append(time.perf_counter() - t0)
+        losses.append(value)
+    return losses, times
+
+
+# ------------------------------------------------------------------ torch baseline: harness
+
+
+def _torch_worker(row: Row, rank: int, tmpdir: str, stage_blocks: list, same_work: bool) -> None:
+    """One rank of the torch baseline; mirrors runtime.launch._worker (threads, store, timeout, batches, timing)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    d = Path(tmpdir)
+    try:
+        torch.set_num_threads(1)  # as launch_local: a few ranks share a few cores
+        timeout = timedelta(seconds=TIMEOUT_S)
+        store = dist.FileStore(str(d / "store"), row.world)
+        store.set_timeout(timeout)
+        dist.init_process_group("gloo", rank=rank, world_size=row.world, store=store, timeout=timeout)
+        batches = torch.load(d / "batches.pt", weights_only=True)
+        if row.pp > 1:
+            losses, times = _torch_pipeline(row, rank, batches, stage_blocks, same_work)
+        else:
+            losses, times = _torch_tp(row, rank, batches)
+        tmp = d / f"result_{rank}.json.part"
+        tmp.write_text(json.dumps({"losses": losses, "step_times_s": times}))
+        os.replace(tmp, d / f"result_{rank}.json")
+        dist.barrier()
+    except BaseException as exc:  # report, then leave without c10d teardown (peers may be blocked)
+        (d / f"error_{rank}.json").write_text(json.dumps(
+            {"type": type(exc).__qualname__, "message": str(exc), "traceback": traceback.format_exc()}))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def run_torch(row: Row, batches: list, stage_blocks: list, same_work: bool) -> dict:
+    """Spawn the torch baseline's ranks; the loss per step (last stage's / rank 0's) and every rank's step times."""
+    import torch
+    import torch.multiprocessing as mp
+
+    world = row.world
+    tmp = Path(tempfile.mkdtemp(prefix="bench-runtime-3d-"))
+    procs = []
+    try:
+        torch.save(batches, tmp / "batches.pt")
+        ctx = mp.get_context("spawn")
+        for r in range(world):
+            p = ctx.Process(target=_torch_worker, args=(row, r, str(tmp), stage_blocks, same_work),
+                            name=f"torch-{row.name}-rank{r}")
+            p.start()
+            procs.append(p)
+        deadline = time.time() + TIMEOUT_S + 60
+        while any(p.exitcode is None for p in procs):
+            if all((tmp / f"result_{r}.json").exists() for r in range(world)):
+                break  # every rank measured; a crash in teardown after that does not void the figures
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                      and not (tmp / f"result_{r}.json").exists()]
+            if failed or time.time() > deadline:
+                errs = []
+                for r in range(world):
+                    f = tmp / f"error_{r}.json"
+                    if f.exists():
+                        e = json.loads(f.read_text())
+                        errs.append(f"rank {r}: {e['type']}: {e['message']}\n{e['traceback']}")
+                why = (f"ranks {failed} failed (exit codes {[procs[r].exitcode for r in failed]}; negative: "
+                       "killed by that signal)") if failed else f"no finish within {TIMEOUT_S + 60} s"
+                raise RuntimeError(f"torch {row.name} on {world} ranks: {why}\n" + "\n".join(errs[:1]))
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
+        for p in procs:
+            p.join(5.0)  # let teardown finish before the temp dir goes
+        missing = [r for r in range(world) if not (tmp / f"result_{r}.json").exists()]
+        if missing:
+            raise RuntimeError(f"torch {row.name} on {world} ranks: ranks {missing} exited without a result "
+                               f"(exit codes {[p.exitcode for p in procs]})")
+        res = [json.loads((tmp / f"result_{r}.json").read_text()) for r in range(world)]
+        # The pipeline's loss is known on its last stage; tensor ranks all hold the same loss.
+        losses = res[row.pp - 1]["losses"] if row.pp > 1 else res[0]["losses"]
+        return {"losses": losses, "step_times_s": res[0]["step_times_s"],
+                "rank_times_s": [x["step_times_s"] for x in res]}
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in procs:
+            p.join(2.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ compiled program
+
+
+def make_plan(row: Row, gpt_graph):
+    import torch
+
+    from examples.training import hf_llama_seeded
+    from partitioner import compile
+
+    if row.pp > 1:
+        return compile(gpt_graph, f"local:{row.world}", global_batch_size=GLOBAL_BATCH, pp=row.pp, dp=1, tp=1,
+                       schedule=row.schedule, microbatch_size=MICROBATCH, precision="fp32", recompute="none")
+    tokens = torch.randint(0, LLAMA_VOCAB, (2, LLAMA_SEQ), generator=torch.Generator().manual_seed(0))  # (2, 64)
+    return compile(hf_llama_seeded(), f"local:{row.world}", example_inputs=(tokens,), global_batch_size=GLOBAL_BATCH,
+                   pp=1, dp=1, tp=row.tp, microbatch_size=GLOBAL_BATCH, precision="fp32", recompute="none")
+
+
+def run_compiled(row: Row, plan, batches: list) -> dict:
+    from examples.training import adamw, gpt_loss, gpt_small_seeded, hf_llama_seeded, hf_loss
+    from runtime.launch import launch_local
+
+    model_fn, loss_fn = (gpt_small_seeded, gpt_loss) if row.pp > 1 else (hf_llama_seeded, hf_loss)
+    out = launch_local(plan, model_fn, adamw, loss_fn, batches, timeout_s=TIMEOUT_S)
+    return {"losses": list(out.losses), "step_times_s": list(out.step_times_s),
+            "collective_counts": out.collective_counts[0] if out.collective_counts else {}}
+
+
+# ------------------------------------------------------------------ parent: orchestrate, print
+
+
+def _err_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
+
+
+def measure_row(row: Row, gpt_graph, batches: list, ns) -> dict:
+    out: dict = {"row": row, "compiled": [], "torch": [], "torch_ranks": [], "errors": []}
+    stage_blocks: list = []
+    try:
+        plan = make_plan(row, gpt_graph)
+        out["predicted_s"] = float(plan.predicted.step_time_s)
+        out["config"] = str(plan.config)
+        stage_blocks = [list(s.blocks) for s in plan.stages]
+        out["cut"] = " | ".join(",".join(b.replace("transformer.", "") for b in s) for s in stage_blocks)
+        if row.pp > 1 and len(stage_blocks) != row.pp:
+            raise ValueError(f"the plan has {len(stage_blocks)} stages for pp={row.pp}")
+        if row.tp > 1:
+            out["sharded"] = sum(p.spec != "R" for p in plan.placements)
+    except Exception as e:  # noqa: BLE001 (report and go on)
+        out["errors"].append(f"compile: {_err_line(e)}")
+        plan = None
+    for rnd in range(ns.rounds):
+        order = ("compiled", "torch") if rnd % 2 == 0 else ("torch", "compiled")
+        for side in order:
+            if plan is None:
+                continue  # the torch pipeline needs the plan's cut too
+            if any(err.startswith(side) for err in out["errors"]):
+                continue  # failed once: do not retry every round
+            label = f"{row.name} {side} (round {rnd + 1}/{ns.rounds})"
+            print(f"  running {label} ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            res = None
+            for attempt in (1, 2):  # one retry: a rare native crash of a run should not void the row
+                try:
+                    res = run_compiled(row, plan, batches) if side == "compiled" else \
+                        run_torch(row, batches, stage_blocks, ns.torch_same_work)
+                    break
+                except Exception as e:  # noqa: BLE001
+                    print(f"    FAILED (attempt {attempt}/2): {e}", file=sys.stderr, flush=True)
+                    if attempt == 1:
+                        out.setdefault("retried", []).append(f"{side}: {_err_line(e)}")
+                    else:
+                        out["errors"].append(f"{side}: {_err_line(e)}")
+            if res is None:
+                continue
+            timed = res["step_times_s"][ns.warmup:]
+            out[side].extend(timed)
+            out.setdefault(f"{side}_losses", res["losses"])
+            if side == "compiled":
+                out["collective_counts"] = res.get("collective_counts", {})
+            else:
+                out["torch_ranks"].append([t[ns.warmup:] for t in res["rank_times_s"]])
+            print(f"    done in {time.perf_counter() - t0:.1f} s: median {statistics.median(timed) * 1e3:.1f} ms "
+                  f"over {len(timed)} steps", file=sys.stderr, flush=True)
+    for side in ("compiled", "torch"):
+        if out[side]:
+            out[f"{side}_s"] = statistics.median(out[side])
+    if "compiled_s" in out and "torch_s" in out:
+        out["ratio"] = out["compiled_s"] / out["torch_s"]
+    if "compiled_s" in out and out.get("predicted_s"):
+        out["meas_over_pred"] = out["compiled_s"] / out["predicted_s"]
+    if out.get("compiled_losses") and out.get("torch_losses"):
+        pairs = [(a, b) for a, b in zip(out["compiled_losses"], out["torch_losses"]) if b is not None]
+        out["first_losses"] = pairs[0]
+        out["loss_diff"] = max(abs(a - b) for a, b in pairs)
+    return out
+
+
+def _load() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _row_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in ROWS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown rows {bad or text!r}; choose from {', '.join(ROWS)} "
+                                         "(comma-separated, e.g. pp2-gpipe,tp2)")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=12, help="steps per launch, warm-up included (default 12)")
+    ap.add_argument("--warmup", type=int, default=2, help="leading steps per launch left out of the median (default 2)")
+    ap.add_argument("--rows", type=_row_names, default=list(ROWS),
+                    help=f"comma-separated subset of {','.join(ROWS)} (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="launches per side per row, alternating order, steps pooled")
+    ap.add_argument("--torch-same-work", action="store_true",
+                    help="torch pipeline also all-reduces the tied wte/lm_head gradient and the loss, as the "
+                         "compiled step does")
+    ap.add_argument("--losses", action="store_true", help="also print both sides' loss at every step")
+    ns = ap.parse_args(argv)
+    if ns.steps - ns.warmup < 1:
+        ap.error(f"--steps {ns.steps} leaves no timed step after --warmup {ns.warmup}")
+
+    import platform
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+
+    import examples.gpt
+    from examples.training import gpt_small_seeded
+    from partitioner import trace
+
+    rows = [ROWS[n] for n in ns.rows]
+    model = gpt_small_seeded()
+    n_params = sum(p.numel() for p in model.parameters())
+    gpt_batches = [examples.gpt.example_batch(model, GLOBAL_BATCH, seed=s) for s in range(ns.steps)]
+    llama_batches = [llama_batch(s) for s in range(ns.steps)]
+    graph = trace(model, (examples.gpt.example_batch(model, 2)[0],)) if any(r.pp > 1 for r in rows) else None
+    del model
+
+    timed = ns.steps - ns.warmup
+    print(f"runtime_3d: pipeline rows gpt_small (4 blocks, d=256, seq 128, vocab 8192, {n_params / 1e6:.2f}M unique "
+          f"params), 4 microbatches of {MICROBATCH}; tp row hf_llama_seeded (4 layers, d=64, seq {LLAMA_SEQ}, vocab "
+          f"{LLAMA_VOCAB}), one microbatch of {GLOBAL_BATCH}; fp32, AdamW, global batch {GLOBAL_BATCH}")
+    print(f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs; Gloo, "
+          f"1 thread per rank; {ns.steps} steps per launch, median of the last {timed} (after {ns.warmup} warm-up)"
+          f"{f' x {ns.rounds} rounds pooled' if ns.rounds > 1 else ''}; rank 0's times; torch pipeline "
+          f"{'with' if ns.torch_same_work else 'without'} the tied-gradient and loss all-reduces", flush=True)
+    print(f"load average at start {_load()} (1/5/15 min; anything else running on these cores skews the figures)")
+    if timed < 10:
+        print(f"note: only {timed} timed steps per launch (the benchmark's standard is >= 10)")
+
+    results = [measure_row(r, graph, llama_batches if r.pp == 1 else gpt_batches, ns) for r in rows]
+
+    print()
+    hdr = (f"{'row':<10} {'pp':>3} {'tp':>3} {'compiled ms':>12} {'torch ms':>10} {'ratio':>7} "
+           f"{'predicted ms':>13} {'meas/pred':>10}")
+    print(hdr + "   (ms: median per step, rank 0; ratio = compiled / torch; meas/pred = compiled / predicted)")
+    print("-" * len(hdr))
+    for o in results:
+        r = o["row"]
+        print(f"{r.name:<10} {r.pp:>3} {r.tp:>3} {_ms(o.get('compiled_s')):>12} {_ms(o.get('torch_s')):>10} "
+              f"{_x(o.get('ratio')):>7} {_ms(o.get('predicted_s')):>13} {_x(o.get('meas_over_pred')):>10}")
+    print()
+    for o in results:
+        r = o["row"]
+        parts = []
+        for side in ("compiled", "torch"):
+            if o[side]:
+                parts.append(f"{side} min/max {min(o[side]) * 1e3:.0f}/{max(o[side]) * 1e3:.0f} ms")
+        if o["torch_ranks"]:
+            per_rank = [statistics.median(t for launch in o["torch_ranks"] for t in launch[k]) * 1e3
+                        for k in range(r.world)]
+            parts.append("torch per-rank medians " + "/".join(f"{v:.0f}" for v in per_rank) + " ms")
+        if "first_losses" in o:
+            a, b = o["first_losses"]
+            parts.append(f"first-step loss compiled {a:.6f} torch {b:.6f} (diff {abs(a - b):.1e}); "
+                         f"max |loss diff| over steps {o['loss_diff']:.1e}")
+        if "cut" in o and r.pp > 1:
+            parts.append(f"cut {o['cut']}")
+        if "sharded" in o:
+            parts.append(f"compiled shards {o['sharded']} parameters")
+        if o.get("collective_counts"):
+            parts.append(f"compiled rank-0 collectives {o['collective_counts']}")
+        print(f"{r.name} ({o.get('config', '?')} vs {r.torch_name}): " + "; ".join(parts))
+        if ns.losses:
+            for side in ("compiled", "torch"):
+                vals = o.get(f"{side}_losses") or []
+                print(f"  {side} losses: " + " ".join("-" if v is None else f"{v:.6f}" for v in vals))
+        for e in o.get("retried", []):
+            print(f"  retried once after: {e}")
+        for e in o["errors"]:
+            print(f"  ERROR {e}")
+    print(f"load average at end {_load()}")
+    print()
+    for o in results:
+        head = f"GOAL {o['row'].name}:"
+        if "ratio" not in o:
+            print(f"{head} no ratio ({'; '.join(o['errors']) or 'not measured'}): FAIL")
+            continue
+        print(f"{head} compiled / torch = {_ms(o['compiled_s'])} / {_ms(o['torch_s'])} ms = {o['ratio']:.3f} "
+              f"(goal <= {GOAL_RATIO:.2f}): {'PASS' if o['ratio'] <= GOAL_RATIO else 'FAIL'}")
+    ratios = [o["ratio"] for o in results if "ratio" in o]
+    if ratios:
+        print(f"SUMMARY: {sum(x <= GOAL_RATIO for x in ratios)}/{len(results)} rows within the goal; ratio "
+              f"geometric mean {statistics.geometric_mean(ratios):.3f}, worst {max(ratios):.3f}")
+    return 1 if any(o["errors"] for o in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
