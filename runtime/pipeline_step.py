@@ -128,6 +128,11 @@ class PipelineRunner:
         return float(norm.item())
 
     # ---- the program contract ------------------------------------------------------------------
+    def predict(self, inputs: Any) -> Any:
+        raise NotImplementedError("predict() under a pipeline or tensor-parallel plan needs a forward-only "
+                                  "schedule, which is not generated yet; run inference with a data-parallel plan "
+                                  "(pp=1, tp=1) or on the trained state_dict")
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective over the world: the full model's parameters and buffers on global rank 0."""

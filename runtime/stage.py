@@ -137,6 +137,10 @@ class StageModel:
         if isinstance(inputs, dict):
             return dict(inputs)
         values = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if len(values) != len(self.input_names):
+            raise ValueError(f"the batch gives {len(values)} model input(s), but the plan's code was traced with "
+                             f"{len(self.input_names)} ({', '.join(self.input_names)}): pass the inputs the model "
+                             "was compiled with (e.g. (idx, targets) for a model that computes its own loss)")
         return dict(zip(self.input_names, values))
 
     def _stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
