@@ -1,7 +1,7 @@
 """Compile the example GPT for 8 local processes as pipeline x data x tensor parallelism, run it, check it.
 
-    python examples/train_3d.py            # pp 2 x dp 2 x tp 2, ZeRO-1, 1F1B, 4 steps (about a minute)
-    python examples/train_3d.py --free     # let the planner choose (on 8 CPU processes it picks data parallelism)
+    python -m examples.train_3d            # pp 2 x dp 2 x tp 2, ZeRO-1, 1F1B, 4 steps (about a minute)
+    python -m examples.train_3d --free     # let the planner choose (on 8 CPU processes it picks data parallelism)
 
 Prints the plan, a glimpse of rank 5's generated program, the losses of the 8
 processes next to those of one process training on the whole batch, and the
