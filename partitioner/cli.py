@@ -39,7 +39,11 @@ def _compile(args: argparse.Namespace) -> int:
     from partitioner.compile import compile
     from partitioner.loading import load_model
 
-    model, inputs, _ = load_model(args.model, device=args.device, batch_size=2)
+    model, inputs, module = load_model(args.model, device=args.device, batch_size=2)
+    if hasattr(module, "example_batch"):
+        # an (inputs, targets) training batch: runtime.run calls model(inputs) and gives the targets to
+        # the loss, so the plan's code is traced the same way
+        inputs = inputs[:1]
     pins = {k: getattr(args, k) for k in ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule",
                                          "interleave", "recompute") if getattr(args, k) is not None}
     t0 = time.perf_counter()
