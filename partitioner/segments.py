@@ -302,8 +302,9 @@ class _Builder:
             self.env[n] = out
             return
         if role is not None and role[0] == "vocab_embedding" and n.target is _aten.embedding.default:
+            pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
             self.env[n] = self.graph.create_node("call_function", _tp_vocab_embedding,
-                                                 (self.value(n.args[0]), self.value(n.args[1]), self.tp_arg),
+                                                 (self.value(n.args[0]), self.value(n.args[1]), self.tp_arg, pad),
                                                  name=n.name)
             self.env[n].meta = dict(n.meta)
             return
@@ -396,7 +397,7 @@ def tp_reduce(x, tp):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
-def tp_vocab_embedding(weight, ids, tp):
+def tp_vocab_embedding(weight, ids, tp, padding_idx=-1):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 

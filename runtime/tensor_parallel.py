@@ -269,14 +269,16 @@ def unshard_parameter(shards: Sequence[torch.Tensor], spec: str, fused: int = 1)
 # ---------------------------------------------------------------- vocabulary parallelism
 
 def vocab_parallel_embedding(ids: torch.Tensor, local_weight: torch.Tensor, vocab_start: int, group,
-                             collectives: Collectives) -> torch.Tensor:
+                             collectives: Collectives, *, padding_idx: int | None = None) -> torch.Tensor:
     """Embedding with the table split by rows (S(0)): this rank holds ids vocab_start ..
     vocab_start + local_weight.shape[0] - 1. Looks up the ids it holds, zeros the rows of the
-    rest and all-reduces (g), so every rank gets the full lookup. (B, T) -> (B, T, h)."""
+    rest and all-reduces (g), so every rank gets the full lookup. (B, T) -> (B, T, h).
+    padding_idx (a global id, as nn.Embedding's): its row gets no gradient, on the rank holding it."""
     vocab_end = vocab_start + local_weight.shape[0]
     outside = (ids < vocab_start) | (ids >= vocab_end)           # (B, T)
     local_ids = (ids - vocab_start).masked_fill(outside, 0)
-    out = F.embedding(local_ids, local_weight)                   # (B, T, h)
+    pad = padding_idx - vocab_start if padding_idx is not None and vocab_start <= padding_idx < vocab_end else None
+    out = F.embedding(local_ids, local_weight, padding_idx=pad)  # (B, T, h)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)            # also zeros the gradient to row 0
     return reduce_from_tp(out, group, collectives)
 
@@ -406,9 +408,12 @@ def tp_reduce(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return reduce_from_tp(x, tp.group, tp.collectives)
 
 
-def tp_vocab_embedding(local_weight: torch.Tensor, ids: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    """aten.embedding(weight, ids) with the table split by rows over the group (see `vocab_parallel_embedding`)."""
-    return vocab_parallel_embedding(ids, local_weight, tp.rank * local_weight.shape[0], tp.group, tp.collectives)
+def tp_vocab_embedding(local_weight: torch.Tensor, ids: torch.Tensor, tp: TPContext,
+                       padding_idx: int = -1) -> torch.Tensor:
+    """aten.embedding(weight, ids, padding_idx) with the table split by rows over the group (see
+    `vocab_parallel_embedding`); padding_idx -1 is none, as in aten."""
+    return vocab_parallel_embedding(ids, local_weight, tp.rank * local_weight.shape[0], tp.group, tp.collectives,
+                                    padding_idx=None if padding_idx < 0 else padding_idx)
 
 
 def tp_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,

@@ -36,8 +36,11 @@ VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 3
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
-            for _ in range(steps)]
+    out = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+           for _ in range(steps)]
+    for x, _ in out:
+        x[:, 0] = 0  # token 0 is HF Llama's padding_idx: its embedding row must get no gradient
+    return out
 
 
 def reference(model_fn, loss_fn, data) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -154,7 +154,7 @@ def test_an_in_model_loss_gets_the_vocab_parallel_cross_entropy_on_local_logits(
     m = gpt_4l_seeded()
     g = trace(m, (torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))))
     code = extract(g.graph_module, g, splits=find_splits(g), tp=2)
-    assert "tp_vocab_embedding(transformer_wte_weight, idx, tp)" in code.prefix.source
+    assert "tp_vocab_embedding(transformer_wte_weight, idx, tp, -1)" in code.prefix.source
     src = code.suffix.source
     assert "view.default(linear_12, [-1, 256])" in src  # this rank's half of the 512 classes
     assert "tp_cross_entropy(view_12, view_13, -1, tp)" in src  # the loss from local logits
