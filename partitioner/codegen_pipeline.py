@@ -130,6 +130,19 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     block_args = "BLOCK_ARGS" if code.block is not None else "()"
     suffix_args = "SUFFIX_ARGS" if code.suffix is not None else "()"
     mixed = plan.precision != "fp32"
+    if c.dp == 1 and not mixed:
+        engine = ("    # No data parallelism (dp = 1) and fp32: gradients stay in .grad, the optimizer steps the\n"
+                  "    # parameters, nothing is reduced across replicas.\n"
+                  "    engine = Unreplicated(model)\n")
+    else:
+        group = "groups.dp" if c.dp > 1 else "make_self_group(RANK, WORLD_SIZE)"
+        why = "" if c.dp > 1 else " (dp = 1: the engine over this rank alone keeps the fp32 masters)"
+        engine = (f"    # Data parallelism over replicas {dp_ranks} (this rank is replica {me.dp} of {c.dp}): "
+                  f"{_ZERO[c.zero_stage]}{why}.\n"
+                  f"    engine = DataParallel(model, group={group}, ranks={dp_ranks!r}, zero_stage={c.zero_stage},\n"
+                  f"                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, "
+                  f"precision={plan.precision!r},\n"
+                  f"                          units=UNITS, unit_modules=UNIT_MODULES)\n")
 
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size} (pipeline rank {me.pp}, replica {me.dp}, tensor slice {me.tp}).
 
@@ -147,6 +160,7 @@ from runtime.data_parallel import DataParallel
 from runtime.groups import make_group_among, make_groups, make_self_group
 from runtime.pipeline_step import PipelineRunner
 from runtime.stage import StageModel, state_keys
+from runtime.unreplicated import Unreplicated
 from runtime.tensor_parallel import TPContext, tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding
 
 inf, nan = float("inf"), float("nan")
@@ -199,13 +213,12 @@ OUTPUT_SPEC = {code.output_spec!r}
 def build(model_fn, optimizer_fn, loss_fn):
     groups = make_groups(RANK, MESH)
     tie_group = make_group_among(RANK, TIE_GROUPS)
-    {"dp_group = groups.dp" if c.dp > 1 else "dp_group = make_self_group(RANK, WORLD_SIZE)  # no replicas: the engine runs over this rank alone"}
     # reduce-scatter implementation: {impl} ({why_impl}).
     collectives = Collectives(reduce_scatter_impl={impl!r})
     model = model_fn()
     runtime.step.check_parameters(model, PARAMS)
     full_keys = state_keys(model)
-    tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp}) if {c.tp} > 1 else None
+    {f"tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp})  # this rank is tensor slice {me.tp} of {c.tp}" if c.tp > 1 else "tp = None  # tp = 1: the code calls no tensor-parallel collective"}
     stage = StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
                        block_inputs={code.block.model_inputs if code.block else ()!r},
                        suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
@@ -213,11 +226,7 @@ def build(model_fn, optimizer_fn, loss_fn):
                        placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
                        recompute={c.recompute!r})
 
-    # Data parallelism over replicas {dp_ranks} (this rank is replica {me.dp} of {c.dp}): {_ZERO[c.zero_stage]}.
-    engine = DataParallel(model, group=dp_group, ranks={dp_ranks!r}, zero_stage={c.zero_stage},
-                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
-                          units=UNITS, unit_modules=UNIT_MODULES)
-    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
+{engine}    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
     optimizer = optimizer_fn(engine.optimizer_params() + list(stage.tied.values()))
     return PipelineRunner(
         stage=stage, engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, groups=groups,
