@@ -208,6 +208,9 @@ UNIT_MODULES = {tuple(unit_modules)!r}
 
 {args}
 OUTPUT_SPEC = {code.output_spec!r}
+# The hidden state at every cut, as sizes of the model inputs: receivers size their buffers from
+# the microbatch they hold, so no shape message precedes an activation{"" if code.hidden_shape else " (unknown here: one does)"}.
+HIDDEN_SHAPE = {code.hidden_shape!r}
 
 
 def build(model_fn, optimizer_fn, loss_fn):
@@ -234,6 +237,7 @@ def build(model_fn, optimizer_fn, loss_fn):
         num_stages={len(plan.stages)}, stage_ranks=STAGE_RANKS, dp_rank={me.dp}, dp_size={c.dp}, tp_size={c.tp},
         microbatch_size={c.microbatch_size}, num_microbatches={c.num_microbatches},
         clip_grad_norm={plan.clip_grad_norm!r}, placements=PLACEMENTS, full_keys=full_keys, mesh=MESH,
-        program_hash=PROGRAM_HASH)
+        program_hash=PROGRAM_HASH, hidden_shape=HIDDEN_SHAPE,
+        hidden_dtype={"engine.precision.param_dtype" if mixed else "torch.float32"})
 '''
     return source, h

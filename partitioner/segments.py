@@ -90,6 +90,9 @@ class ModelCode:
     block: Segment | None
     suffix: Segment | None
     output_spec: str  # torch.utils._pytree.treespec_dumps of the model's output structure
+    # the hidden state's shape at every cut: an int, or (model input, dim) for a traced size, so a
+    # receiving stage knows its buffer without a shape message; None when blocks change it
+    hidden_shape: tuple[int | tuple[str, int], ...] | None = None
 
     def block_params(self, i: int) -> tuple[str, ...]:
         return tuple(n.format(i=i) for _, n in self.block.params) if self.block else ()
@@ -485,7 +488,25 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
     run(b, suf)
     suffix = b.finish(tuple(b.output(x) for x in flat_out))
     return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
-                     prefix=prefix, block=block, suffix=suffix, output_spec=spec)
+                     prefix=prefix, block=block, suffix=suffix, output_spec=spec,
+                     hidden_shape=_hidden_shape(src, hidden, x_in, x_out))
+
+
+def _hidden_shape(src: _Source, *values: fx.Node) -> tuple[int | tuple[str, int], ...] | None:
+    """The shape every cut carries, in terms of the model inputs' sizes; None unless all cuts agree."""
+    shapes = {tuple(str(d) for d in v.meta["val"].shape) for v in values}
+    if len(shapes) != 1:
+        return None
+    sizes = {str(d): (n.name, j) for n in reversed(src.inputs) for j, d in enumerate(n.meta["val"].shape)}
+    out: list[int | tuple[str, int]] = []
+    for d in next(iter(shapes)):
+        if d.isdigit():
+            out.append(int(d))
+        elif d in sizes:
+            out.append(sizes[d])
+        else:
+            return None
+    return tuple(out)
 
 
 def _order(src: _Source):

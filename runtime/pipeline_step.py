@@ -37,7 +37,8 @@ class PipelineRunner:
                  num_stages: int, stage_ranks: Sequence[int], dp_rank: int, dp_size: int, tp_size: int,
                  microbatch_size: int, num_microbatches: int, clip_grad_norm: float | None,
                  placements: Mapping[str, tuple[str, int]], full_keys: Sequence[tuple[str, str]],
-                 mesh: Sequence[tuple[int, int, int, int]], program_hash: str):
+                 mesh: Sequence[tuple[int, int, int, int]], program_hash: str,
+                 hidden_shape: Sequence[int | tuple[str, int]] | None = None, hidden_dtype: torch.dtype | None = None):
         self.stage, self.engine, self.optimizer, self.loss_fn = stage, engine, optimizer, loss_fn
         self.collectives, self.groups, self.tie_group, self.tie_first = collectives, groups, tie_group, tie_first
         self.dp_rank, self.dp_size, self.tp_size = dp_rank, dp_size, tp_size
@@ -51,7 +52,9 @@ class PipelineRunner:
             actions=actions, stages={s: stage.stage_callable(s) for s in mine}, num_stages=num_stages,
             stage_to_rank=lambda s: stage_ranks[s], collectives=collectives, loss_fn=loss_fn,
             num_microbatches=num_microbatches, group=None, grad_sync=self._grad_sync, optim=self._optim,
-            feed_inputs=True)
+            feed_inputs=True, activation_shape=self._activation_shape if hidden_shape is not None else None)
+        self.hidden_shape, self.hidden_dtype = hidden_shape, hidden_dtype or torch.float32
+        self._xs: list[Any] = []
         self.last_grad_norm: float | None = None
         self._peak: dict[str, int] = {}
 
@@ -69,6 +72,7 @@ class PipelineRunner:
         xs = [_rows(inputs, a + i * mb, a + (i + 1) * mb) for i in range(self.num_microbatches)]
         ys = [_rows(targets, a + i * mb, a + (i + 1) * mb) for i in range(self.num_microbatches)]
         self._synced = self._stepped = 0
+        self._xs = xs
         with self.engine.no_sync():
             loss = self.executor.run(xs, ys if self.num_stages - 1 in self.stage.stages else None)
         mean = torch.tensor([0.0 if loss is None else float(loss)])
@@ -77,6 +81,12 @@ class PipelineRunner:
         if self.dp_size > 1:
             self.collectives.all_reduce(mean, self.groups.dp, op="avg")
         return float(mean.item())
+
+    def _activation_shape(self, s: int, i: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The hidden state's shape on microbatch i, from its inputs' sizes: no shape message needed."""
+        named = self.stage._named(self._xs[i])
+        shape = tuple(d if isinstance(d, int) else named[d[0]].shape[d[1]] for d in self.hidden_shape)
+        return shape, self.hidden_dtype
 
     def _grad_sync(self, s: int) -> None:
         self._synced += 1
