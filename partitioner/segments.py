@@ -16,14 +16,11 @@ the segment from the hidden state's sizes. A block that reads any other
 prefix value, or hands on more than the hidden state, is refused with the
 nodes named.
 
-With tensor parallelism (tp > 1) the graph is rewritten as the tensor
-splits say (Megatron): a column-parallel matmul's input goes through
-`tp_copy` (identity forward, all-reduce backward), a row-parallel matmul
-drops its bias, all-reduces its partial output (`tp_reduce`) and adds the
-bias after; a vocab-parallel embedding becomes `tp_vocab_embedding`; and
-every view, reshape, expand or split of a split tensor has its size on the
-split dim divided by tp (12 heads become 12/tp heads, a fused 3*768 qkv
-split at 768 becomes 3*768/tp split at 768/tp).
+With tensor parallelism (tp > 1) the copied code is rewritten as the tensor
+splits say (Megatron f and g, local head counts, vocab-parallel embedding,
+head and cross entropy): see `partitioner.segment_tp`. Casts to the traced
+parameter dtype (fp32) become casts to the parameters' dtype at run time,
+so the same code runs under bf16 mixed precision.
 
 >>> code = extract(ep, g)                      # doctest: +SKIP
 >>> print(code.block.source)                   # doctest: +SKIP
@@ -43,14 +40,11 @@ from torch import fx
 
 from cost_models.errors import PartitionerError
 from partitioner.blocks import block_index
+from partitioner.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, unmangle
 
 __all__ = ["ModelCode", "Segment", "SegmentError", "extract"]
 
 _aten = torch.ops.aten
-_MATMULS = {_aten.linear.default: (0, 1, 2), _aten.addmm.default: (1, 2, 0),  # (activation, weight, bias)
-            _aten.mm.default: (0, 1, None), _aten.matmul.default: (0, 1, None)}
-_SIZED = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default}
-_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default}
 _CASTS = {_aten.to.dtype_layout, _aten.to.dtype, _aten._to_copy.default}
 
 
@@ -165,13 +159,13 @@ class _Source:
         return reads, out
 
 
-def _describe(n: fx.Node) -> str:
+def describe(n: fx.Node) -> str:
     stack = n.meta.get("nn_module_stack") or {}
     where = list(stack.values())[-1][0] if stack else "the model's forward"
     return f"{n.name} ({n.target} in {where or 'the root module'})"
 
 
-class _Builder:
+class _Builder(TensorParallelRewrite):
     """Copies one segment's nodes into a fresh graph, recomputing shape-only values from its input."""
 
     def __init__(self, src: _Source, name: str, *, carried: fx.Node | None, block: int | None,
@@ -227,7 +221,7 @@ class _Builder:
             self.model_inputs.append(n.name)
             return node
         if not self.src.shape_only.get(n, False):
-            raise SegmentError(f"the {self.name} reads {_describe(n)}, computed outside it: only the hidden state "
+            raise SegmentError(f"the {self.name} reads {describe(n)}, computed outside it: only the hidden state "
                                "may cross a stage boundary (plus values computed from shapes alone)")
         if n.target is _aten.sym_size.int and n.args[0] not in self.env and self.carried is not None:
             # a batch or sequence size read from a tensor this segment does not have: read it from its input
@@ -267,49 +261,10 @@ class _Builder:
                 out = tuple(env[o] if isinstance(o, fx.Node) else o for o in x.args[0])
         return out
 
-    # ---- tensor-parallel rewriting ----------------------------------------------------
-    def _role(self, n: fx.Node) -> tuple[str, Any] | None:
-        w = n.args[_MATMULS[n.target][1]] if n.target in _MATMULS else \
-            (n.args[0] if n.target is _aten.embedding.default else None)
-        if not isinstance(w, fx.Node) or w not in self.src.param:
-            return None
-        p = self.placements.get(self.src.param[w])
-        return (p.role, p) if p is not None else None
-
     def copy(self, n: fx.Node) -> None:
-        role = self._role(n) if self.tp > 1 else None
-        if self.tp > 1 and n.target is _aten.cross_entropy_loss.default and n.args[0].name in self.dims:
-            self.env[n] = self._parallel_cross_entropy(n)
-            return
-        # a vocab-parallel LM head (its weight maybe tied with a vocab-parallel embedding) is column-parallel
-        if role is not None and role[0] in ("column", "vocab_head", "vocab_embedding") and n.target in _MATMULS:
-            a = _MATMULS[n.target][0]
-            act = self.value(n.args[a])
-            if act not in self.copies:
-                self.copies[act] = self.graph.create_node("call_function", _tp_copy, (act, self.tp_arg), name="f")
-            new = self.graph.node_copy(n, self.value)
-            new.args = tuple(self.copies[act] if i == a else x for i, x in enumerate(new.args))
-            self.env[n] = new
-            return
-        if role is not None and role[0] == "row" and n.target in _MATMULS:
-            a, w, b = _MATMULS[n.target]
-            x, weight = self.value(n.args[a]), self.value(n.args[w])
-            op = _aten.mm.default if n.target is _aten.addmm.default else \
-                (_aten.linear.default if n.target is _aten.linear.default else n.target)
-            partial = self.graph.call_function(op, (x, weight))
-            out = self.graph.create_node("call_function", _tp_reduce, (partial, self.tp_arg), name="g")
-            bias = n.args[b] if b is not None and len(n.args) > b else None
-            if bias is not None:
-                out = self.graph.call_function(_aten.add.Tensor, (out, self.value(bias)))
-            out.meta = dict(n.meta)
-            self.env[n] = out
-            return
-        if role is not None and role[0] == "vocab_embedding" and n.target is _aten.embedding.default:
-            pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
-            self.env[n] = self.graph.create_node("call_function", _tp_vocab_embedding,
-                                                 (self.value(n.args[0]), self.value(n.args[1]), self.tp_arg, pad),
-                                                 name=n.name)
-            self.env[n].meta = dict(n.meta)
+        """Copy member `n` into the segment: in its tensor-parallel form, or plain (casts retargeted,
+        sizes on split dims divided by tp)."""
+        if self.rewrite_op(n):
             return
         cast = n.target in _CASTS and self._to_param_dtype(n)
         new = self._copy_plain(n)
@@ -321,44 +276,8 @@ class _Builder:
                 new.kwargs = {**new.kwargs, "dtype": self.dtype}
             else:
                 new.args = (new.args[0], self.dtype, *new.args[2:])
-        if self.tp > 1 and n.target in _SIZED and n.name in self.dims:
-            d, sizes = self.dims[n.name], list(new.args[1])
-            if isinstance(sizes[d], int) and sizes[d] != -1:
-                sizes[d] //= self.tp  # a split dim: each rank holds 1/tp of it
-                new.args = (new.args[0], sizes, *new.args[2:])
-        elif self.tp > 1 and n.target in _SPLITS and n.args[0].name in self.dims:
-            x = n.args[0]
-            dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
-            dim %= len(x.meta["val"].shape)
-            if dim == self.dims[x.name]:
-                size = new.args[1]
-                size = [s // self.tp for s in size] if isinstance(size, (list, tuple)) else size // self.tp
-                new.args = (new.args[0], size, *new.args[2:])
+        self.resize(n, new)
         self.env[n] = new
-
-    def _parallel_cross_entropy(self, n: fx.Node) -> fx.Node:
-        """aten.cross_entropy_loss over logits split by vocabulary: three all-reduces of one number per
-        token (runtime.tensor_parallel.vocab_parallel_cross_entropy), never the logits."""
-        args = list(n.args) + [None, 1, -100, 0.0][len(n.args) - 2:]
-        weight, reduction, ignore_index, smoothing = args[2:6]
-        if weight is not None or reduction != 1 or smoothing:
-            raise SegmentError(f"{_describe(n)}: a vocab-parallel cross entropy is generated for the mean "
-                               "reduction without class weights or label smoothing; pin tp=1 for this model")
-        out = self.graph.create_node("call_function", _tp_cross_entropy,
-                                     (self.value(n.args[0]), self.value(n.args[1]), ignore_index, self.tp_arg),
-                                     name=n.name)
-        out.meta = dict(n.meta)
-        return out
-
-    def output(self, x: Any) -> Any:
-        """A model output; one split over the tensor group (vocab-parallel logits) is gathered for it."""
-        if not isinstance(x, fx.Node):
-            return x
-        v = self.value(x)
-        if self.tp > 1 and x.name in self.dims:
-            v = self.graph.create_node("call_function", _tp_gather, (v, self.dims[x.name], self.tp_arg),
-                                       name=f"{x.name}_full")
-        return v
 
     def _to_param_dtype(self, n: fx.Node) -> bool:
         """Whether `n` casts to the traced parameter dtype (fp32; e.g. HF's `.to(inputs_embeds.dtype)`): that
@@ -378,43 +297,13 @@ class _Builder:
         self.graph.output(outputs)
         self.graph.eliminate_dead_code()
         code = self.graph.python_code(root_module="self")
-        src, globs = code.src, dict(code.globals)
-        for fn in RUNTIME_FUNCTIONS:  # fx names a function by its module path; the program imports it bare
-            mangled = f"{__name__.replace('.', '_')}_{fn}"
-            src = src.replace(mangled, fn)
-            if mangled in globs:
-                globs[fn] = globs.pop(mangled)
+        src, globs = unmangle(code.src, dict(code.globals))
         _check_globals(globs, self.name)
         src = src.replace("def forward(self, ", f"def {self.name}(", 1).strip() + "\n"
         return Segment(name=self.name, source=src, inputs=self.input_names, model_inputs=tuple(self.model_inputs),
                        params=tuple(self.params.items()), buffers=tuple(self.buffers.items()))
 
 
-# The runtime functions generated code may call (runtime.tensor_parallel defines them; the
-# planner must not import the runtime, so these stand-ins carry their names into the graph).
-def tp_copy(x, tp):
-    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
-
-
-def tp_reduce(x, tp):
-    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
-
-
-def tp_vocab_embedding(weight, ids, tp, padding_idx=-1):
-    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
-
-
-def tp_cross_entropy(local_logits, targets, ignore_index, tp):
-    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
-
-
-def tp_gather(x, dim, tp):
-    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
-
-
-_tp_copy, _tp_reduce, _tp_vocab_embedding = tp_copy, tp_reduce, tp_vocab_embedding
-_tp_cross_entropy, _tp_gather = tp_cross_entropy, tp_gather
-RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather")
 _KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS}
 
 
