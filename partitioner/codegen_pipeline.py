@@ -169,7 +169,7 @@ PROGRAM_HASH = {h!r}
 RANK = {rank}
 WORLD_SIZE = {plan.world_size}
 
-# The mesh: rank -> (pipeline rank, data-parallel replica, tensor slice).
+# The mesh: (rank, pipeline rank, data-parallel replica, tensor slice) for every rank.
 MESH = {tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)!r}
 
 # The parameters the plan was compiled for (name, full shape): any other model is refused.
