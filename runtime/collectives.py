@@ -8,7 +8,7 @@ and (c) each call is counted, so tests compare the collectives a step issues
 with the plan's instruction lists.
 
 `Collectives.counts` maps an op name ("all_reduce", "reduce_scatter",
-"all_gather", "broadcast", "send", "recv", "barrier") to calls made;
+"all_gather", "all_to_all", "broadcast", "send", "recv", "barrier") to calls made;
 `Collectives.bytes` to bytes passed (the full buffer of a collective, the
 tensor of a send or receive).
 """
@@ -91,6 +91,14 @@ class Collectives:
         assert out.numel() == inp.numel() * p, f"all_gather: output {out.numel()} != {p} x input {inp.numel()}"
         self._count("all_gather", out)
         return _all_gather(out, inp, group=group, async_op=async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False):
+        """Chunk j of inp (p equal chunks along dim 0) goes to rank j; out's chunk i came from rank i."""
+        p = dist.get_world_size(group)
+        assert inp.shape[0] % p == 0 and out.shape == inp.shape, \
+            f"all_to_all: {tuple(inp.shape)} -> {tuple(out.shape)} with {p} ranks: equal chunks, equal shapes"
+        self._count("all_to_all", inp)
+        return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, src: int, group=None, *, async_op: bool = False):
         """`src` is a global rank."""

@@ -1,0 +1,124 @@
+"""Data-parallel reduction of int8/int4-quantized gradients, with error feedback on both sides.
+
+A two-phase collective (the scheme of ZeRO++'s qgZ and 1-bit Adam's
+compressed all-reduce), over p ranks, for a flat fp32 gradient of n elements
+padded to p equal chunks of whole quantization blocks:
+
+1. each rank adds its phase-1 residual, quantizes (`runtime.quantize`,
+   blockwise absmax), keeps the new residual, and sends chunk j of the codes
+   and scales to rank j (one all-to-all of codes, one of scales);
+2. rank j dequantizes the p pieces of its chunk, sums them in rank order in
+   fp32, adds its phase-2 residual, re-quantizes, keeps that residual, and
+   the owners' codes and scales are all-gathered; every rank dequantizes the
+   same bytes, so every rank ends with a bitwise identical result.
+
+Bytes each rank sends: about 2 n (b/8 + 4/block) against 2 n * 4 for a ring
+all-reduce of fp32 (b = 8: 3.9x less at block 256).
+
+Error. Without feedback, each element's error is at most the sum over ranks
+of half its phase-1 block scale, plus half its phase-2 block scale (`bound`).
+With feedback, what is not sent now is sent later: the residuals carry it,
+so the error does not accumulate over steps. Residuals are kept per `key`
+(a stable name of what is reduced, e.g. a parameter shard), and dropped with
+a warning when the tensor's size or the group changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from runtime.collectives import Collectives
+from runtime.quantize import Quantized, dequantize, quantize
+
+__all__ = ["CompressedReduce"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CompressedReduce:
+    """`reduce(x, key)` -> the sum (or mean) over the group of every rank's x, int8/int4 on the wire."""
+
+    group: object
+    collectives: Collectives
+    bits: int = 8
+    block: int = 256
+    feedback: bool = True
+    residuals: dict = dataclasses.field(default_factory=dict)  # (key, phase) -> fp32 tensor
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits={self.bits}: the compressed reduction sends int8 (8) or int4 (4) codes")
+        if self.block < 2 or self.block % 2:
+            raise ValueError(f"block={self.block}: blocks must hold an even number of elements (int4 packs pairs)")
+
+    def _residual(self, key: str, phase: int, numel: int) -> torch.Tensor | None:
+        if not self.feedback:
+            return None
+        r = self.residuals.get((key, phase))
+        if r is not None and r.numel() != numel:
+            log.warning("compressed reduce: residual of %r was for %d elements, now %d (world size or shard "
+                        "changed): dropped, this step is sent without it", key, r.numel(), numel)
+            r = None
+        return torch.zeros(numel) if r is None else r
+
+    @torch.no_grad()
+    def reduce(self, x: torch.Tensor, key: str, *, op: str = "sum") -> torch.Tensor:
+        p, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        n = x.numel()
+        chunk = max(1, math.ceil(n / (p * self.block))) * self.block
+        y = torch.zeros(p * chunk)
+        y[:n] = x.detach().reshape(-1).float()
+
+        q, r1 = quantize(y, bits=self.bits, block=self.block, residual=self._residual(key, 1, y.numel()))
+        if r1 is not None:
+            self.residuals[(key, 1)] = r1
+        per_codes, per_scales = q.codes.numel() // p, chunk // self.block
+        codes, scales = torch.empty_like(q.codes), torch.empty_like(q.scales)
+        self.collectives.all_to_all(codes, q.codes, self.group)
+        self.collectives.all_to_all(scales, q.scales, self.group)
+
+        mine = torch.zeros(chunk)
+        for i in range(p):  # rank order: the same sum on every owner, whatever arrived first
+            mine += dequantize(Quantized(codes=codes[i * per_codes:(i + 1) * per_codes],
+                                         scales=scales[i * per_scales:(i + 1) * per_scales],
+                                         numel=chunk, bits=self.bits, block=self.block))
+        q2, r2 = quantize(mine, bits=self.bits, block=self.block, residual=self._residual(f"{key}@{me}", 2, chunk))
+        if r2 is not None:
+            self.residuals[(f"{key}@{me}", 2)] = r2
+
+        all_codes = torch.empty(per_codes * p, dtype=q2.codes.dtype)
+        all_scales = torch.empty(per_scales * p, dtype=torch.float32)
+        self.collectives.all_gather(all_codes, q2.codes, self.group)
+        self.collectives.all_gather(all_scales, q2.scales, self.group)
+        out = dequantize(Quantized(codes=all_codes, scales=all_scales, numel=p * chunk, bits=self.bits,
+                                   block=self.block))[:n]
+        if op == "avg":
+            out /= p
+        return out.view_as(x)
+
+    def bound(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """Per-element error bound of one reduction without residuals, from every rank's input."""
+        p = len(xs)
+        n = xs[0].numel()
+        chunk = max(1, math.ceil(n / (p * self.block))) * self.block
+        qmax = 127 if self.bits == 8 else 7
+
+        def half_scales(v: torch.Tensor) -> torch.Tensor:
+            y = torch.zeros(p * chunk)
+            y[:v.numel()] = v.reshape(-1)
+            s = y.view(-1, self.block).abs().amax(dim=1) / qmax / 2
+            return s.repeat_interleave(self.block)
+
+        phase1 = sum(half_scales(v.float()) for v in xs)
+        total = torch.zeros(p * chunk)
+        total[:n] = sum(v.reshape(-1).double() for v in xs).float()
+        # the owner re-quantizes its sum, which is off by at most phase1: its block absmax is bounded by that
+        phase2 = (total.view(-1, self.block).abs().amax(dim=1, keepdim=True)
+                  + phase1.view(-1, self.block).amax(dim=1, keepdim=True)).expand(-1, self.block).reshape(-1) / qmax / 2
+        return (phase1 + phase2)[:n] * 1.0001 + 1e-7  # fp32 rounding of the sums
