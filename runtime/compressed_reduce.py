@@ -33,9 +33,29 @@ import torch
 import torch.distributed as dist
 
 from runtime.collectives import Collectives
-from runtime.quantize import Quantized, dequantize, quantize
+from runtime.quantize import Quantized
+from runtime.quantize import dequantize as _dequantize
+from runtime.quantize import quantize as _quantize
 
 __all__ = ["CompressedReduce"]
+
+
+def quantize(y: torch.Tensor, *, bits: int, block: int, residual: torch.Tensor | None):
+    """runtime.quantize's blockwise absmax codes; bits=1: each block's sign times its mean |y| (signSGD-like,
+    one int8 per element here: a control for tests, not a compressor the planner offers)."""
+    if bits != 1:
+        return _quantize(y, bits=bits, block=block, residual=residual)
+    v = y if residual is None else y + residual
+    blocks = v.view(-1, block)
+    q = Quantized(codes=torch.sign(blocks).to(torch.int8).reshape(-1), scales=blocks.abs().mean(dim=1),
+                  numel=v.numel(), bits=1, block=block)
+    return q, None if residual is None else v - dequantize(q)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    if q.bits != 1:
+        return _dequantize(q)
+    return (q.codes.view(-1, q.block).float() * q.scales.unsqueeze(1)).reshape(-1)
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +72,9 @@ class CompressedReduce:
     residuals: dict = dataclasses.field(default_factory=dict)  # (key, phase) -> fp32 tensor
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits={self.bits}: the compressed reduction sends int8 (8) or int4 (4) codes")
+        if self.bits not in (1, 4, 8):
+            raise ValueError(f"bits={self.bits}: the compressed reduction sends int8 (8) or int4 (4) codes "
+                             "(1: scaled sign, the negative control of the convergence tests)")
         if self.block < 2 or self.block % 2:
             raise ValueError(f"block={self.block}: blocks must hold an even number of elements (int4 packs pairs)")
 

@@ -82,6 +82,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from runtime.collectives import Collectives
+from runtime.compressed_reduce import CompressedReduce
 from runtime.flat import FlatLayout, bucket, resolve_units
 from runtime.mixed_precision import (
     LossScaler,
@@ -107,6 +108,9 @@ class _Flat:
     shard: nn.Parameter | None = None  # fp32 master slice this rank steps (ZeRO-1/2/3)
     pending: list = dataclasses.field(default_factory=list)  # in-flight reduce-scatters: (work, out, inp)
     fresh: bool = True  # the next reduction folded in overwrites shard.grad
+
+
+_COMPRESSORS = ("none", "bf16", "int8", "int4")
 
 
 @dataclasses.dataclass(eq=False)
@@ -147,7 +151,7 @@ class DataParallel:
     def __init__(self, model: nn.Module, *, group, ranks: tuple[int, ...], zero_stage: int,
                  collectives: Collectives, bucket_bytes: int = 25 * 2**20,
                  precision: PrecisionName = "fp32", units: Sequence[Sequence[str]] | None = None,
-                 unit_modules: Sequence[str] | None = None):
+                 unit_modules: Sequence[str] | None = None, compression: str = "none"):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0 (DDP), 1, 2 or 3 (FSDP), got {zero_stage}")
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -156,6 +160,14 @@ class DataParallel:
                              f"and this process (global rank {dist.get_rank()}) is its rank {self.rank}; pass the "
                              f"group's global ranks in group order")
         self.module, self.group, self.ranks = model, group, tuple(ranks)
+        if compression not in _COMPRESSORS:
+            raise ValueError(f"compression={compression!r}: one of {', '.join(_COMPRESSORS)}")
+        if compression != "none" and zero_stage >= 2:
+            raise ValueError(f"compression={compression!r} with zero_stage={zero_stage}: compressed reduce-scatter "
+                             "is not implemented; gradients are compressed in DDP and ZeRO-1 all-reductions")
+        self.compression = compression
+        self._compressed = CompressedReduce(group, collectives, bits=8 if compression == "int8" else 4) \
+            if compression in ("int8", "int4") else None
         self.zero_stage, self.collectives = zero_stage, collectives
         self.precision = policy(precision)
         self.scaler = LossScaler() if self.precision.loss_scaling else None
@@ -549,12 +561,29 @@ class DataParallel:
         f = b.flat
         b.dirty = False
         if self.zero_stage in (0, 1):
-            b.work = self.collectives.all_reduce(f.grad[b.lo:b.hi], self.group, op="avg", async_op=True)
+            if self.compression == "none":
+                b.work = self.collectives.all_reduce(f.grad[b.lo:b.hi], self.group, op="avg", async_op=True)
+            else:
+                self._compressed_reduce(b)
             return
         self._drain(f)  # at most one reduce-scatter in flight per bucket
         inp = f.grad if f.grad is not None else torch.zeros(f.layout.padded_numel)
         f.grad = None
         self._reduce_scatter(f, inp)
+
+    @torch.no_grad()
+    def _compressed_reduce(self, b: _Bucket) -> None:
+        """The bucket's mean gradient through a compressor (synchronous: no overlap with backward yet)."""
+        g = b.flat.grad[b.lo:b.hi]
+        if self.compression == "bf16":
+            # divide first, so a 16-bit sum cannot overflow; every rank gets the same bf16 sum
+            t = (g / self.world).to(torch.bfloat16)
+            self.collectives.all_reduce(t, self.group, op="sum")
+            g.copy_(t)
+        else:
+            # residuals keyed by the bucket's parameters (stable across steps and restarts, unlike its index)
+            key = f"{b.names[0]}..{b.names[-1]}[{len(b.names)}]"
+            g.copy_(self._compressed.reduce(g, key, op="avg"))
 
     def _wait_bucket(self, b: _Bucket) -> None:
         if b.work is not None:
