@@ -52,8 +52,15 @@ def saturating_efficiency(flops: float, *, eff_max: float, half_flops: float) ->
 
 _FRACTIONS = (  # fields that are a fraction in (0, 1]
     "matmul_eff_max", "conv_eff_max", "attention_eff_max", "vector_eff",
-    "mem_eff", "same_device_bw_eff", "intra_node_bw_eff", "inter_node_bw_eff",
+    "mem_eff", "same_device_bw_eff", "intra_node_bw_eff", "inter_node_bw_eff", "compress_mem_eff",
 )
+
+# Per device preset: the fields whose literature default does not hold there.
+_DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    # The CPU runtime quantizes with the torch reference (runtime.quantize), not a fused kernel:
+    # ~1.7 GB/s of fp32 per pass measured on this project's machine, of its 20 GB/s "HBM" (devices.py).
+    "CPU": {"compress_mem_eff": 0.085},  # 1.7e9 / 20e9
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +113,17 @@ class Calibration:
           with backward (Li et al. 2020, "PyTorch Distributed", VLDB); the
           last bucket cannot overlap. A rule of thumb, 0.7, to be fitted.
 
+    Gradient compression (compression.py):
+      compress_mem_eff: fraction of HBM bandwidth the quantize/dequantize
+          kernels reach over their three passes of the fp32 gradient: fused
+          elementwise Triton kernels stream at STREAM-like rates, a little
+          under `mem_eff` for the per-block absmax reduction, 0.7. The CPU
+          preset (`for_device("CPU")`): the torch reference's measured
+          ~1.7 GB/s of the process's 20 GB/s, 0.085.
+      compress_launch_s: seconds per compressed reduction for its kernel
+          launches and the small scale tensors (a few launches at
+          `launch_overhead_s` each), 10 us.
+
     source: where the numbers come from (free text, e.g. "autotune 2x8xA100
         2025-01-01"); the defaults say "literature defaults".
     """
@@ -127,6 +145,9 @@ class Calibration:
     collective_base_latency_s: float = 8.4e-6
 
     dp_overlap: float = 0.7
+
+    compress_mem_eff: float = 0.7
+    compress_launch_s: float = 10e-6
 
     source: str = "literature defaults"
 
@@ -156,6 +177,15 @@ class Calibration:
             if value < 0:
                 raise PartitionerError(
                     f"Calibration.{f.name} = {value} must be >= 0")
+
+    @classmethod
+    def for_device(cls, device_name: str) -> "Calibration":
+        """The literature defaults, with the device preset's own where it has some.
+
+        >>> Calibration.for_device("CPU").compress_mem_eff, Calibration.for_device("H100-80GB").compress_mem_eff
+        (0.085, 0.7)
+        """
+        return cls(**_DEVICE_DEFAULTS.get(device_name, {}))
 
     # --- serialisation ------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

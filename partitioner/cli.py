@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-from cost_models.errors import PartitionerError
+from cost_models.errors import DeclarationError, PartitionerError
 
 __all__ = ["main"]
 
@@ -46,6 +46,8 @@ def _compile(args: argparse.Namespace) -> int:
         inputs = inputs[:1]
     pins = {k: getattr(args, k) for k in ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule",
                                          "interleave", "recompute") if getattr(args, k) is not None}
+    if args.compression is not None:
+        pins["compression"] = _compression_arg(args.compression)
     t0 = time.perf_counter()
     plan = compile(model, args.topology, example_inputs=inputs, global_batch_size=args.global_batch_size,
                    precision=args.precision, optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction,
@@ -64,6 +66,24 @@ def _compile(args: argparse.Namespace) -> int:
                   f"-m runtime.run {args.programs}/plan.json --model {args.model})"] if args.programs else []
         print(f"\ncompiled in {dt:.2f} s" + "".join("; " + w for w in wrote))
     return 0
+
+
+def _compression_arg(text: str) -> str | dict[str, str]:
+    """--compression int8 -> "int8"; --compression inter_node=int8,intra_node=none -> a dict (compile checks names).
+
+    >>> _compression_arg("inter_node=int8, intra_node=none")
+    {'inter_node': 'int8', 'intra_node': 'none'}
+    """
+    if "=" not in text:
+        return text.strip()
+    out = {}
+    for item in text.split(","):
+        level, sep, name = item.partition("=")
+        if not sep or not level.strip() or not name.strip():
+            raise DeclarationError(f"--compression {text!r}: {item!r} is not LEVEL=NAME; write e.g. "
+                                   "--compression int8 or --compression inter_node=int8,intra_node=none")
+        out[level.strip()] = name.strip()
+    return out
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -104,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument(f"--{name}", type=kind, default=None, help=f"pin {name} (default: the planner chooses)")
     c.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None, help="pin the schedule")
     c.add_argument("--recompute", choices=("none", "selective", "full"), default=None, help="pin recomputation")
+    c.add_argument("--compression", default=None, metavar="NAME|LEVEL=NAME,...",
+                   help="pin the data-parallel gradient compressor (none, bf16, int8, int4) on every link level, "
+                        "or per level, e.g. inter_node=int8,intra_node=none (default: the planner chooses)")
     c.add_argument("--max-memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
     c.add_argument("--device", default=None, help="build the model on this device, e.g. meta for huge models")
     c.add_argument("-o", "--output", default=None, help="write the plan JSON here")

@@ -71,6 +71,22 @@ def _reduce_scatter_impl(plan: "Plan") -> tuple[str, str]:
     return "reduce_scatter", "NCCL: reduce-scatter moves half the bytes of an all-reduce"
 
 
+def dp_compression(plan: "Plan", dp_ranks: tuple[int, ...]) -> tuple[str, str]:
+    """The compressor of this data-parallel group's gradient reduction, and why.
+
+    The plan names one per link level; a group inside one node uses the intra-node one. A group
+    spanning nodes uses the inter-node one for its whole (flat) reduction: the hierarchical form the
+    cost model assumes (full precision inside a node, compressed across) is not generated yet.
+    """
+    nodes = {m.node for m in plan.mesh if m.rank in dp_ranks}
+    level = "inter_node" if len(nodes) > 1 else "intra_node"
+    name = plan.compression.get(level, "none")
+    if len(dp_ranks) == 1 or name == "none":
+        return "none", f"the plan compresses nothing on {level} links"
+    return name, f"the plan's choice for {level} links" + (
+        ", applied to the whole group's reduction (not hierarchical yet)" if level == "inter_node" else "")
+
+
 def program(plan: "Plan", rank: int) -> RankProgram:
     if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
         raise CodegenError(f"rank={rank!r}: the plan has ranks 0..{plan.world_size - 1}")
@@ -85,6 +101,7 @@ def program(plan: "Plan", rank: int) -> RankProgram:
     me = plan.mesh[rank]
     dp_ranks = tuple(m.rank for m in plan.mesh if m.pp == me.pp and m.tp == me.tp)
     impl, why_impl = _reduce_scatter_impl(plan)
+    compression, why_compression = dp_compression(plan, dp_ranks)
     per = c.microbatch_size * c.num_microbatches
     first = me.dp * per
     expected = ", ".join(f"{n} {op}" for op, n in sorted(expected_collectives(plan).items())) or "none"
@@ -153,9 +170,10 @@ def build(model_fn, optimizer_fn, loss_fn):
     # Gradient buckets of {plan.bucket_bytes:,} bytes. Collectives per step: {expected}.
     # This rank holds:
 {shards}
+    # Gradient compression on this group: {compression} ({why_compression}).
     engine = DataParallel(model, group=groups.dp, ranks={dp_ranks!r}, zero_stage={c.zero_stage},
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
-                          units=UNITS)
+                          units=UNITS, compression={compression!r})
     optimizer = optimizer_fn(engine.optimizer_params())
 
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as

@@ -70,7 +70,7 @@ def _holders(plan: Plan, blocks: dict[int, tuple[int, int, bool, bool]]) -> dict
 
 
 def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
-    from partitioner.codegen import CodegenError, _reduce_scatter_impl
+    from partitioner.codegen import CodegenError, _reduce_scatter_impl, dp_compression
 
     c, code = plan.config, plan.code
     if code is None:
@@ -130,6 +130,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     block_args = "BLOCK_ARGS" if code.block is not None else "()"
     suffix_args = "SUFFIX_ARGS" if code.suffix is not None else "()"
     mixed = plan.precision != "fp32"
+    compression, why_compression = dp_compression(plan, dp_ranks)
     if c.dp == 1 and not mixed:
         engine = ("    # No data parallelism (dp = 1) and fp32: gradients stay in .grad, the optimizer steps the\n"
                   "    # parameters, nothing is reduced across replicas.\n"
@@ -142,7 +143,8 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                   f"    engine = DataParallel(model, group={group}, ranks={dp_ranks!r}, zero_stage={c.zero_stage},\n"
                   f"                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, "
                   f"precision={plan.precision!r},\n"
-                  f"                          units=UNITS, unit_modules=UNIT_MODULES)\n")
+                  f"                          units=UNITS, unit_modules=UNIT_MODULES, "
+                  f"compression={compression!r})  # {why_compression}\n")
 
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size} (pipeline rank {me.pp}, replica {me.dp}, tensor slice {me.tp}).
 

@@ -2,7 +2,7 @@
 
     trace            model -> OpGraph (skipped when given an OpGraph)
     find_splits      Megatron splits from the graph's dataflow
-    search           every allowed configuration, exact stage cuts, best first
+    search           every allowed configuration (and its best gradient compression), exact stage cuts, best first
     build_schedule   the winner's per-rank instruction lists
     simulate         the predicted step time from those same lists
 
@@ -18,14 +18,15 @@ import torch
 
 
 from cost_models.calibration import Calibration
+from cost_models.compression import LEVELS, traffic_levels, wire_bytes
 from cost_models.compute import dtype_for
 from cost_models.errors import DeclarationError, PartitionerError
 from cost_models.memory import DDP_BUCKET_BYTES
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
 from partitioner.costing import CostContext, StageEvaluator, units_of
-from partitioner.cut import Cut
-from partitioner.declarations import Declarations, check_declarations
+from partitioner.cut import Cut, evaluate_cut
+from partitioner.declarations import Declarations, check_declarations, compression_pins
 from partitioner.opgraph import OpGraph
 from partitioner.plan import (PLAN_VERSION, Alternative, MemoryBreakdown, MeshCoord, ParallelConfig, ParamPlacement,
                               Plan, Predicted, StagePlan)
@@ -50,8 +51,16 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
             max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
             calibration: Calibration | str | None = None,
-            cut_granularity: str = "block", alternatives: int = 5) -> Plan:
+            cut_granularity: str = "block", alternatives: int = 5,
+            compression: str | dict[str, str] | None = None) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
+
+    `compression` pins the compressor of the data-parallel gradient all-reduce
+    ("none", "bf16", "int8", "int4"): a name for every link level, or a dict
+    per level ({"inter_node": "int8"}; levels left out stay free). A plan
+    whose data-parallel group does not cross a level records "none" there
+    (with dp = 1 nothing is compressed); pinning a compressor together with
+    dp=1 or zero_stage >= 2 is refused.
 
     `model` is an nn.Module (traced with `example_inputs`/`example_kwargs`,
     which may live on the meta device) or an OpGraph from `trace`.
@@ -75,10 +84,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         raise DeclarationError(f"clip_grad_norm={clip_grad_norm!r}: must be a number > 0 (e.g. 1.0), or None")
     if cut_granularity not in ("block", "node"):
         raise DeclarationError(f"cut_granularity={cut_granularity!r}: must be 'block' or 'node'")
-    cal = Calibration.load(calibration) if isinstance(calibration, str) else (calibration or Calibration())
+    cal = Calibration.load(calibration) if isinstance(calibration, str) else \
+        (calibration or Calibration.for_device(topo.device.name))
     decl = Declarations(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp,
                         pp=pp, zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule,
-                        interleave=interleave, recompute=recompute, max_memory_fraction=max_memory_fraction)
+                        interleave=interleave, recompute=recompute, max_memory_fraction=max_memory_fraction,
+                        compression=compression_pins(compression))
     splits = find_splits(g)
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
@@ -97,9 +108,10 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                        unit_name=unit_name, valid_tp=valid_tp, tp_divisors=splits.divisors)
     ctx = CostContext(g, topo, splits, precision=precision, optimizer=optimizer, seq_len=g.traced_seq_len,
                       memory_cap=max_memory_fraction * topo.device.memory_bytes, calibration=cal,
-                      granularity=cut_granularity)
-    cands = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
-                                      num_units=len(ctx.units), valid_tp=valid_tp))
+                      granularity=cut_granularity, compression=decl.compression)
+    cands = [c for c in enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
+                                             num_units=len(ctx.units), valid_tp=valid_tp)
+             if ctx.compression_options(c)]  # a pinned compressor rules out ZeRO-2/3 where it would apply
     if not cands:
         raise DeclarationError(
             f"no configuration satisfies the declarations {decl.pinned()} with global_batch_size="
@@ -160,6 +172,8 @@ def _why(best: Scored, other: Scored) -> str:
     diffs = [f"{k}={getattr(b, k)} vs {getattr(a, k)}" for k in
              ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
              if getattr(a, k) != getattr(b, k)]
+    diffs += [f"{level} compression {y} vs {x}" for level, x, y in zip(LEVELS, best.compression, other.compression)
+              if x != y]
     if t1 > t0:
         return f"slower by {100 * (t1 / t0 - 1):.1f} % ({', '.join(diffs)})"
     return f"as fast, but not simpler ({', '.join(diffs)})"
@@ -169,7 +183,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
               ranked: tuple[Scored, ...], evaluated: int, space: int, *, clip_grad_norm: float | None) -> Plan:
     best = ranked[0]
     cand, cut = best.cand, best.cut
-    ev = ctx.prepare(cand)
+    ev = ctx.prepare(cand, best.compression)
     mesh = _mesh(cand, topo)
     S = cand.pp * cand.interleave
 
@@ -210,18 +224,23 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
     sched = build_schedule(cand.schedule, pp=cand.pp, num_microbatches=cand.num_microbatches,
                            interleave=cand.interleave)
     sim = simulate(sched, _durations(ev, cut))
-    predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim)
+    saving = 0.0
+    if best.compression != ("none", "none"):
+        plain = ctx.prepare(cand, ("none", "none"))
+        saving = simulate(sched, _durations(plain, evaluate_cut(plain, cut.bounds))).step_time_s - sim.step_time_s
+    predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving)
     alternatives = tuple(Alternative(config=o.cand, step_time_s=o.cut.step_time_s,
                                      peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp).values()),
-                                     fits=True, why=_why(best, o)) for o in ranked[1:])
+                                     fits=True, why=_why(best, o), compression=dict(zip(LEVELS, o.compression)))
+                         for o in ranked[1:])
     return Plan(version=PLAN_VERSION, model_name=g.model_name, graph_hash=g.fingerprint(), topology=topo.to_dict(),
                 topology_hash=topo.fingerprint(), topology_name=str(topo), world_size=topo.world_size,
                 global_batch_size=decl.global_batch_size, seq_len=g.traced_seq_len, precision=decl.precision,
                 optimizer=decl.optimizer, declarations=decl.pinned(), config=cand, mesh=mesh,
                 stages=tuple(stages), placements=tuple(placements), instructions=sched, predicted=predicted,
                 alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, clip_grad_norm=clip_grad_norm,
-                candidates_evaluated=evaluated,
-                search_space=space, **_model_code(g, splits, cand))
+                candidates_evaluated=evaluated, search_space=space,
+                compression=dict(zip(LEVELS, best.compression)), **_model_code(g, splits, cand))
 
 
 def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> tuple[str, str]:
@@ -281,7 +300,7 @@ def _durations(ev: StageEvaluator, cut: Cut) -> Durations:
 
 
 def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig,
-             cut: Cut, stages: list[StagePlan], sim: Any) -> Predicted:
+             cut: Cut, stages: list[StagePlan], sim: Any, compression: tuple[str, str], saving: float) -> Predicted:
     step = sim.step_time_s
     gb, s = decl.global_batch_size, g.traced_seq_len or 1
     model_flops = g.flops(batch_size=gb, seq_len=g.traced_seq_len) if g.batch_symbolic else \
@@ -292,15 +311,21 @@ def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, e
     return Predicted(step_time_s=step, tokens_per_s=gb * s / step, samples_per_s=gb / step,
                      model_tflops_per_device=per_device / 1e12, mfu=per_device / peak,
                      peak_memory_bytes=worst.total, memory=worst, memory_capacity_bytes=float(topo.device.memory_bytes),
-                     bytes_per_link=_traffic(ctx, ev, cand, cut, topo), bubble_fraction=sim.bubble_fraction,
-                     exposed_comm_s=max(st.exposed_comm_s for st in cut.stages))
+                     bytes_per_link=_traffic(ctx, ev, cand, cut, topo, dict(zip(LEVELS, compression))),
+                     bubble_fraction=sim.bubble_fraction, exposed_comm_s=max(st.exposed_comm_s for st in cut.stages),
+                     compression_saving_s=saving)
 
 
-def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cut, topo: Topology) -> dict[str, float]:
-    """Bytes one rank of the busiest stage sends per step, by link level (ring collectives: 2(p-1)/p of the buffer)."""
+def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cut, topo: Topology,
+             compression: dict[str, str]) -> dict[str, float]:
+    """Bytes one rank of the busiest stage sends per step, by link level (ring collectives: 2(p-1)/p of the buffer).
+
+    Data-parallel traffic: gradients reduced in fp32 (or compressed), parameters gathered in the compute
+    dtype; a group crossing both levels sends its hierarchical phases on each (cost_models/compression.py).
+    """
     out = {LinkLevel.INTRA_NODE.value: 0.0, LinkLevel.INTER_NODE.value: 0.0}
     mb, m, s = cand.microbatch_size, cand.num_microbatches, ctx.seq
-    grad_bytes = 4 if ctx.precision == "fp32" else 2
+    param_bytes = 4 if ctx.precision == "fp32" else 2
     busiest = max(range(len(cut.stages)), key=lambda k: cut.stages[k].params)
     i, j = cut.bounds[busiest], cut.bounds[busiest + 1]
     if cand.tp > 1:
@@ -310,10 +335,17 @@ def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cu
         out[level] = out.get(level, 0.0) + 2 * (cand.tp - 1) / cand.tp * tp_bytes * m
     if cand.dp > 1:
         ranks = ev.dp_ranks(busiest % cand.pp)
-        level = topo.group_level(ranks).value
-        vol = cut.stages[busiest].params * grad_bytes
-        factor = {0: 2, 1: 2, 2: 2, 3: 1 + 2 * m}[cand.zero_stage]
-        out[level] = out.get(level, 0.0) + factor * (cand.dp - 1) / cand.dp * vol
+        n = cut.stages[busiest].params
+        reduce = {0: 2, 1: 2, 2: 1, 3: 1}[cand.zero_stage]  # all-reduce (DDP, ZeRO-1) or reduce-scatter
+        gather = {0: 0, 1: 1, 2: 1, 3: 2 * m}[cand.zero_stage]  # parameter all-gathers
+        levels = traffic_levels(ctx.comm, ranks)
+        k = topo.max_ranks_per_node(ranks) if levels == tuple(LEVELS) else 1
+        for level in levels:
+            # hierarchical: the intra-node phases move all n elements among k ranks, the inter-node
+            # phase n/k among the nodes; a flat group moves n among all dp ranks
+            p, elems = (k, n) if level == "intra_node" and k > 1 else (cand.dp // k, n / k)
+            per = (p - 1) / p * elems
+            out[level] += per * (reduce * wire_bytes(compression[level]) + gather * param_bytes)
     if cand.pp > 1 and busiest < len(cut.stages) - 1:
         level = topo.link_level(0, cand.dp * cand.tp).value
         out[level] = out.get(level, 0.0) + 2 * ctx.boundary_bytes(j - 1, mb) * m

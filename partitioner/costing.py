@@ -8,7 +8,7 @@ it keeps per in-flight microbatch, and its parameters per tensor rank.
 A stage (a run of units at pipeline position k) then gets
 
     c_k    = f_k + b_k                 compute + TP collectives + p2p receive, per microbatch
-    tail_k = exposed DP sync + optimizer step, once per training step
+    tail_k = exposed DP sync (+ its compression kernels) + optimizer step, once per training step
     mem_k  = model state (ZeRO) + activations x in-flight microbatches + buffers
 
 and the step time of a cut (Narayanan et al. 2021, eq. 1 generalised to
@@ -17,6 +17,10 @@ unequal stages; v = virtual stages per rank) is
     T = (m*v - 1) * max_k c_k + sum_k c_k / v + max_k tail_k
 
 which the schedule simulator reproduces for uniform stages (tests check it).
+
+Gradient compression (cost_models/compression.py) changes only tail_k, through
+the DDP/ZeRO-1 gradient all-reduce: its wire time is hidden behind backward
+like an uncompressed one (dp_overlap), its kernel time never is.
 
 Units of everything: seconds and bytes.
 """
@@ -29,6 +33,7 @@ from typing import Sequence
 
 from cost_models.calibration import Calibration
 from cost_models.comm import CommModel
+from cost_models.compression import LEVELS, REDUCE_BYTES, SEARCHED, all_reduce_time, traffic_levels
 from cost_models.compute import RooflineCompute, dtype_for
 from cost_models.memory import inflight_microbatches, model_state_bytes
 from cost_models.topology import Topology
@@ -73,6 +78,7 @@ class StageCost:
     params: float
     memory: tuple[float, float, float, float, float]  # params, grads, optimizer, activations, buffers
     fits: bool
+    compression: tuple[str, str] = ("none", "none")  # (intra_node, inter_node) compressor of its gradient reduction
 
     @property
     def c(self) -> float:
@@ -92,13 +98,14 @@ class CostContext:
 
     def __init__(self, g: OpGraph, topo: Topology, splits: TensorSplits, *, precision: str, optimizer: str,
                  seq_len: int | None, memory_cap: float, calibration: Calibration | None = None,
-                 granularity: str = "block"):
+                 granularity: str = "block", compression: dict[str, str] | None = None):
         self.g, self.topo, self.splits = g, topo, splits
+        self.compression_pins = dict(compression or {})  # level -> compressor the user pinned
         self.precision = precision
         self.optimizer = "adam" if optimizer == "adamw" else optimizer  # same state: m and v
         self.seq = seq_len or 1
         self.memory_cap = memory_cap
-        self.cal = calibration or Calibration()
+        self.cal = calibration or Calibration.for_device(topo.device.name)
         self.compute = RooflineCompute(device=topo.device, dtype=dtype_for(precision), calibration=self.cal)
         self.comm = CommModel(topo, self.cal)
         # Activations and traffic were traced at the model's dtype; mixed precision halves float tensors.
@@ -242,8 +249,32 @@ class CostContext:
                                          for u in range(len(self.units) - 1))
         return hit
 
-    def prepare(self, cand: ParallelConfig) -> "StageEvaluator":
-        return StageEvaluator(self, cand)
+    def compression_options(self, cand: ParallelConfig) -> tuple[tuple[str, str], ...]:
+        """The (intra_node, inter_node) compressors `cand` may use, the user's pins honoured.
+
+        Levels its data-parallel group does not cross stay "none"; so does
+        everything at ZeRO-2/3 (the runtime compresses only the DDP/ZeRO-1
+        all-reduce). Empty: `cand` cannot honour a pinned compressor.
+        """
+        ranks = tuple(d * cand.tp for d in range(cand.dp))  # pipeline rank 0's group stands for all
+        crossed = traffic_levels(self.comm, ranks) if cand.dp > 1 else ()
+        choices = []
+        for level in LEVELS:
+            pin = self.compression_pins.get(level)
+            if level not in crossed:
+                choices.append(("none",))
+            elif pin is not None:
+                if pin != "none" and cand.zero_stage >= 2:
+                    return ()
+                choices.append((pin,))
+            else:
+                choices.append(SEARCHED if cand.zero_stage <= 1 else ("none",))
+        return tuple((a, b) for a in choices[0] for b in choices[1])
+
+    def prepare(self, cand: ParallelConfig, compression: tuple[str, str] | None = None) -> "StageEvaluator":
+        """The evaluator of `cand` with that (intra_node, inter_node) compression, or (None) with each
+        stage's best of `compression_options(cand)`."""
+        return StageEvaluator(self, cand, compression)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -264,8 +295,10 @@ class UnitArrays:
 class StageEvaluator:
     """Stage costs for one candidate in O(1) per stage, from prefix sums over units."""
 
-    def __init__(self, ctx: CostContext, cand: ParallelConfig):
+    def __init__(self, ctx: CostContext, cand: ParallelConfig, compression: tuple[str, str] | None = None):
         self.ctx, self.cand = ctx, cand
+        self.options = (compression,) if compression is not None else ctx.compression_options(cand)
+        assert self.options, f"{cand} cannot honour the pinned compression {ctx.compression_pins}: filter it out"
         self.num_stages = cand.pp * cand.interleave
         arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute)
         self.arrays = arr
@@ -273,11 +306,12 @@ class StageEvaluator:
         self._f, self._b, self._act, self._par, self._work = arr.f, arr.b, arr.act, arr.par, arr.work
         self._shared = arr.shared
         self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size)  # per unit boundary
-        self._grad_bytes = 4 if ctx.precision == "fp32" else 2
+        self._param_bytes = 4 if ctx.precision == "fp32" else 2  # parameters gathered in the compute dtype
         self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.mem_eff
         self.total_c = arr.total_c
         self._largest_unit_params = max((x.params for x in arr.costs), default=0.0)
         self._sync_memo: dict[float, tuple[float, float, float]] = {}
+        self._reduce_memo: dict[tuple, tuple[float, float]] = {}
 
     def lower_bound(self) -> float:
         """No cut beats this (math.inf: no cut fits in memory).
@@ -296,7 +330,7 @@ class StageEvaluator:
             return math.inf
         tail = avg / (c.dp if c.zero_stage >= 1 else 1) * _OPTIM_BYTES_PER_PARAM / self._hbm
         if c.zero_stage in (1, 2) and c.dp > 1:
-            tail += ctx.comm.all_gather(avg * self._grad_bytes, self.dp_ranks(0))
+            tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
         return (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c / v + tail
 
     def dp_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
@@ -328,44 +362,72 @@ class StageEvaluator:
         # Interleaved: a rank holds v chunks; each may use 1/v of the memory (safe, if conservative
         # for uneven chunks: the rank's sum then fits for certain).
         fits = (state.total + acts) * v + buffers <= ctx.memory_cap
-        exposed, optim = self._tail(params, f, b)
+        exposed, optim, compression = self._tail(params, f, b)
         return StageCost(forward_s=f, backward_s=b, tail_s=exposed + optim, exposed_comm_s=exposed, params=params,
-                         memory=(state.params, state.grads, state.optimizer, acts, buffers), fits=fits)
+                         memory=(state.params, state.grads, state.optimizer, acts, buffers), fits=fits,
+                         compression=compression)
 
     def _buffers(self, params: float) -> float:
         cand = self.cand
         if cand.zero_stage == 3:
-            return _ZERO3_GATHERED_BLOCKS * self._largest_unit_params * self._grad_bytes
+            return _ZERO3_GATHERED_BLOCKS * self._largest_unit_params * self._param_bytes
         if cand.dp > 1:
             # DDP-style gradient buckets in flight while reducing (torch DDP: 25 MiB, two in flight).
-            return min(params * self._grad_bytes, 2 * 25 * 2**20)
+            return min(params * self._param_bytes, 2 * 25 * 2**20)
         return 0.0
 
     def _sync(self, params: float) -> tuple[float, float, float]:
-        """(all-reduce, reduce-scatter, all-gather) of a stage's gradients over its data-parallel group.
+        """(all-reduce, reduce-scatter, all-gather) of a stage over its data-parallel group, uncompressed.
 
-        Every pipeline rank's group has the same shape (the mesh is regular), so
-        pipeline rank 0's stands for all; stages repeat sizes, hence the memo.
+        Gradients are reduced in fp32 under every precision (REDUCE_BYTES: the
+        runtime upcasts before the collective), parameters gathered in the
+        compute dtype. Every pipeline rank's group has the same shape (the mesh
+        is regular), so pipeline rank 0's stands for all; stages repeat sizes,
+        hence the memo.
         """
         hit = self._sync_memo.get(params)
         if hit is None:
-            comm, ranks, nbytes = self.ctx.comm, self.dp_ranks(0), params * self._grad_bytes
-            hit = self._sync_memo[params] = (comm.all_reduce(nbytes, ranks), comm.reduce_scatter(nbytes, ranks),
-                                             comm.all_gather(nbytes, ranks))
+            comm, ranks = self.ctx.comm, self.dp_ranks(0)
+            hit = self._sync_memo[params] = (comm.all_reduce(params * REDUCE_BYTES, ranks),
+                                             comm.reduce_scatter(params * REDUCE_BYTES, ranks),
+                                             comm.all_gather(params * self._param_bytes, ranks))
         return hit
 
-    def _tail(self, params: float, f: float, b: float) -> tuple[float, float]:
-        """(exposed data-parallel communication, optimizer step) of one stage, per step."""
+    def _all_reduce(self, params: float, compression: tuple[str, str]) -> tuple[float, float]:
+        """(wire, kernel) seconds of the gradient all-reduce with that (intra_node, inter_node) compression."""
+        key = (params, compression)
+        hit = self._reduce_memo.get(key)
+        if hit is None:
+            t = all_reduce_time(params, self.dp_ranks(0), self.ctx.comm, dict(zip(LEVELS, compression)))
+            hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
+        return hit
+
+    def _tail(self, params: float, f: float, b: float) -> tuple[float, float, tuple[str, str]]:
+        """(exposed data-parallel communication, optimizer step, compression used) of one stage, per step.
+
+        Where several compressions are open, the stage takes the one with the
+        least exposed time (the first, least lossy, on a tie); the search
+        checks that all stages agree (search.py).
+        """
         cand, ctx = self.cand, self.ctx
         m = cand.num_microbatches
         overlap = ctx.cal.dp_overlap
+        chosen = self.options[0]
         if cand.dp == 1:
             exposed = 0.0
         else:
             all_reduce, reduce_scatter, all_gather = self._sync(params)
-            if cand.zero_stage == 0:
-                exposed = max(0.0, all_reduce - overlap * b)
-            elif cand.zero_stage in (1, 2):
+            if cand.zero_stage in (0, 1):
+                # DDP and ZeRO-1 all-reduce the gradients (hidden behind the last backward, but for the
+                # compression kernels); ZeRO-1 then all-gathers the updated parameters (exposed).
+                exposed = math.inf
+                for option in self.options:
+                    wire, kernel = self._all_reduce(params, option)
+                    t = max(0.0, wire - overlap * b) + kernel
+                    if t < exposed:
+                        exposed, chosen = t, option
+                exposed += all_gather if cand.zero_stage == 1 else 0.0
+            elif cand.zero_stage == 2:
                 # reduce-scatter the gradients (hidden behind the last backward), all-gather the
                 # updated parameters after the optimizer step (exposed).
                 exposed = max(0.0, reduce_scatter - overlap * b) + all_gather
@@ -374,7 +436,7 @@ class StageEvaluator:
                            + max(0.0, reduce_scatter - overlap * b))
         shard = params / (cand.dp if cand.zero_stage >= 1 else 1)
         optim = shard * _OPTIM_BYTES_PER_PARAM / self._hbm
-        return exposed, optim
+        return exposed, optim, chosen
 
 
 def _prefix(xs: Sequence[float]) -> list[float]:

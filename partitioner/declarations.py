@@ -11,12 +11,13 @@ import dataclasses
 import re
 from typing import Any
 
+from cost_models.compression import COMPRESSORS, IMPLEMENTED, LEVELS
 from cost_models.compute import PRECISIONS
 from cost_models.errors import DeclarationError
 from cost_models.memory import RECOMPUTE_POLICIES as RECOMPUTE
 from cost_models.memory import SCHEDULES
 
-__all__ = ["Declarations", "check_declarations", "divisors"]
+__all__ = ["Declarations", "check_declarations", "divisors", "compression_pins"]
 
 OPTIMIZERS = ("adam", "adamw", "sgd")  # adamw keeps Adam's state; cost_models.memory counts it as adam
 _BLOCK_INDEX = re.compile(r"\.\d+\.")
@@ -36,11 +37,49 @@ class Declarations:
     interleave: int | None = None
     recompute: str | None = None
     max_memory_fraction: float = 0.9
+    # link level -> compressor of the data-parallel gradient reduction, for the levels pinned
+    # (from `compression_pins`); levels absent are the planner's choice
+    compression: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def pinned(self) -> dict[str, Any]:
         """The declarations that pin something, for the plan's record."""
         names = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.compression:
+            out["compression"] = dict(self.compression)
+        return out
+
+
+def compression_pins(value: Any) -> dict[str, str]:
+    """`compile(compression=...)` -> the pinned levels: None pins nothing, a name pins every level.
+
+    >>> compression_pins("int8")
+    {'intra_node': 'int8', 'inter_node': 'int8'}
+    >>> compression_pins({"inter_node": "int4"})
+    {'inter_node': 'int4'}
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        pins = {level: value for level in LEVELS}
+    elif isinstance(value, dict):
+        bad = [k for k in value if k not in LEVELS]
+        if bad:
+            raise DeclarationError(f"compression: unknown link level(s) {', '.join(map(repr, bad))}; the levels are "
+                                   f"{', '.join(map(repr, LEVELS))}, e.g. compression={{'inter_node': 'int8'}}")
+        pins = {level: value[level] for level in LEVELS if level in value}
+    else:
+        raise DeclarationError(f"compression={value!r}: must be None (the planner chooses), a compressor name "
+                               f"({', '.join(map(repr, IMPLEMENTED))}) for every level, or a dict link level -> "
+                               "name such as {'inter_node': 'int8'}")
+    for level, name in pins.items():
+        where = "compression" if isinstance(value, str) else f"compression[{level!r}]"
+        if name == "powersgd":
+            raise DeclarationError(f"{where}='powersgd': PowerSGD is not implemented by the runtime yet; "
+                                   f"use one of {', '.join(map(repr, IMPLEMENTED))}")
+        if name not in COMPRESSORS:
+            raise DeclarationError(f"{where}={name!r}: must be one of {', '.join(map(repr, IMPLEMENTED))}")
+    return pins
 
 
 def divisors(n: int) -> list[int]:
@@ -77,6 +116,16 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
     if isinstance(d.max_memory_fraction, bool) or not isinstance(d.max_memory_fraction, (int, float)) \
             or not 0 < d.max_memory_fraction <= 1:
         raise DeclarationError(f"max_memory_fraction={d.max_memory_fraction!r}: must be in (0, 1], e.g. 0.9")
+
+    squeezed = sorted({c for c in d.compression.values() if c != "none"})
+    if squeezed and (d.dp == 1 or world_size == 1):
+        raise DeclarationError(
+            f"compression={d.compression} with dp=1: there is no data-parallel gradient reduction to compress; "
+            "drop compression or allow dp > 1")
+    if squeezed and d.zero_stage is not None and d.zero_stage >= 2:
+        raise DeclarationError(
+            f"compression={d.compression} with zero_stage={d.zero_stage}: the runtime compresses the DDP and "
+            "ZeRO-1 gradient all-reduce, not ZeRO-2/3's reduce-scatter; pin zero_stage=0 or 1, or drop compression")
 
     # dp * tp * pp must be the world size.
     pinned = {k: getattr(d, k) for k in ("dp", "tp", "pp") if getattr(d, k) is not None}

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+from cost_models.compression import Compressor, Level, no_compression
 from cost_models.errors import PartitionerError
 from partitioner.plan_json import PlanFormatError, decode, encode
 from partitioner.schedule import Schedule, ScheduleKind
@@ -144,7 +145,9 @@ class Predicted:
     memory_capacity_bytes: float
     bytes_per_link: dict[str, float]
     bubble_fraction: float
-    exposed_comm_s: float
+    exposed_comm_s: float  # the busiest stage's data-parallel communication and compression kernels nothing hides
+    # step time the plan's gradient compression saves against the same configuration and cut uncompressed
+    compression_saving_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,6 +159,7 @@ class Alternative:
     peak_memory_bytes: float
     fits: bool
     why: str
+    compression: dict[Level, Compressor] = dataclasses.field(default_factory=no_compression)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,6 +193,9 @@ class Plan:
     # data-parallel plans, or when the graph could not be cut (code_note says why)
     code: ModelCode | None = None
     code_note: str = ""
+    # link level ("intra_node", "inter_node") -> compressor of the data-parallel gradient all-reduce's
+    # traffic at that level: "none", "bf16", "int8" or "int4"; "none" where no such traffic flows
+    compression: dict[Level, Compressor] = dataclasses.field(default_factory=no_compression)
 
     # ---- the configuration, by name ---------------------------------------
     dp = property(lambda self: self.config.dp)

@@ -7,6 +7,14 @@ found: branch and bound, so the k best are exact under the cost model while
 most candidates are never cut. Ties go to the simpler configuration (fewer
 pipeline stages, smaller tensor groups, lower ZeRO stage, less recompute,
 simpler schedule, larger microbatch), the order a person would try them in.
+
+Gradient compression is not a dimension of the enumeration: it changes only
+each stage's tail (costing.py), so every stage takes its best compression and
+the cut is found once. That is exact when the stages of the best cut agree,
+which is the rule (one stage when pp = 1; the same choice for stages of similar
+size): no single compression can beat every stage having its best, and the
+agreed choice achieves it. When they disagree, the candidate is cut again
+under each compression it allows and the best taken.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ def simplicity(c: ParallelConfig) -> tuple:
 class Scored:
     cand: ParallelConfig
     cut: Cut
+    compression: tuple[str, str] = ("none", "none")  # (intra_node, inter_node), the same for every stage
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,14 +114,28 @@ def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5)
         if lb > kth:
             break  # sorted by bound: nothing after this can enter the top `keep`
         evaluated += 1
-        cut = cut_stages(ev, incumbent=kth)
+        cut = _cut_one_compression(ctx, ev, incumbent=kth)
         if cut is None:
             continue
         ranked.append((cut.step_time_s, simple, cand, cut))
         ranked.sort(key=lambda x: (x[0], x[1]))
         del ranked[keep:]
-    return SearchResult(ranked=tuple(Scored(cand=c, cut=cut) for _, _, c, cut in ranked),
+    return SearchResult(ranked=tuple(Scored(cand=c, cut=cut, compression=cut.stages[0].compression)
+                                     for _, _, c, cut in ranked),
                         evaluated=evaluated, space=len(candidates))
+
+
+def _cut_one_compression(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:
+    """The best cut whose stages all use one compression (see the module docstring)."""
+    cut = cut_stages(ev, incumbent=incumbent)
+    if cut is None or len({st.compression for st in cut.stages}) == 1:
+        return cut
+    best = None
+    for option in ev.options:
+        other = cut_stages(ctx.prepare(ev.cand, option), incumbent=incumbent)
+        if other is not None and (best is None or other.step_time_s < best.step_time_s):
+            best = other
+    return best
 
 
 def least_memory(ctx: CostContext, candidates: list[ParallelConfig]) -> tuple[float, ParallelConfig | None]:

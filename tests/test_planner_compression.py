@@ -1,0 +1,150 @@
+"""Gradient compression as a plan dimension: chosen where data-parallel traffic is exposed, pinned on
+request, refused where the runtime cannot run it, saved and printed with the plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cost_models.comm import CommModel
+from cost_models.compression import all_reduce_time, wire_bytes
+from examples import gpt as gpt_mod
+from partitioner import DeclarationError, OpGraph, Plan, Topology, compile, trace
+from partitioner.cli import _compression_arg
+
+GB = 512  # global batch of gpt3_1_3b (seq 2048), as GPT-3 XL was trained (Brown et al. 2020, table 2.1)
+SLOW = Topology(nodes=4, devices_per_node=8, device="H100-80GB", inter_node_GBps=1.25)  # 10 Gb/s between nodes
+PIN_NAMES = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
+
+
+@pytest.fixture(scope="module")
+def xl() -> OpGraph:
+    with torch.device("meta"):
+        model = gpt_mod.gpt3_1_3b()
+    idx = torch.empty(1, 2048, dtype=torch.long, device="meta")
+    return trace(model, (idx, idx))
+
+
+@pytest.fixture(scope="module")
+def fast_plan(xl) -> Plan:
+    return compile(xl, "4x8xH100-80GB", global_batch_size=GB)
+
+
+@pytest.fixture(scope="module")
+def slow_plan(xl) -> Plan:
+    return compile(xl, SLOW, global_batch_size=GB)
+
+
+def same_config(plan: Plan) -> dict:
+    return {k: getattr(plan.config, k) for k in PIN_NAMES}
+
+
+def test_fast_interconnect_compresses_nothing(fast_plan):
+    assert fast_plan.compression == {"intra_node": "none", "inter_node": "none"}
+    assert fast_plan.predicted.compression_saving_s == 0.0
+    assert "  compression  none" in str(fast_plan)
+
+
+def test_slow_inter_node_links_compress_the_inter_node_reduction(xl, slow_plan):
+    assert slow_plan.dp > 1 and slow_plan.zero_stage in (0, 1)
+    assert slow_plan.compression["inter_node"] in ("int8", "int4")
+    assert slow_plan.compression["intra_node"] == "none"  # NVLink is not the bottleneck of the pipelined reduction
+    plain = compile(xl, SLOW, global_batch_size=GB, compression="none", **same_config(slow_plan))
+    assert plain.compression == {"intra_node": "none", "inter_node": "none"}
+    assert slow_plan.predicted.step_time_s < plain.predicted.step_time_s
+    assert slow_plan.predicted.compression_saving_s == pytest.approx(
+        plain.predicted.step_time_s - slow_plan.predicted.step_time_s, rel=1e-9)
+    # and it beats the best uncompressed plan, whatever its configuration
+    assert slow_plan.predicted.step_time_s < compile(xl, SLOW, global_batch_size=GB,
+                                                     compression="none").predicted.step_time_s
+    line = next(x for x in str(slow_plan).splitlines() if x.strip().startswith("compression"))
+    assert f"inter_node {slow_plan.compression['inter_node']} (saves" in line and "intra_node" not in line
+
+
+def test_pins_are_honoured_string_and_dict(xl, slow_plan):
+    pins = same_config(slow_plan)
+    everywhere = compile(xl, SLOW, global_batch_size=GB, compression="int8", **pins)
+    assert everywhere.compression == {"intra_node": "int8", "inter_node": "int8"}
+    assert everywhere.declarations["compression"] == {"intra_node": "int8", "inter_node": "int8"}
+    per_level = compile(xl, SLOW, global_batch_size=GB, compression={"inter_node": "bf16"}, **pins)
+    assert per_level.compression == {"intra_node": "none", "inter_node": "bf16"}
+    # intra_node pinned, inter_node still the planner's
+    free_inter = compile(xl, SLOW, global_batch_size=GB, compression={"intra_node": "none"}, **pins)
+    assert free_inter.compression == slow_plan.compression
+
+
+def test_a_pinned_compressor_keeps_zero_stages_that_can_run_it(xl):
+    plan = compile(xl, "4x8xH100-80GB", global_batch_size=GB, compression="int8")
+    assert plan.zero_stage in (0, 1) and plan.compression == {"intra_node": "int8", "inter_node": "int8"}
+
+
+@pytest.mark.parametrize("value, match", [
+    ("int2", r"compression='int2': must be one of 'none', 'bf16', 'int8', 'int4'"),
+    ({"inter_node": "fp8"}, r"compression\['inter_node'\]='fp8': must be one of"),
+    ({"rack": "int8"}, r"compression: unknown link level\(s\) 'rack'; the levels are 'intra_node', 'inter_node'"),
+    (8, r"compression=8: must be None .* or a dict link level -> name"),
+    ("powersgd", r"compression='powersgd': PowerSGD is not implemented"),
+    ({"inter_node": "powersgd"}, r"compression\['inter_node'\]='powersgd': PowerSGD is not implemented"),
+])
+def test_bad_compression_is_refused_naming_the_field(xl, value, match):
+    with pytest.raises(DeclarationError, match=match):
+        compile(xl, SLOW, global_batch_size=GB, compression=value)
+
+
+def test_compressors_the_runtime_cannot_run_with_the_pins_are_refused(xl):
+    with pytest.raises(DeclarationError, match=r"with zero_stage=3: .* pin zero_stage=0 or 1"):
+        compile(xl, SLOW, global_batch_size=GB, compression="int8", zero_stage=3)
+    with pytest.raises(DeclarationError, match=r"with dp=1: there is no data-parallel gradient reduction"):
+        compile(xl, SLOW, global_batch_size=GB, compression={"inter_node": "int4"}, dp=1)
+
+
+def test_without_data_parallel_traffic_nothing_is_compressed(xl):
+    # Decision: a pinned compressor applies where data-parallel gradient traffic crosses its level; a plan
+    # whose group does not cross it records "none" there (the pin stays in plan.declarations). Only an
+    # explicit contradiction (dp=1 or zero_stage >= 2 pinned with a compressor) is refused.
+    one_node = compile(xl, "8xH100-80GB", global_batch_size=GB, compression={"inter_node": "int8"})
+    assert one_node.compression == {"intra_node": "none", "inter_node": "none"} or one_node.dp == 1
+    assert one_node.declarations["compression"] == {"inter_node": "int8"}
+    assert "pinned inter_node int8: no data-parallel gradient all-reduce crosses that level" in str(one_node)
+    no_dp = compile(xl, "4x8xH100-80GB", global_batch_size=GB, tp=8, pp=4)
+    assert no_dp.dp == 1 and no_dp.compression == {"intra_node": "none", "inter_node": "none"}
+
+
+def test_json_round_trip_and_older_plans_load(slow_plan):
+    again = Plan.from_json(slow_plan.to_json())
+    assert again == slow_plan and again.compression == slow_plan.compression
+    assert again.predicted.compression_saving_s == slow_plan.predicted.compression_saving_s
+    import json
+    older = json.loads(slow_plan.to_json())
+    del older["compression"], older["predicted"]["compression_saving_s"]
+    for alt in older["alternatives"]:
+        del alt["compression"]
+    old = Plan.from_json(json.dumps(older))
+    assert old.compression == {"intra_node": "none", "inter_node": "none"}
+    bad = json.loads(slow_plan.to_json())
+    bad["compression"]["inter_node"] = "int3"
+    with pytest.raises(ValueError, match=r"plan.compression\['inter_node'\]: 'int3' is not one of"):
+        Plan.from_json(json.dumps(bad))
+
+
+def test_cost_model_bytes_and_hierarchy():
+    assert [wire_bytes(c) for c in ("none", "bf16", "int8", "int4")] == [4, 2, 1 + 4 / 256, 0.5 + 4 / 256]
+    assert wire_bytes("bf16", reduce_bytes=2) == 2  # bf16 gradients on the wire already: bf16 saves nothing
+    cm = CommModel(SLOW)
+    n = 1.3e9
+    none = all_reduce_time(n, range(32), cm, {"intra_node": "none", "inter_node": "none"})
+    inter = all_reduce_time(n, range(32), cm, {"intra_node": "none", "inter_node": "int8"})
+    both = all_reduce_time(n, range(32), cm, {"intra_node": "int8", "inter_node": "int8"})
+    assert none.kernel_s == 0 and inter.wire_s < none.wire_s / 3
+    # NVLink is not the bottleneck: compressing it too adds kernel time, saves (almost) no wire time
+    assert both.wire_s == pytest.approx(inter.wire_s, rel=0.01) and both.kernel_s > inter.kernel_s
+    one_node = all_reduce_time(n, range(8), cm, {"intra_node": "int4", "inter_node": "int8"})
+    flat = all_reduce_time(n, range(8), cm, {"intra_node": "int4", "inter_node": "none"})
+    assert one_node == flat  # a group inside one node ignores the inter_node compressor
+
+
+def test_cli_flag_parses_names_and_levels():
+    assert _compression_arg("int8") == "int8"
+    assert _compression_arg("inter_node=int8,intra_node=none") == {"inter_node": "int8", "intra_node": "none"}
+    with pytest.raises(DeclarationError, match="is not LEVEL=NAME"):
+        _compression_arg("inter_node=int8,int4")
