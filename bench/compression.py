@@ -1,0 +1,120 @@
+"""Gradient compression: bytes on the wire per step, and the torch quantizer's throughput on this CPU.
+
+Benchmark script, not a test: figures are printed, never asserted. Usage::
+
+    python bench/compression.py                  # 4 ranks, gpt_small's gradients, a few seconds per row
+    python bench/compression.py --world 2 --numel 16000000
+
+Rows:
+  wire     one DDP step of examples.training.gpt_small_seeded (5.29M parameters, one 25 MiB bucket)
+           on `--world` Gloo processes, reduced with each compressor; bytes each rank sends per step
+           (the shim's counts, an all-to-all or all-gather sending (p-1)/p of its buffer, a ring all-reduce
+           2 (p-1)/p), and the ratio against fp32; the reduction's wall time (median of 5) beside it.
+  kernel   runtime.quantize's torch path on one fp32 tensor of `--numel` elements (block 256): GB/s of fp32
+           input for quantize (with and without error feedback) and dequantize, best of 5.
+
+Triton kernel throughput needs a GPU (none here): `runtime.quantize_triton` runs in the interpreter on CPU,
+which measures nothing useful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ and the packages, from anywhere
+
+MODES = ("none", "bf16", "int8", "int4")
+
+
+def _worker(rank: int, world: int, store: str, out: str) -> None:
+    from examples.training import gpt_loss, gpt_small_seeded
+    from runtime.collectives import Collectives
+    from runtime.data_parallel import DataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    rows = {}
+    try:
+        for mode in MODES:
+            coll = Collectives()
+            engine = DataParallel(gpt_small_seeded(), group=dist.group.WORLD, ranks=tuple(range(world)),
+                                  zero_stage=0, collectives=coll, compression=mode)
+            times = []
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(5):
+                x, y = (torch.randint(0, 8192, (2, 128), generator=g) for _ in range(2))
+                with engine.no_sync():  # gradients accumulate; the reduction is what is timed
+                    gpt_loss(engine.module(x), y).backward()
+                coll.reset()
+                dist.barrier()
+                t0 = time.perf_counter()
+                engine.finish_gradients()
+                times.append(time.perf_counter() - t0)
+                engine.zero_grad()
+            sent = sum(v * (2 if op == "all_reduce" else 1) * (world - 1) / world for op, v in coll.bytes.items()
+                       if op in ("all_reduce", "all_to_all", "all_gather"))
+            rows[mode] = (sent, statistics.median(times))
+        if rank == 0:
+            torch.save(rows, Path(out) / "rows.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def kernel_rows(numel: int) -> list[str]:
+    from runtime.quantize import dequantize, quantize
+
+    x = torch.randn(numel)
+    r = torch.zeros(numel)
+    gb = numel * 4 / 1e9
+    out = []
+    for bits in (8, 4):
+        best = {}
+        for name, fn in (("quantize", lambda: quantize(x, bits=bits)),
+                         ("quantize+feedback", lambda: quantize(x, bits=bits, residual=r)),
+                         ("dequantize", None)):
+            q, _ = quantize(x, bits=bits)
+            f = fn or (lambda: dequantize(q))
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t0)
+            best[name] = gb / min(ts)
+        out.append(f"kernel int{bits}  " + "  ".join(f"{k} {v:.2f} GB/s" for k, v in best.items()))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--numel", type=int, default=16_000_000)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(args.world, os.path.join(tmp, "store"), tmp), nprocs=args.world,
+                           start_method="spawn")
+        rows = torch.load(Path(tmp) / "rows.pt")
+    base = rows["none"][0]
+    print(f"compression: gpt_small gradients (5.29M fp32), DDP, {args.world} Gloo ranks, torch {torch.__version__}")
+    print(f"{'compressor':10}  {'bytes sent/rank/step':>20}  {'vs fp32':>7}  {'reduce ms':>9}")
+    for mode, (sent, t) in rows.items():
+        print(f"{mode:10}  {sent:>20,.0f}  {base / sent:>6.2f}x  {t * 1e3:>9.1f}")
+    for line in kernel_rows(args.numel):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
