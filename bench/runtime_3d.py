@@ -81,21 +81,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import multiprocessing.connection
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from torch_ranks import err_line, load_average, ms, rank_main, ratio, spawn  # noqa: E402 (bench/, beside this file)
 
 GLOBAL_BATCH = 8
 MICROBATCH = 2  # pipeline rows: 4 microbatches of 2
@@ -267,88 +263,23 @@ def _torch_worker(row: Row, rank: int, tmpdir: str, stage_blocks: list, same_wor
     import warnings
 
     warnings.filterwarnings("ignore")
-    import torch
-    import torch.distributed as dist
 
-    d = Path(tmpdir)
-    try:
-        torch.set_num_threads(1)  # as launch_local: a few ranks share a few cores
-        timeout = timedelta(seconds=TIMEOUT_S)
-        store = dist.FileStore(str(d / "store"), row.world)
-        store.set_timeout(timeout)
-        dist.init_process_group("gloo", rank=rank, world_size=row.world, store=store, timeout=timeout)
-        batches = torch.load(d / "batches.pt", weights_only=True)
+    def body(rank: int, batches: list):
         if row.pp > 1:
-            losses, times = _torch_pipeline(row, rank, batches, stage_blocks, same_work)
-        else:
-            losses, times = _torch_tp(row, rank, batches)
-        tmp = d / f"result_{rank}.json.part"
-        tmp.write_text(json.dumps({"losses": losses, "step_times_s": times}))
-        os.replace(tmp, d / f"result_{rank}.json")
-        dist.barrier()
-    except BaseException as exc:  # noqa: BLE001 (report, then leave without c10d teardown: peers may be blocked)
-        (d / f"error_{rank}.json").write_text(json.dumps(
-            {"type": type(exc).__qualname__, "message": str(exc), "traceback": traceback.format_exc()}))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    dist.destroy_process_group()
+            return _torch_pipeline(row, rank, batches, stage_blocks, same_work)
+        return _torch_tp(row, rank, batches)
+
+    rank_main(rank, row.world, tmpdir, TIMEOUT_S, body)
 
 
 def run_torch(row: Row, batches: list, stage_blocks: list, same_work: bool) -> dict:
     """Spawn the torch baseline's ranks; the loss per step (last stage's / rank 0's) and every rank's step times."""
-    import torch
-    import torch.multiprocessing as mp
-
-    world = row.world
-    tmp = Path(tempfile.mkdtemp(prefix="bench-runtime-3d-"))
-    procs = []
-    try:
-        torch.save(batches, tmp / "batches.pt")
-        ctx = mp.get_context("spawn")
-        for r in range(world):
-            p = ctx.Process(target=_torch_worker, args=(row, r, str(tmp), stage_blocks, same_work),
-                            name=f"torch-{row.name}-rank{r}")
-            p.start()
-            procs.append(p)
-        deadline = time.time() + TIMEOUT_S + 60
-        while any(p.exitcode is None for p in procs):
-            if all((tmp / f"result_{r}.json").exists() for r in range(world)):
-                break  # every rank measured; a crash in teardown after that does not void the figures
-            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                      and not (tmp / f"result_{r}.json").exists()]
-            if failed or time.time() > deadline:
-                errs = []
-                for r in range(world):
-                    f = tmp / f"error_{r}.json"
-                    if f.exists():
-                        e = json.loads(f.read_text())
-                        errs.append(f"rank {r}: {e['type']}: {e['message']}\n{e['traceback']}")
-                why = (f"ranks {failed} failed (exit codes {[procs[r].exitcode for r in failed]}; negative: "
-                       "killed by that signal)") if failed else f"no finish within {TIMEOUT_S + 60} s"
-                raise RuntimeError(f"torch {row.name} on {world} ranks: {why}\n" + "\n".join(errs[:1]))
-            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
-        for p in procs:
-            p.join(5.0)  # let teardown finish before the temp dir goes
-        missing = [r for r in range(world) if not (tmp / f"result_{r}.json").exists()]
-        if missing:
-            raise RuntimeError(f"torch {row.name} on {world} ranks: ranks {missing} exited without a result "
-                               f"(exit codes {[p.exitcode for p in procs]})")
-        res = [json.loads((tmp / f"result_{r}.json").read_text()) for r in range(world)]
-        # The pipeline's loss is known on its last stage; tensor ranks all hold the same loss.
-        losses = res[row.pp - 1]["losses"] if row.pp > 1 else res[0]["losses"]
-        return {"losses": losses, "step_times_s": res[0]["step_times_s"],
-                "rank_times_s": [x["step_times_s"] for x in res]}
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.terminate()
-        for p in procs:
-            p.join(2.0)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-        shutil.rmtree(tmp, ignore_errors=True)
+    res = spawn(row.name, row.world, _torch_worker, lambda r, tmp: (row, r, tmp, stage_blocks, same_work), batches,
+                TIMEOUT_S)
+    # The pipeline's loss is known on its last stage; tensor ranks all hold the same loss.
+    losses = res[row.pp - 1]["losses"] if row.pp > 1 else res[0]["losses"]
+    return {"losses": losses, "step_times_s": res[0]["step_times_s"],
+            "rank_times_s": [x["step_times_s"] for x in res]}
 
 
 # ------------------------------------------------------------------ compiled program
@@ -387,11 +318,6 @@ def run_compiled(row: Row, plan, batches: list) -> dict:
 # ------------------------------------------------------------------ parent: orchestrate, print
 
 
-def _err_line(e: BaseException) -> str:
-    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
-
-
 def measure_row(row: Row, gpt_graph, batches: list, ns) -> dict:
     out: dict = {"row": row, "compiled": [], "torch": [], "torch_ranks": [], "errors": []}
     stage_blocks: list = []
@@ -406,7 +332,7 @@ def measure_row(row: Row, gpt_graph, batches: list, ns) -> dict:
         if row.tp > 1:
             out["sharded"] = sum(p.spec != "R" for p in plan.placements)
     except Exception as e:  # noqa: BLE001 (report and go on)
-        out["errors"].append(f"compile: {_err_line(e)}")
+        out["errors"].append(f"compile: {err_line(e)}")
         plan = None
     for rnd in range(ns.rounds):
         order = ("compiled", "torch") if rnd % 2 == 0 else ("torch", "compiled")
@@ -427,9 +353,9 @@ def measure_row(row: Row, gpt_graph, batches: list, ns) -> dict:
                 except Exception as e:  # noqa: BLE001
                     print(f"    FAILED (attempt {attempt}/2): {e}", file=sys.stderr, flush=True)
                     if attempt == 1:
-                        out.setdefault("retried", []).append(f"{side}: {_err_line(e)}")
+                        out.setdefault("retried", []).append(f"{side}: {err_line(e)}")
                     else:
-                        out["errors"].append(f"{side}: {_err_line(e)}")
+                        out["errors"].append(f"{side}: {err_line(e)}")
             if res is None:
                 continue
             timed = res["step_times_s"][ns.warmup:]
@@ -453,21 +379,6 @@ def measure_row(row: Row, gpt_graph, batches: list, ns) -> dict:
         out["first_losses"] = pairs[0]
         out["loss_diff"] = max(abs(a - b) for a, b in pairs)
     return out
-
-
-def _load() -> str:
-    try:
-        return "/".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v * 1e3:.1f}"
-
-
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.3f}"
 
 
 def _row_names(text: str) -> list[str]:
@@ -520,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
           f"1 thread per rank; {ns.steps} steps per launch, median of the last {timed} (after {ns.warmup} warm-up)"
           f"{f' x {ns.rounds} rounds pooled' if ns.rounds > 1 else ''}; rank 0's times; torch pipeline "
           f"{'with' if ns.torch_same_work else 'without'} the tied-gradient and loss all-reduces", flush=True)
-    print(f"load average at start {_load()} (1/5/15 min; anything else running on these cores skews the figures)")
+    print(f"load average at start {load_average()} (1/5/15 min; anything else running on these cores skews the figures)")
     if timed < 10:
         print(f"note: only {timed} timed steps per launch (the benchmark's standard is >= 10)")
 
@@ -533,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(hdr))
     for o in results:
         r = o["row"]
-        print(f"{r.name:<10} {r.pp:>3} {r.tp:>3} {_ms(o.get('compiled_s')):>12} {_ms(o.get('torch_s')):>10} "
-              f"{_x(o.get('ratio')):>7} {_ms(o.get('predicted_s')):>13} {_x(o.get('meas_over_pred')):>10}")
+        print(f"{r.name:<10} {r.pp:>3} {r.tp:>3} {ms(o.get('compiled_s')):>12} {ms(o.get('torch_s')):>10} "
+              f"{ratio(o.get('ratio')):>7} {ms(o.get('predicted_s')):>13} {ratio(o.get('meas_over_pred')):>10}")
     print()
     for o in results:
         r = o["row"]
@@ -565,14 +476,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  retried once after: {e}")
         for e in o["errors"]:
             print(f"  ERROR {e}")
-    print(f"load average at end {_load()}")
+    print(f"load average at end {load_average()}")
     print()
     for o in results:
         head = f"GOAL {o['row'].name}:"
         if "ratio" not in o:
             print(f"{head} no ratio ({'; '.join(o['errors']) or 'not measured'}): FAIL")
             continue
-        print(f"{head} compiled / torch = {_ms(o['compiled_s'])} / {_ms(o['torch_s'])} ms = {o['ratio']:.3f} "
+        print(f"{head} compiled / torch = {ms(o['compiled_s'])} / {ms(o['torch_s'])} ms = {o['ratio']:.3f} "
               f"(goal <= {GOAL_RATIO:.2f}): {'PASS' if o['ratio'] <= GOAL_RATIO else 'FAIL'}")
     ratios = [o["ratio"] for o in results if "ratio" in o]
     if ratios:

@@ -46,21 +46,17 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
-import multiprocessing.connection
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from torch_ranks import err_line, load_average, ms, rank_main, ratio, spawn  # noqa: E402 (bench/, beside this file)
 
 GLOBAL_BATCH = 8
 TIMEOUT_S = 300
@@ -88,127 +84,67 @@ def _optimizer_class_and_kwargs():
 
 def _torch_worker(strategy: str, world: int, rank: int, tmpdir: str, loss_allreduce: bool) -> None:
     """One rank of the torch baseline; mirrors runtime.launch._worker (threads, store, timeout, batches, timing)."""
-    import torch
+    rank_main(rank, world, tmpdir, TIMEOUT_S,
+              lambda rank, batches: _torch_train(strategy, world, rank, batches, loss_allreduce))
+
+
+def _torch_train(strategy: str, world: int, rank: int, batches: list, loss_allreduce: bool):
     import torch.distributed as dist
 
-    d = Path(tmpdir)
-    try:
-        torch.set_num_threads(1)  # as launch_local: a few ranks share a few cores
-        timeout = timedelta(seconds=TIMEOUT_S)
-        store = dist.FileStore(str(d / "store"), world)
-        store.set_timeout(timeout)
-        dist.init_process_group("gloo", rank=rank, world_size=world, store=store, timeout=timeout)
+    from examples.training import adamw, gpt_loss, gpt_small_seeded
 
-        from examples.training import adamw, gpt_loss, gpt_small_seeded
+    model = gpt_small_seeded()
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = gpt_small_seeded()
-        if strategy == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
+        module = DDP(model)
+        optimizer = adamw(module.parameters())
+    elif strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-            module = DDP(model)
-            optimizer = adamw(module.parameters())
-        elif strategy == "zero1":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            from torch.nn.parallel import DistributedDataParallel as DDP
+        module = DDP(model)
+        cls, kwargs = _optimizer_class_and_kwargs()
+        optimizer = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=cls, **kwargs)
+    elif strategy == "zero3":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-            module = DDP(model)
-            cls, kwargs = _optimizer_class_and_kwargs()
-            optimizer = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=cls, **kwargs)
-        elif strategy == "zero3":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        module = model
+        optimizer = adamw(model.parameters())
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
 
-            mesh = init_device_mesh("cpu", (world,))
-            for block in model.transformer.h:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            module = model
-            optimizer = adamw(model.parameters())
-        else:
-            raise ValueError(f"unknown strategy {strategy!r}")
-
-        batches = torch.load(d / "batches.pt", weights_only=True)
-        per = GLOBAL_BATCH // world
-        a, b = rank * per, (rank + 1) * per
-        losses, times = [], []
-        for idx, targets in batches:
-            t0 = time.perf_counter()
-            x, y = idx[a:b], targets[a:b]
-            loss = gpt_loss(module(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            lv = loss.detach().reshape(1)
-            if loss_allreduce:
-                dist.all_reduce(lv, op=dist.ReduceOp.AVG)
-            value = float(lv.item())
-            times.append(time.perf_counter() - t0)
-            losses.append(value)
-        tmp = d / f"result_{rank}.json.part"  # every rank: its own losses (the parent averages them)
-        tmp.write_text(json.dumps({"losses": losses, "step_times_s": times}))
-        os.replace(tmp, d / f"result_{rank}.json")
-        dist.barrier()
-    except BaseException as exc:  # report, then leave without c10d teardown (peers may be blocked)
-        (d / f"error_{rank}.json").write_text(json.dumps(
-            {"type": type(exc).__qualname__, "message": str(exc), "traceback": traceback.format_exc()}))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    dist.destroy_process_group()
+    per = GLOBAL_BATCH // world
+    a, b = rank * per, (rank + 1) * per
+    losses, times = [], []
+    for idx, targets in batches:
+        t0 = time.perf_counter()
+        x, y = idx[a:b], targets[a:b]
+        loss = gpt_loss(module(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lv = loss.detach().reshape(1)
+        if loss_allreduce:
+            dist.all_reduce(lv, op=dist.ReduceOp.AVG)
+        value = float(lv.item())
+        times.append(time.perf_counter() - t0)
+        losses.append(value)
+    return losses, times
 
 
 def run_torch(strategy: str, world: int, batches: list, loss_allreduce: bool) -> dict:
     """Spawn `world` ranks of the torch baseline; the global mean loss and rank 0's step times, per step."""
-    import torch
-    import torch.multiprocessing as mp
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench-runtime-dp-"))
-    procs = []
-    try:
-        torch.save(batches, tmp / "batches.pt")
-        ctx = mp.get_context("spawn")
-        for r in range(world):
-            p = ctx.Process(target=_torch_worker, args=(strategy, world, r, str(tmp), loss_allreduce),
-                            name=f"torch-{strategy}-rank{r}")
-            p.start()
-            procs.append(p)
-        deadline = time.time() + TIMEOUT_S + 60
-        while any(p.exitcode is None for p in procs):
-            if all((tmp / f"result_{r}.json").exists() for r in range(world)):
-                break  # every rank measured; a crash in teardown after that does not void the figures
-            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                      and not (tmp / f"result_{r}.json").exists()]
-            if failed or time.time() > deadline:
-                errs = []
-                for r in range(world):
-                    f = tmp / f"error_{r}.json"
-                    if f.exists():
-                        e = json.loads(f.read_text())
-                        errs.append(f"rank {r}: {e['type']}: {e['message']}\n{e['traceback']}")
-                why = (f"ranks {failed} failed (exit codes {[procs[r].exitcode for r in failed]}; negative: "
-                       "killed by that signal)") if failed else f"no finish within {TIMEOUT_S + 60} s"
-                raise RuntimeError(f"torch {strategy} on {world} ranks: {why}\n" + "\n".join(errs[:1]))
-            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
-        for p in procs:
-            p.join(5.0)  # let teardown finish before the temp dir goes
-        missing = [r for r in range(world) if not (tmp / f"result_{r}.json").exists()]
-        if missing:
-            raise RuntimeError(f"torch {strategy} on {world} ranks: ranks {missing} exited without a result "
-                               f"(exit codes {[p.exitcode for p in procs]})")
-        res = [json.loads((tmp / f"result_{r}.json").read_text()) for r in range(world)]
-        # The global mean loss (equal rows per rank), comparable with the compiled step()'s return value.
-        losses = [sum(vals) / world for vals in zip(*(x["losses"] for x in res))]
-        return {"losses": losses, "step_times_s": res[0]["step_times_s"]}
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.terminate()
-        for p in procs:
-            p.join(2.0)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-        shutil.rmtree(tmp, ignore_errors=True)
+    res = spawn(strategy, world, _torch_worker, lambda r, tmp: (strategy, world, r, tmp, loss_allreduce), batches,
+                TIMEOUT_S)
+    # The global mean loss (equal rows per rank), comparable with the compiled step()'s return value.
+    losses = [sum(vals) / world for vals in zip(*(x["losses"] for x in res))]
+    return {"losses": losses, "step_times_s": res[0]["step_times_s"]}
 
 
 # ------------------------------------------------------------------ compiled program
@@ -233,11 +169,6 @@ def run_compiled(plan, batches: list) -> dict:
 # ------------------------------------------------------------------ parent: orchestrate, print
 
 
-def _err_line(e: BaseException) -> str:
-    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
-
-
 def measure_row(strategy: str, world: int, graph, batches: list, ns) -> dict:
     row: dict = {"strategy": strategy, "world": world, "compiled": [], "torch": [], "errors": []}
     zero = STRATEGIES[strategy]
@@ -246,7 +177,7 @@ def measure_row(strategy: str, world: int, graph, batches: list, ns) -> dict:
         row["predicted_s"] = float(plan.predicted.step_time_s)
         row["config"] = str(plan.config)
     except Exception as e:  # noqa: BLE001 (report and go on)
-        row["errors"].append(f"compile: {_err_line(e)}")
+        row["errors"].append(f"compile: {err_line(e)}")
         plan = None
     for rnd in range(ns.rounds):
         order = ("compiled", "torch") if rnd % 2 == 0 else ("torch", "compiled")
@@ -267,9 +198,9 @@ def measure_row(strategy: str, world: int, graph, batches: list, ns) -> dict:
                 except Exception as e:  # noqa: BLE001
                     print(f"    FAILED (attempt {attempt}/2): {e}", file=sys.stderr, flush=True)
                     if attempt == 1:
-                        row.setdefault("retried", []).append(f"{side}: {_err_line(e)}")
+                        row.setdefault("retried", []).append(f"{side}: {err_line(e)}")
                     else:
-                        row["errors"].append(f"{side}: {_err_line(e)}")
+                        row["errors"].append(f"{side}: {err_line(e)}")
             if res is None:
                 continue
             timed = res["step_times_s"][ns.warmup:]
@@ -289,21 +220,6 @@ def measure_row(strategy: str, world: int, graph, batches: list, ns) -> dict:
     if row.get("compiled_losses") and row.get("torch_losses"):
         row["loss_diff"] = max(abs(a - b) for a, b in zip(row["compiled_losses"], row["torch_losses"]))
     return row
-
-
-def _load() -> str:
-    try:
-        return "/".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v * 1e3:.1f}"
-
-
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
           f"1 thread per rank; {ns.steps} steps per launch, median of the last {timed} (after {ns.warmup} warm-up)"
           f"{f' x {ns.rounds} rounds pooled' if ns.rounds > 1 else ''}; torch side "
           f"{'with' if ns.torch_loss_allreduce else 'without'} the loss all-reduce", flush=True)
-    print(f"load average at start {_load()} (1/5/15 min; anything else running on these cores skews the figures)")
+    print(f"load average at start {load_average()} (1/5/15 min; anything else running on these cores skews the figures)")
     if timed < 10:
         print(f"note: only {timed} timed steps per launch (the benchmark's standard is >= 10)")
 
@@ -356,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     print(hdr + "   (ms: median per step; ratio = compiled / torch; meas/pred = compiled / predicted)")
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['strategy']:<9} {r['world']:>5} {_ms(r.get('compiled_s')):>12} {_ms(r.get('torch_s')):>10} "
-              f"{_x(r.get('ratio')):>7} {_ms(r.get('predicted_s')):>13} {_x(r.get('meas_over_pred')):>10}")
+        print(f"{r['strategy']:<9} {r['world']:>5} {ms(r.get('compiled_s')):>12} {ms(r.get('torch_s')):>10} "
+              f"{ratio(r.get('ratio')):>7} {ms(r.get('predicted_s')):>13} {ratio(r.get('meas_over_pred')):>10}")
     print()
     for r in rows:
         spread = ""
@@ -372,14 +288,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  retried once after: {e}")
         for e in r["errors"]:
             print(f"  ERROR {e}")
-    print(f"load average at end {_load()}")
+    print(f"load average at end {load_average()}")
     print()
     for r in rows:
         head = f"GOAL {r['strategy']} W={r['world']}:"
         if "ratio" not in r:
             print(f"{head} no ratio ({'; '.join(r['errors']) or 'not measured'}): FAIL")
             continue
-        print(f"{head} compiled / torch = {_ms(r['compiled_s'])} / {_ms(r['torch_s'])} ms = {r['ratio']:.3f} "
+        print(f"{head} compiled / torch = {ms(r['compiled_s'])} / {ms(r['torch_s'])} ms = {r['ratio']:.3f} "
               f"(goal <= {GOAL_RATIO:.2f}): {'PASS' if r['ratio'] <= GOAL_RATIO else 'FAIL'}")
     return 1 if any(r["errors"] for r in rows) else 0
 
