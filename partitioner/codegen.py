@@ -71,6 +71,11 @@ def _reduce_scatter_impl(plan: "Plan") -> tuple[str, str]:
     return "reduce_scatter", "NCCL: reduce-scatter moves half the bytes of an all-reduce"
 
 
+def params_table(plan: "Plan") -> str:
+    """The PARAMS lines of a program: every parameter the plan was compiled for, (name, full shape)."""
+    return ",\n".join(f"    ({p.param!r}, {tuple(p.shape)!r})" for p in plan.placements)
+
+
 def dp_compression(plan: "Plan", dp_ranks: tuple[int, ...]) -> tuple[str, str]:
     """The compressor of this data-parallel group's gradient reduction, and why.
 
@@ -106,7 +111,7 @@ def program(plan: "Plan", rank: int) -> RankProgram:
     first = me.dp * per
     expected = ", ".join(f"{n} {op}" for op, n in sorted(expected_collectives(plan).items())) or "none"
 
-    params = ",\n".join(f"    ({p.param!r}, {tuple(p.shape)!r})" for p in plan.placements)
+    params = params_table(plan)
     blocks: dict[str, list[str]] = {}
     for p in plan.placements:
         blocks.setdefault(p.block or "(outside the blocks)", []).append(p.param)

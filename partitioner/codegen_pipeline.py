@@ -19,9 +19,6 @@ if TYPE_CHECKING:
 
 __all__ = ["pipeline_program_source", "stage_blocks"]
 
-_ZERO = {0: "DDP (gradients all-reduced)", 1: "ZeRO-1 (optimizer state sharded)",
-         2: "ZeRO-2 (gradients and optimizer state sharded)", 3: "ZeRO-3 (parameters sharded, gathered per block)"}
-
 
 def stage_blocks(plan: Plan) -> dict[int, tuple[int, int, bool, bool]]:
     """Virtual stage -> (first block, end block, runs the prefix, runs the suffix), from the plan's cuts."""
@@ -70,7 +67,7 @@ def _holders(plan: Plan, blocks: dict[int, tuple[int, int, bool, bool]]) -> dict
 
 
 def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
-    from partitioner.codegen import CodegenError, _reduce_scatter_impl, dp_compression
+    from partitioner.codegen import _ZERO_WHAT, CodegenError, _reduce_scatter_impl, dp_compression, params_table
 
     c, code = plan.config, plan.code
     if code is None:
@@ -120,7 +117,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
         f"    {s}: ({a}, {b}, {pre}, {suf}),  # "
         + ", ".join((["prefix"] if pre else []) + ([f"blocks {a}..{b - 1}" if b > a + 1 else f"block {a}"] if b > a else []) + (["suffix"] if suf else []))
         for s, (a, b, pre, suf) in sorted(my_blocks.items()))
-    params = ",\n".join(f"    ({p.param!r}, {tuple(p.shape)!r})" for p in plan.placements)
+    params = params_table(plan)
     place_lines = "\n".join(f"    {n!r}: {v!r},  # {next(p.role for p in plan.placements if p.param == n)}"
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
     segs = [code.prefix] + [x for x in (code.block, code.suffix) if x is not None]
@@ -139,7 +136,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
         group = "groups.dp" if c.dp > 1 else "make_self_group(RANK, WORLD_SIZE)"
         why = "" if c.dp > 1 else " (dp = 1: the engine over this rank alone keeps the fp32 masters)"
         engine = (f"    # Data parallelism over replicas {dp_ranks} (this rank is replica {me.dp} of {c.dp}): "
-                  f"{_ZERO[c.zero_stage]}{why}.\n"
+                  f"{_ZERO_WHAT[c.zero_stage]}{why}.\n"
                   f"    engine = DataParallel(model, group={group}, ranks={dp_ranks!r}, zero_stage={c.zero_stage},\n"
                   f"                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, "
                   f"precision={plan.precision!r},\n"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from runtime.collectives import Collectives
 from runtime.pipeline import PipelineExecutor
 from runtime.stage import StageModel
-from runtime.step import _batch_size, _rows
+from runtime.step import PeakHeld, replica_microbatches
 from runtime.tensor_parallel import unshard_parameter
 
 __all__ = ["PipelineRunner"]
@@ -56,21 +56,13 @@ class PipelineRunner:
         self.hidden_shape, self.hidden_dtype = hidden_shape, hidden_dtype or torch.float32
         self._xs: list[Any] = []
         self.last_grad_norm: float | None = None
-        self._peak: dict[str, int] = {}
+        self._peak = PeakHeld()
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self, batch: tuple[Any, Any]) -> float:
-        inputs, targets = batch
-        per = self.microbatch_size * self.num_microbatches
-        n = _batch_size(targets if targets is not None else inputs)
-        if n != per * self.dp_size:
-            raise ValueError(f"global batch of {n} samples, but the plan steps {self.dp_size} replicas x "
-                             f"{self.num_microbatches} microbatches x {self.microbatch_size} = {per * self.dp_size}; "
-                             "pass batches of the plan's global_batch_size")
-        a = self.dp_rank * per
-        mb = self.microbatch_size
-        xs = [_rows(inputs, a + i * mb, a + (i + 1) * mb) for i in range(self.num_microbatches)]
-        ys = [_rows(targets, a + i * mb, a + (i + 1) * mb) for i in range(self.num_microbatches)]
+        pairs = replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                     microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches)
+        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
         self._synced = self._stepped = 0
         self._xs = xs
         with self.engine.no_sync():
@@ -84,7 +76,7 @@ class PipelineRunner:
 
     def _activation_shape(self, s: int, i: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The hidden state's shape on microbatch i, from its inputs' sizes: no shape message needed."""
-        named = self.stage._named(self._xs[i])
+        named = self.stage.named_inputs(self._xs[i])
         shape = tuple(d if isinstance(d, int) else named[d[0]].shape[d[1]] for d in self.hidden_shape)
         return shape, self.hidden_dtype
 
@@ -108,7 +100,7 @@ class PipelineRunner:
         if self.clip_grad_norm is not None:
             self.last_grad_norm = self._clip(self.clip_grad_norm)
         self.optimizer.step()
-        self._note_peak(self.held_bytes_now())
+        self._peak.note(self.held_bytes_now())
         self.engine.after_step()
         self.engine.zero_grad()
         for p in self.stage.tied.values():
@@ -183,10 +175,4 @@ class PipelineRunner:
         return now
 
     def held_bytes(self) -> dict[str, int]:
-        self._note_peak(self.held_bytes_now())
-        return dict(self._peak)
-
-    def _note_peak(self, now: dict[str, int]) -> None:
-        total = sum(now.get(k, 0) for k in ("params", "grads", "optimizer"))
-        if total >= sum(self._peak.get(k, 0) for k in ("params", "grads", "optimizer")):
-            self._peak = dict(now)
+        return self._peak.note(self.held_bytes_now())

@@ -132,7 +132,7 @@ class StageModel:
         return checkpoint(self.functions["block"], self.tp, x, use_reentrant=False, **model_inputs,
                           **self._args(self.block_args, i))
 
-    def _named(self, inputs: Any) -> dict[str, Any]:
+    def named_inputs(self, inputs: Any) -> dict[str, Any]:
         """A microbatch's model inputs by the forward's argument names (a dict, a tuple, or one tensor)."""
         if isinstance(inputs, dict):
             return dict(inputs)
@@ -145,7 +145,7 @@ class StageModel:
 
     def _stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
         a, b, pre, suf = self.stages[_stage]
-        named = self._named(inputs)
+        named = self.named_inputs(inputs)
         if pre:
             x = self.functions["prefix"](self.tp, *(named[n] for n in self.input_names), **self._args(self.prefix_args))
         container = self.module.get_submodule(self.stack) if self.stack is not None else None

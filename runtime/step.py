@@ -17,7 +17,7 @@ from torch import nn
 
 from runtime.collectives import Collectives
 
-__all__ = ["StepRunner", "check_parameters", "ModelMismatchError"]
+__all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "PeakHeld"]
 
 
 class ModelMismatchError(ValueError):
@@ -75,24 +75,14 @@ class StepRunner:
         self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
         self.clip_grad_norm, self.program_hash = clip_grad_norm, program_hash
         self.last_grad_norm: float | None = None
-        self._peak: dict[str, int] = {}
-
-    def _my_rows(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
-        per = self.microbatch_size * self.num_microbatches
-        n = _batch_size(targets if targets is not None else inputs)
-        if n != per * self.dp_size:
-            raise ValueError(f"global batch of {n} samples, but the plan steps {self.dp_size} replicas x "
-                             f"{self.num_microbatches} microbatches x {self.microbatch_size} = {per * self.dp_size}; "
-                             "pass batches of the plan's global_batch_size")
-        a = self.dp_rank * per
-        return _rows(inputs, a, a + per), _rows(targets, a, a + per)
+        self._peak = PeakHeld()
 
     def step(self, batch: tuple[Any, Any]) -> float:
-        inputs, targets = self._my_rows(*batch)
-        m, mb = self.num_microbatches, self.microbatch_size
+        m = self.num_microbatches
         total = torch.zeros((), dtype=torch.float64)
-        for i in range(m):
-            x, y = _rows(inputs, i * mb, (i + 1) * mb), _rows(targets, i * mb, (i + 1) * mb)
+        for i, (x, y) in enumerate(replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                                        microbatch_size=self.microbatch_size,
+                                                        num_microbatches=m)):
             ctx = self.engine.no_sync() if i < m - 1 else _nothing()
             with ctx:
                 loss = self.loss_fn(_call(self.engine.module, x), y)
@@ -103,7 +93,7 @@ class StepRunner:
             self.last_grad_norm = self.engine.clip_grad_norm_(self.clip_grad_norm)
         self.optimizer.step()
         # The peak of model state: gradients still held, optimizer state just created or updated.
-        self._note_peak(self.engine.held_bytes(self.optimizer))
+        self._peak.note(self.engine.held_bytes(self.optimizer))
         self.engine.after_step()
         self.engine.zero_grad()
         self.optimizer.zero_grad(set_to_none=True)
@@ -123,13 +113,38 @@ class StepRunner:
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state at this rank's peak so far."""
-        self._note_peak(self.engine.held_bytes(self.optimizer))
-        return dict(self._peak)
+        return self._peak.note(self.engine.held_bytes(self.optimizer))
 
-    def _note_peak(self, now: dict[str, int]) -> None:
+
+def replica_microbatches(batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, microbatch_size: int,
+                         num_microbatches: int) -> list[tuple[Any, Any]]:
+    """This replica's rows of a global (inputs, targets) batch, as (inputs, targets) per microbatch.
+
+    Refuses a batch that is not dp_size x num_microbatches x microbatch_size samples."""
+    inputs, targets = batch
+    per = microbatch_size * num_microbatches
+    n = _batch_size(targets if targets is not None else inputs)
+    if n != per * dp_size:
+        raise ValueError(f"global batch of {n} samples, but the plan steps {dp_size} replicas x "
+                         f"{num_microbatches} microbatches x {microbatch_size} = {per * dp_size}; "
+                         "pass batches of the plan's global_batch_size")
+    a = dp_rank * per
+    return [(_rows(inputs, a + i * microbatch_size, a + (i + 1) * microbatch_size),
+             _rows(targets, a + i * microbatch_size, a + (i + 1) * microbatch_size)) for i in range(num_microbatches)]
+
+
+class PeakHeld:
+    """The largest params + grads + optimizer bytes a runner has held, with its breakdown."""
+
+    def __init__(self) -> None:
+        self.peak: dict[str, int] = {}
+
+    def note(self, now: dict[str, int]) -> dict[str, int]:
+        """Record `now` if it is the new peak; returns the peak."""
         total = sum(now.get(k, 0) for k in ("params", "grads", "optimizer"))
-        if total >= sum(self._peak.get(k, 0) for k in ("params", "grads", "optimizer")):
-            self._peak = dict(now)
+        if total >= sum(self.peak.get(k, 0) for k in ("params", "grads", "optimizer")):
+            self.peak = dict(now)
+        return dict(self.peak)
 
 
 def _batch_size(x: Any) -> int:
