@@ -76,20 +76,47 @@ def params_table(plan: "Plan") -> str:
     return ",\n".join(f"    ({p.param!r}, {tuple(p.shape)!r})" for p in plan.placements)
 
 
-def dp_compression(plan: "Plan", dp_ranks: tuple[int, ...]) -> tuple[str, str]:
-    """The compressor of this data-parallel group's gradient reduction, and why.
+@dataclasses.dataclass(frozen=True)
+class DpCompression:
+    """How a program's data-parallel engine compresses: the `compression=` and `nodes=` arguments it
+    passes, why, and the lines (run on every rank) that create the intra/cross-node groups."""
 
-    The plan names one per link level; a group inside one node uses the intra-node one. A group
-    spanning nodes uses the inter-node one for its whole (flat) reduction: the hierarchical form the
-    cost model assumes (full precision inside a node, compressed across) is not generated yet.
+    arg: str
+    nodes: str
+    why: str
+    setup: str
+
+
+def dp_compression(plan: "Plan", dp_ranks: tuple[int, ...]) -> DpCompression:
+    """The compressor(s) of this data-parallel group's gradient reduction, and why.
+
+    The plan names one per link level. A group inside one node uses the intra-node one, a group with
+    one rank per node (or ragged) the inter-node one, flat. At ZeRO-0/1 a group spanning several nodes
+    with k > 1 ranks on each reduces hierarchically, as the cost model assumes: the intra-node
+    compressor inside each node, the inter-node one across (runtime.grad_compression); its node groups
+    are created by every rank, since c10d requires it. ZeRO-2/3 reduce-scatter flat over the group.
     """
-    nodes = {m.node for m in plan.mesh if m.rank in dp_ranks}
-    level = "inter_node" if len(nodes) > 1 else "intra_node"
-    name = plan.compression.get(level, "none")
-    if len(dp_ranks) == 1 or name == "none":
-        return "none", f"the plan compresses nothing on {level} links"
-    return name, f"the plan's choice for {level} links" + (
-        ", applied to the whole group's reduction (not hierarchical yet)" if level == "inter_node" else "")
+    from runtime.groups import group_ranks, node_split  # the runtime's own rule for what splits by node
+
+    node_of = tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))
+    zero = plan.config.zero_stage
+    levels = {lv: plan.compression.get(lv, "none") for lv in ("intra_node", "inter_node")}
+    anything = any(c != "none" for c in levels.values())
+    split_any = anything and zero <= 1 and any(node_split(g, node_of) for g in group_ranks(plan.mesh)["dp"])
+    setup = ("    # Every rank creates the intra- and cross-node groups of every data-parallel group that spans\n"
+             "    # nodes (c10d requires it), for the hierarchical reductions.\n"
+             "    nodes = make_node_groups(RANK, group_ranks(MESH)['dp'], NODE_OF)\n") if split_any else ""
+    if len(dp_ranks) == 1 or not anything:
+        return DpCompression("'none'", "None", "the plan compresses nothing on this group's links", setup)
+    if split_any and node_split(dp_ranks, node_of):
+        ci, ce = levels["intra_node"], levels["inter_node"]
+        return DpCompression(repr(levels), "nodes", f"hierarchical: {ci} inside each node, {ce} across nodes",
+                             setup)
+    level = "inter_node" if len({node_of[r] for r in dp_ranks}) > 1 else "intra_node"
+    name = levels[level]
+    why = f"the plan's choice for {level} links" + (", reduce-scattered flat over the group" if zero >= 2 else "")
+    return DpCompression(repr(name), "None", why if name != "none" else
+                         f"the plan compresses nothing on {level} links", setup)
 
 
 def program(plan: "Plan", rank: int) -> RankProgram:
@@ -106,7 +133,9 @@ def program(plan: "Plan", rank: int) -> RankProgram:
     me = plan.mesh[rank]
     dp_ranks = tuple(m.rank for m in plan.mesh if m.pp == me.pp and m.tp == me.tp)
     impl, why_impl = _reduce_scatter_impl(plan)
-    compression, why_compression = dp_compression(plan, dp_ranks)
+    comp = dp_compression(plan, dp_ranks)
+    # int8/int4 send each reduction as all-to-alls and all-gathers of codes, PowerSGD as factor all-reduces
+    counted = " (uncompressed)" if comp.arg.strip("'") not in ("none", "bf16") else ""
     per = c.microbatch_size * c.num_microbatches
     first = me.dp * per
     expected = ", ".join(f"{n} {op}" for op, n in sorted(expected_collectives(plan).items())) or "none"
@@ -142,7 +171,7 @@ it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` retu
 import runtime.step
 from runtime.collectives import Collectives
 from runtime.data_parallel import DataParallel
-from runtime.groups import make_groups
+from runtime.groups import {"group_ranks, make_groups, make_node_groups" if comp.setup else "make_groups"}
 
 PROGRAM_HASH = {h!r}
 RANK = {rank}
@@ -151,6 +180,7 @@ WORLD_SIZE = {plan.world_size}
 # The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice). Every rank creates
 # every process group, in this order (c10d requires it).
 MESH = {tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)!r}
+NODE_OF = {tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))!r}  # rank -> node
 
 # The parameters the plan was compiled for (name, shape): any other model is refused.
 PARAMS = (
@@ -165,20 +195,20 @@ UNITS = (
 
 def build(model_fn, optimizer_fn, loss_fn):
     groups = make_groups(RANK, MESH)
-    # reduce-scatter implementation: {impl} ({why_impl}).
+{comp.setup}    # reduce-scatter implementation: {impl} ({why_impl}).
     collectives = Collectives(reduce_scatter_impl={impl!r})
     model = model_fn()
     runtime.step.check_parameters(model, PARAMS)
 
     # Data parallelism over replicas {dp_ranks} (this rank is replica {me.dp} of {c.dp}).
     # {_ZERO_WHAT[c.zero_stage]}.
-    # Gradient buckets of {plan.bucket_bytes:,} bytes. Collectives per step: {expected}.
+    # Gradient buckets of {plan.bucket_bytes:,} bytes. Collectives per step{counted}: {expected}.
     # This rank holds:
 {shards}
-    # Gradient compression on this group: {compression} ({why_compression}).
+    # Gradient compression on this group: {comp.why}.
     engine = DataParallel(model, group=groups.dp, ranks={dp_ranks!r}, zero_stage={c.zero_stage},
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
-                          units=UNITS, compression={compression!r})
+                          units=UNITS, compression={comp.arg}, nodes={comp.nodes})
     optimizer = optimizer_fn(engine.optimizer_params())
 
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as

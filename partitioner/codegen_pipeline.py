@@ -127,7 +127,9 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     block_args = "BLOCK_ARGS" if code.block is not None else "()"
     suffix_args = "SUFFIX_ARGS" if code.suffix is not None else "()"
     mixed = plan.precision != "fp32"
-    compression, why_compression = dp_compression(plan, dp_ranks)
+    comp = dp_compression(plan, dp_ranks)
+    group_imports = ("group_ranks, make_group_among, make_groups, make_node_groups, make_self_group" if comp.setup
+                     else "make_group_among, make_groups, make_self_group")
     if c.dp == 1 and not mixed:
         engine = ("    # No data parallelism (dp = 1) and fp32: gradients stay in .grad, the optimizer steps the\n"
                   "    # parameters, nothing is reduced across replicas.\n"
@@ -141,7 +143,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                   f"                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, "
                   f"precision={plan.precision!r},\n"
                   f"                          units=UNITS, unit_modules=UNIT_MODULES, "
-                  f"compression={compression!r})  # {why_compression}\n")
+                  f"compression={comp.arg}, nodes={comp.nodes})  # {comp.why}\n")
 
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size} (pipeline rank {me.pp}, replica {me.dp}, tensor slice {me.tp}).
 
@@ -156,7 +158,7 @@ from torch import device
 import runtime.step
 from runtime.collectives import Collectives
 from runtime.data_parallel import DataParallel
-from runtime.groups import make_group_among, make_groups, make_self_group
+from runtime.groups import {group_imports}
 from runtime.pipeline_step import PipelineRunner
 from runtime.stage import StageModel, state_keys
 from runtime.unreplicated import Unreplicated
@@ -170,6 +172,7 @@ WORLD_SIZE = {plan.world_size}
 
 # The mesh: (rank, pipeline rank, data-parallel replica, tensor slice) for every rank.
 MESH = {tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)!r}
+NODE_OF = {tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))!r}  # rank -> node
 
 # The parameters the plan was compiled for (name, full shape): any other model is refused.
 PARAMS = (
@@ -214,7 +217,7 @@ HIDDEN_SHAPE = {code.hidden_shape!r}
 
 def build(model_fn, optimizer_fn, loss_fn):
     groups = make_groups(RANK, MESH)
-    tie_group = make_group_among(RANK, TIE_GROUPS)
+{comp.setup}    tie_group = make_group_among(RANK, TIE_GROUPS)
     # reduce-scatter implementation: {impl} ({why_impl}).
     collectives = Collectives(reduce_scatter_impl={impl!r})
     model = model_fn()

@@ -90,38 +90,73 @@ class CompressedReduce:
 
     @torch.no_grad()
     def reduce(self, x: torch.Tensor, key: str, *, op: str = "sum") -> torch.Tensor:
-        p, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        """Phase 1 then phase 2: every rank ends with the same sum (or mean) of every rank's x."""
+        p = dist.get_world_size(self.group)
         n = x.numel()
         chunk = max(1, math.ceil(n / (p * self.block))) * self.block
         y = torch.zeros(p * chunk)
         y[:n] = x.detach().reshape(-1).float()
+        out = self.all_gather(self.reduce_scatter(y, key), key)[:n]
+        if op == "avg":
+            out /= p
+        return out.view_as(x)
 
-        q, r1 = quantize(y, bits=self.bits, block=self.block, residual=self._residual(key, 1, y.numel()))
+    @torch.no_grad()
+    def reduce_scatter(self, y: torch.Tensor, key: str) -> torch.Tensor:
+        """Phase 1: the sum over the group of chunk `me` of every rank's y (p equal chunks of y).
+
+        Chunks that are not whole blocks are padded to whole blocks for the wire (ZeRO shards)."""
+        p = dist.get_world_size(self.group)
+        if y.numel() % p:
+            raise ValueError(f"reduce_scatter of {y.numel()} elements over {p} ranks: pad to a multiple of {p}")
+        c = y.numel() // p
+        chunk = max(1, math.ceil(c / self.block)) * self.block
+        if chunk != c:
+            padded = torch.zeros(p, chunk)
+            padded[:, :c] = y.detach().reshape(p, c)
+            y = padded.view(-1)
+        q, r1 = quantize(y.detach().reshape(-1).float(), bits=self.bits, block=self.block,
+                         residual=self._residual(key, 1, y.numel()))
         if r1 is not None:
             self.residuals[(key, 1)] = r1
         per_codes, per_scales = q.codes.numel() // p, chunk // self.block
         codes, scales = torch.empty_like(q.codes), torch.empty_like(q.scales)
         self.collectives.all_to_all(codes, q.codes, self.group)
         self.collectives.all_to_all(scales, q.scales, self.group)
-
         mine = torch.zeros(chunk)
         for i in range(p):  # rank order: the same sum on every owner, whatever arrived first
             mine += dequantize(Quantized(codes=codes[i * per_codes:(i + 1) * per_codes],
                                          scales=scales[i * per_scales:(i + 1) * per_scales],
                                          numel=chunk, bits=self.bits, block=self.block))
-        q2, r2 = quantize(mine, bits=self.bits, block=self.block, residual=self._residual(f"{key}@{me}", 2, chunk))
+        return mine[:c]
+
+    @torch.no_grad()
+    def all_gather(self, mine: torch.Tensor, key: str) -> torch.Tensor:
+        """Phase 2: re-quantize this rank's chunk (with its own residual) and gather every rank's:
+        p * mine.numel() elements, the same bytes on every rank."""
+        p, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        c = mine.numel()
+        chunk = max(1, math.ceil(c / self.block)) * self.block
+        y = torch.zeros(chunk)
+        y[:c] = mine.reshape(-1)
+        q2, r2 = quantize(y, bits=self.bits, block=self.block, residual=self._residual(f"{key}@{me}", 2, chunk))
         if r2 is not None:
             self.residuals[(f"{key}@{me}", 2)] = r2
-
+        per_codes, per_scales = q2.codes.numel(), q2.scales.numel()
         all_codes = torch.empty(per_codes * p, dtype=q2.codes.dtype)
         all_scales = torch.empty(per_scales * p, dtype=torch.float32)
         self.collectives.all_gather(all_codes, q2.codes, self.group)
         self.collectives.all_gather(all_scales, q2.scales, self.group)
         out = dequantize(Quantized(codes=all_codes, scales=all_scales, numel=p * chunk, bits=self.bits,
-                                   block=self.block))[:n]
-        if op == "avg":
-            out /= p
-        return out.view_as(x)
+                                   block=self.block))
+        return out if chunk == c else out.view(p, chunk)[:, :c].reshape(-1)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The residuals, as flat names -> tensors (phase 1: "1/<key>"; phase 2: "2/<key>@<owner>")."""
+        return {f"{phase}/{key}": r.clone() for (key, phase), r in self.residuals.items()}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.residuals = {(name[2:], int(name[0])): r.clone().float() for name, r in sd.items()}
 
     def bound(self, xs: list[torch.Tensor]) -> torch.Tensor:
         """Per-element error bound of one reduction without residuals, from every rank's input."""

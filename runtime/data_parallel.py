@@ -74,7 +74,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,8 +82,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from runtime.collectives import Collectives
-from runtime.compressed_reduce import CompressedReduce
 from runtime.flat import FlatLayout, bucket, resolve_units
+from runtime.grad_compression import GradientReducer
+from runtime.groups import NodeGroups
 from runtime.mixed_precision import (
     LossScaler,
     PrecisionName,
@@ -91,6 +92,7 @@ from runtime.mixed_precision import (
     policy,
     scale_grad,
 )
+from runtime.quantized_gather import quantized_all_gather
 
 __all__ = ["DataParallel"]
 
@@ -108,9 +110,6 @@ class _Flat:
     shard: nn.Parameter | None = None  # fp32 master slice this rank steps (ZeRO-1/2/3)
     pending: list = dataclasses.field(default_factory=list)  # in-flight reduce-scatters: (work, out, inp)
     fresh: bool = True  # the next reduction folded in overwrites shard.grad
-
-
-_COMPRESSORS = ("none", "bf16", "int8", "int4")
 
 
 @dataclasses.dataclass(eq=False)
@@ -151,7 +150,8 @@ class DataParallel:
     def __init__(self, model: nn.Module, *, group, ranks: tuple[int, ...], zero_stage: int,
                  collectives: Collectives, bucket_bytes: int = 25 * 2**20,
                  precision: PrecisionName = "fp32", units: Sequence[Sequence[str]] | None = None,
-                 unit_modules: Sequence[str] | None = None, compression: str = "none"):
+                 unit_modules: Sequence[str] | None = None, compression: str | Mapping[str, str] = "none",
+                 nodes: NodeGroups | None = None, compression_warmup: int = 0, powersgd_rank: int = 4):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0 (DDP), 1, 2 or 3 (FSDP), got {zero_stage}")
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -160,14 +160,10 @@ class DataParallel:
                              f"and this process (global rank {dist.get_rank()}) is its rank {self.rank}; pass the "
                              f"group's global ranks in group order")
         self.module, self.group, self.ranks = model, group, tuple(ranks)
-        if compression not in _COMPRESSORS:
-            raise ValueError(f"compression={compression!r}: one of {', '.join(_COMPRESSORS)}")
-        if compression != "none" and zero_stage >= 2:
-            raise ValueError(f"compression={compression!r} with zero_stage={zero_stage}: compressed reduce-scatter "
-                             "is not implemented; gradients are compressed in DDP and ZeRO-1 all-reductions")
-        self.compression = compression
-        self._compressed = CompressedReduce(group, collectives, bits=8 if compression == "int8" else 4) \
-            if compression in ("int8", "int4") else None
+        self.reducer = GradientReducer(group, collectives, compression=compression, nodes=nodes,
+                                       zero_stage=zero_stage, warmup_steps=compression_warmup,
+                                       powersgd_rank=powersgd_rank)
+        self.compression = self.reducer.compression
         self.zero_stage, self.collectives = zero_stage, collectives
         self.precision = policy(precision)
         self.scaler = LossScaler() if self.precision.loss_scaling else None
@@ -372,6 +368,7 @@ class DataParallel:
         if self.scaler is not None:
             self._unscale()
         self._cycle_open = False
+        self.reducer.step_done()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale gradients so their global L2 norm is at most max_norm; return the norm before
@@ -470,6 +467,15 @@ class DataParallel:
         return {k: values[self._alias[k]] if k in self._alias else self.module.get_buffer(k).detach().clone()
                 for k in self._state_keys}
 
+    def compression_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's gradient-compression state (step count, residuals, PowerSGD factors): tensors only."""
+        return self.reducer.state_dict()
+
+    def load_compression_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Restore `compression_state_dict()`; residuals saved under another group size are dropped
+        with a warning."""
+        self.reducer.load_state_dict(sd)
+
     def held_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds now: parameters (model, masters, flat buffers), gradients and
         optimizer state (pass the optimizer), each storage counted once, plus their total."""
@@ -561,29 +567,16 @@ class DataParallel:
         f = b.flat
         b.dirty = False
         if self.zero_stage in (0, 1):
-            if self.compression == "none":
+            if not self.reducer.compressing:
                 b.work = self.collectives.all_reduce(f.grad[b.lo:b.hi], self.group, op="avg", async_op=True)
-            else:
-                self._compressed_reduce(b)
+            else:  # synchronous: compressed reductions do not overlap backward yet
+                shapes = [tuple(self._params[n].shape) for n in b.names]
+                self.reducer.all_reduce_mean_(f.grad[b.lo:b.hi], _key(b.names), shapes)
             return
         self._drain(f)  # at most one reduce-scatter in flight per bucket
         inp = f.grad if f.grad is not None else torch.zeros(f.layout.padded_numel)
         f.grad = None
         self._reduce_scatter(f, inp)
-
-    @torch.no_grad()
-    def _compressed_reduce(self, b: _Bucket) -> None:
-        """The bucket's mean gradient through a compressor (synchronous: no overlap with backward yet)."""
-        g = b.flat.grad[b.lo:b.hi]
-        if self.compression == "bf16":
-            # divide first, so a 16-bit sum cannot overflow; every rank gets the same bf16 sum
-            t = (g / self.world).to(torch.bfloat16)
-            self.collectives.all_reduce(t, self.group, op="sum")
-            g.copy_(t)
-        else:
-            # residuals keyed by the bucket's parameters (stable across steps and restarts, unlike its index)
-            key = f"{b.names[0]}..{b.names[-1]}[{len(b.names)}]"
-            g.copy_(self._compressed.reduce(g, key, op="avg"))
 
     def _wait_bucket(self, b: _Bucket) -> None:
         if b.work is not None:
@@ -592,6 +585,9 @@ class DataParallel:
 
     # ---- reduce-scatter into shards (stages 2 and 3) --------------------------------------
     def _reduce_scatter(self, f: _Flat, inp: torch.Tensor) -> None:
+        if self.reducer.compressing:
+            f.pending.append((None, self.reducer.reduce_scatter_mean(inp, _key(f.layout.names)), inp))
+            return
         out = torch.empty(f.layout.shard_numel)
         work = self.collectives.reduce_scatter(out, inp, self.group, op="avg", async_op=True)
         f.pending.append((work, out, inp))
@@ -613,9 +609,14 @@ class DataParallel:
             return
         full = u.flat.params
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        u.gather_inp = u.flat.shard.detach().to(self._dtype)  # 16-bit: gather half the bytes
-        # .data: the saved views of this buffer must not see a version bump from the refill
-        u.work = self.collectives.all_gather(full.data, u.gather_inp, self.group, async_op=async_op)
+        if self.reducer.quantized_weights:  # int8 codes and scales on the wire, decoded on wait
+            u.gather_inp = None
+            u.work = quantized_all_gather(full.data, u.flat.shard.detach(), self.group, self.collectives,
+                                          async_op=async_op)
+        else:
+            u.gather_inp = u.flat.shard.detach().to(self._dtype)  # 16-bit: gather half the bytes
+            # .data: the saved views of this buffer must not see a version bump from the refill
+            u.work = self.collectives.all_gather(full.data, u.gather_inp, self.group, async_op=async_op)
         u.state = _GATHERING if async_op else _GATHERED
         if not async_op:
             u.work, u.gather_inp = None, None
@@ -729,3 +730,9 @@ class DataParallel:
         if self._skip_step:
             for p in params:
                 p.grad = None  # torch.optim skips parameters without a gradient: the step is a no-op
+
+
+def _key(names: Sequence[str]) -> str:
+    """A stable name for the gradients of these parameters (residuals survive restarts and re-bucketing
+    that keeps the same parameters together, unlike a bucket index)."""
+    return f"{names[0]}..{names[-1]}[{len(names)}]"

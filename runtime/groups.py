@@ -25,7 +25,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-__all__ = ["ProcessGroups", "Axis", "AXES", "make_groups", "group_ranks", "make_group_among", "make_self_group"]
+__all__ = ["ProcessGroups", "Axis", "AXES", "NodeGroups", "make_groups", "group_ranks", "make_group_among",
+           "make_self_group", "make_node_groups", "node_split"]
 
 Axis = Literal["dp", "tp", "pp"]
 AXES: tuple[Axis, ...] = ("dp", "tp", "pp")
@@ -155,4 +156,54 @@ def make_self_group(rank: int, world: int):
         pg = dist.new_group([r])
         if r == rank:
             mine = pg
+    return mine
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeGroups:
+    """A data-parallel group that spans N nodes with k > 1 of its ranks on each, split in two for a
+    hierarchical reduction: `intra` holds this rank's node's members, `cross` the members at this
+    rank's local index on every node (global ranks in group order in the *_ranks fields)."""
+
+    intra: Any
+    intra_ranks: tuple[int, ...]
+    cross: Any
+    cross_ranks: tuple[int, ...]
+
+
+def node_split(ranks: Sequence[int], node_of: Sequence[int]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]] | None:
+    """(per-node groups, per-local-index groups) of `ranks`, or None unless they span several nodes
+    with the same number k > 1 on each (a ragged or one-per-node group reduces flat).
+
+    >>> node_split((0, 1, 2, 3), node_of=(0, 0, 1, 1))
+    ([(0, 1), (2, 3)], [(0, 2), (1, 3)])
+    >>> node_split((0, 2), node_of=(0, 0, 1, 1)) is None
+    True
+    """
+    by_node: dict[int, list[int]] = {}
+    for r in sorted(ranks):
+        by_node.setdefault(node_of[r], []).append(r)
+    sizes = {len(v) for v in by_node.values()}
+    if len(by_node) < 2 or len(sizes) != 1 or sizes == {1}:
+        return None
+    intra = [tuple(v) for _, v in sorted(by_node.items())]
+    cross = [tuple(col) for col in zip(*intra)]
+    return intra, cross
+
+
+def make_node_groups(rank: int, dp_groups: Sequence[Sequence[int]], node_of: Sequence[int]) -> NodeGroups | None:
+    """Create the intra- and cross-node groups of every data-parallel group that `node_split` splits (a
+    collective: all ranks call it with the same arguments) and return this rank's, or None when its
+    group is not split. `node_of[r]` is global rank r's node."""
+    mine = None
+    for ranks in dp_groups:
+        split = node_split(ranks, node_of)
+        if split is None:
+            continue
+        intra, cross = split
+        ig = make_group_among(rank, intra)
+        cg = make_group_among(rank, cross)
+        if rank in ranks:
+            mine = NodeGroups(intra=ig, intra_ranks=next(g for g in intra if rank in g),
+                              cross=cg, cross_ranks=next(g for g in cross if rank in g))
     return mine
