@@ -10,6 +10,8 @@ Rows:
            on `--world` Gloo processes, reduced with each compressor; bytes each rank sends per step
            (the shim's counts, an all-to-all or all-gather sending (p-1)/p of its buffer, a ring all-reduce
            2 (p-1)/p), and the ratio against fp32; the reduction's wall time (median of 5) beside it.
+  nodes    the same step with the ranks as 2 "nodes" (world 4 only), reduced hierarchically: fp32 inside a
+           node, each compressor across; bytes each rank sends over the inter-node groups, ratio vs fp32.
   kernel   runtime.quantize's torch path on one fp32 tensor of `--numel` elements (block 256): GB/s of fp32
            input for quantize (with and without error feedback) and dequantize, best of 5.
 
@@ -35,13 +37,39 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ and the packages, from anywhere
 
-MODES = ("none", "bf16", "int8", "int4")
+MODES = ("none", "bf16", "int8", "int4", "powersgd")
+HIER = (("none", "bf16"), ("none", "int8"), ("none", "int4"), ("none", "powersgd"))
+
+
+def _sent(coll, world: int) -> float:
+    """Bytes one rank sends: an all-to-all or all-gather (p-1)/p of its buffer, a ring all-reduce 2 (p-1)/p."""
+    return sum(v * (2 if op == "all_reduce" else 1) * (world - 1) / world for op, v in coll.bytes.items()
+               if op in ("all_reduce", "all_to_all", "all_gather", "reduce_scatter"))
+
+
+def _step(engine, coll, rank: int) -> float:
+    from examples.training import gpt_loss
+
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for _ in range(5):
+        x, y = (torch.randint(0, 8192, (2, 128), generator=g) for _ in range(2))
+        with engine.no_sync():  # gradients accumulate; the reduction is what is timed
+            gpt_loss(engine.module(x), y).backward()
+        coll.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.finish_gradients()
+        times.append(time.perf_counter() - t0)
+        engine.zero_grad()
+    return statistics.median(times)
 
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
-    from examples.training import gpt_loss, gpt_small_seeded
+    from examples.training import gpt_small_seeded
     from runtime.collectives import Collectives
     from runtime.data_parallel import DataParallel
+    from runtime.groups import make_node_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
@@ -52,26 +80,57 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
             coll = Collectives()
             engine = DataParallel(gpt_small_seeded(), group=dist.group.WORLD, ranks=tuple(range(world)),
                                   zero_stage=0, collectives=coll, compression=mode)
-            times = []
-            g = torch.Generator().manual_seed(rank)
-            for _ in range(5):
-                x, y = (torch.randint(0, 8192, (2, 128), generator=g) for _ in range(2))
-                with engine.no_sync():  # gradients accumulate; the reduction is what is timed
-                    gpt_loss(engine.module(x), y).backward()
-                coll.reset()
-                dist.barrier()
-                t0 = time.perf_counter()
-                engine.finish_gradients()
-                times.append(time.perf_counter() - t0)
-                engine.zero_grad()
-            sent = sum(v * (2 if op == "all_reduce" else 1) * (world - 1) / world for op, v in coll.bytes.items()
-                       if op in ("all_reduce", "all_to_all", "all_gather"))
-            rows[mode] = (sent, statistics.median(times))
+            t = _step(engine, coll, rank)
+            rows[mode] = (_sent(coll, world), t)
+        if world == 4:
+            nodes = make_node_groups(rank, [tuple(range(world))], (0, 0, 1, 1))
+            for ci, ce in HIER:
+                cross = _CrossCounter(nodes.cross)
+                engine = DataParallel(gpt_small_seeded(), group=dist.group.WORLD, ranks=tuple(range(world)),
+                                      zero_stage=0, collectives=cross, compression={"intra_node": ci,
+                                                                                   "inter_node": ce}, nodes=nodes)
+                t = _step(engine, cross, rank)
+                rows[("nodes", ci, ce)] = (_sent(cross.across, 2), t)
+            rows["numel"] = sum(p.numel() for p in gpt_small_seeded().parameters())
         if rank == 0:
             torch.save(rows, Path(out) / "rows.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+class _CrossCounter:
+    """A Collectives that also tallies, apart, what goes over the cross-node groups."""
+
+    def __new__(cls, cross):
+        from runtime.collectives import Collectives
+
+        class Counter(Collectives):
+            def __init__(self):
+                super().__init__()
+                self.across = Collectives()
+
+            def _on(self, op, t, group):
+                if group is cross:
+                    self.across._count(op, t)
+
+            def all_reduce(self, t, group=None, **kw):
+                self._on("all_reduce", t, group)
+                return super().all_reduce(t, group, **kw)
+
+            def all_to_all(self, out, inp, group=None, **kw):
+                self._on("all_to_all", inp, group)
+                return super().all_to_all(out, inp, group, **kw)
+
+            def all_gather(self, out, inp, group=None, **kw):
+                self._on("all_gather", out, group)
+                return super().all_gather(out, inp, group, **kw)
+
+            def reset(self):
+                super().reset()
+                self.across.reset()
+
+        return Counter()
 
 
 def kernel_rows(numel: int) -> list[str]:
@@ -110,8 +169,17 @@ def main() -> None:
     base = rows["none"][0]
     print(f"compression: gpt_small gradients (5.29M fp32), DDP, {args.world} Gloo ranks, torch {torch.__version__}")
     print(f"{'compressor':10}  {'bytes sent/rank/step':>20}  {'vs fp32':>7}  {'reduce ms':>9}")
-    for mode, (sent, t) in rows.items():
+    for mode in MODES:
+        sent, t = rows[mode]
         print(f"{mode:10}  {sent:>20,.0f}  {base / sent:>6.2f}x  {t * 1e3:>9.1f}")
+    if args.world == 4:
+        # fp32 across: each rank all-reduces its half of the gradient with one peer (a ring of 2 sends it once)
+        base = rows["numel"] * 4 / 2
+        print(f"2 nodes x 2 ranks, hierarchical (fp32 inside a node; fp32 across would send {base:,.0f}):")
+        print(f"{'across':10}  {'inter-node bytes/rank':>20}  {'vs fp32':>7}  {'reduce ms':>9}")
+        for ci, ce in HIER:
+            sent, t = rows[("nodes", ci, ce)]
+            print(f"{ce:10}  {sent:>20,.0f}  {base / sent:>6.2f}x  {t * 1e3:>9.1f}")
     for line in kernel_rows(args.numel):
         print(line)
 
