@@ -15,13 +15,18 @@ Rows:
   kernel   runtime.quantize's torch path on one fp32 tensor of `--numel` elements (block 256): GB/s of fp32
            input for quantize (with and without error feedback) and dequantize, best of 5.
 
-Triton kernel throughput needs a GPU (none here): `runtime.quantize_triton` runs in the interpreter on CPU,
-which measures nothing useful.
+  gpu      only where CUDA is available: `runtime.quantize_triton`'s kernels (int8, with error feedback, and
+           dequantize) from 4 KB to 512 MB of fp32, bytes each moves per second as a fraction of the device's
+           datasheet HBM bandwidth (goal >= 80 % at >= 100 MB), and the launch floor (a 1K-element call).
+           `--write-calibration PATH` saves `Calibration.for_device(...)` with those two figures as
+           `compress_mem_eff` / `compress_launch_s`, for `compile(..., calibration=PATH)`.
+           On CPU the kernels run only in the Triton interpreter, which measures nothing useful.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
@@ -157,10 +162,63 @@ def kernel_rows(numel: int) -> list[str]:
     return out
 
 
+def gpu_rows(write: str | None) -> list[str]:
+    if not torch.cuda.is_available():
+        return ["gpu       none here: Triton kernel throughput is measured on a CUDA device"]
+    from cost_models.calibration import Calibration
+    from cost_models.devices import get_device
+    from runtime.quantize_triton import dequantize_triton, quantize_triton
+
+    name = torch.cuda.get_device_name()
+    spec = get_device(name.replace("NVIDIA ", "").split()[0].split("-")[0])  # "NVIDIA H100 80GB HBM3" -> H100
+    peak = spec.hbm_bytes_per_s
+
+    def best(fn, reps: int = 20) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        return min(ts)
+
+    out, eff_big = [f"gpu       {name} ({spec.name}), datasheet HBM {peak / 1e9:,.0f} GB/s"], []
+    launch = None
+    for numel in (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 27):
+        x = torch.randn(numel, device="cuda")
+        r = torch.zeros_like(x)
+        q, _ = quantize_triton(x, bits=8)
+        t_q = best(lambda: quantize_triton(x, bits=8, residual=r, residual_out=r))  # noqa: B023
+        t_d = best(lambda: dequantize_triton(q))  # noqa: B023
+        # bytes moved: x, residual in and out (12 n) + codes (n) + scales; codes + scales in, fp32 out (5 n)
+        frac_q = (13 * numel + 4 * numel / 256) / t_q / peak
+        frac_d = (5 * numel + 4 * numel / 256) / t_d / peak
+        if numel == 1 << 10:
+            launch = min(t_q, t_d)
+        if numel * 4 >= 100e6:
+            eff_big.append((frac_q + frac_d) / 2)
+        out.append(f"gpu       {numel * 4 / 1e6:>9,.3f} MB  quantize+feedback {t_q * 1e6:>9.1f} us "
+                   f"{frac_q:>6.1%} of HBM  dequantize {t_d * 1e6:>9.1f} us {frac_d:>6.1%}")
+    eff = sum(eff_big) / len(eff_big)
+    out.append(f"gpu       fitted: compress_mem_eff {eff:.3f} (tensors >= 100 MB), compress_launch_s {launch:.2e}")
+    if write:
+        cal = dataclasses.replace(Calibration.for_device(spec.name), compress_mem_eff=round(eff, 3),
+                                  compress_launch_s=launch)
+        cal.save(write)
+        out.append(f"gpu       wrote {write}: compile(..., calibration={write!r}) uses these figures")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--numel", type=int, default=16_000_000)
+    ap.add_argument("--write-calibration", metavar="PATH", help="GPU only: save the fitted kernel constants")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(args.world, os.path.join(tmp, "store"), tmp), nprocs=args.world,
@@ -180,7 +238,7 @@ def main() -> None:
         for ci, ce in HIER:
             sent, t = rows[("nodes", ci, ce)]
             print(f"{ce:10}  {sent:>20,.0f}  {base / sent:>6.2f}x  {t * 1e3:>9.1f}")
-    for line in kernel_rows(args.numel):
+    for line in kernel_rows(args.numel) + gpu_rows(args.write_calibration):
         print(line)
 
 
