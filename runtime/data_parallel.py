@@ -64,6 +64,13 @@ Choices worth knowing:
   (recomputation inside backward neither re-gathers nor frees) but not
   ``retain_graph`` double backward. The ZeRO-1/2 all-gather after the step is
   synchronous (not yet overlapped with the next forward).
+- Compression (`compression=`, `nodes=`, `compression_warmup=`): every
+  reduction goes through `runtime.grad_compression.GradientReducer` (bf16,
+  int8/int4 with error feedback, PowerSGD; hierarchical across nodes). A
+  compressed reduction is synchronous (it does not overlap backward yet); at
+  ZeRO-3 with int8/int4 the weight gathers are int8 too
+  (`runtime.quantized_gather`). `compression_state_dict()` is the residual
+  state a checkpoint must carry.
 - Mixed precision: see `runtime.mixed_precision`; fp16 uses a dynamic loss
   scale applied to the gradient entering the model's outputs, and an overflow
   turns `optimizer.step()` into a no-op by leaving the gradients None.
