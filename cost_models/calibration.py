@@ -122,7 +122,15 @@ class Calibration:
           ~1.7 GB/s of the process's 20 GB/s, 0.085.
       compress_launch_s: seconds per compressed reduction for its kernel
           launches and the small scale tensors (a few launches at
-          `launch_overhead_s` each), 10 us.
+          `launch_overhead_s` each), 10 us. Also the per-gather kernels of
+          ZeRO-3's int8 parameter gathers (quantize the shard, dequantize
+          the gathered buffer), which stream at `compress_mem_eff` too.
+      PowerSGD (powersgd.py) needs no factor of its own: its products are
+          torch fp32 matmuls of a matrix by r = 4 columns, memory bound (2 r
+          FLOP per 4 bytes, under every device's ridge point), so they and
+          the residual stream at `mem_eff`, the FLOP term uses
+          `matmul_eff_max` of the fp32 peak, and each of its ~10 kernels per
+          batch of same-shape matrices costs `launch_overhead_s`.
 
     source: where the numbers come from (free text, e.g. "autotune 2x8xA100
         2025-01-01"); the defaults say "literature defaults".

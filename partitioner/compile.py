@@ -18,15 +18,16 @@ import torch
 
 
 from cost_models.calibration import Calibration
-from cost_models.compression import LEVELS, traffic_levels, wire_bytes
+from cost_models.compression import GATHER_CODE_BYTES, LEVELS, group_compressor, traffic_levels, wire_bytes
 from cost_models.compute import dtype_for
 from cost_models.errors import DeclarationError, PartitionerError
 from cost_models.memory import DDP_BUCKET_BYTES
+from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
 from partitioner.costing import CostContext, StageEvaluator, units_of
 from partitioner.cut import Cut, evaluate_cut
-from partitioner.declarations import Declarations, check_declarations, compression_pins
+from partitioner.declarations import Declarations, check_declarations, compression_pins, compression_refusal
 from partitioner.opgraph import OpGraph
 from partitioner.plan import (PLAN_VERSION, Alternative, MemoryBreakdown, MeshCoord, ParallelConfig, ParamPlacement,
                               Plan, Predicted, StagePlan)
@@ -55,12 +56,17 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             compression: str | dict[str, str] | None = None) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
 
-    `compression` pins the compressor of the data-parallel gradient all-reduce
-    ("none", "bf16", "int8", "int4"): a name for every link level, or a dict
-    per level ({"inter_node": "int8"}; levels left out stay free). A plan
-    whose data-parallel group does not cross a level records "none" there
-    (with dp = 1 nothing is compressed); pinning a compressor together with
-    dp=1 or zero_stage >= 2 is refused.
+    `compression` pins the compressor of the data-parallel gradient reduction
+    ("none", "bf16", "int8", "int4", "powersgd"): a name for every link level,
+    or a dict per level ({"inter_node": "int8"}; levels left out stay free).
+    A plan whose data-parallel group does not cross a level records "none"
+    there (with dp = 1 nothing is compressed). What the runtime runs: at
+    ZeRO-2/3 one compressor for the whole group (no PowerSGD); PowerSGD on a
+    group crossing both levels only as {"intra_node": "none", "inter_node":
+    "powersgd"}. int8/int4 at ZeRO-3 also gather the weights as int8 codes:
+    the planner picks that only where pinned. Pins no allowed configuration
+    can run are refused, as is a compressor pinned with dp=1 or PowerSGD with
+    zero_stage >= 2.
 
     `model` is an nn.Module (traced with `example_inputs`/`example_kwargs`,
     which may live on the meta device) or an OpGraph from `trace`.
@@ -109,9 +115,11 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     ctx = CostContext(g, topo, splits, precision=precision, optimizer=optimizer, seq_len=g.traced_seq_len,
                       memory_cap=max_memory_fraction * topo.device.memory_bytes, calibration=cal,
                       granularity=cut_granularity, compression=decl.compression)
-    cands = [c for c in enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
-                                             num_units=len(ctx.units), valid_tp=valid_tp)
-             if ctx.compression_options(c)]  # a pinned compressor rules out ZeRO-2/3 where it would apply
+    allowed = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
+                                        num_units=len(ctx.units), valid_tp=valid_tp))
+    cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
+    if allowed and not cands:
+        _refuse_compression(ctx, allowed, decl)
     if not cands:
         raise DeclarationError(
             f"no configuration satisfies the declarations {decl.pinned()} with global_batch_size="
@@ -121,6 +129,18 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         _infeasible(ctx, cands, decl, topo)
     return _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space,
                      clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm))
+
+
+def _refuse_compression(ctx: CostContext, allowed: list[ParallelConfig], decl: Declarations) -> None:
+    """No configuration the other declarations allow can run the pinned compressors: say why, per kind of group."""
+    why: dict[str, str] = {}
+    for c in allowed:
+        levels = ctx.crossed_levels(c)
+        reason = compression_refusal(decl.compression, zero_stage=c.zero_stage, levels=levels)
+        if reason:
+            why.setdefault(reason, f"{reason} (e.g. {c}: its data-parallel group crosses {' and '.join(levels)})")
+    raise DeclarationError(f"compression={decl.compression}: no configuration the declarations {decl.pinned()} "
+                           f"allow can run it: {'; '.join(list(why.values())[:2])}")
 
 
 def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declarations, topo: Topology) -> None:
@@ -320,12 +340,10 @@ def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cu
              compression: dict[str, str]) -> dict[str, float]:
     """Bytes one rank of the busiest stage sends per step, by link level (ring collectives: 2(p-1)/p of the buffer).
 
-    Data-parallel traffic: gradients reduced in fp32 (or compressed), parameters gathered in the compute
-    dtype; a group crossing both levels sends its hierarchical phases on each (cost_models/compression.py).
+    Tensor-parallel all-reduces, pipeline sends, and the data-parallel traffic of `_dp_traffic`.
     """
     out = {LinkLevel.INTRA_NODE.value: 0.0, LinkLevel.INTER_NODE.value: 0.0}
     mb, m, s = cand.microbatch_size, cand.num_microbatches, ctx.seq
-    param_bytes = 4 if ctx.precision == "fp32" else 2
     busiest = max(range(len(cut.stages)), key=lambda k: cut.stages[k].params)
     i, j = cut.bounds[busiest], cut.bounds[busiest + 1]
     if cand.tp > 1:
@@ -334,19 +352,61 @@ def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cu
                        for n in ctx.g.nodes[a:b] for c in ctx._collectives.get(n.name, ()))
         out[level] = out.get(level, 0.0) + 2 * (cand.tp - 1) / cand.tp * tp_bytes * m
     if cand.dp > 1:
-        ranks = ev.dp_ranks(busiest % cand.pp)
-        n = cut.stages[busiest].params
-        reduce = {0: 2, 1: 2, 2: 1, 3: 1}[cand.zero_stage]  # all-reduce (DDP, ZeRO-1) or reduce-scatter
-        gather = {0: 0, 1: 1, 2: 1, 3: 2 * m}[cand.zero_stage]  # parameter all-gathers
-        levels = traffic_levels(ctx.comm, ranks)
-        k = topo.max_ranks_per_node(ranks) if levels == tuple(LEVELS) else 1
-        for level in levels:
-            # hierarchical: the intra-node phases move all n elements among k ranks, the inter-node
-            # phase n/k among the nodes; a flat group moves n among all dp ranks
-            p, elems = (k, n) if level == "intra_node" and k > 1 else (cand.dp // k, n / k)
-            per = (p - 1) / p * elems
-            out[level] += per * (reduce * wire_bytes(compression[level]) + gather * param_bytes)
+        dp = _dp_traffic(ctx, cand, ev.dp_ranks(busiest % cand.pp), cut.stages[busiest].params,
+                         tuple(compression[lv] for lv in LEVELS), ev.stage_low_rank(i, j))
+        for level, nbytes in dp.items():
+            out[level] += nbytes
     if cand.pp > 1 and busiest < len(cut.stages) - 1:
         level = topo.link_level(0, cand.dp * cand.tp).value
         out[level] = out.get(level, 0.0) + 2 * ctx.boundary_bytes(j - 1, mb) * m
     return {k: v for k, v in out.items() if k != LinkLevel.SAME_DEVICE.value}
+
+
+def _dp_traffic(ctx: CostContext, cand: ParallelConfig, ranks: tuple[int, ...], n: float,
+                compression: tuple[str, str], lr: LowRank | None) -> dict[str, float]:
+    """Bytes one rank sends per step, per link level, for a stage's `n` parameters' data-parallel traffic,
+    as cost_models/compression.py times it.
+
+    Gradients (fp32, or compressed): DDP/ZeRO-1 all-reduce, hierarchical across both levels (PowerSGD:
+    the inter-node phase on all n elements, f = its wire fraction); ZeRO-2/3 reduce-scatter, flat (int8/int4:
+    an all-to-all, so (p-k)/p of the bytes leave the node). Parameters: ZeRO-1/2 all-gather the updated ones,
+    ZeRO-3 gathers them 2m times (int8 codes under int8/int4), in the hierarchical form across both levels.
+    """
+    topo, z, m = ctx.topo, cand.zero_stage, cand.num_microbatches
+    levels, p = traffic_levels(ctx.comm, ranks), len(ranks)
+    both = levels == tuple(LEVELS)
+    nodes, k = topo.nodes_spanned(ranks), topo.max_ranks_per_node(ranks) if both else 1
+
+    def ring(nbytes: float) -> dict[str, float]:  # one reduce-scatter or all-gather of nbytes, per level
+        if both:
+            return {"intra_node": (k - 1) / k * nbytes, "inter_node": (nodes - 1) / nodes * nbytes / k}
+        return {levels[0]: (p - 1) / p * nbytes}
+
+    def w(c: str) -> float:
+        return wire_bytes(c, low_rank=lr)
+
+    parts: list[dict[str, float]] = []
+    if z <= 1:
+        ci, ce = compression
+        if both:
+            inter = 2 * (nodes - 1) / nodes * n * (w(ce) if ce == "powersgd" else w(ce) / k)
+            parts.append({"intra_node": 2 * (k - 1) / k * n * w(ci), "inter_node": inter})
+        else:
+            parts.append({lv: 2 * v for lv, v in ring(n * w(compression[LEVELS.index(levels[0])])).items()})
+    else:
+        c = group_compressor(compression)
+        if c in ("int8", "int4") and both:
+            parts.append({"intra_node": (k - 1) / p * n * w(c), "inter_node": (p - k) / p * n * w(c)})
+        else:
+            parts.append(ring(n * w(c)))
+    param_bytes = 4 if ctx.precision == "fp32" else 2
+    if z in (1, 2):
+        parts.append(ring(n * param_bytes))
+    elif z == 3:
+        gathered = GATHER_CODE_BYTES if group_compressor(compression) in ("int8", "int4") else param_bytes
+        parts.append({lv: 2 * m * v for lv, v in ring(n * gathered).items()})
+    out: dict[str, float] = {}
+    for part in parts:
+        for lv, v in part.items():
+            out[lv] = out.get(lv, 0.0) + v
+    return out

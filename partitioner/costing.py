@@ -18,9 +18,12 @@ unequal stages; v = virtual stages per rank) is
 
 which the schedule simulator reproduces for uniform stages (tests check it).
 
-Gradient compression (cost_models/compression.py) changes only tail_k, through
-the DDP/ZeRO-1 gradient all-reduce: its wire time is hidden behind backward
-like an uncompressed one (dp_overlap), its kernel time never is.
+Gradient compression (cost_models/compression.py) changes only tail_k: the
+DDP/ZeRO-1 gradient all-reduce, ZeRO-2/3's reduce-scatter and (ZeRO-3 with
+int8/int4) its parameter all-gathers. Wire time hides behind compute like an
+uncompressed collective's (dp_overlap), kernel time never does. PowerSGD's
+bytes depend on the gradients' shapes: each stage's (cost_models/powersgd.py),
+local to a tensor rank.
 
 Units of everything: seconds and bytes.
 """
@@ -33,9 +36,11 @@ from typing import Sequence
 
 from cost_models.calibration import Calibration
 from cost_models.comm import CommModel
-from cost_models.compression import LEVELS, REDUCE_BYTES, SEARCHED, all_reduce_time, traffic_levels
+from cost_models.compression import (LEVELS, WEIGHT_CODES, all_reduce_time, combinations, gather_time,
+                                     group_compressor, reduce_scatter_time, traffic_levels)
 from cost_models.compute import RooflineCompute, dtype_for
 from cost_models.memory import inflight_microbatches, model_state_bytes
+from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
 from partitioner.opgraph import OpGraph
 from partitioner.plan import ParallelConfig
@@ -129,6 +134,7 @@ class CostContext:
         self._p2p: dict[tuple, tuple[float, ...]] = {}
         self._param_local = self._param_sizes()
         self._sharded = {pl.param: pl.spec != "R" for pl in splits.placements}
+        self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
 
     # ---- static structure ------------------------------------------------
     def _unit_key(self, a: int, b: int) -> tuple:
@@ -164,6 +170,33 @@ class CostContext:
             seen = dict.fromkeys(p for n in self.g.nodes[a:b] for p in n.params)
             per_unit[u] = [(p, numel[p]) for p in seen]
         return per_unit
+
+    def low_rank_sums(self, tp: int) -> tuple[list[LowRank], tuple[tuple[tuple[int, LowRank], ...], ...]]:
+        """PowerSGD's view of the gradients one tensor rank holds: prefix sums over units, and the
+        parameters several units read ((unit, LowRank) each), to count once per stage as `stage` does.
+
+        Shapes are the local ones: a parameter split on dim d holds shape[d] / tp there.
+        """
+        hit = self._low_rank.get(tp)
+        if hit is None:
+            dims = {pl.param: pl.dim for pl in self.splits.placements} if tp > 1 else {}
+            per_param = {}
+            for p in self.g.params:
+                shape, d = tuple(p.shape), dims.get(p.name)
+                if d is not None:
+                    shape = shape[:d] + (max(1, shape[d] // tp),) + shape[d + 1:]
+                per_param[p.name] = low_rank([shape])
+            owners: dict[str, list[int]] = {}
+            prefix = [LowRank()]
+            for u in range(len(self.units)):
+                acc = prefix[-1]
+                for p, _ in self._param_local[u]:
+                    acc = acc + per_param[p]
+                    owners.setdefault(p, []).append(u)
+                prefix.append(acc)
+            shared = tuple(tuple((u, per_param[p]) for u in us) for p, us in owners.items() if len(us) > 1)
+            hit = self._low_rank[tp] = (prefix, shared)
+        return hit
 
     def boundary_bytes(self, u: int, mb: int) -> float:
         """Activation bytes sent from unit u to unit u + 1 for one microbatch."""
@@ -252,24 +285,30 @@ class CostContext:
     def compression_options(self, cand: ParallelConfig) -> tuple[tuple[str, str], ...]:
         """The (intra_node, inter_node) compressors `cand` may use, the user's pins honoured.
 
-        Levels its data-parallel group does not cross stay "none"; so does
-        everything at ZeRO-2/3 (the runtime compresses only the DDP/ZeRO-1
-        all-reduce). Empty: `cand` cannot honour a pinned compressor.
+        What the runtime runs on its data-parallel group (compression.combinations):
+        levels the group does not cross stay "none"; at ZeRO-2/3 one compressor,
+        never PowerSGD; PowerSGD across both levels only as ("none", "powersgd").
+        A pin on a level the group does not cross is moot. Empty: `cand` cannot
+        honour the pins.
+
+        Policy: the planner never quantizes weights on its own. int8/int4 at
+        ZeRO-3 gather int8 parameters, so the forward and backward compute with
+        rounded weights (no error feedback repairs that, unlike the gradients'),
+        a change of the model's numerics rather than of its gradient noise: it
+        is considered only where the user pinned it.
         """
-        ranks = tuple(d * cand.tp for d in range(cand.dp))  # pipeline rank 0's group stands for all
-        crossed = traffic_levels(self.comm, ranks) if cand.dp > 1 else ()
-        choices = []
-        for level in LEVELS:
-            pin = self.compression_pins.get(level)
-            if level not in crossed:
-                choices.append(("none",))
-            elif pin is not None:
-                if pin != "none" and cand.zero_stage >= 2:
-                    return ()
-                choices.append((pin,))
-            else:
-                choices.append(SEARCHED if cand.zero_stage <= 1 else ("none",))
-        return tuple((a, b) for a in choices[0] for b in choices[1])
+        crossed = self.crossed_levels(cand)
+        pins = {lv: c for lv, c in self.compression_pins.items() if lv in crossed}
+        pinned = set(pins.values())
+        return tuple(o for o in combinations(crossed, cand.zero_stage)
+                     if all(o[LEVELS.index(lv)] == c for lv, c in pins.items())
+                     and not (cand.zero_stage == 3 and group_compressor(o) in WEIGHT_CODES
+                              and group_compressor(o) not in pinned))
+
+    def crossed_levels(self, cand: ParallelConfig) -> tuple[str, ...]:
+        """The link levels `cand`'s data-parallel gradient reduction crosses (pipeline rank 0's group
+        stands for all)."""
+        return traffic_levels(self.comm, tuple(d * cand.tp for d in range(cand.dp))) if cand.dp > 1 else ()
 
     def prepare(self, cand: ParallelConfig, compression: tuple[str, str] | None = None) -> "StageEvaluator":
         """The evaluator of `cand` with that (intra_node, inter_node) compression, or (None) with each
@@ -310,8 +349,9 @@ class StageEvaluator:
         self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.mem_eff
         self.total_c = arr.total_c
         self._largest_unit_params = max((x.params for x in arr.costs), default=0.0)
-        self._sync_memo: dict[float, tuple[float, float, float]] = {}
+        self._sync_memo: dict[float, float] = {}
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
+        self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
 
     def lower_bound(self) -> float:
         """No cut beats this (math.inf: no cut fits in memory).
@@ -362,10 +402,22 @@ class StageEvaluator:
         # Interleaved: a rank holds v chunks; each may use 1/v of the memory (safe, if conservative
         # for uneven chunks: the rank's sum then fits for certain).
         fits = (state.total + acts) * v + buffers <= ctx.memory_cap
-        exposed, optim, compression = self._tail(params, f, b)
+        exposed, optim, compression = self._tail(params, f, b, self.stage_low_rank(i, j))
         return StageCost(forward_s=f, backward_s=b, tail_s=exposed + optim, exposed_comm_s=exposed, params=params,
                          memory=(state.params, state.grads, state.optimizer, acts, buffers), fits=fits,
                          compression=compression)
+
+    def stage_low_rank(self, i: int, j: int) -> LowRank | None:
+        """PowerSGD's view of units [i, j)'s gradients, each parameter once (None: no option uses PowerSGD)."""
+        if self._low_rank is None:
+            return None
+        prefix, shared = self._low_rank
+        lr = prefix[j] - prefix[i]
+        for users in shared:
+            inside = [x for u, x in users if i <= u < j]
+            for x in inside[1:]:
+                lr = lr - x
+        return lr
 
     def _buffers(self, params: float) -> float:
         cand = self.cand
@@ -376,65 +428,68 @@ class StageEvaluator:
             return min(params * self._param_bytes, 2 * 25 * 2**20)
         return 0.0
 
-    def _sync(self, params: float) -> tuple[float, float, float]:
-        """(all-reduce, reduce-scatter, all-gather) of a stage over its data-parallel group, uncompressed.
-
-        Gradients are reduced in fp32 under every precision (REDUCE_BYTES: the
-        runtime upcasts before the collective), parameters gathered in the
-        compute dtype. Every pipeline rank's group has the same shape (the mesh
-        is regular), so pipeline rank 0's stands for all; stages repeat sizes,
-        hence the memo.
-        """
+    def _param_gather(self, params: float) -> float:
+        """The ZeRO-1/2 all-gather of a stage's updated parameters over its data-parallel group, in the
+        compute dtype. Every pipeline rank's group has the same shape (the mesh is regular), so pipeline
+        rank 0's stands for all; stages repeat sizes, hence the memo."""
         hit = self._sync_memo.get(params)
         if hit is None:
-            comm, ranks = self.ctx.comm, self.dp_ranks(0)
-            hit = self._sync_memo[params] = (comm.all_reduce(params * REDUCE_BYTES, ranks),
-                                             comm.reduce_scatter(params * REDUCE_BYTES, ranks),
-                                             comm.all_gather(params * self._param_bytes, ranks))
+            hit = self._sync_memo[params] = self.ctx.comm.all_gather(params * self._param_bytes, self.dp_ranks(0))
         return hit
 
-    def _all_reduce(self, params: float, compression: tuple[str, str]) -> tuple[float, float]:
-        """(wire, kernel) seconds of the gradient all-reduce with that (intra_node, inter_node) compression."""
-        key = (params, compression)
+    def _reduction(self, params: float, compression: tuple[str, str], lr: LowRank | None) -> tuple[float, float]:
+        """(wire, kernel) seconds of the stage's gradient reduction with that (intra_node, inter_node)
+        compression: the all-reduce of DDP/ZeRO-1, the flat reduce-scatter of ZeRO-2/3."""
+        lr = lr if "powersgd" in compression else None
+        key = (params, compression, lr)
         hit = self._reduce_memo.get(key)
         if hit is None:
-            t = all_reduce_time(params, self.dp_ranks(0), self.ctx.comm, dict(zip(LEVELS, compression)))
+            ranks, comm = self.dp_ranks(0), self.ctx.comm
+            if self.cand.zero_stage <= 1:
+                t = all_reduce_time(params, ranks, comm, dict(zip(LEVELS, compression)), low_rank=lr)
+            else:
+                t = reduce_scatter_time(params, ranks, comm, group_compressor(compression))
             hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
         return hit
 
-    def _tail(self, params: float, f: float, b: float) -> tuple[float, float, tuple[str, str]]:
+    def _gather(self, params: float, compressor: str) -> tuple[float, float]:
+        """(wire, kernel) seconds of one ZeRO-3 parameter all-gather of the stage (int8 codes under int8/int4)."""
+        key = ("gather", params, compressor)
+        hit = self._reduce_memo.get(key)
+        if hit is None:
+            t = gather_time(params, self.dp_ranks(0), self.ctx.comm, compressor, param_bytes=self._param_bytes)
+            hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
+        return hit
+
+    def _tail(self, params: float, f: float, b: float, lr: LowRank | None) -> tuple[float, float, tuple[str, str]]:
         """(exposed data-parallel communication, optimizer step, compression used) of one stage, per step.
 
-        Where several compressions are open, the stage takes the one with the
-        least exposed time (the first, least lossy, on a tie); the search
-        checks that all stages agree (search.py).
+        Wire time hides behind compute up to dp_overlap of it, kernel time never:
+        DDP/ZeRO-1 all-reduce and ZeRO-2/3 reduce-scatter behind the last
+        backward; ZeRO-3's 2m parameter gathers behind the m forwards and
+        backwards; the ZeRO-1/2 parameter all-gather after the optimizer step
+        is exposed. Where several compressions are open, the stage takes the
+        one with the least exposed time (the first, least lossy, on a tie); the
+        search checks that all stages agree (search.py).
         """
-        cand, ctx = self.cand, self.ctx
-        m = cand.num_microbatches
-        overlap = ctx.cal.dp_overlap
+        cand = self.cand
+        m, z = cand.num_microbatches, cand.zero_stage
+        overlap = self.ctx.cal.dp_overlap
         chosen = self.options[0]
-        if cand.dp == 1:
-            exposed = 0.0
-        else:
-            all_reduce, reduce_scatter, all_gather = self._sync(params)
-            if cand.zero_stage in (0, 1):
-                # DDP and ZeRO-1 all-reduce the gradients (hidden behind the last backward, but for the
-                # compression kernels); ZeRO-1 then all-gathers the updated parameters (exposed).
-                exposed = math.inf
-                for option in self.options:
-                    wire, kernel = self._all_reduce(params, option)
-                    t = max(0.0, wire - overlap * b) + kernel
-                    if t < exposed:
-                        exposed, chosen = t, option
-                exposed += all_gather if cand.zero_stage == 1 else 0.0
-            elif cand.zero_stage == 2:
-                # reduce-scatter the gradients (hidden behind the last backward), all-gather the
-                # updated parameters after the optimizer step (exposed).
-                exposed = max(0.0, reduce_scatter - overlap * b) + all_gather
-            else:
-                exposed = (max(0.0, 2 * m * all_gather - overlap * m * (f + b))
-                           + max(0.0, reduce_scatter - overlap * b))
-        shard = params / (cand.dp if cand.zero_stage >= 1 else 1)
+        exposed = 0.0
+        if cand.dp > 1:
+            exposed = math.inf
+            for option in self.options:
+                wire, kernel = self._reduction(params, option, lr)
+                t = max(0.0, wire - overlap * b) + kernel
+                if z == 3:
+                    g_wire, g_kernel = self._gather(params, group_compressor(option))
+                    t += max(0.0, 2 * m * g_wire - overlap * m * (f + b)) + 2 * m * g_kernel
+                if t < exposed:
+                    exposed, chosen = t, option
+            if z in (1, 2):
+                exposed += self._param_gather(params)  # the updated parameters' all-gather, in the compute dtype
+        shard = params / (cand.dp if z >= 1 else 1)
         optim = shard * _OPTIM_BYTES_PER_PARAM / self._hbm
         return exposed, optim, chosen
 

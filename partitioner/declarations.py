@@ -17,7 +17,7 @@ from cost_models.errors import DeclarationError
 from cost_models.memory import RECOMPUTE_POLICIES as RECOMPUTE
 from cost_models.memory import SCHEDULES
 
-__all__ = ["Declarations", "check_declarations", "divisors", "compression_pins"]
+__all__ = ["Declarations", "check_declarations", "divisors", "compression_pins", "compression_refusal"]
 
 OPTIMIZERS = ("adam", "adamw", "sgd")  # adamw keeps Adam's state; cost_models.memory counts it as adam
 _BLOCK_INDEX = re.compile(r"\.\d+\.")
@@ -74,12 +74,34 @@ def compression_pins(value: Any) -> dict[str, str]:
                                "name such as {'inter_node': 'int8'}")
     for level, name in pins.items():
         where = "compression" if isinstance(value, str) else f"compression[{level!r}]"
-        if name == "powersgd":
-            raise DeclarationError(f"{where}='powersgd': PowerSGD is not implemented by the runtime yet; "
-                                   f"use one of {', '.join(map(repr, IMPLEMENTED))}")
         if name not in COMPRESSORS:
             raise DeclarationError(f"{where}={name!r}: must be one of {', '.join(map(repr, IMPLEMENTED))}")
     return pins
+
+
+def compression_refusal(pins: dict[str, str], *, zero_stage: int, levels: tuple[str, ...]) -> str:
+    """Why a data-parallel group crossing `levels` at `zero_stage` cannot run the pinned compressors, and the
+    fix ("" when it can). Mirrors cost_models.compression.combinations.
+
+    >>> compression_refusal({"intra_node": "powersgd", "inter_node": "powersgd"}, zero_stage=0,
+    ...                     levels=("intra_node", "inter_node"))  # doctest: +ELLIPSIS
+    "a group crossing both link levels runs PowerSGD only across nodes, ...; pin compression={'inter_node': 'powersgd'}"
+    """
+    used = {lv: pins[lv] for lv in levels if lv in pins}
+    both = tuple(levels) == tuple(LEVELS)
+    if zero_stage >= 2:
+        if "powersgd" in used.values():
+            return (f"ZeRO-{zero_stage} reduce-scatters gradients, and PowerSGD runs on the DDP/ZeRO-1 all-reduce "
+                    "only; pin zero_stage=0 or 1, or compress with 'bf16', 'int8' or 'int4'")
+        if both and len({pins.get(lv, "free") for lv in LEVELS} - {"free"}) > 1:
+            return (f"ZeRO-{zero_stage} reduce-scatters flat over the group, which crosses both link levels: one "
+                    f"compressor for both (e.g. compression={pins.get('inter_node', 'none')!r}), or zero_stage=0 or 1")
+        return ""
+    if both and "powersgd" in used.values() and (used.get("intra_node", "none"), used.get("inter_node", "powersgd")) \
+            != ("none", "powersgd"):
+        return ("a group crossing both link levels runs PowerSGD only across nodes, after an fp32 all-reduce "
+                "inside each node; pin compression={'inter_node': 'powersgd'}")
+    return ""
 
 
 def divisors(n: int) -> list[int]:
@@ -122,10 +144,12 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
         raise DeclarationError(
             f"compression={d.compression} with dp=1: there is no data-parallel gradient reduction to compress; "
             "drop compression or allow dp > 1")
-    if squeezed and d.zero_stage is not None and d.zero_stage >= 2:
+    low_rank = [level for level, c in d.compression.items() if c == "powersgd"]
+    if low_rank and d.zero_stage is not None and d.zero_stage >= 2:
         raise DeclarationError(
-            f"compression={d.compression} with zero_stage={d.zero_stage}: the runtime compresses the DDP and "
-            "ZeRO-1 gradient all-reduce, not ZeRO-2/3's reduce-scatter; pin zero_stage=0 or 1, or drop compression")
+            f"compression={d.compression} with zero_stage={d.zero_stage}: PowerSGD ({', '.join(low_rank)}) runs on "
+            f"the DDP/ZeRO-1 gradient all-reduce only, not ZeRO-{d.zero_stage}'s reduce-scatter; pin zero_stage=0 "
+            "or 1, or compress with 'bf16', 'int8' or 'int4'")
 
     # dp * tp * pp must be the world size.
     pinned = {k: getattr(d, k) for k in ("dp", "tp", "pp") if getattr(d, k) is not None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from cost_models.powersgd import POWERSGD_RANK
 from partitioner.opgraph_table import human
 
 if TYPE_CHECKING:
@@ -55,17 +56,23 @@ def _blocks(names: tuple[str, ...]) -> str:
 
 
 def _compression(p: "Plan") -> str:
-    """'inter_node int8 (saves 41 ms/step of exposed DP traffic)', or 'none' (and why, if one was pinned)."""
+    """'inter_node int8 (saves 41 ms/step of exposed DP traffic; ...)', or 'none' (and why, if one was pinned)."""
     used = [f"{level} {c}" for level, c in p.compression.items() if c != "none"]
     if used:
         ms = p.predicted.compression_saving_s * 1e3
         gain = f"saves {ms:.0f} ms/step of exposed DP traffic" if ms >= 0 else \
             f"costs {-ms:.0f} ms/step more than uncompressed"
-        return f"{', '.join(used)} ({gain}; data-parallel gradient all-reduce)"
+        z = p.config.zero_stage
+        what = "data-parallel gradient all-reduce" if z <= 1 else "data-parallel gradient reduce-scatter"
+        if z == 3 and any(c in ("int8", "int4") for c in p.compression.values()):
+            what += " and int8 parameter all-gathers"
+        if "powersgd" in p.compression.values():
+            what += f", rank-{POWERSGD_RANK} PowerSGD with error feedback"
+        return f"{', '.join(used)} ({gain}; {what})"
     pinned = {k: v for k, v in p.declarations.get("compression", {}).items() if v != "none"}
     if pinned:
         return (f"none (pinned {', '.join(f'{k} {v}' for k, v in pinned.items())}: no data-parallel gradient "
-                "all-reduce crosses that level in this plan)")
+                "reduction crosses that level in this plan)")
     return "none"
 
 

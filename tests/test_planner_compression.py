@@ -3,11 +3,14 @@ request, refused where the runtime cannot run it, saved and printed with the pla
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from cost_models.comm import CommModel
 from cost_models.compression import all_reduce_time, wire_bytes
+from cost_models.powersgd import low_rank
 from examples import gpt as gpt_mod
 from partitioner import DeclarationError, OpGraph, Plan, Topology, compile, trace
 from partitioner.cli import _compression_arg
@@ -47,7 +50,7 @@ def test_fast_interconnect_compresses_nothing(fast_plan):
 
 def test_slow_inter_node_links_compress_the_inter_node_reduction(xl, slow_plan):
     assert slow_plan.dp > 1 and slow_plan.zero_stage in (0, 1)
-    assert slow_plan.compression["inter_node"] in ("int8", "int4")
+    assert slow_plan.compression["inter_node"] in ("int8", "int4", "powersgd")
     assert slow_plan.compression["intra_node"] == "none"  # NVLink is not the bottleneck of the pipelined reduction
     plain = compile(xl, SLOW, global_batch_size=GB, compression="none", **same_config(slow_plan))
     assert plain.compression == {"intra_node": "none", "inter_node": "none"}
@@ -73,18 +76,17 @@ def test_pins_are_honoured_string_and_dict(xl, slow_plan):
     assert free_inter.compression == slow_plan.compression
 
 
-def test_a_pinned_compressor_keeps_zero_stages_that_can_run_it(xl):
+def test_a_pinned_compressor_is_honoured_whatever_the_zero_stage(xl):
     plan = compile(xl, "4x8xH100-80GB", global_batch_size=GB, compression="int8")
-    assert plan.zero_stage in (0, 1) and plan.compression == {"intra_node": "int8", "inter_node": "int8"}
+    assert plan.compression == {"intra_node": "int8", "inter_node": "int8"}
+    assert all(a.compression == plan.compression for a in plan.alternatives if a.config.dp > 1)
 
 
 @pytest.mark.parametrize("value, match", [
-    ("int2", r"compression='int2': must be one of 'none', 'bf16', 'int8', 'int4'"),
+    ("int2", r"compression='int2': must be one of 'none', 'bf16', 'int8', 'int4', 'powersgd'"),
     ({"inter_node": "fp8"}, r"compression\['inter_node'\]='fp8': must be one of"),
     ({"rack": "int8"}, r"compression: unknown link level\(s\) 'rack'; the levels are 'intra_node', 'inter_node'"),
     (8, r"compression=8: must be None .* or a dict link level -> name"),
-    ("powersgd", r"compression='powersgd': PowerSGD is not implemented"),
-    ({"inter_node": "powersgd"}, r"compression\['inter_node'\]='powersgd': PowerSGD is not implemented"),
 ])
 def test_bad_compression_is_refused_naming_the_field(xl, value, match):
     with pytest.raises(DeclarationError, match=match):
@@ -92,8 +94,14 @@ def test_bad_compression_is_refused_naming_the_field(xl, value, match):
 
 
 def test_compressors_the_runtime_cannot_run_with_the_pins_are_refused(xl):
-    with pytest.raises(DeclarationError, match=r"with zero_stage=3: .* pin zero_stage=0 or 1"):
-        compile(xl, SLOW, global_batch_size=GB, compression="int8", zero_stage=3)
+    for z in (2, 3):
+        with pytest.raises(DeclarationError, match=rf"with zero_stage={z}: PowerSGD \(inter_node\) runs on the "
+                                                   r"DDP/ZeRO-1 gradient all-reduce only.* pin zero_stage=0 or 1"):
+            compile(xl, SLOW, global_batch_size=GB, compression={"inter_node": "powersgd"}, zero_stage=z)
+    # across both levels PowerSGD runs only as (intra none, inter powersgd)
+    with pytest.raises(DeclarationError, match=r"runs PowerSGD only across nodes.*pin compression=\{'inter_node': "
+                                               r"'powersgd'\} \(e\.g\. dp32 .*crosses intra_node and inter_node\)"):
+        compile(xl, SLOW, global_batch_size=GB, compression="powersgd", dp=32)
     with pytest.raises(DeclarationError, match=r"with dp=1: there is no data-parallel gradient reduction"):
         compile(xl, SLOW, global_batch_size=GB, compression={"inter_node": "int4"}, dp=1)
 
@@ -105,7 +113,7 @@ def test_without_data_parallel_traffic_nothing_is_compressed(xl):
     one_node = compile(xl, "8xH100-80GB", global_batch_size=GB, compression={"inter_node": "int8"})
     assert one_node.compression == {"intra_node": "none", "inter_node": "none"} or one_node.dp == 1
     assert one_node.declarations["compression"] == {"inter_node": "int8"}
-    assert "pinned inter_node int8: no data-parallel gradient all-reduce crosses that level" in str(one_node)
+    assert "pinned inter_node int8: no data-parallel gradient reduction crosses that level" in str(one_node)
     no_dp = compile(xl, "4x8xH100-80GB", global_batch_size=GB, tp=8, pp=4)
     assert no_dp.dp == 1 and no_dp.compression == {"intra_node": "none", "inter_node": "none"}
 
@@ -148,3 +156,81 @@ def test_cli_flag_parses_names_and_levels():
     assert _compression_arg("inter_node=int8,intra_node=none") == {"inter_node": "int8", "intra_node": "none"}
     with pytest.raises(DeclarationError, match="is not LEVEL=NAME"):
         _compression_arg("inter_node=int8,int4")
+
+
+# ---- PowerSGD ---------------------------------------------------------------------------------------------------
+VERY_SLOW = Topology(nodes=4, devices_per_node=8, device="H100-80GB", inter_node_GBps=0.125)  # 1 Gb/s between nodes
+
+
+def test_a_very_slow_inter_node_link_makes_ddp_compress_hard(xl):
+    plan = compile(xl, VERY_SLOW, global_batch_size=GB, zero_stage=0)
+    assert plan.compression["intra_node"] == "none" and plan.compression["inter_node"] in ("powersgd", "int4")
+    plain = compile(xl, VERY_SLOW, global_batch_size=GB, compression="none", **same_config(plan))
+    assert plan.predicted.step_time_s < plain.predicted.step_time_s / 2  # a real gain: the plain one waits on 1 Gb/s
+    assert plan.predicted.compression_saving_s > 1.0
+
+
+def psgd_numel(shape: tuple[int, ...], r: int = 4) -> int:
+    """Elements PowerSGD all-reduces for one gradient, by the runtime's rule (r (n + m), or all of it)."""
+    n, m = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+    return r * (n + m) if len(shape) >= 2 and n * m >= 2 * r * (n + m) else n * m
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = gpt_mod.gpt_tiny()
+    return model, trace(model, gpt_mod.example_batch(model, 4))
+
+
+def test_powersgd_pinned_on_one_node_runs_flat_inside_it(tiny):
+    _, g = tiny
+    plan = compile(g, "local:4", global_batch_size=16, compression="powersgd", tp=1, pp=1)
+    assert plan.dp == 4 and plan.zero_stage in (0, 1)
+    assert plan.compression == {"intra_node": "powersgd", "inter_node": "none"}
+    assert "intra_node powersgd (" in str(plan) and "rank-4 PowerSGD" in str(plan)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_powersgd_wire_bytes_match_the_parameter_shapes(tiny):
+    model, g = tiny
+    params = dict(model.named_parameters())  # unique tensors: the tied embedding/LM head once
+    numel = sum(p.numel() for p in params.values())
+    wire = sum(psgd_numel(tuple(p.shape)) for p in params.values())
+    assert 0.01 < wire / numel < 0.5  # the hand computation compresses something, not everything
+    pins = {"dp": 4, "tp": 1, "pp": 1, "zero_stage": 0, "microbatch_size": 4}
+    plan = compile(g, "local:4", global_batch_size=16, compression="powersgd", **pins)
+    assert plan.stages[0].num_params == numel
+    # a ring all-reduce of the P, Q factors and the uncompressed rest: 2 (p-1)/p of them in fp32
+    assert plan.predicted.bytes_per_link["intra_node"] == pytest.approx(2 * 3 / 4 * 4 * wire, rel=1e-9)
+
+
+def test_powersgd_under_tensor_parallelism_uses_the_local_shapes(tiny):
+    _, g = tiny
+    pins = {"dp": 2, "tp": 2, "pp": 1, "zero_stage": 0, "microbatch_size": 2}
+    psgd = compile(g, "local:4", global_batch_size=16, compression="powersgd", **pins)
+    plain = compile(g, "local:4", global_batch_size=16, compression="none", **pins)
+    shapes = {pl.param: list(pl.shape) for pl in psgd.placements}
+    for pl in psgd.placements:
+        if pl.spec != "R":
+            shapes[pl.param][int(pl.spec[2:-1])] //= 2
+    local = sum(math.prod(s) for s in shapes.values())
+    wire = sum(psgd_numel(tuple(s)) for s in shapes.values())
+    assert psgd.stages[0].num_params == local
+    # same tensor-parallel traffic in both; the data-parallel all-reduce of 2 ranks sends n fp32 vs the factors
+    saved = plain.predicted.bytes_per_link["intra_node"] - psgd.predicted.bytes_per_link["intra_node"]
+    assert saved == pytest.approx(2 * 1 / 2 * 4 * (local - wire), rel=1e-9)
+
+
+def test_powersgd_cost_model_needs_shapes_and_the_one_hierarchical_form():
+    cm = CommModel(SLOW)
+    lr = low_rank([(2048, 8192)] * 24 + [(2048,)] * 24)
+    assert lr.fraction == pytest.approx((24 * 4 * (2048 + 8192) + 24 * 2048) / lr.numel)
+    with pytest.raises(ValueError, match="pass low_rank"):
+        all_reduce_time(lr.numel, range(32), cm, {"inter_node": "powersgd"})
+    with pytest.raises(ValueError, match="only as intra_node 'none', inter_node 'powersgd'"):
+        all_reduce_time(lr.numel, range(32), cm, {"intra_node": "powersgd", "inter_node": "none"}, low_rank=lr)
+    hier = all_reduce_time(lr.numel, range(32), cm, {"inter_node": "powersgd"}, low_rank=lr)
+    int4 = all_reduce_time(lr.numel, range(32), cm, {"inter_node": "int4"})
+    assert hier.wire_s < int4.wire_s and hier.kernel_s > int4.kernel_s  # fewer bytes, more matrix work
+    assert wire_bytes("powersgd", low_rank=lr) == pytest.approx(4 * lr.fraction)
