@@ -48,6 +48,8 @@ def _compile(args: argparse.Namespace) -> int:
                                          "interleave", "recompute") if getattr(args, k) is not None}
     if args.compression is not None:
         pins["compression"] = _compression_arg(args.compression)
+    if args.compression_warmup:
+        pins["compression_warmup"] = args.compression_warmup
     t0 = time.perf_counter()
     plan = compile(model, args.topology, example_inputs=inputs, global_batch_size=args.global_batch_size,
                    precision=args.precision, optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction,
@@ -125,8 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None, help="pin the schedule")
     c.add_argument("--recompute", choices=("none", "selective", "full"), default=None, help="pin recomputation")
     c.add_argument("--compression", default=None, metavar="NAME|LEVEL=NAME,...",
-                   help="pin the data-parallel gradient compressor (none, bf16, int8, int4) on every link level, "
-                        "or per level, e.g. inter_node=int8,intra_node=none (default: the planner chooses)")
+                   help="pin the data-parallel gradient compressor (none, bf16, int8, int4, powersgd) on every link "
+                        "level, or per level, e.g. inter_node=int8,intra_node=none (default: the planner chooses)")
+    c.add_argument("--compression-warmup", type=int, default=0, metavar="K",
+                   help="the first K steps reduce uncompressed (default 0)")
     c.add_argument("--max-memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
     c.add_argument("--device", default=None, help="build the model on this device, e.g. meta for huge models")
     c.add_argument("-o", "--output", default=None, help="write the plan JSON here")

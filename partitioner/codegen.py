@@ -208,7 +208,8 @@ def build(model_fn, optimizer_fn, loss_fn):
     # Gradient compression on this group: {comp.why}.
     engine = DataParallel(model, group=groups.dp, ranks={dp_ranks!r}, zero_stage={c.zero_stage},
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
-                          units=UNITS, compression={comp.arg}, nodes={comp.nodes})
+                          units=UNITS, compression={comp.arg}, nodes={comp.nodes},
+                          compression_warmup={plan.compression_warmup})
     optimizer = optimizer_fn(engine.optimizer_params())
 
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as

@@ -143,7 +143,8 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                   f"                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, "
                   f"precision={plan.precision!r},\n"
                   f"                          units=UNITS, unit_modules=UNIT_MODULES, "
-                  f"compression={comp.arg}, nodes={comp.nodes})  # {comp.why}\n")
+                  f"compression={comp.arg}, nodes={comp.nodes},\n"
+                  f"                          compression_warmup={plan.compression_warmup})  # {comp.why}\n")
 
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size} (pipeline rank {me.pp}, replica {me.dp}, tensor slice {me.tp}).
 

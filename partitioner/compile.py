@@ -53,7 +53,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
             calibration: Calibration | str | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
-            compression: str | dict[str, str] | None = None) -> Plan:
+            compression: str | dict[str, str] | None = None, compression_warmup: int = 0) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
 
     `compression` pins the compressor of the data-parallel gradient reduction
@@ -66,7 +66,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     "powersgd"}. int8/int4 at ZeRO-3 also gather the weights as int8 codes:
     the planner picks that only where pinned. Pins no allowed configuration
     can run are refused, as is a compressor pinned with dp=1 or PowerSGD with
-    zero_stage >= 2.
+    zero_stage >= 2. `compression_warmup` steps first run uncompressed (PowerSGD
+    with Adam needs some: tests/test_compression_convergence.py).
 
     `model` is an nn.Module (traced with `example_inputs`/`example_kwargs`,
     which may live on the meta device) or an OpGraph from `trace`.
@@ -88,6 +89,9 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
                                        or not clip_grad_norm > 0):
         raise DeclarationError(f"clip_grad_norm={clip_grad_norm!r}: must be a number > 0 (e.g. 1.0), or None")
+    if isinstance(compression_warmup, bool) or not isinstance(compression_warmup, int) or compression_warmup < 0:
+        raise DeclarationError(f"compression_warmup={compression_warmup!r}: the number of first steps that reduce "
+                               "uncompressed, an int >= 0 (e.g. compression_warmup=100)")
     if cut_granularity not in ("block", "node"):
         raise DeclarationError(f"cut_granularity={cut_granularity!r}: must be 'block' or 'node'")
     cal = Calibration.load(calibration) if isinstance(calibration, str) else \
@@ -128,7 +132,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     if not result.ranked:
         _infeasible(ctx, cands, decl, topo)
     return _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space,
-                     clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm))
+                     clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
+                     compression_warmup=compression_warmup)
 
 
 def _refuse_compression(ctx: CostContext, allowed: list[ParallelConfig], decl: Declarations) -> None:
@@ -200,7 +205,8 @@ def _why(best: Scored, other: Scored) -> str:
 
 
 def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSplits, ctx: CostContext,
-              ranked: tuple[Scored, ...], evaluated: int, space: int, *, clip_grad_norm: float | None) -> Plan:
+              ranked: tuple[Scored, ...], evaluated: int, space: int, *, clip_grad_norm: float | None,
+              compression_warmup: int = 0) -> Plan:
     best = ranked[0]
     cand, cut = best.cand, best.cut
     ev = ctx.prepare(cand, best.compression)
@@ -260,7 +266,9 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 stages=tuple(stages), placements=tuple(placements), instructions=sched, predicted=predicted,
                 alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, clip_grad_norm=clip_grad_norm,
                 candidates_evaluated=evaluated, search_space=space,
-                compression=dict(zip(LEVELS, best.compression)), **_model_code(g, splits, cand))
+                compression=dict(zip(LEVELS, best.compression)),
+                compression_warmup=compression_warmup if best.compression != ("none", "none") else 0,
+                **_model_code(g, splits, cand))
 
 
 def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> tuple[str, str]:

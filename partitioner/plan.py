@@ -193,9 +193,11 @@ class Plan:
     # data-parallel plans, or when the graph could not be cut (code_note says why)
     code: ModelCode | None = None
     code_note: str = ""
-    # link level ("intra_node", "inter_node") -> compressor of the data-parallel gradient all-reduce's
-    # traffic at that level: "none", "bf16", "int8" or "int4"; "none" where no such traffic flows
+    # link level ("intra_node", "inter_node") -> compressor of the data-parallel gradient reduction's
+    # traffic at that level: "none", "bf16", "int8", "int4" or "powersgd"; "none" where no such traffic flows
     compression: dict[Level, Compressor] = dataclasses.field(default_factory=no_compression)
+    # the first steps reduce uncompressed (runtime.grad_compression), before error feedback starts
+    compression_warmup: int = 0
 
     # ---- the configuration, by name ---------------------------------------
     dp = property(lambda self: self.config.dp)

@@ -68,6 +68,8 @@ def _compression(p: "Plan") -> str:
             what += " and int8 parameter all-gathers"
         if "powersgd" in p.compression.values():
             what += f", rank-{POWERSGD_RANK} PowerSGD with error feedback"
+        if p.compression_warmup:
+            what += f"; the first {p.compression_warmup} steps uncompressed"
         return f"{', '.join(used)} ({gain}; {what})"
     pinned = {k: v for k, v in p.declarations.get("compression", {}).items() if v != "none"}
     if pinned:

@@ -338,3 +338,20 @@ def test_a_plan_across_two_nodes_reduces_hierarchically():
     assert counts["reduce_scatter"] == 3 and counts["all_to_all"] == 6  # per step: 1 intra fp32, 2 cross int8
     assert "all_to_all" not in out["none"].collective_counts[0]
     torch.testing.assert_close(torch.tensor(out["int8"].losses), torch.tensor(out["none"].losses), rtol=1e-3, atol=0)
+
+
+def test_compile_carries_the_warm_up_into_the_programs():
+    from partitioner import DeclarationError, Plan, compile
+
+    kw = {"example_inputs": (torch.randint(0, 1024, (2, 32)),), "global_batch_size": 8, "precision": "fp32",
+          "dp": 4, "tp": 1, "pp": 1, "zero_stage": 0}
+    plan = compile(gpt_tiny_seeded(), "local:4", compression="powersgd", compression_warmup=10, **kw)
+    assert plan.compression_warmup == 10 and Plan.from_json(plan.to_json()).compression_warmup == 10
+    assert "compression='powersgd', nodes=None,\n                          compression_warmup=10)" in \
+        plan.program(1).source
+    assert "the first 10 steps uncompressed" in str(plan)
+    assert compile(gpt_tiny_seeded(), "local:4", compression="none", compression_warmup=10,
+                   **kw).compression_warmup == 0  # nothing to warm up
+    for bad in (-1, 1.5, True):
+        with pytest.raises(DeclarationError, match="compression_warmup"):
+            compile(gpt_tiny_seeded(), "local:4", compression="int8", compression_warmup=bad, **kw)
