@@ -10,8 +10,8 @@ tests compare in this process:
   weight gathers) train like the uncompressed engine;
 - the int8 weight all-gather is within half a block scale of the masters;
 - the first K steps are uncompressed (bitwise equal to fp32);
-- resuming from saved residuals reproduces the next steps bitwise, and
-  resuming without them does not;
+- resuming from residuals saved to a file (and loaded with weights_only=True)
+  reproduces the next steps bitwise, and resuming without them does not;
 - residuals saved under another group size are dropped with a warning.
 """
 
@@ -145,7 +145,10 @@ def _resume(rank: int, out: dict) -> None:
     for i, (comp, zero, node_of) in enumerate(RESUME):
         engine, opt, coll = _engine(gpt_tiny_seeded(), rank, zero, comp, node_of)
         _steps(rank, engine, opt, coll, batches[:3])
-        saved = (_params(engine), copy.deepcopy(opt.state_dict()), engine.compression_state_dict())
+        # through a file, as a checkpoint holds it: tensors only, loadable without unpickling objects
+        path = Path(out["tmp"]) / f"compression{i}_rank{rank}.pt"
+        torch.save(engine.compression_state_dict(), path)
+        saved = (_params(engine), copy.deepcopy(opt.state_dict()), torch.load(path, weights_only=True))
         assert all(torch.is_tensor(v) for v in saved[2].values())
         ref = _steps(rank, engine, opt, coll, batches[3:]), _params(engine)
         runs = {}
@@ -199,7 +202,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=180))
     try:
-        out: dict = {}
+        out: dict = {"tmp": out_dir}
         for scenario in (_hierarchical, _weights, _refusals, _world_change, _warmup, _resume, _zero):
             scenario(rank, out)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
