@@ -42,6 +42,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ and the packages, from anywhere
 
+from runtime.collectives import Collectives  # after the path insert
+
 MODES = ("none", "bf16", "int8", "int4", "powersgd")
 HIER = (("none", "bf16"), ("none", "int8"), ("none", "int4"), ("none", "powersgd"))
 
@@ -72,7 +74,6 @@ def _step(engine, coll, rank: int) -> float:
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     from examples.training import gpt_small_seeded
-    from runtime.collectives import Collectives
     from runtime.data_parallel import DataParallel
     from runtime.groups import make_node_groups
 
@@ -104,38 +105,32 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-class _CrossCounter:
-    """A Collectives that also tallies, apart, what goes over the cross-node groups."""
+class _CrossCounter(Collectives):
+    """A Collectives that also tallies, apart in `across`, what goes over the cross-node group."""
 
-    def __new__(cls, cross):
-        from runtime.collectives import Collectives
+    def __init__(self, cross) -> None:
+        super().__init__()
+        self.cross, self.across = cross, Collectives()
 
-        class Counter(Collectives):
-            def __init__(self):
-                super().__init__()
-                self.across = Collectives()
+    def _on(self, op: str, t: torch.Tensor, group) -> None:
+        if group is self.cross:
+            self.across._count(op, t)
 
-            def _on(self, op, t, group):
-                if group is cross:
-                    self.across._count(op, t)
+    def all_reduce(self, t, group=None, **kw):
+        self._on("all_reduce", t, group)
+        return super().all_reduce(t, group, **kw)
 
-            def all_reduce(self, t, group=None, **kw):
-                self._on("all_reduce", t, group)
-                return super().all_reduce(t, group, **kw)
+    def all_to_all(self, out, inp, group=None, **kw):
+        self._on("all_to_all", inp, group)
+        return super().all_to_all(out, inp, group, **kw)
 
-            def all_to_all(self, out, inp, group=None, **kw):
-                self._on("all_to_all", inp, group)
-                return super().all_to_all(out, inp, group, **kw)
+    def all_gather(self, out, inp, group=None, **kw):
+        self._on("all_gather", out, group)
+        return super().all_gather(out, inp, group, **kw)
 
-            def all_gather(self, out, inp, group=None, **kw):
-                self._on("all_gather", out, group)
-                return super().all_gather(out, inp, group, **kw)
-
-            def reset(self):
-                super().reset()
-                self.across.reset()
-
-        return Counter()
+    def reset(self) -> None:
+        super().reset()
+        self.across.reset()
 
 
 def kernel_rows(numel: int) -> list[str]:

@@ -36,6 +36,7 @@ from runtime.collectives import Collectives
 from runtime.quantize import Quantized
 from runtime.quantize import dequantize as _dequantize
 from runtime.quantize import quantize as _quantize
+from runtime.quantized_gather import gather_quantized
 
 __all__ = ["CompressedReduce"]
 
@@ -142,14 +143,9 @@ class CompressedReduce:
         q2, r2 = quantize(y, bits=self.bits, block=self.block, residual=self._residual(f"{key}@{me}", 2, chunk))
         if r2 is not None:
             self.residuals[(f"{key}@{me}", 2)] = r2
-        per_codes, per_scales = q2.codes.numel(), q2.scales.numel()
-        all_codes = torch.empty(per_codes * p, dtype=q2.codes.dtype)
-        all_scales = torch.empty(per_scales * p, dtype=torch.float32)
-        self.collectives.all_gather(all_codes, q2.codes, self.group)
-        self.collectives.all_gather(all_scales, q2.scales, self.group)
-        out = dequantize(Quantized(codes=all_codes, scales=all_scales, numel=p * chunk, bits=self.bits,
-                                   block=self.block))
-        return out if chunk == c else out.view(p, chunk)[:, :c].reshape(-1)
+        out = torch.empty(p * c)
+        gather_quantized(out, q2, self.group, self.collectives, shard=c, decode=dequantize)
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The residuals, as flat names -> tensors (phase 1: "1/<key>"; phase 2: "2/<key>@<owner>")."""
