@@ -132,6 +132,26 @@ class Calibration:
           `matmul_eff_max` of the fp32 peak, and each of its ~10 kernels per
           batch of same-shape matrices costs `launch_overhead_s`.
 
+    Device:
+      device_speed: this machine's device against its preset (peak FLOP/s
+          and memory bandwidth both): 1 for datasheet hardware. The CPU
+          preset's numbers are an estimate for a share of an unknown CPU, so
+          the fit moves this rather than push efficiencies past 1.
+
+    Memory (partitioner/costing.py):
+      activation_mem_scale: measured / modelled activation bytes (saved
+          tensors, the loss's, recomputation's working set); 1 until fitted.
+          The model counts what autograd saves per op; allocator rounding and
+          kernels' workspaces add a few percent.
+      memory_overhead_bytes: bytes per rank the model does not see (runtime
+          buffers, communication staging); 0 until fitted.
+
+    Pipelines:
+      pipeline_idle_cost: fraction of a pipeline rank's idle time (bubble,
+          waits) that costs wall-clock time. 1 on dedicated devices (an idle
+          GPU's time is lost); on a CPU shared by more processes than cores an
+          idle rank yields its core to busy peers, so less is lost; fitted.
+
     source: where the numbers come from (free text, e.g. "autotune 2x8xA100
         2025-01-01"); the defaults say "literature defaults".
     """
@@ -157,6 +177,11 @@ class Calibration:
     compress_mem_eff: float = 0.7
     compress_launch_s: float = 10e-6
 
+    device_speed: float = 1.0
+    activation_mem_scale: float = 1.0
+    memory_overhead_bytes: float = 0.0
+    pipeline_idle_cost: float = 1.0
+
     source: str = "literature defaults"
 
     def __post_init__(self) -> None:
@@ -175,10 +200,16 @@ class Calibration:
                 raise PartitionerError(
                     f"Calibration.{f.name} = {value} is a fraction of peak and must "
                     f"lie in (0, 1]")
+            if f.name == "pipeline_idle_cost" and not 0 <= value <= 1:
+                raise PartitionerError(
+                    f"Calibration.pipeline_idle_cost = {value} must lie in [0, 1] "
+                    f"(1 = an idle rank's time is lost, 0 = its cores serve busy ranks)")
             if f.name == "dp_overlap" and not 0 <= value <= 1:
                 raise PartitionerError(
                     f"Calibration.dp_overlap = {value} must lie in [0, 1] "
                     f"(0 = no overlap, 1 = fully hidden)")
+            if f.name == "device_speed" and value <= 0:
+                raise PartitionerError(f"Calibration.device_speed = {value} must be > 0")
             if f.name == "gemm_half_flops" and value <= 0:
                 raise PartitionerError(
                     f"Calibration.gemm_half_flops = {value} must be > 0 FLOP")

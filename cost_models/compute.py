@@ -127,7 +127,7 @@ class RooflineCompute:
                 f"op_time needs flops >= 0 and bytes_moved >= 0, got "
                 f"flops={flops}, bytes_moved={bytes_moved}")
         eff = self.compute_efficiency(op_class, flops)
-        t_compute = flops / (self.peak_flops(op_class) * eff) if flops > 0 else 0.0
         c = self.calibration
-        t_memory = bytes_moved / (self.device.hbm_bytes_per_s * c.mem_eff)
+        t_compute = flops / (self.peak_flops(op_class) * c.device_speed * eff) if flops > 0 else 0.0
+        t_memory = bytes_moved / (self.device.hbm_bytes_per_s * c.device_speed * c.mem_eff)
         return max(t_compute, t_memory) + c.launch_overhead_s

@@ -6,6 +6,7 @@
 from cost_models.errors import DeclarationError, PartitionerError, TopologyError, TraceError
 from cost_models.specs import DeviceSpec
 from cost_models.topology import Topology
+from partitioner.autotune import AutotuneResult, Trial, autotune
 from partitioner.compile import PlanInfeasibleError, compile
 from partitioner.opgraph import Block, OpCost, OpGraph, OpNode, ParamSpec, TensorSpec
 from partitioner.plan import Plan, PlanMismatchError
@@ -13,6 +14,6 @@ from partitioner.plan_json import PlanFormatError
 from partitioner.trace import trace
 
 __all__ = [
-    "compile", "Plan", "PlanInfeasibleError", "PlanMismatchError", "PlanFormatError", "trace", "Topology", "DeviceSpec", "OpGraph", "OpNode", "OpCost", "TensorSpec", "ParamSpec", "Block",
+    "compile", "autotune", "AutotuneResult", "Trial", "Plan", "PlanInfeasibleError", "PlanMismatchError", "PlanFormatError", "trace", "Topology", "DeviceSpec", "OpGraph", "OpNode", "OpCost", "TensorSpec", "ParamSpec", "Block",
     "PartitionerError", "TopologyError", "TraceError", "DeclarationError",
 ]

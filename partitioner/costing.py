@@ -346,12 +346,19 @@ class StageEvaluator:
         self._shared = arr.shared
         self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size)  # per unit boundary
         self._param_bytes = 4 if ctx.precision == "fp32" else 2  # parameters gathered in the compute dtype
-        self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.mem_eff
+        self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
         self.total_c = arr.total_c
         self._largest_unit_params = max((x.params for x in arr.costs), default=0.0)
         self._sync_memo: dict[float, float] = {}
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
+        # The loss is not in the traced graph, but the last stage runs it on the model's output: a
+        # cross-entropy keeps its log-softmax (one output-sized tensor per microbatch in flight) and
+        # its backward holds two more output-sized tensors at once (the gradients of the log-softmax
+        # and of the logits); full size under tensor parallelism, where the loss sees gathered
+        # outputs. Measured on the example GPT with runtime.memory_probe (bench/autotune_fidelity.py).
+        out = ctx.g.nodes[-1].cost.bytes_written(cand.microbatch_size, ctx.seq) * ctx.scale if ctx.g.nodes else 0.0
+        self._loss_kept, self._loss_work = out, 2 * out
 
     def lower_bound(self) -> float:
         """No cut beats this (math.inf: no cut fits in memory).
@@ -371,7 +378,10 @@ class StageEvaluator:
         tail = avg / (c.dp if c.zero_stage >= 1 else 1) * _OPTIM_BYTES_PER_PARAM / self._hbm
         if c.zero_stage in (1, 2) and c.dp > 1:
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
-        return (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c / v + tail
+        full = (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c / v + tail
+        # with part of the idle time charged, the least the busiest rank works (the average) bounds it
+        busy = m * self.total_c / c.pp + tail
+        return busy + ctx.cal.pipeline_idle_cost * (full - busy) if c.pp > 1 else full
 
     def dp_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
         c = self.cand
@@ -398,7 +408,10 @@ class StageEvaluator:
         if v > 1:
             inflight = math.ceil(inflight / v)  # the rank's in-flight count spread over its v chunks
         acts = (self._act[j] - self._act[i]) * inflight + max(self._work[i:j], default=0.0)
-        buffers = self._buffers(params)
+        if k == S - 1:
+            acts += self._loss_kept * inflight + self._loss_work
+        acts *= ctx.cal.activation_mem_scale
+        buffers = self._buffers(params) + ctx.cal.memory_overhead_bytes
         # Interleaved: a rank holds v chunks; each may use 1/v of the memory (safe, if conservative
         # for uneven chunks: the rank's sum then fits for certain).
         fits = (state.total + acts) * v + buffers <= ctx.memory_cap

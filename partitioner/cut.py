@@ -22,7 +22,7 @@ import math
 
 from partitioner.costing import StageCost, StageEvaluator
 
-__all__ = ["Cut", "cut_stages", "step_time", "evaluate_cut"]
+__all__ = ["Cut", "cut_stages", "step_time", "evaluate_cut", "charge_idle"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,9 +32,22 @@ class Cut:
     step_time_s: float
 
 
-def step_time(stages: tuple[StageCost, ...], m: int, v: int) -> float:
+def step_time(stages: tuple[StageCost, ...], m: int, v: int, *, idle_cost: float = 1.0) -> float:
     max_c = max(s.c for s in stages)
-    return (m * v - 1) * max_c + sum(s.c for s in stages) / v + max(s.tail_s for s in stages)
+    t = (m * v - 1) * max_c + sum(s.c for s in stages) / v + max(s.tail_s for s in stages)
+    return charge_idle(stages, m, v, t, idle_cost)
+
+
+def charge_idle(stages: tuple[StageCost, ...], m: int, v: int, t: float, idle_cost: float) -> float:
+    """Step time `t` with only `idle_cost` of each rank's idle time charged (Calibration.pipeline_idle_cost).
+
+    The busiest pipeline rank works m * (its stages' c_k) + its tail; the rest of `t` is waiting.
+    """
+    if idle_cost >= 1.0 or len(stages) == 1:
+        return t
+    pp = len(stages) // v
+    busy = max(m * sum(st.c for st in stages[p::pp]) for p in range(pp)) + max(st.tail_s for st in stages)
+    return busy + idle_cost * max(0.0, t - busy)
 
 
 def evaluate_cut(ev: StageEvaluator, bounds: tuple[int, ...]) -> Cut | None:
@@ -43,7 +56,8 @@ def evaluate_cut(ev: StageEvaluator, bounds: tuple[int, ...]) -> Cut | None:
     if not all(s.fits for s in stages):
         return None
     c = ev.cand
-    return Cut(bounds=bounds, stages=stages, step_time_s=step_time(stages, c.num_microbatches, c.interleave))
+    return Cut(bounds=bounds, stages=stages, step_time_s=step_time(stages, c.num_microbatches, c.interleave,
+                                                                    idle_cost=ev.ctx.cal.pipeline_idle_cost))
 
 
 def _balanced(ev: StageEvaluator, n: int, S: int) -> Cut | None:
@@ -67,6 +81,10 @@ def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf) -> Cut | None
     m, v = ev.cand.num_microbatches, ev.cand.interleave
     best = _balanced(ev, n, S)
     bound = min(incumbent, best.step_time_s if best else math.inf)
+    if ev.ctx.cal.pipeline_idle_cost < 1.0:
+        # the front's bound below assumes every idle second costs one; with less charged, a cut
+        # past it may still win, so no pruning (the front ranks by the full charge: near-optimal)
+        bound = math.inf
     slope = m * v - 1
     c_min_total = ev.total_c  # sum of c without p2p; any cut has sum c >= this
     c_limit = (bound - c_min_total / v) / slope * (1 + 1e-12) if slope > 0 and math.isfinite(bound) else math.inf

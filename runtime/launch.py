@@ -52,6 +52,7 @@ import torch
 import torch.multiprocessing as mp
 
 from runtime.env import LaunchError
+from runtime.memory_probe import PeakMemory
 
 __all__ = ["LaunchResult", "launch_local", "check_world_size", "check_sendable", "check_model"]
 
@@ -71,6 +72,9 @@ class LaunchResult:
     collective_counts: per rank, the runner's `collectives.counts` after all steps.
     held_bytes: per rank, the runner's held_bytes() after the last step.
     peak_rss_bytes: per rank, the process's peak resident memory (ru_maxrss; includes torch itself).
+    rank_step_times_s: per rank, per step.
+    peak_step_bytes: per rank, with `probe_step`: the most bytes of tensor storages live during that step
+        (runtime.memory_probe: held state plus everything the step allocated); None without.
     """
 
     losses: list[float]
@@ -80,16 +84,23 @@ class LaunchResult:
     collective_counts: list[dict[str, int]]
     held_bytes: list[dict[str, int]]
     peak_rss_bytes: list[int]
+    rank_step_times_s: list[list[float]] = dataclasses.field(default_factory=list)
+    peak_step_bytes: list[int] | None = None
 
 
 def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable,
                  batches: Sequence[Any], *, timeout_s: float = 120, world_size: int | None = None,
-                 programs: Mapping[int, str] | None = None) -> LaunchResult:
+                 programs: Mapping[int, str] | None = None, probe_step: int | None = None,
+                 memory_limit_bytes: float | None = None) -> LaunchResult:
     """Spawn one process per rank, run each rank's program on `batches` (global batches), gather the results.
 
     plan: the Plan (or anything with world_size, placements and program(rank)).
     programs: rank -> program source, instead of `plan.program(rank).source`.
     timeout_s: c10d's collective timeout, and how long any rank may go without progress.
+    probe_step: run step `probe_step` (0-based) under runtime.memory_probe.PeakMemory and report each rank's
+        peak in `peak_step_bytes` (the probe slows that step: leave it out of timings).
+    memory_limit_bytes: in the probed step, a rank going past this many bytes raises torch.OutOfMemoryError,
+        as a device of that capacity would.
     Raises LaunchError for a bad setup or any failed rank (naming it, with its traceback).
     """
     world = plan.world_size if world_size is None else world_size
@@ -99,6 +110,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
     check_model(plan, model_fn)
     sources = _sources(plan, world, programs)
     batches = list(batches)
+    if probe_step is not None and not 0 <= probe_step < len(batches):
+        raise LaunchError(f"probe_step={probe_step}: must index one of the {len(batches)} batches")
 
     tmp = Path(tempfile.mkdtemp(prefix="runtime-launch-"))
     procs: list[Any] = []
@@ -111,7 +124,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         progress = ctx.Array("d", [time.time()] * world, lock=False)  # time of each rank's last progress
         phase = ctx.Array("i", [_PH_SPAWNED] * world, lock=False)
         job = _Job(world_size=world, dir=str(tmp), timeout_s=timeout_s, parent_pid=os.getpid(),
-                   model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn)
+                   model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn, probe_step=probe_step,
+                   memory_limit_bytes=memory_limit_bytes)
         for r in range(world):
             p = ctx.Process(target=_worker, args=(job, r, progress, phase), name=f"runtime-rank{r}")
             p.start()
@@ -219,6 +233,8 @@ class _Job:
     model_fn: Callable
     optimizer_fn: Callable
     loss_fn: Callable
+    probe_step: int | None = None
+    memory_limit_bytes: float | None = None
 
 
 def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
@@ -247,11 +263,16 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         runner = ns["build"](job.model_fn, job.optimizer_fn, job.loss_fn)
         peak = _state_bytes(runner.held_bytes())
         batches = torch.load(d / "batches.pt", weights_only=True)
-        losses, times = [], []
+        losses, times, probed = [], [], None
         for k, batch in enumerate(batches):
             mark(_PH_STEP0 + k)
             t0 = time.perf_counter()
-            loss = runner.step(batch)
+            if k == job.probe_step:
+                with PeakMemory(baseline=_state_bytes(runner.held_bytes()), limit_bytes=job.memory_limit_bytes) as pm:
+                    loss = runner.step(batch)
+                probed = pm.peak_bytes
+            else:
+                loss = runner.step(batch)
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
             peak = max(peak, _state_bytes(runner.held_bytes()))
@@ -260,7 +281,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         result = {"losses": losses, "step_times_s": times, "state_dict": state,
                   "held_bytes": {k: int(v) for k, v in runner.held_bytes().items()},
                   "counts": {k: int(v) for k, v in runner.collectives.counts.items()},
-                  "peak_memory_bytes": int(peak), "peak_rss_bytes": _peak_rss()}
+                  "peak_memory_bytes": int(peak), "peak_rss_bytes": _peak_rss(), "peak_step_bytes": probed}
         _write_atomic(d / f"result_{rank}.pt", lambda f: torch.save(result, f))
         mark(_PH_STEP0 + len(batches) + 1)
     except BaseException as exc:  # report, then leave without c10d teardown (peers may be blocked)
@@ -427,4 +448,7 @@ def _collect(results: list[dict[str, Any]]) -> LaunchResult:
                         peak_memory_bytes=[res["peak_memory_bytes"] for res in results],
                         collective_counts=[res["counts"] for res in results],
                         held_bytes=[res["held_bytes"] for res in results],
-                        peak_rss_bytes=[res["peak_rss_bytes"] for res in results])
+                        peak_rss_bytes=[res["peak_rss_bytes"] for res in results],
+                        rank_step_times_s=[res["step_times_s"] for res in results],
+                        peak_step_bytes=None if results[0]["peak_step_bytes"] is None else
+                        [res["peak_step_bytes"] for res in results])

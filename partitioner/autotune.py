@@ -1,0 +1,432 @@
+"""Auto-tune: measure the cost model's best candidates on the real machines, fit its calibration, repeat.
+
+>>> res = autotune("examples/gpt.py:gpt_small", "local:4", global_batch_size=16, trials=6,
+...                db="tune.sqlite")                                     # doctest: +SKIP
+>>> res.plan            # the best measured configuration, compiled with the fitted calibration
+>>> res.trials          # each: config, predicted and measured step time and peak memory, status
+>>> res.calibration_path                                                 # doctest: +SKIP
+PosixPath('tune.calibration.json')
+
+The loop:
+1. compile under the starting calibration; take `trials` of its ranked
+   candidates, distinct shapes first (a fit learns more from dp4 vs pp2 x dp2
+   than from two recompute policies of one shape);
+2. run each for `warmup` + 1 + `steps` steps through the runtime's launcher:
+   the warm-up steps are discarded, the next runs under the memory probe
+   (runtime.memory_probe: peak bytes per rank, and torch.OutOfMemoryError past
+   the device's usable memory, as on the device), the median of the last
+   `steps` (each the slowest rank's) is the step time. Out of memory, crashes
+   and hangs are recorded with their reason and the tuner goes on
+   (launch_local kills every rank of a failed trial);
+3. fit the calibration to the successful trials (cost_models/fit.py: least
+   squares on log step times; linear least squares on memory);
+4. compile again with it; its leaders not yet measured are tried next; stop
+   when the measured best is the calibrated model's best, or after
+   `max_rounds`.
+Every trial is committed to the SQLite `db` as it ends (partitioner/autotune_db.py):
+re-running skips what is measured and so resumes an interrupted tune.
+
+Local processes are the launcher here (`local:N` topologies). A cluster run
+uses the same loop with the programs started by torchrun or srun; that
+launcher is not built yet, and autotune refuses a non-local topology.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from cost_models.calibration import Calibration
+from cost_models.errors import DeclarationError, PartitionerError
+from cost_models.fit import fit_memory, fit_step_times
+from cost_models.topology import Topology
+from partitioner.autotune_db import TrialStore, trial_key
+from partitioner.compile import PlanInfeasibleError, compile
+from partitioner.opgraph import OpGraph
+from partitioner.plan import MemoryBreakdown, ParallelConfig, Plan
+
+__all__ = ["autotune", "Trial", "AutotuneResult", "rank_memory_of"]
+
+_PINS = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Trial:
+    """One measured configuration.
+
+    status: "ok", "oom" (out of memory), "crash", "timeout", or "infeasible" (the cost model says it
+    does not fit, so it was not run). predicted_*: under the calibration it was chosen with;
+    calibrated_*: under the final fitted calibration. Peak bytes are per rank.
+    """
+
+    config: ParallelConfig
+    compression: dict[str, str]
+    status: str
+    predicted_step_s: float
+    predicted_peak_bytes: list[float]
+    measured_step_s: float | None = None
+    measured_step_times_s: list[float] = dataclasses.field(default_factory=list)
+    measured_peak_bytes: list[int] | None = None
+    calibrated_step_s: float | None = None
+    calibrated_peak_bytes: list[float] | None = None
+    error: str = ""
+    cached: bool = False  # read from the database, not measured in this call
+    round: int = 0
+
+    @property
+    def step_error(self) -> float | None:
+        """calibrated / measured - 1."""
+        if self.measured_step_s is None or self.calibrated_step_s is None:
+            return None
+        return self.calibrated_step_s / self.measured_step_s - 1
+
+    @property
+    def memory_error(self) -> float | None:
+        """The worst rank's calibrated / measured peak - 1 (by magnitude)."""
+        if not self.measured_peak_bytes or not self.calibrated_peak_bytes:
+            return None
+        return max((p / m - 1 for p, m in zip(self.calibrated_peak_bytes, self.measured_peak_bytes)), key=abs)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["config"] = dataclasses.asdict(self.config)
+        d["step_error"], d["memory_error"] = self.step_error, self.memory_error
+        return d
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutotuneResult:
+    plan: Plan  # the best measured configuration, compiled with the fitted calibration
+    trials: tuple[Trial, ...]
+    calibration: Calibration
+    calibration_path: Path
+    db_path: Path
+    rounds: int
+    fit_rms_before: float | None  # sqrt(mean(log(predicted / measured)^2)) over the ok trials
+    fit_rms_after: float | None
+
+    @property
+    def best(self) -> Trial:
+        return min((t for t in self.trials if t.status == "ok"), key=lambda t: t.measured_step_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"best": self.best.to_dict(), "plan_config": str(self.plan.config), "rounds": self.rounds,
+                "calibration_path": str(self.calibration_path), "db": str(self.db_path),
+                "calibration": self.calibration.to_dict(), "fit_rms_log_error_before": self.fit_rms_before,
+                "fit_rms_log_error_after": self.fit_rms_after, "trials": [t.to_dict() for t in self.trials]}
+
+
+def rank_memory_of(plan: Plan) -> list[MemoryBreakdown]:
+    """Per rank: the sum over its pipeline position's virtual stages, buffers once (compile.rank_memory)."""
+    per_pp: dict[int, MemoryBreakdown] = {}
+    for st in plan.stages:
+        r, m = st.index % plan.pp, st.memory
+        prev = per_pp.get(r)
+        per_pp[r] = m if prev is None else MemoryBreakdown(
+            params=prev.params + m.params, grads=prev.grads + m.grads, optimizer=prev.optimizer + m.optimizer,
+            activations=prev.activations + m.activations, buffers=max(prev.buffers, m.buffers))
+    return [per_pp[c.pp] for c in sorted(plan.mesh, key=lambda c: c.rank)]
+
+
+# ---- the loop ---------------------------------------------------------------------------
+
+
+def autotune(model: str | Callable, topology: Topology | str | dict, *, example_inputs: Sequence[Any] | None = None,
+             global_batch_size: int, trials: int = 6, db: str | Path = "partitioner-tune.sqlite", steps: int = 3,
+             warmup: int = 1, timeout_s: float = 120, calibration_out: str | Path | None = None,
+             progress: bool | TextIO = True, optimizer_fn: Callable | None = None, loss_fn: Callable | None = None,
+             data: Callable[[int], Any] | None = None, candidates: Sequence[dict[str, Any]] | None = None,
+             max_rounds: int = 3, calibration: Calibration | str | None = None, fit_iterations: int = 30,
+             **compile_kwargs: Any) -> AutotuneResult:
+    """Measure, calibrate and re-rank until the measured best stops changing; see the module docstring.
+
+    model: a picklable factory (a module-level function) or "FILE.py:FACTORY" / "pkg.module:FACTORY".
+    data: step -> (inputs, targets), the global batch; default: the model module's
+        `example_batch(model, global_batch_size, seed=step)`.
+    optimizer_fn / loss_fn: default the plan's optimizer (lr 1e-3) and cross-entropy (runtime.run).
+    candidates: the first round's configurations as dicts of compile pins (e.g. {"dp": 2, "tp": 2}),
+        instead of the cost model's top `trials`.
+    compile_kwargs: passed to every compile (precision, optimizer, max_memory_fraction, pins...).
+    """
+    from runtime.run import default_loss, default_optimizer, load_callable
+
+    _check(trials=trials, steps=steps, warmup=warmup, max_rounds=max_rounds)
+    topo = Topology.coerce(topology)
+    if not topo.local:
+        raise DeclarationError(f"topology {topo}: autotune runs trials as local processes (local:N topologies); "
+                               "a cluster launcher for trials (torchrun/srun) is not built yet")
+    model_fn = load_callable(model, "model") if isinstance(model, str) else model
+    module = inspect.getmodule(model_fn)
+    built = model_fn()
+    if example_inputs is None:
+        if not hasattr(module, "example_batch"):
+            raise DeclarationError("example_inputs: required when the model's module has no example_batch(model, "
+                                   "batch_size)")
+        example_inputs = tuple(module.example_batch(built, 2))[:1]
+    if data is None:
+        if not hasattr(module, "example_batch"):
+            raise DeclarationError("data: required (step -> (inputs, targets)) when the model's module has no "
+                                   "example_batch(model, batch_size, seed=)")
+        data = lambda step: module.example_batch(built, global_batch_size, seed=step)  # noqa: E731
+    from partitioner.trace import trace
+
+    g = trace(built, tuple(example_inputs))
+    out = _stream(progress)
+    cal = Calibration.load(calibration) if isinstance(calibration, (str, Path)) else \
+        (calibration or Calibration.for_device(topo.device.name))
+    db_path = Path(db)
+    cal_path = Path(calibration_out) if calibration_out else db_path.with_suffix(".calibration.json")
+    store = TrialStore(db_path)
+    compile_kwargs = {"global_batch_size": global_batch_size, **compile_kwargs}
+    tuner = _Tuner(g=g, topo=topo, store=store, model_fn=model_fn, data=data, steps=steps, warmup=warmup,
+                   timeout_s=timeout_s, optimizer_fn=optimizer_fn, loss_fn=loss_fn or default_loss,
+                   default_optimizer=default_optimizer, compile_kwargs=compile_kwargs, out=out)
+    try:
+        return tuner.run(cal, trials=trials, candidates=candidates, max_rounds=max_rounds, cal_path=cal_path,
+                         fit_iterations=fit_iterations)
+    finally:
+        store.close()
+
+
+def _check(**kw: int) -> None:
+    for k, v in kw.items():
+        least = 0 if k == "warmup" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise DeclarationError(f"{k}={v!r}: must be an int >= {least}")
+
+
+def _stream(progress: bool | TextIO) -> TextIO | None:
+    if progress is True:
+        return sys.stderr
+    return progress or None
+
+
+@dataclasses.dataclass
+class _Tuner:
+    g: OpGraph
+    topo: Topology
+    store: TrialStore
+    model_fn: Callable
+    data: Callable[[int], Any]
+    steps: int
+    warmup: int
+    timeout_s: float
+    optimizer_fn: Callable | None
+    loss_fn: Callable
+    default_optimizer: Callable
+    compile_kwargs: dict[str, Any]
+    out: TextIO | None
+    done: dict[str, Trial] = dataclasses.field(default_factory=dict)  # key -> trial, in the order run
+
+    # -- compiling ------------------------------------------------------------------
+    def pins(self, config: ParallelConfig, compression: dict[str, str]) -> dict[str, Any]:
+        return {**{k: getattr(config, k) for k in _PINS}, "compression": dict(compression)}
+
+    def compile_pinned(self, config: ParallelConfig, compression: dict[str, str], cal: Calibration) -> Plan:
+        kw = {k: v for k, v in self.compile_kwargs.items() if k not in (*_PINS, "compression")}
+        return compile(self.g, self.topo, calibration=cal, alternatives=0, **kw, **self.pins(config, compression))
+
+    def ranked(self, cal: Calibration, k: int) -> list[tuple[ParallelConfig, dict[str, str], float]]:
+        plan = compile(self.g, self.topo, calibration=cal, alternatives=max(4 * k, 12), **self.compile_kwargs)
+        return [(plan.config, dict(plan.compression), plan.predicted.step_time_s)] + \
+            [(a.config, dict(a.compression), a.step_time_s) for a in plan.alternatives if a.fits]
+
+    def key(self, config: ParallelConfig, compression: dict[str, str]) -> str:
+        kw = self.compile_kwargs
+        return trial_key(graph=self.g.fingerprint(), topology=self.topo.fingerprint(), config=str(config),
+                         compression=sorted(compression.items()), batch=kw["global_batch_size"],
+                         precision=kw.get("precision"), optimizer=kw.get("optimizer"),
+                         memory_fraction=kw.get("max_memory_fraction"), steps=self.steps, warmup=self.warmup)
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self, cal: Calibration, *, trials: int, candidates, max_rounds: int, cal_path: Path,
+            fit_iterations: int) -> AutotuneResult:
+        first = self.first_round(cal, trials, candidates)
+        self.say(f"autotune: {self.g.model_name} on {self.topo}, {len(first)} trials, database {self.store.path}")
+        for i, (config, comp) in enumerate(first):
+            self.measure(config, comp, cal, index=i + 1, total=len(first), round_=0)
+        fit_before = fit_after = None
+        rounds, best_before = 0, None
+        for rounds in range(1, max_rounds + 1):
+            ok = self.ok()
+            if len(ok) < 2:
+                break
+            cal, fit_before, fit_after = self.fit(cal, ok, fit_iterations)
+            best = min(ok, key=lambda t: t.measured_step_s)
+            leaders = [(c, comp) for c, comp, _ in self.ranked(cal, 2)[:2]]
+            new = [(c, comp) for c, comp in leaders if self.key(c, comp) not in self.done]
+            self.say(f"round {rounds}: calibrated (rms log error {fit_before:.3f} -> {fit_after:.3f}); measured best "
+                     f"{best.config} {best.measured_step_s * 1e3:.1f} ms; new leaders to try: {len(new)}")
+            if not new and best_before is not None and best.config == best_before.config:
+                break
+            if not new:
+                break
+            best_before = best
+            for i, (config, comp) in enumerate(new):
+                self.measure(config, comp, cal, index=i + 1, total=len(new), round_=rounds)
+        ok = self.ok()
+        if len(ok) >= 2 and rounds and any(t.round == rounds for t in ok):
+            cal, fit_before, fit_after = self.fit(cal, ok, fit_iterations)  # include the last round's trials
+        if not ok:
+            reasons = "; ".join(f"{t.config}: {t.status} ({t.error.splitlines()[0] if t.error else ''})"
+                                for t in self.done.values())
+            raise AutotuneFailed(f"no trial ran successfully: {reasons}")
+        cal_path.parent.mkdir(parents=True, exist_ok=True)
+        cal.save(cal_path)
+        final = tuple(self.calibrated(t, cal) for t in self.done.values())
+        best = min((t for t in final if t.status == "ok"), key=lambda t: t.measured_step_s)
+        kw = {k: v for k, v in self.compile_kwargs.items() if k not in (*_PINS, "compression")}
+        plan = compile(self.g, self.topo, calibration=cal, **kw, **self.pins(best.config, best.compression))
+        self.say(f"best measured: {best.config} {best.measured_step_s * 1e3:.1f} ms/step; calibration saved to "
+                 f"{cal_path}")
+        return AutotuneResult(plan=plan, trials=final, calibration=cal, calibration_path=cal_path,
+                              db_path=self.store.path, rounds=rounds, fit_rms_before=fit_before,
+                              fit_rms_after=fit_after)
+
+    def first_round(self, cal: Calibration, trials: int, candidates) -> list[tuple[ParallelConfig, dict[str, str]]]:
+        if candidates is not None:
+            out = []
+            kw = {k: v for k, v in self.compile_kwargs.items() if k not in (*_PINS, "compression")}
+            for pins in candidates:
+                unknown = set(pins) - {*_PINS, "compression"}
+                if unknown:
+                    raise DeclarationError(f"candidates: unknown pin(s) {sorted(unknown)}; use {[*_PINS, 'compression']}")
+                p = compile(self.g, self.topo, calibration=cal, alternatives=0, **kw, **pins)
+                out.append((p.config, dict(p.compression)))
+            return out
+        ranked = self.ranked(cal, trials)
+        # distinct mesh shapes and ZeRO stages first, then the rest in the cost model's order
+        shape = lambda c: (c.dp, c.tp, c.pp, c.zero_stage, c.schedule)  # noqa: E731
+        seen, first, rest = set(), [], []
+        for c, comp, _ in ranked:
+            (rest if shape(c) in seen else first).append((c, comp))
+            seen.add(shape(c))
+        return (first + rest)[:trials]
+
+    def ok(self) -> list[Trial]:
+        return [t for t in self.done.values() if t.status == "ok"]
+
+    def measure(self, config: ParallelConfig, comp: dict[str, str], cal: Calibration, *, index: int, total: int,
+                round_: int) -> Trial:
+        key = self.key(config, comp)
+        head = f"[{_bar(index, total)}] {index}/{total} {config}" + \
+            "".join(f" {lvl}={c}" for lvl, c in comp.items() if c != "none")
+        cached = self.store.get(key)
+        if cached is not None:
+            trial = _trial_from(cached, cached=True)
+            self.done[key] = trial
+            self.say(f"{head}: {_summary(trial)} (from the database)")
+            return trial
+        try:
+            plan = self.compile_pinned(config, comp, cal)
+        except PlanInfeasibleError as e:
+            trial = Trial(config=config, compression=comp, status="infeasible", predicted_step_s=math.inf,
+                          predicted_peak_bytes=[], error=str(e), round=round_)
+            return self.record(key, trial, head)
+        predicted = plan.predicted.step_time_s
+        peaks = [m.total for m in rank_memory_of(plan)]
+        self.say(f"{head}: predicted {predicted * 1e3:.1f} ms, running {self.warmup} + 1 + {self.steps} steps ...",
+                 end="")
+        trial = self.launch(plan, config, comp, predicted, peaks, round_)
+        return self.record(key, trial, head)
+
+    def launch(self, plan: Plan, config, comp, predicted: float, peaks: list[float], round_: int) -> Trial:
+        from runtime.env import LaunchError
+        from runtime.launch import launch_local
+
+        n = self.warmup + 1 + self.steps
+        batches = [self.data(s) for s in range(n)]
+        opt = self.optimizer_fn or self.default_optimizer(plan.optimizer)
+        limit = plan.predicted.memory_capacity_bytes * self.compile_kwargs.get("max_memory_fraction", 0.9)
+        base = Trial(config=config, compression=comp, status="ok", predicted_step_s=predicted,
+                     predicted_peak_bytes=peaks, round=round_)
+        try:
+            res = launch_local(plan, self.model_fn, opt, self.loss_fn, batches, timeout_s=self.timeout_s,
+                               probe_step=self.warmup, memory_limit_bytes=limit)
+        except LaunchError as e:
+            return dataclasses.replace(base, status=_failure_kind(str(e)), error=str(e))
+        # a synchronous step ends when its slowest rank does
+        times = [max(r[k] for r in res.rank_step_times_s) for k in range(self.warmup + 1, n)]
+        return dataclasses.replace(base, measured_step_s=statistics.median(times), measured_step_times_s=times,
+                                   measured_peak_bytes=list(res.peak_step_bytes))
+
+    def record(self, key: str, trial: Trial, head: str) -> Trial:
+        self.store.put(key, graph_hash=self.g.fingerprint(), topology_hash=self.topo.fingerprint(),
+                       config=str(trial.config), status=trial.status, record=trial.to_dict())
+        self.done[key] = trial
+        self.say(f"\r{head}: {_summary(trial)}" if self.out else "")
+        return trial
+
+    def fit(self, cal: Calibration, ok: list[Trial], iterations: int) -> tuple[Calibration, float, float]:
+        measured = [t.measured_step_s for t in ok]
+        result = fit_step_times(lambda c: [self.compile_pinned(t.config, t.compression, c).predicted.step_time_s
+                                           for t in ok], measured, cal, max_iter=iterations,
+                                source=f"autotune {self.topo} {time.strftime('%Y-%m-%d')} ({len(ok)} trials)")
+        base = dataclasses.replace(result.calibration, activation_mem_scale=1.0, memory_overhead_bytes=0.0)
+        meas, other, acts = [], [], []
+        for t in ok:
+            for m, r in zip(t.measured_peak_bytes or [], rank_memory_of(self.compile_pinned(t.config, t.compression,
+                                                                                              base))):
+                meas.append(m)
+                other.append(r.total - r.activations)
+                acts.append(r.activations)
+        return fit_memory(meas, other, acts, result.calibration), result.rms_log_error_before, \
+            result.rms_log_error_after
+
+    def calibrated(self, t: Trial, cal: Calibration) -> Trial:
+        if t.status != "ok":
+            return t
+        plan = self.compile_pinned(t.config, t.compression, cal)
+        return dataclasses.replace(t, calibrated_step_s=plan.predicted.step_time_s,
+                                   calibrated_peak_bytes=[m.total for m in rank_memory_of(plan)])
+
+    def say(self, text: str, end: str = "\n") -> None:
+        if self.out is not None:
+            self.out.write(text + end)
+            self.out.flush()
+
+
+class AutotuneFailed(PartitionerError):
+    """No trial of an autotune ran successfully (each trial's reason is in the message)."""
+
+
+__all__ += ["AutotuneFailed"]
+
+
+def _failure_kind(message: str) -> str:
+    if "OutOfMemoryError" in message or "out of memory" in message.lower() or "out-of-memory" in message:
+        return "oom"
+    if "no progress within timeout_s" in message:
+        return "timeout"
+    return "crash"
+
+
+def _bar(i: int, n: int, width: int = 10) -> str:
+    k = round(width * i / n) if n else width
+    return "#" * k + "-" * (width - k)
+
+
+def _summary(t: Trial) -> str:
+    if t.status != "ok":
+        first = t.error.strip().splitlines()[0] if t.error.strip() else ""
+        return f"{t.status.upper()}: {first[:160]}"
+    dev = t.predicted_step_s / t.measured_step_s - 1
+    peak = max(t.measured_peak_bytes or [0]) / 2**20
+    return (f"measured {t.measured_step_s * 1e3:.1f} ms vs predicted {t.predicted_step_s * 1e3:.1f} ms ({dev:+.0%}), "
+            f"peak {peak:.1f} MiB vs {max(t.predicted_peak_bytes or [0]) / 2**20:.1f} MiB predicted")
+
+
+def _trial_from(d: dict[str, Any], *, cached: bool) -> Trial:
+    d = dict(d)
+    d.pop("step_error", None)
+    d.pop("memory_error", None)
+    d["config"] = ParallelConfig(**d["config"])
+    d["cached"] = cached
+    return Trial(**d)
