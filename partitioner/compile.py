@@ -5,6 +5,7 @@
     search           every allowed configuration (and its best gradient compression), exact stage cuts, best first
     build_schedule   the winner's per-rank instruction lists
     simulate         the predicted step time from those same lists
+    comparisons      runners-up that lost on memory or on the declarations, and the hand configurations
 
 Pure: nothing global, nothing cached across calls; the same inputs give a
 byte-identical plan.
@@ -13,32 +14,64 @@ byte-identical plan.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
-
 from cost_models.calibration import Calibration
-from cost_models.compression import GATHER_CODE_BYTES, LEVELS, group_compressor, traffic_levels, wire_bytes
+from cost_models.compression import (
+    GATHER_CODE_BYTES,
+    LEVELS,
+    group_compressor,
+    traffic_levels,
+    wire_bytes,
+)
 from cost_models.compute import dtype_for
 from cost_models.errors import DeclarationError, PartitionerError
 from cost_models.memory import DDP_BUCKET_BYTES
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
+from partitioner.comparisons import (
+    durations,
+    hand_baselines,
+    over_memory_alternatives,
+    pinned_out,
+)
 from partitioner.costing import CostContext, StageEvaluator, units_of
-from partitioner.cut import Cut, evaluate_cut
-from partitioner.declarations import Declarations, check_declarations, compression_pins, compression_refusal
+from partitioner.cut import Cut, charge_idle, evaluate_cut
+from partitioner.declarations import (
+    Declarations,
+    check_declarations,
+    compression_pins,
+    compression_refusal,
+)
 from partitioner.opgraph import OpGraph
-from partitioner.plan import (PLAN_VERSION, Alternative, MemoryBreakdown, MeshCoord, ParallelConfig, ParamPlacement,
-                              Plan, Predicted, StagePlan)
+from partitioner.plan import (
+    PLAN_VERSION,
+    Alternative,
+    Baseline,
+    MemoryBreakdown,
+    MeshCoord,
+    ParallelConfig,
+    ParamPlacement,
+    Plan,
+    Predicted,
+    StagePlan,
+)
 from partitioner.schedule import build_schedule
 from partitioner.search import Scored, enumerate_candidates, least_memory, search
 from partitioner.segments import SegmentError, extract
-from partitioner.simulate import Durations, simulate
+from partitioner.simulate import simulate
 from partitioner.tensor_split import TensorSplits, find_splits
 from partitioner.trace import trace
 
-__all__ = ["compile", "PlanInfeasibleError"]
+__all__ = ["PlanInfeasibleError", "compile"]
+
+
+# Faster configurations that do not fit, shown among the runners-up (one per mesh shape).
+_OVER_MEMORY_SHOWN = 3
 
 
 class PlanInfeasibleError(PartitionerError):
@@ -71,6 +104,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
 
     `model` is an nn.Module (traced with `example_inputs`/`example_kwargs`,
     which may live on the meta device) or an OpGraph from `trace`.
+
+    Besides the `alternatives` fastest runners-up, the plan records in `rejected`
+    up to three faster configurations that do not fit and, when something is
+    pinned, the best one the pins rule out; in `baselines`, the usual hand
+    configurations costed the same way (partitioner.comparisons). `explain()`
+    prints them.
 
     >>> plan = compile(gpt_small(), "local:4", example_inputs=example_batch(m, 8), global_batch_size=32)  # doctest: +SKIP
     >>> print(plan)                                                                                       # doctest: +SKIP
@@ -109,16 +148,21 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         if why and value not in (None, 1):
             raise DeclarationError(f"{axis}={value}: no per-rank program can be generated for this model with "
                                    f"{axis} > 1 ({why}); leave {axis} unpinned or pin {axis}=1")
+    forced: dict[str, int] = {}  # restrictions that are not the user's choice
     if no_pp or no_tp:
         valid_tp = (1,)
-        decl = dataclasses.replace(decl, tp=1, pp=1 if no_pp else decl.pp)
+        forced = {"tp": 1, **({"pp": 1} if no_pp else {})}
+        decl = dataclasses.replace(decl, **forced)
     unit_name = "blocks" if g.blocks and cut_granularity == "block" else "nodes"
     num_units = len(units_of(g, cut_granularity))
     check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=num_units,
                        unit_name=unit_name, valid_tp=valid_tp, tp_divisors=splits.divisors)
-    ctx = CostContext(g, topo, splits, precision=precision, optimizer=optimizer, seq_len=g.traced_seq_len,
-                      memory_cap=max_memory_fraction * topo.device.memory_bytes, calibration=cal,
-                      granularity=cut_granularity, compression=decl.compression)
+    def context(compression: dict[str, str]) -> CostContext:
+        return CostContext(g, topo, splits, precision=precision, optimizer=optimizer, seq_len=g.traced_seq_len,
+                           memory_cap=max_memory_fraction * topo.device.memory_bytes, calibration=cal,
+                           granularity=cut_granularity, compression=compression)
+
+    ctx = context(decl.compression)
     allowed = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
                                         num_units=len(ctx.units), valid_tp=valid_tp))
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
@@ -128,12 +172,17 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         raise DeclarationError(
             f"no configuration satisfies the declarations {decl.pinned()} with global_batch_size="
             f"{global_batch_size} on {topo.world_size} devices; relax a pinned value")
-    result = search(ctx, cands, keep=max(1, alternatives + 1))
+    result = search(ctx, cands, keep=max(1, alternatives + 1), over_memory=min(alternatives, _OVER_MEMORY_SHOWN))
     if not result.ranked:
         _infeasible(ctx, cands, decl, topo)
+    best = result.ranked[0]
+    rejected = over_memory_alternatives(best, result.over_memory, ctx.memory_cap)
+    if alternatives > 0:
+        free_ctx = context({}) if decl.compression else ctx
+        rejected += tuple(x for x in [pinned_out(free_ctx, decl, best, valid_tp=valid_tp, forced=forced)] if x)
     return _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space,
                      clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
-                     compression_warmup=compression_warmup)
+                     compression_warmup=compression_warmup, rejected=rejected, baselines=hand_baselines(ctx, decl) if alternatives > 0 else ())
 
 
 def _refuse_compression(ctx: CostContext, allowed: list[ParallelConfig], decl: Declarations) -> None:
@@ -206,7 +255,8 @@ def _why(best: Scored, other: Scored) -> str:
 
 def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSplits, ctx: CostContext,
               ranked: tuple[Scored, ...], evaluated: int, space: int, *, clip_grad_norm: float | None,
-              compression_warmup: int = 0) -> Plan:
+              compression_warmup: int = 0, rejected: tuple[Alternative, ...] = (),
+              baselines: tuple[Baseline, ...] = ()) -> Plan:
     best = ranked[0]
     cand, cut = best.cand, best.cut
     ev = ctx.prepare(cand, best.compression)
@@ -249,11 +299,11 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
 
     sched = build_schedule(cand.schedule, pp=cand.pp, num_microbatches=cand.num_microbatches,
                            interleave=cand.interleave)
-    sim = simulate(sched, _durations(ev, cut))
+    sim = simulate(sched, durations(ev, cut))
     saving = 0.0
     if best.compression != ("none", "none"):
         plain = ctx.prepare(cand, ("none", "none"))
-        saving = simulate(sched, _durations(plain, evaluate_cut(plain, cut.bounds))).step_time_s - sim.step_time_s
+        saving = simulate(sched, durations(plain, evaluate_cut(plain, cut.bounds))).step_time_s - sim.step_time_s
     predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving)
     alternatives = tuple(Alternative(config=o.cand, step_time_s=o.cut.step_time_s,
                                      peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp).values()),
@@ -268,6 +318,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 candidates_evaluated=evaluated, search_space=space,
                 compression=dict(zip(LEVELS, best.compression)),
                 compression_warmup=compression_warmup if best.compression != ("none", "none") else 0,
+                rejected=rejected, baselines=baselines,
                 **_model_code(g, splits, cand))
 
 
@@ -311,25 +362,9 @@ def _segment_name(g: OpGraph, n: int) -> str:
     return "prefix" if n < first_block else "suffix"
 
 
-def _durations(ev: StageEvaluator, cut: Cut) -> Durations:
-    """Per-stage times for the simulator: compute apart from the p2p it models itself."""
-    S = len(cut.stages)
-    p2p = ev.p2p
-    fwd, bwd, sync, optim = [], [], [], []
-    for k, st in enumerate(cut.stages):
-        i, j = cut.bounds[k], cut.bounds[k + 1]
-        fwd.append(st.forward_s - (p2p[i - 1] if k > 0 else 0.0))
-        bwd.append(st.backward_s - (p2p[j - 1] if k < S - 1 else 0.0))
-        sync.append(st.exposed_comm_s)
-        optim.append(st.tail_s - st.exposed_comm_s)
-    links = tuple(p2p[cut.bounds[k + 1] - 1] for k in range(S - 1))
-    return Durations(forward=tuple(fwd), backward=tuple(bwd), p2p=links, grad_sync=tuple(sync), overlap=0.0,
-                     optim=tuple(optim))
-
-
 def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig,
              cut: Cut, stages: list[StagePlan], sim: Any, compression: tuple[str, str], saving: float) -> Predicted:
-    step = sim.step_time_s
+    step = charge_idle(cut.stages, cand.num_microbatches, cand.interleave, sim.step_time_s, ctx.cal.pipeline_idle_cost)
     gb, s = decl.global_batch_size, g.traced_seq_len or 1
     model_flops = g.flops(batch_size=gb, seq_len=g.traced_seq_len) if g.batch_symbolic else \
         g.flops() * gb / g.traced_batch_size
@@ -341,7 +376,7 @@ def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, e
                      peak_memory_bytes=worst.total, memory=worst, memory_capacity_bytes=float(topo.device.memory_bytes),
                      bytes_per_link=_traffic(ctx, ev, cand, cut, topo, dict(zip(LEVELS, compression))),
                      bubble_fraction=sim.bubble_fraction, exposed_comm_s=max(st.exposed_comm_s for st in cut.stages),
-                     compression_saving_s=saving)
+                     compression_saving_s=saving, search_step_time_s=cut.step_time_s)
 
 
 def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cut, topo: Topology,

@@ -24,8 +24,19 @@ from partitioner.plan_json import PlanFormatError, decode, encode
 from partitioner.schedule import Schedule, ScheduleKind
 from partitioner.segments import ModelCode
 
-__all__ = ["ParallelConfig", "MeshCoord", "MemoryBreakdown", "StagePlan", "ParamPlacement", "Predicted",
-           "Alternative", "Plan", "PlanMismatchError", "PLAN_VERSION"]
+__all__ = [
+    "PLAN_VERSION",
+    "Alternative",
+    "Baseline",
+    "MemoryBreakdown",
+    "MeshCoord",
+    "ParallelConfig",
+    "ParamPlacement",
+    "Plan",
+    "PlanMismatchError",
+    "Predicted",
+    "StagePlan",
+]
 
 PLAN_VERSION = 1
 
@@ -148,11 +159,18 @@ class Predicted:
     exposed_comm_s: float  # the busiest stage's data-parallel communication and compression kernels nothing hides
     # step time the plan's gradient compression saves against the same configuration and cut uncompressed
     compression_saving_s: float = 0.0
+    # the search's closed-form estimate of this cut's step time (cut.step_time), the basis on which the
+    # runners-up were ranked; step_time_s simulates the instruction lists. 0.0: not recorded (older plans)
+    search_step_time_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Alternative:
-    """A runner-up: its configuration, prediction, and why it lost."""
+    """A runner-up: its configuration, prediction, and why it lost.
+
+    step_time_s: the search's estimate of its best cut (of a balanced cut when it does not fit, fits False),
+    comparable with Predicted.search_step_time_s rather than the simulated Predicted.step_time_s.
+    """
 
     config: ParallelConfig
     step_time_s: float
@@ -160,6 +178,25 @@ class Alternative:
     fits: bool
     why: str
     compression: dict[Level, Compressor] = dataclasses.field(default_factory=no_compression)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Baseline:
+    """A configuration people write by hand, costed like the plan, to show what the search gains.
+
+    name: "pure data parallel", "ZeRO-3 only", "Megatron tp=8". config: its best
+    configuration; when nothing of that kind fits, the one needing the least memory
+    (fits False), and None when it cannot exist here (note says why).
+    step_time_s: simulated like the plan's (None unless it fits); peak_memory_bytes:
+    its largest per-rank total (the least any variant needs, when none fits).
+    """
+
+    name: str
+    config: ParallelConfig | None
+    step_time_s: float | None
+    peak_memory_bytes: float | None
+    fits: bool
+    note: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -198,6 +235,15 @@ class Plan:
     compression: dict[Level, Compressor] = dataclasses.field(default_factory=no_compression)
     # the first steps reduce uncompressed (runtime.grad_compression), before error feedback starts
     compression_warmup: int = 0
+    # the model spec it was compiled from ("examples/gpt.py:gpt_tiny"), so `partitioner run` needs no
+    # --model; "" when compiled from Python or by an older version
+    model_source: str = ""
+    # runners-up that lost for a reason other than time: faster configurations that do not fit in
+    # memory (fits False, timed by a balanced cut) and, when something was pinned, the best one the
+    # pins rule out
+    rejected: tuple[Alternative, ...] = ()
+    # the usual hand configurations (pure data parallel, ZeRO-3 only, Megatron tensor x pipeline)
+    baselines: tuple[Baseline, ...] = ()
 
     # ---- the configuration, by name ---------------------------------------
     dp = property(lambda self: self.config.dp)
@@ -216,6 +262,16 @@ class Plan:
             if p.param == param:
                 return p
         raise KeyError(f"no parameter {param!r} in this plan")
+
+    def rank_memory(self) -> dict[int, MemoryBreakdown]:
+        """Per pipeline rank: its virtual stages' memory summed, buffers once (they are reused), as compile counts it."""
+        out: dict[int, MemoryBreakdown] = {}
+        for st in self.stages:
+            r, m, prev = st.index % self.pp, st.memory, out.get(st.index % self.pp)
+            out[r] = m if prev is None else MemoryBreakdown(
+                params=prev.params + m.params, grads=prev.grads + m.grads, optimizer=prev.optimizer + m.optimizer,
+                activations=prev.activations + m.activations, buffers=max(prev.buffers, m.buffers))
+        return out
 
     # ---- programs ------------------------------------------------------
     def program(self, rank: int):
@@ -236,7 +292,7 @@ class Plan:
         return json.dumps(encode(self), indent=1, sort_keys=True) + "\n"
 
     @staticmethod
-    def from_json(text: str) -> "Plan":
+    def from_json(text: str) -> Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -257,7 +313,7 @@ class Plan:
         return path
 
     @staticmethod
-    def load(path: str | Path, *, graph: Any = None, topology: Any = None) -> "Plan":
+    def load(path: str | Path, *, graph: Any = None, topology: Any = None) -> Plan:
         """Read a plan; with `graph` (an OpGraph) or `topology`, refuse one made for others."""
         path = Path(path)
         if not path.is_file():
@@ -294,3 +350,15 @@ class Plan:
         from partitioner.plan_text import explain_plan
 
         return explain_plan(self)
+
+    def to_html(self, path: str | Path) -> Path:
+        """Write the plan as one self-contained HTML page (partitioner.plan_html)."""
+        from partitioner.plan_html import write_html
+
+        return write_html(self, path)
+
+    def timeline(self, path: str | Path | None = None, *, png: str | Path | None = None) -> dict[str, Any]:
+        """The simulated step as a Chrome/Perfetto trace dict; JSON to `path`, a Gantt PNG to `png` (matplotlib)."""
+        from partitioner.plan_timeline import write_timeline
+
+        return write_timeline(self, path, png=png)

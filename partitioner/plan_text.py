@@ -1,23 +1,49 @@
-"""Plan as text: the table `print(plan)` shows and the reasoning `plan.explain()` gives."""
+"""Plan as text: the table `print(plan)` shows and the reasoning `plan.explain()` gives.
+
+Both fit in WIDTH columns (tables aside, whose width the model's names set).
+The table's long values break after "; " or ", ", so a phrase such as "rank-4
+PowerSGD" stays on one line; explain() wraps its prose at spaces.
+
+    Plan for GPT on 2x4xA100-80GB (8 devices), global batch 32 x seq 128, bf16-mixed, adam
+      config       dp2 tp2 pp2 zero3 mb16x1 1f1b recompute=none
+      mesh         pp 2 x dp 2 x tp 2; rank = pp*4 + dp*2 + tp; node 0: ranks 0-3; node 1: ranks 4-7
+      zero         stage 3: parameters, gradients and optimizer state sharded over 2 data-parallel replicas
+      ...
+
+tests/golden/ holds whole examples (tests/test_plan_text.py).
+"""
 
 from __future__ import annotations
 
 import re
+import textwrap
 from typing import TYPE_CHECKING
 
 from cost_models.powersgd import POWERSGD_RANK
 from partitioner.opgraph_table import human
 
 if TYPE_CHECKING:
-    from partitioner.plan import Plan
+    from partitioner.plan import Alternative, Baseline, Plan
 
-__all__ = ["format_plan", "explain_plan"]
+__all__ = ["explain_plan", "format_plan"]
 
-GiB = 2**30
+WIDTH = 120
+GiB, MiB = 2**30, 2**20
+KEY = 15  # "  compression  ": the widest key and its gap
+NEAR_CAPACITY = 0.85  # a rank above this fraction of device memory is flagged in the stage table
 
 
 def _gib(x: float) -> str:
-    return f"{x / GiB:.2f} GiB"
+    return f"{x / GiB:.2f} GiB" if x >= GiB / 10 else f"{x / MiB:.1f} MiB"
+
+
+def _ms(s: float) -> str:
+    v = s * 1e3
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:,.0f}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("h") else "s")
 
 
 def _ranges(xs: list[int]) -> str:
@@ -30,6 +56,28 @@ def _ranges(xs: list[int]) -> str:
             out.append(f"{start}" if start == x else f"{start}-{x}")
             start = None
     return ",".join(out)
+
+
+def _wrap(line: str, indent: int) -> list[str]:
+    """`line` in lines of at most WIDTH columns, broken after "; " or ", " (at spaces only inside a phrase
+    too long for a line), continuation lines indented by `indent`."""
+    if len(line) <= WIDTH:
+        return [line]
+    tokens: list[str] = []
+    for piece in re.split(r"(?<=[;,]) ", line):
+        tokens += [piece] if indent + len(piece) <= WIDTH else piece.split(" ")
+    lines, cur = [], ""
+    for t in tokens:
+        if cur.strip() and len(cur) + 1 + len(t) > WIDTH:
+            lines.append(cur)
+            cur = " " * indent + t
+        else:
+            cur = f"{cur} {t}" if cur else t
+    return [*lines, cur]
+
+
+def _row(key: str, value: str) -> list[str]:
+    return _wrap(f"  {key.ljust(KEY - 4)}  {value}", KEY)
 
 
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
@@ -55,7 +103,7 @@ def _blocks(names: tuple[str, ...]) -> str:
     return " + ".join(out)
 
 
-def _compression(p: "Plan") -> str:
+def _compression(p: Plan) -> str:
     """'inter_node int8 (saves 41 ms/step of exposed DP traffic; ...)', or 'none' (and why, if one was pinned)."""
     used = [f"{level} {c}" for level, c in p.compression.items() if c != "none"]
     if used:
@@ -78,58 +126,164 @@ def _compression(p: "Plan") -> str:
     return "none"
 
 
-def format_plan(p: "Plan") -> str:
+def _zero(p: Plan) -> str:
+    c = p.config
+    if c.dp == 1:
+        return f"stage {c.zero_stage}: no data parallelism, nothing to shard"
+    held = ("", "optimizer state", "optimizer state and gradients",
+            "parameters, gradients and optimizer state")[c.zero_stage]
+    if not held:
+        return f"stage 0: each of the {c.dp} data-parallel replicas holds full parameters, gradients and optimizer state"
+    return f"stage {c.zero_stage}: {held} sharded over {c.dp} data-parallel replicas"
+
+
+def _batch(p: Plan) -> str:
+    c = p.config
+    out = (f"{p.global_batch_size} samples per step = {_plural(c.dp, 'replica')} x {_plural(c.num_microbatches, 'microbatch')}"
+           f" of {c.microbatch_size}")
+    return out + (f" ({human(p.global_batch_size * p.seq_len)} tokens of seq {p.seq_len})" if p.seq_len else "")
+
+
+def _schedule(p: Plan) -> str:
+    c, ins = p.config, p.instructions
+    first = " ".join(str(a) for a in ins.ranks[0][:12]) + (" ..." if len(ins.ranks[0]) > 12 else "")
+    if c.pp == 1:
+        return f"{ins.kind}: one stage, {_plural(c.num_microbatches, 'microbatch')} accumulated; rank 0: {first}"
+    virtual = f" x {c.interleave} virtual" if c.interleave > 1 else ""
+    return (f"{ins.kind}, {c.pp} pipeline stages{virtual}, {_plural(c.num_microbatches, 'microbatch')}, bubble "
+            f"{100 * p.predicted.bubble_fraction:.1f} %; rank 0: {first}")
+
+
+_RECOMPUTE = {"none": "every in-flight microbatch keeps its activations",
+              "selective": "attention scores recomputed in the backward (Korthikanti et al. 2022)",
+              "full": "only each block's input kept, its forward rerun in the backward"}
+
+
+def _stage_rows(p: Plan) -> list[str]:
+    cap = p.predicted.memory_capacity_bytes
+    per_rank = p.rank_memory()
+    peak_rank = max(per_rank, key=lambda r: per_rank[r].total)
+    interleaved = p.interleave > 1
+    rows = []
+    for s in p.stages:
+        r = s.index % p.pp
+        total = per_rank[r].total
+        flag = [w for w, on in (("peak", r == peak_rank), (f"near capacity (> {100 * NEAR_CAPACITY:.0f} %)",
+                                                            total > NEAR_CAPACITY * cap)) if on]
+        rows.append([str(s.index), _blocks(s.blocks), human(s.num_params), _ms(s.forward_s), _ms(s.backward_s),
+                     _gib(s.memory.total), *([_gib(total)] if interleaved else []), f"{100 * total / cap:.1f} %",
+                     _ranges(list(s.ranks)), ", ".join(flag) if s.index == r else ""])
+    header = ["stage", "blocks", "params", "fwd ms", "bwd ms", "memory", *(["rank memory"] if interleaved else []),
+              "of device", "ranks", "note"]
+    right = {2, 3, 4, 5, 6} | ({7} if interleaved else set())
+    return _table(header, rows, right)
+
+
+def _headline(why: str) -> str:
+    """'slower by 4.1 % (recompute=selective vs none)' -> 'slower by 4.1 %': the table keeps the reason only."""
+    return why.split(" (", 1)[0]
+
+
+def _lost(p: Plan) -> list[Alternative]:
+    return [*p.alternatives, *p.rejected]
+
+
+def _alt_ms(a: Alternative) -> str:
+    return ("" if a.fits else "~") + _ms(a.step_time_s)  # ~: timed by a balanced cut, not searched
+
+
+def _basis(p: Plan, lost: list[Alternative]) -> str:
+    """How runners-up are timed: by the search's closed-form estimate of a cut, which the simulation of the
+    instruction lists (the plan's predicted step) can differ from, interleaved schedules most."""
+    own = p.predicted.search_step_time_s
+    out = f"ms/step as the search estimates a stage cut; this plan {_ms(own)} by it" if own else ""
+    if any(not a.fits for a in lost):
+        out += ("; " if out else "") + "~: a balanced cut"
+    return f" ({out})" if out else ""
+
+
+def format_plan(p: Plan) -> str:
     c, pr = p.config, p.predicted
-    lines = [f"Plan for {p.model_name} on {p.topology_name} ({p.world_size} devices), "
-             f"global batch {p.global_batch_size}" + (f" x seq {p.seq_len}" if p.seq_len else "") + f", {p.precision}, {p.optimizer}",
-             f"  config     {c}",
-             f"  predicted  {pr.step_time_s * 1e3:.1f} ms/step, {human(pr.tokens_per_s)} tokens/s, "
-             f"{pr.model_tflops_per_device:.1f} TFLOP/s per device, MFU {100 * pr.mfu:.1f} %, "
-             f"bubble {100 * pr.bubble_fraction:.1f} %",
-             f"  memory     peak {_gib(pr.peak_memory_bytes)} of {_gib(pr.memory_capacity_bytes)} per rank "
-             f"(params {_gib(pr.memory.params)}, grads {_gib(pr.memory.grads)}, optimizer {_gib(pr.memory.optimizer)}, "
-             f"activations {_gib(pr.memory.activations)}, buffers {_gib(pr.memory.buffers)})",
-             "  traffic    " + ", ".join(f"{k} {human(v, 'B')}/step" for k, v in pr.bytes_per_link.items()),
-             f"  compression  {_compression(p)}"]
-    # mesh: which ranks on which node, and the group shapes
+    lines = _wrap(f"Plan for {p.model_name} on {p.topology_name} ({p.world_size} devices), global batch "
+                  f"{p.global_batch_size}" + (f" x seq {p.seq_len}" if p.seq_len else "") + f", {p.precision}, "
+                  f"{p.optimizer}", 2)
     nodes: dict[int, list[int]] = {}
     for m in p.mesh:
         nodes.setdefault(m.node, []).append(m.rank)
     shown = list(nodes.items())[:4]
-    lines.append(f"  mesh       pp {c.pp} x dp {c.dp} x tp {c.tp}; rank = pp*{c.dp * c.tp} + dp*{c.tp} + tp; "
-                 + "; ".join(f"node {n}: ranks {_ranges(r)}" for n, r in shown)
-                 + (f"; ... {len(nodes)} nodes" if len(nodes) > 4 else ""))
-    rows = [[str(s.index), _blocks(s.blocks), human(s.num_params), f"{s.forward_s * 1e3:.2f}", f"{s.backward_s * 1e3:.2f}",
-             _gib(s.memory.total), _ranges(list(s.ranks))] for s in p.stages]
-    lines += ["", *("  " + x for x in _table(["stage", "blocks", "params", "fwd ms", "bwd ms", "memory", "ranks"], rows, {2, 3, 4, 5}))]
+    mesh = (f"pp {c.pp} x dp {c.dp} x tp {c.tp}; rank = pp*{c.dp * c.tp} + dp*{c.tp} + tp; "
+            + "; ".join(f"node {n}: ranks {_ranges(r)}" for n, r in shown)
+            + (f"; ... {len(nodes)} nodes" if len(nodes) > 4 else ""))
+    cap = pr.memory_capacity_bytes
+    m = pr.memory
+    for key, value in (
+            ("config", str(c)),
+            ("mesh", mesh),
+            ("zero", _zero(p)),
+            ("batch", _batch(p)),
+            ("schedule", _schedule(p)),
+            ("recompute", f"{c.recompute}: {_RECOMPUTE[c.recompute]}"),
+            ("compression", _compression(p)),
+            ("predicted", (f"{_ms(pr.step_time_s)} ms/step, {human(pr.tokens_per_s)} tokens/s, "
+                          f"{pr.model_tflops_per_device:.1f} TFLOP/s per device, MFU {100 * pr.mfu:.1f} %")),
+            ("memory", (f"peak {_gib(pr.peak_memory_bytes)} of {_gib(cap)} per rank "
+                       f"({100 * pr.peak_memory_bytes / cap:.1f} %): params {_gib(m.params)}, grads {_gib(m.grads)}, "
+                       f"optimizer {_gib(m.optimizer)}, activations {_gib(m.activations)}, buffers {_gib(m.buffers)}")),
+            ("traffic", ", ".join(f"{k} {human(v, 'B')}/step" for k, v in pr.bytes_per_link.items()))):
+        lines += _row(key, value)
+    lines += ["", *("  " + x for x in _stage_rows(p))]
     # placements summarised per block type: h.0.attn.c_attn.weight -> h.*.attn.c_attn.weight
     groups: dict[tuple[str, str, str], int] = {}
     for pl in p.placements:
         key = (re.sub(r"\.\d+\.", ".*.", pl.param), pl.spec, pl.role)
         groups[key] = groups.get(key, 0) + 1
-    rows = [[name, spec, role, str(n)] for (name, spec, role), n in groups.items()]
-    lines += ["", *("  " + x for x in _table(["parameter", "split", "role", "count"], rows, {3}))]
-    first = " ".join(str(a) for a in p.instructions.ranks[0][:12])
-    lines += ["", f"  schedule   {p.instructions.kind}, {p.instructions.num_microbatches} microbatches; "
-                  f"rank 0: {first}{' ...' if len(p.instructions.ranks[0]) > 12 else ''}"]
-    if p.alternatives:
-        rows = [[str(a.config), f"{a.step_time_s * 1e3:.1f}", _gib(a.peak_memory_bytes), a.why] for a in p.alternatives]
-        lines += ["", "  runners-up", *("  " + x for x in _table(["config", "ms/step", "peak memory", "why it lost"], rows, {1, 2}))]
+    if p.tp == 1:  # one line instead of a table of "R replicated" rows
+        lines += ["", f"  parameters   tp 1: none of the {len(p.placements)} parameters is tensor-split"]
+    else:
+        rows = [[name, spec, role, str(n)] for (name, spec, role), n in groups.items()]
+        lines += ["", *("  " + x for x in _table(["parameter", "split", "role", "count"], rows, {3}))]
+    lost = _lost(p)
+    if lost:
+        rows = [[str(a.config), _alt_ms(a), _gib(a.peak_memory_bytes), _headline(a.why)] for a in lost]
+        room = WIDTH - 2 - sum(max(len(r[i]) for r in rows) + 2 for i in range(3))
+        for r in rows:  # the whole reason is in explain()
+            r[3] = r[3] if len(r[3]) <= max(room, 20) else r[3][:max(room, 20) - 3] + "..."
+        lines += ["", *_wrap(f"  runners-up{_basis(p, lost)}", 4),
+                  *("  " + x for x in _table(["config", "ms/step", "peak memory", "why it lost"], rows, {1, 2}))]
     lines.append(f"\n  searched {p.candidates_evaluated} of {p.search_space} candidate configurations exactly "
                  "(the rest bounded out)")
     return "\n".join(lines)
 
 
-def explain_plan(p: "Plan") -> str:
+def _baseline(p: Plan, b: Baseline) -> str:
+    if b.config is None:
+        return f"- {b.name}: not possible here: {b.note}"
+    if not b.fits:
+        return f"- {b.name} does not fit: {b.note} (its least-memory variant: {b.config})"
+    assert b.step_time_s is not None and b.peak_memory_bytes is not None
+    ratio = b.step_time_s / p.predicted.step_time_s
+    if b.config == p.config and f"{ratio:.2f}" == "1.00":
+        gain = "it is this plan"
+    elif ratio >= 1:
+        gain = f"this plan is {ratio:.2f}x faster"
+    else:
+        gain = f"it is {1 / ratio:.2f}x faster than this plan" + (", but the declarations rule it out"
+                                                                  if p.declarations else "")
+    note = f"; {b.note}" if b.note else ""
+    return f"- {b.name} ({b.config}{note}): {_ms(b.step_time_s)} ms/step, {_gib(b.peak_memory_bytes)} peak; {gain}"
+
+
+def explain_plan(p: Plan) -> str:
     c, pr = p.config, p.predicted
     out = [f"Why {c}:"]
-    out.append(f"- it predicts {pr.step_time_s * 1e3:.1f} ms per step of {p.global_batch_size} samples "
+    pins = ", ".join(f"{k}={v}" for k, v in p.declarations.items())
+    out.append(f"- it predicts {_ms(pr.step_time_s)} ms per step of {p.global_batch_size} samples "
                f"(MFU {100 * pr.mfu:.1f} %), the fastest of {p.search_space} configurations that "
-               f"the declarations {p.declarations or '{}'} allow and that fit in "
-               f"{_gib(pr.memory_capacity_bytes)} per device.")
+               + (f"the declarations {pins} allow and that " if pins else "")
+               + f"fit in {_gib(pr.memory_capacity_bytes)} per device.")
     if c.pp > 1:
         out.append(f"- {c.pp} pipeline stages ({c.schedule}{', interleave ' + str(c.interleave) if c.interleave > 1 else ''})"
-                   f" with {c.num_microbatches} microbatches leave a {100 * pr.bubble_fraction:.1f} % bubble; "
+                   f" with {_plural(c.num_microbatches, 'microbatch')} leave a {100 * pr.bubble_fraction:.1f} % bubble; "
                    "stages are cut to balance time under memory (exact dynamic programme).")
     if c.tp > 1:
         out.append(f"- tensor groups of {c.tp} stay inside a node; Megatron splits found in the graph: "
@@ -138,14 +292,19 @@ def explain_plan(p: "Plan") -> str:
                    f"{sum(1 for x in p.placements if x.role.startswith('vocab'))} vocab-parallel parameters.")
     if c.dp > 1:
         out.append(f"- {c.dp} data-parallel replicas with ZeRO stage {c.zero_stage}; exposed communication "
-                   f"{pr.exposed_comm_s * 1e3:.2f} ms per step; gradient compression: {_compression(p)}.")
+                   f"{_ms(pr.exposed_comm_s)} ms per step; gradient compression: {_compression(p)}.")
     if c.recompute != "none":
         out.append(f"- {c.recompute} activation recomputation: it buys the memory this plan needs.")
     out.append(f"- peak memory {_gib(pr.peak_memory_bytes)}: params {_gib(pr.memory.params)}, grads "
                f"{_gib(pr.memory.grads)}, optimizer {_gib(pr.memory.optimizer)}, activations "
                f"{_gib(pr.memory.activations)}, buffers {_gib(pr.memory.buffers)}.")
-    if p.alternatives:
-        out.append("Runners-up:")
-        out += [f"  {a.config}: {a.step_time_s * 1e3:.1f} ms/step, {_gib(a.peak_memory_bytes)} peak, {a.why}"
-                for a in p.alternatives]
-    return "\n".join(out)
+    lost = _lost(p)
+    if lost:
+        out.append(f"Runners-up, and why each lost{_basis(p, lost)}:")
+        out += [f"- {a.config}: {_alt_ms(a)} ms/step, {_gib(a.peak_memory_bytes)} peak: {a.why}" for a in lost]
+    if p.baselines:
+        out.append("Against the usual hand configurations (each at its best microbatch, schedule and recompute, "
+                   "no gradient compression):")
+        out += [_baseline(p, b) for b in p.baselines]
+    return "\n".join(x for line in out for x in textwrap.wrap(line, WIDTH, subsequent_indent="  ",
+                                                              break_long_words=False, break_on_hyphens=False))
