@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from partitioner import autotune  # noqa: E402
+from partitioner import autotune
+from partitioner.autotune import format_trials
 
 
 def main() -> int:
@@ -44,18 +45,8 @@ def main() -> int:
     print(f"\nautotune {args.model} on {args.topology}, global batch {args.global_batch_size}, {args.precision}: "
           f"{len(res.trials)} trials in {res.rounds} rounds, {took:.0f} s; fit rms log error "
           f"{res.fit_rms_before:.3f} -> {res.fit_rms_after:.3f}")
-    print(f"{'config':<52} {'status':>6} {'meas ms':>8} {'pred ms':>8} {'calib ms':>8} {'err':>7} "
-          f"{'meas MiB':>8} {'calib MiB':>9} {'mem err':>7}")
+    print(format_trials(res.trials))
     ok = [t for t in res.trials if t.status == "ok"]
-    for t in res.trials:
-        if t.status != "ok":
-            print(f"{str(t.config):<52} {t.status:>6}  {t.error.splitlines()[0][:60] if t.error else ''}")
-            continue
-        worst = max(range(len(t.measured_peak_bytes)),
-                    key=lambda r: abs(t.calibrated_peak_bytes[r] / t.measured_peak_bytes[r] - 1))
-        print(f"{str(t.config):<52} {t.status:>6} {t.measured_step_s * 1e3:8.1f} {t.predicted_step_s * 1e3:8.1f} "
-              f"{t.calibrated_step_s * 1e3:8.1f} {t.step_error:+7.1%} {t.measured_peak_bytes[worst] / 2**20:8.1f} "
-              f"{t.calibrated_peak_bytes[worst] / 2**20:9.1f} {t.memory_error:+7.1%}")
     step_err = max(abs(t.step_error) for t in ok)
     mem_err = max(abs(t.memory_error) for t in ok)
     chosen = res.best

@@ -143,6 +143,16 @@ class Calibration:
           tensors, the loss's, recomputation's working set); 1 until fitted.
           The model counts what autograd saves per op; allocator rounding and
           kernels' workspaces add a few percent.
+      grad_mem_scale: share of the gradient bytes live at the peak; 1 until
+          fitted. Where gradients are freed after each step (set_to_none) the
+          peak comes in backward, while later layers' gradients are not yet
+          allocated; persistent gradient buffers keep them all.
+      loss_mem_scale: measured / modelled memory of the loss on the last
+          stage (the model assumes a cross-entropy: one output-sized tensor
+          kept per microbatch in flight, two more in its backward); 1 until
+          fitted, counted in the last stage's activations.
+      buffer_mem_scale: measured / modelled communication buffers (buckets,
+          ZeRO-3's gathered blocks); 1 until fitted.
       memory_overhead_bytes: bytes per rank the model does not see (runtime
           buffers, communication staging); 0 until fitted.
 
@@ -179,6 +189,9 @@ class Calibration:
 
     device_speed: float = 1.0
     activation_mem_scale: float = 1.0
+    grad_mem_scale: float = 1.0
+    loss_mem_scale: float = 1.0
+    buffer_mem_scale: float = 1.0
     memory_overhead_bytes: float = 0.0
     pipeline_idle_cost: float = 1.0
 

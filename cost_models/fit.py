@@ -9,9 +9,10 @@ gemm_half_flops), with finite-difference Jacobians, each factor clipped to its
 valid range. Factors the measurements do not move (no trial crosses a node,
 none pipelines) keep their values.
 
-Memory: linear. Per rank, measured = (modelled state and buffers) +
-activation_mem_scale x (modelled activations) + memory_overhead_bytes,
-solved by ordinary least squares with both kept non-negative.
+Memory: linear. Per rank, measured = parameters and optimizer state +
+grad_mem_scale x gradients + activation_mem_scale x activations +
+buffer_mem_scale x buffers + memory_overhead_bytes (all modelled), solved by
+non-negative least squares on relative error.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from cost_models.calibration import Calibration
 
-__all__ = ["TIME_FACTORS", "FitResult", "fit_step_times", "fit_memory"]
+__all__ = ["TIME_FACTORS", "FitResult", "fit_memory", "fit_step_times"]
 
 # factor -> (lowest, highest) value the fit may give it. "compute_eff" scales the three
 # efficiency plateaus together (one op mix per model: they are not separable from step times).
@@ -38,6 +39,7 @@ TIME_FACTORS: dict[str, tuple[float, float]] = {
     "inter_node_bw_eff": (1e-3, 1.0),
     "intra_node_extra_latency_s": (1e-8, 0.1),
     "inter_node_extra_latency_s": (1e-8, 0.1),
+    "collective_base_latency_s": (1e-7, 0.05),
     "dp_overlap": (1e-3, 1.0),
     "pipeline_idle_cost": (1e-3, 1.0),
 }
@@ -120,20 +122,36 @@ def fit_step_times(predict: Callable[[Calibration], Sequence[float]], measured: 
                      fitted=tuple(n for n in names if n in moved), iterations=it)
 
 
-def fit_memory(measured: Sequence[float], modelled_other: Sequence[float], modelled_activations: Sequence[float],
-               start: Calibration) -> Calibration:
-    """activation_mem_scale and memory_overhead_bytes from per-rank peaks (least squares, both >= 0).
+MEMORY_FACTORS = ("grad_mem_scale", "activation_mem_scale", "loss_mem_scale", "buffer_mem_scale",
+                  "memory_overhead_bytes")
 
-    modelled_activations are under a scale of 1 and modelled_other (state, buffers) without the overhead.
+
+def fit_memory(measured: Sequence[float], fixed: Sequence[float], terms: dict[str, Sequence[float]],
+               start: Calibration) -> Calibration:
+    """The memory factors from per-rank peaks, by least squares on relative error, all factors >= 0.
+
+    Per rank: measured ~ fixed + sum over factors of factor x its term + memory_overhead_bytes, where
+    `fixed` is what is allocated as modelled (parameters and optimizer state) and terms[f] the bytes
+    factor f scales, modelled with f = 1 (a factor of MEMORY_FACTORS but the overhead). Each row is
+    divided by its measurement, so a small rank's 10 % weighs what a large one's does. A factor whose
+    term no rank has (no buffers anywhere) keeps its value; one the fit would make negative is 0.
     """
-    y = np.asarray(measured, dtype=float) - np.asarray(modelled_other, dtype=float)
-    a = np.asarray(modelled_activations, dtype=float)
-    if len(y) == 0 or not a.any():
+    y = np.asarray(measured, dtype=float)
+    names = [f for f in MEMORY_FACTORS[:-1] if f in terms]
+    if len(y) == 0:
         return start
-    X = np.stack([a, np.ones_like(a)], axis=1)
-    scale, overhead = np.linalg.lstsq(X, y, rcond=None)[0]
-    if overhead < 0:  # the constrained optimum sits on overhead = 0
-        scale, overhead = float(a @ y / (a @ a)), 0.0
-    if scale <= 0:
-        scale, overhead = 1e-3, max(0.0, float(np.mean(y - 1e-3 * a)))
-    return dataclasses.replace(start, activation_mem_scale=float(scale), memory_overhead_bytes=float(overhead))
+    X = np.stack([np.asarray(terms[f], float) for f in names] + [np.ones(len(y))], axis=1) / y[:, None]
+    names.append("memory_overhead_bytes")
+    rhs = (y - np.asarray(fixed, dtype=float)) / y
+    live = [j for j in range(X.shape[1]) if np.abs(X[:, j]).max() > 1e-12]
+    coef = np.zeros(0)
+    # active set: drop the most negative factor and refit until none is negative
+    while live:
+        coef = np.linalg.lstsq(X[:, live], rhs, rcond=None)[0]
+        if (coef >= 0).all():
+            break
+        live.pop(int(np.argmin(coef)))
+    values = {n: (0.0 if np.abs(X[:, j]).max() > 1e-12 or n == "memory_overhead_bytes" else getattr(start, n))
+              for j, n in enumerate(names)}
+    values.update({names[j]: float(c) for j, c in zip(live, coef)})
+    return dataclasses.replace(start, **values)

@@ -45,14 +45,14 @@ from typing import Any, TextIO
 
 from cost_models.calibration import Calibration
 from cost_models.errors import DeclarationError, PartitionerError
-from cost_models.fit import fit_memory, fit_step_times
+from cost_models.fit import MEMORY_FACTORS, fit_memory, fit_step_times
 from cost_models.topology import Topology
 from partitioner.autotune_db import TrialStore, trial_key
 from partitioner.compile import PlanInfeasibleError, compile
 from partitioner.opgraph import OpGraph
 from partitioner.plan import MemoryBreakdown, ParallelConfig, Plan
 
-__all__ = ["autotune", "Trial", "AutotuneResult", "rank_memory_of"]
+__all__ = ["AutotuneResult", "Trial", "autotune", "format_trials", "rank_memory_of"]
 
 _PINS = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
 
@@ -123,15 +123,35 @@ class AutotuneResult:
                 "fit_rms_log_error_after": self.fit_rms_after, "trials": [t.to_dict() for t in self.trials]}
 
 
+def format_trials(trials: Sequence[Trial]) -> str:
+    """The trials as a table: step time measured, predicted before and after calibration; worst rank's peak."""
+    head = (f"{'config':<52} {'status':>10} {'meas ms':>8} {'pred ms':>8} {'calib ms':>8} {'err':>7} "
+            f"{'meas MiB':>8} {'calib MiB':>9} {'mem err':>7}")
+    rows = [head]
+    for t in trials:
+        name = str(t.config) + "".join(f" {lvl}={c}" for lvl, c in t.compression.items() if c != "none")
+        status = t.status + (" (db)" if t.cached else "")
+        if t.status != "ok":
+            first = t.error.strip().splitlines()[0][:70] if t.error.strip() else ""
+            rows.append(f"{name:<52} {status:>10}  {first}")
+            continue
+        calib = "-" if t.calibrated_step_s is None else f"{t.calibrated_step_s * 1e3:8.1f}"
+        err = "-" if t.step_error is None else f"{t.step_error:+7.1%}"
+        if t.calibrated_peak_bytes:
+            r = max(range(len(t.measured_peak_bytes)),
+                    key=lambda i: abs(t.calibrated_peak_bytes[i] / t.measured_peak_bytes[i] - 1))
+            mem = (f"{t.measured_peak_bytes[r] / 2**20:8.1f} {t.calibrated_peak_bytes[r] / 2**20:9.1f} "
+                   f"{t.memory_error:+7.1%}")
+        else:
+            mem = f"{max(t.measured_peak_bytes or [0]) / 2**20:8.1f} {'-':>9} {'-':>7}"
+        rows.append(f"{name:<52} {status:>10} {t.measured_step_s * 1e3:8.1f} {t.predicted_step_s * 1e3:8.1f} "
+                    f"{calib:>8} {err:>7} {mem}")
+    return "\n".join(rows)
+
+
 def rank_memory_of(plan: Plan) -> list[MemoryBreakdown]:
-    """Per rank: the sum over its pipeline position's virtual stages, buffers once (compile.rank_memory)."""
-    per_pp: dict[int, MemoryBreakdown] = {}
-    for st in plan.stages:
-        r, m = st.index % plan.pp, st.memory
-        prev = per_pp.get(r)
-        per_pp[r] = m if prev is None else MemoryBreakdown(
-            params=prev.params + m.params, grads=prev.grads + m.grads, optimizer=prev.optimizer + m.optimizer,
-            activations=prev.activations + m.activations, buffers=max(prev.buffers, m.buffers))
+    """Per rank (in rank order): its pipeline position's memory (Plan.rank_memory)."""
+    per_pp = plan.rank_memory()
     return [per_pp[c.pp] for c in sorted(plan.mesh, key=lambda c: c.rank)]
 
 
@@ -174,7 +194,7 @@ def autotune(model: str | Callable, topology: Topology | str | dict, *, example_
         if not hasattr(module, "example_batch"):
             raise DeclarationError("data: required (step -> (inputs, targets)) when the model's module has no "
                                    "example_batch(model, batch_size, seed=)")
-        data = lambda step: module.example_batch(built, global_batch_size, seed=step)  # noqa: E731
+        data = lambda step: module.example_batch(built, global_batch_size, seed=step)
     from partitioner.trace import trace
 
     g = trace(built, tuple(example_inputs))
@@ -234,7 +254,7 @@ class _Tuner:
         return compile(self.g, self.topo, calibration=cal, alternatives=0, **kw, **self.pins(config, compression))
 
     def ranked(self, cal: Calibration, k: int) -> list[tuple[ParallelConfig, dict[str, str], float]]:
-        plan = compile(self.g, self.topo, calibration=cal, alternatives=max(4 * k, 12), **self.compile_kwargs)
+        plan = compile(self.g, self.topo, calibration=cal, alternatives=max(6 * k, 24), **self.compile_kwargs)
         return [(plan.config, dict(plan.compression), plan.predicted.step_time_s)] + \
             [(a.config, dict(a.compression), a.step_time_s) for a in plan.alternatives if a.fits]
 
@@ -301,14 +321,16 @@ class _Tuner:
                 p = compile(self.g, self.topo, calibration=cal, alternatives=0, **kw, **pins)
                 out.append((p.config, dict(p.compression)))
             return out
-        ranked = self.ranked(cal, trials)
-        # distinct mesh shapes and ZeRO stages first, then the rest in the cost model's order
-        shape = lambda c: (c.dp, c.tp, c.pp, c.zero_stage, c.schedule)  # noqa: E731
-        seen, first, rest = set(), [], []
-        for c, comp, _ in ranked:
-            (rest if shape(c) in seen else first).append((c, comp))
-            seen.add(shape(c))
-        return (first + rest)[:trials]
+        ranked = [(c, comp) for c, comp, _ in self.ranked(cal, trials)]
+        # distinct mesh shapes first, then distinct ZeRO stages, then the rest, each in the cost model's order
+        out: list[tuple[ParallelConfig, dict[str, str]]] = []
+        for shape in (lambda c: (c.dp, c.tp, c.pp), lambda c: (c.dp, c.tp, c.pp, c.zero_stage), lambda c: c):
+            seen = {shape(c) for c, _ in out}
+            for c, comp in ranked:
+                if len(out) < trials and shape(c) not in seen and (c, comp) not in out:
+                    out.append((c, comp))
+                    seen.add(shape(c))
+        return out
 
     def ok(self) -> list[Trial]:
         return [t for t in self.done.values() if t.status == "ok"]
@@ -369,15 +391,17 @@ class _Tuner:
         result = fit_step_times(lambda c: [self.compile_pinned(t.config, t.compression, c).predicted.step_time_s
                                            for t in ok], measured, cal, max_iter=iterations,
                                 source=f"autotune {self.topo} {time.strftime('%Y-%m-%d')} ({len(ok)} trials)")
-        base = dataclasses.replace(result.calibration, activation_mem_scale=1.0, memory_overhead_bytes=0.0)
-        meas, other, acts = [], [], []
+        # each factor's term by difference: every memory factor scales its bytes linearly
+        zero = dataclasses.replace(result.calibration, **dict.fromkeys(MEMORY_FACTORS, 0.0))
+        meas, fixed, terms = [], [], {f: [] for f in MEMORY_FACTORS[:-1]}
         for t in ok:
-            for m, r in zip(t.measured_peak_bytes or [], rank_memory_of(self.compile_pinned(t.config, t.compression,
-                                                                                              base))):
-                meas.append(m)
-                other.append(r.total - r.activations)
-                acts.append(r.activations)
-        return fit_memory(meas, other, acts, result.calibration), result.rms_log_error_before, \
+            base = [m.total for m in rank_memory_of(self.compile_pinned(t.config, t.compression, zero))]
+            meas += t.measured_peak_bytes or []
+            fixed += base[:len(t.measured_peak_bytes or [])]
+            for f in terms:
+                one = rank_memory_of(self.compile_pinned(t.config, t.compression, dataclasses.replace(zero, **{f: 1.0})))
+                terms[f] += [m.total - b for m, b in zip(one, base)][:len(t.measured_peak_bytes or [])]
+        return fit_memory(meas, fixed, terms, result.calibration), result.rms_log_error_before, \
             result.rms_log_error_after
 
     def calibrated(self, t: Trial, cal: Calibration) -> Trial:

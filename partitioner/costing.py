@@ -32,12 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from cost_models.calibration import Calibration
 from cost_models.comm import CommModel
-from cost_models.compression import (LEVELS, WEIGHT_CODES, all_reduce_time, combinations, gather_time,
-                                     group_compressor, reduce_scatter_time, traffic_levels)
+from cost_models.compression import (
+    LEVELS,
+    WEIGHT_CODES,
+    all_reduce_time,
+    combinations,
+    gather_time,
+    group_compressor,
+    reduce_scatter_time,
+    traffic_levels,
+)
 from cost_models.compute import RooflineCompute, dtype_for
 from cost_models.memory import inflight_microbatches, model_state_bytes
 from cost_models.powersgd import LowRank, low_rank
@@ -47,7 +55,7 @@ from partitioner.plan import ParallelConfig
 from partitioner.symbolic import Poly
 from partitioner.tensor_split import TensorSplits
 
-__all__ = ["CostContext", "UnitCost", "UnitArrays", "StageCost", "StageEvaluator", "units_of"]
+__all__ = ["CostContext", "StageCost", "StageEvaluator", "UnitArrays", "UnitCost", "units_of"]
 
 # Adam's step reads param, grad, m, v and writes param, m, v: 7 fp32 words per
 # parameter (torch.optim.Adam foreach path; the fp32 master copy under mixed precision).
@@ -250,7 +258,7 @@ class CostContext:
                             working_bytes=act, params=0.0)
         return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0)
 
-    def unit_arrays(self, tp: int, mb: int, recompute: str) -> "UnitArrays":
+    def unit_arrays(self, tp: int, mb: int, recompute: str) -> UnitArrays:
         key = (tp, mb, recompute)
         hit = self._arrays.get(key)
         if hit is None:
@@ -310,7 +318,7 @@ class CostContext:
         stands for all)."""
         return traffic_levels(self.comm, tuple(d * cand.tp for d in range(cand.dp))) if cand.dp > 1 else ()
 
-    def prepare(self, cand: ParallelConfig, compression: tuple[str, str] | None = None) -> "StageEvaluator":
+    def prepare(self, cand: ParallelConfig, compression: tuple[str, str] | None = None) -> StageEvaluator:
         """The evaluator of `cand` with that (intra_node, inter_node) compression, or (None) with each
         stage's best of `compression_options(cand)`."""
         return StageEvaluator(self, cand, compression)
@@ -408,16 +416,18 @@ class StageEvaluator:
         if v > 1:
             inflight = math.ceil(inflight / v)  # the rank's in-flight count spread over its v chunks
         acts = (self._act[j] - self._act[i]) * inflight + max(self._work[i:j], default=0.0)
+        cal = ctx.cal
+        acts *= cal.activation_mem_scale
         if k == S - 1:
-            acts += self._loss_kept * inflight + self._loss_work
-        acts *= ctx.cal.activation_mem_scale
-        buffers = self._buffers(params) + ctx.cal.memory_overhead_bytes
+            acts += (self._loss_kept * inflight + self._loss_work) * cal.loss_mem_scale
+        grads = state.grads * cal.grad_mem_scale
+        buffers = self._buffers(params) * cal.buffer_mem_scale + cal.memory_overhead_bytes
         # Interleaved: a rank holds v chunks; each may use 1/v of the memory (safe, if conservative
         # for uneven chunks: the rank's sum then fits for certain).
-        fits = (state.total + acts) * v + buffers <= ctx.memory_cap
+        fits = (state.params + grads + state.optimizer + acts) * v + buffers <= ctx.memory_cap
         exposed, optim, compression = self._tail(params, f, b, self.stage_low_rank(i, j))
         return StageCost(forward_s=f, backward_s=b, tail_s=exposed + optim, exposed_comm_s=exposed, params=params,
-                         memory=(state.params, state.grads, state.optimizer, acts, buffers), fits=fits,
+                         memory=(state.params, grads, state.optimizer, acts, buffers), fits=fits,
                          compression=compression)
 
     def stage_low_rank(self, i: int, j: int) -> LowRank | None:

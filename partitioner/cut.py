@@ -22,7 +22,7 @@ import math
 
 from partitioner.costing import StageCost, StageEvaluator
 
-__all__ = ["Cut", "cut_stages", "step_time", "evaluate_cut", "charge_idle"]
+__all__ = ["Cut", "charge_idle", "cut_stages", "evaluate_cut", "step_time"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

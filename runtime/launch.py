@@ -260,6 +260,9 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         if not callable(ns.get("build")):
             raise LaunchError(f"the program for rank {rank} defines no build(model_fn, optimizer_fn, loss_fn)")
         mark(_PH_BUILD)
+        # Every rank builds the model: an unseeded factory would give each its own random init, and
+        # tensor-parallel ranks (which slice their own copy) would train different models.
+        torch.manual_seed(0)
         runner = ns["build"](job.model_fn, job.optimizer_fn, job.loss_fn)
         peak = _state_bytes(runner.held_bytes())
         batches = torch.load(d / "batches.pt", weights_only=True)

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         exec(compile(program.read_text(), str(program), "exec"), ns)
         if not callable(ns.get("build")):
             raise LaunchError(f"{program} defines no build(model_fn, optimizer_fn, loss_fn): it is not a rank program")
+        # Every rank builds the model: an unseeded factory would give each its own random init, and
+        # tensor-parallel ranks (which slice their own copy) would train different models.
+        torch.manual_seed(0)
         runner = ns["build"](model_fn, optimizer_fn, loss_fn)
         for step in range(args.steps):
             batch = data_fn(step, env.rank, env.world_size)

@@ -72,23 +72,36 @@ def test_fit_keeps_factors_no_measurement_moves(tiny_graph):
     assert "inter_node_bw_eff" not in res.fitted
 
 
-def test_fit_memory_is_least_squares_with_nonnegative_terms():
-    other, acts = [100.0, 200.0, 50.0, 80.0], [10.0, 40.0, 20.0, 5.0]
-    measured = [o + 1.3 * a + 7.0 for o, a in zip(other, acts)]
-    cal = fit_memory(measured, other, acts, Calibration())
-    assert cal.activation_mem_scale == pytest.approx(1.3) and cal.memory_overhead_bytes == pytest.approx(7.0)
-    # a negative intercept is not a memory: refit through the origin
-    cal = fit_memory([o + 2.0 * a - 30 for o, a in zip(other, acts)], other, acts, Calibration())
-    assert cal.memory_overhead_bytes == 0.0 and cal.activation_mem_scale > 0
+def test_fit_memory_is_least_squares_with_nonnegative_factors():
+    fixed = [100.0, 200.0, 50.0, 80.0, 60.0, 90.0]
+    terms = {"grad_mem_scale": [20.0, 40.0, 10.0, 16.0, 5.0, 8.0],
+             "activation_mem_scale": [10.0, 40.0, 20.0, 5.0, 30.0, 12.0],
+             "loss_mem_scale": [0.0, 0.0, 15.0, 0.0, 30.0, 9.0],
+             "buffer_mem_scale": [0.0, 25.0, 0.0, 25.0, 3.0, 1.0]}
+    truth = {"grad_mem_scale": 0.4, "activation_mem_scale": 1.3, "loss_mem_scale": 2.0, "buffer_mem_scale": 0.5}
+    measured = [f + sum(truth[k] * v[i] for k, v in terms.items()) + 7.0 for i, f in enumerate(fixed)]
+    cal = fit_memory(measured, fixed, terms, Calibration())
+    assert {k: getattr(cal, k) for k in truth} == pytest.approx(truth) and cal.memory_overhead_bytes == pytest.approx(7)
+    # a negative intercept is not memory: it is dropped and the rest refitted
+    lower = [m - 40 for m in measured]
+    cal = fit_memory(lower, fixed, terms, Calibration())
+    assert cal.memory_overhead_bytes == 0.0 and min(getattr(cal, k) for k in truth) >= 0
+    # no rank has buffers: their factor keeps its value
+    start = dataclasses.replace(Calibration(), buffer_mem_scale=0.7)
+    cal = fit_memory(measured, fixed, {**terms, "buffer_mem_scale": [0.0] * 6}, start)
+    assert cal.buffer_mem_scale == 0.7
 
 
 def test_memory_calibration_reaches_the_plan(tiny_graph):
     base = _predict(tiny_graph, Calibration.for_device("CPU"), CONFIGS[0])
-    cal = dataclasses.replace(Calibration.for_device("CPU"), activation_mem_scale=2.0, memory_overhead_bytes=1e6)
+    cal = dataclasses.replace(Calibration.for_device("CPU"), activation_mem_scale=2.0, loss_mem_scale=2.0,
+                              memory_overhead_bytes=1e6,
+                              grad_mem_scale=0.5, buffer_mem_scale=3.0)
     scaled = _predict(tiny_graph, cal, CONFIGS[0])
     a, b = rank_memory_of(base)[0], rank_memory_of(scaled)[0]
-    assert b.activations == pytest.approx(2 * a.activations)
-    assert b.total == pytest.approx(a.total + a.activations + 1e6)
+    assert b.activations == pytest.approx(2 * a.activations) and b.grads == pytest.approx(0.5 * a.grads)
+    assert b.buffers == pytest.approx(3 * a.buffers + 1e6) and a.buffers > 0
+    assert b.total == pytest.approx(a.total + a.activations - 0.5 * a.grads + 2 * a.buffers + 1e6)
 
 
 def test_trial_store_round_trip_and_keys(tmp_path):
