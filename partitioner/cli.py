@@ -1,24 +1,61 @@
-"""The `partitioner` command line (also `python -m partitioner`).
+"""The `partitioner` command line (also `python -m partitioner`): trace, compile, show, run, autotune.
 
-    partitioner compile examples/gpt.py:gpt_small --topology local:4 --global-batch-size 32
+    partitioner trace examples/gpt.py:gpt_small                  # per-block cost table
+    partitioner compile examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o plan.json
     partitioner compile examples/gpt.py:gpt3_175b --device meta --topology 128x8xA100-80GB --global-batch-size 1536 -o gpt.plan.json
-    partitioner show gpt.plan.json --explain
-    partitioner trace examples/gpt.py:gpt_small            # per-block cost table
-    partitioner trace examples/cnn.py:cnn --per node --batch-size 32
+    partitioner show plan.json --explain
+    partitioner show plan.json --rank 3                           # the program rank 3 runs
+    partitioner run plan.json --steps 10                          # local:N plans train here; others print torchrun
+    partitioner autotune examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o best.json
 
-Exit codes: 0 success, 2 bad input (the message says what to fix),
-1 an internal error (run with --debug for the traceback).
+Every subcommand takes --json: exactly one JSON document on stdout (progress
+and info on stderr), nothing on stdout when it fails. Errors are one line on
+stderr; --debug adds the traceback.
+
+Exit codes:
+    0    success
+    1    internal error (a bug: run with --debug for the traceback)
+    2    bad input: arguments, model, topology, plan file (the message says what to fix)
+    3    the plan is infeasible: no configuration fits in memory
+    4    a run or autotune trial failed
+    130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import shlex
 import sys
 import time
+import traceback
+from pathlib import Path
+from typing import Any
 
 from cost_models.errors import DeclarationError, PartitionerError
+from partitioner.compile import PlanInfeasibleError
+from runtime.env import LaunchError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+
+
+class RunFailed(Exception):
+    """A run or autotune trial that failed while running (exit 4), as opposed to bad input (exit 2)."""
+
+
+def _emit(args: argparse.Namespace, doc: Any) -> None:
+    """The one JSON document of a --json command, on the real stdout (everything else went to stderr)."""
+    print(json.dumps(doc, indent=1), file=args.stdout)
+
+
+def _info(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# ---- trace ------------------------------------------------------------------------------------------------
 
 
 def _trace(args: argparse.Namespace) -> int:
@@ -29,45 +66,81 @@ def _trace(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     g = trace(model, inputs, method=args.method, expand_repeated=not args.no_expand)
     dt = time.perf_counter() - t0
+    flops = g.flops(batch_size=args.batch_size)  # also refuses a batch size the trace fixed
+    if args.json:
+        _emit(args, {"model": args.model, "model_name": g.model_name, "method": g.method, "num_params": g.num_params,
+                     "batch_size": args.batch_size, "per": args.per, "rows": _trace_rows(g, args.batch_size, args.per),
+                     "flops": flops, "trace_time_s": dt})
+        return EXIT_OK
     print(g.table(batch_size=args.batch_size, per=args.per))
-    print(f"\ntraced in {dt:.2f} s; forward+backward {g.flops(batch_size=args.batch_size):.4g} FLOPs "
-          f"per step of batch {args.batch_size}")
-    return 0
+    print(f"\ntraced in {dt:.2f} s; forward+backward {flops:.4g} FLOPs per step of batch {args.batch_size}")
+    return EXIT_OK
+
+
+def _trace_rows(g: Any, batch_size: int, per: str) -> list[dict[str, Any]]:
+    """The rows of `g.table(per=...)` as numbers (the table shows them rounded, '153.0G')."""
+    b, s = batch_size, g.traced_seq_len or 1
+
+    def costs(nodes) -> dict[str, Any]:
+        return {"params": sum(n.param_count for n in nodes),
+                "forward_flops": sum(n.cost.forward_flops(b, s) for n in nodes),
+                "backward_flops": sum(n.cost.backward_flops(b, s) for n in nodes),
+                "activation_bytes": sum(n.cost.activation_bytes(b, s) for n in nodes),
+                "bytes_moved": sum(n.cost.bytes_read(b, s) + n.cost.bytes_written(b, s) for n in nodes)}
+
+    if per == "node":
+        return [{"node": n.name, "op": n.op, "module": n.module_path, "shape": str(n.output) if n.output else None,
+                 **costs([n])} for n in g.nodes]
+    return [{"segment": label, "nodes": len(nodes), **costs(nodes)} for label, nodes in g.segments()]
+
+
+# ---- compile / show ---------------------------------------------------------------------------------------
 
 
 def _compile(args: argparse.Namespace) -> int:
+    from cost_models.topology import Topology
     from partitioner.compile import compile
     from partitioner.loading import load_model
 
+    topology = Topology.coerce(args.topology)  # a bad topology fails before the model is built
     model, inputs, module = load_model(args.model, device=args.device, batch_size=2)
     if hasattr(module, "example_batch"):
         # an (inputs, targets) training batch: runtime.run calls model(inputs) and gives the targets to
         # the loss, so the plan's code is traced the same way
         inputs = inputs[:1]
-    pins = {k: getattr(args, k) for k in ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule",
-                                         "interleave", "recompute") if getattr(args, k) is not None}
-    if args.compression is not None:
-        pins["compression"] = _compression_arg(args.compression)
-    if args.compression_warmup:
-        pins["compression_warmup"] = args.compression_warmup
     t0 = time.perf_counter()
-    plan = compile(model, args.topology, example_inputs=inputs, global_batch_size=args.global_batch_size,
-                   precision=args.precision, optimizer=args.optimizer, max_memory_fraction=args.max_memory_fraction,
-                   **pins)
+    plan = compile(model, topology, example_inputs=inputs, global_batch_size=args.global_batch_size,
+                   **_plan_options(args))
+    plan = dataclasses.replace(plan, model_source=args.model)  # so `partitioner run` needs no --model
     dt = time.perf_counter() - t0
-    print(plan.to_json() if args.json else plan, end="" if args.json else "\n")
-    if args.explain and not args.json:
-        print("\n" + plan.explain())
     if args.output:
         plan.save(args.output)
     if args.programs:
         plan.write_programs(args.programs)
-    if not args.json:
-        wrote = [f"plan written to {args.output}"] if args.output else []
-        wrote += [f"programs written to {args.programs}/ (run: torchrun --nproc-per-node {plan.world_size} "
-                  f"-m runtime.run {args.programs}/plan.json --model {args.model})"] if args.programs else []
-        print(f"\ncompiled in {dt:.2f} s" + "".join("; " + w for w in wrote))
-    return 0
+    if args.json:
+        args.stdout.write(plan.to_json())
+        return EXIT_OK
+    print(plan)
+    if args.explain:
+        print("\n" + plan.explain())
+    wrote = [f"plan written to {args.output}"] if args.output else []
+    if args.programs:
+        wrote.append(f"programs written to {args.programs}/ (run: torchrun --nproc-per-node {plan.world_size} "
+                     f"-m runtime.run {args.programs}/plan.json --model {args.model})")
+    print(f"\ncompiled in {dt:.2f} s" + "".join("; " + w for w in wrote))
+    return EXIT_OK
+
+
+def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
+    """compile()'s keyword arguments from the planning flags `_add_plan_options` declares."""
+    out = {k: getattr(args, k) for k in ("precision", "optimizer", "max_memory_fraction", "dp", "tp", "pp",
+                                         "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
+           if getattr(args, k) is not None}
+    if args.compression is not None:
+        out["compression"] = _compression_arg(args.compression)
+    if args.compression_warmup:
+        out["compression_warmup"] = args.compression_warmup
+    return out
 
 
 def _compression_arg(text: str) -> str | dict[str, str]:
@@ -92,20 +165,216 @@ def _show(args: argparse.Namespace) -> int:
     from partitioner.plan import Plan
 
     plan = Plan.load(args.plan)
-    print(plan.to_json() if args.json else plan, end="" if args.json else "\n")
-    if args.explain and not args.json:
+    if args.rank is not None:
+        if not 0 <= args.rank < plan.world_size:
+            raise DeclarationError(f"--rank {args.rank}: {args.plan} has ranks 0..{plan.world_size - 1} "
+                                   f"(world size {plan.world_size})")
+        source = plan.program(args.rank).source
+        if args.json:
+            _emit(args, {"rank": args.rank, "source": source})
+        else:
+            print(source, end="")
+        return EXIT_OK
+    if args.json:
+        args.stdout.write(plan.to_json())
+        return EXIT_OK
+    print(plan)
+    if args.explain:
         print("\n" + plan.explain())
-    return 0
+    return EXIT_OK
+
+
+# ---- run --------------------------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    from cost_models.topology import Topology
+    from partitioner.plan import Plan
+
+    plan = Plan.load(args.plan)
+    spec = args.model or plan.model_source
+    if not spec:
+        raise DeclarationError(f"{args.plan} does not record the model it was compiled for (compiled from Python, "
+                               "or by an older version): pass --model FILE.py:FACTORY, e.g. "
+                               "--model examples/gpt.py:gpt_tiny")
+    topo = Topology.from_dict(plan.topology)
+    if args.print_command or not topo.local:
+        return _print_command(args, plan, topo, spec)
+    return _run_local(args, plan, spec)
+
+
+def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
+    import torch
+
+    from partitioner.loading import load_module
+    from runtime.launch import check_model, check_sendable, launch_local
+    from runtime.run import default_loss, default_optimizer, load_callable
+
+    # Imports FILE.py as the module of its package (examples/gpt.py -> examples.gpt), which load_callable
+    # then finds loaded: spawned workers unpickle the model factory by that importable name.
+    module, _ = load_module(spec)
+    model_fn = load_callable(spec, "--model")
+    optimizer_fn = load_callable(args.optimizer, "--optimizer") if args.optimizer else default_optimizer(plan.optimizer)
+    loss_fn = load_callable(args.loss, "--loss") if args.loss else default_loss
+    for name, fn in (("--model", model_fn), ("--optimizer", optimizer_fn), ("--loss", loss_fn)):
+        check_sendable(name, fn)
+    check_model(plan, model_fn)  # a model that is not the plan's is bad input (2), not a failed run (4)
+    if args.data:
+        data_fn = load_callable(args.data, "--data")
+        batches = [data_fn(step, 0, plan.world_size) for step in range(args.steps)]
+    elif hasattr(module, "example_batch"):
+        with torch.device("cpu"):
+            model = model_fn()
+        batches = [module.example_batch(model, plan.global_batch_size, seed=step) for step in range(args.steps)]
+    else:
+        raise DeclarationError(f"{spec}: its module has no example_batch(model, batch_size, seed=) to make batches "
+                               "from; pass --data pkg.module:fn with fn(step, rank, world_size) -> (inputs, targets)")
+    sources = None  # None: launch_local generates each rank's program from the plan
+    if args.programs:
+        d = _programs(args, plan)
+        sources = {r: (d / f"rank_{r}.py").read_text() for r in range(plan.world_size)}
+
+    _info(f"training {args.steps} steps of {spec} on {plan.world_size} local processes ({plan.config})")
+    try:
+        res = launch_local(plan, model_fn, optimizer_fn, loss_fn, batches, timeout_s=args.timeout_s,
+                           programs=sources)
+    except LaunchError as exc:
+        raise RunFailed(f"the run failed: {exc}") from exc
+    if args.save:
+        torch.save(res.state_dict, args.save)
+        _info(f"saved the trained parameters to {args.save}")
+    if args.json:
+        _emit(args, {"plan": args.plan, "model": spec, "world_size": plan.world_size, "steps": args.steps,
+                     "losses": res.losses, "step_times_s": res.step_times_s,
+                     "predicted_step_s": plan.predicted.step_time_s, "peak_memory_bytes": res.peak_memory_bytes,
+                     "peak_rss_bytes": res.peak_rss_bytes, "collective_counts": res.collective_counts})
+        return EXIT_OK
+    for i, (loss, dt) in enumerate(zip(res.losses, res.step_times_s)):
+        print(f"step {i + 1}/{args.steps} loss {loss:.6f} ({dt:.3f} s)")
+    mean = sum(res.step_times_s) / len(res.step_times_s)
+    print(f"{args.steps} steps on {plan.world_size} processes: loss {res.losses[0]:.6f} -> {res.losses[-1]:.6f}, "
+          f"{mean:.3f} s/step (predicted {plan.predicted.step_time_s:.3f} s), "
+          f"peak held memory {max(res.peak_memory_bytes) / 2**20:.1f} MiB per rank")
+    return EXIT_OK
+
+
+def _programs(args: argparse.Namespace, plan: Any) -> Path:
+    """The per-rank programs' directory: --programs if it holds every rank's (say, edited by hand), else
+    written there from the plan (default: PLAN.programs/ beside the plan)."""
+    d = Path(args.programs) if args.programs else Path(args.plan).with_suffix(".programs")
+    if args.programs and all((d / f"rank_{r}.py").is_file() for r in range(plan.world_size)):
+        _info(f"using the programs in {d}/")
+        return d
+    plan.write_programs(d)
+    _info(f"wrote plan.json and rank_0.py .. rank_{plan.world_size - 1}.py to {d}/")
+    return d
+
+
+def _print_command(args: argparse.Namespace, plan: Any, topo: Any, spec: str) -> int:
+    programs = _programs(args, plan)
+    tail = ["-m", "runtime.run", args.plan, "--programs", str(programs), "--model", spec, "--steps", str(args.steps),
+            "--timeout-s", f"{args.timeout_s:g}"]
+    for flag in ("optimizer", "loss", "data", "save"):
+        if getattr(args, flag):
+            tail += [f"--{flag}", getattr(args, flag)]
+    tail = shlex.join(tail)
+    if topo.nodes == 1:
+        torchrun = f"torchrun --nproc-per-node {topo.devices_per_node} {tail}"
+    else:  # the $VARs are left for the shell on each node to expand
+        torchrun = (f"torchrun --nnodes {topo.nodes} --nproc-per-node {topo.devices_per_node} --node-rank $NODE_RANK "
+                    f"--master-addr $MASTER_ADDR --master-port 29500 {tail}")
+    srun = f"srun --nodes {topo.nodes} --ntasks-per-node {topo.devices_per_node} python {tail}"
+    if args.json:
+        _emit(args, {"plan": args.plan, "model": spec, "topology": str(topo), "world_size": plan.world_size,
+                     "nodes": topo.nodes, "programs": str(programs), "torchrun": torchrun, "srun": srun})
+        return EXIT_OK
+    where = "" if topo.nodes == 1 else (f" on each of the {topo.nodes} nodes (NODE_RANK 0..{topo.nodes - 1}, "
+                                        "MASTER_ADDR the first node's address)")
+    print(f"{plan.world_size} ranks on {topo}: run from this directory{where}, with the plan and {programs}/ "
+          f"on a shared filesystem:\n  {torchrun}\nor under SLURM:\n  {srun}")
+    return EXIT_OK
+
+
+# ---- autotune ---------------------------------------------------------------------------------------------
+
+
+def _autotune(args: argparse.Namespace) -> int:
+    from cost_models.topology import Topology
+    from partitioner.autotune import AutotuneFailed, autotune, format_trials
+
+    topology = Topology.coerce(args.topology)  # a bad topology fails before anything runs
+    try:
+        res = autotune(args.model, topology, global_batch_size=args.global_batch_size, trials=args.trials,
+                       db=args.db, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout_s,
+                       calibration_out=args.calibration_out, progress=sys.stderr, **_plan_options(args))
+    except AutotuneFailed as exc:  # every trial ran and failed: a failed run (4), not bad input
+        raise RunFailed(str(exc)) from exc
+    plan = dataclasses.replace(res.plan, model_source=args.model)
+    if args.output:
+        plan.save(args.output)
+    if args.json:
+        _emit(args, res.to_dict())
+        return EXIT_OK
+    print(format_trials(res.trials))
+    print(f"\nbest: {plan.config} (predicted {plan.predicted.step_time_s:.3f} s/step)"
+          + (f"; plan written to {args.output}" if args.output else "")
+          + f"; calibration in {res.calibration_path}")
+    return EXIT_OK
+
+
+# ---- the parser -------------------------------------------------------------------------------------------
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join("  " + line for line in lines)
+
+
+_EXIT_CODES = __doc__[__doc__.index("Exit codes:"):].strip()
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
+def _add_plan_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", default="bf16-mixed", choices=("fp32", "bf16-mixed", "fp16-mixed"))
+    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    for name in ("dp", "tp", "pp", "zero-stage", "microbatch-size", "interleave"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"pin {name} (default: the planner chooses)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None, help="pin the schedule")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default=None, help="pin recomputation")
+    p.add_argument("--compression", default=None, metavar="NAME|LEVEL=NAME,...",
+                   help="pin the data-parallel gradient compressor (none, bf16, int8, int4, powersgd) on every link "
+                        "level, or per level, e.g. inter_node=int8,intra_node=none (default: the planner chooses)")
+    p.add_argument("--compression-warmup", type=int, default=0, metavar="K",
+                   help="the first K steps reduce uncompressed (default 0)")
+    p.add_argument("--max-memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="partitioner", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="examples:\n" + "\n".join(__doc__.split("\n\n")[1].splitlines()))
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="partitioner", description=__doc__.split("\n\n")[0], formatter_class=raw,
+                                epilog=_examples(*(line.strip() for line in __doc__.split("\n\n")[1].splitlines()))
+                                + "\n\n" + _EXIT_CODES)
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
-    sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("trace", help="trace a model and print its cost table",
-                       description="Trace MODEL (FILE.py:FACTORY or package.module:FACTORY) and print its OpGraph.")
+    # on every subcommand too; SUPPRESS keeps `partitioner --debug run ...` from being reset by the subparser
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document on stdout, nothing else there")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback on errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{trace,compile,show,run,autotune}")
+
+    def command(name: str, help: str, description: str, *examples: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description, parents=[common], formatter_class=raw,
+                              epilog=_examples(*examples) + "\n\n" + _EXIT_CODES)
+
+    t = command("trace", "trace a model and print its cost table",
+                "Trace MODEL (FILE.py:FACTORY or package.module:FACTORY) and print its OpGraph's costs.",
+                "partitioner trace examples/gpt.py:gpt_small",
+                "partitioner trace examples/cnn.py:cnn --per node --batch-size 32",
+                "partitioner trace examples/gpt.py:gpt_tiny --json | jq '.rows[0]'")
     t.add_argument("model", help="e.g. examples/gpt.py:gpt_small")
     t.add_argument("--batch-size", type=int, default=8, help="batch size the costs are shown for (default 8)")
     t.add_argument("--per", choices=("block", "node"), default="block", help="one row per block (default) or per node")
@@ -114,55 +383,119 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-expand", action="store_true", help="trace every block instead of copying repeated ones")
     t.set_defaults(func=_trace)
 
-    c = sub.add_parser("compile", help="plan a model for a topology and print the plan",
-                       description="Compile MODEL for TOPOLOGY: trace, search, cut, schedule; print the plan table.")
-    c.add_argument("model", help="e.g. examples/gpt.py:gpt_small")
+    c = command("compile", "plan a model for a topology and print the plan",
+                "Compile MODEL for TOPOLOGY: trace, search, cut, schedule; print the plan table.",
+                "partitioner compile examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o plan.json",
+                "partitioner compile examples/gpt.py:gpt3_175b --device meta --topology 128x8xA100-80GB "
+                "--global-batch-size 1536 --explain",
+                "partitioner compile examples/gpt.py:gpt_small --topology local:4 --global-batch-size 8 --tp 2 "
+                "--programs out/")
+    c.add_argument("model", help="e.g. examples/gpt.py:gpt_small (recorded in the plan for `partitioner run`)")
     c.add_argument("--topology", required=True, help='e.g. "local:4", "4x8xA100-80GB", or a .json/.yaml file')
     c.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step, all replicas")
-    c.add_argument("--precision", default="bf16-mixed", choices=("fp32", "bf16-mixed", "fp16-mixed"))
-    c.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
-    for name, kind in (("dp", int), ("tp", int), ("pp", int), ("zero-stage", int), ("microbatch-size", int),
-                       ("interleave", int)):
-        c.add_argument(f"--{name}", type=kind, default=None, help=f"pin {name} (default: the planner chooses)")
-    c.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None, help="pin the schedule")
-    c.add_argument("--recompute", choices=("none", "selective", "full"), default=None, help="pin recomputation")
-    c.add_argument("--compression", default=None, metavar="NAME|LEVEL=NAME,...",
-                   help="pin the data-parallel gradient compressor (none, bf16, int8, int4, powersgd) on every link "
-                        "level, or per level, e.g. inter_node=int8,intra_node=none (default: the planner chooses)")
-    c.add_argument("--compression-warmup", type=int, default=0, metavar="K",
-                   help="the first K steps reduce uncompressed (default 0)")
-    c.add_argument("--max-memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
+    _add_plan_options(c)
     c.add_argument("--device", default=None, help="build the model on this device, e.g. meta for huge models")
     c.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     c.add_argument("--programs", default=None, metavar="DIR",
                    help="write plan.json and one program per rank (rank_R.py) into DIR, for runtime.run")
-    c.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     c.add_argument("--explain", action="store_true", help="also print why this plan won")
     c.set_defaults(func=_compile)
 
-    sh = sub.add_parser("show", help="print a saved plan", description="Print the plan saved in PLAN (JSON).")
+    sh = command("show", "print a saved plan, or one rank's program",
+                 "Print the plan saved in PLAN (JSON), or with --rank the Python program that rank runs.",
+                 "partitioner show plan.json --explain", "partitioner show plan.json --rank 3",
+                 "partitioner show plan.json --json")
     sh.add_argument("plan", help="a plan JSON written by compile -o")
-    sh.add_argument("--json", action="store_true", help="print the JSON")
+    sh.add_argument("--rank", type=int, default=None, help="print this rank's generated program instead")
     sh.add_argument("--explain", action="store_true", help="also print why this plan won")
     sh.set_defaults(func=_show)
+
+    r = command("run", "train with a plan: local processes, or print the cluster command",
+                "Train with PLAN. A local:N plan runs here as N Gloo processes, one line per step; a plan for GPUs "
+                "or several nodes writes its programs beside the plan and prints the torchrun and srun commands.",
+                "partitioner run plan.json --steps 10",
+                "partitioner run plan.json --model examples/gpt.py:gpt_tiny --steps 3 --json",
+                "partitioner run gpt.plan.json --print-command")
+    r.add_argument("plan", help="a plan JSON written by compile -o")
+    r.add_argument("--model", default=None, help="pkg.module:factory or FILE.py:factory (default: the one the plan "
+                                                 "was compiled from)")
+    r.add_argument("--steps", type=_positive, default=10, help="training steps (default 10)")
+    r.add_argument("--timeout-s", type=float, default=300.0,
+                   help="how long a rank may go without progress before the run is stopped (default 300)")
+    r.add_argument("--programs", default=None, metavar="DIR",
+                   help="run the rank_R.py in DIR (e.g. edited by hand); written there from the plan when missing")
+    r.add_argument("--optimizer", default=None, help="factory(params) -> Optimizer (default: the plan's optimizer)")
+    r.add_argument("--loss", default=None, help="fn(output, target) -> loss (default: cross-entropy or MSE)")
+    r.add_argument("--data", default=None, help="fn(step, rank, world_size) -> (inputs, targets), the global batch "
+                                                "(default: the model module's example_batch)")
+    r.add_argument("--save", default=None, metavar="FILE", help="write the trained parameters here")
+    r.add_argument("--print-command", action="store_true", help="print the torchrun command even for a local plan")
+    r.set_defaults(func=_run)
+
+    a = command("autotune", "compile, measure the best candidates, recalibrate, keep the fastest",
+                "Compile MODEL for TOPOLOGY, run the most promising configurations for a few steps each, record "
+                "the measurements in --db and refit the cost model from them, and keep the fastest plan.",
+                "partitioner autotune examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o best.json",
+                "partitioner autotune examples/gpt.py:gpt_tiny --topology local:2 --global-batch-size 8 --trials 3 "
+                "--db tune.sqlite --json")
+    a.add_argument("model", help="e.g. examples/gpt.py:gpt_tiny")
+    a.add_argument("--topology", required=True, help='e.g. "local:4", or a .json/.yaml file')
+    a.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step, all replicas")
+    a.add_argument("--trials", type=_positive, default=6, help="configurations to measure (default 6)")
+    a.add_argument("--db", default="partitioner-tune.sqlite", help="the measurements database (default "
+                                                                   "partitioner-tune.sqlite)")
+    a.add_argument("--steps", type=_positive, default=3, help="measured steps per trial (default 3)")
+    a.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (default 1)")
+    a.add_argument("--timeout-s", type=float, default=120.0, help="per trial (default 120)")
+    a.add_argument("--calibration-out", default=None, metavar="PATH", help="write the refitted calibration here")
+    a.add_argument("-o", "--output", default=None, help="write the best plan JSON here")
+    _add_plan_options(a)
+    a.set_defaults(func=_autotune)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # usage errors: argparse prints them and exits 2
+    args.stdout = sys.stdout
     try:
+        if args.json:  # stray prints (ours, a library's) must not corrupt the JSON on stdout
+            sys.stdout = sys.stderr
         return args.func(args)
-    except PartitionerError as exc:
-        if args.debug:
-            raise
-        print(f"partitioner {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence, traceback with --debug
-        if args.debug:
-            raise
-        print(f"partitioner {args.command}: internal error: {type(exc).__name__}: {exc} (rerun with --debug)",
-              file=sys.stderr)
-        return 1
+    except BaseException as exc:  # noqa: BLE001 - the CLI's last line of defence: one line, traceback with --debug
+        error = exc
+    finally:
+        sys.stdout = args.stdout
+    code = _exit_code(error)
+    if code is None:
+        raise error  # SystemExit and the like
+    if args.debug:
+        traceback.print_exception(error)
+    # some messages carry a worker's traceback after their first line: that much only with --debug
+    lines = str(error).splitlines() or [""]
+    message = str(error) if args.debug or len(lines) == 1 else lines[0] + " (run with --debug for the details)"
+    if code == EXIT_INTERRUPTED:
+        line = "interrupted"
+    elif code == EXIT_INTERNAL:
+        line = f"internal error: {type(error).__name__}: {lines[0]}" + (
+            "" if args.debug else " (run with --debug for the traceback)")
+    else:
+        line = f"error: {message}"
+    print(f"partitioner {args.command}: {line}", file=sys.stderr)
+    return code
+
+
+def _exit_code(exc: BaseException) -> int | None:
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, PlanInfeasibleError):
+        return EXIT_INFEASIBLE
+    if isinstance(exc, RunFailed):
+        return EXIT_FAILED
+    if isinstance(exc, (PartitionerError, LaunchError, FileNotFoundError)):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, Exception):
+        return EXIT_INTERNAL
+    return None
 
 
 if __name__ == "__main__":
