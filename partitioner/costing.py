@@ -425,7 +425,7 @@ class StageEvaluator:
         # Interleaved: a rank holds v chunks; each may use 1/v of the memory (safe, if conservative
         # for uneven chunks: the rank's sum then fits for certain).
         fits = (state.params + grads + state.optimizer + acts) * v + buffers <= ctx.memory_cap
-        exposed, optim, compression = self._tail(params, f, b, self.stage_low_rank(i, j))
+        exposed, optim, compression = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i)
         return StageCost(forward_s=f, backward_s=b, tail_s=exposed + optim, exposed_comm_s=exposed, params=params,
                          memory=(state.params, grads, state.optimizer, acts, buffers), fits=fits,
                          compression=compression)
@@ -484,13 +484,16 @@ class StageEvaluator:
             hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
         return hit
 
-    def _tail(self, params: float, f: float, b: float, lr: LowRank | None) -> tuple[float, float, tuple[str, str]]:
+    def _tail(self, params: float, f: float, b: float, lr: LowRank | None,
+              units: int = 1) -> tuple[float, float, tuple[str, str]]:
         """(exposed data-parallel communication, optimizer step, compression used) of one stage, per step.
 
         Wire time hides behind compute up to dp_overlap of it, kernel time never:
-        DDP/ZeRO-1 all-reduce and ZeRO-2/3 reduce-scatter behind the last
-        backward; ZeRO-3's 2m parameter gathers behind the m forwards and
-        backwards; the ZeRO-1/2 parameter all-gather after the optimizer step
+        DDP/ZeRO-1 all-reduce behind the last backward; ZeRO-2/3 reduce-scatter
+        every microbatch (runtime.data_parallel: no_sync only defers stages 0
+        and 1), each behind its backward; ZeRO-3 gathers and reduce-scatters
+        per unit (block), so a stage of `units` issues that many of each, its
+        2m parameter gathers per unit behind the m forwards and backwards; the ZeRO-1/2 parameter all-gather after the optimizer step
         is exposed. Where several compressions are open, the stage takes the
         one with the least exposed time (the first, least lossy, on a tie); the
         search checks that all stages agree (search.py).
@@ -502,11 +505,13 @@ class StageEvaluator:
         exposed = 0.0
         if cand.dp > 1:
             exposed = math.inf
+            per_step = m if z >= 2 else 1
+            n = max(1, units) if z == 3 else 1
             for option in self.options:
-                wire, kernel = self._reduction(params, option, lr)
-                t = max(0.0, wire - overlap * b) + kernel
+                wire, kernel = (n * x for x in self._reduction(params / n, option, lr))
+                t = per_step * (max(0.0, wire - overlap * b) + kernel)
                 if z == 3:
-                    g_wire, g_kernel = self._gather(params, group_compressor(option))
+                    g_wire, g_kernel = (n * x for x in self._gather(params / n, group_compressor(option)))
                     t += max(0.0, 2 * m * g_wire - overlap * m * (f + b)) + 2 * m * g_kernel
                 if t < exposed:
                     exposed, chosen = t, option
