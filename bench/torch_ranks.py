@@ -58,6 +58,8 @@ def spawn(label: str, world: int, target: Callable, args: Callable[[int, str], S
     import torch
     import torch.multiprocessing as mp
 
+    from runtime.launch import stop_processes
+
     tmp = Path(tempfile.mkdtemp(prefix="bench-torch-ranks-"))
     procs = []
     try:
@@ -92,14 +94,7 @@ def spawn(label: str, world: int, target: Callable, args: Callable[[int, str], S
                                f"(exit codes {[p.exitcode for p in procs]})")
         return [json.loads((tmp / f"result_{r}.json").read_text()) for r in range(world)]
     finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.terminate()
-        for p in procs:
-            p.join(2.0)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
+        stop_processes(procs, grace_s=0.0)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

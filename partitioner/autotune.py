@@ -175,7 +175,7 @@ def autotune(model: str | Callable, topology: Topology | str | dict, *, example_
         instead of the cost model's top `trials`.
     compile_kwargs: passed to every compile (precision, optimizer, max_memory_fraction, pins...).
     """
-    from runtime.run import default_loss, default_optimizer, load_callable
+    from runtime.run import default_loss, load_callable
 
     _check(trials=trials, steps=steps, warmup=warmup, max_rounds=max_rounds)
     topo = Topology.coerce(topology)
@@ -207,7 +207,7 @@ def autotune(model: str | Callable, topology: Topology | str | dict, *, example_
     compile_kwargs = {"global_batch_size": global_batch_size, **compile_kwargs}
     tuner = _Tuner(g=g, topo=topo, store=store, model_fn=model_fn, data=data, steps=steps, warmup=warmup,
                    timeout_s=timeout_s, optimizer_fn=optimizer_fn, loss_fn=loss_fn or default_loss,
-                   default_optimizer=default_optimizer, compile_kwargs=compile_kwargs, out=out)
+                   compile_kwargs=compile_kwargs, out=out)
     try:
         return tuner.run(cal, trials=trials, candidates=candidates, max_rounds=max_rounds, cal_path=cal_path,
                          fit_iterations=fit_iterations)
@@ -240,7 +240,6 @@ class _Tuner:
     timeout_s: float
     optimizer_fn: Callable | None
     loss_fn: Callable
-    default_optimizer: Callable
     compile_kwargs: dict[str, Any]
     out: TextIO | None
     done: dict[str, Trial] = dataclasses.field(default_factory=dict)  # key -> trial, in the order run
@@ -249,14 +248,19 @@ class _Tuner:
     def pins(self, config: ParallelConfig, compression: dict[str, str]) -> dict[str, Any]:
         return {**{k: getattr(config, k) for k in _PINS}, "compression": dict(compression)}
 
-    def compile_pinned(self, config: ParallelConfig, compression: dict[str, str], cal: Calibration) -> Plan:
+    def compile_with(self, pins: dict[str, Any], cal: Calibration, alternatives: int = 0) -> Plan:
+        """Compile with `pins` in place of the user's (the other compile arguments stay)."""
         kw = {k: v for k, v in self.compile_kwargs.items() if k not in (*_PINS, "compression")}
-        return compile(self.g, self.topo, calibration=cal, alternatives=0, **kw, **self.pins(config, compression))
+        return compile(self.g, self.topo, calibration=cal, alternatives=alternatives, **kw, **pins)
 
-    def ranked(self, cal: Calibration, k: int) -> list[tuple[ParallelConfig, dict[str, str], float]]:
+    def compile_pinned(self, config: ParallelConfig, compression: dict[str, str], cal: Calibration,
+                       alternatives: int = 0) -> Plan:
+        return self.compile_with(self.pins(config, compression), cal, alternatives)
+
+    def ranked(self, cal: Calibration, k: int) -> list[tuple[ParallelConfig, dict[str, str]]]:
         plan = compile(self.g, self.topo, calibration=cal, alternatives=max(6 * k, 24), **self.compile_kwargs)
-        return [(plan.config, dict(plan.compression), plan.predicted.step_time_s)] + \
-            [(a.config, dict(a.compression), a.step_time_s) for a in plan.alternatives if a.fits]
+        return [(plan.config, dict(plan.compression))] + \
+            [(a.config, dict(a.compression)) for a in plan.alternatives if a.fits]
 
     def key(self, config: ParallelConfig, compression: dict[str, str]) -> str:
         kw = self.compile_kwargs
@@ -273,22 +277,18 @@ class _Tuner:
         for i, (config, comp) in enumerate(first):
             self.measure(config, comp, cal, index=i + 1, total=len(first), round_=0)
         fit_before = fit_after = None
-        rounds, best_before = 0, None
+        rounds = 0
         for rounds in range(1, max_rounds + 1):
             ok = self.ok()
             if len(ok) < 2:
                 break
             cal, fit_before, fit_after = self.fit(cal, ok, fit_iterations)
             best = min(ok, key=lambda t: t.measured_step_s)
-            leaders = [(c, comp) for c, comp, _ in self.ranked(cal, 2)[:2]]
-            new = [(c, comp) for c, comp in leaders if self.key(c, comp) not in self.done]
+            new = [(c, comp) for c, comp in self.ranked(cal, 2)[:2] if self.key(c, comp) not in self.done]
             self.say(f"round {rounds}: calibrated (rms log error {fit_before:.3f} -> {fit_after:.3f}); measured best "
                      f"{best.config} {best.measured_step_s * 1e3:.1f} ms; new leaders to try: {len(new)}")
-            if not new and best_before is not None and best.config == best_before.config:
+            if not new:  # the calibrated model's leaders are measured: the measured best stands
                 break
-            if not new:
-                break
-            best_before = best
             for i, (config, comp) in enumerate(new):
                 self.measure(config, comp, cal, index=i + 1, total=len(new), round_=rounds)
         ok = self.ok()
@@ -302,8 +302,7 @@ class _Tuner:
         cal.save(cal_path)
         final = tuple(self.calibrated(t, cal) for t in self.done.values())
         best = min((t for t in final if t.status == "ok"), key=lambda t: t.measured_step_s)
-        kw = {k: v for k, v in self.compile_kwargs.items() if k not in (*_PINS, "compression")}
-        plan = compile(self.g, self.topo, calibration=cal, **kw, **self.pins(best.config, best.compression))
+        plan = self.compile_pinned(best.config, best.compression, cal, alternatives=5)
         self.say(f"best measured: {best.config} {best.measured_step_s * 1e3:.1f} ms/step; calibration saved to "
                  f"{cal_path}")
         return AutotuneResult(plan=plan, trials=final, calibration=cal, calibration_path=cal_path,
@@ -313,15 +312,14 @@ class _Tuner:
     def first_round(self, cal: Calibration, trials: int, candidates) -> list[tuple[ParallelConfig, dict[str, str]]]:
         if candidates is not None:
             out = []
-            kw = {k: v for k, v in self.compile_kwargs.items() if k not in (*_PINS, "compression")}
             for pins in candidates:
                 unknown = set(pins) - {*_PINS, "compression"}
                 if unknown:
                     raise DeclarationError(f"candidates: unknown pin(s) {sorted(unknown)}; use {[*_PINS, 'compression']}")
-                p = compile(self.g, self.topo, calibration=cal, alternatives=0, **kw, **pins)
+                p = self.compile_with(pins, cal)
                 out.append((p.config, dict(p.compression)))
             return out
-        ranked = [(c, comp) for c, comp, _ in self.ranked(cal, trials)]
+        ranked = self.ranked(cal, trials)
         # distinct mesh shapes first, then distinct ZeRO stages, then the rest, each in the cost model's order
         out: list[tuple[ParallelConfig, dict[str, str]]] = []
         for shape in (lambda c: (c.dp, c.tp, c.pp), lambda c: (c.dp, c.tp, c.pp, c.zero_stage), lambda c: c):
@@ -362,10 +360,11 @@ class _Tuner:
     def launch(self, plan: Plan, config, comp, predicted: float, peaks: list[float], round_: int) -> Trial:
         from runtime.env import LaunchError
         from runtime.launch import launch_local
+        from runtime.run import default_optimizer
 
         n = self.warmup + 1 + self.steps
         batches = [self.data(s) for s in range(n)]
-        opt = self.optimizer_fn or self.default_optimizer(plan.optimizer)
+        opt = self.optimizer_fn or default_optimizer(plan.optimizer)
         limit = plan.predicted.memory_capacity_bytes * self.compile_kwargs.get("max_memory_fraction", 0.9)
         base = Trial(config=config, compression=comp, status="ok", predicted_step_s=predicted,
                      predicted_peak_bytes=peaks, round=round_)
@@ -383,7 +382,7 @@ class _Tuner:
         self.store.put(key, graph_hash=self.g.fingerprint(), topology_hash=self.topo.fingerprint(),
                        config=str(trial.config), status=trial.status, record=trial.to_dict())
         self.done[key] = trial
-        self.say(f"\r{head}: {_summary(trial)}" if self.out else "")
+        self.say(f"\r{head}: {_summary(trial)}")
         return trial
 
     def fit(self, cal: Calibration, ok: list[Trial], iterations: int) -> tuple[Calibration, float, float]:
@@ -394,13 +393,13 @@ class _Tuner:
         # each factor's term by difference: every memory factor scales its bytes linearly
         zero = dataclasses.replace(result.calibration, **dict.fromkeys(MEMORY_FACTORS, 0.0))
         meas, fixed, terms = [], [], {f: [] for f in MEMORY_FACTORS[:-1]}
-        for t in ok:
+        for t in ok:  # an ok trial has every rank's peak
             base = [m.total for m in rank_memory_of(self.compile_pinned(t.config, t.compression, zero))]
-            meas += t.measured_peak_bytes or []
-            fixed += base[:len(t.measured_peak_bytes or [])]
+            meas += t.measured_peak_bytes
+            fixed += base
             for f in terms:
                 one = rank_memory_of(self.compile_pinned(t.config, t.compression, dataclasses.replace(zero, **{f: 1.0})))
-                terms[f] += [m.total - b for m, b in zip(one, base)][:len(t.measured_peak_bytes or [])]
+                terms[f] += [m.total - b for m, b in zip(one, base)]
         return fit_memory(meas, fixed, terms, result.calibration), result.rms_log_error_before, \
             result.rms_log_error_after
 

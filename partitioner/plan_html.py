@@ -18,13 +18,7 @@ from typing import TYPE_CHECKING
 
 from partitioner.opgraph_table import human
 from partitioner.plan_text import _blocks, _compression, _ranges
-from partitioner.plan_timeline import (
-    COLLECTIVE_COLOR,
-    OPTIM_COLOR,
-    Timeline,
-    build_timeline,
-    stage_color,
-)
+from partitioner.plan_timeline import Timeline, build_timeline, event_style, stage_color
 
 if TYPE_CHECKING:
     from partitioner.plan import Plan
@@ -212,13 +206,7 @@ def _timeline(plan: Plan, tl: Timeline) -> str:
     for e in tl.events:
         dy, h = lanes[e.lane]
         x0, w = x(e.start_s), max(x(e.end_s) - x(e.start_s), 1.5)  # instants (sends) stay visible
-        color, op = stage_color(e.rank), 1.0
-        if e.name == "optim":
-            color = OPTIM_COLOR
-        elif e.lane == "collective":
-            color = COLLECTIVE_COLOR
-        elif e.name.startswith(("F", "send F")):
-            op = 0.55
+        color, op = event_style(e)
         tip = (f"{e.name} (stage {e.stage}) on pipeline rank {e.rank}: {e.start_s * 1e3:.3f} - "
                f"{e.end_s * 1e3:.3f} ms ({(e.end_s - e.start_s) * 1e3:.3f} ms)")
         out.append(f'<rect x="{x0:.2f}" y="{e.rank * row + dy}" width="{w:.2f}" height="{h}" fill="{color}" '

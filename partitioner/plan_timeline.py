@@ -33,6 +33,7 @@ __all__ = [
     "TimelineEvent",
     "build_timeline",
     "chrome_trace",
+    "event_style",
     "plan_durations",
     "stage_color",
     "write_timeline",
@@ -51,6 +52,16 @@ COLLECTIVE_COLOR = "#3d3d6b"
 def stage_color(pipeline_rank: int) -> str:
     """The colour of a pipeline rank (and of every virtual stage it holds) on the page and in the chart."""
     return STAGE_COLORS[pipeline_rank % len(STAGE_COLORS)]
+
+
+def event_style(e: TimelineEvent) -> tuple[str, float]:
+    """(colour, opacity) of an event: its stage's colour, forwards lighter than backwards; grey optimizer steps,
+    one colour for collectives."""
+    if e.name == "optim":
+        return OPTIM_COLOR, 1.0
+    if e.lane == "collective":
+        return COLLECTIVE_COLOR, 1.0
+    return stage_color(e.rank), 0.55 if e.name.startswith(("F", "send F")) else 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,13 +199,7 @@ def _write_png(plan: Plan, tl: Timeline, path: Path) -> None:
     for e in tl.events:
         bottom, height = lane_y[e.lane]
         y = tl.num_ranks - 1 - e.rank + bottom
-        color, alpha = stage_color(e.rank), 1.0
-        if e.name == "optim":
-            color = OPTIM_COLOR
-        elif e.lane == "collective":
-            color = COLLECTIVE_COLOR
-        elif e.name.startswith(("F", "send F")):
-            alpha = 0.55  # forwards lighter than backwards of the same stage
+        color, alpha = event_style(e)
         width = max((e.end_s - e.start_s) * 1e3, tl.step_time_s * 1e3 / 1500)  # instants stay visible
         ax.broken_barh([(e.start_s * 1e3, width)], (y, height), facecolors=color, alpha=alpha, linewidth=0)
         if e.lane == "compute" and width > tl.step_time_s * 1e3 / 40:  # label the bars wide enough to hold one

@@ -54,7 +54,7 @@ import torch.multiprocessing as mp
 from runtime.env import LaunchError
 from runtime.memory_probe import PeakMemory
 
-__all__ = ["LaunchResult", "launch_local", "check_world_size", "check_sendable", "check_model"]
+__all__ = ["LaunchResult", "launch_local", "check_world_size", "check_sendable", "check_model", "stop_processes"]
 
 _GRACE_S = 5.0  # on top of timeout_s before a silent rank is declared hung
 _PH_SPAWNED, _PH_START, _PH_BUILD, _PH_STEP0 = -1, 0, 1, 2  # phases; _PH_STEP0 + k: k steps done
@@ -134,7 +134,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         results = [torch.load(tmp / f"result_{r}.pt", weights_only=True) for r in range(world)]
         ok = True
     finally:
-        _stop(procs, grace_s=5.0 if ok else 0.0)
+        stop_processes(procs, grace_s=5.0 if ok else 0.0)
         shutil.rmtree(tmp, ignore_errors=True)
     return _collect(results)
 
@@ -346,12 +346,12 @@ def _watch(procs: list[Any], tmp: Path, progress: Any, phase: Any, timeout_s: fl
             return
         dead = [r for r in range(n) if exits[r] is not None and not done[r]]
         if dead:
-            _stop(procs, grace_s=0.0)
+            stop_processes(procs, grace_s=0.0)
             raise _failure(dead, exits, tmp, phase, progress, n_steps)
         now = time.time()
         silent = [r for r in range(n) if not done[r] and now - progress[r] > timeout_s + _GRACE_S]
         if silent:
-            _stop(procs, grace_s=0.0)
+            stop_processes(procs, grace_s=0.0)
             where = "; ".join(f"rank {r} {_phase(phase[r], n_steps)}, silent {now - progress[r]:.0f} s"
                               for r in silent)
             raise LaunchError(f"no progress within timeout_s={timeout_s:g} s (+{_GRACE_S:g} s): {where}. A "
@@ -420,7 +420,7 @@ def _phase(ph: int, n_steps: int) -> str:
     return "in full_state_dict()/held_bytes()" if k == n_steps else "after finishing"
 
 
-def _stop(procs: list[Any], *, grace_s: float) -> None:
+def stop_processes(procs: list[Any], *, grace_s: float) -> None:
     """Join workers for up to grace_s, then SIGTERM, then SIGKILL what is left."""
     deadline = time.time() + grace_s
     for p in procs:

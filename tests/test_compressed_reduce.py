@@ -11,13 +11,13 @@ a ring all-reduce of fp32 would move.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from runtime.collectives import Collectives
 from runtime.compressed_reduce import CompressedReduce
@@ -58,18 +58,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    cache: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            tmp = tmp_path_factory.mktemp(f"cr{world}")
-            mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp)), nprocs=world,
-                               start_method="spawn")
-            cache[world] = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
-        return cache[world]
-
-    return get
+def worlds(spawned):
+    return functools.partial(spawned, _worker)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])

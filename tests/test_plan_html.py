@@ -11,8 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from examples import gpt as gpt_mod
-from partitioner import compile, trace
+from partitioner import compile
 from partitioner.plan_html import render_html
 from partitioner.plan_timeline import STAGE_COLORS, stage_color
 
@@ -21,23 +20,14 @@ WINDOW = (1400, 2400)
 
 
 @pytest.fixture(scope="module")
-def graph():
-    cfg = gpt_mod.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256)
-    with torch.device("meta"):
-        model = gpt_mod.GPT(cfg)
-    idx = torch.empty(2, 64, dtype=torch.long, device="meta")
-    return trace(model, (idx, idx))
-
-
-@pytest.fixture(scope="module")
-def pipeline_plan(graph):
-    return compile(graph, "2x4xA100-80GB", global_batch_size=32, pp=2, tp=2, microbatch_size=2,
+def pipeline_plan(meta_gpt_graph):
+    return compile(meta_gpt_graph, "2x4xA100-80GB", global_batch_size=32, pp=2, tp=2, microbatch_size=2,
                    schedule="interleaved-1f1b", interleave=2)
 
 
 @pytest.fixture(scope="module")
-def dp_plan(graph):
-    return compile(graph, "local:4", global_batch_size=16, dp=4)
+def dp_plan(meta_gpt_graph):
+    return compile(meta_gpt_graph, "local:4", global_batch_size=16, dp=4)
 
 
 @pytest.fixture(params=["pipeline", "dp"])
@@ -72,8 +62,8 @@ def test_text_is_escaped(dp_plan):
     assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; &quot;q&quot;" in text
 
 
-def test_a_large_world_collapses_memory_bars_per_pipeline_rank(graph):
-    plan = compile(graph, "16x8xA100-80GB", global_batch_size=512, pp=2, tp=2)
+def test_a_large_world_collapses_memory_bars_per_pipeline_rank(meta_gpt_graph):
+    plan = compile(meta_gpt_graph, "16x8xA100-80GB", global_batch_size=512, pp=2, tp=2)
     text = render_html(plan)
     assert text.count('id="rank-') == 128
     assert text.count(">ranks ") == plan.pp and ">rank 0<" not in text

@@ -7,10 +7,8 @@ import json
 import sys
 
 import pytest
-import torch
 
-from examples import gpt as gpt_mod
-from partitioner import compile, trace
+from partitioner import compile
 from partitioner.plan_timeline import LANES, build_timeline
 
 PLANS = {  # name -> (topology, pins): a plain and an interleaved pipeline, and pure data parallelism
@@ -23,19 +21,10 @@ PLANS = {  # name -> (topology, pins): a plain and an interleaved pipeline, and 
 }
 
 
-@pytest.fixture(scope="module")
-def graph():
-    cfg = gpt_mod.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256)
-    with torch.device("meta"):
-        model = gpt_mod.GPT(cfg)
-    idx = torch.empty(2, 64, dtype=torch.long, device="meta")
-    return trace(model, (idx, idx))
-
-
 @pytest.fixture(scope="module", params=list(PLANS))
-def plan(request, graph):
+def plan(request, meta_gpt_graph):
     topology, pins = PLANS[request.param]
-    return compile(graph, topology, **pins)
+    return compile(meta_gpt_graph, topology, **pins)
 
 
 def x_events(trace_dict):
@@ -103,8 +92,8 @@ def test_no_files_without_paths(plan, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_png_without_matplotlib_says_how_to_install_it(graph, tmp_path, monkeypatch):
-    plan = compile(graph, "local:4", global_batch_size=16, dp=4)
+def test_png_without_matplotlib_says_how_to_install_it(meta_gpt_graph, tmp_path, monkeypatch):
+    plan = compile(meta_gpt_graph, "local:4", global_batch_size=16, dp=4)
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import now fails
     with pytest.raises(ImportError, match="pip install matplotlib"):
         plan.timeline(png=tmp_path / "step.png")

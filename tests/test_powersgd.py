@@ -12,6 +12,7 @@ the invariant on every rank, and at most 3 all-reduces per call.
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -27,7 +28,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import runtime.powersgd
 from runtime.collectives import Collectives
@@ -409,18 +409,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    cache: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            tmp = tmp_path_factory.mktemp(f"psgd{world}")
-            mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp)), nprocs=world,
-                               start_method="spawn")
-            cache[world] = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
-        return cache[world]
-
-    return get
+def worlds(spawned):
+    return functools.partial(spawned, _worker)
 
 
 @pytest.mark.slow

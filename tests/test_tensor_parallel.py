@@ -14,15 +14,14 @@ same world) at rtol 1e-5, atol 1e-6.
 from __future__ import annotations
 
 import datetime
-import gc
 import functools
+import gc
 import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from examples.gpt import MLP, CausalSelfAttention, GPTConfig
@@ -221,18 +220,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    cache: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            tmp = tmp_path_factory.mktemp(f"tp{world}")
-            mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp)), nprocs=world,
-                               start_method="spawn")
-            cache[world] = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
-        return cache[world]
-
-    return get
+def worlds(spawned):
+    return functools.partial(spawned, _worker)
 
 
 # ---- tier (c): equivalence with one process and with torch -----------------------------------
