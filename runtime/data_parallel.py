@@ -474,6 +474,28 @@ class DataParallel:
         return {k: values[self._alias[k]] if k in self._alias else self.module.get_buffer(k).detach().clone()
                 for k in self._state_keys}
 
+    def master_pieces(self) -> list[tuple[torch.Tensor, tuple[tuple[str, tuple[int, ...], int, int, int], ...]]]:
+        """What a checkpoint saves and loads: each tensor holding this rank's authoritative parameter values
+        (what the optimizer steps: fp32 masters or flat shards; frozen parameters at stage 0 too), with the
+        (name, parameter shape, start, stop, offset) ranges it holds: elements [start, stop) of the named
+        parameter's flattening live at [offset, offset + stop - start) of the tensor's flattening."""
+        if self.zero_stage > 0:
+            out = []
+            for f in self._flats:
+                lo, _ = f.layout.shard_range(self.rank)
+                shape, off = dict(zip(f.layout.names, f.layout.shapes)), dict(zip(f.layout.names, f.layout.offsets))
+                out.append((f.shard, tuple((n, shape[n], a, b, off[n] + a - lo)
+                                           for n, a, b in f.layout.owned_pieces(self.rank))))
+            return out
+        return [(self._masters.get(n, p), ((n, tuple(p.shape), 0, p.numel(), 0),)) for n, p in self._params.items()]
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """After the tensors of `master_pieces` were overwritten (a checkpoint loaded): bring the parameters the
+        forward reads up to date, as after an optimizer step (ZeRO-3 gathers from the shards on use anyway)."""
+        if self.zero_stage in (0, 1, 2):
+            self.after_step()
+
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's gradient-compression state (step count, residuals, PowerSGD factors): tensors only."""
         return self.reducer.state_dict()

@@ -51,8 +51,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.env import LaunchError
 from runtime.memory_probe import PeakMemory
+from runtime.program_check import check_same_program
 
 __all__ = ["LaunchResult", "launch_local", "check_world_size", "check_sendable", "check_model", "stop_processes"]
 
@@ -73,6 +75,9 @@ class LaunchResult:
     held_bytes: per rank, the runner's held_bytes() after the last step.
     peak_rss_bytes: per rank, the process's peak resident memory (ru_maxrss; includes torch itself).
     rank_step_times_s: per rank, per step.
+    start_step: the step this launch began at (resume_from: the checkpoint's step; else 0); losses[i] is step
+        start_step + i + 1's.
+    checkpoints: the checkpoint directories this launch wrote (save_dir), oldest first.
     peak_step_bytes: per rank, with `probe_step`: the most bytes of tensor storages live during that step
         (runtime.memory_probe: held state plus everything the step allocated); None without.
     """
@@ -86,12 +91,16 @@ class LaunchResult:
     peak_rss_bytes: list[int]
     rank_step_times_s: list[list[float]] = dataclasses.field(default_factory=list)
     peak_step_bytes: list[int] | None = None
+    start_step: int = 0
+    checkpoints: list[str] = dataclasses.field(default_factory=list)
 
 
 def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable,
                  batches: Sequence[Any], *, timeout_s: float = 120, world_size: int | None = None,
                  programs: Mapping[int, str] | None = None, probe_step: int | None = None,
-                 memory_limit_bytes: float | None = None) -> LaunchResult:
+                 memory_limit_bytes: float | None = None, save_dir: str | os.PathLike | None = None,
+                 save_every: int | None = None, keep_last: int | None = None,
+                 resume_from: str | os.PathLike | None = None) -> LaunchResult:
     """Spawn one process per rank, run each rank's program on `batches` (global batches), gather the results.
 
     plan: the Plan (or anything with world_size, placements and program(rank)).
@@ -101,6 +110,12 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         peak in `peak_step_bytes` (the probe slows that step: leave it out of timings).
     memory_limit_bytes: in the probed step, a rank going past this many bytes raises torch.OutOfMemoryError,
         as a device of that capacity would.
+    save_dir, save_every, keep_last: write a sharded checkpoint (runtime.checkpoint) into save_dir after every
+        `save_every` steps (counted from step 0, so a resumed run saves at the same steps), keeping the newest
+        `keep_last` (all by default).
+    resume_from: a checkpoint (or a save_dir: its newest) written under any plan of this model: parameters and
+        optimizer state are loaded into this plan's shards, and training continues at the checkpoint's step:
+        `batches[k]` is always the batch of step k, so the run takes batches[step:].
     Raises LaunchError for a bad setup or any failed rank (naming it, with its traceback).
     """
     world = plan.world_size if world_size is None else world_size
@@ -112,6 +127,19 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
     batches = list(batches)
     if probe_step is not None and not 0 <= probe_step < len(batches):
         raise LaunchError(f"probe_step={probe_step}: must index one of the {len(batches)} batches")
+    if save_every is not None and (isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1):
+        raise LaunchError(f"save_every={save_every!r}: must be a positive number of steps")
+    if (save_every is None) != (save_dir is None):
+        raise LaunchError("save_dir and save_every go together: pass both to write checkpoints, or neither")
+    start = 0
+    if resume_from is not None:
+        from runtime.checkpoint import read_manifest, resolve_checkpoint
+
+        start = read_manifest(resolve_checkpoint(resume_from))["step"]  # refuses a bad checkpoint before spawning
+        if start > len(batches):
+            raise LaunchError(f"resume_from={str(resume_from)!r} is at step {start}, but only {len(batches)} batches "
+                              "were given: batches[k] is the batch of step k, pass the whole run's batches")
+    plan_json = plan.to_json() if hasattr(plan, "to_json") else None
 
     tmp = Path(tempfile.mkdtemp(prefix="runtime-launch-"))
     procs: list[Any] = []
@@ -125,12 +153,14 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         phase = ctx.Array("i", [_PH_SPAWNED] * world, lock=False)
         job = _Job(world_size=world, dir=str(tmp), timeout_s=timeout_s, parent_pid=os.getpid(),
                    model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn, probe_step=probe_step,
-                   memory_limit_bytes=memory_limit_bytes)
+                   memory_limit_bytes=memory_limit_bytes, save_dir=None if save_dir is None else str(save_dir),
+                   save_every=save_every, keep_last=keep_last,
+                   resume_from=None if resume_from is None else str(resume_from), plan_json=plan_json)
         for r in range(world):
             p = ctx.Process(target=_worker, args=(job, r, progress, phase), name=f"runtime-rank{r}")
             p.start()
             procs.append(p)
-        _watch(procs, tmp, progress, phase, timeout_s, len(batches))
+        _watch(procs, tmp, progress, phase, timeout_s, len(batches) - start)
         results = [torch.load(tmp / f"result_{r}.pt", weights_only=True) for r in range(world)]
         ok = True
     finally:
@@ -235,6 +265,11 @@ class _Job:
     loss_fn: Callable
     probe_step: int | None = None
     memory_limit_bytes: float | None = None
+    save_dir: str | None = None
+    save_every: int | None = None
+    keep_last: int | None = None
+    resume_from: str | None = None
+    plan_json: str | None = None
 
 
 def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
@@ -259,14 +294,18 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         exec(compile(path.read_text(), str(path), "exec"), ns)  # filename: tracebacks show program lines
         if not callable(ns.get("build")):
             raise LaunchError(f"the program for rank {rank} defines no build(model_fn, optimizer_fn, loss_fn)")
+        check_same_program(str(ns.get("PROGRAM_HASH", "")))
         mark(_PH_BUILD)
         # Every rank builds the model: an unseeded factory would give each its own random init, and
         # tensor-parallel ranks (which slice their own copy) would train different models.
         torch.manual_seed(0)
         runner = ns["build"](job.model_fn, job.optimizer_fn, job.loss_fn)
+        start = 0
+        if job.resume_from is not None:
+            start = load_checkpoint(runner, job.resume_from, plan_json=job.plan_json).step
         peak = _state_bytes(runner.held_bytes())
-        batches = torch.load(d / "batches.pt", weights_only=True)
-        losses, times, probed = [], [], None
+        batches = torch.load(d / "batches.pt", weights_only=True)[start:]
+        losses, times, probed, saved = [], [], None, []
         for k, batch in enumerate(batches):
             mark(_PH_STEP0 + k)
             t0 = time.perf_counter()
@@ -279,12 +318,17 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
             peak = max(peak, _state_bytes(runner.held_bytes()))
+            done = start + k + 1
+            if job.save_every is not None and done % job.save_every == 0:
+                saved.append(str(save_checkpoint(runner, job.save_dir, step=done, plan_json=job.plan_json,
+                                                 extra={"data_position": done}, keep_last=job.keep_last)))
         mark(_PH_STEP0 + len(batches))
         state = runner.full_state_dict()
         result = {"losses": losses, "step_times_s": times, "state_dict": state,
                   "held_bytes": {k: int(v) for k, v in runner.held_bytes().items()},
                   "counts": {k: int(v) for k, v in runner.collectives.counts.items()},
-                  "peak_memory_bytes": int(peak), "peak_rss_bytes": _peak_rss(), "peak_step_bytes": probed}
+                  "peak_memory_bytes": int(peak), "peak_rss_bytes": _peak_rss(), "peak_step_bytes": probed,
+                  "start_step": start, "checkpoints": saved}
         _write_atomic(d / f"result_{rank}.pt", lambda f: torch.save(result, f))
         mark(_PH_STEP0 + len(batches) + 1)
     except BaseException as exc:  # report, then leave without c10d teardown (peers may be blocked)
@@ -454,4 +498,5 @@ def _collect(results: list[dict[str, Any]]) -> LaunchResult:
                         peak_rss_bytes=[res["peak_rss_bytes"] for res in results],
                         rank_step_times_s=[res["step_times_s"] for res in results],
                         peak_step_bytes=None if results[0]["peak_step_bytes"] is None else
-                        [res["peak_step_bytes"] for res in results])
+                        [res["peak_step_bytes"] for res in results],
+                        start_step=results[0]["start_step"], checkpoints=results[0]["checkpoints"])

@@ -58,6 +58,13 @@ class Unreplicated:
         for p in self._params.values():
             p.grad = None
 
+    def master_pieces(self) -> list[tuple[torch.Tensor, tuple[tuple[str, tuple[int, ...], int, int, int], ...]]]:
+        """As DataParallel.master_pieces: every parameter holds itself whole."""
+        return [(p, ((n, tuple(p.shape), 0, p.numel(), 0),)) for n, p in self._params.items()]
+
+    def refresh_params(self) -> None:
+        pass  # the parameters are what the optimizer steps
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
