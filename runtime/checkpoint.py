@@ -340,6 +340,27 @@ def _check_manifest(m: Any, f: Path) -> None:
         raise bad("extra", "a JSON object")
 
 
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Resolve `path`, validate its manifest and every file's size and SHA-256; return the manifest (with "path")."""
+    d = resolve_checkpoint(path)
+    m = read_manifest(d)
+    _verify_files(d, m)
+    return dict(m, path=str(d))
+
+
+def check_checkpoint_model(manifest: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], where: str) -> None:
+    """Refuse a checkpoint whose parameters (names, full shapes) are not `shapes` (a plan's placements)."""
+    saved = {n: tuple(s) for n, s in manifest["params"].items()}
+    want = {n: tuple(s) for n, s in shapes.items()}
+    if saved == want:
+        return
+    only_ckpt = sorted(set(saved) - set(want))[:3]
+    only_plan = sorted(set(want) - set(saved))[:3]
+    differ = [f"{n} {want[n]} vs saved {saved[n]}" for n in want if n in saved and want[n] != saved[n]][:3]
+    raise CheckpointError(f"{where}: a checkpoint of another model (only in the checkpoint: {only_ckpt}; only in the "
+                          f"plan: {only_plan}; shapes that differ: {differ}); resume from a checkpoint of this model")
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -724,6 +745,15 @@ def _read_full(d: Path, m: Mapping[str, Any], prefixes: Iterable[str]) -> dict[s
     except Exception as e:
         raise CheckpointError(f"{d}: reading the checkpoint failed: {type(e).__name__}: {str(e)[:400]}") from e
     return sd
+
+
+def load_full_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, unsharded, under its checkpoint key: "model/NAME", "optim/KEY/NAME",
+    "buffer/NAME", "rng/RANK", "compression/RANK/KEY". One process, no group (for tests and tools)."""
+    d = resolve_checkpoint(path)
+    m = read_manifest(d)
+    _verify_files(d, m)
+    return _read_full(d, m, ("model/", "optim/", "buffer/", "rng/", "compression/"))
 
 
 def load_full_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

@@ -133,9 +133,12 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         raise LaunchError("save_dir and save_every go together: pass both to write checkpoints, or neither")
     start = 0
     if resume_from is not None:
-        from runtime.checkpoint import read_manifest, resolve_checkpoint
+        from runtime.checkpoint import check_checkpoint_model, verify_checkpoint
 
-        start = read_manifest(resolve_checkpoint(resume_from))["step"]  # refuses a bad checkpoint before spawning
+        manifest = verify_checkpoint(resume_from)  # a missing, corrupted or foreign checkpoint: refused before spawning
+        if getattr(plan, "placements", None) is not None:
+            check_checkpoint_model(manifest, {p.param: p.shape for p in plan.placements}, manifest["path"])
+        start = manifest["step"]
         if start > len(batches):
             raise LaunchError(f"resume_from={str(resume_from)!r} is at step {start}, but only {len(batches)} batches "
                               "were given: batches[k] is the batch of step k, pass the whole run's batches")

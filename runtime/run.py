@@ -12,6 +12,19 @@ targets)`, the same global batch on every rank (the program slices its own).
 Without --data, batches come from the model module's
 `example_batch(model, global_batch_size, seed=step)` on a CPU copy of the
 model (for small models). Rank 0 prints `step 1/10 loss 2.302585 (0.215 s)`.
+
+Checkpoints: `--save-dir D --save-every K` writes a sharded checkpoint
+(runtime.checkpoint) into D after every K-th step; `--resume-from C` loads C
+(a checkpoint or a save directory's newest, written under any plan of the
+model) and continues at its step; `--resume-from auto` does so when D holds a
+checkpoint and starts fresh otherwise: the line to give torchrun
+`--max-restarts`, so that a restarted job continues from its last checkpoint.
+
+Faults: each rank bumps a counter in the job's store every second from a
+background thread. When a collective fails (a peer died: Gloo reports a
+closed connection), the rank looks at the counters: the ranks whose counter
+stopped are named in the error (`rank 2 stopped: no heartbeat for 3 s`), and
+the process exits with status 3 instead of hanging until the timeout.
 """
 
 from __future__ import annotations
@@ -33,7 +46,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runtime.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from runtime.env import DistEnv, LaunchError, backend, discover
+from runtime.heartbeat import Heartbeat, PeerLost
+from runtime.program_check import check_same_program
 
 __all__ = ["main", "load_callable", "default_loss", "default_optimizer"]
 
@@ -61,24 +82,49 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    if args.save_every is not None and args.save_every < 1:
+        raise LaunchError(f"--save-every {args.save_every}: must be a positive number of steps")
+    if (args.save_every is None) != (args.save_dir is None):
+        raise LaunchError("--save-dir and --save-every go together: pass both to write checkpoints, or neither")
+    if args.resume_from == "auto" and not args.save_dir:
+        raise LaunchError("--resume-from auto resumes from --save-dir's newest checkpoint: pass --save-dir too")
+    resume = _resume_path(args)
+    plan_text = Path(args.plan).read_text()
+
     _init(env, timedelta(seconds=args.timeout_s))
+    heartbeat = Heartbeat(env)
     finished = False
     try:
         ns: dict[str, Any] = {"__name__": f"rank_{env.rank}", "__file__": str(program)}
         exec(compile(program.read_text(), str(program), "exec"), ns)
         if not callable(ns.get("build")):
             raise LaunchError(f"{program} defines no build(model_fn, optimizer_fn, loss_fn): it is not a rank program")
+        check_same_program(str(ns.get("PROGRAM_HASH", "")))
         # Every rank builds the model: an unseeded factory would give each its own random init, and
         # tensor-parallel ranks (which slice their own copy) would train different models.
         torch.manual_seed(0)
         runner = ns["build"](model_fn, optimizer_fn, loss_fn)
-        for step in range(args.steps):
+        start = 0
+        if resume is not None:
+            info = load_checkpoint(runner, resume, plan_json=plan_text)
+            start = info.step
+            if env.rank == 0:
+                how = "same plan" if info.same_plan else f"resharded from {info.world_size} ranks to {env.world_size}"
+                print(f"resumed from {info.path} at step {start} ({how})", flush=True)
+        for step in range(start, args.steps):
             batch = data_fn(step, env.rank, env.world_size)
             t0 = time.perf_counter()
-            loss = runner.step(batch)
+            with heartbeat.naming_dead_ranks(f"step {step + 1}"):
+                loss = runner.step(batch)
             if env.rank == 0:
                 print(f"step {step + 1}/{args.steps} loss {float(loss):.6f} ({time.perf_counter() - t0:.3f} s)",
                       flush=True)
+            if args.save_every and (step + 1) % args.save_every == 0:
+                with heartbeat.naming_dead_ranks(f"saving the checkpoint of step {step + 1}"):
+                    path = save_checkpoint(runner, args.save_dir, step=step + 1, plan_json=plan_text,
+                                           extra={"data_position": step + 1}, keep_last=args.keep_last)
+                if env.rank == 0:
+                    print(f"saved checkpoint {path}", flush=True)
         if args.save:
             state = runner.full_state_dict()
             if env.rank == 0:
@@ -92,9 +138,19 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         finished = True
     finally:
-        if not finished:
+        heartbeat.close()
+        if not finished and not heartbeat.lost:  # with a peer lost, teardown could wait on it
             dist.destroy_process_group()
     return 0
+
+
+def _resume_path(args: argparse.Namespace) -> Path | None:
+    if args.resume_from is None:
+        return None
+    if args.resume_from == "auto":
+        found = latest_checkpoint(args.save_dir)
+        return None if found is None else Path(verify_checkpoint(found)["path"])
+    return Path(verify_checkpoint(args.resume_from)["path"])  # refuses a missing or corrupted one before starting
 
 
 def load_callable(spec: str, what: str = "callable") -> Callable:
@@ -216,12 +272,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--programs", help="directory of rank_{r}.py (default: the plan's directory)")
     p.add_argument("--save", help="write the trained parameters (rank 0) to this file")
     p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
+    p.add_argument("--save-dir", help="write sharded checkpoints here (with --save-every)")
+    p.add_argument("--save-every", type=int, help="checkpoint after every N-th step")
+    p.add_argument("--keep-last", type=int, help="keep only the newest N checkpoints")
+    p.add_argument("--resume-from", help="a checkpoint (or save dir) to continue from; 'auto': --save-dir's newest, "
+                                         "if any (for torchrun --max-restarts)")
     return p
 
 
 if __name__ == "__main__":
     try:
         code = main()
+    except PeerLost as exc:
+        print(f"runtime.run: error: {exc}", file=sys.stderr, flush=True)
+        os._exit(3)  # peers are gone: c10d teardown would block on them
     except LaunchError as exc:
         print(f"runtime.run: error: {exc}", file=sys.stderr)
         sys.exit(2)
