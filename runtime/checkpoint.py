@@ -541,6 +541,8 @@ def _state_keys(runner: Any, module: torch.nn.Module) -> dict[str, str]:
     full_keys = getattr(runner, "full_keys", None)
     if full_keys:
         return {k: canon for k, canon in full_keys}
+    if hasattr(runner.engine, "state_keys"):
+        return runner.engine.state_keys()
     first: dict[int, str] = {}
     out = {}
     for n, p in module.named_parameters(remove_duplicate=False):

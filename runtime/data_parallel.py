@@ -489,6 +489,11 @@ class DataParallel:
             return out
         return [(self._masters.get(n, p), ((n, tuple(p.shape), 0, p.numel(), 0),)) for n, p in self._params.items()]
 
+    def state_keys(self) -> dict[str, str]:
+        """model.state_dict()'s keys (taken at construction, before ZeRO-3 removed the parameters) -> the name
+        each one's tensor is saved under (tied aliases -> their first name; buffers -> themselves)."""
+        return {k: self._alias.get(k, k) for k in self._state_keys}
+
     @torch.no_grad()
     def refresh_params(self) -> None:
         """After the tensors of `master_pieces` were overwritten (a checkpoint loaded): bring the parameters the
