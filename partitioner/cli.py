@@ -1,4 +1,4 @@
-"""The `partitioner` command line (also `python -m partitioner`): trace, compile, show, run, autotune.
+"""The `partitioner` command line (also `python -m partitioner`): trace, compile, show, run, autotune, reshard.
 
     partitioner trace examples/gpt.py:gpt_small                  # per-block cost table
     partitioner compile examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o plan.json
@@ -7,6 +7,7 @@
     partitioner show plan.json --rank 3                           # the program rank 3 runs
     partitioner run plan.json --steps 10                          # local:N plans train here; others print torchrun
     partitioner autotune examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o best.json
+    partitioner reshard ckpt/ --to plan_b.json -o ckpt_b/           # a checkpoint for another plan, offline
 
 Every subcommand takes --json: exactly one JSON document on stdout (progress
 and info on stderr), nothing on stdout when it fails. Errors are one line on
@@ -451,7 +452,37 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("-o", "--output", default=None, help="write the best plan JSON here")
     _add_plan_options(a)
     a.set_defaults(func=_autotune)
+
+    rs = command("reshard", "rewrite a checkpoint for another plan, offline",
+                 "Read the checkpoint CKPT (a step_N directory, or a save directory's newest) written under any plan, "
+                 "and write it to OUT chunked as plan B's ranks hold their shards, with B in its manifest. One "
+                 "process; the parameters and optimizer state are copied exactly.",
+                 "partitioner reshard ckpt/ --to plan_b.json -o ckpt_b/",
+                 "partitioner reshard ckpt/step_00000100 --to plan_b.json -o ckpt_b/ --json")
+    rs.add_argument("checkpoint", help="a checkpoint directory (or a save directory: its newest)")
+    rs.add_argument("--to", required=True, metavar="PLAN", help="plan B's JSON (compile -o)")
+    rs.add_argument("-o", "--output", required=True, help="the new checkpoint directory (must not exist or be empty)")
+    rs.set_defaults(func=_reshard)
     return p
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from partitioner.plan import Plan
+    from runtime.checkpoint import read_manifest, reshard
+
+    plan = Plan.load(args.to)
+    t0 = time.perf_counter()
+    out = reshard(args.checkpoint, plan, args.output)
+    m = read_manifest(out)
+    summary = {"checkpoint": str(out), "step": m["step"], "world_size": m["world_size"],
+               "config": str(plan.config), "bytes": sum(f["bytes"] for f in m["files"].values()),
+               "seconds": round(time.perf_counter() - t0, 3)}
+    if args.json:
+        args.stdout.write(json.dumps(summary) + "\n")
+    else:
+        print(f"resharded step {m['step']} for {plan.config} ({plan.world_size} ranks) into {out}: "
+              f"{summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']:.2f} s")
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

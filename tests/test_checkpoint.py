@@ -337,3 +337,21 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
                        save_dir=save, save_every=1, timeout_s=180)
     assert out.start_step == m["step"] and len(out.losses) == 1
     assert latest_checkpoint(save).name == f"step_{m['step'] + 1:08d}"
+
+
+@pytest.mark.slow
+def test_cli_reshard(run_a, tmp_path):
+    plan_b = plan_for("gpt", pp=2, dp=1, tp=2)
+    plan_b.save(tmp_path / "b.json")
+    cmd = [sys.executable, "-m", "partitioner", "reshard", str(run_a["dir"]), "--to", str(tmp_path / "b.json"),
+           "-o", str(tmp_path / "out"), "--json"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["step"] == 2 and summary["world_size"] == 4
+    other = plan_for("gpt8", pp=1, dp=2, tp=1)
+    other.save(tmp_path / "other.json")
+    cmd[6], cmd[8] = str(tmp_path / "other.json"), str(tmp_path / "out2")
+    out = subprocess.run(cmd[:-1], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "different models" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out2").exists()
