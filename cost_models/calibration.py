@@ -206,7 +206,7 @@ class Calibration:
                         f"Calibration.source must be a string, got {value!r}")
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
+                    or abs(value) > 1e308 or not math.isfinite(value):  # 10**400 would overflow isfinite
                 raise PartitionerError(
                     f"Calibration.{f.name} must be a finite number, got {value!r}")
             if f.name in _FRACTIONS and not 0 < value <= 1:
@@ -266,9 +266,16 @@ class Calibration:
     def load(cls, path: str | Path) -> "Calibration":
         """Read a file written by `save` (or by hand; see `from_dict`)."""
         try:
-            d = json.loads(Path(path).read_text())
+            d = json.loads(Path(path).read_bytes())
+        except OSError as e:
+            raise PartitionerError(f"calibration file {path} cannot be read ({e.strerror or e}): pass the path of "
+                                   "a calibration JSON (Calibration.save, `partitioner autotune "
+                                   "--calibration-out`), or none for the defaults") from None
         except json.JSONDecodeError as e:
             raise PartitionerError(f"calibration file {path} is not valid JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # not UTF-8; an int of more than 4300 digits; nesting too deep
+            raise PartitionerError(f"calibration file {path} is not valid JSON ({type(e).__name__}: "
+                                   f"{str(e)[:120]})") from None
         if not isinstance(d, dict):
             raise PartitionerError(
                 f"calibration file {path} must hold a JSON object of factors, "

@@ -63,7 +63,7 @@ def _number(owner: str, field: str, value: Any, *, minimum: float, strict: bool)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TopologyError(f"{owner} {field}={value!r}: must be a number, got {type(value).__name__}")
     bad = value <= minimum if strict else value < minimum
-    if bad or not math.isfinite(value):
+    if bad or (isinstance(value, int) and value > 1e308) or not math.isfinite(value):  # huge ints: no overflow
         raise TopologyError(f"{owner} {field}={value!r}: must be {'>' if strict else '>='} {minimum:g} and finite")
     return float(value)
 
@@ -108,8 +108,13 @@ class DeviceSpec:
             raise TopologyError(
                 f"{owner} peak_flops={self.peak_flops!r}: must be a non-empty mapping "
                 f"dtype -> FLOP/s, e.g. {{'bf16': 312e12}}")
-        flops = {canonical_dtype(k): _number(owner, f"peak_flops[{k!r}]", v, minimum=0, strict=True)
-                 for k, v in self.peak_flops.items()}
+        flops = {}
+        for k, v in self.peak_flops.items():
+            try:
+                dtype = canonical_dtype(k)
+            except TopologyError as e:
+                raise TopologyError(f"{owner} peak_flops key {k!r}: {e}") from None
+            flops[dtype] = _number(owner, f"peak_flops[{k!r}]", v, minimum=0, strict=True)
         object.__setattr__(self, "peak_flops", MappingProxyType(flops))
         memory = self.memory_bytes
         if isinstance(memory, float) and memory.is_integer():

@@ -38,8 +38,14 @@ _FORMS = ('accepted forms: "NODESxDEVICESxDEVICE" (e.g. "4x8xA100-80GB"), '
           '"DEVICESxDEVICE" for one node (e.g. "8xH100-80GB"), or "local:N" '
           '(N CPU processes on this machine), optionally followed by link '
           'overrides such as ",inter_node_GBps=25"')
-_SHAPE = re.compile(r"(?:(?P<nodes>\d+)x)?(?P<devices>\d+)x(?P<device>.+)", re.IGNORECASE)
+# [0-9], not \d or str.isdigit(): those accept "²" (which int() refuses) and other scripts' digits
+_SHAPE = re.compile(r"(?:(?P<nodes>[0-9]+)x)?(?P<devices>[0-9]+)x(?P<device>.+)", re.IGNORECASE)
 _LOCAL = re.compile(r"local:(?P<devices>.*)", re.IGNORECASE)
+
+
+# The planner enumerates the divisors of the world size and builds one mesh entry per rank: far beyond
+# any machine (the largest are ~10^5 devices) that is a hang, not a plan.
+MAX_WORLD_SIZE = 2**20
 
 
 def _positive_int(field: str, value: Any) -> None:
@@ -47,6 +53,16 @@ def _positive_int(field: str, value: Any) -> None:
         raise TopologyError(f"{field}={value!r}: must be an int, got {type(value).__name__}")
     if value < 1:
         raise TopologyError(f"{field}={value!r}: must be >= 1")
+    if value > MAX_WORLD_SIZE:
+        raise TopologyError(f"{field}={value}: more than the {MAX_WORLD_SIZE} devices this planner handles")
+
+
+def _is_file(text: str) -> bool:
+    """Whether `text` names an existing file; False for what cannot be a path (too long, a NUL byte)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +92,10 @@ class Topology:
     def __post_init__(self) -> None:
         _positive_int("nodes", self.nodes)
         _positive_int("devices_per_node", self.devices_per_node)
+        if self.nodes * self.devices_per_node > MAX_WORLD_SIZE:
+            raise TopologyError(f"nodes={self.nodes} x devices_per_node={self.devices_per_node} = "
+                                f"{self.nodes * self.devices_per_node} devices: more than the {MAX_WORLD_SIZE} "
+                                "this planner handles")
         if isinstance(self.device, str):
             object.__setattr__(self, "device", get_device(self.device))
         elif not isinstance(self.device, DeviceSpec):
@@ -108,7 +128,8 @@ class Topology:
             return value  # None: e.g. one device per node and no NVLink, nothing to describe
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TopologyError(f"{field}={value!r}: must be a number, got {type(value).__name__}")
-        if not math.isfinite(value) or (value < 0 if is_latency else value <= 0):
+        huge = isinstance(value, int) and abs(value) > 1e308  # math.isfinite would overflow converting it
+        if huge or not math.isfinite(value) or (value < 0 if is_latency else value <= 0):
             raise TopologyError(f"{field}={value!r}: must be {'>= 0' if is_latency else '> 0'} and finite")
         return float(value)
 
@@ -133,7 +154,7 @@ class Topology:
             if head.lower() == "local":
                 raise TopologyError('"local" needs a process count: use "local:N", e.g. "local:4"')
             if m := _LOCAL.fullmatch(head):
-                if not m["devices"].isdigit():
+                if not re.fullmatch("[0-9]+", m["devices"]):
                     raise TopologyError(f"local:{m['devices']}: the process count must be a whole number")
                 return cls(nodes=1, devices_per_node=int(m["devices"]), device="CPU", local=True, **kwargs)
             if m := _SHAPE.fullmatch(head):
@@ -186,13 +207,19 @@ class Topology:
         if path.suffix.lower() not in (".json", ".yaml", ".yml"):
             raise TopologyError(f"topology file {str(path)!r}: use a .json, .yaml or .yml file")
         try:
-            text = path.read_text()
+            text = path.read_bytes().decode("utf-8")
         except OSError as err:
-            raise TopologyError(f"topology file {str(path)!r} cannot be read: {err.strerror}") from None
+            raise TopologyError(f"topology file {str(path)!r} cannot be read: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise TopologyError(f"topology file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}): "
+                                "write it as JSON or YAML") from None
         try:
             data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as err:
             raise TopologyError(f"topology file {str(path)!r} does not parse: {err}") from None
+        except (ValueError, RecursionError) as err:  # an int of more than 4300 digits; nesting too deep
+            raise TopologyError(f"topology file {str(path)!r} does not parse: {type(err).__name__}: "
+                                f"{str(err)[:120]}") from None
         if not isinstance(data, Mapping):
             raise TopologyError(
                 f"topology file {str(path)!r}: the top level must be a mapping of Topology fields "
@@ -215,7 +242,7 @@ class Topology:
             return cls.from_file(spec)
         if isinstance(spec, str):
             looks_like_file = spec.strip().lower().endswith((".json", ".yaml", ".yml"))
-            return cls.from_file(spec) if looks_like_file or Path(spec).is_file() else cls.parse(spec)
+            return cls.from_file(spec) if looks_like_file or _is_file(spec) else cls.parse(spec)
         if isinstance(spec, Mapping):
             return cls.from_dict(spec)
         raise TopologyError(f"topology {spec!r}: pass a Topology, a string such as "

@@ -36,11 +36,19 @@ from typing import Any
 
 from cost_models.errors import DeclarationError, PartitionerError
 from partitioner.compile import PlanInfeasibleError
-from runtime.env import LaunchError
+from runtime.env import (
+    ALLOW_EXTERNAL_BIND,
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
+    LaunchError,
+)
 
 __all__ = ["build_parser", "main"]
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+# torchrun's rendezvous for a job on one machine, on loopback (torchrun's default too, written out so the
+# printed command says where it listens)
+_LOOPBACK = f"--master-addr {DEFAULT_MASTER_ADDR} --master-port {DEFAULT_MASTER_PORT}"
 
 
 class RunFailed(Exception):
@@ -127,7 +135,7 @@ def _compile(args: argparse.Namespace) -> int:
     wrote = [f"plan written to {args.output}"] if args.output else []
     if args.programs:
         wrote.append(f"programs written to {args.programs}/ (run: torchrun --nproc-per-node {plan.world_size} "
-                     f"-m runtime.run {args.programs}/plan.json --model {args.model})")
+                     f"{_LOOPBACK} -m runtime.run {args.programs}/plan.json --model {args.model})")
     print(f"\ncompiled in {dt:.2f} s" + "".join("; " + w for w in wrote))
     return EXIT_OK
 
@@ -279,12 +287,15 @@ def _print_command(args: argparse.Namespace, plan: Any, topo: Any, spec: str) ->
         if getattr(args, flag):
             tail += [f"--{flag}", getattr(args, flag)]
     tail = shlex.join(tail)
-    if topo.nodes == 1:
-        torchrun = f"torchrun --nproc-per-node {topo.devices_per_node} {tail}"
+    srun = f"srun --nodes {topo.nodes} --ntasks-per-node {topo.devices_per_node} python {tail}"
+    if topo.nodes == 1:  # the rendezvous stays on this machine: loopback, said explicitly (runtime.env)
+        torchrun = f"torchrun --nproc-per-node {topo.devices_per_node} {_LOOPBACK} {tail}"
     else:  # the $VARs are left for the shell on each node to expand
         torchrun = (f"torchrun --nnodes {topo.nodes} --nproc-per-node {topo.devices_per_node} --node-rank $NODE_RANK "
-                    f"--master-addr $MASTER_ADDR --master-port 29500 {tail}")
-    srun = f"srun --nodes {topo.nodes} --ntasks-per-node {topo.devices_per_node} python {tail}"
+                    f"--master-addr $MASTER_ADDR --master-port {DEFAULT_MASTER_PORT} {tail}")
+        # rank 0 hosts the rendezvous on the first node's address, reachable from the others: the explicit
+        # opt-in runtime.rendezvous requires to listen beyond loopback (srun passes the environment on)
+        srun = f"{ALLOW_EXTERNAL_BIND}=1 {srun}"
     if args.json:
         _emit(args, {"plan": args.plan, "model": spec, "topology": str(topo), "world_size": plan.world_size,
                      "nodes": topo.nodes, "programs": str(programs), "torchrun": torchrun, "srun": srun})
@@ -292,7 +303,9 @@ def _print_command(args: argparse.Namespace, plan: Any, topo: Any, spec: str) ->
     where = "" if topo.nodes == 1 else (f" on each of the {topo.nodes} nodes (NODE_RANK 0..{topo.nodes - 1}, "
                                         "MASTER_ADDR the first node's address)")
     print(f"{plan.world_size} ranks on {topo}: run from this directory{where}, with the plan and {programs}/ "
-          f"on a shared filesystem:\n  {torchrun}\nor under SLURM:\n  {srun}")
+          f"on a shared filesystem:\n  {torchrun}\nor under SLURM:\n  {srun}\n"
+          f"(torchrun's own rendezvous store listens on every interface whatever --master-addr says: on a "
+          f"shared network, firewall port {DEFAULT_MASTER_PORT})")
     return EXIT_OK
 
 

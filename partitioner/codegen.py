@@ -8,7 +8,8 @@ source defines `build(model_fn, optimizer_fn, loss_fn)`, which returns the
 runtime's step runner (`runtime.step.StepRunner`).
 
 Data-parallel plans (pp = tp = 1, any ZeRO stage) are emitted here;
-pipeline, tensor-parallel and 3D programs by `partitioner.codegen_pipeline`.
+pipeline, tensor-parallel and 3D programs by `partitioner.codegen_pipeline`;
+async SGD plans (`plan.async_sgd`) by `partitioner.codegen_async`.
 
 >>> print(plan.program(1).source)           # doctest: +SKIP
 \"\"\"Per-rank program: rank 1 of 4 ...
@@ -130,6 +131,11 @@ def program(plan: "Plan", rank: int) -> RankProgram:
         return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)
     plan_json = plan.to_json()
     h = hashlib.sha256(plan_json.encode()).hexdigest()
+    if plan.async_sgd:  # replicas that step alone and average parameters: no DataParallel engine
+        from partitioner.codegen_async import async_program_source
+
+        return RankProgram(rank=rank, world_size=plan.world_size, source=async_program_source(plan, rank, h),
+                           program_hash=h)
     me = plan.mesh[rank]
     dp_ranks = tuple(m.rank for m in plan.mesh if m.pp == me.pp and m.tp == me.tp)
     impl, why_impl = _reduce_scatter_impl(plan)

@@ -14,6 +14,7 @@ byte-identical plan.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +43,9 @@ from partitioner.comparisons import (
 from partitioner.costing import CostContext, StageEvaluator, units_of
 from partitioner.cut import Cut, charge_idle, evaluate_cut
 from partitioner.declarations import (
+    ASYNC_SGD_FORCED,
     Declarations,
+    async_sgd_pin,
     check_declarations,
     compression_pins,
     compression_refusal,
@@ -84,9 +87,10 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
             max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
-            calibration: Calibration | str | None = None,
+            calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
-            compression: str | dict[str, str] | None = None, compression_warmup: int = 0) -> Plan:
+            compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
+            async_sgd: dict[str, int] | None = None) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
 
     `compression` pins the compressor of the data-parallel gradient reduction
@@ -101,6 +105,16 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     can run are refused, as is a compressor pinned with dp=1 or PowerSGD with
     zero_stage >= 2. `compression_warmup` steps first run uncompressed (PowerSGD
     with Adam needs some: tests/test_compression_convergence.py).
+
+    `async_sgd` trains the data-parallel replicas asynchronously (runtime.async_sgd):
+    dict(every=k) is local SGD, each replica steps on its own gradients and the
+    parameters are averaged after every k-th step; dict(staleness=s) averages
+    every step's update asynchronously and applies it s steps later. It changes
+    the training math, so the planner never chooses it; pinned, it needs pure
+    data parallelism in fp32 (tp = pp = 1, zero_stage 0, no compression) and
+    is refused otherwise, saying why. The cost model charges its parameter
+    all-reduce (1/k per step, or hidden behind compute); the hand baselines
+    stay synchronous, so explain() shows what it gains.
 
     `model` is an nn.Module (traced with `example_inputs`/`example_kwargs`,
     which may live on the meta device) or an OpGraph from `trace`.
@@ -126,19 +140,24 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         raise DeclarationError("global_batch_size: required, the samples per optimizer step over all replicas "
                                "(e.g. global_batch_size=512)")
     if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
-                                       or not clip_grad_norm > 0):
-        raise DeclarationError(f"clip_grad_norm={clip_grad_norm!r}: must be a number > 0 (e.g. 1.0), or None")
+                                       or not 0 < clip_grad_norm <= 1e308):  # not inf, NaN or beyond float
+        raise DeclarationError(f"clip_grad_norm={clip_grad_norm!r}: must be a finite number > 0 (e.g. 1.0), or None "
+                               "for no clipping")
     if isinstance(compression_warmup, bool) or not isinstance(compression_warmup, int) or compression_warmup < 0:
         raise DeclarationError(f"compression_warmup={compression_warmup!r}: the number of first steps that reduce "
                                "uncompressed, an int >= 0 (e.g. compression_warmup=100)")
     if cut_granularity not in ("block", "node"):
         raise DeclarationError(f"cut_granularity={cut_granularity!r}: must be 'block' or 'node'")
-    cal = Calibration.load(calibration) if isinstance(calibration, str) else \
+    if calibration is not None and not isinstance(calibration, (Calibration, str, os.PathLike)):
+        raise DeclarationError(f"calibration={calibration!r}: pass a Calibration, the path of its JSON file "
+                               "(Calibration.save, `partitioner autotune --calibration-out`), or None for the "
+                               "device's defaults")
+    cal = Calibration.load(calibration) if isinstance(calibration, (str, os.PathLike)) else \
         (calibration or Calibration.for_device(topo.device.name))
     decl = Declarations(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp,
                         pp=pp, zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule,
                         interleave=interleave, recompute=recompute, max_memory_fraction=max_memory_fraction,
-                        compression=compression_pins(compression))
+                        compression=compression_pins(compression), async_sgd=async_sgd_pin(async_sgd))
     splits = find_splits(g)
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
@@ -157,12 +176,19 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     num_units = len(units_of(g, cut_granularity))
     check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=num_units,
                        unit_name=unit_name, valid_tp=valid_tp, tp_divisors=splits.divisors)
-    def context(compression: dict[str, str]) -> CostContext:
+    declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
+    if decl.async_sgd:  # checked above: nothing pinned contradicts these
+        forced = {**forced, **ASYNC_SGD_FORCED}
+        decl = dataclasses.replace(decl, **ASYNC_SGD_FORCED)
+
+    def context(compression: dict[str, str], async_sgd: dict[str, int] | None = None) -> CostContext:
         return CostContext(g, topo, splits, precision=precision, optimizer=optimizer, seq_len=g.traced_seq_len,
                            memory_cap=max_memory_fraction * topo.device.memory_bytes, calibration=cal,
-                           granularity=cut_granularity, compression=compression)
+                           granularity=cut_granularity, compression=compression, async_sgd=async_sgd)
 
-    ctx = context(decl.compression)
+    ctx = context(decl.compression, decl.async_sgd)
+    # what the plan is compared with (runners-up that break a pin, hand baselines) trains synchronously
+    sync_ctx = context(decl.compression) if decl.async_sgd else ctx
     allowed = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
                                         num_units=len(ctx.units), valid_tp=valid_tp))
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
@@ -178,11 +204,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     best = result.ranked[0]
     rejected = over_memory_alternatives(best, result.over_memory, ctx.memory_cap)
     if alternatives > 0:
-        free_ctx = context({}) if decl.compression else ctx
+        free_ctx = context({}) if decl.compression else sync_ctx
         rejected += tuple(x for x in [pinned_out(free_ctx, decl, best, valid_tp=valid_tp, forced=forced)] if x)
     return _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space,
                      clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
-                     compression_warmup=compression_warmup, rejected=rejected, baselines=hand_baselines(ctx, decl) if alternatives > 0 else ())
+                     compression_warmup=compression_warmup, rejected=rejected,
+                     baselines=hand_baselines(sync_ctx, decl) if alternatives > 0 else (), declared=declared)
 
 
 def _refuse_compression(ctx: CostContext, allowed: list[ParallelConfig], decl: Declarations) -> None:
@@ -256,7 +283,7 @@ def _why(best: Scored, other: Scored) -> str:
 def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSplits, ctx: CostContext,
               ranked: tuple[Scored, ...], evaluated: int, space: int, *, clip_grad_norm: float | None,
               compression_warmup: int = 0, rejected: tuple[Alternative, ...] = (),
-              baselines: tuple[Baseline, ...] = ()) -> Plan:
+              baselines: tuple[Baseline, ...] = (), declared: dict[str, Any] | None = None) -> Plan:
     best = ranked[0]
     cand, cut = best.cand, best.cut
     ev = ctx.prepare(cand, best.compression)
@@ -312,13 +339,13 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
     return Plan(version=PLAN_VERSION, model_name=g.model_name, graph_hash=g.fingerprint(), topology=topo.to_dict(),
                 topology_hash=topo.fingerprint(), topology_name=str(topo), world_size=topo.world_size,
                 global_batch_size=decl.global_batch_size, seq_len=g.traced_seq_len, precision=decl.precision,
-                optimizer=decl.optimizer, declarations=decl.pinned(), config=cand, mesh=mesh,
-                stages=tuple(stages), placements=tuple(placements), instructions=sched, predicted=predicted,
+                optimizer=decl.optimizer, declarations=decl.pinned() if declared is None else declared,
+                config=cand, mesh=mesh, stages=tuple(stages), placements=tuple(placements), instructions=sched, predicted=predicted,
                 alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, clip_grad_norm=clip_grad_norm,
                 candidates_evaluated=evaluated, search_space=space,
                 compression=dict(zip(LEVELS, best.compression)),
                 compression_warmup=compression_warmup if best.compression != ("none", "none") else 0,
-                rejected=rejected, baselines=baselines,
+                rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
                 **_model_code(g, splits, cand))
 
 
@@ -397,8 +424,9 @@ def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cu
     if cand.dp > 1:
         dp = _dp_traffic(ctx, cand, ev.dp_ranks(busiest % cand.pp), cut.stages[busiest].params,
                          tuple(compression[lv] for lv in LEVELS), ev.stage_low_rank(i, j))
+        every = (ctx.async_sgd or {}).get("every", 1)  # local SGD averages the fp32 parameters every k steps
         for level, nbytes in dp.items():
-            out[level] += nbytes
+            out[level] += nbytes / every
     if cand.pp > 1 and busiest < len(cut.stages) - 1:
         level = topo.link_level(0, cand.dp * cand.tp).value
         out[level] = out.get(level, 0.0) + 2 * ctx.boundary_bytes(j - 1, mb) * m

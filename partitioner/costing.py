@@ -18,6 +18,14 @@ unequal stages; v = virtual stages per rank) is
 
 which the schedule simulator reproduces for uniform stages (tests check it).
 
+Async SGD (pinned only; pure data parallel, ZeRO 0, fp32) replaces the
+gradient all-reduce in tail_k by averaging parameters (runtime/async_sgd.py):
+with every=k an fp32 all-reduce of the parameters after every k-th optimizer
+step, blocking, so 1/k of it per step; with staleness=s >= 1 one per step,
+asynchronous, hidden behind the next step's compute up to dp_overlap of it
+(with s = 0 it is waited for at once: every=1). Its flat buffers replace
+DDP's gradient buckets in the memory.
+
 Gradient compression (cost_models/compression.py) changes only tail_k: the
 DDP/ZeRO-1 gradient all-reduce, ZeRO-2/3's reduce-scatter and (ZeRO-3 with
 int8/int4) its parameter all-gathers. Wire time hides behind compute like an
@@ -111,8 +119,10 @@ class CostContext:
 
     def __init__(self, g: OpGraph, topo: Topology, splits: TensorSplits, *, precision: str, optimizer: str,
                  seq_len: int | None, memory_cap: float, calibration: Calibration | None = None,
-                 granularity: str = "block", compression: dict[str, str] | None = None):
+                 granularity: str = "block", compression: dict[str, str] | None = None,
+                 async_sgd: dict[str, int] | None = None):
         self.g, self.topo, self.splits = g, topo, splits
+        self.async_sgd = dict(async_sgd) if async_sgd else None  # {"every": k} or {"staleness": s}
         self.compression_pins = dict(compression or {})  # level -> compressor the user pinned
         self.precision = precision
         self.optimizer = "adam" if optimizer == "adamw" else optimizer  # same state: m and v
@@ -305,6 +315,8 @@ class CostContext:
         a change of the model's numerics rather than of its gradient noise: it
         is considered only where the user pinned it.
         """
+        if self.async_sgd:  # it averages parameters, uncompressed; no gradient all-reduce to compress
+            return (("none", "none"),)
         crossed = self.crossed_levels(cand)
         pins = {lv: c for lv, c in self.compression_pins.items() if lv in crossed}
         pinned = set(pins.values())
@@ -444,6 +456,11 @@ class StageEvaluator:
 
     def _buffers(self, params: float) -> float:
         cand = self.cand
+        if self.ctx.async_sgd and cand.dp > 1:
+            # runtime.async_sgd, fp32: every=k averages through one flat copy of the parameters; staleness=s
+            # keeps the agreed parameters plus, per step in flight, its update and the all-reduce's buffer.
+            s = self.ctx.async_sgd.get("staleness")
+            return (1 if s is None else 2 * s + 1) * params * 4
         if cand.zero_stage == 3:
             return _ZERO3_GATHERED_BLOCKS * self._largest_unit_params * self._param_bytes
         if cand.dp > 1:
@@ -503,7 +520,9 @@ class StageEvaluator:
         overlap = self.ctx.cal.dp_overlap
         chosen = self.options[0]
         exposed = 0.0
-        if cand.dp > 1:
+        if cand.dp > 1 and self.ctx.async_sgd:
+            exposed = self._async_sync(params, f, b)
+        elif cand.dp > 1:
             exposed = math.inf
             per_step = m if z >= 2 else 1
             n = max(1, units) if z == 3 else 1
@@ -520,6 +539,19 @@ class StageEvaluator:
         shard = params / (cand.dp if z >= 1 else 1)
         optim = shard * _OPTIM_BYTES_PER_PARAM / self._hbm
         return exposed, optim, chosen
+
+    def _async_sync(self, params: float, f: float, b: float) -> float:
+        """Exposed seconds per step of async SGD's parameter averaging (an fp32 all-reduce of the stage's
+        parameters, uncompressed): every=k, blocking after every k-th step, 1/k of it per step;
+        staleness=s >= 1, one per step behind the next step's m forwards and backwards (up to dp_overlap
+        of them: a link slower than the compute still bounds the step); staleness=0 waits at once."""
+        wire, kernel = self._reduction(params, ("none", "none"), None)
+        a = self.ctx.async_sgd
+        if "every" in a:
+            return (wire + kernel) / a["every"]
+        if a["staleness"] == 0:
+            return wire + kernel
+        return max(0.0, wire - self.ctx.cal.dp_overlap * self.cand.num_microbatches * (f + b)) + kernel
 
 
 def _prefix(xs: Sequence[float]) -> list[float]:

@@ -8,6 +8,7 @@ refusal names the relation that fails and suggests values that hold
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -17,7 +18,15 @@ from cost_models.errors import DeclarationError
 from cost_models.memory import RECOMPUTE_POLICIES as RECOMPUTE
 from cost_models.memory import SCHEDULES
 
-__all__ = ["Declarations", "check_declarations", "divisors", "compression_pins", "compression_refusal"]
+__all__ = [
+    "ASYNC_SGD_FORCED",
+    "Declarations",
+    "async_sgd_pin",
+    "check_declarations",
+    "compression_pins",
+    "compression_refusal",
+    "divisors",
+]
 
 OPTIMIZERS = ("adam", "adamw", "sgd")  # adamw keeps Adam's state; cost_models.memory counts it as adam
 _BLOCK_INDEX = re.compile(r"\.\d+\.")
@@ -40,6 +49,9 @@ class Declarations:
     # link level -> compressor of the data-parallel gradient reduction, for the levels pinned
     # (from `compression_pins`); levels absent are the planner's choice
     compression: dict[str, str] = dataclasses.field(default_factory=dict)
+    # {"every": k} (local SGD) or {"staleness": s} (from `async_sgd_pin`); None: synchronous training.
+    # Never chosen by the planner: it changes the training math, so it is used only when pinned.
+    async_sgd: dict[str, int] | None = None
 
     def pinned(self) -> dict[str, Any]:
         """The declarations that pin something, for the plan's record."""
@@ -47,6 +59,8 @@ class Declarations:
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.compression:
             out["compression"] = dict(self.compression)
+        if self.async_sgd:
+            out["async_sgd"] = dict(self.async_sgd)
         return out
 
 
@@ -104,8 +118,86 @@ def compression_refusal(pins: dict[str, str], *, zero_stage: int, levels: tuple[
     return ""
 
 
+_ASYNC_KEYS = ("every", "staleness")
+# What a pinned async_sgd implies for the search: replicas of the whole model, each stepping alone.
+ASYNC_SGD_FORCED = {"tp": 1, "pp": 1, "zero_stage": 0}
+
+
+def async_sgd_pin(value: Any) -> dict[str, int] | None:
+    """`compile(async_sgd=...)` -> {"every": k} or {"staleness": s} (a fresh dict), or None.
+
+    >>> async_sgd_pin(dict(every=4))
+    {'every': 4}
+    >>> async_sgd_pin({"staleness": 0})
+    {'staleness': 0}
+    """
+    if value is None:
+        return None
+    usage = ("async_sgd must be None (synchronous), dict(every=k) (local SGD: replicas step alone and average "
+             "parameters every k steps, k >= 1) or dict(staleness=s) (every step's update averaged "
+             "asynchronously and applied s >= 0 steps later)")
+    if not isinstance(value, dict):
+        raise DeclarationError(f"async_sgd={value!r}: {usage}")
+    keys = sorted(value)
+    if len(keys) != 1 or keys[0] not in _ASYNC_KEYS:
+        raise DeclarationError(f"async_sgd={value!r}: exactly one key, 'every' or 'staleness', not {keys}; {usage}")
+    key = keys[0]
+    v, lo = value[key], 1 if key == "every" else 0
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise DeclarationError(f"async_sgd[{key!r}]={v!r}: must be an integer >= {lo}, e.g. "
+                               f"async_sgd=dict({key}={max(lo, 2 if key == 'every' else 1)})")
+    return {key: v}
+
+
+def _check_async_sgd(d: Declarations, world_size: int) -> None:
+    """Async SGD runs on plain data parallelism only (runtime.async_sgd): say which pin rules it out, and why."""
+    a = d.async_sgd
+    if not a:
+        return
+    fix = "drop async_sgd to train synchronously"
+    if world_size == 1 or d.dp == 1:
+        raise DeclarationError(f"async_sgd={a} with {'dp=1' if d.dp == 1 else 'one device'}: asynchronous SGD "
+                               "averages data-parallel replicas, and one replica has nothing to average with; "
+                               f"allow dp > 1 (leave dp unpinned on more than one device) or {fix}")
+    why = {"pp": "a pipeline splits the model over ranks whose stages must step together",
+           "tp": "tensor slices of one layer must be updated together",
+           "zero_stage": "ZeRO shards the optimizer state (from stage 1; gradients from 2, parameters at 3) over "
+                         "the replicas, so no replica can step alone"}
+    for name, ok in ASYNC_SGD_FORCED.items():
+        v = getattr(d, name)
+        if v is not None and v != ok:
+            raise DeclarationError(f"async_sgd={a} with {name}={v}: each replica steps its own whole copy of the "
+                                   f"model, but {why[name]}; pin {name}={ok} or {fix}")
+    if d.dp is not None and d.dp != world_size:
+        raise DeclarationError(f"async_sgd={a} with dp={d.dp}: async SGD plans are pure data parallel (tp = pp = 1), "
+                               f"so dp must be the world size {world_size}; leave dp unpinned or {fix}")
+    squeezed = {lv: c for lv, c in d.compression.items() if c != "none"}
+    if squeezed:
+        raise DeclarationError(f"async_sgd={a} with compression={squeezed}: gradient compression compresses the "
+                               "gradient all-reduce, which async SGD replaces by averaging parameters; drop "
+                               f"compression (or pin compression='none') or {fix}")
+    if d.precision != "fp32":
+        raise DeclarationError(f"async_sgd={a} with precision={d.precision!r}: the async SGD runtime steps the "
+                               "model's own parameters on each replica and keeps no fp32 master weights, so it "
+                               f"trains in fp32 only; pin precision='fp32' or {fix}")
+
+
+# Bounds that keep the search finite and fast: the divisors of the batch are enumerated, and the schedule
+# lists every microbatch of every rank (their instruction lists grow with the count).
+MAX_GLOBAL_BATCH_SIZE = 2**32
+MAX_MICROBATCHES = 2**16
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(sqrt(n)) steps (a global batch of 2**40 must not hang the search).
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    if n < 1:
+        return []
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _int(name: str, v: Any, lo: int = 1) -> None:
@@ -126,6 +218,9 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
                        unit_name: str, valid_tp: tuple[int, ...], tp_divisors: tuple[tuple[str, int], ...]) -> None:
     """Raise DeclarationError for the first declaration that cannot hold."""
     _int("global_batch_size", d.global_batch_size)
+    if d.global_batch_size > MAX_GLOBAL_BATCH_SIZE:
+        raise DeclarationError(f"global_batch_size={d.global_batch_size}: more samples per step than the planner "
+                               f"handles (at most {MAX_GLOBAL_BATCH_SIZE}); it counts samples (sequences), not tokens")
     for name in ("dp", "tp", "pp", "microbatch_size", "interleave"):
         _int(name, getattr(d, name))
     _int("zero_stage", d.zero_stage, lo=0)
@@ -150,6 +245,7 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
             f"compression={d.compression} with zero_stage={d.zero_stage}: PowerSGD ({', '.join(low_rank)}) runs on "
             f"the DDP/ZeRO-1 gradient all-reduce only, not ZeRO-{d.zero_stage}'s reduce-scatter; pin zero_stage=0 "
             "or 1, or compress with 'bf16', 'int8' or 'int4'")
+    _check_async_sgd(d, world_size)
 
     # dp * tp * pp must be the world size.
     pinned = {k: getattr(d, k) for k in ("dp", "tp", "pp") if getattr(d, k) is not None}
@@ -201,3 +297,11 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
         raise DeclarationError(
             f"global_batch_size={d.global_batch_size} is not divisible by dp({d.dp}); "
             f"valid global batch sizes near it: {', '.join(str(x) for x in (lo, lo + d.dp) if x > 0)}")
+    if d.microbatch_size is not None:
+        fewest = d.global_batch_size // ((d.dp or world_size) * d.microbatch_size)  # at the largest dp allowed
+        if fewest > MAX_MICROBATCHES:
+            raise DeclarationError(
+                f"microbatch_size={d.microbatch_size} makes {fewest} microbatches per step of global_batch_size="
+                f"{d.global_batch_size} (at dp={d.dp or world_size}): more than the {MAX_MICROBATCHES} the schedule "
+                f"lists; pin microbatch_size >= {-(-d.global_batch_size // ((d.dp or world_size) * MAX_MICROBATCHES))}"
+                " or leave it to the planner")

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 from cost_models.compression import Compressor, Level, no_compression
 from cost_models.errors import PartitionerError
+from partitioner.plan_check import check_plan
 from partitioner.plan_json import PlanFormatError, decode, encode
 from partitioner.schedule import Schedule, ScheduleKind
 from partitioner.segments import ModelCode
@@ -244,6 +247,11 @@ class Plan:
     rejected: tuple[Alternative, ...] = ()
     # the usual hand configurations (pure data parallel, ZeRO-3 only, Megatron tensor x pipeline)
     baselines: tuple[Baseline, ...] = ()
+    # asynchronous data parallelism, pinned by the user (the planner never chooses it: it changes the
+    # training math): {"every": k}, local SGD, replicas step alone and average parameters every k steps;
+    # {"staleness": s}, every step's update is averaged asynchronously and applied s steps later
+    # (runtime.async_sgd). None: synchronous training
+    async_sgd: dict[str, int] | None = None
 
     # ---- the configuration, by name ---------------------------------------
     dp = property(lambda self: self.config.dp)
@@ -292,34 +300,62 @@ class Plan:
         return json.dumps(encode(self), indent=1, sort_keys=True) + "\n"
 
     @staticmethod
-    def from_json(text: str) -> Plan:
+    def from_json(text: str | bytes) -> Plan:
+        """Decode a plan's JSON, checking each field's type and the relations between fields (plan_check)."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise PlanFormatError(f"plan: expected the plan's JSON text (str or bytes), got {type(text).__name__}; "
+                                  "to read a file use Plan.load(path)")
         try:
             data = json.loads(text)
+        except UnicodeDecodeError as e:
+            raise PlanFormatError(f"plan: not UTF-8 text ({e.reason} at byte {e.start}): not a plan file") from None
         except json.JSONDecodeError as e:
             raise PlanFormatError(f"plan: not JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # an int of more than 4300 digits; nesting deeper than Python's stack
+            raise PlanFormatError(f"plan: not a plan's JSON ({type(e).__name__}: {str(e)[:120]})") from None
         if not isinstance(data, dict):
-            raise PlanFormatError("plan: expected a JSON object at the top level")
+            raise PlanFormatError(f"plan: expected a JSON object at the top level, got {type(data).__name__}")
         version = data.get("version")
         if version != PLAN_VERSION:
             raise PlanFormatError(f"plan: version {version!r} is not supported (this build reads version {PLAN_VERSION}); "
                                   "recompile the plan with this version")
-        return decode(Plan, data)
+        plan = decode(Plan, data)
+        check_plan(plan)
+        return plan
 
     def save(self, path: str | Path) -> Path:
+        """Write the JSON to `path` atomically (a reader never sees half a plan); nothing else is left behind."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)  # atomic: a reader never sees half a plan
+        text = self.to_json()
+        # a fresh temporary beside the target (same filesystem, so the rename is atomic), created exclusively
+        # ("x") with the usual permissions: a fixed name such as PATH.tmp would clobber a user's file of that name
+        tmp = path.with_name(f".{path.name[:64]}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+        created = False
+        try:
+            with open(tmp, "x", encoding="utf-8") as f:
+                created = True
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError as e:
+            if created:
+                tmp.unlink(missing_ok=True)
+            raise PartitionerError(f"plan file {path}: cannot write it ({e.strerror or e}); pass a file path in an "
+                                   "existing, writable directory") from None
         return path
 
     @staticmethod
     def load(path: str | Path, *, graph: Any = None, topology: Any = None) -> Plan:
         """Read a plan; with `graph` (an OpGraph) or `topology`, refuse one made for others."""
         path = Path(path)
-        if not path.is_file():
-            raise PlanFormatError(f"plan file {path} does not exist")
         try:
-            plan = Plan.from_json(path.read_text())
+            blob = path.read_bytes()  # bytes: from_json says where text that is not UTF-8 goes wrong
+        except FileNotFoundError:
+            raise PlanFormatError(f"plan file {path} does not exist") from None
+        except OSError as e:
+            raise PlanFormatError(f"plan file {path} cannot be read ({e.strerror or e}): pass the path of a plan "
+                                  "JSON written by `partitioner compile -o` or Plan.save") from None
+        try:
+            plan = Plan.from_json(blob)
         except PlanFormatError as e:
             raise PlanFormatError(f"{path}: {e}") from None
         plan.check(graph=graph, topology=topology)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from typing import Any, Literal, Union
@@ -62,7 +63,7 @@ def decode(tp: Any, data: Any, path: str = "plan") -> Any:
         raise PlanFormatError(errors[0] if errors else f"{path}: unexpected null")
     if origin is Literal:
         if data not in args:
-            raise PlanFormatError(f"{path}: {data!r} is not one of {list(args)}")
+            raise PlanFormatError(f"{path}: {repr(data)[:80]} is not one of {list(args)}")
         return data
     if tp is Schedule:
         _check(isinstance(data, str), path, "a schedule in its compact text form", data)
@@ -71,7 +72,9 @@ def decode(tp: Any, data: Any, path: str = "plan") -> Any:
         except ValueError as e:
             raise PlanFormatError(f"{path}: {e}") from None
     if tp is Poly:
-        _check(isinstance(data, list), path, "a polynomial [[i, j, coef], ...]", data)
+        _check(isinstance(data, list) and all(isinstance(t, list) and len(t) == 3 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in t) for t in data),
+            path, "a polynomial [[i, j, coef], ...]", data)
         return Poly.from_json(data)
     if dataclasses.is_dataclass(tp):
         _check(isinstance(data, dict), path, f"an object ({tp.__name__})", data)
@@ -95,7 +98,7 @@ def decode(tp: Any, data: Any, path: str = "plan") -> Any:
         try:
             return tp(data)
         except ValueError:
-            raise PlanFormatError(f"{path}: {data!r} is not one of {[m.value for m in tp]}") from None
+            raise PlanFormatError(f"{path}: {repr(data)[:80]} is not one of {[m.value for m in tp]}") from None
     if origin is tuple:
         _check(isinstance(data, list), path, "a list", data)
         if len(args) == 2 and args[1] is Ellipsis:
@@ -108,6 +111,9 @@ def decode(tp: Any, data: Any, path: str = "plan") -> Any:
         return {decode(kt, k, path): decode(vt, v, f"{path}[{k!r}]") for k, v in data.items()}
     if tp is float:
         _check(isinstance(data, (int, float)) and not isinstance(data, bool), path, "a number", data)
+        # an int beyond float's range (10**400) does not convert; NaN is never a value a plan holds
+        _check(not isinstance(data, int) or abs(data) <= 1e308, path, "a number within float range", data)
+        _check(not (isinstance(data, float) and math.isnan(data)), path, "a number, not NaN", data)
         return float(data)
     if tp is int:
         _check(isinstance(data, int) and not isinstance(data, bool), path, "an integer", data)

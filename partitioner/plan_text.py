@@ -126,6 +126,29 @@ def _compression(p: Plan) -> str:
     return "none"
 
 
+def _async_sgd(p: Plan) -> str:
+    """The 'async sgd' row: what the replicas do and how the predicted step time counts it."""
+    a = p.async_sgd or {}
+    if "every" in a:
+        k = a["every"]
+        return (f"local SGD, every={k}: each replica steps on its own gradients (its optimizer state stays its "
+                f"own); the parameters are averaged by an fp32 all-reduce after {_every(k)}, 1/{k} of "
+                "it counted per step in the predicted time and traffic")
+    s = a["staleness"]
+    when = "at once (as every=1)" if s == 0 else f"{s} step{'s' if s > 1 else ''} later"
+    return (f"bounded staleness {s}: each replica steps on its own gradients; every step's update is averaged by "
+            f"an asynchronous fp32 all-reduce and applied {when}"
+            + ("" if s == 0 else f", so replicas differ by at most their last {s} local updates; the all-reduce is "
+                                 "counted as hidden behind the next step's compute"))
+
+
+def _every(k: int) -> str:
+    """1 -> 'every step', 4 -> 'every 4th step', 22 -> 'every 22nd step'."""
+    if k == 1:
+        return "every step"
+    return f"every {k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')} step"
+
+
 def _zero(p: Plan) -> str:
     c = p.config
     if c.dp == 1:
@@ -224,6 +247,7 @@ def format_plan(p: Plan) -> str:
             ("schedule", _schedule(p)),
             ("recompute", f"{c.recompute}: {_RECOMPUTE[c.recompute]}"),
             ("compression", _compression(p)),
+            *([("async sgd", _async_sgd(p))] if p.async_sgd else []),
             ("predicted", (f"{_ms(pr.step_time_s)} ms/step, {human(pr.tokens_per_s)} tokens/s, "
                           f"{pr.model_tflops_per_device:.1f} TFLOP/s per device, MFU {100 * pr.mfu:.1f} %")),
             ("memory", (f"peak {_gib(pr.peak_memory_bytes)} of {_gib(cap)} per rank "
@@ -262,7 +286,7 @@ def _baseline(p: Plan, b: Baseline) -> str:
         return f"- {b.name} does not fit: {b.note} (its least-memory variant: {b.config})"
     assert b.step_time_s is not None and b.peak_memory_bytes is not None
     ratio = b.step_time_s / p.predicted.step_time_s
-    if b.config == p.config and f"{ratio:.2f}" == "1.00":
+    if b.config == p.config and f"{ratio:.2f}" == "1.00" and not p.async_sgd:  # a baseline trains synchronously
         gain = "it is this plan"
     elif ratio >= 1:
         gain = f"this plan is {ratio:.2f}x faster"
@@ -293,6 +317,9 @@ def explain_plan(p: Plan) -> str:
     if c.dp > 1:
         out.append(f"- {c.dp} data-parallel replicas with ZeRO stage {c.zero_stage}; exposed communication "
                    f"{_ms(pr.exposed_comm_s)} ms per step; gradient compression: {_compression(p)}.")
+    if p.async_sgd:
+        out.append(f"- asynchronous SGD {p.async_sgd}, as declared (the planner never chooses it: it changes the "
+                   f"training math): {_async_sgd(p)}. The hand configurations below train synchronously.")
     if c.recompute != "none":
         out.append(f"- {c.recompute} activation recomputation: it buys the memory this plan needs.")
     out.append(f"- peak memory {_gib(pr.peak_memory_bytes)}: params {_gib(pr.memory.params)}, grads "

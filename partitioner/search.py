@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 from partitioner.costing import CostContext
 from partitioner.cut import Cut, cut_stages, evaluate_cut, step_time
-from partitioner.declarations import Declarations, divisors
+from partitioner.declarations import MAX_MICROBATCHES, Declarations, divisors
 from partitioner.plan import ParallelConfig
 
 __all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
@@ -80,7 +80,7 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
             mbs = [d.microbatch_size] if d.microbatch_size is not None else [
                 x for x in divisors(per_replica) if x & (x - 1) == 0 or x == per_replica]
             for mb in mbs:
-                if per_replica % mb:
+                if per_replica % mb or per_replica // mb > MAX_MICROBATCHES:  # a schedule too long to list
                     continue
                 m = per_replica // mb
                 for sched, v in _schedules(d, pp, m, num_units):

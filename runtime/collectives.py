@@ -105,6 +105,19 @@ class Collectives:
         self._count("broadcast", t)
         return dist.broadcast(t, src=src, group=group, async_op=async_op)
 
+    @torch.no_grad()
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int, group=None) -> None:
+        """Overwrite `tensors` in place with `src`'s, in one broadcast per dtype (a replica's start-up state)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype, ts in by_dtype.items():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            wire = flat.view(torch.uint8) if dtype == torch.bool else flat  # Gloo has no bool
+            self.broadcast(wire, src=src, group=group)
+            for t, piece in zip(ts, torch.split(flat, [t.numel() for t in ts])):
+                t.copy_(piece.view_as(t))
+
     # ---- point to point -----------------------------------------------------
     def send(self, t: torch.Tensor, dst: int, *, tag: int, group=None):
         """Gloo matches messages by (source, tag) only: every (stage, microbatch, direction) needs its own tag."""

@@ -207,15 +207,7 @@ class DataParallel:
     def _broadcast_state(self) -> None:
         """All replicas start from the group's first rank's parameters and buffers (DDP does the same)."""
         tensors = [*self._params.values(), *(b for _, b in self.module.named_buffers())]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for dtype, ts in by_dtype.items():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            wire = flat.view(torch.uint8) if dtype == torch.bool else flat  # Gloo has no bool
-            self.collectives.broadcast(wire, src=self.ranks[0], group=self.group)
-            for t, piece in zip(ts, torch.split(flat, [t.numel() for t in ts])):
-                t.copy_(piece.view_as(t))
+        self.collectives.broadcast_tensors(tensors, src=self.ranks[0], group=self.group)
 
     @torch.no_grad()
     def _build_replicated(self, trainable: list[str], bucket_bytes: int) -> None:

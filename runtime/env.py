@@ -5,6 +5,17 @@ describe the job in their own environment variables; `discover` reads them
 into one `DistEnv`. MASTER_ADDR / MASTER_PORT, when set, override what the
 launcher implies. With no launcher the job is one process on loopback.
 
+Binding: loopback by default. Any port this project listens on (the c10d
+store rank 0 hosts, runtime.rendezvous) is bound to 127.0.0.1 unless the
+job explicitly allows another address with the environment variable
+PARTITIONER_ALLOW_EXTERNAL_BIND=1 (`check_bind_address`); a multi-node job
+sets it on the rank-0 node, e.g. `PARTITIONER_ALLOW_EXTERNAL_BIND=1 srun ...`
+or `mpirun -x PARTITIONER_ALLOW_EXTERNAL_BIND=1 ...`. An environment variable,
+not a command-line flag, because launchers pass the environment to every rank
+unchanged. Connecting to a remote MASTER_ADDR needs no flag: only listening
+does. torchrun's own agent store is torchrun's, not ours: it listens on every
+interface whatever --master-addr says (measured, torch 2.13).
+
 >>> discover({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
 DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr='127.0.0.1', master_port=29500, launcher='mpirun')
 >>> expand_nodelist("node[01-03,07],gpu5")
@@ -14,22 +25,29 @@ DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr='127
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
+import socket
 from collections.abc import Mapping
 from typing import Literal
 
-__all__ = ["DistEnv", "LaunchError", "Launcher", "backend", "discover", "expand_nodelist",
-           "DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT"]
+# cost_models imports nothing of the project, so the runtime may share its base error (one direction holds).
+from cost_models.errors import PartitionerError
+
+__all__ = ["DistEnv", "LaunchError", "Launcher", "backend", "discover", "expand_nodelist", "check_bind_address",
+           "is_loopback", "DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "ALLOW_EXTERNAL_BIND"]
 
 Launcher = Literal["torchrun", "mpirun", "slurm", "none"]
 
 # Loopback unless told otherwise: the project's rule for any port it opens.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
+# The explicit opt-in to listen on an address other than loopback (set to 1).
+ALLOW_EXTERNAL_BIND = "PARTITIONER_ALLOW_EXTERNAL_BIND"
 
 
-class LaunchError(ValueError):
+class LaunchError(PartitionerError):
     """A job that cannot start as launched: the message names the variable or argument and the fix."""
 
 
@@ -100,6 +118,39 @@ def discover(environ: Mapping[str, str] = os.environ) -> DistEnv:
                           "(and pass it on: mpirun -x MASTER_ADDR -x MASTER_PORT)")
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_size,
                    master_addr=addr or DEFAULT_MASTER_ADDR, master_port=_port(environ), launcher=launcher)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` resolves to is a loopback one (127.0.0.0/8, ::1; "localhost").
+
+    >>> is_loopback("127.0.0.1"), is_loopback("localhost"), is_loopback("0.0.0.0")
+    (True, True, False)
+    """
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError, ValueError):
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def check_bind_address(host: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse to listen on `host` unless it is loopback or PARTITIONER_ALLOW_EXTERNAL_BIND=1 allows it.
+
+    Raises LaunchError naming MASTER_ADDR and the two fixes.
+    """
+    if is_loopback(host):
+        return
+    flag = environ.get(ALLOW_EXTERNAL_BIND, "")
+    if flag == "1":
+        return
+    if flag not in ("", "0"):
+        raise LaunchError(f"{ALLOW_EXTERNAL_BIND}={flag!r}: set it to 1 to allow listening beyond loopback, or "
+                          "unset it")
+    raise LaunchError(f"MASTER_ADDR={host!r} is not a loopback address, and rank 0 would listen there for the "
+                      f"rendezvous, reachable from the network: this project binds 127.0.0.1 unless told otherwise. "
+                      f"For a job over several machines, allow it on rank 0's node with {ALLOW_EXTERNAL_BIND}=1 "
+                      f"(e.g. `{ALLOW_EXTERNAL_BIND}=1 srun ...`, `mpirun -x {ALLOW_EXTERNAL_BIND}=1 ...`); on one "
+                      "machine, unset MASTER_ADDR or set it to 127.0.0.1")
 
 
 def backend() -> str:

@@ -2,8 +2,8 @@
 
     partitioner compile examples/gpt.py:gpt_tiny --topology local:2 --programs out/   # out/plan.json, out/rank_*.py
     torchrun --nproc-per-node 2 -m runtime.run out/plan.json --model examples/gpt.py:gpt_tiny --steps 10
-    mpirun -np 8 -x MASTER_ADDR python -m runtime.run out/plan.json --model pkg.models:gpt --data pkg.data:batch
-    srun --ntasks 16 python -m runtime.run out/plan.json --model pkg.models:gpt --data pkg.data:batch
+    mpirun -np 8 -x MASTER_ADDR -x PARTITIONER_ALLOW_EXTERNAL_BIND=1 python -m runtime.run out/plan.json --model pkg.models:gpt --data pkg.data:batch
+    PARTITIONER_ALLOW_EXTERNAL_BIND=1 srun --ntasks 16 python -m runtime.run out/plan.json --model pkg.models:gpt --data pkg.data:batch
 
 Each rank finds its place with `runtime.env.discover()`, runs `rank_{r}.py`
 from the plan's directory (or --programs), and trains `--steps` steps on the
@@ -55,6 +55,7 @@ from runtime.checkpoint import (
 from runtime.env import DistEnv, LaunchError, backend, discover
 from runtime.heartbeat import Heartbeat, PeerLost
 from runtime.program_check import check_same_program
+from runtime.rendezvous import rendezvous_store
 
 __all__ = ["main", "load_callable", "default_loss", "default_optimizer"]
 
@@ -243,10 +244,10 @@ def _init(env: DistEnv, timeout: timedelta) -> None:
     name = backend()
     if name == "nccl":
         torch.cuda.set_device(env.local_rank)
-    # tcp:// works under torchrun too: its agent already hosts the store at MASTER_PORT and the
-    # workers join it as clients (TORCHELASTIC_USE_AGENT_STORE).
-    dist.init_process_group(name, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+    # not init_method="tcp://...": rank 0's store would listen on every interface (runtime.rendezvous);
+    # under torchrun every rank joins the agent's store, as tcp:// did (TORCHELASTIC_USE_AGENT_STORE)
+    dist.init_process_group(name, store=rendezvous_store(env, timeout), rank=env.rank, world_size=env.world_size,
+                            timeout=timeout)
 
 
 def _read_plan(path: Path) -> dict[str, Any]:

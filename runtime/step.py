@@ -15,12 +15,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+# cost_models imports nothing of the project, so the runtime may share its base error (one direction holds).
+from cost_models.errors import PartitionerError
 from runtime.collectives import Collectives
 
 __all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "PeakHeld"]
 
 
-class ModelMismatchError(ValueError):
+class ModelMismatchError(PartitionerError):
     """The model given to a program is not the one its plan was compiled for."""
 
 

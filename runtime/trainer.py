@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from runtime.env import LaunchError, backend, discover
+from runtime.rendezvous import rendezvous_store
 
 __all__ = ["Trainer", "program_source"]
 
@@ -43,10 +44,10 @@ class Trainer:
     def __init__(self, plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable, *,
                  timeout_s: float = 600):
         if not dist.is_initialized():
-            env = discover()
-            dist.init_process_group(backend(), init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                    rank=env.rank, world_size=env.world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            env, timeout = discover(), datetime.timedelta(seconds=timeout_s)
+            # not init_method="tcp://...": rank 0's store would listen on every interface (runtime.rendezvous)
+            dist.init_process_group(backend(), store=rendezvous_store(env, timeout), rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
         source, plan_world = program_source(plan, rank)
         if plan_world != world:
