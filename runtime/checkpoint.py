@@ -283,8 +283,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{f}: cannot read the manifest ({e})") from None
     try:
         m = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f}: the manifest is not JSON ({e}); the checkpoint is corrupted") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError; an int of over 4300 digits; nesting too deep
+        raise CheckpointError(f"{f}: the manifest is not JSON ({type(e).__name__}: {str(e)[:200]}); the checkpoint "
+                              "is corrupted") from None
     _check_manifest(m, f)
     return m
 
@@ -348,17 +349,22 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     return dict(m, path=str(d))
 
 
-def check_checkpoint_model(manifest: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], where: str) -> None:
-    """Refuse a checkpoint whose parameters (names, full shapes) are not `shapes` (a plan's placements)."""
+def check_checkpoint_model(manifest: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], where: str, *,
+                           subset: bool = False, graph_hash: str = "") -> None:
+    """Refuse a checkpoint whose parameters (names, full shapes) are not `shapes` (a plan's placements; with
+    `subset`, the ones one rank holds), or that was saved for another graph than `graph_hash` (when both know it)."""
     saved = {n: tuple(s) for n, s in manifest["params"].items()}
     want = {n: tuple(s) for n, s in shapes.items()}
-    if saved == want:
-        return
-    only_ckpt = sorted(set(saved) - set(want))[:3]
+    only_ckpt = [] if subset else sorted(set(saved) - set(want))[:3]
     only_plan = sorted(set(want) - set(saved))[:3]
     differ = [f"{n} {want[n]} vs saved {saved[n]}" for n in want if n in saved and want[n] != saved[n]][:3]
-    raise CheckpointError(f"{where}: a checkpoint of another model (only in the checkpoint: {only_ckpt}; only in the "
-                          f"plan: {only_plan}; shapes that differ: {differ}); resume from a checkpoint of this model")
+    if only_ckpt or only_plan or differ:
+        raise CheckpointError(f"{where}: a checkpoint of another model: the checkpoint and the plan are for different "
+                              f"models (only in the checkpoint: {only_ckpt}; only in the plan: {only_plan}; shapes that "
+                              f"differ: {differ}); use a checkpoint and a plan of the same model")
+    if graph_hash and manifest["graph_hash"] and graph_hash != manifest["graph_hash"]:
+        raise CheckpointError(f"{where}: a checkpoint of another model: saved for graph {manifest['graph_hash'][:12]}, "
+                              f"the plan is for graph {graph_hash[:12]} (a changed model definition?)")
 
 
 def _sha256(path: Path) -> str:
@@ -629,12 +635,12 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
     Not collective: each rank reads the boxes its plan needs. Parameters and optimizer state are restored
     exactly whatever plan wrote them; RNG and compression state only under the same plan and world size.
     """
-    d = resolve_checkpoint(path)
-    m = read_manifest(d)
-    _verify_files(d, m)
+    m = verify_checkpoint(path)
+    d = Path(m["path"])
     engine, optimizer, _pl, _tr, _tw = _runner_parts(runner)
     pieces, shapes, holders = _pieces(runner)
-    _check_same_model(m, shapes, d, plan_json)
+    check_checkpoint_model(m, shapes, str(d), subset=True,
+                           graph_hash=json.loads(plan_json).get("graph_hash", "") if plan_json else "")
     opt_type = type(optimizer).__module__ + "." + type(optimizer).__qualname__
     if m["optimizer"]["type"] != opt_type:
         raise CheckpointError(f"{d}: saved with optimizer {m['optimizer']['type']}, this run uses {opt_type}: "
@@ -716,27 +722,10 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
                           extra=dict(m.get("extra", {})))
 
 
-def _check_same_model(m: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], d: Path,
-                      plan_json: str | None) -> None:
-    saved = {n: tuple(s) for n, s in m["params"].items()}
-    missing = [n for n in shapes if n not in saved]
-    differ = [f"{n} {shapes[n]} vs saved {saved[n]}" for n in shapes if n in saved and saved[n] != shapes[n]]
-    if missing or differ:
-        parts = ([f"parameters the checkpoint lacks: {missing[:3]}"] if missing else []) + \
-            ([f"shapes that differ: {differ[:3]}"] if differ else [])
-        raise CheckpointError(f"{d}: a checkpoint of another model ({'; '.join(parts)}); load a checkpoint "
-                              "written for this model")
-    if plan_json and m["graph_hash"]:
-        mine = json.loads(plan_json).get("graph_hash", "")
-        if mine and mine != m["graph_hash"]:
-            raise CheckpointError(f"{d}: saved for graph {m['graph_hash'][:12]}, this plan is for graph {mine[:12]}: "
-                                  "a checkpoint of another model (or of a changed model definition)")
-
-
 # ---- offline ------------------------------------------------------------------------------------
 
 
-def _read_full(d: Path, m: Mapping[str, Any], prefixes: Iterable[str]) -> dict[str, torch.Tensor]:
+def _read_full(d: Path, prefixes: Iterable[str]) -> dict[str, torch.Tensor]:
     md = _SafeReader(str(d)).read_metadata()
     sd: dict[str, Any] = {}
     for fqn, meta in md.state_dict_metadata.items():
@@ -752,19 +741,16 @@ def _read_full(d: Path, m: Mapping[str, Any], prefixes: Iterable[str]) -> dict[s
 def load_full_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, unsharded, under its checkpoint key: "model/NAME", "optim/KEY/NAME",
     "buffer/NAME", "rng/RANK", "compression/RANK/KEY". One process, no group (for tests and tools)."""
-    d = resolve_checkpoint(path)
-    m = read_manifest(d)
-    _verify_files(d, m)
-    return _read_full(d, m, ("model/", "optim/", "buffer/", "rng/", "compression/"))
+    m = verify_checkpoint(path)
+    return _read_full(Path(m["path"]), ("model/", "optim/", "buffer/", "rng/", "compression/"))
 
 
 def load_full_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The unsharded model state (parameters in fp32 and buffers) under the model's own state_dict keys:
     `model.load_state_dict(load_full_state_dict(d))` works on the plain model. One process, no group."""
-    d = resolve_checkpoint(path)
-    m = read_manifest(d)
-    _verify_files(d, m)
-    sd = _read_full(d, m, ("model/", "buffer/"))
+    m = verify_checkpoint(path)
+    d = Path(m["path"])
+    sd = _read_full(d, ("model/", "buffer/"))
     out = {}
     for key, canon in m["state_keys"].items():
         t = sd.get(f"model/{canon}", sd.get(f"buffer/{canon}"))
@@ -780,22 +766,14 @@ def reshard(src: str | Path, plan_b: Any, dst: str | Path) -> Path:
     slice of one parameter, split over its data-parallel replicas when B shards with ZeRO), with B recorded in the
     manifest. One process, no process group. RNG and compression state (per rank of A) are dropped.
     Any plan can load any checkpoint directly; resharding offline makes B's load read only what it needs."""
-    d = resolve_checkpoint(src)
-    m = read_manifest(d)
-    _verify_files(d, m)
+    m = verify_checkpoint(src)
+    d = Path(m.pop("path"))
     plan = _plan_dict(plan_b)
     placements = {p["param"]: p for p in plan.get("placements", [])}
-    saved = {n: tuple(s) for n, s in m["params"].items()}
-    planned = {n: tuple(p.get("shape", ())) for n, p in placements.items()}
-    if planned and planned != saved:
-        only_a = sorted(set(saved) - set(planned))[:3]
-        only_b = sorted(set(planned) - set(saved))[:3]
-        shapes = [n for n in saved if n in planned and planned[n] != saved[n]][:3]
-        raise CheckpointError(f"{d} and plan B are for different models (only in the checkpoint: {only_a}; only in "
-                              f"the plan: {only_b}; shapes differ: {shapes}): compile plan B for this model")
-    if m["graph_hash"] and plan.get("graph_hash") and plan["graph_hash"] != m["graph_hash"]:
-        raise CheckpointError(f"{d} was saved for graph {m['graph_hash'][:12]}, plan B is for {plan['graph_hash'][:12]}")
-    full = _read_full(d, m, ("model/", "optim/", "buffer/"))
+    if placements:
+        check_checkpoint_model(m, {n: p.get("shape", ()) for n, p in placements.items()}, str(d),
+                               graph_hash=plan.get("graph_hash", ""))
+    full = _read_full(d, ("model/", "optim/", "buffer/"))
     cfg = plan.get("config", {})
     tp, dp = int(cfg.get("tp", 1)), int(cfg.get("dp", 1))
     zero = int(cfg.get("zero_stage", 0))

@@ -137,7 +137,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
 
         manifest = verify_checkpoint(resume_from)  # a missing, corrupted or foreign checkpoint: refused before spawning
         if getattr(plan, "placements", None) is not None:
-            check_checkpoint_model(manifest, {p.param: p.shape for p in plan.placements}, manifest["path"])
+            check_checkpoint_model(manifest, {p.param: p.shape for p in plan.placements}, manifest["path"],
+                                   graph_hash=getattr(plan, "graph_hash", ""))
         start = manifest["step"]
         if start > len(batches):
             raise LaunchError(f"resume_from={str(resume_from)!r} is at step {start}, but only {len(batches)} batches "
