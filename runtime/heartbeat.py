@@ -13,7 +13,6 @@ counters of the one before.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from runtime.env import DistEnv, LaunchError
+from runtime.rendezvous import attempt_prefix
 
 __all__ = ["Heartbeat", "PeerLost"]
 
@@ -35,7 +35,7 @@ class Heartbeat:
         self.rank, self.world = env.rank, env.world_size
         self.interval_s, self.probe_s = interval_s, probe_s
         self.lost = False
-        prefix = f"partitioner/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        prefix = f"{attempt_prefix()}/heartbeat"  # a restarted attempt must not see the dead one's counters
         # A client connection of its own to the job's store (rank 0's, or torchrun's agent's): the main
         # thread's group traffic never waits on it.
         self._store = dist.PrefixStore(prefix, dist.TCPStore(env.master_addr, env.master_port, is_master=False,

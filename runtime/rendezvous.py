@@ -8,6 +8,15 @@ unless PARTITIONER_ALLOW_EXTERNAL_BIND=1), and hands it to TCPStore (`master_lis
 the other ranks connect as clients. Under torchrun the agent already hosts the store
 (TORCHELASTIC_USE_AGENT_STORE=True) and every rank is a client: nothing is bound here.
 
+torchrun's agent keeps that one store across restarts (torch 2.13 creates it once per agent), so the
+keys of a dead attempt are still there when the restarted ranks meet: gloo's peer addresses among them.
+A restarted rank that reads its peer's old address fails to connect ("Connection refused", measured in
+CI) or reaches whatever now holds that port. Every attempt therefore gets its own namespace,
+`partitioner/attempt_{TORCHELASTIC_RESTART_COUNT}`. The count is the agent's: one node's ranks always
+agree on it, but agents of a multi-node job can disagree after a partial failure (torch issue 135712),
+so multi-node jobs with --max-restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives
+every attempt a fresh store hosted by rank 0 (the non-agent path below).
+
     store = rendezvous_store(discover(), timedelta(minutes=5))
     dist.init_process_group(backend(), store=store, rank=env.rank, world_size=env.world_size)
 """
@@ -21,16 +30,24 @@ from datetime import timedelta
 
 from runtime.env import DistEnv, LaunchError, check_bind_address
 
-__all__ = ["rendezvous_store"]
+__all__ = ["attempt_prefix", "rendezvous_store"]
+
+
+def attempt_prefix(environ: Mapping[str, str] = os.environ) -> str:
+    """The namespace of this torchrun attempt's keys in the agent's store (see the module docstring)."""
+    return f"partitioner/attempt_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def rendezvous_store(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] = os.environ):
     """A TCPStore for `env`'s job: hosted by rank 0 on env.master_addr:env.master_port (loopback unless
     allowed), joined as a client by the others, or by everyone under torchrun's agent store."""
-    from torch.distributed import TCPStore
+    from torch.distributed import PrefixStore, TCPStore
 
     host, port = env.master_addr, env.master_port
-    if env.rank != 0 or environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = TCPStore(host, port, env.world_size, is_master=False, timeout=timeout)
+        return PrefixStore(attempt_prefix(environ), store)
+    if env.rank != 0:
         return TCPStore(host, port, env.world_size, is_master=False, timeout=timeout)
     check_bind_address(host, environ)
     listener = _listen(host, port)

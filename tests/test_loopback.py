@@ -24,7 +24,7 @@ from runtime.env import (
     discover,
     is_loopback,
 )
-from runtime.rendezvous import rendezvous_store
+from runtime.rendezvous import attempt_prefix, rendezvous_store
 
 TIMEOUT = timedelta(seconds=20)
 ANY4, ANY6, LOOPBACK4 = "0.0.0.0", "::", "127.0.0.1"
@@ -134,7 +134,8 @@ def test_under_torchrun_every_rank_joins_the_agent_store():
         # rank 0 with the agent store, even at a non-loopback MASTER_ADDR, binds nothing: it is a client
         worker = rendezvous_store(host, TIMEOUT, environ={"TORCHELASTIC_USE_AGENT_STORE": "True"})
         worker.set("joined", "yes")
-        assert agent.get("joined") == b"yes" and listening(host.master_port) == {LOOPBACK4}
+        # under this attempt's namespace: a restart must not read the keys of the attempt before it
+        assert agent.get(attempt_prefix({}) + "/joined") == b"yes" and listening(host.master_port) == {LOOPBACK4}
         del worker
     finally:
         del agent
