@@ -9,7 +9,9 @@ whatever the rendezvous admitted; the plan for it is `SAVE_DIR/plans/world_W/`
 (plan.json and the rank programs): rank 0 compiles it the first time the job
 runs at that size (the topology is `--topology` with `{world}` filled in, the
 calibration `--calibration` if given) while the other ranks wait for it; a
-later restart at a size seen before reuses it. Then the ranks train under
+later restart at a size seen before reuses it. Compiling for a new size reuses
+the trace the first start made, kept in `SAVE_DIR/plans/trace/`
+(partitioner.trace_cache): re-planning is the planner's search alone. Then the ranks train under
 `runtime.run` with `--resume-from auto`: the newest checkpoint in SAVE_DIR,
 written under whatever plan and world size the job had before, is resharded
 into the new plan as it loads (runtime.checkpoint), and training continues at
@@ -27,10 +29,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from runtime.env import LaunchError, discover
 
-__all__ = ["main", "plan_for_world"]
+__all__ = ["cached_trace", "main", "plan_for_world"]
 
 
 def plan_for_world(args: argparse.Namespace, world: int, rank: int) -> Path:
@@ -40,19 +43,15 @@ def plan_for_world(args: argparse.Namespace, world: int, rank: int) -> Path:
         return d
     if rank == 0:
         from partitioner.compile import compile
-        from partitioner.loading import load_model
 
-        model, inputs, module = load_model(args.model, device="meta", batch_size=2)
-        if hasattr(module, "example_batch"):
-            inputs = inputs[:1]  # (inputs, targets): the model is called on the inputs
-        plan = compile(model, args.topology.format(world=world), example_inputs=inputs,
-                       global_batch_size=args.global_batch_size, precision=args.precision,
-                       optimizer=args.optimizer_name, calibration=args.calibration)
+        g, how = cached_trace(args)
+        plan = compile(g, args.topology.format(world=world), global_batch_size=args.global_batch_size,
+                       precision=args.precision, optimizer=args.optimizer_name, calibration=args.calibration)
         plan = dataclasses.replace(plan, model_source=args.model)
         tmp = d.with_name(f".tmp-{d.name}-{os.getpid()}")
         plan.write_programs(tmp)
         os.replace(tmp, d)  # whole: the waiting ranks see the directory complete or not at all
-        print(f"elastic: planned for {world} ranks: {plan.config} -> {d}", flush=True)
+        print(f"elastic: planned for {world} ranks from {how}: {plan.config} -> {d}", flush=True)
         return d
     deadline = time.time() + args.plan_timeout_s
     while not (d / "plan.json").is_file():
@@ -61,6 +60,23 @@ def plan_for_world(args: argparse.Namespace, world: int, rank: int) -> Path:
                               f"{args.plan_timeout_s:g} s: is --save-dir on a file system every node sees?")
         time.sleep(0.2)
     return d
+
+
+def cached_trace(args: argparse.Namespace) -> tuple[Any, str]:
+    """The model's OpGraph, from SAVE_DIR/plans/trace when an earlier start traced this model source."""
+    from partitioner.loading import load_model
+    from partitioner.trace import trace
+    from partitioner.trace_cache import load_trace, save_trace, source_key
+
+    d, key = Path(args.save_dir) / "plans" / "trace", source_key(args.model)
+    g = load_trace(d, key)
+    if g is not None:
+        return g, "the cached trace"
+    model, inputs, module = load_model(args.model, device="meta", batch_size=2)
+    if hasattr(module, "example_batch"):
+        inputs = inputs[:1]  # (inputs, targets): the model is called on the inputs
+    g = trace(model, inputs)
+    return g, ("a new trace (cached)" if save_trace(g, d, key) else "a new trace (torch.fx: not cacheable)")
 
 
 def main(argv: list[str] | None = None) -> int:

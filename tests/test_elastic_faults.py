@@ -83,16 +83,17 @@ def _assert_close(got: dict, want: dict) -> None:
 def test_elastic_restarts_on_4_then_2_then_3_ranks(tmp_path):
     save = tmp_path / "ckpt"
     out = _elastic(4, save, 4)
-    assert "planned for 4 ranks" in out and latest_checkpoint(save).name == "step_00000004"
+    assert "planned for 4 ranks from a new trace (cached)" in out and latest_checkpoint(save).name == "step_00000004"
     # On 2 ranks with nothing left to train: the parameters it loaded are the checkpoint's, to the bit.
     out = _elastic(2, save, 4, "--save", str(tmp_path / "loaded.pt"))
-    assert "planned for 2 ranks" in out and "at step 4 (resharded from 4 ranks to 2)" in out
+    # re-planned for the new world size without tracing again
+    assert "planned for 2 ranks from the cached trace" in out and "at step 4 (resharded from 4 ranks to 2)" in out
     loaded, saved = torch.load(tmp_path / "loaded.pt", weights_only=True), load_full_state_dict(save)
     assert sorted(loaded) == sorted(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
     out = _elastic(2, save, 6)
     assert "step 5/6" in out and "step 1/" not in out
     out = _elastic(3, save, 8, "--save", str(tmp_path / "final.pt"))
-    assert "planned for 3 ranks" in out and "at step 6 (resharded from 2 ranks to 3)" in out
+    assert "planned for 3 ranks from the cached trace" in out and "at step 6 (resharded from 2 ranks to 3)" in out
     _assert_close(torch.load(tmp_path / "final.pt", weights_only=True), _reference(8))
 
 
