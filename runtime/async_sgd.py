@@ -41,8 +41,9 @@ group's first rank at construction, with the parameters, and never averaged
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -79,6 +80,13 @@ class _InFlight:
     work: list[Any]
 
 
+def _wait(u: _InFlight) -> None:
+    """Wait for an update's all-reduces (once: a waited update keeps no work)."""
+    for w in u.work:
+        w.wait()
+    u.work = []
+
+
 class AsyncSGDRunner:
     """The object an async SGD program's `build()` returns: `runtime.step.StepRunner`'s contract.
 
@@ -86,7 +94,8 @@ class AsyncSGDRunner:
     parameters, which differ from the others' between averagings); full_state_dict(): collective, the
     parameters averaged over the replicas (no replica's parameters change) and rank 0's buffers, on the
     group's first rank, None elsewhere: one model; sync_now(): collective, averages the parameters in
-    place now (a checkpoint or the end of training calls it); held_bytes(); collectives; program_hash;
+    place now (the end of training calls it; a checkpoint does not: runtime.checkpoint saves each
+    replica as it is, with consensus() and replica_state()); held_bytes(); collectives; program_hash;
     engine (a `runtime.unreplicated.Unreplicated`); optimizer.
     """
 
@@ -177,8 +186,8 @@ class AsyncSGDRunner:
     def _apply_oldest(self) -> None:
         """Wait for the oldest update's all-reduce and fold its average into the agreed parameters."""
         done = self._pending.pop(0)
-        for x, r, w in zip(self._agreed, done.reduced, done.work):
-            w.wait()
+        _wait(done)
+        for x, r in zip(self._agreed, done.reduced):
             x.add_(r)
 
     @torch.no_grad()
@@ -201,13 +210,71 @@ class AsyncSGDRunner:
             self._apply_oldest()
         self._install()
 
+    # ---- checkpoints (runtime.checkpoint) ------------------------------------------------------
+    @torch.no_grad()
+    def consensus(self) -> list[torch.Tensor]:
+        """Collective: the replicas' common model (one flat per dtype), changing no replica. every=k: the
+        mean of the replicas' parameters; staleness: the agreed parameters with every update in flight
+        applied, in the order sync_now() would apply them."""
+        if self.mode == "every":
+            out = [f.gather() for f in self._flats]
+            for t in out:
+                self.collectives.all_reduce(t, self.dp_group, op="avg")
+            return out
+        out = [a.clone() for a in self._agreed]
+        for u in self._pending:
+            _wait(u)
+            for x, r in zip(out, u.reduced):
+                x.add_(r)
+        return out
+
+    def replica_state(self) -> dict[str, torch.Tensor]:
+        """This replica's own state beyond its optimizer's: its parameters, its place in the every=k period,
+        and under staleness the agreed parameters and the updates in flight (waited for: their averages are
+        final, and waiting early changes no value). With it a resumed run continues as if never stopped."""
+        sd = {"steps": torch.tensor(self.steps), "pending": torch.tensor(len(self._pending))}
+        for i, f in enumerate(self._flats):
+            sd[f"param/{i}"] = f.gather()
+        for i, a in enumerate(self._agreed):
+            sd[f"agreed/{i}"] = a.clone()
+        for j, u in enumerate(self._pending):
+            _wait(u)
+            for i, (d, r) in enumerate(zip(u.delta, u.reduced)):
+                sd[f"pending/{j}/delta/{i}"], sd[f"pending/{j}/reduced/{i}"] = d.clone(), r.clone()
+        return sd
+
+    @torch.no_grad()
+    def load_replica_state(self, sd: Mapping[str, torch.Tensor]) -> None:
+        """Undo after_load(): become the replica replica_state() saved (same plan, same replica)."""
+        for i, f in enumerate(self._flats):
+            f.scatter(sd[f"param/{i}"])
+        if self.mode == "staleness":
+            self._agreed = [sd[f"agreed/{i}"].clone() for i in range(len(self._flats))]
+            self._pending = [_InFlight(delta=[sd[f"pending/{j}/delta/{i}"].clone() for i in range(len(self._flats))],
+                                       reduced=[sd[f"pending/{j}/reduced/{i}"].clone()
+                                                for i in range(len(self._flats))], work=[])
+                             for j in range(int(sd["pending"]))]
+        self.steps = int(sd["steps"])
+
+    @contextlib.contextmanager
+    def consensus_installed(self) -> Iterator[None]:
+        """Collective: inside, this replica's parameters are the common model; after, its own again."""
+        own = [f.gather() for f in self._flats]
+        for f, c in zip(self._flats, self.consensus()):
+            f.scatter(c)
+        try:
+            yield
+        finally:
+            for f, o in zip(self._flats, own):
+                f.scatter(o)
+
     @torch.no_grad()
     def after_load(self) -> None:
         """The parameters were just overwritten (runtime.checkpoint loads into a fresh runner, then calls this):
         make them the agreed parameters and forget any update in flight. Local, no collective: every replica
         loads the same (averaged) parameters. The every=k count restarts here."""
-        for w in (w for u in self._pending for w in u.work):
-            w.wait()  # nothing may still write into a buffer about to be dropped
+        for u in self._pending:
+            _wait(u)  # nothing may still write into a buffer about to be dropped
         self._pending.clear()
         if self.mode == "staleness":
             self._agreed = [f.gather() for f in self._flats]  # a copy: torch.cat allocates

@@ -464,8 +464,6 @@ def save_checkpoint(runner: Any, save_dir: str | Path, *, step: int, plan_json: 
         json.dumps(extra)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra={extra!r} is not JSON-serialisable ({e}): keep plain numbers and strings") from None
-    if hasattr(runner, "sync_now"):  # async SGD: one model, not one per replica
-        runner.sync_now()
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(save_dir)
     final = root / f"step_{step:08d}"
@@ -476,7 +474,10 @@ def save_checkpoint(runner: Any, save_dir: str | Path, *, step: int, plan_json: 
         tmp.mkdir()
     dist.barrier()
 
-    sd, meta = _state(runner)
+    if hasattr(runner, "replica_state"):  # async SGD: replicas differ between averagings (_async_state)
+        sd, meta = _async_state(runner, rank)
+    else:
+        sd, meta = _state(runner)
     dcp.save(sd, storage_writer=FileSystemWriter(str(tmp), sync_files=True), planner=_SavePlanner())
     # Rank 0 learns what every rank saw (scalar optimizer state must agree, every holder's names).
     metas: list[Any] = [None] * world
@@ -539,6 +540,27 @@ def _state(runner: Any) -> tuple[dict[str, Any], dict[str, Any]]:
                           "elementwise": sorted(elementwise), "scalars": scalars,
                           "param_groups": [_group_hparams(g) for g in optimizer.param_groups]},
             "program_hash": str(getattr(runner, "program_hash", "")), "compression": bool(comp)}
+    return sd, meta
+
+
+def _async_state(runner: Any, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Async SGD's state. Under the usual keys, what any other plan loads: the replicas' common model
+    (runner.consensus: their mean, or the agreed parameters with the updates in flight applied) and one
+    replica's optimizer state (DCP keeps one copy of boxes every replica writes). Under replica/RANK/, each
+    replica's own parameters, optimizer state and averaging state, which a resume under the same plan and
+    world size restores exactly. Saving changes nothing: the run goes on as if it had not saved."""
+    own = runner.replica_state()
+    with runner.consensus_installed():
+        sd, meta = _state(runner)
+    _e, optimizer, _pl, _tr, _tw = _runner_parts(runner)
+    _p, _s, holders = _pieces(runner)
+    for k, v in own.items():
+        sd[f"replica/{rank}/{k}"] = v
+    for i, h in enumerate(holders):
+        for key in meta["optimizer"]["elementwise"]:
+            st = optimizer.state.get(h, {}).get(key)
+            if st is not None:
+                sd[f"replica/{rank}/optim/{i}/{key}"] = st.detach().clone()
     return sd, meta
 
 
@@ -693,13 +715,19 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
     if same_plan:
         sd[f"rng/{rank}"] = rng
     comp: dict[str, torch.Tensor] = {}
+    replica: dict[str, torch.Tensor] = {}
     try:
         md = _SafeReader(str(d)).read_metadata()
-        if same_plan and m["compression"]:
-            prefix = f"compression/{rank}/"
+
+        def this_ranks(prefix: str, into: dict[str, torch.Tensor]) -> None:
             for fqn, meta in md.state_dict_metadata.items():
                 if fqn.startswith(prefix) and hasattr(meta, "size"):
-                    comp[fqn[len(prefix):]] = sd[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
+                    into[fqn[len(prefix):]] = sd[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
+
+        if same_plan and m["compression"]:
+            this_ranks(f"compression/{rank}/", comp)
+        if same_plan and hasattr(runner, "load_replica_state"):
+            this_ranks(f"replica/{rank}/", replica)
         missing = [k for k in sd if k not in md.state_dict_metadata]
         if missing:
             raise CheckpointError(f"{d}: holds no {missing[:3]}: it was not written for this model (or by an older "
@@ -718,6 +746,12 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
     engine.refresh_params()
     if hasattr(runner, "after_load"):
         runner.after_load()
+    if replica:  # async SGD under the same plan: this replica exactly as it was, not the common model
+        for i, h in enumerate(holders):
+            for key in m["optimizer"]["elementwise"]:
+                if f"optim/{i}/{key}" in replica:
+                    optimizer.state[h][key].copy_(replica[f"optim/{i}/{key}"])
+        runner.load_replica_state(replica)
     return CheckpointInfo(path=d, step=m["step"], world_size=m["world_size"], same_plan=same_plan,
                           extra=dict(m.get("extra", {})))
 

@@ -412,3 +412,32 @@ def test_staleness_follows_its_definition_is_bounded_and_sync_now_agrees(oracle_
     for run in oracle_runs:
         for n, synced in a["stale_synced"].items():
             assert torch.equal(run["stale_after_load"][n], synced + 1.0), n
+
+
+# ---- checkpoints: each replica is saved as it is ------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [{"every": 3}, {"staleness": 2}])
+def test_a_checkpoint_resumes_every_replica_exactly_and_saving_changes_nothing(tmp_path, mode):
+    """Saves at steps 2, 4, 6 fall between averagings (every=3) or with updates in flight (staleness=2), with
+    AdamW's moments differing per replica. Saving must not average anything (the run with checkpoints equals
+    the run without, bit for bit), and resuming from step 4 under the same plan restores every replica's own
+    parameters, moments and averaging state: the last 3 steps end bit for bit where the uninterrupted run does.
+    Another plan loads the replicas' common model (their mean, or the agreed parameters plus the updates in
+    flight)."""
+    from runtime.checkpoint import load_full_state_dict
+
+    plan, batches = regression_plan(2, mode, zero_stage=0), regression_batches(7, 32)
+    plain = launch_local(plan, regression_mlp, adamw, mse, batches, timeout_s=90)
+    saved = launch_local(plan, regression_mlp, adamw, mse, batches, save_dir=tmp_path, save_every=2, timeout_s=90)
+    assert saved.losses == plain.losses
+    assert all(torch.equal(saved.state_dict[k], v) for k, v in plain.state_dict.items())
+    step4 = tmp_path / "step_00000004"
+    resumed = launch_local(plan, regression_mlp, adamw, mse, batches, resume_from=step4, timeout_s=90)
+    assert resumed.start_step == 4 and resumed.losses == plain.losses[4:]
+    for k, want in plain.state_dict.items():
+        assert torch.equal(resumed.state_dict[k], want), k
+    # the common model at step 4, which other plans load: the replicas' mean after 4 steps
+    four = launch_local(plan, regression_mlp, adamw, mse, batches[:4], timeout_s=90)
+    common = load_full_state_dict(step4)
+    for k, want in four.state_dict.items():
+        torch.testing.assert_close(common[k], want, rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
