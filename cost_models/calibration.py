@@ -138,21 +138,25 @@ class Calibration:
           preset's numbers are an estimate for a share of an unknown CPU, so
           the fit moves this rather than push efficiencies past 1.
 
-    Memory (partitioner/costing.py):
+    Memory (partitioner/costing.py, StageEvaluator._peak_memory): a rank's peak is
+      its model state at rest plus the largest of three moments of a backward
+      (the loss's, a block's, the end's); each factor scales its bytes there.
       activation_mem_scale: measured / modelled activation bytes (saved
-          tensors, the loss's, recomputation's working set); 1 until fitted.
-          The model counts what autograd saves per op; allocator rounding and
-          kernels' workspaces add a few percent.
-      grad_mem_scale: share of the gradient bytes live at the peak; 1 until
-          fitted. Where gradients are freed after each step (set_to_none) the
-          peak comes in backward, while later layers' gradients are not yet
-          allocated; persistent gradient buffers keep them all.
+          tensors, recomputation's working set, the gradients into and out of
+          a block's largest op); 1 until fitted. The model counts what autograd
+          saves per op; allocator rounding and kernels' workspaces add a few
+          percent.
+      grad_mem_scale: measured / modelled gradient bytes live at the peak
+          (flat gradient buffers held through the step, shard gradients and
+          .grad once a backward formed them, reductions in flight); 1 until
+          fitted.
       loss_mem_scale: measured / modelled memory of the loss on the last
           stage (the model assumes a cross-entropy: one output-sized tensor
           kept per microbatch in flight, two more in its backward); 1 until
           fitted, counted in the last stage's activations.
-      buffer_mem_scale: measured / modelled communication buffers (buckets,
-          ZeRO-3's gathered blocks); 1 until fitted.
+      buffer_mem_scale: measured / modelled buffers (ZeRO-3's gathered
+          parameters, a pipeline stage's received output gradient); 1 until
+          fitted.
       memory_overhead_bytes: bytes per rank the model does not see (runtime
           buffers, communication staging); 0 until fitted.
 

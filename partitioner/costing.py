@@ -9,7 +9,9 @@ A stage (a run of units at pipeline position k) then gets
 
     c_k    = f_k + b_k                 compute + TP collectives + p2p receive, per microbatch
     tail_k = exposed DP sync (+ its compression kernels) + optimizer step, once per training step
-    mem_k  = model state (ZeRO) + activations x in-flight microbatches + buffers
+    mem_k  = model state at rest (ZeRO) + the most of three moments of a backward (the loss's,
+             a block's, the end's): activations x in-flight microbatches, gradients formed,
+             reductions in flight, ZeRO-3's gathered parameters (StageEvaluator._peak_memory)
 
 and the step time of a cut (Narayanan et al. 2021, eq. 1 generalised to
 unequal stages; v = virtual stages per rank) is
@@ -55,7 +57,7 @@ from cost_models.compression import (
     traffic_levels,
 )
 from cost_models.compute import RooflineCompute, dtype_for
-from cost_models.memory import inflight_microbatches, model_state_bytes
+from cost_models.memory import DDP_BUCKET_BYTES, ModelStateBytes, inflight_microbatches, model_state_bytes
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
 from partitioner.opgraph import OpGraph
@@ -68,8 +70,9 @@ __all__ = ["CostContext", "StageCost", "StageEvaluator", "UnitArrays", "UnitCost
 # Adam's step reads param, grad, m, v and writes param, m, v: 7 fp32 words per
 # parameter (torch.optim.Adam foreach path; the fp32 master copy under mixed precision).
 _OPTIM_BYTES_PER_PARAM = 28
-# ZeRO-3 keeps the next block's parameters gathered while computing this one (prefetch): two blocks' worth.
-_ZERO3_GATHERED_BLOCKS = 2
+
+
+_NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
 
 
 def units_of(g: OpGraph, granularity: str = "block") -> tuple[tuple[int, int], ...]:
@@ -88,6 +91,7 @@ class UnitCost:
     activation_bytes: float  # kept per in-flight microbatch
     working_bytes: float  # recomputation's working set (the unit's full activations), full recompute only
     params: float  # per tensor rank
+    largest_output: float = 0.0  # bytes of its blocks' largest floating-point node output, per microbatch and tensor rank
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,6 +187,7 @@ class CostContext:
     def _param_sizes(self) -> dict[int, list[tuple[str, float]]]:
         """Per unit: (parameter, elements per tensor rank at tp=1) for each parameter its nodes read."""
         numel = {p.name: p.numel for p in self.g.params}
+        self._param_block = {p.name: p.block for p in self.g.params}
         per_unit: dict[int, list[tuple[str, float]]] = {}
         for u, (a, b) in enumerate(self.units):
             seen = dict.fromkeys(p for n in self.g.nodes[a:b] for p in n.params)
@@ -236,10 +241,13 @@ class CostContext:
         a, b = self.units[u]
         s, sc = self.seq, self.scale
         tp_ranks = tuple(range(tp))
-        fwd = bwd = act = drop_f = drop_act = 0.0
+        fwd = bwd = act = drop_f = drop_act = biggest = 0.0
         for n in self.g.nodes[a:b]:
             c = n.cost
             d = tp if (tp > 1 and n.name in self.splits.sharded_nodes) else 1
+            if n.output is not None and n.output.dtype.startswith(("float", "bfloat")) and \
+                    (n.block is not None or not self.g.blocks):  # the prefix's and suffix's are the loss's moment
+                biggest = max(biggest, n.output.nbytes(mb, s) * sc / d)
             flops = c.forward_flops(mb, s) / d
             moved = (c.bytes_read(mb, s) + c.bytes_written(mb, s)) * sc / d
             tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
@@ -261,12 +269,13 @@ class CostContext:
                         bwd += t
         if recompute == "selective":
             return UnitCost(forward_s=fwd, backward_s=bwd + drop_f, activation_bytes=act - drop_act,
-                            working_bytes=drop_act, params=0.0)
+                            working_bytes=drop_act, params=0.0, largest_output=biggest)
         if recompute == "full":
             kept_input = (self._boundary[u - 1](mb, s) * sc) if u > 0 else 0.0
             return UnitCost(forward_s=fwd, backward_s=bwd + fwd, activation_bytes=kept_input,
-                            working_bytes=act, params=0.0)
-        return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0)
+                            working_bytes=act, params=0.0, largest_output=biggest)
+        return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
+                        largest_output=biggest)
 
     def unit_arrays(self, tp: int, mb: int, recompute: str) -> UnitArrays:
         key = (tp, mb, recompute)
@@ -274,13 +283,24 @@ class CostContext:
         if hit is None:
             uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute) for u in range(len(self.units))]
             owners: dict[str, list[tuple[int, float]]] = {}
+            in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
+            largest = [0.0] * len(self.units)
             for u in range(len(self.units)):
                 for p, numel in self._param_local[u]:
-                    owners.setdefault(p, []).append((u, numel / (tp if self._sharded_param(p) else 1)))
+                    local = numel / (tp if self._sharded_param(p) else 1)
+                    owners.setdefault(p, []).append((u, local))
+                    largest[u] = max(largest[u], local)
+                    if self._param_block[p] is not None:
+                        in_block[u] += local
+            shared = [p for p, v in owners.items() if len(v) > 1]
             hit = self._arrays[key] = UnitArrays(
                 costs=tuple(uc), f=tuple(_prefix([x.forward_s for x in uc])), b=tuple(_prefix([x.backward_s for x in uc])),
                 act=tuple(_prefix([x.activation_bytes for x in uc])), par=tuple(_prefix([x.params for x in uc])),
-                work=tuple(x.working_bytes for x in uc), shared=tuple(tuple(v) for v in owners.values() if len(v) > 1),
+                work=tuple(x.working_bytes for x in uc), shared=tuple(tuple(owners[p]) for p in shared),
+                shared_in_block=tuple(self._param_block[p] is not None for p in shared),
+                block_par=tuple(in_block), max_param=tuple(largest), rest=tuple(_prefix([x.params - y for x, y in zip(uc, in_block)])),
+                biggest=tuple(x.largest_output for x in uc), unit_act=tuple(x.activation_bytes for x in uc),
+                blocks=tuple(_prefix([1.0 if x > 0 else 0.0 for x in in_block])),
                 total_c=sum(x.forward_s + x.backward_s for x in uc),
                 max_unit_c=max(x.forward_s + x.backward_s for x in uc))
         return hit
@@ -347,6 +367,13 @@ class UnitArrays:
     par: tuple[float, ...]
     work: tuple[float, ...]
     shared: tuple[tuple[tuple[int, float], ...], ...]  # parameters read by several units: (unit, size) each
+    shared_in_block: tuple[bool, ...]  # per entry of `shared`: a parameter of a repeated block
+    block_par: tuple[float, ...]  # per unit: its repeated block's parameters (per tensor rank)
+    max_param: tuple[float, ...]  # per unit: its largest parameter (elements per tensor rank)
+    rest: tuple[float, ...]  # prefix sums of the parameters outside the blocks (prefix, suffix)
+    biggest: tuple[float, ...]  # per unit: its largest node output per microbatch (bytes)
+    unit_act: tuple[float, ...]  # per unit: activation bytes kept per microbatch
+    blocks: tuple[float, ...]  # prefix sums of the units holding a block's parameters
     total_c: float
     max_unit_c: float
 
@@ -368,15 +395,16 @@ class StageEvaluator:
         self._param_bytes = 4 if ctx.precision == "fp32" else 2  # parameters gathered in the compute dtype
         self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
         self.total_c = arr.total_c
-        self._largest_unit_params = max((x.params for x in arr.costs), default=0.0)
+        self._rest, self._shared_in_block = arr.rest, arr.shared_in_block
         self._sync_memo: dict[float, float] = {}
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
-        # The loss is not in the traced graph, but the last stage runs it on the model's output: a
-        # cross-entropy keeps its log-softmax (one output-sized tensor per microbatch in flight) and
-        # its backward holds two more output-sized tensors at once (the gradients of the log-softmax
-        # and of the logits); full size under tensor parallelism, where the loss sees gathered
-        # outputs. Measured on the example GPT with runtime.memory_probe (bench/autotune_fidelity.py).
+        # The loss is not in the traced graph, but the last stage runs it on the model's output. Per
+        # microbatch in flight it keeps one output-sized tensor (the pipeline executor the output
+        # until that microbatch's backward, the step runner a cross-entropy's log-softmax); the
+        # backward of a cross-entropy then holds two more output-sized tensors at once (the
+        # gradients of the log-softmax and of the logits); full size under tensor parallelism, where
+        # the loss sees gathered outputs. Measured on the example GPT with runtime.memory_probe.
         out = ctx.g.nodes[-1].cost.bytes_written(cand.microbatch_size, ctx.seq) * ctx.scale if ctx.g.nodes else 0.0
         self._loss_kept, self._loss_work = out, 2 * out
 
@@ -415,32 +443,35 @@ class StageEvaluator:
         f = self._f[j] - self._f[i] + (self.p2p[i - 1] if k > 0 else 0.0)
         b = self._b[j] - self._b[i] + (self.p2p[j - 1] if k < S - 1 else 0.0)
         params = self._par[j] - self._par[i]
-        for users in self._shared:
+        rest = self._rest[j] - self._rest[i]
+        tied = 0.0  # parameters this stage shares with another pipeline rank (a tied embedding and LM head)
+        for users, in_block in zip(self._shared, self._shared_in_block):
             inside = [size for u, size in users if i <= u < j]
-            if len(inside) > 1:
-                params -= sum(inside[1:])
+            drop = sum(inside[1:])  # read by several of its units: held once
+            if inside and len(inside) < len(users) and cand.pp > 1:
+                tied += inside[0]
+                drop_rest = drop + inside[0]  # outside the engine's units: ZeRO-3 never gathers it
+            else:
+                drop_rest = drop
+            params -= drop
+            rest -= 0.0 if in_block else drop_rest
         m, v = cand.num_microbatches, cand.interleave
-        state = model_state_bytes(params, precision=ctx.precision, optimizer=ctx.optimizer,
-                                  zero_stage=cand.zero_stage, dp=cand.dp)
         rank = k % cand.pp
         inflight = inflight_microbatches(cand.schedule, pp=cand.pp, stage=rank, num_microbatches=m,
                                          interleave=v) if cand.pp > 1 else 1
         if v > 1:
             inflight = math.ceil(inflight / v)  # the rank's in-flight count spread over its v chunks
-        acts = (self._act[j] - self._act[i]) * inflight + max(self._work[i:j], default=0.0)
-        cal = ctx.cal
-        acts *= cal.activation_mem_scale
-        if k == S - 1:
-            acts += (self._loss_kept * inflight + self._loss_work) * cal.loss_mem_scale
-        grads = state.grads * cal.grad_mem_scale
-        buffers = self._buffers(params) * cal.buffer_mem_scale + cal.memory_overhead_bytes
+        if ctx.async_sgd:
+            memory = self._async_memory(i, j, k, params, inflight)
+        else:
+            memory = self._peak_memory(i, j, k, params=params, tied=tied, rest=rest, inflight=inflight)
+        p_, g_, o_, acts, buffers = memory
         # Interleaved: a rank holds v chunks; each may use 1/v of the memory (safe, if conservative
         # for uneven chunks: the rank's sum then fits for certain).
-        fits = (state.params + grads + state.optimizer + acts) * v + buffers <= ctx.memory_cap
+        fits = (p_ + g_ + o_ + acts) * v + buffers <= ctx.memory_cap
         exposed, optim, compression = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i)
         return StageCost(forward_s=f, backward_s=b, tail_s=exposed + optim, exposed_comm_s=exposed, params=params,
-                         memory=(state.params, grads, state.optimizer, acts, buffers), fits=fits,
-                         compression=compression)
+                         memory=memory, fits=fits, compression=compression)
 
     def stage_low_rank(self, i: int, j: int) -> LowRank | None:
         """PowerSGD's view of units [i, j)'s gradients, each parameter once (None: no option uses PowerSGD)."""
@@ -454,19 +485,102 @@ class StageEvaluator:
                 lr = lr - x
         return lr
 
-    def _buffers(self, params: float) -> float:
-        cand = self.cand
-        if self.ctx.async_sgd and cand.dp > 1:
-            # runtime.async_sgd, fp32: every=k averages through one flat copy of the parameters; staleness=s
-            # keeps the agreed parameters plus, per step in flight, its update and the all-reduce's buffer.
-            s = self.ctx.async_sgd.get("staleness")
-            return (1 if s is None else 2 * s + 1) * params * 4
-        if cand.zero_stage == 3:
-            return _ZERO3_GATHERED_BLOCKS * self._largest_unit_params * self._param_bytes
-        if cand.dp > 1:
-            # DDP-style gradient buckets in flight while reducing (torch DDP: 25 MiB, two in flight).
-            return min(params * self._param_bytes, 2 * 25 * 2**20)
-        return 0.0
+    def _peak_memory(self, i: int, j: int, k: int, *, params: float, tied: float, rest: float,
+                     inflight: int) -> tuple[float, float, float, float, float]:
+        """(params, grads, optimizer, activations, buffers) of units [i, j) as virtual stage k at its peak.
+
+        What the runtime holds (runtime.data_parallel, runtime.pipeline, runtime.unreplicated):
+
+        - At rest, model state (cost_models.memory.model_state_bytes) of the parameters in the
+          data-parallel engine, ZeRO-sharded; tied parameters (`tied`: shared with another pipeline
+          rank) live outside it, whole on every replica (params and optimizer state, grads in .grad).
+          Gradients at rest only where the engine keeps flat gradient buffers (DDP, ZeRO-1). ZeRO-2/3
+          shard gradients, Unreplicated's and the tied parameters' .grad exist from a step's first
+          backward to its optimizer step: at a moment of a microbatch's backward only when an earlier
+          microbatch's backward ran (m > microbatches in flight), or at the end of a backward.
+        - On top, the most of three moments of one microbatch's backward:
+          loss (last stage): the in-flight microbatches' activations, the loss's kept output per
+              microbatch in flight and the two output-sized gradients of its backward;
+          block: those activations, the gradients into and out of the blocks' largest op, ZeRO-2's
+              gradient bucket being filled (and the one before it, in flight), ZeRO-3's block gathered
+              with the one prefetched and their fp32 gradient (the first block backpropagated has
+              none yet, the second has freed a block's activations), before the last stage the
+              received gradient of the stage's output;
+          end: the other in-flight microbatches' activations, every gradient formed (ZeRO-2/3: the
+              last reductions in flight), and the largest parameter's gradient as autograd forms it:
+              for one read twice in the stage (a tied embedding and LM head) both contributions and,
+              before the engine copies it into its bucket, their sum.
+          ZeRO-3 keeps the parameters outside the blocks (`rest`, on the root module) gathered from
+          forward to backward: live at every moment. The moment is chosen on the uncalibrated
+          bytes, so each calibration factor scales its terms linearly (cost_models.fit.fit_memory).
+        """
+        ctx, cand, cal, arr = self.ctx, self.cand, self.ctx.cal, self.arrays
+        z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
+        kw = dict(precision=ctx.precision, optimizer=ctx.optimizer)
+        own = model_state_bytes(params - tied, zero_stage=z, dp=cand.dp, **kw)
+        whole = model_state_bytes(tied, zero_stage=0, dp=1, **kw) if tied else _NO_STATE
+        pb, fp32 = self._param_bytes, 4
+        # runtime.unreplicated: pipeline / tensor-parallel programs at dp = 1 in fp32 (codegen_pipeline)
+        flat_grads = z <= 1 and not (cand.dp == 1 and ctx.precision == "fp32" and (cand.pp > 1 or cand.tp > 1))
+        rest_grads = own.grads if flat_grads else 0.0  # held through the step
+        step_grads = whole.grads + (0.0 if flat_grads else own.grads)  # formed by the first backward
+        carried = cand.num_microbatches > inflight
+        # one reduction's fp32 input (ZeRO-2: a bucket; ZeRO-3: a unit, the largest of blocks and the rest)
+        block = max(arr.block_par[i:j], default=0.0)
+        reduction = {2: min((params - tied) * fp32, DDP_BUCKET_BYTES), 3: max(block, rest) * fp32}.get(z, 0.0)
+        several = z == 3 or (params - tied) * fp32 > DDP_BUCKET_BYTES
+        before = reduction if carried else 0.0  # the previous microbatch's last reduction, still in flight
+        kept = rest * pb if z == 3 else 0.0
+        blocks = arr.blocks[j] - arr.blocks[i]
+        gathered = min(2, blocks) * block * pb if z == 3 else 0.0  # the block and the one prefetched
+        act1 = self._act[j] - self._act[i]  # one microbatch's
+        acts = act1 * inflight + max(self._work[i:j], default=0.0)
+        big, twice = self._largest_param(i, j)
+
+        # (grads, activations, loss, buffers) beyond the state at rest, per moment
+        moments = []
+        carry = step_grads if carried else 0.0
+        if last:
+            moments.append((carry + before, acts, self._loss_kept * inflight + self._loss_work, kept))
+        freed = min(arr.unit_act[i:j], default=0.0)
+        filling = {2: reduction + (reduction if carried or several else 0.0),
+                   3: max(0.0, min(2, blocks) * block * fp32 - freed) + before}.get(z, 0.0)
+        received = 0.0 if last else ctx.boundary_bytes(j - 1, mb)
+        moments.append((carry + filling, acts + 2 * max(arr.biggest[i:j], default=0.0), 0.0,
+                        kept + gathered + received))
+        # without an engine (Unreplicated) the parameter's .grad is the gradient, already in step_grads
+        parts = (max(big, 2 * twice) + (twice if z < 3 else 0.0)) * pb if (flat_grads or z >= 2) else 0.0
+        ending = {2: reduction * (2 if carried or several else 1) + reduction / cand.dp, 3: 2 * reduction}.get(z, 0.0)
+        moments.append((step_grads + ending + parts, act1 * (inflight - 1), 0.0, kept + gathered))
+        g, a, loss, b = max(moments, key=sum)
+        return (own.params + whole.params,
+                (rest_grads + g) * cal.grad_mem_scale,
+                own.optimizer + whole.optimizer,
+                a * cal.activation_mem_scale + loss * cal.loss_mem_scale,
+                b * cal.buffer_mem_scale + cal.memory_overhead_bytes)
+
+    def _largest_param(self, i: int, j: int) -> tuple[float, float]:
+        """(largest parameter of units [i, j), largest one read by two or more of them), elements per tensor rank."""
+        big = max(self.arrays.max_param[i:j], default=0.0)
+        twice = max((inside[0] for users in self._shared
+                     if len(inside := [size for u, size in users if i <= u < j]) > 1), default=0.0)
+        return big, twice
+
+    def _async_memory(self, i: int, j: int, k: int, params: float,
+                      inflight: int) -> tuple[float, float, float, float, float]:
+        """Async SGD (pure data parallel, fp32, ZeRO 0): model state, activations and the loss of the one stage,
+        and runtime.async_sgd's flat buffers: every=k averages through one flat copy of the parameters;
+        staleness=s keeps the agreed parameters plus, per step in flight, its update and the all-reduce's
+        buffer."""
+        ctx, cal = self.ctx, self.ctx.cal
+        state = model_state_bytes(params, precision=ctx.precision, optimizer=ctx.optimizer, zero_stage=0, dp=1)
+        acts = (self._act[j] - self._act[i]) * inflight + max(self._work[i:j], default=0.0)
+        loss = self._loss_kept * inflight + self._loss_work if k == self.num_stages - 1 else 0.0
+        s = ctx.async_sgd.get("staleness")
+        flat = (1 if s is None else 2 * s + 1) * params * 4 if self.cand.dp > 1 else 0.0
+        return (state.params, state.grads * cal.grad_mem_scale, state.optimizer,
+                acts * cal.activation_mem_scale + loss * cal.loss_mem_scale,
+                flat * cal.buffer_mem_scale + cal.memory_overhead_bytes)
 
     def _param_gather(self, params: float) -> float:
         """The ZeRO-1/2 all-gather of a stage's updated parameters over its data-parallel group, in the

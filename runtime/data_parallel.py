@@ -46,7 +46,9 @@ Choices worth knowing:
 - `no_sync()` skips communication at stages 0 and 1 (gradients accumulate
   locally in fp32). Stages 2 and 3 reduce-scatter every microbatch into the
   fp32 shard gradient anyway, as DeepSpeed ZeRO-2 and FSDP2 do by default, so
-  they never hold a full gradient.
+  they never hold a full gradient: one reduce-scatter is in flight at a time
+  (launching the next waits for it), so at most the bucket or unit being
+  filled and the one being reduced are whole.
 - ZeRO-3 gathers a unit in the forward pre-hook of the smallest module holding
   all its parameters, frees it after that module's forward, and gathers it again
   when the gradient of the module's output arrives; prefetch: the next unit in
@@ -302,6 +304,10 @@ class DataParallel:
             for mod in {id(m): m for m in [module, *owners]}.values():
                 self._handles.append(mod.register_forward_pre_hook(functools.partial(self._use, u)))
             self._handles.append(module.register_forward_hook(functools.partial(self._after_forward, u)))
+        # The unsharded originals are no longer the model's (their shards are): keeping them here would
+        # hold every parameter whole on every rank, ZeRO-3's saving undone. Shapes are all that is left.
+        self._params = {n: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                        for n, p in self._params.items()}
 
     # ---- public API -----------------------------------------------------------------------
     @property
@@ -599,7 +605,7 @@ class DataParallel:
                 shapes = [tuple(self._params[n].shape) for n in b.names]
                 self.reducer.all_reduce_mean_(f.grad[b.lo:b.hi], _key(b.names), shapes)
             return
-        self._drain(f)  # at most one reduce-scatter in flight per bucket
+        self._drain_all()  # at most one reduce-scatter in flight
         inp = f.grad if f.grad is not None else torch.zeros(f.layout.padded_numel)
         f.grad = None
         self._reduce_scatter(f, inp)
@@ -617,6 +623,14 @@ class DataParallel:
         out = torch.empty(f.layout.shard_numel)
         work = self.collectives.reduce_scatter(out, inp, self.group, op="avg", async_op=True)
         f.pending.append((work, out, inp))
+
+    def _drain_all(self) -> None:
+        """Wait for every reduce-scatter in flight (FSDP2 keeps one in flight too): each holds its bucket's or
+        unit's full fp32 gradient until waited for, so letting them pile up over a backward would hold the
+        whole gradient, which ZeRO-2/3 exist not to do."""
+        for f in self._flats:
+            if f.pending:
+                self._drain(f)
 
     def _drain(self, f: _Flat) -> None:
         """Wait for f's reduce-scatters and add them into the shard's gradient."""
@@ -719,7 +733,7 @@ class DataParallel:
         self._reshard(u)
 
     def _reduce(self, u: _Unit, g: torch.Tensor) -> None:
-        self._drain(u.flat)
+        self._drain_all()  # at most one reduce-scatter in flight
         self._reduce_scatter(u.flat, g)
         u.reduced = True
 

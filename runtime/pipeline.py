@@ -326,6 +326,9 @@ class PipelineExecutor:
             if targets is None:
                 raise ValueError(f"this rank holds the last stage {s}: pass run(targets=[...])")
             loss = self.loss_fn(out, targets[i]) / self.m
+            # the loss keeps what its backward needs (a cross-entropy its log-softmax, not the logits):
+            # holding the output through the backward would keep one more output-sized tensor at the peak
+            del out
             loss.backward()
         else:
             grad = self._take_recv("RECV_B", s, i, s + 1, step)

@@ -93,11 +93,12 @@ def test_fit_memory_is_least_squares_with_nonnegative_factors():
 
 
 def test_memory_calibration_reaches_the_plan(tiny_graph):
-    base = _predict(tiny_graph, Calibration.for_device("CPU"), CONFIGS[0])
+    # pipeline stage 0 of dp2 pp2 ZeRO-1: flat gradient buffers, activations, the received output gradient
+    base = _predict(tiny_graph, Calibration.for_device("CPU"), CONFIGS[2])
     cal = dataclasses.replace(Calibration.for_device("CPU"), activation_mem_scale=2.0, loss_mem_scale=2.0,
                               memory_overhead_bytes=1e6,
                               grad_mem_scale=0.5, buffer_mem_scale=3.0)
-    scaled = _predict(tiny_graph, cal, CONFIGS[0])
+    scaled = _predict(tiny_graph, cal, CONFIGS[2])
     a, b = rank_memory_of(base)[0], rank_memory_of(scaled)[0]
     assert b.activations == pytest.approx(2 * a.activations) and b.grads == pytest.approx(0.5 * a.grads)
     assert b.buffers == pytest.approx(3 * a.buffers + 1e6) and a.buffers > 0
