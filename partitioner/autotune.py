@@ -11,13 +11,14 @@ The loop:
 1. compile under the starting calibration; take `trials` of its ranked
    candidates, distinct shapes first (a fit learns more from dp4 vs pp2 x dp2
    than from two recompute policies of one shape);
-2. run each for `warmup` + 1 + `steps` steps through the runtime's launcher:
+2. run each for `warmup` + 1 + `steps` steps through the runtime's launcher
+   (local processes, or a torchrun/srun job: see Launchers below):
    the warm-up steps are discarded, the next runs under the memory probe
    (runtime.memory_probe: peak bytes per rank, and torch.OutOfMemoryError past
    the device's usable memory, as on the device), the median of the last
    `steps` (each the slowest rank's) is the step time. Out of memory, crashes
-   and hangs are recorded with their reason and the tuner goes on
-   (launch_local kills every rank of a failed trial);
+   and hangs are recorded with their reason and the tuner goes on (either
+   launcher stops every rank of a failed or timed-out trial);
 3. fit the calibration to the successful trials (cost_models/fit.py: least
    squares on log step times; linear least squares on memory);
 4. compile again with it; its leaders not yet measured are tried next; stop
@@ -26,20 +27,35 @@ The loop:
 Every trial is committed to the SQLite `db` as it ends (partitioner/autotune_db.py):
 re-running skips what is measured and so resumes an interrupted tune.
 
-Local processes are the launcher here (`local:N` topologies). A cluster run
-uses the same loop with the programs started by torchrun or srun; that
-launcher is not built yet, and autotune refuses a non-local topology.
+Launchers: `launcher="local"` (the default; `local:N` topologies) runs each
+trial as local processes (runtime.launch.launch_local). On a cluster,
+`launcher="torchrun"` or `"srun"` runs each trial as one job of
+`python -m runtime.run` (partitioner/autotune_cluster.py, runtime/cluster.py):
+the plan and its programs are written to `trial_dir`/KEY/, the ranks time
+and probe the same steps with the same code (runtime/measure.py) and report
+through per-rank files; a job past `timeout_s` is stopped with every process
+under it. The ranks import the model by name, so it is a spec string there:
+
+>>> autotune("examples/gpt.py:gpt_small", "2x8xH100-80GB", global_batch_size=64, launcher="torchrun",
+...          launcher_args=dict(rdzv_endpoint="node01:29400", wrapper="srun --ntasks-per-node=1"))  # doctest: +SKIP
+>>> autotune("examples/gpt.py:gpt_small", "2x8xH100-80GB", global_batch_size=64, launcher="srun")  # doctest: +SKIP
+
+launcher_args: torchrun: rdzv_endpoint ("HOST:PORT"; default 127.0.0.1 and a
+free port, one node), wrapper (what starts an agent per node), extra; srun:
+master_port, python, extra (more srun flags); both: nnodes/nproc_per_node
+(checked against the topology), trial_dir (default DB.trials/ beside `db`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -47,6 +63,7 @@ from cost_models.calibration import Calibration
 from cost_models.errors import DeclarationError, PartitionerError
 from cost_models.fit import MEMORY_FACTORS, fit_memory, fit_step_times
 from cost_models.topology import Topology
+from partitioner.autotune_cluster import LAUNCHERS, ClusterTrials, cluster_trials
 from partitioner.autotune_db import TrialStore, trial_key
 from partitioner.compile import PlanInfeasibleError, compile
 from partitioner.opgraph import OpGraph
@@ -164,13 +181,18 @@ def autotune(model: str | Callable, topology: Topology | str | dict, *, example_
              progress: bool | TextIO = True, optimizer_fn: Callable | None = None, loss_fn: Callable | None = None,
              data: Callable[[int], Any] | None = None, candidates: Sequence[dict[str, Any]] | None = None,
              max_rounds: int = 3, calibration: Calibration | str | None = None, fit_iterations: int = 30,
+             launcher: str = "local", launcher_args: Mapping[str, Any] | None = None,
              **compile_kwargs: Any) -> AutotuneResult:
     """Measure, calibrate and re-rank until the measured best stops changing; see the module docstring.
 
-    model: a picklable factory (a module-level function) or "FILE.py:FACTORY" / "pkg.module:FACTORY".
-    data: step -> (inputs, targets), the global batch; default: the model module's
-        `example_batch(model, global_batch_size, seed=step)`.
-    optimizer_fn / loss_fn: default the plan's optimizer (lr 1e-3) and cross-entropy (runtime.run).
+    model: a picklable factory (a module-level function) or "FILE.py:FACTORY" / "pkg.module:FACTORY" (a
+        cluster launcher takes the string only).
+    data: step -> (inputs, targets), the global batch; or a spec "pkg.module:fn" of runtime.run's --data,
+        fn(step, rank, world_size) -> the global batch (a cluster launcher takes the spec only); default:
+        the model module's `example_batch(model, global_batch_size, seed=step)`.
+    optimizer_fn / loss_fn: default the plan's optimizer (lr 1e-3) and cross-entropy (runtime.run); a cluster
+        launcher takes spec strings (runtime.run's --optimizer/--loss).
+    launcher: "local", "torchrun" or "srun"; launcher_args: its options (see the module docstring).
     candidates: the first round's configurations as dicts of compile pins (e.g. {"dp": 2, "tp": 2}),
         instead of the cost model's top `trials`.
     compile_kwargs: passed to every compile (precision, optimizer, max_memory_fraction, pins...).
@@ -179,9 +201,26 @@ def autotune(model: str | Callable, topology: Topology | str | dict, *, example_
 
     _check(trials=trials, steps=steps, warmup=warmup, max_rounds=max_rounds)
     topo = Topology.coerce(topology)
-    if not topo.local:
-        raise DeclarationError(f"topology {topo}: autotune runs trials as local processes (local:N topologies); "
-                               "a cluster launcher for trials (torchrun/srun) is not built yet")
+    if launcher not in LAUNCHERS:
+        raise DeclarationError(f"launcher={launcher!r}: expected one of {', '.join(map(repr, LAUNCHERS))}")
+    if launcher == "local" and not topo.local:
+        raise DeclarationError(f"topology {topo}: launcher='local' runs trials as local processes (local:N "
+                               "topologies); on a cluster pass launcher=\"torchrun\" or launcher=\"srun\" "
+                               "(CLI: --launcher torchrun|srun)")
+    if launcher == "local" and launcher_args:
+        raise DeclarationError(f"launcher_args {sorted(launcher_args)}: options of a cluster launcher; "
+                               "launcher='local' takes none")
+    cluster = None
+    if launcher != "local":
+        cluster = cluster_trials(launcher, topo, launcher_args or {}, model=model, data=data, optimizer=optimizer_fn,
+                                 loss=loss_fn, timeout_s=timeout_s, db=Path(db))
+        data = optimizer_fn = loss_fn = None  # the ranks load their own (runtime.run)
+    elif isinstance(data, str):
+        data = functools.partial(_spec_data, load_callable(data, "data"), topo.world_size)
+    if isinstance(optimizer_fn, str):
+        optimizer_fn = load_callable(optimizer_fn, "optimizer_fn")
+    if isinstance(loss_fn, str):
+        loss_fn = load_callable(loss_fn, "loss_fn")
     model_fn = load_callable(model, "model") if isinstance(model, str) else model
     module = inspect.getmodule(model_fn)
     built = model_fn()
@@ -190,7 +229,11 @@ def autotune(model: str | Callable, topology: Topology | str | dict, *, example_
             raise DeclarationError("example_inputs: required when the model's module has no example_batch(model, "
                                    "batch_size)")
         example_inputs = tuple(module.example_batch(built, 2))[:1]
-    if data is None:
+    if cluster is not None and cluster.data is None and not hasattr(module, "example_batch"):
+        raise DeclarationError(f"data: required under launcher={launcher!r} when the model's module has no "
+                               "example_batch(model, batch_size, seed=): pass data=\"pkg.module:fn\" with "
+                               "fn(step, rank, world_size) -> (inputs, targets), the global batch (runtime.run --data)")
+    if data is None and cluster is None:  # under a cluster launcher the ranks make their batches (runtime.run)
         if not hasattr(module, "example_batch"):
             raise DeclarationError("data: required (step -> (inputs, targets)) when the model's module has no "
                                    "example_batch(model, batch_size, seed=)")
@@ -207,12 +250,17 @@ def autotune(model: str | Callable, topology: Topology | str | dict, *, example_
     compile_kwargs = {"global_batch_size": global_batch_size, **compile_kwargs}
     tuner = _Tuner(g=g, topo=topo, store=store, model_fn=model_fn, data=data, steps=steps, warmup=warmup,
                    timeout_s=timeout_s, optimizer_fn=optimizer_fn, loss_fn=loss_fn or default_loss,
-                   compile_kwargs=compile_kwargs, out=out)
+                   compile_kwargs=compile_kwargs, out=out, cluster=cluster)
     try:
         return tuner.run(cal, trials=trials, candidates=candidates, max_rounds=max_rounds, cal_path=cal_path,
                          fit_iterations=fit_iterations)
     finally:
         store.close()
+
+
+def _spec_data(fn: Callable, world_size: int, step: int) -> Any:
+    """runtime.run's --data signature, fn(step, rank, world_size), as the tuner's step -> global batch."""
+    return fn(step, 0, world_size)
 
 
 def _check(**kw: int) -> None:
@@ -242,6 +290,7 @@ class _Tuner:
     loss_fn: Callable
     compile_kwargs: dict[str, Any]
     out: TextIO | None
+    cluster: ClusterTrials | None = None  # None: trials run as local processes (launch_local)
     done: dict[str, Trial] = dataclasses.field(default_factory=dict)  # key -> trial, in the order run
 
     # -- compiling ------------------------------------------------------------------
@@ -352,31 +401,41 @@ class _Tuner:
             return self.record(key, trial, head)
         predicted = plan.predicted.step_time_s
         peaks = [m.total for m in rank_memory_of(plan)]
-        self.say(f"{head}: predicted {predicted * 1e3:.1f} ms, running {self.warmup} + 1 + {self.steps} steps ...",
+        how = f" ({self.cluster.launcher.__class__.__name__.lower()})" if self.cluster else ""
+        self.say(f"{head}: predicted {predicted * 1e3:.1f} ms, running {self.warmup} + 1 + {self.steps} steps{how} ...",
                  end="")
-        trial = self.launch(plan, config, comp, predicted, peaks, round_)
+        trial = self.launch(plan, config, comp, predicted, peaks, round_, key)
         return self.record(key, trial, head)
 
-    def launch(self, plan: Plan, config, comp, predicted: float, peaks: list[float], round_: int) -> Trial:
+    def launch(self, plan: Plan, config, comp, predicted: float, peaks: list[float], round_: int, key: str) -> Trial:
         from runtime.env import LaunchError
         from runtime.launch import launch_local
         from runtime.run import default_optimizer
 
         n = self.warmup + 1 + self.steps
-        batches = [self.data(s) for s in range(n)]
-        opt = self.optimizer_fn or default_optimizer(plan.optimizer)
         limit = plan.predicted.memory_capacity_bytes * self.compile_kwargs.get("max_memory_fraction", 0.9)
         base = Trial(config=config, compression=comp, status="ok", predicted_step_s=predicted,
                      predicted_peak_bytes=peaks, round=round_)
+        if self.cluster is not None:
+            job = self.cluster.run(plan, key=key, steps=n, probe_step=self.warmup, memory_limit_bytes=limit)
+            if job.status != "ok":
+                return dataclasses.replace(base, status=job.status, error=job.error)
+            return self.measured(base, job.rank_step_times_s, job.peak_step_bytes)
+        batches = [self.data(s) for s in range(n)]
+        opt = self.optimizer_fn or default_optimizer(plan.optimizer)
         try:
             res = launch_local(plan, self.model_fn, opt, self.loss_fn, batches, timeout_s=self.timeout_s,
                                probe_step=self.warmup, memory_limit_bytes=limit)
         except LaunchError as e:
             return dataclasses.replace(base, status=_failure_kind(str(e)), error=str(e))
-        # a synchronous step ends when its slowest rank does
-        times = [max(r[k] for r in res.rank_step_times_s) for k in range(self.warmup + 1, n)]
+        return self.measured(base, res.rank_step_times_s, res.peak_step_bytes)
+
+    def measured(self, base: Trial, rank_step_times_s: list[list[float]], peaks: list[int]) -> Trial:
+        """The trial with its measurements: the median over the measured steps of the slowest rank's time (a
+        synchronous step ends when its slowest rank does), and each rank's peak in the probed step."""
+        times = [max(r[k] for r in rank_step_times_s) for k in range(self.warmup + 1, self.warmup + 1 + self.steps)]
         return dataclasses.replace(base, measured_step_s=statistics.median(times), measured_step_times_s=times,
-                                   measured_peak_bytes=list(res.peak_step_bytes))
+                                   measured_peak_bytes=list(peaks))
 
     def record(self, key: str, trial: Trial, head: str) -> Trial:
         self.store.put(key, graph_hash=self.g.fingerprint(), topology_hash=self.topo.fingerprint(),

@@ -7,6 +7,7 @@
     partitioner show plan.json --rank 3                           # the program rank 3 runs
     partitioner run plan.json --steps 10                          # local:N plans train here; others print torchrun
     partitioner autotune examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o best.json
+    partitioner autotune examples/gpt.py:gpt_small --topology 2x8xH100-80GB --global-batch-size 64 --launcher srun
     partitioner reshard ckpt/ --to plan_b.json -o ckpt_b/           # a checkpoint for another plan, offline
 
 Every subcommand takes --json: exactly one JSON document on stdout (progress
@@ -320,7 +321,8 @@ def _autotune(args: argparse.Namespace) -> int:
     try:
         res = autotune(args.model, topology, global_batch_size=args.global_batch_size, trials=args.trials,
                        db=args.db, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout_s,
-                       calibration_out=args.calibration_out, progress=sys.stderr, **_plan_options(args))
+                       calibration_out=args.calibration_out, progress=sys.stderr, data=args.data,
+                       launcher=args.launcher, launcher_args=_launcher_args(args), **_plan_options(args))
     except AutotuneFailed as exc:  # every trial ran and failed: a failed run (4), not bad input
         raise RunFailed(str(exc)) from exc
     plan = dataclasses.replace(res.plan, model_source=args.model)
@@ -334,6 +336,22 @@ def _autotune(args: argparse.Namespace) -> int:
           + (f"; plan written to {args.output}" if args.output else "")
           + f"; calibration in {res.calibration_path}")
     return EXIT_OK
+
+
+def _launcher_args(args: argparse.Namespace) -> dict[str, Any]:
+    """autotune's launcher_args from the --launcher options given (refused by autotune under --launcher local)."""
+    given = {"nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "rdzv_endpoint": args.rdzv_endpoint,
+             "wrapper": args.launcher_wrapper, "extra": args.launcher_extra, "trial_dir": args.trial_dir}
+    flags = {"nnodes": "--nnodes", "nproc_per_node": "--nproc-per-node", "rdzv_endpoint": "--rdzv-endpoint",
+             "wrapper": "--launcher-wrapper", "extra": "--launcher-extra", "trial_dir": "--trial-dir"}
+    if args.launcher == "local" and any(v is not None for v in given.values()):
+        named = [flags[k] for k, v in given.items() if v is not None]
+        raise DeclarationError(f"{', '.join(named)}: options of a cluster launcher; add --launcher torchrun or "
+                               "--launcher srun (--launcher local runs trials as processes on this machine)")
+    if args.launcher == "srun" and (args.rdzv_endpoint or args.launcher_wrapper):
+        raise DeclarationError("--rdzv-endpoint and --launcher-wrapper are torchrun's: srun starts every rank "
+                               "itself and rank 0 hosts the rendezvous; drop them or use --launcher torchrun")
+    return {k: v for k, v in given.items() if v is not None}
 
 
 # ---- the parser -------------------------------------------------------------------------------------------
@@ -451,9 +469,14 @@ def build_parser() -> argparse.ArgumentParser:
                 "the measurements in --db and refit the cost model from them, and keep the fastest plan.",
                 "partitioner autotune examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o best.json",
                 "partitioner autotune examples/gpt.py:gpt_tiny --topology local:2 --global-batch-size 8 --trials 3 "
-                "--db tune.sqlite --json")
+                "--db tune.sqlite --json",
+                "partitioner autotune examples/gpt.py:gpt_small --topology 2x8xH100-80GB --global-batch-size 64 "
+                "--launcher srun --db tune.sqlite   # inside a SLURM allocation",
+                "partitioner autotune examples/gpt.py:gpt_small --topology 2x8xH100-80GB --global-batch-size 64 "
+                "--launcher torchrun --rdzv-endpoint node01:29400 --launcher-wrapper 'srun --ntasks-per-node=1'")
     a.add_argument("model", help="e.g. examples/gpt.py:gpt_tiny")
-    a.add_argument("--topology", required=True, help='e.g. "local:4", or a .json/.yaml file')
+    a.add_argument("--topology", required=True,
+                   help='e.g. "local:4", "2x8xH100-80GB" (with --launcher torchrun/srun), or a .json/.yaml file')
     a.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step, all replicas")
     a.add_argument("--trials", type=_positive, default=6, help="configurations to measure (default 6)")
     a.add_argument("--db", default="partitioner-tune.sqlite", help="the measurements database (default "
@@ -463,6 +486,25 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--timeout-s", type=float, default=120.0, help="per trial (default 120)")
     a.add_argument("--calibration-out", default=None, metavar="PATH", help="write the refitted calibration here")
     a.add_argument("-o", "--output", default=None, help="write the best plan JSON here")
+    a.add_argument("--data", default=None, help="fn(step, rank, world_size) -> (inputs, targets), the global batch "
+                                                "(default: the model module's example_batch)")
+    g = a.add_argument_group("launcher", "how each trial runs: local processes, or one torchrun/srun job per trial "
+                                         "(python -m runtime.run; partitioner/autotune_cluster.py)")
+    g.add_argument("--launcher", choices=("local", "torchrun", "srun"), default="local",
+                   help="local (default; local:N topologies), torchrun or srun (a cluster topology)")
+    g.add_argument("--nnodes", type=_positive, default=None, help="nodes of each job (default: the topology's)")
+    g.add_argument("--nproc-per-node", type=_positive, default=None,
+                   help="ranks per node (default: the topology's devices per node)")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="torchrun's c10d rendezvous (default on one node: 127.0.0.1 and a free port)")
+    g.add_argument("--launcher-wrapper", default=None, metavar="CMD",
+                   help="what starts one torchrun agent per node on several nodes, e.g. 'srun --ntasks-per-node=1'")
+    g.add_argument("--launcher-extra", default=None, metavar="FLAGS",
+                   help="more flags for torchrun or srun, after an = since they start with --: "
+                        "--launcher-extra='--gpus-per-task=1 --partition=gpu'")
+    g.add_argument("--trial-dir", default=None, metavar="DIR",
+                   help="where each trial's plan, programs, reports and logs go, on a file system every node "
+                        "shares (default: DB.trials/ beside --db)")
     _add_plan_options(a)
     a.set_defaults(func=_autotune)
 

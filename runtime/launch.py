@@ -53,7 +53,7 @@ import torch.multiprocessing as mp
 
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.env import LaunchError
-from runtime.memory_probe import PeakMemory
+from runtime.measure import measure_step, state_bytes, write_atomic
 from runtime.program_check import check_same_program
 
 __all__ = ["LaunchResult", "launch_local", "check_world_size", "check_sendable", "check_model", "stop_processes"]
@@ -307,21 +307,17 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         start = 0
         if job.resume_from is not None:
             start = load_checkpoint(runner, job.resume_from, plan_json=job.plan_json).step
-        peak = _state_bytes(runner.held_bytes())
+        peak = state_bytes(runner.held_bytes())
         batches = torch.load(d / "batches.pt", weights_only=True)[start:]
         losses, times, probed, saved = [], [], None, []
         for k, batch in enumerate(batches):
             mark(_PH_STEP0 + k)
-            t0 = time.perf_counter()
-            if k == job.probe_step:
-                with PeakMemory(baseline=_state_bytes(runner.held_bytes()), limit_bytes=job.memory_limit_bytes) as pm:
-                    loss = runner.step(batch)
-                probed = pm.peak_bytes
-            else:
-                loss = runner.step(batch)
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss))
-            peak = max(peak, _state_bytes(runner.held_bytes()))
+            m = measure_step(runner, batch, probe=k == job.probe_step, limit_bytes=job.memory_limit_bytes)
+            if m.peak_bytes is not None:
+                probed = m.peak_bytes
+            times.append(m.seconds)
+            losses.append(float(m.loss))
+            peak = max(peak, state_bytes(runner.held_bytes()))
             done = start + k + 1
             if job.save_every is not None and done % job.save_every == 0:
                 saved.append(str(save_checkpoint(runner, job.save_dir, step=done, plan_json=job.plan_json,
@@ -333,22 +329,17 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
                   "counts": {k: int(v) for k, v in runner.collectives.counts.items()},
                   "peak_memory_bytes": int(peak), "peak_rss_bytes": _peak_rss(), "peak_step_bytes": probed,
                   "start_step": start, "checkpoints": saved}
-        _write_atomic(d / f"result_{rank}.pt", lambda f: torch.save(result, f))
+        write_atomic(d / f"result_{rank}.pt", lambda f: torch.save(result, f))
         mark(_PH_STEP0 + len(batches) + 1)
     except BaseException as exc:  # report, then leave without c10d teardown (peers may be blocked)
         err = {"type": type(exc).__qualname__, "message": str(exc), "traceback": traceback.format_exc(),
                "time": time.time()}
-        _write_atomic(d / f"error_{rank}.json", lambda f: f.write(json.dumps(err).encode()))
+        write_atomic(d / f"error_{rank}.json", lambda f: f.write(json.dumps(err).encode()))
         _exit(1)
     try:  # leave only once every rank is past its last collective: an early exit could cut a peer's gather
         dist.barrier()
     finally:
         _exit(0)  # the result is written; c10d and interpreter teardown would only add seconds
-
-
-def _state_bytes(held: Mapping[str, int]) -> int:
-    """params + grads + optimizer (other keys, such as a "total", are not added again)."""
-    return sum(int(held.get(k, 0)) for k in ("params", "grads", "optimizer"))
 
 
 def _exit(code: int) -> None:
@@ -366,13 +357,6 @@ def _exit_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
-
-
-def _write_atomic(path: Path, write: Callable[[Any], Any]) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
 
 
 def _peak_rss() -> int:

@@ -20,6 +20,13 @@ model) and continues at its step; `--resume-from auto` does so when D holds a
 checkpoint and starts fresh otherwise: the line to give torchrun
 `--max-restarts`, so that a restarted job continues from its last checkpoint.
 
+Measuring (what autotune's cluster launcher runs): `--probe-step K` runs
+step K (0-based) under the memory probe, `--memory-limit-bytes B` makes that
+step raise torch.OutOfMemoryError past B bytes (as launch_local does), and
+`--report DIR` has each rank keep DIR/rank_R.json up to date with its step
+times, losses, the probed step's peak and the error it stopped with
+(runtime/measure.py).
+
 Faults: each rank bumps a counter in the job's store every second from a
 background thread. When a collective fails (a peer died: Gloo reports a
 closed connection), the rank looks at the counters: the ranks whose counter
@@ -36,7 +43,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -54,6 +60,7 @@ from runtime.checkpoint import (
 )
 from runtime.env import DistEnv, LaunchError, backend, discover
 from runtime.heartbeat import Heartbeat, PeerLost
+from runtime.measure import RankReporter, measure_step
 from runtime.program_check import check_same_program
 from runtime.rendezvous import rendezvous_store
 
@@ -63,6 +70,27 @@ __all__ = ["main", "load_callable", "default_loss", "default_optimizer"]
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = discover()
+    report = None
+    if args.report:
+        report = RankReporter(args.report, rank=env.rank, world_size=env.world_size, steps=args.steps,
+                              probe_step=args.probe_step)
+    try:
+        return _train(args, env, report)
+    except BaseException as exc:
+        if report is not None:
+            report.fail(_failure_status(exc), exc)
+        raise
+
+
+def _failure_status(exc: BaseException) -> str:
+    """The report's status for the exception a rank stops with."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "oom"
+    return "peer_lost" if isinstance(exc, PeerLost) else "crash"
+
+
+def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) -> int:
+    _check_probe(args)
     plan = _read_plan(Path(args.plan))
     if env.world_size != plan["world_size"]:
         raise LaunchError(f"plan {args.plan} is for {plan['world_size']} ranks, but this job has "
@@ -114,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"resumed from {info.path} at step {start} ({how})", flush=True)
         for step in range(start, args.steps):
             batch = data_fn(step, env.rank, env.world_size)
-            t0 = time.perf_counter()
+            if report is not None:
+                report.begin(step)
             with heartbeat.naming_dead_ranks(f"step {step + 1}"):
-                loss = runner.step(batch)
+                m = measure_step(runner, batch, probe=step == args.probe_step, limit_bytes=args.memory_limit_bytes)
+            if report is not None:
+                report.step(m)
             if env.rank == 0:
-                print(f"step {step + 1}/{args.steps} loss {float(loss):.6f} ({time.perf_counter() - t0:.3f} s)",
-                      flush=True)
+                print(f"step {step + 1}/{args.steps} loss {float(m.loss):.6f} ({m.seconds:.3f} s)", flush=True)
             if args.save_every and (step + 1) % args.save_every == 0:
                 with heartbeat.naming_dead_ranks(f"saving the checkpoint of step {step + 1}"):
                     path = save_checkpoint(runner, args.save_dir, step=step + 1, plan_json=plan_text,
@@ -138,11 +168,25 @@ def main(argv: list[str] | None = None) -> int:
         # the entry point leaves without c10d teardown (os._exit below), as launch_local's workers do.
         dist.barrier()
         finished = True
+        if report is not None:
+            report.finish()
+    except BaseException as exc:  # recorded before the teardown below, which may wait on a dead peer
+        if report is not None:
+            report.fail(_failure_status(exc), exc)
+        raise
     finally:
         heartbeat.close()
         if not finished and not heartbeat.lost:  # with a peer lost, teardown could wait on it
             dist.destroy_process_group()
     return 0
+
+
+def _check_probe(args: argparse.Namespace) -> None:
+    if args.probe_step is not None and not 0 <= args.probe_step < args.steps:
+        raise LaunchError(f"--probe-step {args.probe_step}: must be one of the steps 0..{args.steps - 1} "
+                          f"(0-based) of this run's --steps {args.steps}")
+    if args.memory_limit_bytes is not None and args.probe_step is None:
+        raise LaunchError("--memory-limit-bytes applies to the probed step: pass --probe-step K too")
 
 
 def _resume_path(args: argparse.Namespace) -> Path | None:
@@ -278,6 +322,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, help="keep only the newest N checkpoints")
     p.add_argument("--resume-from", help="a checkpoint (or save dir) to continue from; 'auto': --save-dir's newest, "
                                          "if any (for torchrun --max-restarts)")
+    p.add_argument("--probe-step", type=int, metavar="K",
+                   help="run step K (0-based) under runtime.memory_probe and report its peak bytes (--report)")
+    p.add_argument("--memory-limit-bytes", type=float, metavar="B",
+                   help="in the probed step, raise torch.OutOfMemoryError past B bytes, as a device of B bytes would")
+    p.add_argument("--report", metavar="DIR",
+                   help="each rank keeps DIR/rank_R.json up to date: status, step times, losses, the probed "
+                        "step's peak bytes, the error it stopped with (runtime/measure.py)")
     return p
 
 
