@@ -96,6 +96,7 @@ class Trial:
     error: str = ""
     cached: bool = False  # read from the database, not measured in this call
     round: int = 0
+    stage_bounds: list[int] | None = None  # the measured plan's cut: calibrated predictions cost this cut
 
     @property
     def step_error(self) -> float | None:
@@ -303,8 +304,11 @@ class _Tuner:
         return compile(self.g, self.topo, calibration=cal, alternatives=alternatives, **kw, **pins)
 
     def compile_pinned(self, config: ParallelConfig, compression: dict[str, str], cal: Calibration,
-                       alternatives: int = 0) -> Plan:
-        return self.compile_with(self.pins(config, compression), cal, alternatives)
+                       alternatives: int = 0, bounds: Sequence[int] | None = None) -> Plan:
+        pins = self.pins(config, compression)
+        if bounds is not None:  # the cut that was measured, not the one this calibration would pick
+            pins["stage_bounds"] = tuple(bounds)
+        return self.compile_with(pins, cal, alternatives)
 
     def ranked(self, cal: Calibration, k: int) -> list[tuple[ParallelConfig, dict[str, str]]]:
         plan = compile(self.g, self.topo, calibration=cal, alternatives=max(6 * k, 24), **self.compile_kwargs)
@@ -351,7 +355,7 @@ class _Tuner:
         cal.save(cal_path)
         final = tuple(self.calibrated(t, cal) for t in self.done.values())
         best = min((t for t in final if t.status == "ok"), key=lambda t: t.measured_step_s)
-        plan = self.compile_pinned(best.config, best.compression, cal, alternatives=5)
+        plan = self.compile_pinned(best.config, best.compression, cal, alternatives=5, bounds=best.stage_bounds)
         self.say(f"best measured: {best.config} {best.measured_step_s * 1e3:.1f} ms/step; calibration saved to "
                  f"{cal_path}")
         return AutotuneResult(plan=plan, trials=final, calibration=cal, calibration_path=cal_path,
@@ -415,7 +419,7 @@ class _Tuner:
         n = self.warmup + 1 + self.steps
         limit = plan.predicted.memory_capacity_bytes * self.compile_kwargs.get("max_memory_fraction", 0.9)
         base = Trial(config=config, compression=comp, status="ok", predicted_step_s=predicted,
-                     predicted_peak_bytes=peaks, round=round_)
+                     predicted_peak_bytes=peaks, round=round_, stage_bounds=list(plan.stage_bounds))
         if self.cluster is not None:
             job = self.cluster.run(plan, key=key, steps=n, probe_step=self.warmup, memory_limit_bytes=limit)
             if job.status != "ok":
@@ -446,18 +450,20 @@ class _Tuner:
 
     def fit(self, cal: Calibration, ok: list[Trial], iterations: int) -> tuple[Calibration, float, float]:
         measured = [t.measured_step_s for t in ok]
-        result = fit_step_times(lambda c: [self.compile_pinned(t.config, t.compression, c).predicted.step_time_s
+        result = fit_step_times(lambda c: [self.compile_pinned(t.config, t.compression, c, bounds=t.stage_bounds).predicted.step_time_s
                                            for t in ok], measured, cal, max_iter=iterations,
                                 source=f"autotune {self.topo} {time.strftime('%Y-%m-%d')} ({len(ok)} trials)")
         # each factor's term by difference: every memory factor scales its bytes linearly
         zero = dataclasses.replace(result.calibration, **dict.fromkeys(MEMORY_FACTORS, 0.0))
         meas, fixed, terms = [], [], {f: [] for f in MEMORY_FACTORS[:-1]}
         for t in ok:  # an ok trial has every rank's peak
-            base = [m.total for m in rank_memory_of(self.compile_pinned(t.config, t.compression, zero))]
+            plan = self.compile_pinned(t.config, t.compression, zero, bounds=t.stage_bounds)
+            base = [m.total for m in rank_memory_of(plan)]
             meas += t.measured_peak_bytes
             fixed += base
             for f in terms:
-                one = rank_memory_of(self.compile_pinned(t.config, t.compression, dataclasses.replace(zero, **{f: 1.0})))
+                one = rank_memory_of(self.compile_pinned(t.config, t.compression, dataclasses.replace(zero, **{f: 1.0}),
+                                                     bounds=t.stage_bounds))
                 terms[f] += [m.total - b for m, b in zip(one, base)]
         return fit_memory(meas, fixed, terms, result.calibration), result.rms_log_error_before, \
             result.rms_log_error_after
@@ -465,7 +471,7 @@ class _Tuner:
     def calibrated(self, t: Trial, cal: Calibration) -> Trial:
         if t.status != "ok":
             return t
-        plan = self.compile_pinned(t.config, t.compression, cal)
+        plan = self.compile_pinned(t.config, t.compression, cal, bounds=t.stage_bounds)
         return dataclasses.replace(t, calibrated_step_s=plan.predicted.step_time_s,
                                    calibrated_peak_bytes=[m.total for m in rank_memory_of(plan)])
 

@@ -14,6 +14,7 @@ byte-identical plan.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -90,7 +91,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
-            async_sgd: dict[str, int] | None = None) -> Plan:
+            async_sgd: dict[str, int] | None = None, stage_bounds: Sequence[int] | None = None) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
 
     `compression` pins the compressor of the data-parallel gradient reduction
@@ -115,6 +116,10 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     is refused otherwise, saying why. The cost model charges its parameter
     all-reduce (1/k per step, or hidden behind compute); the hand baselines
     stay synchronous, so explain() shows what it gains.
+
+    `stage_bounds` pins the pipeline cut, as graph node indices (`plan.stage_bounds` of an earlier
+    plan): where each stage starts, then one past the last node. Autotune uses it to cost the plan it
+    measured again under a new calibration, rather than whatever cut the new calibration prefers.
 
     `model` is an nn.Module (traced with `example_inputs`/`example_kwargs`,
     which may live on the meta device) or an OpGraph from `trace`.
@@ -198,7 +203,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         raise DeclarationError(
             f"no configuration satisfies the declarations {decl.pinned()} with global_batch_size="
             f"{global_batch_size} on {topo.world_size} devices; relax a pinned value")
-    result = search(ctx, cands, keep=max(1, alternatives + 1), over_memory=min(alternatives, _OVER_MEMORY_SHOWN))
+    bounds = None if stage_bounds is None else _unit_bounds(stage_bounds, ctx.units)
+    if bounds is not None and not any(c.pp * c.interleave == len(bounds) - 1 for c in cands):
+        raise DeclarationError(f"stage_bounds={tuple(stage_bounds)}: {len(bounds) - 1} stages, but no configuration "
+                               f"the declarations {decl.pinned()} allow has that many (pp x interleave)")
+    result = search(ctx, cands, keep=max(1, alternatives + 1), over_memory=min(alternatives, _OVER_MEMORY_SHOWN),
+                    bounds=bounds)
     if not result.ranked:
         _infeasible(ctx, cands, decl, topo)
     best = result.ranked[0]
@@ -210,6 +220,19 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                      clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
                      compression_warmup=compression_warmup, rejected=rejected,
                      baselines=hand_baselines(sync_ctx, decl) if alternatives > 0 else (), declared=declared)
+
+
+def _unit_bounds(stage_bounds: Sequence[int], units: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Node-index stage bounds as indices into `units` (each a (first node, one past the last) range)."""
+    starts = {first: u for u, (first, _) in enumerate(units)}
+    starts[units[-1][1]] = len(units)
+    b = tuple(stage_bounds) if isinstance(stage_bounds, (list, tuple)) else None
+    if (b is None or len(b) < 2 or any(isinstance(x, bool) or not isinstance(x, int) or x not in starts for x in b)
+            or b[0] != 0 or b[-1] != units[-1][1] or any(x >= y for x, y in itertools.pairwise(b))):
+        raise DeclarationError(f"stage_bounds={stage_bounds!r}: expected increasing node indices from 0 to "
+                               f"{units[-1][1]}, each where a cut unit starts (pass plan.stage_bounds of a plan of "
+                               "this model)")
+    return tuple(starts[x] for x in b)
 
 
 def _refuse_compression(ctx: CostContext, allowed: list[ParallelConfig], decl: Declarations) -> None:

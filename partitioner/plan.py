@@ -271,6 +271,12 @@ class Plan:
                 return p
         raise KeyError(f"no parameter {param!r} in this plan")
 
+    @property
+    def stage_bounds(self) -> tuple[int, ...]:
+        """The stage cut as graph node indices: where each stage starts, then one past the last stage's
+        last node. `compile(..., stage_bounds=plan.stage_bounds)` costs this very cut again."""
+        return (*(st.first_node for st in self.stages), self.stages[-1].last_node + 1)
+
     def rank_memory(self) -> dict[int, MemoryBreakdown]:
         """Per pipeline rank: its virtual stages' memory summed, buffers once (they are reused), as compile counts it."""
         out: dict[int, MemoryBreakdown] = {}

@@ -110,13 +110,15 @@ def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[s
 
 def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5,
            compression: tuple[str, str] | None = None, incumbent: float = math.inf, max_cuts: int | None = None,
-           over_memory: int = 0) -> SearchResult:
+           over_memory: int = 0, bounds: tuple[int, ...] | None = None) -> SearchResult:
     """The `keep` best candidates with their exact cuts.
 
     compression: cost every candidate with this (intra_node, inter_node) compression instead of its
     best allowed one. incumbent: only cuts at most this fast count (a known step time to beat).
     max_cuts: stop after this many exact cuts; the result is then the best found, not the best.
     over_memory: also find up to this many faster configurations that do not fit (`_over_memory`).
+    bounds: cost only this cut (unit indices, one stage per pair) instead of searching for the best one;
+    candidates with another number of stages are skipped.
     """
     order = []
     for cand in candidates:
@@ -132,7 +134,10 @@ def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5,
         if lb > kth or (max_cuts is not None and evaluated >= max_cuts):
             break  # sorted by bound: nothing after this can enter the top `keep`
         evaluated += 1
-        cut = _cut_one_compression(ctx, ev, incumbent=kth)
+        if bounds is None:
+            cut = _cut_one_compression(ctx, ev, incumbent=kth)
+        else:
+            cut = evaluate_cut(ev, bounds) if len(bounds) - 1 == ev.num_stages else None
         if cut is None:
             continue
         ranked.append((cut.step_time_s, simple, cand, cut))

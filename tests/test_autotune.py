@@ -24,6 +24,7 @@ import torch
 
 from cost_models.calibration import Calibration
 from cost_models.devices import PRESETS
+from cost_models.errors import DeclarationError
 from cost_models.fit import fit_memory, fit_step_times
 from examples import gpt
 from partitioner import autotune, compile, trace
@@ -46,6 +47,25 @@ CONFIGS = [dict(dp=4, zero_stage=0), dict(dp=4, zero_stage=3), dict(pp=2, dp=2, 
 def _predict(g, cal, pins):
     return compile(g, "local:4", global_batch_size=16, precision="fp32", microbatch_size=4, recompute="none",
                    calibration=cal, alternatives=0, **pins)
+
+
+def test_stage_bounds_pin_costs_the_measured_cut_under_another_calibration(tiny_graph):
+    """Calibrated predictions must be of the plan that was measured: with its cut pinned, a calibration that
+    would cut elsewhere still costs the measured cut (else the fits compare a measurement with another plan)."""
+    pins = dict(pp=2, dp=2, zero_stage=1, schedule="1f1b")
+    plan = _predict(tiny_graph, Calibration.for_device("CPU"), pins)
+    units = [s.first_node for s in plan.stages]
+    n = plan.stage_bounds[-1]
+    assert plan.stage_bounds == (0, units[1], n)
+    skew = _predict(tiny_graph, Calibration.for_device("CPU"), dict(pins, stage_bounds=(0, units[1], n)))
+    assert skew.stage_bounds == plan.stage_bounds and skew.predicted == plan.predicted
+    starts = _predict(tiny_graph, Calibration.for_device("CPU"), dict(pp=4, schedule="gpipe")).stage_bounds[1:-1]
+    other = next(b for b in starts if b != units[1])  # another place to cut: the plan costs that cut
+    moved = _predict(tiny_graph, Calibration.for_device("CPU"), dict(pins, stage_bounds=(0, other, n)))
+    assert moved.stage_bounds == (0, other, n) and moved.predicted.step_time_s != plan.predicted.step_time_s
+    for bad in [(0, units[1] + 1, n), (0, n), (units[1], n), (0, units[1], units[1], n), "0,5", (0, 1.5, n)]:
+        with pytest.raises(DeclarationError, match="stage_bounds"):
+            _predict(tiny_graph, Calibration.for_device("CPU"), dict(pins, stage_bounds=bad))
 
 
 def test_fit_recovers_step_times_made_under_another_calibration(tiny_graph):
