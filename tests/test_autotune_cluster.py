@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_autotune import _small_memory_local2
 
-from cost_models.devices import PRESETS
 from cost_models.errors import DeclarationError
 from cost_models.topology import Topology
 from examples import gpt
@@ -46,19 +46,9 @@ import os, sys, time
 from pathlib import Path
 import torch
 sys.path.insert(0, {str(REPO)!r})
+sys.path.insert(0, {str(REPO / 'tests')!r})
 from examples import gpt
-
-
-class Fragile(gpt.GPT):
-    """gpt_tiny that needs 1 GiB of scratch at microbatch 2 and crashes at microbatch 1."""
-
-    def forward(self, idx, targets=None):
-        if idx.shape[0] == 2:
-            scratch = torch.empty(2**30, dtype=torch.uint8)  # never touched: no real memory is used
-            idx = idx + scratch[:1].long() * 0
-        if idx.shape[0] == 1:
-            raise RuntimeError("deliberate crash at microbatch 1")
-        return super().forward(idx, targets)
+from test_autotune import _Fragile as Fragile  # the local tuner's failing candidate
 
 
 class Hanging(gpt.GPT):
@@ -91,13 +81,6 @@ def models(tmp_path) -> Path:
     path = tmp_path / "cluster_models.py"
     path.write_text(MODELS)
     return path
-
-
-def _small_memory_local2() -> dict:
-    cpu = {f: getattr(PRESETS["CPU"], f) for f in PRESETS["CPU"].__dataclass_fields__}
-    cpu["peak_flops"] = dict(cpu["peak_flops"])
-    cpu["memory_bytes"] = 512 * 2**20  # 460 MiB usable: gpt_tiny's ~25 MiB fits, the 1 GiB scratch does not
-    return {"nodes": 1, "devices_per_node": 2, "device": cpu, "local": True}
 
 
 def _gone(pid: int) -> bool:
