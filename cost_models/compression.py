@@ -87,6 +87,7 @@ in `Calibration`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal, Mapping, Sequence
 
@@ -157,7 +158,12 @@ def kernel_time(numel: float, comm: CommModel, *, passes: int = _ALL_REDUCE_PASS
 
 def _shape(comm: CommModel, ranks: Sequence[int]) -> tuple[int, int, bool]:
     """(nodes spanned, most ranks on one node, same count on every spanned node)."""
-    topo = comm.topology
+    return _group_shape(comm.topology, tuple(ranks))
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_shape(topo, ranks: tuple[int, ...]) -> tuple[int, int, bool]:
+    # the search asks this of the same few data-parallel groups hundreds of thousands of times
     nodes, k = topo.nodes_spanned(ranks), topo.max_ranks_per_node(ranks)
     return nodes, k, nodes * k == len(set(ranks))
 

@@ -9,9 +9,13 @@ A stage (a run of units at pipeline position k) then gets
 
     c_k    = f_k + b_k                 compute + TP collectives + p2p receive, per microbatch
     tail_k = exposed DP sync (+ its compression kernels) + optimizer step, once per training step
-    mem_k  = model state at rest (ZeRO) + the most of three moments of a backward (the loss's,
-             a block's, the end's): activations x in-flight microbatches, gradients formed,
-             reductions in flight, ZeRO-3's gathered parameters (StageEvaluator._peak_memory)
+    mem_k  = model state at rest (ZeRO) + the most of the moments of a backward (the loss's,
+             a block's, the end's, a compressed reduction's): activations x in-flight microbatches,
+             gradients formed, reductions in flight, ZeRO-3's gathered parameters, a compressor's
+             error feedback and working set (StageEvaluator._peak_memory)
+
+A stage takes the compression with the least exposed time among those whose
+buffers fit in memory.
 
 and the step time of a cut (Narayanan et al. 2021, eq. 1 generalised to
 unequal stages; v = virtual stages per rank) is
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cost_models.calibration import Calibration
 from cost_models.comm import CommModel
@@ -56,8 +60,14 @@ from cost_models.compression import (
     reduce_scatter_time,
     traffic_levels,
 )
+from cost_models.compression_memory import ReductionMemory, reduction_memory
 from cost_models.compute import RooflineCompute, dtype_for
-from cost_models.memory import DDP_BUCKET_BYTES, ModelStateBytes, inflight_microbatches, model_state_bytes
+from cost_models.memory import (
+    DDP_BUCKET_BYTES,
+    ModelStateBytes,
+    inflight_microbatches,
+    model_state_bytes,
+)
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
 from partitioner.opgraph import OpGraph
@@ -73,6 +83,7 @@ _OPTIM_BYTES_PER_PARAM = 28
 
 
 _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
+_NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
 
 
 def units_of(g: OpGraph, granularity: str = "block") -> tuple[tuple[int, int], ...]:
@@ -399,6 +410,10 @@ class StageEvaluator:
         self._sync_memo: dict[float, float] = {}
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
+        crossed = ctx.crossed_levels(cand)
+        nodes = ctx.topo.nodes_spanned(self.dp_ranks(0)) if crossed == LEVELS else 1
+        self._reduction_mem = {o: reduction_memory(o, zero_stage=cand.zero_stage, dp=cand.dp, nodes=nodes)
+                               for o in self.options}
         # The loss is not in the traced graph, but the last stage runs it on the model's output. Per
         # microbatch in flight it keeps one output-sized tensor (the pipeline executor the output
         # until that microbatch's backward, the step runner a cross-entropy's log-softmax); the
@@ -461,17 +476,24 @@ class StageEvaluator:
                                          interleave=v) if cand.pp > 1 else 1
         if v > 1:
             inflight = math.ceil(inflight / v)  # the rank's in-flight count spread over its v chunks
+        exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i)
         if ctx.async_sgd:
-            memory = self._async_memory(i, j, k, params, inflight)
+            memory_of = lambda option: self._async_memory(i, j, k, params, inflight)
         else:
-            memory = self._peak_memory(i, j, k, params=params, tied=tied, rest=rest, inflight=inflight)
-        p_, g_, o_, acts, buffers = memory
-        # Interleaved: a rank holds v chunks; each may use 1/v of the memory (safe, if conservative
-        # for uneven chunks: the rank's sum then fits for certain).
-        fits = (p_ + g_ + o_ + acts) * v + buffers <= ctx.memory_cap
-        exposed, optim, compression = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i)
-        return StageCost(forward_s=f, backward_s=b, tail_s=exposed + optim, exposed_comm_s=exposed, params=params,
-                         memory=memory, fits=fits, compression=compression)
+            memory_of = self._peak_memory(i, j, k, params=params, tied=tied, rest=rest, inflight=inflight)
+        # The compression with the least exposed time of those that fit (a compressor's buffers may not;
+        # the fastest when none does); the first, least lossy, on a tie. Interleaved: a rank holds v
+        # chunks; each may use 1/v of the memory (safe, if conservative for uneven chunks).
+        chosen = memory = None
+        for option in sorted(self.options, key=exposed.__getitem__) if len(self.options) > 1 else self.options:
+            mem = memory_of(option)
+            fits = sum(mem[:4]) * v + mem[4] <= ctx.memory_cap
+            if memory is None or fits:
+                chosen, memory = option, mem
+            if fits:
+                break
+        return StageCost(forward_s=f, backward_s=b, tail_s=exposed[chosen] + optim, exposed_comm_s=exposed[chosen],
+                         params=params, memory=memory, fits=fits, compression=chosen)
 
     def stage_low_rank(self, i: int, j: int) -> LowRank | None:
         """PowerSGD's view of units [i, j)'s gradients, each parameter once (None: no option uses PowerSGD)."""
@@ -486,8 +508,9 @@ class StageEvaluator:
         return lr
 
     def _peak_memory(self, i: int, j: int, k: int, *, params: float, tied: float, rest: float,
-                     inflight: int) -> tuple[float, float, float, float, float]:
-        """(params, grads, optimizer, activations, buffers) of units [i, j) as virtual stage k at its peak.
+                     inflight: int) -> Callable[[tuple[str, str]], tuple[float, float, float, float, float]]:
+        """(params, grads, optimizer, activations, buffers) of units [i, j) as virtual stage k at its peak,
+        as a function of the compression option (what all options share is worked out once).
 
         What the runtime holds (runtime.data_parallel, runtime.pipeline, runtime.unreplicated):
 
@@ -511,8 +534,13 @@ class StageEvaluator:
               for one read twice in the stage (a tied embedding and LM head) both contributions and,
               before the engine copies it into its bucket, their sum.
           ZeRO-3 keeps the parameters outside the blocks (`rest`, on the root module) gathered from
-          forward to backward: live at every moment. The moment is chosen on the uncalibrated
-          bytes, so each calibration factor scales its terms linearly (cost_models.fit.fit_memory).
+          forward to backward: live at every moment.
+        - A compressed reduction (cost_models.compression_memory) holds its error feedback at every
+          moment (counted with the gradients), and its working set (a buffer), for the largest bucket or unit, while one runs: a fourth moment
+          at the end of the backward, and in the block moment too where the stage reduces several
+          buckets or units.
+        The moment is chosen on the uncalibrated bytes, so each calibration factor scales its terms
+        linearly (cost_models.fit.fit_memory).
         """
         ctx, cand, cal, arr = self.ctx, self.cand, self.ctx.cal, self.arrays
         z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
@@ -552,12 +580,32 @@ class StageEvaluator:
         parts = (max(big, 2 * twice) + (twice if z < 3 else 0.0)) * pb if (flat_grads or z >= 2) else 0.0
         ending = {2: reduction * (2 if carried or several else 1) + reduction / cand.dp, 3: 2 * reduction}.get(z, 0.0)
         moments.append((step_grads + ending + parts, act1 * (inflight - 1), 0.0, kept + gathered))
-        g, a, loss, b = max(moments, key=sum)
-        return (own.params + whole.params,
-                (rest_grads + g) * cal.grad_mem_scale,
-                own.optimizer + whole.optimizer,
-                a * cal.activation_mem_scale + loss * cal.loss_mem_scale,
-                b * cal.buffer_mem_scale + cal.memory_overhead_bytes)
+        grads = (params - tied) * fp32  # what the engine reduces
+        bucket = reduction if z >= 2 else min(grads, DDP_BUCKET_BYTES)
+        # A compressed reduction runs synchronously in the hook of its bucket's last gradient, which the
+        # hook still holds: the gradients then, the bucket being reduced (ZeRO-2/3: the input; at ZeRO-0/1
+        # it is in the flat gradients), that parameter's gradient, and the working set on top.
+        hook = max(big, twice) * pb if (flat_grads or z >= 2) else 0.0
+        reducing = (step_grads + (reduction if z >= 2 else 0.0) + hook, act1 * (inflight - 1), 0.0, kept + gathered)
+
+        def at_peak(rm: ReductionMemory) -> tuple[float, float, float, float, float]:
+            if rm == _NO_BUFFERS:
+                at = moments
+            else:  # the error feedback at every moment (gradient-shaped state, per chunk: with the
+                # gradients); the working set while a reduction runs (reused: a buffer)
+                at = [(g + rm.held * grads, a, loss, b) for g, a, loss, b in moments]
+                at.append((reducing[0] + rm.held * grads,) + reducing[1:3] + (reducing[3] + rm.working * bucket,))
+                if several:  # one runs mid-backward, under the block moment's activations
+                    g, a, loss, b = at[-3]
+                    at[-3] = (g, a, loss, b + rm.working * bucket)
+            g, a, loss, b = max(at, key=sum)
+            return (own.params + whole.params,
+                    (rest_grads + g) * cal.grad_mem_scale,
+                    own.optimizer + whole.optimizer,
+                    a * cal.activation_mem_scale + loss * cal.loss_mem_scale,
+                    b * cal.buffer_mem_scale + cal.memory_overhead_bytes)
+
+        return lambda option: at_peak(self._reduction_mem[option])
 
     def _largest_param(self, i: int, j: int) -> tuple[float, float]:
         """(largest parameter of units [i, j), largest one read by two or more of them), elements per tensor rank."""
@@ -616,8 +664,8 @@ class StageEvaluator:
         return hit
 
     def _tail(self, params: float, f: float, b: float, lr: LowRank | None,
-              units: int = 1) -> tuple[float, float, tuple[str, str]]:
-        """(exposed data-parallel communication, optimizer step, compression used) of one stage, per step.
+              units: int = 1) -> tuple[dict[tuple[str, str], float], float]:
+        """(exposed data-parallel communication per compression option, optimizer step) of one stage, per step.
 
         Wire time hides behind compute up to dp_overlap of it, kernel time never:
         DDP/ZeRO-1 all-reduce behind the last backward; ZeRO-2/3 reduce-scatter
@@ -625,34 +673,30 @@ class StageEvaluator:
         and 1), each behind its backward; ZeRO-3 gathers and reduce-scatters
         per unit (block), so a stage of `units` issues that many of each, its
         2m parameter gathers per unit behind the m forwards and backwards; the ZeRO-1/2 parameter all-gather after the optimizer step
-        is exposed. Where several compressions are open, the stage takes the
-        one with the least exposed time (the first, least lossy, on a tie); the
-        search checks that all stages agree (search.py).
+        is exposed. The stage takes the compression with the least exposed time
+        of those that fit in memory (StageEvaluator.stage); the search checks
+        that all stages agree (search.py).
         """
         cand = self.cand
         m, z = cand.num_microbatches, cand.zero_stage
         overlap = self.ctx.cal.dp_overlap
-        chosen = self.options[0]
-        exposed = 0.0
+        exposed = dict.fromkeys(self.options, 0.0)
         if cand.dp > 1 and self.ctx.async_sgd:
-            exposed = self._async_sync(params, f, b)
+            exposed = dict.fromkeys(self.options, self._async_sync(params, f, b))
         elif cand.dp > 1:
-            exposed = math.inf
             per_step = m if z >= 2 else 1
             n = max(1, units) if z == 3 else 1
+            gather = self._param_gather(params) if z in (1, 2) else 0.0  # the updated parameters', in the compute dtype
             for option in self.options:
                 wire, kernel = (n * x for x in self._reduction(params / n, option, lr))
                 t = per_step * (max(0.0, wire - overlap * b) + kernel)
                 if z == 3:
                     g_wire, g_kernel = (n * x for x in self._gather(params / n, group_compressor(option)))
                     t += max(0.0, 2 * m * g_wire - overlap * m * (f + b)) + 2 * m * g_kernel
-                if t < exposed:
-                    exposed, chosen = t, option
-            if z in (1, 2):
-                exposed += self._param_gather(params)  # the updated parameters' all-gather, in the compute dtype
+                exposed[option] = t + gather
         shard = params / (cand.dp if z >= 1 else 1)
         optim = shard * _OPTIM_BYTES_PER_PARAM / self._hbm
-        return exposed, optim, chosen
+        return exposed, optim
 
     def _async_sync(self, params: float, f: float, b: float) -> float:
         """Exposed seconds per step of async SGD's parameter averaging (an fp32 all-reduce of the stage's

@@ -97,7 +97,9 @@ class CompressedReduce:
         chunk = max(1, math.ceil(n / (p * self.block))) * self.block
         y = torch.zeros(p * chunk)
         y[:n] = x.detach().reshape(-1).float()
-        out = self.all_gather(self.reduce_scatter(y, key), key)[:n]
+        mine = self.reduce_scatter(y, key)
+        del y  # a full fp32 copy: not held through phase 2, which allocates the gathered result
+        out = self.all_gather(mine, key)[:n]
         if op == "avg":
             out /= p
         return out.view_as(x)

@@ -4,8 +4,9 @@ The probe (runtime.memory_probe) counts the storages a step works with: held on 
 and touched, allocated inside, resized in place. The model (partitioner/costing.py,
 StageEvaluator._peak_memory) must come within 10 % of it on real processes, for the
 cases it used to miss: a pipeline's last stage (the loss on the executor, the tied
-embedding outside ZeRO, gradients not yet formed at the loss's moment) and ZeRO-2
-(no gradient at rest, no separate DDP buckets).
+embedding outside ZeRO, gradients not yet formed at the loss's moment), ZeRO-2
+(no gradient at rest, no separate DDP buckets), and compressed reductions (their
+error feedback and working set, cost_models.compression_memory).
 """
 
 from __future__ import annotations
@@ -77,8 +78,11 @@ def test_last_stage_drops_its_output_before_the_loss_backward():
 # --- the model against real ranks ---------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("pins", [{"dp": 2, "pp": 2, "zero_stage": 3, "microbatch_size": 4},
-                                  {"dp": 4, "zero_stage": 2, "microbatch_size": 2}],
-                         ids=["dp2-pp2-zero3", "dp4-zero2"])
+                                  {"dp": 4, "zero_stage": 2, "microbatch_size": 2},
+                                  {"dp": 4, "zero_stage": 0, "microbatch_size": 2, "compression": "int8"},
+                                  {"dp": 4, "zero_stage": 2, "microbatch_size": 2, "compression": "int4"},
+                                  {"dp": 4, "zero_stage": 1, "microbatch_size": 2, "compression": "powersgd"}],
+                         ids=["dp2-pp2-zero3", "dp4-zero2", "dp4-zero0-int8", "dp4-zero2-int4", "dp4-zero1-powersgd"])
 def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     from examples import gpt
     from partitioner import Topology, compile
