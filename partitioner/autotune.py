@@ -143,15 +143,17 @@ class AutotuneResult:
 
 def format_trials(trials: Sequence[Trial]) -> str:
     """The trials as a table: step time measured, predicted before and after calibration; worst rank's peak."""
-    head = (f"{'config':<52} {'status':>10} {'meas ms':>8} {'pred ms':>8} {'calib ms':>8} {'err':>7} "
+    names = [str(t.config) + "".join(f" {lvl}={c}" for lvl, c in t.compression.items() if c != "none")
+             for t in trials]
+    w = max([52, *map(len, names)])  # compressed plans' names are longer: the columns move with them
+    head = (f"{'config':<{w}} {'status':>10} {'meas ms':>8} {'pred ms':>8} {'calib ms':>8} {'err':>7} "
             f"{'meas MiB':>8} {'calib MiB':>9} {'mem err':>7}")
     rows = [head]
-    for t in trials:
-        name = str(t.config) + "".join(f" {lvl}={c}" for lvl, c in t.compression.items() if c != "none")
+    for t, name in zip(trials, names):
         status = t.status + (" (db)" if t.cached else "")
         if t.status != "ok":
             first = t.error.strip().splitlines()[0][:70] if t.error.strip() else ""
-            rows.append(f"{name:<52} {status:>10}  {first}")
+            rows.append(f"{name:<{w}} {status:>10}  {first}")
             continue
         calib = "-" if t.calibrated_step_s is None else f"{t.calibrated_step_s * 1e3:8.1f}"
         err = "-" if t.step_error is None else f"{t.step_error:+7.1%}"
@@ -162,7 +164,7 @@ def format_trials(trials: Sequence[Trial]) -> str:
                    f"{t.memory_error:+7.1%}")
         else:
             mem = f"{max(t.measured_peak_bytes or [0]) / 2**20:8.1f} {'-':>9} {'-':>7}"
-        rows.append(f"{name:<52} {status:>10} {t.measured_step_s * 1e3:8.1f} {t.predicted_step_s * 1e3:8.1f} "
+        rows.append(f"{name:<{w}} {status:>10} {t.measured_step_s * 1e3:8.1f} {t.predicted_step_s * 1e3:8.1f} "
                     f"{calib:>8} {err:>7} {mem}")
     return "\n".join(rows)
 
