@@ -11,6 +11,7 @@ integer; round up where an allocation is meant). GB below means 1e9 bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 from cost_models.compute import PRECISIONS
@@ -19,7 +20,7 @@ from cost_models.errors import PartitionerError
 __all__ = [
     "PRECISIONS", "OPTIMIZERS", "ZERO_STAGES", "RECOMPUTE_POLICIES", "SCHEDULES",
     "DDP_BUCKET_BYTES", "ModelStateBytes", "model_state_bytes",
-    "transformer_activation_bytes", "inflight_microbatches",
+    "transformer_activation_bytes", "inflight_microbatches", "chunk_inflight",
     "TemporaryBytes", "temporary_buffer_bytes",
 ]
 
@@ -171,6 +172,39 @@ def inflight_microbatches(schedule: str, *, pp: int, stage: int, num_microbatche
                                "chunks per stage; with 1 chunk use schedule='1f1b'")
     warmup = (pp - stage - 1) * 2 + (interleave - 1) * pp
     return min(warmup + 1, m * interleave)
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_inflight(*, pp: int, stage: int, num_microbatches: int, interleave: int) -> tuple[int, ...]:
+    """Interleaved 1F1B: per model chunk of pipeline rank `stage`, the most microbatches whose forward
+    is done and backward not yet, in the order partitioner.schedule runs them (Megatron-LM's: the k-th
+    forward of a rank runs chunk (k mod pp v) // pp, the k-th backward chunk v - 1 - (k mod pp v) // pp).
+
+    What the rank's total (`inflight_microbatches`) does not say is how it splits: the first chunks
+    fill during the warm-up, the last (holding the loss, often the largest) hardly. After the warm-up
+    both sequences repeat every pp v steps, so two periods find every chunk's peak.
+
+    >>> chunk_inflight(pp=2, stage=1, num_microbatches=2, interleave=2)    # 3 in all: 2 + 1, not 2 + 2
+    (2, 1)
+    >>> chunk_inflight(pp=4, stage=0, num_microbatches=8, interleave=2)   # 11 in all, 12 chunk peaks
+    (8, 4)
+    """
+    _positive(pp=pp, num_microbatches=num_microbatches, interleave=interleave)
+    pv, total = pp * interleave, num_microbatches * interleave
+    warmup = min((pp - stage - 1) * 2 + (interleave - 1) * pp, total)
+    live, peak = [0] * interleave, [0] * interleave
+
+    def forward(k: int) -> None:
+        c = (k % pv) // pp
+        live[c] += 1
+        peak[c] = max(peak[c], live[c])
+
+    for k in range(warmup):
+        forward(k)
+    for k in range(min(total - warmup, 2 * pv + 1)):
+        forward(warmup + k)
+        live[interleave - 1 - (k % pv) // pp] -= 1
+    return tuple(peak)
 
 
 # --- temporary buffers ------------------------------------------------------

@@ -65,6 +65,7 @@ from cost_models.compute import RooflineCompute, dtype_for
 from cost_models.memory import (
     DDP_BUCKET_BYTES,
     ModelStateBytes,
+    chunk_inflight,
     inflight_microbatches,
     model_state_bytes,
 )
@@ -472,10 +473,11 @@ class StageEvaluator:
             rest -= 0.0 if in_block else drop_rest
         m, v = cand.num_microbatches, cand.interleave
         rank = k % cand.pp
-        inflight = inflight_microbatches(cand.schedule, pp=cand.pp, stage=rank, num_microbatches=m,
-                                         interleave=v) if cand.pp > 1 else 1
-        if v > 1:
-            inflight = math.ceil(inflight / v)  # the rank's in-flight count spread over its v chunks
+        if v > 1:  # this chunk's own count: the rank's first chunks hold more than its last
+            inflight = chunk_inflight(pp=cand.pp, stage=rank, num_microbatches=m, interleave=v)[k // cand.pp]
+        else:
+            inflight = inflight_microbatches(cand.schedule, pp=cand.pp, stage=rank, num_microbatches=m,
+                                             interleave=v) if cand.pp > 1 else 1
         exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i)
         if ctx.async_sgd:
             memory_of = lambda option: self._async_memory(i, j, k, params, inflight)
@@ -585,7 +587,9 @@ class StageEvaluator:
         # A compressed reduction runs synchronously in the hook of its bucket's last gradient, which the
         # hook still holds: the gradients then, the bucket being reduced (ZeRO-2/3: the input; at ZeRO-0/1
         # it is in the flat gradients), that parameter's gradient, and the working set on top.
-        hook = max(big, twice) * pb if (flat_grads or z >= 2) else 0.0
+        # (a tied parameter is outside the engine: no hook holds it; the engine's own largest is then
+        # not known here, and small beside the tied embedding it stands in for)
+        hook = (0.0 if tied and big <= tied else max(big, twice)) * pb if (flat_grads or z >= 2) else 0.0
         reducing = (step_grads + (reduction if z >= 2 else 0.0) + hook, act1 * (inflight - 1), 0.0, kept + gathered)
 
         def at_peak(rm: ReductionMemory) -> tuple[float, float, float, float, float]:

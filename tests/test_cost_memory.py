@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cost_models.errors import PartitionerError
-from cost_models.memory import (DDP_BUCKET_BYTES, ModelStateBytes, inflight_microbatches,
+from cost_models.memory import (DDP_BUCKET_BYTES, ModelStateBytes, chunk_inflight, inflight_microbatches,
                                 model_state_bytes, temporary_buffer_bytes,
                                 transformer_activation_bytes)
 
@@ -114,6 +114,22 @@ def test_interleaved_1f1b_megatron_warmup():
     # Capped at m * v when there are few microbatches.
     assert inflight_microbatches("interleaved-1f1b", pp=4, stage=0, num_microbatches=1,
                                  interleave=2) == 2
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_per_chunk_counts_are_the_schedules(pp, v):
+    """chunk_inflight's closed walk equals what the schedule the runtime executes holds per virtual stage,
+    and its chunks add up to at least the rank's Megatron count (the chunks' peaks need not coincide)."""
+    from partitioner.schedule import build_schedule, peak_inflight
+
+    for m in (pp, 2 * pp, 3 * pp, 4 * pp, 9 * pp):  # the schedule takes multiples of pp
+        per_stage = peak_inflight(build_schedule("interleaved-1f1b", pp=pp, num_microbatches=m, interleave=v))
+        for rank in range(pp):
+            got = chunk_inflight(pp=pp, stage=rank, num_microbatches=m, interleave=v)
+            assert got == tuple(per_stage[c * pp + rank] for c in range(v)), (m, rank)
+            assert sum(got) >= inflight_microbatches("interleaved-1f1b", pp=pp, stage=rank, num_microbatches=m,
+                                                     interleave=v)
 
 
 @pytest.mark.parametrize("args,match", [

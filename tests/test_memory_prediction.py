@@ -81,8 +81,12 @@ def test_last_stage_drops_its_output_before_the_loss_backward():
                                   {"dp": 4, "zero_stage": 2, "microbatch_size": 2},
                                   {"dp": 4, "zero_stage": 0, "microbatch_size": 2, "compression": "int8"},
                                   {"dp": 4, "zero_stage": 2, "microbatch_size": 2, "compression": "int4"},
-                                  {"dp": 4, "zero_stage": 1, "microbatch_size": 2, "compression": "powersgd"}],
-                         ids=["dp2-pp2-zero3", "dp4-zero2", "dp4-zero0-int8", "dp4-zero2-int4", "dp4-zero1-powersgd"])
+                                  {"dp": 4, "zero_stage": 1, "microbatch_size": 2, "compression": "powersgd"},
+                                  {"dp": 2, "pp": 2, "zero_stage": 1, "microbatch_size": 4,  # 4 chunks: 4 blocks
+                                   "schedule": "interleaved-1f1b", "interleave": 2, "model": "gpt_small",
+                                   "global_batch_size": 16}],  # 2 microbatches: the last chunk holds 1
+                         ids=["dp2-pp2-zero3", "dp4-zero2", "dp4-zero0-int8", "dp4-zero2-int4", "dp4-zero1-powersgd",
+                              "dp2-pp2-interleaved"])
 def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     from examples import gpt
     from partitioner import Topology, compile
@@ -90,13 +94,16 @@ def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     from runtime.launch import launch_local
     from runtime.run import default_loss, default_optimizer
 
-    model = gpt.gpt_tiny()
+    pins = dict(pins)
+    model_fn = getattr(gpt, pins.pop("model", "gpt_tiny"))
+    model = model_fn()
     g = trace(model, (gpt.example_batch(model, 2)[0],))
-    plan = compile(g, Topology.parse("local:4"), global_batch_size=8, precision="fp32", **pins)
+    batch = pins.pop("global_batch_size", 8)
+    plan = compile(g, Topology.parse("local:4"), global_batch_size=batch, precision="fp32", **pins)
     per_stage = plan.rank_memory()
     predicted = [per_stage[m.pp].total for m in sorted(plan.mesh, key=lambda m: m.rank)]
-    res = launch_local(plan, gpt.gpt_tiny, default_optimizer(plan.optimizer), default_loss,
-                       [gpt.example_batch(model, 8, seed=s) for s in range(2)], probe_step=1, timeout_s=120)
+    res = launch_local(plan, model_fn, default_optimizer(plan.optimizer), default_loss,
+                       [gpt.example_batch(model, batch, seed=s) for s in range(2)], probe_step=1, timeout_s=120)
     errors = [p / m - 1 for p, m in zip(predicted, res.peak_step_bytes)]
     assert max(map(abs, errors)) <= 0.10, \
         f"{plan.config}: predicted / measured - 1 per rank {[f'{e:+.1%}' for e in errors]} " \
