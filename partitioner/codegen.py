@@ -166,6 +166,14 @@ def program(plan: "Plan", rank: int) -> RankProgram:
         shard_lines.append(f"    #   {what} for elements [{me.dp * shard:,}, {min(n, (me.dp + 1) * shard):,}) of the "
                            f"{n:,}-element flat parameter buffer (slice {me.dp} of {c.dp})")
     shards = "\n".join(shard_lines) or "    #   nothing sharded: every replica holds every parameter, gradient and state"
+    recompute = ""
+    if c.recompute != "none":
+        names = tuple(b for b in blocks if b != "(outside the blocks)")
+        what = {"full": "each block keeps only its input in forward and runs again in backward",
+                "selective": "each block drops its attention scores (s x s) in forward and recomputes them "
+                             "in backward"}[c.recompute]
+        recompute = (f"    # Recompute ({c.recompute}, runtime.recompute): {what}.\n"
+                     f"    engine.checkpoint_blocks({names!r}, {c.recompute!r})\n")
 
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size}.
 
@@ -216,7 +224,7 @@ def build(model_fn, optimizer_fn, loss_fn):
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
                           units=UNITS, compression={comp.arg}, nodes={comp.nodes},
                           compression_warmup={plan.compression_warmup})
-    optimizer = optimizer_fn(engine.optimizer_params())
+{recompute}    optimizer = optimizer_fn(engine.optimizer_params())
 
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as
     # {c.num_microbatches} microbatch(es) of {c.microbatch_size}; gradients accumulate without

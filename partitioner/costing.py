@@ -84,6 +84,9 @@ _OPTIM_BYTES_PER_PARAM = 28
 
 
 _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
+_S = Poly.from_terms({(0, 1): 1.0})  # a dimension of the sequence's length
+# ops whose outputs selective recomputation keeps (runtime.recompute's policy: matrix products and layer norms)
+_SAVED_OPS = frozenset({"linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "layer_norm"})
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
 
 
@@ -164,6 +167,7 @@ class CostContext:
         self._keys = [ids.setdefault(self._unit_key(a, b), len(ids)) for a, b in self.units]
         self._boundary = self._boundary_bytes()
         self._memo: dict[tuple, UnitCost] = {}
+        self._outputs = {n.name: n.output for n in g.nodes}
         self._arrays: dict[tuple, UnitArrays] = {}
         self._p2p: dict[tuple, tuple[float, ...]] = {}
         self._param_local = self._param_sizes()
@@ -249,12 +253,26 @@ class CostContext:
     def _sharded_param(self, name: str) -> bool:
         return self._sharded[name]
 
+    def _touches_scores(self, n) -> bool:
+        """Whether op n reads or writes an s x s tensor (the attention scores): selective recomputes it."""
+        specs = [n.output, *(self._outputs.get(i) for i in n.inputs)]
+        return any(spec is not None and len(spec.shape) >= 2 and all(d == _S for d in spec.shape[-2:])
+                   for spec in specs)
+
     def _eval_unit(self, u: int, tp: int, mb: int, recompute: str) -> UnitCost:
         a, b = self.units[u]
         s, sc = self.seq, self.scale
         tp_ranks = tuple(range(tp))
-        fwd = bwd = act = drop_f = drop_act = biggest = 0.0
-        for n in self.g.nodes[a:b]:
+        fwd = bwd = act = biggest = 0.0
+        # Recomputation (runtime.recompute) runs inside the blocks only, never on the prefix or suffix
+        # (the loss's inputs) a unit may also hold: their activations stay, their ops run once.
+        # full: a block keeps its input; selective: the outputs of its matrix products and layer
+        # norms that do not touch the s x s attention scores, every other op runs again in backward.
+        outside = block_f = kept_sel = recomputed_f = 0.0
+        block_input = None  # the inputs of the blocks the unit holds (None: it holds none)
+        prev = self.g.nodes[a - 1] if a > 0 else None
+        for i in range(a, b):
+            n = self.g.nodes[i]
             c = n.cost
             d = tp if (tp > 1 and n.name in self.splits.sharded_nodes) else 1
             if n.output is not None and n.output.dtype.startswith(("float", "bfloat")) and \
@@ -266,26 +284,36 @@ class CostContext:
             bflops = c.backward_flops(mb, s) / d
             tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
             kept = c.activation_bytes(mb, s) * sc / d
-            # Selective recomputation (Korthikanti et al. 2022) drops what grows with s^2:
-            # the attention scores, softmax and dropout mask, and recomputes them in backward.
-            if any(j >= 2 for (_, j), _ in c.activation_bytes.terms):
-                drop_f += tf
-                drop_act += kept
-            fwd, bwd, act = fwd + tf, bwd + tb, act + kept
+            collective_f = 0.0
             if tp > 1:
                 for coll in self._collectives.get(n.name, ()):
                     t = self.comm.all_reduce(coll.bytes(mb, s) * sc, tp_ranks)
                     if coll.phase == "forward":
-                        fwd += t
+                        collective_f += t
                     else:
                         bwd += t
-        if recompute == "selective":
-            return UnitCost(forward_s=fwd, backward_s=bwd + drop_f, activation_bytes=act - drop_act,
-                            working_bytes=drop_act, params=0.0, largest_output=biggest)
-        if recompute == "full":
-            kept_input = (self._boundary[u - 1](mb, s) * sc) if u > 0 else 0.0
-            return UnitCost(forward_s=fwd, backward_s=bwd + fwd, activation_bytes=kept_input,
-                            working_bytes=act, params=0.0, largest_output=biggest)
+            if n.block is None:
+                outside += kept
+            else:
+                if prev is None or i == a or prev.block != n.block:  # a block starts: what is its input
+                    if i == a:
+                        ins = self._boundary[u - 1](mb, s) * sc if u > 0 else 0.0
+                    else:
+                        ins = prev.output.nbytes(mb, s) * sc if prev.output is not None else 0.0
+                    block_input = (block_input or 0.0) + ins
+                block_f += tf + collective_f
+                if n.op in _SAVED_OPS and n.output is not None and not self._touches_scores(n):
+                    kept_sel += n.output.nbytes(mb, s) * sc / d
+                else:  # a collective is not kept either: it runs again with its op
+                    recomputed_f += tf + collective_f
+            fwd, bwd, act = fwd + tf + collective_f, bwd + tb, act + kept
+            prev = n
+        if recompute == "selective" and block_input is not None:
+            return UnitCost(forward_s=fwd, backward_s=bwd + recomputed_f, activation_bytes=outside + block_input + kept_sel,
+                            working_bytes=max(0.0, act - outside - kept_sel), params=0.0, largest_output=biggest)
+        if recompute == "full" and block_input is not None:
+            return UnitCost(forward_s=fwd, backward_s=bwd + block_f, activation_bytes=outside + block_input,
+                            working_bytes=act - outside, params=0.0, largest_output=biggest)
         return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
                         largest_output=biggest)
 

@@ -102,6 +102,7 @@ from runtime.mixed_precision import (
     scale_grad,
 )
 from runtime.quantized_gather import quantized_all_gather
+from runtime.recompute import recompute_blocks
 
 __all__ = ["DataParallel"]
 
@@ -324,6 +325,19 @@ class DataParallel:
     def layouts(self) -> tuple[FlatLayout, ...]:
         """The flat buffers this rank shards (ZeRO-1: one; ZeRO-2: one per bucket; ZeRO-3: one per unit)."""
         return tuple(f.layout for f in self._flats) if self.zero_stage > 0 else ()
+
+    def checkpoint_blocks(self, names: Sequence[str], mode: str = "full") -> None:
+        """Activation recomputation of these submodules (the plan's blocks) as `mode` says
+        (runtime.recompute: "full" keeps only their inputs, "selective" drops the attention scores), as
+        the pipeline's stages do. Under ZeRO-3 the recomputation installs its unit's views again first:
+        the unit is gathered for its backward by then, and no module hook runs inside the checkpoint."""
+        units = {id(u.module): u for u in self._units}
+
+        def reinstall(mod: nn.Module) -> None:
+            if id(mod) in units:
+                self._use(units[id(mod)])
+
+        recompute_blocks(self.module, names, mode, before=reinstall if units else None)
 
     def optimizer_params(self) -> list[nn.Parameter]:
         """What torch.optim steps: DDP the (master) parameters; ZeRO this rank's fp32 flat shards."""

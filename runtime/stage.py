@@ -12,8 +12,8 @@ and keeps only what this rank's virtual stages need:
   own parameters, so module hooks (ZeRO-3 gathers) still fire per block;
 - the root's `forward(*inputs, _stage=s)` runs virtual stage s: the prefix
   on stage 0, its blocks, the suffix on the last stage;
-- with recompute, each block keeps only its input and runs again in backward
-  (torch.utils.checkpoint, non-reentrant).
+- with recompute, each block runs under runtime.recompute: "full" keeps only
+  its input and runs again in backward, "selective" drops its attention scores.
 
 Parameters used by stages on different pipeline ranks (a tied embedding and
 LM head) are *tied*: each holder keeps its copy outside the data-parallel
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from runtime.recompute import run_recomputed
 from runtime.tensor_parallel import shard_parameter
 
 __all__ = ["StageModel", "StageSpec"]
@@ -125,12 +125,9 @@ class StageModel:
         return {a: self._get(n if i is None else n.format(i=i)) for a, n in table}
 
     def _block(self, i: int, x: torch.Tensor, **model_inputs: Any) -> torch.Tensor:
-        if self.recompute == "none":
-            return self.functions["block"](self.tp, x, **model_inputs, **self._args(self.block_args, i))
-        # "full" and "selective" both keep only the block's input and run it again in backward
-        # (selective recomputation of the attention core alone is not generated yet)
-        return checkpoint(self.functions["block"], self.tp, x, use_reentrant=False, **model_inputs,
-                          **self._args(self.block_args, i))
+        # runtime.recompute: "full" keeps only the block's input, "selective" drops its attention scores
+        return run_recomputed(self.recompute, self.functions["block"], self.tp, x, **model_inputs,
+                              **self._args(self.block_args, i))
 
     def named_inputs(self, inputs: Any) -> dict[str, Any]:
         """A microbatch's model inputs by the forward's argument names (a dict, a tuple, or one tensor)."""

@@ -58,11 +58,11 @@ def reference(model_fn, loss_fn, data) -> tuple[list[float], dict[str, torch.Ten
 
 
 def plan_for(name: str, *, pp: int, dp: int, tp: int, schedule: str = "1f1b", interleave: int = 1, zero: int = 0,
-             mb: int = 2):
+             mb: int = 2, recompute: str = "none"):
     model_fn, _ = MODELS[name]
     return compile(model_fn(), f"local:{pp * dp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
                    global_batch_size=BATCH, precision="fp32", pp=pp, dp=dp, tp=tp, schedule=schedule,
-                   interleave=interleave, zero_stage=zero, microbatch_size=mb, recompute="none")
+                   interleave=interleave, zero_stage=zero, microbatch_size=mb, recompute=recompute)
 
 
 def assert_same_training(plan, name: str, steps: int = STEPS):
@@ -121,6 +121,17 @@ def test_trains_like_one_process(name, pp, dp, tp, schedule, interleave, zero):
             recvs = ops.count("RECV_F") + ops.count("RECV_B")
             counts = out.collective_counts[m.rank]
             assert (counts.get("send", 0), counts.get("recv", 0)) == (STEPS * sends, STEPS * recvs), m
+
+
+@pytest.mark.parametrize("name,pp,dp,tp,zero,recompute", [
+    ("gpt", 2, 1, 2, 0, "selective"), ("gpt", 2, 1, 2, 0, "full"), ("hf", 2, 2, 1, 3, "selective"),
+    ("llama", 1, 1, 2, 0, "selective")])
+def test_recomputing_stages_train_like_one_process(name, pp, dp, tp, zero, recompute):
+    """runtime.recompute inside pipeline and tensor-parallel stages: selective re-runs the ops it does not keep,
+    tensor-parallel collectives included; full the whole block."""
+    plan = plan_for(name, pp=pp, dp=dp, tp=tp, zero=zero, recompute=recompute)
+    assert plan.config.recompute == recompute
+    assert_same_training(plan, name)
 
 
 def test_every_plan_compile_makes_runs_and_trains_like_one_process():

@@ -1,0 +1,94 @@
+"""Activation recomputation of a block, as the plan's `recompute` says: what backward gets again by running forward.
+
+- "full": the block keeps only its inputs; backward runs the whole block
+  again (torch.utils.checkpoint, non-reentrant).
+- "selective": the block keeps the outputs of its matrix products and layer
+  norms and recomputes everything else in backward: the cheap elementwise,
+  softmax, dropout and copy ops, and every op that reads or writes an s x s
+  tensor (the attention scores, s the block input's sequence length, dim 1),
+  matrix products included. torch's selective activation checkpointing
+  (non-reentrant checkpoint with a policy per op). As in Korthikanti et al.
+  2022 the memory that grows with s^2 goes, for a few percent more compute;
+  unlike there, the elementwise ops' activations go too (a policy sees ops,
+  not which tensors autograd would keep, and caching every other output would
+  keep more than no recomputation). The cost model counts the same
+  (partitioner/costing.py, CostContext.unit_cost).
+
+Both re-run the block's Python in backward with the forward's RNG state, so
+dropout draws the same masks, and every rank issues the same collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["MODES", "recompute_blocks", "run_recomputed"]
+
+MODES = ("none", "selective", "full")
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default, torch.ops.aten.matmul.default, torch.ops.aten.linear.default}
+_NORMS = {torch.ops.aten.native_layer_norm.default}
+_SAVED = _MATMULS | _NORMS
+
+
+def _square(t: Any, s: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == s and t.shape[-2] == s
+
+
+def _policy(s: int):
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op not in _SAVED:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if any(_square(t, s) for t in tensors):  # attention-probabilities @ v
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if op in _MATMULS and len(tensors) >= 2:  # q @ k^T writes the scores
+            a, b = tensors[-2], tensors[-1]
+            if a.dim() >= 2 and b.dim() >= 2 and a.shape[-2] == s and b.shape[-1] == s:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+    return policy
+
+
+def run_recomputed(mode: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), its activations kept as `mode` says (the first tensor argument is the block's
+    input, (batch, sequence, ...), for "selective")."""
+    if mode == "none":
+        return fn(*args, **kwargs)
+    if mode == "full":
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    if mode != "selective":
+        raise ValueError(f"recompute={mode!r}: one of {', '.join(MODES)}")
+    x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if x is None or x.dim() < 2:
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)  # no sequence to tell the scores by
+    contexts = functools.partial(create_selective_checkpoint_contexts, _policy(x.shape[1]))
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def recompute_blocks(model: torch.nn.Module, names: Sequence[str], mode: str,
+                     before: Callable[[torch.nn.Module], None] | None = None) -> None:
+    """Make each named submodule of `model` (the plan's blocks) run under `run_recomputed(mode, ...)`, its
+    module hooks still firing once around it; `before(module)`, if given, runs inside the checkpoint
+    first, the recomputation in backward included (a ZeRO-3 engine re-installs the gathered parameters)."""
+    if mode not in MODES:
+        raise ValueError(f"recompute={mode!r}: one of {', '.join(MODES)}")
+    if mode == "none":
+        return
+    for name in names:
+        mod = model.get_submodule(name)
+        if "forward" in vars(mod):
+            raise ValueError(f"recompute_blocks: {name!r} already has its own forward (recomputed twice, or "
+                             "patched by the caller); wrap each block once")
+        mod.forward = functools.partial(run_recomputed, mode, functools.partial(_rerun, before, mod, mod.forward))
+
+
+def _rerun(before, mod, forward, *args, **kwargs):
+    if before is not None:
+        before(mod)
+    return forward(*args, **kwargs)
