@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from cost_models.compression import group_compressor
+
 __all__ = ["ReductionMemory", "reduction_memory"]
 
 _BITS = ("int8", "int4")
@@ -73,10 +75,10 @@ def reduction_memory(compression: tuple[str, str], *, zero_stage: int, dp: int,
         return ReductionMemory()
     intra, inter = compression
     if zero_stage >= 2:
-        c = inter if intra == "none" else intra  # one compressor over the whole group (runtime.grad_compression)
+        c = group_compressor(compression)  # one compressor over the whole group (runtime.grad_compression)
         return ReductionMemory(held=1.0 if c in _BITS else 0.0, working=_REDUCE_SCATTER_WORKING[c])
     if nodes <= 1 or intra == inter and intra in ("none", "powersgd"):
-        c = inter if intra == "none" else intra
+        c = group_compressor(compression)
         held = {"int8": 1 + 1 / dp, "int4": 1 + 1 / dp, "powersgd": 1.0}.get(c, 0.0)
         return ReductionMemory(held=held, working=_ALL_REDUCE_WORKING[c])
     k = dp // nodes

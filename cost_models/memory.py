@@ -170,8 +170,13 @@ def inflight_microbatches(schedule: str, *, pp: int, stage: int, num_microbatche
     if interleave < 2:
         raise PartitionerError("schedule='interleaved-1f1b' needs interleave >= 2 model "
                                "chunks per stage; with 1 chunk use schedule='1f1b'")
-    warmup = (pp - stage - 1) * 2 + (interleave - 1) * pp
-    return min(warmup + 1, m * interleave)
+    return min(_interleaved_warmup(pp, stage, interleave) + 1, m * interleave)
+
+
+def _interleaved_warmup(pp: int, stage: int, interleave: int) -> int:
+    """Forwards pipeline rank `stage` runs before its first backward in Megatron-LM's interleaved order
+    (partitioner.schedule, before capping at the m * interleave it has)."""
+    return (pp - stage - 1) * 2 + (interleave - 1) * pp
 
 
 @functools.lru_cache(maxsize=4096)
@@ -191,7 +196,7 @@ def chunk_inflight(*, pp: int, stage: int, num_microbatches: int, interleave: in
     """
     _positive(pp=pp, num_microbatches=num_microbatches, interleave=interleave)
     pv, total = pp * interleave, num_microbatches * interleave
-    warmup = min((pp - stage - 1) * 2 + (interleave - 1) * pp, total)
+    warmup = min(_interleaved_warmup(pp, stage, interleave), total)
     live, peak = [0] * interleave, [0] * interleave
 
     def forward(k: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -166,14 +167,7 @@ def program(plan: "Plan", rank: int) -> RankProgram:
         shard_lines.append(f"    #   {what} for elements [{me.dp * shard:,}, {min(n, (me.dp + 1) * shard):,}) of the "
                            f"{n:,}-element flat parameter buffer (slice {me.dp} of {c.dp})")
     shards = "\n".join(shard_lines) or "    #   nothing sharded: every replica holds every parameter, gradient and state"
-    recompute = ""
-    if c.recompute != "none":
-        names = tuple(b for b in blocks if b != "(outside the blocks)")
-        what = {"full": "each block keeps only its input in forward and runs again in backward",
-                "selective": "each block drops its attention scores (s x s) in forward and recomputes them "
-                             "in backward"}[c.recompute]
-        recompute = (f"    # Recompute ({c.recompute}, runtime.recompute): {what}.\n"
-                     f"    engine.checkpoint_blocks({names!r}, {c.recompute!r})\n")
+    recompute = recompute_lines(plan, "engine.checkpoint_blocks(")
 
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size}.
 
@@ -235,6 +229,24 @@ def build(model_fn, optimizer_fn, loss_fn):
         clip_grad_norm={plan.clip_grad_norm!r}, program_hash=PROGRAM_HASH)
 '''
     return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)
+
+
+_RECOMPUTE_WHAT = {
+    "full": "each block keeps only its input in forward and runs again in backward",
+    "selective": "each block keeps the outputs of its matrix products and layer norms and runs every other op "
+                 "again in backward, the s x s attention scores included"}
+
+
+def recompute_lines(plan: "Plan", call: str) -> str:
+    """The program lines that make the plan's blocks recompute (none without recomputation): a comment
+    saying how, then `call` (ending in "(") applied to the block names and the mode."""
+    mode = plan.config.recompute
+    if mode == "none":
+        return ""
+    names = tuple(dict.fromkeys(p.block for p in plan.placements if p.block is not None))
+    why = textwrap.fill(f"Recompute ({mode}, runtime.recompute): {_RECOMPUTE_WHAT[mode]}.", width=100,
+                        initial_indent="    # ", subsequent_indent="    # ")
+    return f"{why}\n    {call}{names!r}, {mode!r})\n"
 
 
 def expected_collectives(plan: "Plan") -> dict[str, int]:

@@ -171,6 +171,7 @@ class CostContext:
         self._arrays: dict[tuple, UnitArrays] = {}
         self._p2p: dict[tuple, tuple[float, ...]] = {}
         self._param_local = self._param_sizes()
+        self._param_block = {p.name: p.block for p in g.params}
         self._sharded = {pl.param: pl.spec != "R" for pl in splits.placements}
         self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
 
@@ -203,7 +204,6 @@ class CostContext:
     def _param_sizes(self) -> dict[int, list[tuple[str, float]]]:
         """Per unit: (parameter, elements per tensor rank at tp=1) for each parameter its nodes read."""
         numel = {p.name: p.numel for p in self.g.params}
-        self._param_block = {p.name: p.block for p in self.g.params}
         per_unit: dict[int, list[tuple[str, float]]] = {}
         for u, (a, b) in enumerate(self.units):
             seen = dict.fromkeys(p for n in self.g.nodes[a:b] for p in n.params)
@@ -295,7 +295,7 @@ class CostContext:
             if n.block is None:
                 outside += kept
             else:
-                if prev is None or i == a or prev.block != n.block:  # a block starts: what is its input
+                if i == a or prev.block != n.block:  # a block starts: what is its input
                     if i == a:
                         ins = self._boundary[u - 1](mb, s) * sc if u > 0 else 0.0
                     else:
@@ -515,7 +515,7 @@ class StageEvaluator:
         # the fastest when none does); the first, least lossy, on a tie. Interleaved: a rank holds v
         # chunks; each may use 1/v of the memory (safe, if conservative for uneven chunks).
         chosen = memory = None
-        for option in sorted(self.options, key=exposed.__getitem__) if len(self.options) > 1 else self.options:
+        for option in sorted(self.options, key=exposed.__getitem__):
             mem = memory_of(option)
             fits = sum(mem[:4]) * v + mem[4] <= ctx.memory_cap
             if memory is None or fits:
@@ -566,9 +566,9 @@ class StageEvaluator:
           ZeRO-3 keeps the parameters outside the blocks (`rest`, on the root module) gathered from
           forward to backward: live at every moment.
         - A compressed reduction (cost_models.compression_memory) holds its error feedback at every
-          moment (counted with the gradients), and its working set (a buffer), for the largest bucket or unit, while one runs: a fourth moment
-          at the end of the backward, and in the block moment too where the stage reduces several
-          buckets or units.
+          moment (counted with the gradients), and its working set (a buffer) for the largest bucket
+          or unit while one runs: a fourth moment at the end of the backward, and in the block moment
+          too where the stage reduces several buckets or units.
         The moment is chosen on the uncalibrated bytes, so each calibration factor scales its terms
         linearly (cost_models.fit.fit_memory).
         """
@@ -583,10 +583,11 @@ class StageEvaluator:
         rest_grads = own.grads if flat_grads else 0.0  # held through the step
         step_grads = whole.grads + (0.0 if flat_grads else own.grads)  # formed by the first backward
         carried = cand.num_microbatches > inflight
+        grads = (params - tied) * fp32  # what the engine reduces
         # one reduction's fp32 input (ZeRO-2: a bucket; ZeRO-3: a unit, the largest of blocks and the rest)
         block = max(arr.block_par[i:j], default=0.0)
-        reduction = {2: min((params - tied) * fp32, DDP_BUCKET_BYTES), 3: max(block, rest) * fp32}.get(z, 0.0)
-        several = z == 3 or (params - tied) * fp32 > DDP_BUCKET_BYTES
+        reduction = {2: min(grads, DDP_BUCKET_BYTES), 3: max(block, rest) * fp32}.get(z, 0.0)
+        several = z == 3 or grads > DDP_BUCKET_BYTES
         before = reduction if carried else 0.0  # the previous microbatch's last reduction, still in flight
         kept = rest * pb if z == 3 else 0.0
         blocks = arr.blocks[j] - arr.blocks[i]
@@ -610,7 +611,6 @@ class StageEvaluator:
         parts = (max(big, 2 * twice) + (twice if z < 3 else 0.0)) * pb if (flat_grads or z >= 2) else 0.0
         ending = {2: reduction * (2 if carried or several else 1) + reduction / cand.dp, 3: 2 * reduction}.get(z, 0.0)
         moments.append((step_grads + ending + parts, act1 * (inflight - 1), 0.0, kept + gathered))
-        grads = (params - tied) * fp32  # what the engine reduces
         bucket = reduction if z >= 2 else min(grads, DDP_BUCKET_BYTES)
         # A compressed reduction runs synchronously in the hook of its bucket's last gradient, which the
         # hook still holds: the gradients then, the bucket being reduced (ZeRO-2/3: the input; at ZeRO-0/1

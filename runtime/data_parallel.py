@@ -328,7 +328,7 @@ class DataParallel:
 
     def checkpoint_blocks(self, names: Sequence[str], mode: str = "full") -> None:
         """Activation recomputation of these submodules (the plan's blocks) as `mode` says
-        (runtime.recompute: "full" keeps only their inputs, "selective" drops the attention scores), as
+        (runtime.recompute: "full" keeps only their inputs, "selective" their matrix products' outputs), as
         the pipeline's stages do. Under ZeRO-3 the recomputation installs its unit's views again first:
         the unit is gathered for its backward by then, and no module hook runs inside the checkpoint."""
         units = {id(u.module): u for u in self._units}

@@ -25,7 +25,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 __all__ = ["MODES", "recompute_blocks", "run_recomputed"]
 

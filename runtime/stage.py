@@ -13,7 +13,7 @@ and keeps only what this rank's virtual stages need:
 - the root's `forward(*inputs, _stage=s)` runs virtual stage s: the prefix
   on stage 0, its blocks, the suffix on the last stage;
 - with recompute, each block runs under runtime.recompute: "full" keeps only
-  its input and runs again in backward, "selective" drops its attention scores.
+  its input, "selective" the outputs of its matrix products and layer norms.
 
 Parameters used by stages on different pipeline ranks (a tied embedding and
 LM head) are *tied*: each holder keeps its copy outside the data-parallel
@@ -125,7 +125,6 @@ class StageModel:
         return {a: self._get(n if i is None else n.format(i=i)) for a, n in table}
 
     def _block(self, i: int, x: torch.Tensor, **model_inputs: Any) -> torch.Tensor:
-        # runtime.recompute: "full" keeps only the block's input, "selective" drops its attention scores
         return run_recomputed(self.recompute, self.functions["block"], self.tp, x, **model_inputs,
                               **self._args(self.block_args, i))
 
