@@ -64,10 +64,14 @@ def find_layer_stack(model: nn.Module) -> LayerStack | None:
     return best
 
 
-def truncated(model: nn.Module, stack: LayerStack, k: int) -> nn.Module:
-    """A shallow copy of `model` whose layer stack keeps its first `k` blocks; `model` is untouched."""
+def truncated(model: nn.Module, stack: LayerStack, k: int, wrap=None) -> nn.Module:
+    """A shallow copy of `model` whose layer stack keeps its first `k` blocks, each passed through
+    `wrap` when given (block_kinds.recording); `model` is untouched."""
     container = model.get_submodule(stack.path)
     new: nn.Module = container[:k]
+    if wrap is not None:
+        for i in range(len(new)):
+            new[i] = wrap(new[i])
     parts = stack.path.split(".") if stack.path else []
     for i in range(len(parts) - 1, -1, -1):
         parent = model.get_submodule(".".join(parts[:i]))

@@ -120,11 +120,15 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     params = params_table(plan)
     place_lines = "\n".join(f"    {n!r}: {v!r},  # {next(p.role for p in plan.placements if p.param == n)}"
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
-    segs = [code.prefix] + [x for x in (code.block, code.suffix) if x is not None]
+    segs = [code.prefix, *code.templates] + ([code.suffix] if code.suffix is not None else [])
     functions = "\n\n".join(s.source.rstrip() for s in segs)
     args = "\n".join(f"{s.name.upper()}_ARGS = {tuple(s.params) + tuple(s.buffers)!r}" for s in segs)
     fn_table = ", ".join(f"{s.name!r}: {s.name}" for s in segs)
-    block_args = "BLOCK_ARGS" if code.block is not None else "()"
+    block_args = f"({', '.join(t.name.upper() + '_ARGS' for t in code.templates)},)" if code.block is not None else "()"
+    block_inputs = tuple(t.model_inputs for t in code.templates)
+    kinds_line = (f"# The blocks are not all alike: kind of each block (kind 0 runs `block`, kind k `block_k`).\n"
+                  f"BLOCK_KINDS = {code.block_kinds!r}" if code.block_kinds else
+                  "BLOCK_KINDS = ()  # every block runs `block`")
     suffix_args = "SUFFIX_ARGS" if code.suffix is not None else "()"
     mixed = plan.precision != "fp32"
     comp = dp_compression(plan, dp_ranks)
@@ -210,10 +214,22 @@ UNIT_MODULES = {tuple(unit_modules)!r}
 
 
 {args}
+{kinds_line}
 OUTPUT_SPEC = {code.output_spec!r}
 # The hidden state at every cut, as sizes of the model inputs: receivers size their buffers from
 # the microbatch they hold, so no shape message precedes an activation{"" if code.hidden_shape else " (unknown here: one does)"}.
 HIDDEN_SHAPE = {code.hidden_shape!r}
+
+
+def make_stage(model, tp):
+    """This rank's stages of `model` (pruned in place), running the code above; `tp` is the tensor-parallel
+    context (None when tp = 1). `build` calls it; so does `plan.verify`, with its collectives simulated."""
+    return StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
+                      block_inputs={block_inputs!r}, block_kinds=BLOCK_KINDS,
+                      suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
+                      block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
+                      placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
+                      recompute={c.recompute!r})
 
 
 def build(model_fn, optimizer_fn, loss_fn):
@@ -225,12 +241,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     runtime.step.check_parameters(model, PARAMS)
     full_keys = state_keys(model)
     {f"tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp})  # this rank is tensor slice {me.tp} of {c.tp}" if c.tp > 1 else "tp = None  # tp = 1: the code calls no tensor-parallel collective"}
-    stage = StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
-                       block_inputs={code.block.model_inputs if code.block else ()!r},
-                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
-                       block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
-                       placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
-                       recompute={c.recompute!r})
+    stage = make_stage(model, tp)
 
 {engine}    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
     optimizer = optimizer_fn(engine.optimizer_params() + list(stage.tied.values()))

@@ -128,6 +128,9 @@ class Block:
     first_node: int  # index into OpGraph.nodes
     last_node: int  # inclusive
     param_count: int
+    # blocks of one kind compute the same graph (partitioner.block_kinds); generated code has one
+    # template per kind
+    kind: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

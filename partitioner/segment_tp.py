@@ -14,7 +14,12 @@ Used by `partitioner.segments` while it copies a segment's nodes:
   split dim divided by tp (12 heads -> 12/tp; a fused 3*768 qkv split at 768
   -> split at 768/tp);
 - a model output that is split (vocab-parallel logits) is gathered by
-  `tp_gather`.
+  `tp_gather`;
+- a replicated parameter read by an op on a split activation (a per-head
+  q/k norm's weight, a scale broadcast over heads) is read through
+  `tp_copy`: each rank's gradient for it is only its own heads' share, and
+  f's backward sums the shares over the tensor group (Megatron does the same
+  for the layer norms that see sequence-parallel activations).
 
 The functions named here live in `runtime.tensor_parallel`; the planner must
 not import the runtime, so stand-ins with the same names carry them into the
@@ -56,6 +61,9 @@ def tp_cross_entropy(local_logits, targets, ignore_index, tp):
 def tp_gather(x, dim, tp):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
+
+# Tests switch this off to check that plan.verify catches the partial gradients it prevents.
+SUM_REPLICATED_GRADS = True
 
 RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather")
 
@@ -119,6 +127,33 @@ class TensorParallelRewrite:
             self.env[n].meta = dict(n.meta)
             return True
         return False
+
+    def sum_replicated_grads(self, n: fx.Node, new: fx.Node) -> None:
+        """Read each replicated parameter of an op on split activations through f (see the module docstring):
+        the parameter itself, or a value computed from replicated parameters alone (Gemma's `1 + weight`)."""
+        if self.tp == 1 or not SUM_REPLICATED_GRADS:
+            return
+        if n.name not in self.dims and not any(a.name in self.dims for a in n.all_input_nodes):
+            return
+        for a in n.all_input_nodes:
+            if a.name in self.dims or not self._replicated_parameter_value(a):
+                continue
+            old = self.value(a)
+            if old not in self.param_copies:  # one f per value and segment, placed before its first use
+                with self.graph.inserting_before(new):
+                    self.param_copies[old] = self.graph.create_node("call_function", tp_copy, (old, self.tp_arg),
+                                                                    name=f"{old.name}_f")
+            new.replace_input_with(old, self.param_copies[old])
+
+    def _replicated_parameter_value(self, a: fx.Node) -> bool:
+        """Whether `a` is a replicated parameter, or computed from such parameters (and shapes) alone."""
+        if a in self.src.param:
+            p = self.placements.get(self.src.param[a])
+            return p is None or p.spec == "R"
+        if a.op != "call_function" or self.src.shape_only.get(a, False):
+            return False
+        inputs = [x for x in a.all_input_nodes if not self.src.shape_only.get(x, False)]
+        return bool(inputs) and all(self._replicated_parameter_value(x) for x in inputs)
 
     def resize(self, n: fx.Node, new: fx.Node) -> None:
         """Divide the split dim's size by tp in a copied view, reshape, expand or split of a split tensor."""

@@ -5,7 +5,10 @@ A pipeline stage runs the prefix (stage 0), a run of blocks, and the suffix
 ExportedProgram the tracer captured (the model with its first blocks), and
 writes each as a plain Python function over ATen ops. The block function is
 a template: block 1's graph with its parameter names relative to the block,
-so one function serves every block (the tracer checked they repeat).
+so one function serves every block (the tracer checked they repeat). A stack
+whose blocks are not all alike (alternating sliding-window and full
+attention, a dense layer before MoE layers: `partitioner.block_kinds`) has one
+template per kind of block (`block`, `block_1`, ...).
 
 Only one tensor crosses a cut: the hidden state. Everything else a block
 reads from outside is a parameter or buffer, a model input (every pipeline
@@ -36,9 +39,11 @@ import re
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 from cost_models.errors import PartitionerError
+from partitioner.block_kinds import mutates
 from partitioner.blocks import block_index
 from partitioner.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, unmangle
 
@@ -81,15 +86,32 @@ class ModelCode:
     num_blocks: int
     tp: int
     prefix: Segment
-    block: Segment | None
+    block: Segment | None  # the template of the blocks of kind 0 (of every block in a uniform stack)
     suffix: Segment | None
     output_spec: str  # torch.utils._pytree.treespec_dumps of the model's output structure
     # the hidden state's shape at every cut: an int, or (model input, dim) for a traced size, so a
     # receiving stage knows its buffer without a shape message; None when blocks change it
     hidden_shape: tuple[int | tuple[str, int], ...] | None = None
+    # a stack whose blocks are not all alike (partitioner.block_kinds): the templates of kinds 1, 2, ...
+    # (functions block_1, block_2, ...) and the kind of every block; () when all are kind 0
+    other_blocks: tuple[Segment, ...] = ()
+    block_kinds: tuple[int, ...] = ()
+
+    @property
+    def templates(self) -> tuple[Segment, ...]:
+        """One block function per kind, kind k at index k."""
+        return ((self.block,) if self.block is not None else ()) + self.other_blocks
+
+    def kind_of(self, i: int) -> int:
+        return self.block_kinds[i] if self.block_kinds else 0
+
+    def template(self, i: int) -> Segment | None:
+        """The code block i runs."""
+        return self.templates[self.kind_of(i)] if self.block is not None else None
 
     def block_params(self, i: int) -> tuple[str, ...]:
-        return tuple(n.format(i=i) for _, n in self.block.params) if self.block else ()
+        t = self.template(i)
+        return tuple(n.format(i=i) for _, n in t.params) if t is not None else ()
 
 
 def _argname(name: str) -> str:
@@ -104,6 +126,7 @@ class _Source:
         canonical = {a: p.name for p in g.params for a in (p.name, *p.aliases)}
         self.param: dict[fx.Node, str] = {}
         self.buffer: dict[fx.Node, str] = {}
+        self.const: dict[fx.Node, tuple[str, Any]] = {}
         self.inputs: list[fx.Node] = []
         by_name = {n.name: n for n in self.gm.graph.nodes}
         for spec in ep.graph_signature.input_specs:
@@ -111,8 +134,10 @@ class _Source:
             kind = spec.kind.name
             if kind == "PARAMETER":
                 self.param[node] = canonical.get(spec.target, spec.target)
-            elif kind in ("BUFFER", "CONSTANT_TENSOR"):
+            elif kind == "BUFFER":
                 self.buffer[node] = spec.target
+            elif kind == "CONSTANT_TENSOR":  # a tensor made inside forward (torch.tensor([-1])), lifted by export
+                self.const[node] = (spec.target, ep.constants.get(spec.target))
             elif kind == "USER_INPUT":
                 self.inputs.append(node)
             else:
@@ -123,7 +148,7 @@ class _Source:
         seen_block = False
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
-                self.shape_only[n] = n in self.buffer
+                self.shape_only[n] = n in self.buffer or n in self.const
             elif n.op == "get_attr":  # a nested graph of a higher-order op (a no_grad or autocast region)
                 self.shape_only[n] = True
                 if not isinstance(getattr(self.gm, n.target), fx.GraphModule):
@@ -132,8 +157,8 @@ class _Source:
             elif n.op == "call_function":
                 self.shape_only[n] = n.target is _aten.sym_size.int or \
                     all(self.shape_only[a] for a in n.all_input_nodes)
-                if self.shape_only[n] or not n.users:
-                    continue
+                if self.shape_only[n] or not (n.users or mutates(n)):
+                    continue  # an in-place write into a tensor (x[:, :k] = y) has no users and must stay
                 b = block_index(self._path(n), self.stack) if self.stack is not None else None
                 if b is not None:
                     seen_block = True
@@ -177,6 +202,7 @@ class _Builder(TensorParallelRewrite):
         self.params: dict[str, str] = {}
         self.buffers: dict[str, str] = {}
         self.copies: dict[fx.Node, fx.Node] = {}  # tp_copy per activation (one f per region input)
+        self.param_copies: dict[fx.Node, fx.Node] = {}  # tp_copy per replicated parameter used on split values
         self.tp_arg = self.graph.placeholder("tp")
         if carried is None:
             self.input_names = tuple(n.name for n in src.inputs)
@@ -190,6 +216,7 @@ class _Builder(TensorParallelRewrite):
         self.model_inputs: list[str] = []  # model inputs a block or the suffix reads (every stage has them)
         self.dtype: fx.Node | None = None  # the parameters' dtype at run time, read from dtype_param
         self.dtype_param: fx.Node | None = None
+        self._device: fx.Node | None = None  # the device of this segment's input at run time
 
     def _relative(self, name: str) -> str:
         if self.block is None:
@@ -213,6 +240,9 @@ class _Builder(TensorParallelRewrite):
             return self.env[n]
         if n in self.src.param:
             return self._arg(n, self.src.param[n], self.params)
+        if n in self.src.const:
+            self.env[n] = self._constant(*self.src.const[n])
+            return self.env[n]
         if n in self.src.buffer:
             return self._arg(n, self.src.buffer[n], self.buffers)
         if n in self.src.inputs:  # a model input read after the prefix (labels, an attention mask)
@@ -244,7 +274,7 @@ class _Builder(TensorParallelRewrite):
             return self.value(n.args[0])[n.args[1]]
         sub = next((i for i, a in enumerate(n.args) if isinstance(a, fx.Node) and a.op == "get_attr"), None)
         if sub is None:
-            return self.graph.node_copy(n, self.value)
+            return self._device_neutral(self.graph.node_copy(n, self.value))
         # wrap_with_set_grad_enabled / wrap_with_autocast: (flags..., graph, *inputs). Inlined, the region runs
         # in the caller's grad and autocast mode: the same values wherever (as here) it computes from shapes
         # and buffers, which need no gradient, and no autocast runs around generated code.
@@ -256,10 +286,51 @@ class _Builder(TensorParallelRewrite):
         out: Any = ()
         for x in nested.graph.nodes:
             if x.op == "call_function" and x.users:
-                env[x] = self.graph.node_copy(x, lambda y: env[y])
+                env[x] = self._device_neutral(self.graph.node_copy(x, lambda y: env[y]))
             elif x.op == "output":
                 out = tuple(env[o] if isinstance(o, fx.Node) else o for o in x.args[0])
         return out
+
+    def _device_neutral(self, new: fx.Node) -> fx.Node:
+        """Replace the device the trace ran on (meta, cpu) in a copied node's arguments (a factory's
+        `device=`, `aten.to.device`) by the device of the segment's input at run time: code compiled on
+        meta or CPU must put its positions, masks and tables where its activations are."""
+        if not any(isinstance(a, torch.device) for a in pytree.tree_leaves((new.args, new.kwargs))):
+            return new
+        dev = self._device_node()
+        swap = lambda a: dev if isinstance(a, torch.device) else a  # noqa: E731
+        new.args = pytree.tree_map(swap, new.args)
+        new.kwargs = pytree.tree_map(swap, new.kwargs)
+        return new
+
+    def _device_node(self) -> fx.Node:
+        """`<input>.device`: the device the segment runs on, read from its input at run time."""
+        if self._device is None:
+            anchor = self.env[self.carried] if self.carried is not None else \
+                next((self.env[n] for n in self.src.inputs if isinstance(n.meta.get("val"), torch.Tensor)), None)
+            if anchor is None:
+                raise SegmentError(f"the {self.name} creates tensors on a device but has no tensor input to take "
+                                   "the device from")
+            with self.graph.inserting_after(anchor):
+                self._device = self.graph.call_function(getattr, (anchor, "device"))
+        return self._device
+
+    def _constant(self, target: str, value: Any) -> fx.Node:
+        """A tensor the forward made itself (lifted by export): written into the code as a literal on the
+        segment's device. Looking it up on the user's module by its exported name would fail (it is no
+        attribute of the module), and a large one does not belong in generated source."""
+        if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+            raise SegmentError(f"the {self.name} reads {target}, a tensor made inside forward whose value the "
+                               "trace did not keep (traced under a meta default device?); trace with the model "
+                               "on meta but outside `with torch.device('meta')`")
+        if value.numel() > _MAX_CONSTANT:
+            raise SegmentError(f"the {self.name} reads {target}, a tensor of {value.numel()} elements made inside "
+                               f"forward; stage code carries such constants only up to {_MAX_CONSTANT} elements: "
+                               "register it as a buffer of its module (register_buffer) instead")
+        node = self.graph.call_function(torch.tensor, (value.tolist(),),
+                                        {"dtype": value.dtype, "device": self._device_node()})
+        node.meta = {"val": value}
+        return node
 
     def copy(self, n: fx.Node) -> None:
         """Copy member `n` into the segment: in its tensor-parallel form, or plain (casts retargeted,
@@ -277,6 +348,7 @@ class _Builder(TensorParallelRewrite):
             else:
                 new.args = (new.args[0], self.dtype, *new.args[2:])
         self.resize(n, new)
+        self.sum_replicated_grads(n, new)
         self.env[n] = new
 
     def _to_param_dtype(self, n: fx.Node) -> bool:
@@ -303,6 +375,8 @@ class _Builder(TensorParallelRewrite):
         return Segment(name=self.name, source=src, inputs=self.input_names, model_inputs=tuple(self.model_inputs),
                        params=tuple(self.params.items()), buffers=tuple(self.buffers.items()))
 
+
+_MAX_CONSTANT = 256  # elements of a forward-made constant written into generated code
 
 _KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS}
 
@@ -352,17 +426,28 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
     run(b, pre)
     prefix = b.finish(b.value(hidden))
 
-    # the block template: block 1 when traced, else block 0
-    t = 1 if len(blocks) > 1 else 0
-    members = src.members(blocks[t])
-    reads, outs = src.crossing(members)
-    if len(reads) != 1 or len(outs) != 1:
-        raise SegmentError(f"block {t} of {src.stack} reads {sorted(r.name for r in reads)} and hands on "
-                           f"{sorted(o.name for o in outs)} across its boundary; a pipeline cut passes exactly one tensor")
-    (x_in,), (x_out,) = reads, outs
-    b = _Builder(src, "block", carried=x_in, block=blocks[t], **kw)
-    run(b, members)
-    block = b.finish(b.value(x_out))
+    # one template per kind of block (partitioner.block_kinds): its second traced block when there is
+    # one (the tracer may lower the first block differently), else its first
+    kinds = tuple(b.kind for b in g.blocks) if g.blocks else ()
+    kinds = kinds if len(set(kinds)) > 1 else ()
+    templates: list[Segment] = []
+    cuts: list[fx.Node] = [hidden]
+    for k in sorted(set(kinds)) if kinds else [0]:
+        of_kind = [b for b in blocks if (kinds[b] if kinds else 0) == k]
+        if not of_kind:
+            raise SegmentError(f"no traced block of kind {k} in {src.stack}: trace the model with every block")
+        t = of_kind[1] if len(of_kind) > 1 else of_kind[0]
+        members = src.members(t)
+        reads, outs = src.crossing(members)
+        if len(reads) != 1 or len(outs) != 1:
+            raise SegmentError(f"block {t} of {src.stack} reads {sorted(r.name for r in reads)} and hands on "
+                               f"{sorted(o.name for o in outs)} across its boundary; a pipeline cut passes exactly "
+                               "one tensor")
+        (x_in,), (x_out,) = reads, outs
+        b = _Builder(src, "block" if k == 0 else f"block_{k}", carried=x_in, block=t, **kw)
+        run(b, members)
+        templates.append(b.finish(b.value(x_out)))
+        cuts += [x_in, x_out]
 
     last = src.members(blocks[-1])
     _, (last_out, *more) = src.crossing(last)
@@ -377,8 +462,8 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
     run(b, suf)
     suffix = b.finish(tuple(b.output(x) for x in flat_out))
     return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
-                     prefix=prefix, block=block, suffix=suffix, output_spec=spec,
-                     hidden_shape=_hidden_shape(src, hidden, x_in, x_out))
+                     prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec,
+                     hidden_shape=_hidden_shape(src, *cuts), other_blocks=tuple(templates[1:]), block_kinds=kinds)
 
 
 def _hidden_shape(src: _Source, *values: fx.Node) -> tuple[int | tuple[str, int], ...] | None:

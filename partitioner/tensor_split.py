@@ -654,9 +654,12 @@ def _nbytes(n: OpNode) -> Poly:
 
 def _collectives(ctx: _Context, res: _Pass) -> tuple[TPCollective, ...]:
     """Megatron's f (identity forward, all-reduce backward) before each region's column matmuls
-    and g (all-reduce forward) after each row matmul; the vocab embedding's and head's."""
+    and on each replicated parameter used inside the region, g (all-reduce forward) after each row
+    matmul; the vocab embedding's and head's."""
     out: list[tuple[int, TPCollective]] = []
     pos = {n.name: i for i, n in enumerate(ctx.g.nodes)}
+    pbytes = {p.name: p.nbytes for p in ctx.g.params}
+    from_params = _parameter_values(ctx)
     for reg in res.regions:
         seen: set[str] = set()
         for a in reg.producers:
@@ -666,6 +669,14 @@ def _collectives(ctx: _Context, res: _Pass) -> tuple[TPCollective, ...]:
             seen.add(act)
             out.append((pos[a], TPCollective(node=a, phase="backward", kind="all_reduce",
                                              bytes=_nbytes(ctx.node[act]), what="column input gradient (f)")))
+        for x in reg.nodes:  # replicated parameters applied to split activations: their gradient is summed
+            if x in reg.producers or x in reg.rows:
+                continue
+            derived = [p for i in ctx.node[x].inputs if i not in res.state for p in from_params.get(i, ())]
+            for p in dict.fromkeys([*ctx.node[x].params, *derived]):
+                out.append((pos[x], TPCollective(node=x, phase="backward", kind="all_reduce",
+                                                 bytes=Poly.const(pbytes[p]),
+                                                 what=f"gradient of replicated {p} on split activations (f)")))
         for b in reg.rows:
             out.append((pos[b], TPCollective(node=b, phase="forward", kind="all_reduce",
                                              bytes=_nbytes(ctx.node[b]), what="row-parallel output (g)")))
@@ -679,6 +690,16 @@ def _collectives(ctx: _Context, res: _Pass) -> tuple[TPCollective, ...]:
         out.append((pos[e], TPCollective(node=e, phase="forward", kind="all_reduce", bytes=_nbytes(ctx.node[e]),
                                          what="vocab-parallel embedding output")))
     return tuple(c for _, c in sorted(out, key=lambda x: x[0]))
+
+
+def _parameter_values(ctx: _Context) -> dict[str, tuple[str, ...]]:
+    """Nodes computed from parameters alone (Gemma's `1 + weight`), each with those parameters."""
+    out: dict[str, tuple[str, ...]] = {}
+    for n in ctx.g.nodes:  # topological order
+        if n.op in _NEW or not (n.params or n.inputs) or any(i not in out for i in n.inputs):
+            continue
+        out[n.name] = tuple(dict.fromkeys([*n.params, *(p for i in n.inputs for p in out[i])]))
+    return out
 
 
 def _divisors(ctx: _Context, res: _Pass) -> tuple[tuple[str, int], ...]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from cost_models.errors import TraceError
+from partitioner.block_kinds import attribute_kinds, graph_kinds, recording
 from partitioner.blocks import TRACED_BLOCKS, Costed, LayerStack, NotRepeating, block_index, expand, find_layer_stack, truncated
 from partitioner.capture import Capture, RawSpec, capture
 from partitioner.op_rules import known_op, op_cost
@@ -60,10 +61,17 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
 
     stack = find_layer_stack(model)
     leaf = tuple(leaf_modules)
-    costed, cap, expanded_from = None, None, None
+    costed, cap, expanded_from, kinds = None, None, None, None
     if expand_repeated and stack is not None and stack.uniform and stack.size > TRACED_BLOCKS:
+        reads: set[tuple[str, str]] = set()
         try:
-            cap = _capture(truncated(model, stack, TRACED_BLOCKS), args, kwargs, method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
+            cap = _capture(truncated(model, stack, TRACED_BLOCKS, wrap=lambda b: recording(b, reads)), args, kwargs,
+                           method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
+            kinds = attribute_kinds(model, stack, reads)
+            if len(set(kinds)) > 1:
+                # blocks differ in what their code reads (a sliding window on some layers): copying
+                # block 1 to them would be silently wrong
+                raise NotRepeating(f"blocks differ in attributes their code reads: {sorted(reads)[:5]}")
             costed = expand(_cost(cap, model, stack, seq), stack)
             expanded_from = TRACED_BLOCKS
         except (TraceError, NotRepeating):
@@ -71,10 +79,25 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     if costed is None:
         cap = _capture(model, args, kwargs, method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
         costed = _cost(cap, model, stack, seq)
+        kinds = _full_trace_kinds(cap, model, stack)
     unknown = sorted({n.op for n in costed if not known_op(n.op)})
     if unknown:
         warnings.warn(f"trace: no cost rule for {unknown}; counted as one FLOP per output element", stacklevel=2)
-    return _assemble(costed, cap, model, stack, traced_b, seq, expanded_from)
+    return _assemble(costed, cap, model, stack, traced_b, seq, expanded_from, kinds)
+
+
+def _full_trace_kinds(cap: Capture, model: nn.Module, stack: LayerStack | None) -> tuple[int, ...] | None:
+    """Block kinds from a graph holding every block (export); from structure alone under fx, whose
+    graphs feed no generated code."""
+    if stack is None:
+        return None
+    if isinstance(cap.graph_module, torch.export.ExportedProgram):
+        canonical: dict[str, str] = {}
+        first: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical[name] = first.setdefault(id(p), name)
+        return graph_kinds(cap.graph_module, stack, stack.size, canonical)
+    return attribute_kinds(model, stack, set())
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, **kw) -> Capture:
@@ -181,7 +204,7 @@ def _cost(cap: Capture, model: nn.Module, stack: LayerStack | None, seq: int | N
 
 
 def _assemble(costed: list[Costed], cap: Capture, model: nn.Module, stack: LayerStack | None,
-              traced_b: int, seq: int | None, expanded_from: int | None) -> OpGraph:
+              traced_b: int, seq: int | None, expanded_from: int | None, kinds: tuple[int, ...] | None) -> OpGraph:
     # Tied parameters: one tensor, several names; the first name is canonical.
     by_id: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -234,7 +257,8 @@ def _assemble(costed: list[Costed], cap: Capture, model: nn.Module, stack: Layer
             idx = [k for k, b in enumerate(blocks_of) if b == i]
             blocks.append(Block(index=i, name=f"{stack.path}.{i}" if stack.path else str(i), module_type=stack.module_type,
                                 first_node=idx[0], last_node=idx[-1],
-                                param_count=sum(nodes[k].param_count for k in idx)))
+                                param_count=sum(nodes[k].param_count for k in idx),
+                                kind=kinds[i] if kinds and i < len(kinds) else 0))
     buffers = {id(b): b for b in model.buffers()}
     dtypes = [p.dtype for p in tensors.values()]
     dtype = str(max(set(dtypes), key=dtypes.count)).removeprefix("torch.") if dtypes else "float32"

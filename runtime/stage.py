@@ -49,17 +49,22 @@ class StageModel:
     """Prunes `model` in place to this rank's stages; `self.module` is what the engine wraps."""
 
     def __init__(self, model: nn.Module, *, functions: Mapping[str, Callable], stack: str | None,
-                 input_names: Sequence[str], block_inputs: Sequence[str] = (), suffix_inputs: Sequence[str] = (),
-                 prefix_args: Sequence[tuple[str, str]], block_args: Sequence[tuple[str, str]],
+                 input_names: Sequence[str], block_inputs: Sequence[Sequence[str]] = (),
+                 block_kinds: Sequence[int] = (), suffix_inputs: Sequence[str] = (),
+                 prefix_args: Sequence[tuple[str, str]], block_args: Sequence[Sequence[tuple[str, str]]],
                  suffix_args: Sequence[tuple[str, str]], output_spec: str | None, stages: Mapping[int, StageSpec],
                  placements: Mapping[str, tuple[str, int]], tied: Sequence[str], tp: Any = None,
                  tp_rank: int = 0, tp_world: int = 1, recompute: str = "none"):
         self.module, self.functions, self.stack, self.stages = model, dict(functions), stack, dict(stages)
-        self.prefix_args, self.block_args, self.suffix_args = tuple(prefix_args), tuple(block_args), tuple(suffix_args)
+        # per kind of block (kind 0 runs functions["block"], kind k functions[f"block_{k}"]): its
+        # parameter arguments and the model inputs it reads; block_kinds: the kind of every block
+        self.prefix_args, self.block_args, self.suffix_args = tuple(prefix_args), \
+            tuple(tuple(a) for a in block_args), tuple(suffix_args)
+        self.block_kinds = tuple(block_kinds)
         self.out_spec = pytree.treespec_loads(output_spec) if output_spec else None
         self.tp, self.recompute = tp, recompute
-        self.input_names, self.block_inputs, self.suffix_inputs = tuple(input_names), tuple(block_inputs), \
-            tuple(suffix_inputs)
+        self.input_names, self.block_inputs, self.suffix_inputs = tuple(input_names), \
+            tuple(tuple(x) for x in block_inputs), tuple(suffix_inputs)
         self.cast: torch.dtype | None = None  # mixed precision: tied parameters enter the code in this dtype
 
         blocks = sorted({i for a, b, _, _ in self.stages.values() for i in range(a, b)})
@@ -70,7 +75,7 @@ class StageModel:
             if suf:
                 need |= {n for _, n in self.suffix_args}
             for i in range(a, b):
-                need |= {n.format(i=i) for _, n in self.block_args}
+                need |= {n.format(i=i) for _, n in self.block_args[self.kind(i)]}
         aliases: dict[int, list[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(n)
@@ -124,9 +129,13 @@ class StageModel:
     def _args(self, table: Sequence[tuple[str, str]], i: int | None = None) -> dict[str, torch.Tensor]:
         return {a: self._get(n if i is None else n.format(i=i)) for a, n in table}
 
+    def kind(self, i: int) -> int:
+        return self.block_kinds[i] if self.block_kinds else 0
+
     def _block(self, i: int, x: torch.Tensor, **model_inputs: Any) -> torch.Tensor:
-        return run_recomputed(self.recompute, self.functions["block"], self.tp, x, **model_inputs,
-                              **self._args(self.block_args, i))
+        k = self.kind(i)
+        fn = self.functions["block" if k == 0 else f"block_{k}"]
+        return run_recomputed(self.recompute, fn, self.tp, x, **model_inputs, **self._args(self.block_args[k], i))
 
     def named_inputs(self, inputs: Any) -> dict[str, Any]:
         """A microbatch's model inputs by the forward's argument names (a dict, a tuple, or one tensor)."""
@@ -145,9 +154,8 @@ class StageModel:
         if pre:
             x = self.functions["prefix"](self.tp, *(named[n] for n in self.input_names), **self._args(self.prefix_args))
         container = self.module.get_submodule(self.stack) if self.stack is not None else None
-        extra = {f"input_{n}": named[n] for n in self.block_inputs}
         for i in range(a, b):
-            x = container[i](x, **extra)
+            x = container[i](x, **{f"input_{n}": named[n] for n in self.block_inputs[self.kind(i)]})
         if suf and "suffix" in self.functions:
             x = self.functions["suffix"](self.tp, x, **{f"input_{n}": named[n] for n in self.suffix_inputs},
                                          **self._args(self.suffix_args))
