@@ -54,6 +54,10 @@ class GPTConfig:
     """Dropout probability on embeddings, attention weights and residual branches."""
     bias: bool = True
     """Bias in Linears and LayerNorms, like GPT-2. False is a bit better and faster."""
+    local_window: int | None = None
+    """When set, blocks 1, 3, 5, ... attend only to the last ``local_window`` positions (locally
+    banded attention, alternating with dense blocks as in GPT-3, Brown et al. 2020 sec. 2.1);
+    None (default): every block attends to the whole causal context. No parameters change."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -64,6 +68,8 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.local_window is not None and self.local_window < 1:
+            raise ValueError(f"local_window must be None or >= 1 (positions a local block sees), got {self.local_window}")
 
 
 def _nearest_divisor(n: int, near: int) -> int:
@@ -85,7 +91,7 @@ class LayerNorm(nn.Module):
 
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, window: int | None = None):
         super().__init__()
         assert config.n_embd % config.n_head == 0
         # key, query, value projections for all heads, in a batch
@@ -98,6 +104,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
+        self.window = window  # None: dense causal attention; w: each position sees the last w positions
         # causal mask to ensure that attention is only applied to the left in the input sequence
         self.register_buffer(
             "bias",
@@ -118,7 +125,10 @@ class CausalSelfAttention(nn.Module):
         # manual implementation of attention
         # causal self-attention; Self-attend: (B, nh, T, hs) x (B, nh, hs, T) -> (B, nh, T, T)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        mask = self.bias[:, :, :T, :T]  # (1, 1, T, T), 1 on and below the diagonal
+        if self.window is not None:
+            mask = mask.triu(1 - self.window)  # and 0 more than window - 1 positions back
+        att = att.masked_fill(mask == 0, float("-inf"))
         att = F.softmax(att, dim=-1)
         att = self.attn_dropout(att)
         y = att @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
@@ -148,10 +158,10 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, window: int | None = None):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, window)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -174,7 +184,7 @@ class GPT(nn.Module):
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.block_size, config.n_embd),
                 drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                h=nn.ModuleList([Block(config, config.local_window if i % 2 else None) for i in range(config.n_layer)]),
                 ln_f=LayerNorm(config.n_embd, bias=config.bias),
             )
         )

@@ -20,6 +20,16 @@ changes what a block computes:
 
 >>> attribute_kinds(gemma3, stack, reads)      # doctest: +SKIP
 (0, 1, 0, 1)
+
+Kinds that repeat (`find_repeat`) let the tracer trace a few blocks and copy
+the rest (partitioner.blocks.expand):
+
+>>> find_repeat((0, 1, 0, 1, 0, 1, 0, 1))
+Repeat(offset=0, period=2)
+>>> find_repeat((0, 1, 1, 1, 1))
+Repeat(offset=1, period=1)
+>>> find_repeat((0, 0, 0, 0, 1)) is None        # only the last block differs: trace every block
+True
 """
 
 from __future__ import annotations
@@ -31,9 +41,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from partitioner.blocks import LayerStack, block_index
+from partitioner.blocks import TRACED_BLOCKS, LayerStack, Repeat, block_index
 
-__all__ = ["Reads", "recording", "attribute_kinds", "graph_kinds", "number_kinds"]
+__all__ = ["Reads", "recording", "attribute_kinds", "likely_kinds", "find_repeat", "graph_kinds", "number_kinds"]
 
 # (module path inside the block, attribute name): attributes the traced forward read
 Reads = set[tuple[str, str]]
@@ -79,14 +89,17 @@ def recording(block: nn.Module, reads: Reads, rel: str = "") -> nn.Module:
 
 
 def _value_key(v: Any) -> Any:
-    """A comparable stand-in for an attribute's value: plain data by value, tensors by content, any
-    other object by identity (a config shared by every block is one object)."""
+    """A comparable stand-in for an attribute's value: plain data by value, tensors by content,
+    functools.partial by its function and arguments, any other object by identity (a config shared by
+    every block is one object)."""
     if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
         return (type(v).__name__, v)
     if isinstance(v, (tuple, list, frozenset)):
         return (type(v).__name__, tuple(_value_key(x) for x in v))
     if isinstance(v, dict):
         return ("dict", tuple(sorted((str(k), _value_key(x)) for k, x in v.items())))
+    if isinstance(v, functools.partial):  # HF's GELUTanh: one partial(gelu, approximate="tanh") per block
+        return ("partial", _value_key(v.func), _value_key(v.args), _value_key(v.keywords))
     if isinstance(v, torch.Tensor):
         if v.device.type == "meta":
             return ("tensor", tuple(v.shape), str(v.dtype), id(v))
@@ -117,6 +130,37 @@ def attribute_kinds(model: nn.Module, stack: LayerStack, reads: Reads) -> tuple[
             vals.append(_value_key(sub.__dict__[name]) if name in sub.__dict__ else ("missing",))
         keys.append((_structure(block), tuple(vals)))
     return number_kinds(keys)
+
+
+def likely_kinds(model: nn.Module, stack: LayerStack) -> tuple[int, ...]:
+    """A guess at the kinds before anything is traced, to trace enough blocks at the first attempt: the
+    structure and every plain attribute of the blocks' modules whose values along the stack repeat by
+    themselves (`sliding_window` alternating 4, None, ...; not `layer_idx`, 0 1 2 ..., which no
+    repeated block could share). An attribute the code never reads can only make the tracer trace more
+    blocks than needed; what is copied is decided by `attribute_kinds` from what the code read."""
+    blocks = list(model.get_submodule(stack.path))
+    attrs = [{(rel, name): v for rel, sub in b.named_modules() for name, v in vars(sub).items()
+              if not name.startswith("_") and name != "training"} for b in blocks]
+    columns = [number_kinds([_value_key(a[key]) if key in a else ("missing",) for a in attrs])
+               for key in sorted(set().union(*attrs))]
+    return number_kinds(list(zip(number_kinds([_structure(b) for b in blocks]),
+                                 *(c for c in columns if find_repeat(c) is not None))))
+
+
+def find_repeat(kinds: tuple[int, ...]) -> Repeat | None:
+    """The offset o and period p with kinds[i] == kinds[i + p] for every i >= o, whole super-blocks
+    ((N - o) % p == 0) and fewer traced blocks than N (o + 3p < N), tracing the fewest blocks (then the
+    shortest period); None when there is none. (0, 0, 0, 0) is Repeat(offset=0, period=1)."""
+    n = len(kinds)
+    best: tuple[int, int, Repeat] | None = None
+    for p in range(1, (n - 1) // TRACED_BLOCKS + 1):
+        differ = [i for i in range(n - p) if kinds[i] != kinds[i + p]]
+        o = differ[-1] + 1 if differ else 0
+        o += (n - o) % p  # a whole number of super-blocks after the head; kinds stay periodic
+        r = Repeat(offset=o, period=p)
+        if r.fits(kinds) and (best is None or (r.traced, p) < best[:2]):
+            best = (r.traced, p, r)
+    return best[2] if best else None
 
 
 # ---------------------------------------------------------------- kinds from a full trace

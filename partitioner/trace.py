@@ -2,10 +2,12 @@
 
     capture   torch.export or torch.fx, shapes symbolic in batch and sequence
     cost      per-op FLOPs, bytes and saved activations (op_rules)
-    expand    copy a three-block trace to every block of the layer stack (blocks)
+    expand    copy a trace of the first blocks to every block of the layer stack (blocks):
+              three when the stack is uniform, o + 3p when its kinds repeat with period p after
+              o head blocks (block_kinds.find_repeat)
     assign    resolve tied parameters, give each to its first user, mark blocks
 
-Pure: the user's module is never modified (the three-block model is a shallow
+Pure: the user's module is never modified (the truncated model is a shallow
 copy), and nothing is cached between calls.
 """
 
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from cost_models.errors import TraceError
-from partitioner.block_kinds import attribute_kinds, graph_kinds, recording
+from partitioner.block_kinds import attribute_kinds, find_repeat, graph_kinds, likely_kinds, recording
 from partitioner.blocks import TRACED_BLOCKS, Costed, LayerStack, NotRepeating, block_index, expand, find_layer_stack, truncated
 from partitioner.capture import Capture, RawSpec, capture
 from partitioner.op_rules import known_op, op_cost
@@ -36,8 +38,9 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     Batch is dimension 0 of every tensor input; for integer token inputs
     dimension 1 is the sequence. `method` forces torch.export or torch.fx
     ("auto" tries export, then fx). `expand_repeated` traces three blocks of
-    a uniform layer stack and copies them (much faster for deep models; the
-    result equals a full trace). `leaf_modules` keeps modules of those
+    a uniform layer stack, or three periods of one whose kinds of block repeat,
+    and copies them (much faster for deep models; the result equals a full
+    trace). `leaf_modules` keeps modules of those
     classes whole (fx only). Works with a model on the meta device.
 
     >>> g = trace(gpt_small(), (tokens,))                # doctest: +SKIP
@@ -62,18 +65,10 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     stack = find_layer_stack(model)
     leaf = tuple(leaf_modules)
     costed, cap, expanded_from, kinds = None, None, None, None
-    if expand_repeated and stack is not None and stack.uniform and stack.size > TRACED_BLOCKS:
-        reads: set[tuple[str, str]] = set()
+    if expand_repeated and stack is not None and not stack.shared and stack.size > TRACED_BLOCKS:
         try:
-            cap = _capture(truncated(model, stack, TRACED_BLOCKS, wrap=lambda b: recording(b, reads)), args, kwargs,
-                           method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
-            kinds = attribute_kinds(model, stack, reads)
-            if len(set(kinds)) > 1:
-                # blocks differ in what their code reads (a sliding window on some layers): copying
-                # block 1 to them would be silently wrong
-                raise NotRepeating(f"blocks differ in attributes their code reads: {sorted(reads)[:5]}")
-            costed = expand(_cost(cap, model, stack, seq), stack)
-            expanded_from = TRACED_BLOCKS
+            costed, cap, kinds, expanded_from = _expanded(model, stack, args, kwargs, seq, method=method,
+                                                          dynamic_seq=dynamic_seq, leaf_modules=leaf)
         except (TraceError, NotRepeating):
             costed = None  # the model does not repeat, or its forward needs every block: trace all of it
     if costed is None:
@@ -84,6 +79,34 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     if unknown:
         warnings.warn(f"trace: no cost rule for {unknown}; counted as one FLOP per output element", stacklevel=2)
     return _assemble(costed, cap, model, stack, traced_b, seq, expanded_from, kinds)
+
+
+def _expanded(model: nn.Module, stack: LayerStack, args: tuple, kwargs: dict, seq: int | None,
+              **kw) -> tuple[list[Costed], Capture, tuple[int, ...], int]:
+    """Trace the first blocks of the stack and copy them to all of it: (nodes, capture, block kinds,
+    blocks traced). Raises NotRepeating when the kinds do not repeat or the copy would differ.
+
+    How many blocks to trace follows from how the kinds repeat (Repeat, block_kinds.find_repeat):
+    guessed from the structure and the attributes that repeat along the stack (block_kinds.likely_kinds:
+    3 blocks for a uniform stack, 4 for a dense layer before MoE ones, 6 for alternating attention),
+    then checked against the kinds from the attributes the traced code read (attribute_kinds). When
+    those do not repeat that way, the blocks they need are traced once more, recording again. Blocks
+    that differ in an attribute their code reads are never copied onto one another.
+    """
+    by_structure = find_repeat(attribute_kinds(model, stack, set()))
+    if by_structure is None:
+        raise NotRepeating(f"the blocks of {stack.path or 'the model'} differ in structure and do not repeat")
+    repeat = find_repeat(likely_kinds(model, stack)) or by_structure
+    for _ in range(2):
+        reads: set[tuple[str, str]] = set()
+        cap = _capture(truncated(model, stack, repeat.traced, wrap=lambda b: recording(b, reads)), args, kwargs, **kw)
+        kinds = attribute_kinds(model, stack, reads)
+        if repeat.fits(kinds):
+            return expand(_cost(cap, model, stack, seq), stack, repeat), cap, kinds, repeat.traced
+        repeat = find_repeat(kinds)  # the code read attributes the guess missed: trace the blocks they need
+        if repeat is None:
+            raise NotRepeating(f"blocks differ in attributes their code reads ({sorted(reads)[:5]}) and do not repeat")
+    raise NotRepeating(f"block kinds {kinds} need a different number of blocks with each trace")
 
 
 def _full_trace_kinds(cap: Capture, model: nn.Module, stack: LayerStack | None) -> tuple[int, ...] | None:

@@ -250,6 +250,134 @@ def test_gpt3_175b_on_meta_traces_without_allocating_parameters():
     assert g.flops(batch_size=1536) == pytest.approx(megatron_flops(1536, 2048, 96, 12288, 51200), rel=0.02)
 
 
+# ---------------------------------------------------------------- stacks of several kinds
+
+
+class WindowAttention(nn.Module):
+    """Causal self-attention; with `window` set, each position sees only the last `window` positions."""
+
+    def __init__(self, d: int, window: int | None):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.window = window
+        self._sharper = False  # a private attribute: not recorded (see test_a_difference_no_read_shows...)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # (B, T, C) each
+        att = q @ k.transpose(-2, -1) / C**0.5  # (B, T, T)
+        if self._sharper:
+            att = att * 2.0
+        i = torch.arange(T, device=x.device)
+        keep = i[None, :] <= i[:, None]
+        if self.window is not None:
+            keep = keep & (i[:, None] - i[None, :] < self.window)
+        return self.proj(att.masked_fill(~keep, float("-inf")).softmax(-1) @ v)
+
+
+class Mixture(nn.Module):
+    """A dense mixture of `n` experts (every expert runs, weighted by the router)."""
+
+    def __init__(self, d: int, n: int):
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        w = self.router(x).softmax(-1)  # (B, T, n)
+        return sum(w[..., e : e + 1] * f(x) for e, f in enumerate(self.experts))
+
+
+class Layer(nn.Module):
+    """One class for every layer: `window` (read by the attention) and `experts` (a different MLP)
+    change what it computes; `tag` is set per layer and never read, like HF's layer_idx without a cache."""
+
+    def __init__(self, d: int, window: int | None, experts: int, tag: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = WindowAttention(d, window)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) if not experts \
+            else Mixture(d, experts)
+        self.tag = tag
+
+    def forward(self, x):
+        x = x + self.attn(self.ln(x))
+        return x + self.mlp(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, windows: list[int | None], experts: list[int], d: int = 32, vocab: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Layer(d, w, e, tag=i) for i, (w, e) in enumerate(zip(windows, experts)))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+STACKS = {  # name: (windows, experts, kinds, blocks traced by the fast trace; None: every block)
+    "uniform, tag never read": ([None] * 5, [0] * 5, (0,) * 5, 3),
+    "alternating windows": ([4, None] * 5, [0] * 10, (0, 1) * 5, 6),
+    "dense head": ([None] * 6, [0] + [2] * 5, (0,) + (1,) * 5, 4),
+    "dense head, alternating": ([None] + [4, None] * 5, [0] + [2] * 10, (0,) + (1, 2) * 5, 7),
+    "window on the last block": ([None] * 5 + [4], [0] * 6, (0,) * 5 + (1,), None),
+    "windows not a whole period": ([4, None] * 3 + [4], [0] * 7, (0, 1) * 3 + (0,), None),
+}
+
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_stacks_of_several_kinds_copy_like_a_full_trace(name):
+    """Periodic kinds are traced for three periods after the head and copied; the copy equals a full trace
+    node by node, kinds included. Kinds that do not repeat (a window on the last block only) are traced whole."""
+    windows, experts, kinds, traced = STACKS[name]
+    torch.manual_seed(0)
+    model = Stack(windows, experts)
+    tokens = torch.randint(0, 64, (2, 8))
+    fast, full = trace(model, (tokens,)), trace(model, (tokens,), expand_repeated=False)
+    assert fast.expanded_from == traced and full.expanded_from is None
+    assert tuple(b.kind for b in fast.blocks) == tuple(b.kind for b in full.blocks) == kinds
+    same_graph(fast, full)
+    if traced:  # copies are named after their block
+        assert any(n.name.endswith(f"__{len(windows) - 1}") and n.block == len(windows) - 1 for n in fast.nodes)
+
+
+def test_a_difference_no_read_shows_is_caught_by_comparing_super_blocks():
+    """Block 4 differs only through a private attribute, which recording does not note: the kinds look
+    periodic (0 1 0 1 ...), but super-block 2 (blocks 4, 5) computes another graph than super-block 1, so
+    nothing is copied; the full trace finds block 4's kind from its graph."""
+    torch.manual_seed(0)
+    model = Stack([4, None] * 5, [0] * 10)
+    model.layers[4].attn._sharper = True
+    tokens = torch.randint(0, 64, (2, 8))
+    fast, full = trace(model, (tokens,)), trace(model, (tokens,), expand_repeated=False)
+    assert fast.expanded_from is None
+    assert tuple(b.kind for b in fast.blocks) == (0, 1, 0, 1, 2, 1, 0, 1, 0, 1)
+    same_graph(fast, full)
+
+
+@pytest.mark.parametrize("kinds,repeat", [
+    ((0, 0, 0, 0), (0, 1)),
+    ((0, 0, 0), None),  # as many blocks as a trace of three
+    ((0, 1) * 4, (0, 2)),
+    ((0,) + (1,) * 4, (1, 1)),
+    ((0,) + (1, 2) * 4, (1, 2)),
+    ((0, 1) * 3 + (0,), None),  # 7 blocks: a head of one and three periods of two trace all of them
+    ((0, 1) * 5 + (0,), (1, 2)),
+    ((0,) * 6 + (1,), None),
+    ((0, 1, 2) * 4, (0, 3)),
+])
+def test_find_repeat_traces_the_fewest_blocks(kinds, repeat):
+    from partitioner.block_kinds import find_repeat
+
+    found = find_repeat(kinds)
+    assert (found.offset, found.period) == repeat if repeat else found is None
+
+
 # ---------------------------------------------------------------- errors and printing
 
 
