@@ -123,6 +123,8 @@ def _compile(args: argparse.Namespace) -> int:
                    **_plan_options(args))
     plan = dataclasses.replace(plan, model_source=args.model)  # so `partitioner run` needs no --model
     dt = time.perf_counter() - t0
+    if args.verify:
+        _info(str(_verify(args, plan, model, inputs)))
     if args.output:
         plan.save(args.output)
     if args.programs:
@@ -139,6 +141,28 @@ def _compile(args: argparse.Namespace) -> int:
                      f"{_LOOPBACK} -m runtime.run {args.programs}/plan.json --model {args.model})")
     print(f"\ncompiled in {dt:.2f} s" + "".join("; " + w for w in wrote))
     return EXIT_OK
+
+
+def _verify(args: argparse.Namespace, plan: Any, model: Any, inputs: tuple[Any, ...]) -> Any:
+    """compile --verify: as compile(..., verify=True), on a copy of the model; a model built on meta (--device
+    meta) is built again on the CPU from its factory, with random token ids for inputs."""
+    import copy
+
+    import torch
+
+    from partitioner.loading import load_module
+    from runtime.verify import MAX_VERIFY_ELEMENTS, num_parameters
+
+    if not any(p.is_meta for p in model.parameters()):
+        return plan.verify(lambda: copy.deepcopy(model), inputs)
+    n = num_parameters(plan)
+    if n > MAX_VERIFY_ELEMENTS:
+        raise DeclarationError(f"--verify: {args.model} has {n:.3g} parameter elements; verifying builds it "
+                               f"pp * tp + 1 times on the CPU (over {MAX_VERIFY_ELEMENTS:.3g} is refused): verify "
+                               "a smaller configuration of the same model code, or drop --verify")
+    module, name = load_module(args.model)
+    factory = getattr(module, name)
+    return plan.verify((lambda: copy.deepcopy(factory)) if isinstance(factory, torch.nn.Module) else factory)
 
 
 def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,7 +271,7 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
     _info(f"training {args.steps} steps of {spec} on {plan.world_size} local processes ({plan.config})")
     try:
         res = launch_local(plan, model_fn, optimizer_fn, loss_fn, batches, timeout_s=args.timeout_s,
-                           programs=sources)
+                           programs=sources, verify=not args.no_verify)
     except LaunchError as exc:
         raise RunFailed(f"the run failed: {exc}") from exc
     if args.save:
@@ -431,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--programs", default=None, metavar="DIR",
                    help="write plan.json and one program per rank (rank_R.py) into DIR, for runtime.run")
     c.add_argument("--explain", action="store_true", help="also print why this plan won")
+    c.add_argument("--verify", action="store_true",
+                   help="run the chosen plan's generated code in this process against the model (plan.verify) and "
+                        "fail where they differ")
     c.set_defaults(func=_compile)
 
     sh = command("show", "print a saved plan, or one rank's program",
@@ -462,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(default: the model module's example_batch)")
     r.add_argument("--save", default=None, metavar="FILE", help="write the trained parameters here")
     r.add_argument("--print-command", action="store_true", help="print the torchrun command even for a local plan")
+    r.add_argument("--no-verify", action="store_true",
+                   help="skip checking the programs' model code against the model before spawning (plan.verify)")
     r.set_defaults(func=_run)
 
     a = command("autotune", "compile, measure the best candidates, recalibrate, keep the fastest",

@@ -91,7 +91,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
-            async_sgd: dict[str, int] | None = None, stage_bounds: Sequence[int] | None = None) -> Plan:
+            async_sgd: dict[str, int] | None = None, stage_bounds: Sequence[int] | None = None,
+            verify: bool = False) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
 
     `compression` pins the compressor of the data-parallel gradient reduction
@@ -124,6 +125,11 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     `model` is an nn.Module (traced with `example_inputs`/`example_kwargs`,
     which may live on the meta device) or an OpGraph from `trace`.
 
+    `verify=True` runs the chosen plan's generated code in this process against a copy of `model`
+    on the example inputs (`Plan.verify`; the model is never modified) and raises VerifyError where they
+    differ. It needs the model's values: for a model on the meta device call
+    `plan.verify(model_fn)` with a function that builds it on the CPU.
+
     Besides the `alternatives` fastest runners-up, the plan records in `rejected`
     up to three faster configurations that do not fit and, when something is
     pinned, the best one the pins rule out; in `baselines`, the usual hand
@@ -134,6 +140,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     >>> print(plan)                                                                                       # doctest: +SKIP
     """
     topo = Topology.coerce(topology)
+    if verify:
+        _check_verifiable(model)
     if isinstance(model, OpGraph):
         g = model
     else:
@@ -216,10 +224,41 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     if alternatives > 0:
         free_ctx = context({}) if decl.compression else sync_ctx
         rejected += tuple(x for x in [pinned_out(free_ctx, decl, best, valid_tp=valid_tp, forced=forced)] if x)
-    return _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space,
+    plan = _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space,
                      clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
                      compression_warmup=compression_warmup, rejected=rejected,
                      baselines=hand_baselines(sync_ctx, decl) if alternatives > 0 else (), declared=declared)
+    if verify:
+        _verify(plan, model, example_inputs, example_kwargs)
+    return plan
+
+
+def _check_verifiable(model: Any) -> None:
+    """verify=True needs the module's values: refused up front, before the search runs."""
+    if isinstance(model, OpGraph):
+        raise DeclarationError("verify=True: an OpGraph carries no weights to run; compile the nn.Module, or call "
+                               "plan.verify(model_fn) with a function that builds the model on the CPU")
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        raise DeclarationError("verify=True: the model lives on the meta device, so it cannot be run; call "
+                               "plan.verify(model_fn) on the compiled plan with a model_fn that builds the model "
+                               "on the CPU (for a large model, a smaller configuration of the same code)")
+
+
+def _verify(plan: Plan, model: torch.nn.Module, example_inputs: Sequence[Any] | None,
+            example_kwargs: dict[str, Any] | None) -> None:
+    """The plan's code against a deep copy of the user's module (never the module itself), on the example inputs."""
+    import copy
+
+    import torch.utils._pytree as pytree
+
+    inputs: Any = None  # both positional and keyword, or on meta: verify draws its own token ids
+    if example_kwargs and not example_inputs:
+        inputs = dict(example_kwargs)
+    elif example_inputs and not example_kwargs:
+        inputs = tuple(example_inputs)
+    if any(isinstance(x, torch.Tensor) and x.is_meta for x in pytree.tree_leaves(inputs)):
+        inputs = None
+    plan.verify(lambda: copy.deepcopy(model), inputs)
 
 
 def _unit_bounds(stage_bounds: Sequence[int], units: Sequence[tuple[int, int]]) -> tuple[int, ...]:
@@ -369,7 +408,13 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 compression=dict(zip(LEVELS, best.compression)),
                 compression_warmup=compression_warmup if best.compression != ("none", "none") else 0,
                 rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
+                block_kinds=_block_kinds(g), block_container=g.block_container if _block_kinds(g) else None,
                 **_model_code(g, splits, cand))
+
+
+def _block_kinds(g: OpGraph) -> tuple[int, ...]:
+    kinds = tuple(b.kind for b in g.blocks)
+    return kinds if len(set(kinds)) > 1 else ()
 
 
 def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> tuple[str, str]:

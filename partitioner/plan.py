@@ -233,6 +233,10 @@ class Plan:
     # data-parallel plans, or when the graph could not be cut (code_note says why)
     code: ModelCode | None = None
     code_note: str = ""
+    # a layer stack whose blocks are not all alike (partitioner.block_kinds): the kind of every block
+    # of `block_container` (each kind runs its own code template); () when all are alike
+    block_kinds: tuple[int, ...] = ()
+    block_container: str | None = None
     # link level ("intra_node", "inter_node") -> compressor of the data-parallel gradient reduction's
     # traffic at that level: "none", "bf16", "int8", "int4" or "powersgd"; "none" where no such traffic flows
     compression: dict[Level, Compressor] = dataclasses.field(default_factory=no_compression)
@@ -293,6 +297,21 @@ class Plan:
         from partitioner.codegen import program
 
         return program(self, rank)
+
+    def verify(self, model_fn: Any, inputs: Any = None, loss_fn: Any = None, *, targets: Any = None,
+               sources: dict[int, str] | None = None, rtol: float = 1e-5, atol: float = 1e-6) -> Any:
+        """Run the generated programs' model code in this process, with no process group, and compare outputs,
+        loss and every gradient with `model_fn()`'s module (runtime.verify). Raises VerifyError naming where
+        the first difference appears; returns a VerifyReport. `inputs`: one microbatch of the model's forward
+        arguments (None: random token ids); `loss_fn(output, targets)` (None: a fixed random weighting of
+        the outputs); `sources`: rank -> program source to check instead of `program(rank).source`.
+
+        >>> print(plan.verify(gpt_4l_seeded))   # doctest: +SKIP
+        verified pp2 tp2 (4 stages, 4 programs): outputs, loss and 52 gradients match the module (...)
+        """
+        from runtime.verify import verify_plan  # the planner reaches the runtime only here, lazily
+
+        return verify_plan(self, model_fn, inputs, loss_fn, targets=targets, sources=sources, rtol=rtol, atol=atol)
 
     def write_programs(self, directory: str | Path) -> Path:
         """Write plan.json and rank_{r}.py for every rank into `directory`."""

@@ -225,6 +225,16 @@ def _basis(p: Plan, lost: list[Alternative]) -> str:
     return f" ({out})" if out else ""
 
 
+def _kinds(p: Plan) -> str:
+    """'4 blocks of model.layers in 2 kinds, one code template each: kind 0 = 0, 2; kind 1 = 1, 3'."""
+    by_kind: dict[int, list[int]] = {}
+    for i, k in enumerate(p.block_kinds):
+        by_kind.setdefault(k, []).append(i)
+    return (f"{len(p.block_kinds)} blocks of {p.block_container or 'the model'} in {len(by_kind)} kinds (blocks that "
+            "compute different graphs), one code template each: "
+            + "; ".join(f"kind {k} = {_ranges(v)}" for k, v in sorted(by_kind.items())))
+
+
 def format_plan(p: Plan) -> str:
     c, pr = p.config, p.predicted
     lines = _wrap(f"Plan for {p.model_name} on {p.topology_name} ({p.world_size} devices), global batch "
@@ -245,6 +255,7 @@ def format_plan(p: Plan) -> str:
             ("zero", _zero(p)),
             ("batch", _batch(p)),
             ("schedule", _schedule(p)),
+            *([("blocks", _kinds(p))] if p.block_kinds else []),
             ("recompute", f"{c.recompute}: {_RECOMPUTE[c.recompute]}"),
             ("compression", _compression(p)),
             *([("async sgd", _async_sgd(p))] if p.async_sgd else []),

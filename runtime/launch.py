@@ -100,7 +100,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
                  programs: Mapping[int, str] | None = None, probe_step: int | None = None,
                  memory_limit_bytes: float | None = None, save_dir: str | os.PathLike | None = None,
                  save_every: int | None = None, keep_last: int | None = None,
-                 resume_from: str | os.PathLike | None = None) -> LaunchResult:
+                 resume_from: str | os.PathLike | None = None, verify: bool = True) -> LaunchResult:
     """Spawn one process per rank, run each rank's program on `batches` (global batches), gather the results.
 
     plan: the Plan (or anything with world_size, placements and program(rank)).
@@ -116,6 +116,10 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
     resume_from: a checkpoint (or a save_dir: its newest) written under any plan of this model: parameters and
         optimizer state are loaded into this plan's shards, and training continues at the checkpoint's step:
         `batches[k]` is always the batch of step k, so the run takes batches[step:].
+    verify: before spawning, run the programs' model code in this process on the first microbatch of
+        batches[0] and compare with model_fn()'s module (runtime.verify; raises VerifyError naming where they
+        differ). Only on a first start (not with resume_from), for pipeline / tensor-parallel plans of at most
+        runtime.verify.MAX_VERIFY_ELEMENTS parameter elements; verify=False skips it.
     Raises LaunchError for a bad setup or any failed rank (naming it, with its traceback).
     """
     world = plan.world_size if world_size is None else world_size
@@ -143,6 +147,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         if start > len(batches):
             raise LaunchError(f"resume_from={str(resume_from)!r} is at step {start}, but only {len(batches)} batches "
                               "were given: batches[k] is the batch of step k, pass the whole run's batches")
+    if verify and resume_from is None and batches:
+        _verify(plan, model_fn, loss_fn, batches[0], sources)
     plan_json = plan.to_json() if hasattr(plan, "to_json") else None
 
     tmp = Path(tempfile.mkdtemp(prefix="runtime-launch-"))
@@ -235,6 +241,16 @@ def check_model(plan: Any, model_fn: Callable) -> None:
 def _few(items: list[str], k: int = 4) -> str:
     more = f" (and {len(items) - k} more)" if len(items) > k else ""
     return ", ".join(items[:k]) + more
+
+
+def _verify(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any, sources: Mapping[int, str]) -> None:
+    """The programs' model code against the module, here, before any process starts (runtime.verify)."""
+    from runtime.verify import first_microbatch, verify_plan, verify_skip_reason
+
+    if verify_skip_reason(plan):
+        return
+    inputs, targets = first_microbatch(plan, batch)
+    verify_plan(plan, model_fn, inputs, loss_fn, targets=targets, sources=sources)
 
 
 def _sources(plan: Any, world: int, programs: Mapping[int, str] | None) -> dict[int, str]:

@@ -27,6 +27,12 @@ step raise torch.OutOfMemoryError past B bytes (as launch_local does), and
 times, losses, the probed step's peak and the error it stopped with
 (runtime/measure.py).
 
+Verification: on a first start (not when resuming), rank 0 runs replica 0's
+programs' model code against the module in its own process before step 1
+(runtime.verify: no process group, tensor slices as threads) and stops with
+the place they differ; the other ranks wait for it. Skipped for models over
+2e8 parameter elements and with --no-verify.
+
 Faults: each rank bumps a counter in the job's store every second from a
 background thread. When a collective fails (a peer died: Gloo reports a
 closed connection), the rank looks at the counters: the ranks whose counter
@@ -63,6 +69,7 @@ from runtime.heartbeat import Heartbeat, PeerLost
 from runtime.measure import RankReporter, measure_step
 from runtime.program_check import check_same_program
 from runtime.rendezvous import rendezvous_store
+from runtime.verify import VerifyError
 
 __all__ = ["main", "load_callable", "default_loss", "default_optimizer"]
 
@@ -124,6 +131,8 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
     heartbeat = Heartbeat(env)
     finished = False
     try:
+        if not args.no_verify and resume is None:  # a resumed plan was verified at its first start
+            _verify_first_start(plan, program.parent, env, model_fn, loss_fn, data_fn, heartbeat)
         ns: dict[str, Any] = {"__name__": f"rank_{env.rank}", "__file__": str(program)}
         exec(compile(program.read_text(), str(program), "exec"), ns)
         if not callable(ns.get("build")):
@@ -179,6 +188,34 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
         if not finished and not heartbeat.lost:  # with a peer lost, teardown could wait on it
             dist.destroy_process_group()
     return 0
+
+
+def _verify_first_start(plan: dict[str, Any], programs: Path, env: DistEnv, model_fn: Callable, loss_fn: Callable,
+                        data_fn: Callable, heartbeat: Heartbeat) -> None:
+    """Rank 0 runs replica 0's programs' model code against the module in its own process (runtime.verify) on
+    the first microbatch of step 1's batch, before anything trains; the other ranks wait for it. A mismatch
+    stops rank 0 with VerifyError, and the others with PeerLost naming it."""
+    import torch.distributed as dist
+
+    from runtime.verify import first_microbatch, verify_plan, verify_skip_reason
+
+    why = verify_skip_reason(plan)  # the same on every rank: all skip the barrier, or none
+    if why:
+        if env.rank == 0 and not why.startswith("pp = tp = 1"):
+            print(f"not verifying the programs: {why}", flush=True)
+        return
+    if env.rank == 0:
+        files = {m["rank"]: programs / f"rank_{m['rank']}.py" for m in plan["mesh"] if m["dp"] == 0}
+        missing = [str(f) for f in files.values() if not f.is_file()]
+        if missing:
+            raise LaunchError(f"cannot verify the programs: {', '.join(missing)} missing (rank 0 reads replica 0's "
+                              "programs); put every rank's program in --programs, or pass --no-verify")
+        inputs, targets = first_microbatch(plan, data_fn(0, env.rank, env.world_size))
+        report = verify_plan(plan, model_fn, inputs, loss_fn, targets=targets,
+                             sources={r: f.read_text() for r, f in files.items()})
+        print(report, flush=True)
+    with heartbeat.naming_dead_ranks("waiting for rank 0 to verify the programs"):
+        dist.barrier()
 
 
 def _check_probe(args: argparse.Namespace) -> None:
@@ -326,6 +363,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run step K (0-based) under runtime.memory_probe and report its peak bytes (--report)")
     p.add_argument("--memory-limit-bytes", type=float, metavar="B",
                    help="in the probed step, raise torch.OutOfMemoryError past B bytes, as a device of B bytes would")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip checking the programs' model code against the module on rank 0 before step 1 "
+                        "(runtime.verify; done by default on a first start, for models up to 2e8 parameters)")
     p.add_argument("--report", metavar="DIR",
                    help="each rank keeps DIR/rank_R.json up to date: status, step times, losses, the probed "
                         "step's peak bytes, the error it stopped with (runtime/measure.py)")
@@ -338,7 +378,7 @@ if __name__ == "__main__":
     except PeerLost as exc:
         print(f"runtime.run: error: {exc}", file=sys.stderr, flush=True)
         os._exit(3)  # peers are gone: c10d teardown would block on them
-    except LaunchError as exc:
+    except (LaunchError, VerifyError) as exc:
         print(f"runtime.run: error: {exc}", file=sys.stderr)
         sys.exit(2)
     sys.stdout.flush()

@@ -35,7 +35,9 @@ logit, the sum of exp, the target logit), never the logits themselves.
 
 A `group` of None means this rank is alone on the tensor axis (tp = 1, as in
 `runtime.groups.ProcessGroups`): the collectives are skipped, since c10d
-would read None as the world group.
+would read None as the world group. A `runtime.local_collectives.LocalGroup`
+with a `LocalCollectives` per slice runs the same code in threads of one
+process, with no process group (plan.verify).
 
 Sharding is plain data: `shard_parameter(t, "S(0)", rank, world, fused=3)`
 answers "which slice does rank r hold?" without a device or a process group
@@ -87,7 +89,12 @@ __all__ = [
 # ---------------------------------------------------------------- collectives with their gradients
 
 def _world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    # an in-process group (runtime.local_collectives.LocalGroup, plan.verify's threads) knows its size;
+    # torch.distributed is not initialised there
+    local = getattr(group, "local_world_size", None)
+    return local if local is not None else dist.get_world_size(group)
 
 
 def _all_reduce(x: torch.Tensor, group, coll: Collectives, op: str = "sum") -> torch.Tensor:
