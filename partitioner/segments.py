@@ -240,9 +240,11 @@ class _Builder(TensorParallelRewrite):
             return self.env[n]
         if n in self.src.param:
             return self._arg(n, self.src.param[n], self.params)
-        if n in self.src.const:
+        if n in self.src.const and CONSTANTS_IN_CODE:
             self.env[n] = self._constant(*self.src.const[n])
             return self.env[n]
+        if n in self.src.const:
+            return self._arg(n, self.src.const[n][0], self.buffers)
         if n in self.src.buffer:
             return self._arg(n, self.src.buffer[n], self.buffers)
         if n in self.src.inputs:  # a model input read after the prefix (labels, an attention mask)
@@ -295,7 +297,7 @@ class _Builder(TensorParallelRewrite):
         """Replace the device the trace ran on (meta, cpu) in a copied node's arguments (a factory's
         `device=`, `aten.to.device`) by the device of the segment's input at run time: code compiled on
         meta or CPU must put its positions, masks and tables where its activations are."""
-        if not any(isinstance(a, torch.device) for a in pytree.tree_leaves((new.args, new.kwargs))):
+        if not DEVICE_NEUTRAL or not any(isinstance(a, torch.device) for a in pytree.tree_leaves((new.args, new.kwargs))):
             return new
         dev = self._device_node()
         swap = lambda a: dev if isinstance(a, torch.device) else a  # noqa: E731
@@ -320,9 +322,10 @@ class _Builder(TensorParallelRewrite):
         segment's device. Looking it up on the user's module by its exported name would fail (it is no
         attribute of the module), and a large one does not belong in generated source."""
         if not isinstance(value, torch.Tensor) or value.device.type == "meta":
-            raise SegmentError(f"the {self.name} reads {target}, a tensor made inside forward whose value the "
-                               "trace did not keep (traced under a meta default device?); trace with the model "
-                               "on meta but outside `with torch.device('meta')`")
+            raise SegmentError(f"the {self.name} reads {target}, a tensor its forward makes on the activations' "
+                               "device (e.g. by indexing with a Python list, x[..., [-2], :]); traced on the meta "
+                               "device its value is unknown, so stage code cannot carry it: compile from the model "
+                               "built on CPU, or pin pp=1 and tp=1 (data-parallel plans do not need stage code)")
         if value.numel() > _MAX_CONSTANT:
             raise SegmentError(f"the {self.name} reads {target}, a tensor of {value.numel()} elements made inside "
                                f"forward; stage code carries such constants only up to {_MAX_CONSTANT} elements: "
@@ -378,6 +381,13 @@ class _Builder(TensorParallelRewrite):
 
 _MAX_CONSTANT = 256  # elements of a forward-made constant written into generated code
 
+# Tests switch these off, one at a time, to check that plan.verify catches the fault each prevents:
+# one template for blocks of different kinds, factories on the trace's device, constants looked up
+# on the user's module by their exported name.
+TEMPLATE_PER_KIND = True
+DEVICE_NEUTRAL = True
+CONSTANTS_IN_CODE = True
+
 _KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS}
 
 
@@ -429,7 +439,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
     # one template per kind of block (partitioner.block_kinds): its second traced block when there is
     # one (the tracer may lower the first block differently), else its first
     kinds = tuple(b.kind for b in g.blocks) if g.blocks else ()
-    kinds = kinds if len(set(kinds)) > 1 else ()
+    kinds = kinds if len(set(kinds)) > 1 and TEMPLATE_PER_KIND else ()
     templates: list[Segment] = []
     cuts: list[fx.Node] = [hidden]
     for k in sorted(set(kinds)) if kinds else [0]:

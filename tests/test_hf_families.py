@@ -1,0 +1,126 @@
+"""Hugging Face families whose layers are not all alike train under every kind of plan like one process.
+
+The families of examples/hf_families.py, each built from a small config (no
+download): per-head q/k norms on head-sharded activations (Qwen3, Qwen3-MoE,
+Gemma3), alternating sliding-window and full attention (Gemma3, GPT-OSS), a
+dense layer before MoE layers (DeepSeek-V3), constants made inside forward
+(Falcon). Each model is traced once *on the meta device* (the 175B-on-a-laptop
+flow; Falcon on CPU, see ON_CPU) and every plan is compiled from that trace; the programs run on real
+Gloo processes for 2 steps of SGD with momentum, compared with one process
+(losses and every parameter, fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from examples.hf_families import FAMILIES
+from examples.training import hf_loss, sgd
+from partitioner import compile, trace
+from runtime import launch_local
+
+VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 2
+
+PLANS = {  # name: (pp, dp, tp, zero, schedule, interleave)
+    "dp2-zero3": (1, 2, 1, 3, "1f1b", 1),
+    "tp2": (1, 1, 2, 0, "1f1b", 1),
+    "pp2-1f1b": (2, 1, 1, 0, "1f1b", 1),
+    "dp2-tp2-pp2-zero1": (2, 2, 2, 1, "1f1b", 1),
+    "pp2-interleaved": (2, 1, 1, 0, "interleaved-1f1b", 2),  # 4 virtual stages of one block each
+}
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(STEPS)]
+
+
+# Traced on the CPU instead: Falcon indexes with a Python list (qkv[..., [-2], :]), an index tensor made on the
+# activations' device, so traced on meta its value is unknown and stage code could not carry it (pp/tp are
+# refused, saying why). Transformers' MoE layers branch on the device type (`.float()` for histc on CPU,
+# `.int()` elsewhere): traced on meta they take the GPU branch, which fails on CPU (plan.verify stops it).
+ON_CPU = {"falcon", "qwen3_moe", "gpt_oss", "deepseek_v3"}
+
+
+@functools.cache
+def meta_graph(family: str):
+    """The trace plans are compiled from: on the meta device, but for the families in ON_CPU."""
+    if family in ON_CPU:
+        return trace(FAMILIES[family](), (torch.randint(0, VOCAB, (2, SEQ)),))
+    with torch.device("meta"):
+        model = FAMILIES[family]()
+    return trace(model, (torch.randint(0, VOCAB, (2, SEQ), device="meta"),))
+
+
+@functools.cache
+def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = FAMILIES[family]()
+    opt = sgd(model.parameters())
+    losses = []
+    for x, y in batches():
+        loss = hf_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def test_block_kinds_are_found_from_what_blocks_compute():
+    """Alternating attention and a dense head are kinds; Qwen3's per-layer `layer_idx` (set, never read without
+    a cache) is not, so its stack is still traced as three blocks and copied."""
+    kinds = {f: tuple(b.kind for b in meta_graph(f).blocks) for f in FAMILIES}
+    assert kinds["gemma3"] == kinds["gpt_oss"] == (0, 1, 0, 1)
+    assert kinds["deepseek_v3"] == (0, 1, 1, 1)
+    for f in ("qwen3", "qwen3_moe", "falcon"):
+        assert kinds[f] == (0, 0, 0, 0), f
+        assert meta_graph(f).expanded_from == 3, f
+
+
+def test_a_mixed_stack_plan_runs_one_template_per_kind_and_says_so():
+    plan = compile(meta_graph("deepseek_v3"), "local:2", global_batch_size=BATCH, precision="fp32", pp=2, dp=1, tp=1,
+                   microbatch_size=2)
+    assert plan.block_kinds == (0, 1, 1, 1)
+    assert "4 blocks of model.layers in 2 kinds" in str(plan) and "kind 1 = 1-3" in str(plan)
+    src = plan.program(1).source
+    assert "BLOCK_KINDS = (0, 1, 1, 1)" in src and "def block_1(tp, x," in src
+    assert "mlp_experts" not in src.split("def block(")[1].split("def block_1(")[0]  # kind 0 is the dense layer
+
+
+def test_generated_code_names_no_trace_device_and_carries_forward_made_constants():
+    """Compiled on meta, the code takes every factory's device from its input. Falcon's index constants travel
+    as literals when traced on CPU; traced on meta their values are unknown and pp/tp are refused, saying why."""
+    plan = compile(meta_graph("qwen3"), "local:4", global_batch_size=BATCH, precision="fp32", pp=2, dp=1, tp=2,
+                   microbatch_size=2)
+    assert all("meta" not in plan.program(r).source for r in range(4))
+    plan = compile(meta_graph("falcon"), "local:4", global_batch_size=BATCH, precision="fp32", pp=2, dp=1, tp=2,
+                   microbatch_size=2)
+    for r in range(4):
+        assert "lifted_tensor" not in plan.program(r).source
+    assert "torch.tensor([-2], dtype = torch.int64, device = getattr_" in plan.program(2).source
+    with torch.device("meta"):
+        falcon = FAMILIES["falcon"]()
+    with pytest.raises(ValueError, match=r"pp=2: .* makes on the activations' device .* compile from the model built "
+                                         r"on CPU, or pin pp=1"):
+        compile(falcon, "local:2", example_inputs=(torch.randint(0, VOCAB, (2, SEQ), device="meta"),),
+                global_batch_size=BATCH, precision="fp32", pp=2, dp=1, tp=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_like_one_process(family, plan_name):
+    pp, dp, tp, zero, schedule, interleave = PLANS[plan_name]
+    plan = compile(meta_graph(family), f"local:{pp * dp * tp}", global_batch_size=BATCH, precision="fp32", pp=pp,
+                   dp=dp, tp=tp, zero_stage=zero, schedule=schedule, interleave=interleave, microbatch_size=2)
+    assert (plan.pp, plan.dp, plan.tp, plan.zero_stage) == (pp, dp, tp, zero)
+    out = launch_local(plan, FAMILIES[family], sgd, hf_loss, batches(), timeout_s=180)
+    want_losses, want = reference(family)
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+    assert sorted(out.state_dict) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(out.state_dict[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
