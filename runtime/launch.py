@@ -118,7 +118,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         `batches[k]` is always the batch of step k, so the run takes batches[step:].
     verify: before spawning, run the programs' model code in this process on the first microbatch of
         batches[0] and compare with model_fn()'s module (runtime.verify; raises VerifyError naming where they
-        differ). Only on a first start (not with resume_from), for pipeline / tensor-parallel plans of at most
+        differ). On a first start, and on a resume from a checkpoint another plan wrote (not one these programs
+        wrote: they were verified when that run started), for pipeline / tensor-parallel plans of at most
         runtime.verify.MAX_VERIFY_ELEMENTS parameter elements; verify=False skips it.
     Raises LaunchError for a bad setup or any failed rank (naming it, with its traceback).
     """
@@ -147,7 +148,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         if start > len(batches):
             raise LaunchError(f"resume_from={str(resume_from)!r} is at step {start}, but only {len(batches)} batches "
                               "were given: batches[k] is the batch of step k, pass the whole run's batches")
-    if verify and resume_from is None and batches:
+    if verify and batches and not (resume_from is not None and _written_by(manifest, sources)):
         _verify(plan, model_fn, loss_fn, batches[0], sources)
     plan_json = plan.to_json() if hasattr(plan, "to_json") else None
 
@@ -251,6 +252,14 @@ def _verify(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any, source
         return
     inputs, targets = first_microbatch(plan, batch)
     verify_plan(plan, model_fn, inputs, loss_fn, targets=targets, sources=sources)
+
+
+def _written_by(manifest: Mapping[str, Any], sources: Mapping[int, str]) -> bool:
+    """The checkpoint was saved by these very programs, so they were verified when that run started; a
+    resume under another plan (a restart on fewer ranks) runs new programs and verifies them."""
+    from runtime.verify import program_hash
+
+    return bool(manifest.get("plan_hash")) and {program_hash(s) for s in sources.values()} == {manifest["plan_hash"]}
 
 
 def _sources(plan: Any, world: int, programs: Mapping[int, str] | None) -> dict[int, str]:

@@ -27,7 +27,8 @@ step raise torch.OutOfMemoryError past B bytes (as launch_local does), and
 times, losses, the probed step's peak and the error it stopped with
 (runtime/measure.py).
 
-Verification: on a first start (not when resuming), rank 0 runs replica 0's
+Verification: on a first start (and on a resume from a checkpoint that other
+programs wrote, as after an elastic restart under a new plan), rank 0 runs replica 0's
 programs' model code against the module in its own process before step 1
 (runtime.verify: no process group, tensor slices as threads) and stops with
 the place they differ; the other ranks wait for it. Skipped for models over
@@ -131,7 +132,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
     heartbeat = Heartbeat(env)
     finished = False
     try:
-        if not args.no_verify and resume is None:  # a resumed plan was verified at its first start
+        if not args.no_verify and not _written_by(resume, program):
             _verify_first_start(plan, program.parent, env, model_fn, loss_fn, data_fn, heartbeat)
         ns: dict[str, Any] = {"__name__": f"rank_{env.rank}", "__file__": str(program)}
         exec(compile(program.read_text(), str(program), "exec"), ns)
@@ -216,6 +217,18 @@ def _verify_first_start(plan: dict[str, Any], programs: Path, env: DistEnv, mode
         print(report, flush=True)
     with heartbeat.naming_dead_ranks("waiting for rank 0 to verify the programs"):
         dist.barrier()
+
+
+def _written_by(resume: Path | None, program: Path) -> bool:
+    """Resuming from a checkpoint these very programs wrote: they were verified when that run first started.
+    A restart under another plan (partitioner.elastic on fewer ranks) runs new programs and verifies them."""
+    from runtime.checkpoint import read_manifest
+    from runtime.verify import program_hash
+
+    if resume is None:
+        return False
+    saved = read_manifest(resume).get("plan_hash", "")
+    return bool(saved) and saved == program_hash(program.read_text())
 
 
 def _check_probe(args: argparse.Namespace) -> None:

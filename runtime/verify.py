@@ -53,6 +53,7 @@ from runtime.verify_run import (
     call_module,
     on_slices,
     plan_facts,
+    program_hash,
     run_generated,
     setup,
 )

@@ -32,7 +32,7 @@ from runtime.step import check_parameters
 from runtime.tensor_parallel import TPContext
 
 __all__ = ["Facts", "NoDropout", "Setup", "VerifyError", "call_module", "generic_loss", "on_slices", "plan_facts",
-           "run_generated", "setup", "zero_grads"]
+           "program_hash", "run_generated", "setup", "zero_grads"]
 
 
 class VerifyError(PartitionerError):
@@ -186,7 +186,7 @@ def setup(plan: Any, model_fn: Callable, inputs: Any, targets: Any, loss_fn: Cal
           sources: Mapping[int, str] | None, rtol: float, atol: float) -> Setup:
     facts = plan_facts(plan)
     srcs = {r: (sources[r] if sources is not None else plan.program(r).source) for r, _, _ in facts.ranks}
-    hashes = {r: _exec_hash(s) for r, s in srcs.items()}
+    hashes = {r: program_hash(s) for r, s in srcs.items()}
     if len(set(hashes.values())) > 1:
         raise VerifyError(f"the programs come from different plans (PROGRAM_HASH per rank: "
                           f"{ {r: h[:12] for r, h in hashes.items()} }); generate every rank's program from one plan")
@@ -222,7 +222,8 @@ def _cpu(x: Any) -> Any:
     return pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, x)
 
 
-def _exec_hash(source: str) -> str:
+def program_hash(source: str) -> str:
+    """A generated program's PROGRAM_HASH ("" when it has none)."""
     for line in source.splitlines():
         if line.startswith("PROGRAM_HASH = "):
             return line.split("=", 1)[1].strip().strip("'\"")

@@ -102,8 +102,11 @@ def _assert_matches_reference(out, run, first_step: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("b", [dict(pp=2, dp=1, tp=2), dict(pp=1, dp=2, tp=2, zero=3), dict(pp=2, dp=2, tp=1, zero=2),
-                               dict(pp=1, dp=1, tp=1)], ids=["pp2tp2", "dp2tp2-zero3", "pp2dp2-zero2", "one-rank"])
+                               dict(pp=1, dp=1, tp=1), dict(pp=2, dp=1, tp=2, on="meta")],
+                         ids=["pp2tp2", "dp2tp2-zero3", "pp2dp2-zero2", "one-rank", "pp2tp2-from-meta"])
 def test_resume_under_another_plan_trains_as_one_process(run_a, b):
+    """pp2tp2-from-meta: the new plan compiled from the model on the meta device, as partitioner.elastic
+    compiles every plan after a restart from its cached meta trace."""
     model_fn, loss_fn = MODELS["gpt"]
     assert run_a["out"].checkpoints and Path(run_a["out"].checkpoints[-1]).name == "step_00000002"
     torch.testing.assert_close(torch.tensor(run_a["out"].losses), torch.tensor(run_a["want_losses"][:2]),

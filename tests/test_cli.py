@@ -150,3 +150,14 @@ def test_run_of_a_cluster_plan_prints_the_torchrun_command(tmp_path):
     assert "torchrun --nnodes 2 --nproc-per-node 8" in r.stdout and "srun --nodes 2" in r.stdout
     assert f"-m runtime.run {path} --programs {tmp_path / 'big.programs'} --model {TINY} --steps 5" in r.stdout
     assert {"plan.json", "rank_0.py", "rank_15.py"} <= {p.name for p in (tmp_path / "big.programs").iterdir()}
+
+
+def test_compile_verify_checks_the_chosen_plan_also_from_meta():
+    """--verify runs the plan's generated code against the model (plan.verify); a model built on meta is
+    built again on the CPU from its factory for the check."""
+    runs = cli_all({on: ("compile", TINY, "--topology", "local:4", "--global-batch-size", "8", "--pp", "2", "--tp", "2",
+                         "--precision", "fp32", "--verify", *(("--device", "meta") if on == "meta" else ()))
+                    for on in ("cpu", "meta")})
+    for on, r in runs.items():
+        assert r.returncode == 0, (on, r.stderr)
+        assert "verified pp2 tp2" in r.stdout + r.stderr, (on, r.stdout, r.stderr)

@@ -212,6 +212,30 @@ def test_launch_local_stops_a_broken_program_before_spawning():
     assert time.perf_counter() - start < 20 and not multiprocessing.active_children()
 
 
+@pytest.mark.slow
+def test_a_resume_verifies_programs_other_than_those_that_wrote_the_checkpoint(tmp_path):
+    """An elastic restart resumes under a new plan: its programs are checked before spawning. Resuming the
+    programs that wrote the checkpoint (verified at that run's start) checks nothing again."""
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+               for _ in range(2)]
+    a = plan_for("gpt", "pp2")
+    launch_local(a, gpt_4l_seeded, adamw, gpt_loss, batches[:1], save_dir=tmp_path, save_every=1, timeout_s=60)
+    b = plan_for("gpt", "pp2tp2")
+    broken = edited(b, "g = tp_reduce(linear_default, tp)", "g = linear_default", pp_rank=1)
+    with pytest.raises(VerifyError, match=r"block transformer\.h\.2"):
+        launch_local(b, gpt_4l_seeded, adamw, gpt_loss, batches, programs=broken, resume_from=tmp_path, timeout_s=60)
+    assert not multiprocessing.active_children()
+    calls = []
+    real = runtime.verify.verify_plan
+    try:
+        runtime.verify.verify_plan = lambda *args, **kw: calls.append(1) or real(*args, **kw)
+        out = launch_local(a, gpt_4l_seeded, adamw, gpt_loss, batches, resume_from=tmp_path, timeout_s=60)
+    finally:
+        runtime.verify.verify_plan = real
+    assert out.start_step == 1 and calls == []
+
+
 # ---- the in-process tensor group -------------------------------------------------------------------
 
 
