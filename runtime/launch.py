@@ -26,6 +26,13 @@ case; workers also exit if the parent process disappears. A worker that
 succeeded writes `result_{rank}.pt` atomically, passes a barrier (so no rank
 leaves while a peer is still in its last collective) and exits at once.
 Rendezvous is a FileStore in the temp directory: no port is opened for it.
+
+Workers are forked from a multiprocessing fork server that has imported torch
+and the runtime once (where the platform has one; spawn elsewhere): a spawned
+worker spends ~2 s of CPU importing torch, which on a few shared cores is most
+of a short run. Nothing of the launching process is inherited but what spawn
+sends (the callables by reference, sys.path, the working directory) and its
+environment at launch time, set in each worker.
 """
 
 from __future__ import annotations
@@ -159,10 +166,11 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         torch.save(batches, tmp / "batches.pt")
         for r, src in sources.items():
             (tmp / f"rank_{r}.py").write_text(src)
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         progress = ctx.Array("d", [time.time()] * world, lock=False)  # time of each rank's last progress
         phase = ctx.Array("i", [_PH_SPAWNED] * world, lock=False)
         job = _Job(world_size=world, dir=str(tmp), timeout_s=timeout_s, parent_pid=os.getpid(),
+                   environ=dict(os.environ),
                    model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn, probe_step=probe_step,
                    memory_limit_bytes=memory_limit_bytes, save_dir=None if save_dir is None else str(save_dir),
                    save_every=save_every, keep_last=keep_last,
@@ -299,6 +307,7 @@ class _Job:
     keep_last: int | None = None
     resume_from: str | None = None
     plan_json: str | None = None
+    environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
@@ -308,6 +317,8 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         phase[rank], progress[rank] = ph, time.time()
 
     mark(_PH_START)
+    os.environ.clear()  # the launcher's environment now, not the fork server's at its start
+    os.environ.update(job.environ)
     _exit_with_parent(job.parent_pid)
     d = Path(job.dir)
     try:
@@ -374,14 +385,37 @@ def _exit(code: int) -> None:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """Leave if the launching process dies, rather than linger blocked in a collective."""
+    """Leave if the launching process dies, rather than linger blocked in a collective (the launcher is not
+    the parent of a worker forked by the fork server: its pid is polled)."""
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while _alive(parent_pid):
             time.sleep(0.5)
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# What the fork server imports once; a worker imports the rest (the program's engines, the model's module).
+_PRELOAD = ["torch", "torch.distributed", "runtime.launch", "runtime.step", "runtime.collectives"]
+
+
+def _context() -> Any:
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server first starts; it then serves every launch
+    return ctx
 
 
 def _peak_rss() -> int:
