@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from partitioner import autotune
-from partitioner.autotune import format_trials
+from partitioner.tune.autotune import format_trials
 
 
 def main() -> int:

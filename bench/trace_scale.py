@@ -1,4 +1,4 @@
-"""Trace time and peak memory of `partitioner.trace` on GPT-3-width models of growing depth.
+"""Trace time and peak memory of `partitioner.tracer.trace` on GPT-3-width models of growing depth.
 
 Benchmark script, not a test. Usage (from anywhere)::
 

@@ -11,8 +11,8 @@ The families, each a subclass of `PartitionerError`, so
 - `TraceError` (here): a model that cannot be captured as a graph.
 - `DeclarationError` (here): a declaration to `compile()` that cannot hold
   (and `PlanInfeasibleError`, partitioner.compile: nothing fits in memory).
-- `PlanFormatError` (partitioner.plan_json): a plan file that is not a plan.
-- `PlanMismatchError` (partitioner.plan): a plan for another model or topology.
+- `PlanFormatError` (partitioner.planner.plan_json): a plan file that is not a plan.
+- `PlanMismatchError` (partitioner.planner.plan): a plan for another model or topology.
 - `LaunchError` (runtime.env): a job that cannot start as launched (launcher
   variables, world size, program hash, rendezvous address).
 - `ModelMismatchError` (runtime.step): a model whose parameters are not the plan's.

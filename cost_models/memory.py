@@ -175,14 +175,14 @@ def inflight_microbatches(schedule: str, *, pp: int, stage: int, num_microbatche
 
 def _interleaved_warmup(pp: int, stage: int, interleave: int) -> int:
     """Forwards pipeline rank `stage` runs before its first backward in Megatron-LM's interleaved order
-    (partitioner.schedule, before capping at the m * interleave it has)."""
+    (partitioner.planner.schedule, before capping at the m * interleave it has)."""
     return (pp - stage - 1) * 2 + (interleave - 1) * pp
 
 
 @functools.lru_cache(maxsize=4096)
 def chunk_inflight(*, pp: int, stage: int, num_microbatches: int, interleave: int) -> tuple[int, ...]:
     """Interleaved 1F1B: per model chunk of pipeline rank `stage`, the most microbatches whose forward
-    is done and backward not yet, in the order partitioner.schedule runs them (Megatron-LM's: the k-th
+    is done and backward not yet, in the order partitioner.planner.schedule runs them (Megatron-LM's: the k-th
     forward of a rank runs chunk (k mod pp v) // pp, the k-th backward chunk v - 1 - (k mod pp v) // pp).
 
     What the rank's total (`inflight_microbatches`) does not say is how it splits: the first chunks

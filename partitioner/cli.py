@@ -70,7 +70,7 @@ def _info(text: str) -> None:
 
 def _trace(args: argparse.Namespace) -> int:
     from partitioner.loading import load_model
-    from partitioner.trace import trace
+    from partitioner.tracer.trace import trace
 
     model, inputs, _ = load_model(args.model, device=args.device, batch_size=args.batch_size)
     t0 = time.perf_counter()
@@ -196,7 +196,7 @@ def _compression_arg(text: str) -> str | dict[str, str]:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from partitioner.plan import Plan
+    from partitioner.planner.plan import Plan
 
     plan = Plan.load(args.plan)
     if args.rank is not None:
@@ -223,7 +223,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from cost_models.topology import Topology
-    from partitioner.plan import Plan
+    from partitioner.planner.plan import Plan
 
     plan = Plan.load(args.plan)
     spec = args.model or plan.model_source
@@ -339,7 +339,7 @@ def _print_command(args: argparse.Namespace, plan: Any, topo: Any, spec: str) ->
 
 def _autotune(args: argparse.Namespace) -> int:
     from cost_models.topology import Topology
-    from partitioner.autotune import AutotuneFailed, autotune, format_trials
+    from partitioner.tune.autotune import AutotuneFailed, autotune, format_trials
 
     topology = Topology.coerce(args.topology)  # a bad topology fails before anything runs
     try:
@@ -518,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--data", default=None, help="fn(step, rank, world_size) -> (inputs, targets), the global batch "
                                                 "(default: the model module's example_batch)")
     g = a.add_argument_group("launcher", "how each trial runs: local processes, or one torchrun/srun job per trial "
-                                         "(python -m runtime.run; partitioner/autotune_cluster.py)")
+                                         "(python -m runtime.run; partitioner/tune/cluster.py)")
     g.add_argument("--launcher", choices=("local", "torchrun", "srun"), default="local",
                    help="local (default; local:N topologies), torchrun or srun (a cluster topology)")
     g.add_argument("--nnodes", type=_positive, default=None, help="nodes of each job (default: the topology's)")
@@ -551,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from partitioner.plan import Plan
+    from partitioner.planner.plan import Plan
     from runtime.checkpoint import read_manifest, reshard
 
     plan = Plan.load(args.to)

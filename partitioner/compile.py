@@ -35,15 +35,15 @@ from cost_models.memory import DDP_BUCKET_BYTES
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
-from partitioner.comparisons import (
+from partitioner.planner.comparisons import (
     durations,
     hand_baselines,
     over_memory_alternatives,
     pinned_out,
 )
-from partitioner.costing import CostContext, StageEvaluator, units_of
-from partitioner.cut import Cut, charge_idle, evaluate_cut
-from partitioner.declarations import (
+from partitioner.planner.costing import CostContext, StageEvaluator, units_of
+from partitioner.planner.cut import Cut, charge_idle, evaluate_cut
+from partitioner.planner.declarations import (
     ASYNC_SGD_FORCED,
     Declarations,
     async_sgd_pin,
@@ -51,8 +51,8 @@ from partitioner.declarations import (
     compression_pins,
     compression_refusal,
 )
-from partitioner.opgraph import OpGraph
-from partitioner.plan import (
+from partitioner.tracer.opgraph import OpGraph
+from partitioner.planner.plan import (
     PLAN_VERSION,
     Alternative,
     Baseline,
@@ -64,12 +64,12 @@ from partitioner.plan import (
     Predicted,
     StagePlan,
 )
-from partitioner.schedule import build_schedule
-from partitioner.search import Scored, enumerate_candidates, least_memory, search
-from partitioner.segments import SegmentError, extract
-from partitioner.simulate import simulate
-from partitioner.tensor_split import TensorSplits, find_splits
-from partitioner.trace import trace
+from partitioner.planner.schedule import build_schedule
+from partitioner.planner.search import Scored, enumerate_candidates, least_memory, search
+from partitioner.codegen.segments import SegmentError, extract
+from partitioner.planner.simulate import simulate
+from partitioner.planner.tensor_split import TensorSplits, find_splits
+from partitioner.tracer.trace import trace
 
 __all__ = ["PlanInfeasibleError", "compile"]
 
@@ -133,7 +133,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     Besides the `alternatives` fastest runners-up, the plan records in `rejected`
     up to three faster configurations that do not fit and, when something is
     pinned, the best one the pins rule out; in `baselines`, the usual hand
-    configurations costed the same way (partitioner.comparisons). `explain()`
+    configurations costed the same way (partitioner.planner.comparisons). `explain()`
     prints them.
 
     >>> plan = compile(gpt_small(), "local:4", example_inputs=example_batch(m, 8), global_batch_size=32)  # doctest: +SKIP
@@ -147,7 +147,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     else:
         if example_inputs is None and not example_kwargs:
             raise DeclarationError("example_inputs: required to trace the model, e.g. example_inputs=(tokens,); "
-                                   "or pass an OpGraph from partitioner.trace")
+                                   "or pass an OpGraph from partitioner.tracer.trace")
         g = trace(model, example_inputs or (), example_kwargs)
     if global_batch_size is None:
         raise DeclarationError("global_batch_size: required, the samples per optimizer step over all replicas "

@@ -11,7 +11,7 @@ runs at that size (the topology is `--topology` with `{world}` filled in, the
 calibration `--calibration` if given) while the other ranks wait for it; a
 later restart at a size seen before reuses it. Compiling for a new size reuses
 the trace the first start made, kept in `SAVE_DIR/plans/trace/`
-(partitioner.trace_cache): re-planning is the planner's search alone. Then the ranks train under
+(partitioner.tracer.cache): re-planning is the planner's search alone. Then the ranks train under
 `runtime.run` with `--resume-from auto`: the newest checkpoint in SAVE_DIR,
 written under whatever plan and world size the job had before, is resharded
 into the new plan as it loads (runtime.checkpoint), and training continues at
@@ -65,8 +65,8 @@ def plan_for_world(args: argparse.Namespace, world: int, rank: int) -> Path:
 def cached_trace(args: argparse.Namespace) -> tuple[Any, str]:
     """The model's OpGraph, from SAVE_DIR/plans/trace when an earlier start traced this model source."""
     from partitioner.loading import load_model
-    from partitioner.trace import trace
-    from partitioner.trace_cache import load_trace, save_trace, source_key
+    from partitioner.tracer.trace import trace
+    from partitioner.tracer.cache import load_trace, save_trace, source_key
 
     d, key = Path(args.save_dir) / "plans" / "trace", source_key(args.model)
     g = load_trace(d, key)

@@ -5,7 +5,7 @@ ordered actions, each with `.op`, `.stage`, `.microbatch` (the planner's
 `Action`, whose op is an enum with `.value`), or their compact strings
 ("2SEND_F0"). The runtime never imports the planner (shared/DESIGN.md), so
 it reads actions by duck typing and parses strings itself. Semantics, as in
-`partitioner/schedule.py`:
+`partitioner/planner/schedule.py`:
 
   sF i       forward of stage s on microbatch i; keeps input and output for B
   sB i       backward: the last stage backprops loss_fn(out, target) / m,
@@ -242,7 +242,7 @@ class PipelineExecutor:
             raise PipelineError(
                 f"{at} failed waiting on stage {peer_stage} (rank {rank}): {e}. "
                 f"A timeout here means the ranks' instruction lists deadlock (each waits for a message "
-                f"the other sends later; check them with partitioner.schedule.validate) or the peer "
+                f"the other sends later; check them with partitioner.planner.schedule.validate) or the peer "
                 f"died; after this error the process group is unusable") from e
 
     def _send(self, t: torch.Tensor, step: int, peer_stage: int, tag: int) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from examples.mlp import MLP
 from examples.training import adamw
 from partitioner import OpGraph, Plan, compile, trace
-from partitioner.declarations import async_sgd_pin
+from partitioner.planner.declarations import async_sgd_pin
 from runtime.launch import launch_local
 
 IN, HIDDEN, OUT = 8, 32, 4

@@ -28,8 +28,8 @@ from cost_models.errors import DeclarationError
 from cost_models.fit import fit_memory, fit_step_times
 from examples import gpt
 from partitioner import autotune, compile, trace
-from partitioner.autotune import rank_memory_of
-from partitioner.autotune_db import TrialStore, trial_key
+from partitioner.tune.autotune import rank_memory_of
+from partitioner.tune.db import TrialStore, trial_key
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -30,9 +30,9 @@ from cost_models.errors import DeclarationError
 from cost_models.topology import Topology
 from examples import gpt
 from partitioner import autotune
-from partitioner.autotune import AutotuneFailed
-from partitioner.autotune_cluster import cluster_launcher
-from partitioner.autotune_db import TrialStore
+from partitioner.tune.autotune import AutotuneFailed
+from partitioner.tune.cluster import cluster_launcher
+from partitioner.tune.db import TrialStore
 from runtime.cluster import Srun, Torchrun, launch_cluster, run_args
 from runtime.env import LaunchError
 from runtime.launch import launch_local
@@ -183,10 +183,10 @@ def test_srun_command_line_is_composed_for_the_topology(tmp_path):
 def test_torchrun_command_line_on_one_and_several_nodes():
     import doctest
 
-    import partitioner.autotune_cluster
+    import partitioner.tune.cluster
     import runtime.cluster
 
-    assert doctest.testmod(runtime.cluster).failed == 0 and doctest.testmod(partitioner.autotune_cluster).failed == 0
+    assert doctest.testmod(runtime.cluster).failed == 0 and doctest.testmod(partitioner.tune.cluster).failed == 0
     run = run_args("t/plan.json", model="m.py:f", steps=3, report="t/r")
     one = cluster_launcher("torchrun", Topology.parse("local:4"), {})
     argv = one.argv(run, run_id="trial-1", endpoint="127.0.0.1:29411")

@@ -145,7 +145,7 @@ def _resave_worker(rank, world, store, out_dir):
     """Build plan B's runner, load the checkpoint (written under plan A), save it again under B."""
     import torch.distributed as dist
 
-    from partitioner.plan import Plan
+    from partitioner.planner.plan import Plan
     from runtime.checkpoint import load_checkpoint, save_checkpoint
 
     torch.set_num_threads(1)

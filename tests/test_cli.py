@@ -57,7 +57,7 @@ def test_help_of_every_subcommand_shows_examples_and_exit_codes():
         assert r.returncode == 0, (cmd, r.stderr)
         assert "examples:" in r.stdout and f"  partitioner {cmd}" in r.stdout, cmd
         assert "130  interrupted" in r.stdout and ("--json" in r.stdout or not cmd), cmd
-    assert "--db" in runs["autotune"].stdout  # autotune itself is tested with partitioner.autotune
+    assert "--db" in runs["autotune"].stdout  # autotune itself is tested with partitioner.tune.autotune
 
 
 def test_trace_json_is_the_block_table_as_rows():

@@ -11,7 +11,7 @@ import pytest
 
 from examples import gpt as gpt_mod
 from partitioner import compile, trace
-from partitioner.codegen import CodegenError
+from partitioner.codegen.program import CodegenError
 
 
 @pytest.fixture(scope="module")

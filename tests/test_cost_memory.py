@@ -121,7 +121,7 @@ def test_interleaved_1f1b_megatron_warmup():
 def test_interleaved_per_chunk_counts_are_the_schedules(pp, v):
     """chunk_inflight's closed walk equals what the schedule the runtime executes holds per virtual stage,
     and its chunks add up to at least the rank's Megatron count (the chunks' peaks need not coincide)."""
-    from partitioner.schedule import build_schedule, peak_inflight
+    from partitioner.planner.schedule import build_schedule, peak_inflight
 
     for m in (pp, 2 * pp, 3 * pp, 4 * pp, 9 * pp):  # the schedule takes multiples of pp
         per_stage = peak_inflight(build_schedule("interleaved-1f1b", pp=pp, num_microbatches=m, interleave=v))

@@ -10,7 +10,7 @@ from cost_models.memory import model_state_bytes
 from examples import gpt as gpt_mod
 from examples import training
 from partitioner import compile, trace
-from partitioner.codegen import expected_collectives
+from partitioner.codegen.program import expected_collectives
 from runtime.launch import LaunchError, launch_local
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from cost_models.errors import PartitionerError, TopologyError
 from cost_models.topology import Topology
-from partitioner.plan import Plan
+from partitioner.planner.plan import Plan
 
 settings.register_profile(
     "ci", deadline=None, database=None, derandomize=True, print_blob=True,
@@ -574,7 +574,7 @@ def test_topology_files_python_cannot_parse_are_refused(tmp_path, blob):
 
 def test_compile_refusals_found_by_fuzzing(meta_gpt_graph, calibration_files):
     from partitioner import compile
-    from partitioner.declarations import MAX_MICROBATCHES
+    from partitioner.planner.declarations import MAX_MICROBATCHES
 
     files = calibration_files.value
     for kw, message in [({"calibration": files["directory"]}, "cannot be read"),  # was IsADirectoryError

@@ -1,7 +1,7 @@
 """The memory model's per-rank peak against what the ranks hold, and the probe that measures it.
 
 The probe (runtime.memory_probe) counts the storages a step works with: held on entry
-and touched, allocated inside, resized in place. The model (partitioner/costing.py,
+and touched, allocated inside, resized in place. The model (partitioner/planner/costing.py,
 StageEvaluator._peak_memory) must come within 10 % of it on real processes, for the
 cases it used to miss: a pipeline's last stage (the loss on the executor, the tied
 embedding outside ZeRO, gradients not yet formed at the loss's moment), ZeRO-2
@@ -90,7 +90,7 @@ def test_last_stage_drops_its_output_before_the_loss_backward():
 def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     from examples import gpt
     from partitioner import Topology, compile
-    from partitioner.trace import trace
+    from partitioner.tracer.trace import trace
     from runtime.launch import launch_local
     from runtime.run import default_loss, default_optimizer
 

@@ -6,7 +6,7 @@ real Gloo process groups (2 and 4 spawned processes, FileStore, 1 thread per
 rank). Every spawned world runs a list of `Run`s in one process group; rank 0
 saves what it saw and the tests compare it with single-process training of
 the same model on the whole batch. The schedules come from
-`partitioner.schedule.build_schedule` (tests may import the planner; the
+`partitioner.planner.schedule.build_schedule` (tests may import the planner; the
 runtime may not).
 """
 
@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.schedule import Action, Op, build_schedule
+from partitioner.planner.schedule import Action, Op, build_schedule
 from runtime.collectives import Collectives
 from runtime.pipeline import (
     PipelineError,

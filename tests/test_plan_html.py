@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from partitioner import compile
-from partitioner.plan_html import render_html
-from partitioner.plan_timeline import STAGE_COLORS, stage_color
+from partitioner.show.html import render_html
+from partitioner.show.timeline import STAGE_COLORS, stage_color
 
 IDS = ("summary", "device-grid", "stage-map", "memory-bars", "timeline", "alternatives", "js-errors")
 WINDOW = (1400, 2400)

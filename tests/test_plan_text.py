@@ -18,7 +18,7 @@ import torch
 
 from examples import gpt as gpt_mod
 from partitioner import OpGraph, Plan, compile, trace
-from partitioner.plan_text import WIDTH
+from partitioner.show.text import WIDTH
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("PARTITIONER_REGEN_GOLDEN") == "1"

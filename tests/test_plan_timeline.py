@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from partitioner import compile
-from partitioner.plan_timeline import LANES, build_timeline
+from partitioner.show.timeline import LANES, build_timeline
 
 PLANS = {  # name -> (topology, pins): a plain and an interleaved pipeline, and pure data parallelism
     "1f1b": ("2x4xA100-80GB", {"global_batch_size": 64, "pp": 2, "tp": 2, "dp": 2, "microbatch_size": 4,

@@ -14,12 +14,12 @@ import torch
 from examples import gpt as gpt_mod
 from partitioner import (DeclarationError, OpGraph, Plan, PlanFormatError, PlanInfeasibleError, PlanMismatchError,
                          Topology, compile, trace)
-from partitioner.costing import CostContext
-from partitioner.cut import evaluate_cut
-from partitioner.declarations import Declarations
-from partitioner.schedule import peak_inflight, validate
-from partitioner.search import enumerate_candidates, search
-from partitioner.tensor_split import find_splits
+from partitioner.planner.costing import CostContext
+from partitioner.planner.cut import evaluate_cut
+from partitioner.planner.declarations import Declarations
+from partitioner.planner.schedule import peak_inflight, validate
+from partitioner.planner.search import enumerate_candidates, search
+from partitioner.planner.tensor_split import find_splits
 
 GiB = 2**30
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cost_models.memory import SCHEDULES, inflight_microbatches
-from partitioner.schedule import (
+from partitioner.planner.schedule import (
     SCHEDULE_KINDS,
     Action,
     Op,

@@ -11,9 +11,9 @@ from torch import nn
 
 from examples.training import gpt_4l_seeded, hf_gpt2_4l_seeded
 from partitioner import compile, trace
-from partitioner.plan import Plan
-from partitioner.segments import SegmentError, extract
-from partitioner.tensor_split import find_splits
+from partitioner.planner.plan import Plan
+from partitioner.codegen.segments import SegmentError, extract
+from partitioner.planner.tensor_split import find_splits
 
 HEADER = "import torch\nfrom torch import device\ninf, nan = float('inf'), float('nan')\n"
 

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from partitioner.schedule import Action, Op, Schedule, build_schedule
-from partitioner.simulate import Durations, simulate
+from partitioner.planner.schedule import Action, Op, Schedule, build_schedule
+from partitioner.planner.simulate import Durations, simulate
 
 
 def _uniform(s: Schedule, **kw) -> Durations:

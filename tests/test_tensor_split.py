@@ -12,7 +12,7 @@ from examples import cnn as cnn_mod
 from examples import gpt as gpt_mod
 from examples import mlp as mlp_mod
 from partitioner import OpGraph, trace
-from partitioner.tensor_split import Placement, TensorSplits, find_splits
+from partitioner.planner.tensor_split import Placement, TensorSplits, find_splits
 
 B, S = 2, 16  # where byte sizes are checked
 

@@ -372,7 +372,7 @@ def test_a_difference_no_read_shows_is_caught_by_comparing_super_blocks():
     ((0, 1, 2) * 4, (0, 3)),
 ])
 def test_find_repeat_traces_the_fewest_blocks(kinds, repeat):
-    from partitioner.block_kinds import find_repeat
+    from partitioner.tracer.block_kinds import find_repeat
 
     found = find_repeat(kinds)
     assert (found.offset, found.period) == repeat if repeat else found is None

@@ -1,4 +1,4 @@
-"""Issue 8: elastic re-planning reuses the cached trace (partitioner.trace_cache).
+"""Issue 8: elastic re-planning reuses the cached trace (partitioner.tracer.cache).
 
 A trace read back from disk must plan exactly as the live one: same OpGraph, same fingerprint (plans and
 checkpoints are tied to it), same plans and the same generated rank programs (code generation reads the
@@ -14,8 +14,8 @@ import pytest
 
 from partitioner.compile import compile
 from partitioner.loading import load_model
-from partitioner.trace import trace
-from partitioner.trace_cache import load_trace, save_trace, source_key
+from partitioner.tracer.trace import trace
+from partitioner.tracer.cache import load_trace, save_trace, source_key
 
 SPEC = "examples/gpt.py:gpt_tiny"
 

@@ -1,7 +1,7 @@
 """plan.verify catches each silent fault the code generator once had, naming where it appears.
 
-Each test switches one fix off (the test-only switches of partitioner.segments and
-partitioner.segment_tp), compiles the plan that was wrong before the fix, and
+Each test switches one fix off (the test-only switches of partitioner.codegen.segments and
+partitioner.codegen.segment_tp), compiles the plan that was wrong before the fix, and
 checks that `plan.verify` refuses it, naming the block and the parameter or
 segment; with the fix on, the same plan verifies. In one process, no process group.
 """
@@ -13,7 +13,8 @@ import torch
 
 from examples.hf_families import FAMILIES
 from examples.training import gpt_4l_seeded
-from partitioner import compile, segment_tp, segments, trace
+from partitioner import compile, trace
+from partitioner.codegen import segment_tp, segments
 from runtime.verify import VerifyError
 
 VOCAB, SEQ = 512, 16

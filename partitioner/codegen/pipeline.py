@@ -1,0 +1,255 @@
+"""Per-rank programs for pipeline, tensor-parallel and 3D plans (pp > 1 or tp > 1).
+
+The program holds, as readable Python: the model's code (prefix, one block
+template, suffix: `plan.code`, cut from the exported graph at compile time
+and, with tp > 1, rewritten for this rank's shard), which virtual stages and
+blocks this rank runs, its instruction list, the peers of every stage, the
+tensor placements, the tied parameters and their group, and the
+data-parallel engine over its replicas. `build()` returns a
+`runtime.pipeline_step.PipelineRunner`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from partitioner.codegen.common import ZERO_WHAT, CodegenError, dp_compression, params_table, reduce_scatter_impl
+
+if TYPE_CHECKING:
+    from partitioner.planner.plan import Plan
+
+__all__ = ["pipeline_program_source", "stage_blocks"]
+
+
+def stage_blocks(plan: Plan) -> dict[int, tuple[int, int, bool, bool]]:
+    """Virtual stage -> (first block, end block, runs the prefix, runs the suffix), from the plan's cuts."""
+    code = plan.code
+    out: dict[int, tuple[int, int, bool, bool]] = {}
+    seen: set[int] = set()
+    for st in plan.stages:
+        idx = []
+        for name in st.blocks:
+            if name in ("prefix", "suffix"):
+                continue
+            tail = name[len(code.stack) + 1:] if code.stack else name
+            if not tail.isdigit():
+                raise CodegenError(f"stage {st.index} holds {name!r}, not a whole block of {code.stack}")
+            idx.append(int(tail))
+        if idx != list(range(idx[0], idx[-1] + 1)) if idx else False:
+            raise CodegenError(f"stage {st.index} holds blocks {idx}, not a contiguous run")
+        if seen & set(idx):
+            raise CodegenError(f"stage {st.index} shares a block with an earlier stage: the cut falls inside a block "
+                               "(cut_granularity='node'); code is generated for block-granularity cuts only")
+        seen |= set(idx)
+        pre, suf = "prefix" in st.blocks, "suffix" in st.blocks
+        if (pre and st.index != 0) or (suf and st.index != len(plan.stages) - 1):
+            raise CodegenError(f"stage {st.index} holds part of the prefix or suffix: cut at block boundaries")
+        out[st.index] = (idx[0], idx[-1] + 1, pre, suf) if idx else (0, 0, pre, suf)
+    if seen != set(range(code.num_blocks)):
+        raise CodegenError(f"the stages hold blocks {sorted(seen)}, not all {code.num_blocks} blocks")
+    return out
+
+
+def _holders(plan: Plan, blocks: dict[int, tuple[int, int, bool, bool]]) -> dict[str, set[int]]:
+    """Parameter -> the pipeline ranks whose stages read it."""
+    code, sched = plan.code, plan.instructions
+    out: dict[str, set[int]] = {}
+    for s, (a, b, pre, suf) in blocks.items():
+        r = sched.rank_of(s)
+        names = [n for _, n in code.prefix.params] if pre else []
+        names += [n for _, n in code.suffix.params] if suf and code.suffix else []
+        for i in range(a, b):
+            names += list(code.block_params(i))
+        for n in names:
+            out.setdefault(n, set()).add(r)
+    return out
+
+
+def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
+    c, code = plan.config, plan.code
+    if code is None:
+        raise CodegenError(f"this plan (pp={c.pp}, tp={c.tp}) carries no model code: "
+                           f"{plan.code_note or 'compile it from the model (an nn.Module), not from a saved OpGraph'}")
+    if code.tp != c.tp:
+        raise CodegenError(f"the plan's model code is for tp={code.tp}, its configuration tp={c.tp}; recompile")
+    if c.pp > 1 and code.block is None:
+        raise CodegenError("pp > 1 needs a layer stack to cut; this model has none: compile with pp=1")
+    plan_json = plan.to_json()
+    h = hashlib.sha256(plan_json.encode()).hexdigest()
+    me = plan.mesh[rank]
+    blocks = stage_blocks(plan) if code.block is not None else {0: (0, 0, True, True)}
+    sched = plan.instructions
+    mine = sched.stages_of(me.pp)
+    my_blocks = {s: blocks[s] for s in mine}
+    by_coord = {(m.pp, m.dp, m.tp): m.rank for m in plan.mesh}
+    stage_ranks = tuple(by_coord[(sched.rank_of(s), me.dp, me.tp)] for s in range(len(plan.stages)))
+    dp_ranks = tuple(m.rank for m in plan.mesh if m.pp == me.pp and m.tp == me.tp)
+    holders = _holders(plan, blocks) if code.block is not None else {}
+    tied = sorted(n for n, rs in holders.items() if len(rs) > 1)
+    holder_sets = {frozenset(holders[n]) for n in tied}
+    if len(holder_sets) > 1:
+        raise CodegenError(f"parameters {tied} are shared by different sets of pipeline stages; only one tied "
+                           "group (embedding and LM head) is supported")
+    tie_pp = sorted(next(iter(holder_sets))) if holder_sets else []
+    tie_groups = sorted({tuple(sorted(by_coord[(p, d, t)] for p in tie_pp))
+                         for d in range(c.dp) for t in range(c.tp)}) if tie_pp else []
+    held: set[str] = set()
+    for s, (a, b, pre, suf) in my_blocks.items():
+        held |= {n for _, n in code.prefix.params} if pre else set()
+        held |= {n for _, n in code.suffix.params} if suf and code.suffix else set()
+        for i in range(a, b):
+            held |= set(code.block_params(i))
+    placements = {p.param: (p.spec, p.fused) for p in plan.placements if p.spec != "R" and p.param in held}
+    units = [tuple(n for n in code.block_params(i) if n not in tied)
+             for s, (a, b, _, _) in sorted(my_blocks.items()) for i in range(a, b)]
+    rest = tuple(sorted(held - {n for u in units for n in u} - set(tied)))
+    unit_modules = [f"{code.stack}.{i}" if code.stack else str(i)
+                    for s, (a, b, _, _) in sorted(my_blocks.items()) for i in range(a, b)
+                    if any(n not in tied for n in code.block_params(i))]
+    units = [u for u in units if u] + ([rest] if rest else [])
+    unit_modules += [""] if rest else []  # prefix/suffix parameters: gathered by the root's (the stage's) forward
+    impl, why_impl = reduce_scatter_impl(plan)
+    actions = " ".join(str(a) for a in sched.ranks[me.pp])
+    stage_lines = "\n".join(
+        f"    {s}: ({a}, {b}, {pre}, {suf}),  # "
+        + ", ".join((["prefix"] if pre else []) + ([f"blocks {a}..{b - 1}" if b > a + 1 else f"block {a}"] if b > a else []) + (["suffix"] if suf else []))
+        for s, (a, b, pre, suf) in sorted(my_blocks.items()))
+    params = params_table(plan)
+    place_lines = "\n".join(f"    {n!r}: {v!r},  # {next(p.role for p in plan.placements if p.param == n)}"
+                            for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
+    segs = [code.prefix, *code.templates] + ([code.suffix] if code.suffix is not None else [])
+    functions = "\n\n".join(s.source.rstrip() for s in segs)
+    args = "\n".join(f"{s.name.upper()}_ARGS = {tuple(s.params) + tuple(s.buffers)!r}" for s in segs)
+    fn_table = ", ".join(f"{s.name!r}: {s.name}" for s in segs)
+    block_args = f"({', '.join(t.name.upper() + '_ARGS' for t in code.templates)},)" if code.block is not None else "()"
+    block_inputs = tuple(t.model_inputs for t in code.templates)
+    kinds_line = (f"# The blocks are not all alike: kind of each block (kind 0 runs `block`, kind k `block_k`).\n"
+                  f"BLOCK_KINDS = {code.block_kinds!r}" if code.block_kinds else
+                  "BLOCK_KINDS = ()  # every block runs `block`")
+    suffix_args = "SUFFIX_ARGS" if code.suffix is not None else "()"
+    mixed = plan.precision != "fp32"
+    comp = dp_compression(plan, dp_ranks)
+    group_imports = ("group_ranks, make_group_among, make_groups, make_node_groups, make_self_group" if comp.setup
+                     else "make_group_among, make_groups, make_self_group")
+    if c.dp == 1 and not mixed:
+        engine = ("    # No data parallelism (dp = 1) and fp32: gradients stay in .grad, the optimizer steps the\n"
+                  "    # parameters, nothing is reduced across replicas.\n"
+                  "    engine = Unreplicated(model)\n")
+    else:
+        group = "groups.dp" if c.dp > 1 else "make_self_group(RANK, WORLD_SIZE)"
+        why = "" if c.dp > 1 else " (dp = 1: the engine over this rank alone keeps the fp32 masters)"
+        engine = (f"    # Data parallelism over replicas {dp_ranks} (this rank is replica {me.dp} of {c.dp}): "
+                  f"{ZERO_WHAT[c.zero_stage]}{why}.\n"
+                  f"    engine = DataParallel(model, group={group}, ranks={dp_ranks!r}, zero_stage={c.zero_stage},\n"
+                  f"                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, "
+                  f"precision={plan.precision!r},\n"
+                  f"                          units=UNITS, unit_modules=UNIT_MODULES, "
+                  f"compression={comp.arg}, nodes={comp.nodes},\n"
+                  f"                          compression_warmup={plan.compression_warmup})  # {comp.why}\n")
+
+    source = f'''"""Per-rank program: rank {rank} of {plan.world_size} (pipeline rank {me.pp}, replica {me.dp}, tensor slice {me.tp}).
+
+Plan {h[:12]} for {plan.model_name} on {plan.topology_name}: {c}.
+Precision {plan.precision}; global batch {plan.global_batch_size}. Generated by partitioner.codegen:
+it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` returns the step runner.
+"""
+
+import torch
+from torch import device
+
+import runtime.step
+from runtime.collectives import Collectives
+from runtime.data_parallel import DataParallel
+from runtime.groups import {group_imports}
+from runtime.pipeline_step import PipelineRunner
+from runtime.stage import StageModel, state_keys
+from runtime.unreplicated import Unreplicated
+from runtime.tensor_parallel import TPContext, tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding
+
+inf, nan = float("inf"), float("nan")
+
+PROGRAM_HASH = {h!r}
+RANK = {rank}
+WORLD_SIZE = {plan.world_size}
+
+# The mesh: (rank, pipeline rank, data-parallel replica, tensor slice) for every rank.
+MESH = {tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)!r}
+NODE_OF = {tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))!r}  # rank -> node
+
+# The parameters the plan was compiled for (name, full shape): any other model is refused.
+PARAMS = (
+{params},
+)
+
+# This rank's virtual stages: stage -> (first block, end block, runs the prefix, runs the suffix)
+# of {code.stack or 'the model'} ({code.num_blocks} blocks; {len(plan.stages)} stages in all, {c.schedule}
+# schedule{f", {c.interleave} virtual stages per rank" if c.interleave > 1 else ""}).
+STAGES = {{
+{stage_lines}
+}}
+# Global rank of every virtual stage in this replica and tensor slice: the peers of SEND/RECV.
+STAGE_RANKS = {stage_ranks!r}
+# This rank's instruction list: {c.num_microbatches} microbatches of {c.microbatch_size} per step.
+ACTIONS = {actions!r}.split()
+
+# Tensor parallelism over {c.tp} rank(s): this rank's sharded parameters -> (spec, fused chunks);
+# the others it holds are whole.
+PLACEMENTS = {{
+{place_lines}
+}}
+# Parameters read by stages on different pipeline ranks (a tied embedding and LM head): each
+# holder keeps a copy, their gradients are summed over the holders {tie_groups!r}.
+TIED = {tuple(tied)!r}
+TIE_GROUPS = {tuple(tie_groups)!r}
+# ZeRO-3 gathers one unit (a block, then the rest) at a time.
+UNITS = {tuple(units)!r}
+UNIT_MODULES = {tuple(unit_modules)!r}
+
+# ---- the model's code: prefix, block template, suffix (cut from the exported graph{", rewritten for the tensor shards" if c.tp > 1 else ""})
+
+{functions}
+
+
+{args}
+{kinds_line}
+OUTPUT_SPEC = {code.output_spec!r}
+# The hidden state at every cut, as sizes of the model inputs: receivers size their buffers from
+# the microbatch they hold, so no shape message precedes an activation{"" if code.hidden_shape else " (unknown here: one does)"}.
+HIDDEN_SHAPE = {code.hidden_shape!r}
+
+
+def make_stage(model, tp):
+    """This rank's stages of `model` (pruned in place), running the code above; `tp` is the tensor-parallel
+    context (None when tp = 1). `build` calls it; so does `plan.verify`, with its collectives simulated."""
+    return StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
+                      block_inputs={block_inputs!r}, block_kinds=BLOCK_KINDS,
+                      suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
+                      block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
+                      placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
+                      recompute={c.recompute!r})
+
+
+def build(model_fn, optimizer_fn, loss_fn):
+    groups = make_groups(RANK, MESH)
+{comp.setup}    tie_group = make_group_among(RANK, TIE_GROUPS)
+    # reduce-scatter implementation: {impl} ({why_impl}).
+    collectives = Collectives(reduce_scatter_impl={impl!r})
+    model = model_fn()
+    runtime.step.check_parameters(model, PARAMS)
+    full_keys = state_keys(model)
+    {f"tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp})  # this rank is tensor slice {me.tp} of {c.tp}" if c.tp > 1 else "tp = None  # tp = 1: the code calls no tensor-parallel collective"}
+    stage = make_stage(model, tp)
+
+{engine}    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
+    optimizer = optimizer_fn(engine.optimizer_params() + list(stage.tied.values()))
+    return PipelineRunner(
+        stage=stage, engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, groups=groups,
+        tie_group=tie_group, tie_first={bool(tie_pp) and me.pp == tie_pp[0]}, actions=ACTIONS,
+        num_stages={len(plan.stages)}, stage_ranks=STAGE_RANKS, dp_rank={me.dp}, dp_size={c.dp}, tp_size={c.tp},
+        microbatch_size={c.microbatch_size}, num_microbatches={c.num_microbatches},
+        clip_grad_norm={plan.clip_grad_norm!r}, placements=PLACEMENTS, full_keys=full_keys, mesh=MESH,
+        program_hash=PROGRAM_HASH, hidden_shape=HIDDEN_SHAPE,
+        hidden_dtype={"engine.precision.param_dtype" if mixed else "torch.float32"})
+'''
+    return source, h

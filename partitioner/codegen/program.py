@@ -1,0 +1,75 @@
+"""`program(plan, rank) -> RankProgram`: the readable Python one rank runs.
+
+The program imports only torch and `runtime` (as a compiler's output links
+its runtime). Every block is commented with the plan decision it implements:
+which groups exist, which collective runs where and why, which rows of the
+batch and which slice of the parameters this rank holds. Executing the
+source defines `build(model_fn, optimizer_fn, loss_fn)`, which returns the
+runtime's step runner (`runtime.step.StepRunner`).
+
+Data-parallel plans (pp = tp = 1, any ZeRO stage) are emitted here;
+pipeline, tensor-parallel and 3D programs by `partitioner.codegen.pipeline`;
+async SGD plans (`plan.async_sgd`) by `partitioner.codegen.async_sgd`.
+
+>>> print(plan.program(1).source)           # doctest: +SKIP
+\"\"\"Per-rank program: rank 1 of 4 ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from partitioner.codegen.async_sgd import async_program_source
+from partitioner.codegen.common import CodegenError
+from partitioner.codegen.data_parallel import data_parallel_program_source, expected_collectives
+from partitioner.codegen.pipeline import pipeline_program_source
+
+if TYPE_CHECKING:
+    from partitioner.planner.plan import Plan
+
+__all__ = ["RankProgram", "program", "write_programs", "expected_collectives", "CodegenError"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankProgram:
+    """What one rank runs: `source` is readable, directly executable Python."""
+
+    rank: int
+    world_size: int
+    source: str
+    program_hash: str  # sha256 of the plan JSON: every rank of one plan shares it
+
+    def namespace(self) -> dict:
+        """Execute the source; the returned namespace holds `build`."""
+        ns: dict = {"__name__": f"rank_{self.rank}"}
+        exec(compile(self.source, f"<rank_{self.rank}.py>", "exec"), ns)  # noqa: S102 - our own generated code
+        return ns
+
+
+def program(plan: "Plan", rank: int) -> RankProgram:
+    if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
+        raise CodegenError(f"rank={rank!r}: the plan has ranks 0..{plan.world_size - 1}")
+    c = plan.config
+    if c.pp > 1 or c.tp > 1:
+        source, h = pipeline_program_source(plan, rank)
+        return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)
+    plan_json = plan.to_json()
+    h = hashlib.sha256(plan_json.encode()).hexdigest()
+    if plan.async_sgd:  # replicas that step alone and average parameters: no DataParallel engine
+        return RankProgram(rank=rank, world_size=plan.world_size, source=async_program_source(plan, rank, h),
+                           program_hash=h)
+    return RankProgram(rank=rank, world_size=plan.world_size, source=data_parallel_program_source(plan, rank, h),
+                       program_hash=h)
+
+
+def write_programs(plan: "Plan", directory: str | Path) -> Path:
+    """`directory/plan.json` and `directory/rank_{r}.py` for every rank; returns the directory."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for r in range(plan.world_size):
+        (d / f"rank_{r}.py").write_text(program(plan, r).source)
+    plan.save(d / "plan.json")
+    return d

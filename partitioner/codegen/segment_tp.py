@@ -1,0 +1,197 @@
+"""Megatron rewriting of segment code for tensor parallelism (tp > 1), as the tensor splits say.
+
+Used by `partitioner.codegen.segments` while it copies a segment's nodes:
+
+- a column-parallel matmul (and a vocab-parallel LM head) reads its input
+  through `tp_copy` ("f": identity forward, all-reduce backward), one per
+  distinct input;
+- a row-parallel matmul drops its bias, all-reduces its partial output
+  (`tp_reduce`, "g") and adds the bias after;
+- a vocab-parallel embedding becomes `tp_vocab_embedding` (padding_idx kept);
+- a cross entropy over vocab-split logits becomes `tp_cross_entropy`: three
+  all-reduces of one number per token, never the logits;
+- a view, reshape, expand or split of a split tensor has its size on the
+  split dim divided by tp (12 heads -> 12/tp; a fused 3*768 qkv split at 768
+  -> split at 768/tp);
+- a model output that is split (vocab-parallel logits) is gathered by
+  `tp_gather`;
+- a replicated parameter read by an op on a split activation (a per-head
+  q/k norm's weight, a scale broadcast over heads) is read through
+  `tp_copy`: each rank's gradient for it is only its own heads' share, and
+  f's backward sums the shares over the tensor group (Megatron does the same
+  for the layer norms that see sequence-parallel activations).
+
+The functions named here live in `runtime.tensor_parallel`; the planner must
+not import the runtime, so stand-ins with the same names carry them into the
+graph and the generated program imports the real ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from partitioner.planner.model_code import SegmentError, describe
+
+__all__ = ["RUNTIME_FUNCTIONS", "TensorParallelRewrite", "unmangle"]
+
+_aten = torch.ops.aten
+MATMULS = {_aten.linear.default: (0, 1, 2), _aten.addmm.default: (1, 2, 0),  # (activation, weight, bias)
+           _aten.mm.default: (0, 1, None), _aten.matmul.default: (0, 1, None)}
+_SIZED = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default}
+_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default}
+
+
+def tp_copy(x, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def tp_reduce(x, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def tp_vocab_embedding(weight, ids, tp, padding_idx=-1):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def tp_cross_entropy(local_logits, targets, ignore_index, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def tp_gather(x, dim, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+# Tests switch this off to check that plan.verify catches the partial gradients it prevents.
+SUM_REPLICATED_GRADS = True
+
+RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather")
+
+
+def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """fx names a non-torch function by its module path; the program imports these bare."""
+    for fn in RUNTIME_FUNCTIONS:
+        mangled = f"{__name__.replace('.', '_')}_{fn}"
+        src = src.replace(mangled, fn)
+        if mangled in globs:
+            globs[fn] = globs.pop(mangled)
+    return src, globs
+
+
+class TensorParallelRewrite:
+    """Mixed into the segment builder, which provides graph, env, value(), src, placements, dims, tp, tp_arg."""
+
+    def _role(self, n: fx.Node) -> str | None:
+        w = n.args[MATMULS[n.target][1]] if n.target in MATMULS else \
+            (n.args[0] if n.target is _aten.embedding.default else None)
+        if not isinstance(w, fx.Node) or w not in self.src.param:
+            return None
+        p = self.placements.get(self.src.param[w])
+        return p.role if p is not None else None
+
+    def rewrite_op(self, n: fx.Node) -> bool:
+        """Copy `n` as its tensor-parallel form when it has one; False when a plain copy will do."""
+        if self.tp == 1:
+            return False
+        if n.target is _aten.cross_entropy_loss.default and n.args[0].name in self.dims:
+            self.env[n] = self._parallel_cross_entropy(n)
+            return True
+        role = self._role(n)
+        # a vocab-parallel LM head (its weight maybe tied with a vocab-parallel embedding) is column-parallel
+        if role in ("column", "vocab_head", "vocab_embedding") and n.target in MATMULS:
+            a = MATMULS[n.target][0]
+            act = self.value(n.args[a])
+            if act not in self.copies:
+                self.copies[act] = self.graph.create_node("call_function", tp_copy, (act, self.tp_arg), name="f")
+            new = self.graph.node_copy(n, self.value)
+            new.args = tuple(self.copies[act] if i == a else x for i, x in enumerate(new.args))
+            self.env[n] = new
+            return True
+        if role == "row" and n.target in MATMULS:
+            a, w, b = MATMULS[n.target]
+            x, weight = self.value(n.args[a]), self.value(n.args[w])
+            op = _aten.mm.default if n.target is _aten.addmm.default else n.target
+            partial = self.graph.call_function(op, (x, weight))
+            out = self.graph.create_node("call_function", tp_reduce, (partial, self.tp_arg), name="g")
+            bias = n.args[b] if b is not None and len(n.args) > b else None
+            if bias is not None:
+                out = self.graph.call_function(_aten.add.Tensor, (out, self.value(bias)))
+            out.meta = dict(n.meta)
+            self.env[n] = out
+            return True
+        if role == "vocab_embedding" and n.target is _aten.embedding.default:
+            pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+            self.env[n] = self.graph.create_node("call_function", tp_vocab_embedding,
+                                                 (self.value(n.args[0]), self.value(n.args[1]), self.tp_arg, pad),
+                                                 name=n.name)
+            self.env[n].meta = dict(n.meta)
+            return True
+        return False
+
+    def sum_replicated_grads(self, n: fx.Node, new: fx.Node) -> None:
+        """Read each replicated parameter of an op on split activations through f (see the module docstring):
+        the parameter itself, or a value computed from replicated parameters alone (Gemma's `1 + weight`)."""
+        if self.tp == 1 or not SUM_REPLICATED_GRADS:
+            return
+        if n.name not in self.dims and not any(a.name in self.dims for a in n.all_input_nodes):
+            return
+        for a in n.all_input_nodes:
+            if a.name in self.dims or not self._replicated_parameter_value(a):
+                continue
+            old = self.value(a)
+            if old not in self.param_copies:  # one f per value and segment, placed before its first use
+                with self.graph.inserting_before(new):
+                    self.param_copies[old] = self.graph.create_node("call_function", tp_copy, (old, self.tp_arg),
+                                                                    name=f"{old.name}_f")
+            new.replace_input_with(old, self.param_copies[old])
+
+    def _replicated_parameter_value(self, a: fx.Node) -> bool:
+        """Whether `a` is a replicated parameter, or computed from such parameters (and shapes) alone."""
+        if a in self.src.param:
+            p = self.placements.get(self.src.param[a])
+            return p is None or p.spec == "R"
+        if a.op != "call_function" or self.src.shape_only.get(a, False):
+            return False
+        inputs = [x for x in a.all_input_nodes if not self.src.shape_only.get(x, False)]
+        return bool(inputs) and all(self._replicated_parameter_value(x) for x in inputs)
+
+    def resize(self, n: fx.Node, new: fx.Node) -> None:
+        """Divide the split dim's size by tp in a copied view, reshape, expand or split of a split tensor."""
+        if self.tp == 1:
+            return
+        if n.target in _SIZED and n.name in self.dims:
+            d, sizes = self.dims[n.name], list(new.args[1])
+            if isinstance(sizes[d], int) and sizes[d] != -1:
+                sizes[d] //= self.tp
+                new.args = (new.args[0], sizes, *new.args[2:])
+        elif n.target in _SPLITS and n.args[0].name in self.dims:
+            x = n.args[0]
+            dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+            if dim % len(x.meta["val"].shape) == self.dims[x.name]:
+                size = new.args[1]
+                size = [s // self.tp for s in size] if isinstance(size, (list, tuple)) else size // self.tp
+                new.args = (new.args[0], size, *new.args[2:])
+
+    def _parallel_cross_entropy(self, n: fx.Node) -> fx.Node:
+        args = list(n.args) + [None, 1, -100, 0.0][len(n.args) - 2:]
+        weight, reduction, ignore_index, smoothing = args[2:6]
+        if weight is not None or reduction != 1 or smoothing:
+            raise SegmentError(f"{describe(n)}: a vocab-parallel cross entropy is generated for the mean "
+                               "reduction without class weights or label smoothing; pin tp=1 for this model")
+        out = self.graph.create_node("call_function", tp_cross_entropy,
+                                     (self.value(n.args[0]), self.value(n.args[1]), ignore_index, self.tp_arg),
+                                     name=n.name)
+        out.meta = dict(n.meta)
+        return out
+
+    def output(self, x: Any) -> Any:
+        """A model output; one split over the tensor group (vocab-parallel logits) is gathered for it."""
+        if not isinstance(x, fx.Node):
+            return x
+        v = self.value(x)
+        if self.tp > 1 and x.name in self.dims:
+            v = self.graph.create_node("call_function", tp_gather, (v, self.dims[x.name], self.tp_arg),
+                                       name=f"{x.name}_full")
+        return v

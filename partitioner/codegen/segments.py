@@ -1,0 +1,431 @@
+"""The model as code: prefix, one block, suffix, cut from the exported graph.
+
+A pipeline stage runs the prefix (stage 0), a run of blocks, and the suffix
+(the last stage). `extract(ep, g)` cuts those three pieces out of the
+ExportedProgram the tracer captured (the model with its first blocks), and
+writes each as a plain Python function over ATen ops. The block function is
+a template: block 1's graph with its parameter names relative to the block,
+so one function serves every block (the tracer checked they repeat). A stack
+whose blocks are not all alike (alternating sliding-window and full
+attention, a dense layer before MoE layers: `partitioner.tracer.block_kinds`) has one
+template per kind of block (`block`, `block_1`, ...).
+
+Only one tensor crosses a cut: the hidden state. Everything else a block
+reads from outside is a parameter or buffer, a model input (every pipeline
+rank has the batch: labels for an in-model loss, an attention mask), or
+computed from *shapes alone* (sizes, an arange of positions, a causal mask
+built from them, rotary tables from a buffer): those are recomputed inside
+the segment from the hidden state's sizes. A block that reads any other
+prefix value, or hands on more than the hidden state, is refused with the
+nodes named.
+
+With tensor parallelism (tp > 1) the copied code is rewritten as the tensor
+splits say (Megatron f and g, local head counts, vocab-parallel embedding,
+head and cross entropy): see `partitioner.codegen.segment_tp`. Casts to the traced
+parameter dtype (fp32) become casts to the parameters' dtype at run time,
+so the same code runs under bf16 mixed precision.
+
+>>> code = extract(ep, g)                      # doctest: +SKIP
+>>> print(code.block.source)                   # doctest: +SKIP
+def block(tp, x, ln_1_weight, ...):
+    layer_norm = torch.ops.aten.layer_norm.default(x, [256], ln_1_weight, ...)
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, unmangle
+from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
+from partitioner.tracer.block_kinds import mutates
+from partitioner.tracer.blocks import block_index
+
+__all__ = ["ModelCode", "Segment", "SegmentError", "extract"]
+
+_aten = torch.ops.aten
+_CASTS = {_aten.to.dtype_layout, _aten.to.dtype, _aten._to_copy.default}
+
+
+def _argname(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+class _Source:
+    """What every node of the exported graph is: parameter, buffer, input, shape-only, or in which segment."""
+
+    def __init__(self, ep: Any, g: Any):
+        self.ep, self.gm = ep, ep.graph_module
+        canonical = {a: p.name for p in g.params for a in (p.name, *p.aliases)}
+        self.param: dict[fx.Node, str] = {}
+        self.buffer: dict[fx.Node, str] = {}
+        self.const: dict[fx.Node, tuple[str, Any]] = {}
+        self.inputs: list[fx.Node] = []
+        by_name = {n.name: n for n in self.gm.graph.nodes}
+        for spec in ep.graph_signature.input_specs:
+            node = by_name[spec.arg.name]
+            kind = spec.kind.name
+            if kind == "PARAMETER":
+                self.param[node] = canonical.get(spec.target, spec.target)
+            elif kind == "BUFFER":
+                self.buffer[node] = spec.target
+            elif kind == "CONSTANT_TENSOR":  # a tensor made inside forward (torch.tensor([-1])), lifted by export
+                self.const[node] = (spec.target, ep.constants.get(spec.target))
+            elif kind == "USER_INPUT":
+                self.inputs.append(node)
+            else:
+                raise SegmentError(f"input {spec.arg.name} of kind {kind} is not supported in stage code")
+        self.stack = g.block_container
+        self.shape_only: dict[fx.Node, bool] = {}
+        self.segment: dict[fx.Node, Any] = {}  # "prefix" | block index | "suffix"
+        seen_block = False
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                self.shape_only[n] = n in self.buffer or n in self.const
+            elif n.op == "get_attr":  # a nested graph of a higher-order op (a no_grad or autocast region)
+                self.shape_only[n] = True
+                if not isinstance(getattr(self.gm, n.target), fx.GraphModule):
+                    raise SegmentError(f"the graph reads attribute {n.target!r}, which is not a nested graph: "
+                                       "stage code cannot hold it")
+            elif n.op == "call_function":
+                self.shape_only[n] = n.target is _aten.sym_size.int or \
+                    all(self.shape_only[a] for a in n.all_input_nodes)
+                if self.shape_only[n] or not (n.users or mutates(n)):
+                    continue  # an in-place write into a tensor (x[:, :k] = y) has no users and must stay
+                b = block_index(self._path(n), self.stack) if self.stack is not None else None
+                if b is not None:
+                    seen_block = True
+                    self.segment[n] = b
+                else:
+                    self.segment[n] = "suffix" if seen_block else "prefix"
+        self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
+
+    @staticmethod
+    def _path(n: fx.Node) -> str:
+        stack = n.meta.get("nn_module_stack") or {}
+        return list(stack.values())[-1][0] if stack else ""
+
+    def members(self, seg: Any) -> list[fx.Node]:
+        return [n for n, s in self.segment.items() if s == seg]
+
+    def crossing(self, members: list[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+        """(outside values the members read, member values read outside), shape-only values excluded."""
+        inside = set(members)
+        reads = {a for m in members for a in m.all_input_nodes
+                 if a not in inside and a.op != "placeholder" and not self.shape_only[a]}
+        out = {m for m in members for u in m.users if u not in inside and (u.op == "output" or u in self.segment)}
+        return reads, out
+
+
+class _Builder(TensorParallelRewrite):
+    """Copies one segment's nodes into a fresh graph, recomputing shape-only values from its input."""
+
+    def __init__(self, src: _Source, name: str, *, carried: fx.Node | None, block: int | None,
+                 placements: dict[str, Any], dims: dict[str, int], tp: int):
+        self.src, self.name, self.carried, self.block = src, name, carried, block
+        self.placements, self.dims, self.tp = placements, dims, tp
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.params: dict[str, str] = {}
+        self.buffers: dict[str, str] = {}
+        self.copies: dict[fx.Node, fx.Node] = {}  # tp_copy per activation (one f per region input)
+        self.param_copies: dict[fx.Node, fx.Node] = {}  # tp_copy per replicated parameter used on split values
+        self.tp_arg = self.graph.placeholder("tp")
+        if carried is None:
+            self.input_names = tuple(n.name for n in src.inputs)
+            for n in src.inputs:
+                self.env[n] = self.graph.placeholder(n.name)
+                self.env[n].meta = dict(n.meta)
+        else:
+            self.input_names = ("x",)
+            self.env[carried] = self.graph.placeholder("x")
+            self.env[carried].meta = dict(carried.meta)
+        self.model_inputs: list[str] = []  # model inputs a block or the suffix reads (every stage has them)
+        self.dtype: fx.Node | None = None  # the parameters' dtype at run time, read from dtype_param
+        self.dtype_param: fx.Node | None = None
+        self._device: fx.Node | None = None  # the device of this segment's input at run time
+
+    def _relative(self, name: str) -> str:
+        if self.block is None:
+            return name
+        head = f"{self.src.stack}.{self.block}." if self.src.stack else f"{self.block}."
+        return name.removeprefix(head)
+
+    def _arg(self, n: fx.Node, full: str, table: dict[str, str]) -> fx.Node:
+        rel = self._relative(full)
+        arg = _argname(rel)
+        if arg not in table:
+            template = (f"{self.src.stack}.{{i}}.{rel}" if self.src.stack else f"{{i}}.{rel}") \
+                if rel != full else full
+            table[arg] = template
+            self.env[n] = node = self.graph.placeholder(arg)
+            node.meta = dict(n.meta)
+        return self.env[n]
+
+    def value(self, n: fx.Node) -> fx.Node:
+        if n in self.env:
+            return self.env[n]
+        if n in self.src.param:
+            return self._arg(n, self.src.param[n], self.params)
+        if n in self.src.const and CONSTANTS_IN_CODE:
+            self.env[n] = self._constant(*self.src.const[n])
+            return self.env[n]
+        if n in self.src.const:
+            return self._arg(n, self.src.const[n][0], self.buffers)
+        if n in self.src.buffer:
+            return self._arg(n, self.src.buffer[n], self.buffers)
+        if n in self.src.inputs:  # a model input read after the prefix (labels, an attention mask)
+            self.env[n] = node = self.graph.placeholder(f"input_{n.name}")
+            node.meta = dict(n.meta)
+            self.model_inputs.append(n.name)
+            return node
+        if not self.src.shape_only.get(n, False):
+            raise SegmentError(f"the {self.name} reads {describe(n)}, computed outside it: only the hidden state "
+                               "may cross a stage boundary (plus values computed from shapes alone)")
+        if n.target is _aten.sym_size.int and n.args[0] not in self.env and self.carried is not None:
+            # a batch or sequence size read from a tensor this segment does not have: read it from its input
+            want = str(n.meta.get("val"))
+            shape = self.carried.meta["val"].shape
+            dims = [j for j, s in enumerate(shape) if str(s) == want]
+            if not dims:
+                raise SegmentError(f"the {self.name} needs size {want} ({n.name}), which its input "
+                                   f"{self.carried.name} of shape {tuple(shape)} does not carry")
+            self.env[n] = self.graph.call_function(_aten.sym_size.int, (self.env[self.carried], dims[0]))
+            self.env[n].meta = dict(n.meta)
+            return self.env[n]
+        self.env[n] = self._copy_plain(n)
+        return self.env[n]
+
+    def _copy_plain(self, n: fx.Node) -> Any:
+        """node_copy, except: a higher-order op's nested graph is inlined (its value: a tuple of nodes),
+        and an item of such a tuple is that node."""
+        if n.target is operator.getitem and isinstance(self.value(n.args[0]), tuple):
+            return self.value(n.args[0])[n.args[1]]
+        sub = next((i for i, a in enumerate(n.args) if isinstance(a, fx.Node) and a.op == "get_attr"), None)
+        if sub is None:
+            return self._device_neutral(self.graph.node_copy(n, self.value))
+        # wrap_with_set_grad_enabled / wrap_with_autocast: (flags..., graph, *inputs). Inlined, the region runs
+        # in the caller's grad and autocast mode: the same values wherever (as here) it computes from shapes
+        # and buffers, which need no gradient, and no autocast runs around generated code.
+        nested = getattr(self.src.gm, n.args[sub].target)
+        env: dict[fx.Node, Any] = {}
+        holes = [x for x in nested.graph.nodes if x.op == "placeholder"]
+        for ph, a in zip(holes, n.args[sub + 1:]):
+            env[ph] = self.value(a) if isinstance(a, fx.Node) else a
+        out: Any = ()
+        for x in nested.graph.nodes:
+            if x.op == "call_function" and x.users:
+                env[x] = self._device_neutral(self.graph.node_copy(x, lambda y: env[y]))
+            elif x.op == "output":
+                out = tuple(env[o] if isinstance(o, fx.Node) else o for o in x.args[0])
+        return out
+
+    def _device_neutral(self, new: fx.Node) -> fx.Node:
+        """Replace the device the trace ran on (meta, cpu) in a copied node's arguments (a factory's
+        `device=`, `aten.to.device`) by the device of the segment's input at run time: code compiled on
+        meta or CPU must put its positions, masks and tables where its activations are."""
+        if not DEVICE_NEUTRAL or not any(isinstance(a, torch.device) for a in pytree.tree_leaves((new.args, new.kwargs))):
+            return new
+        dev = self._device_node()
+        swap = lambda a: dev if isinstance(a, torch.device) else a  # noqa: E731
+        new.args = pytree.tree_map(swap, new.args)
+        new.kwargs = pytree.tree_map(swap, new.kwargs)
+        return new
+
+    def _device_node(self) -> fx.Node:
+        """`<input>.device`: the device the segment runs on, read from its input at run time."""
+        if self._device is None:
+            anchor = self.env[self.carried] if self.carried is not None else \
+                next((self.env[n] for n in self.src.inputs if isinstance(n.meta.get("val"), torch.Tensor)), None)
+            if anchor is None:
+                raise SegmentError(f"the {self.name} creates tensors on a device but has no tensor input to take "
+                                   "the device from")
+            with self.graph.inserting_after(anchor):
+                self._device = self.graph.call_function(getattr, (anchor, "device"))
+        return self._device
+
+    def _constant(self, target: str, value: Any) -> fx.Node:
+        """A tensor the forward made itself (lifted by export): written into the code as a literal on the
+        segment's device. Looking it up on the user's module by its exported name would fail (it is no
+        attribute of the module), and a large one does not belong in generated source."""
+        if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+            raise SegmentError(f"the {self.name} reads {target}, a tensor its forward makes on the activations' "
+                               "device (e.g. by indexing with a Python list, x[..., [-2], :]); traced on the meta "
+                               "device its value is unknown, so stage code cannot carry it: compile from the model "
+                               "built on CPU, or pin pp=1 and tp=1 (data-parallel plans do not need stage code)")
+        if value.numel() > _MAX_CONSTANT:
+            raise SegmentError(f"the {self.name} reads {target}, a tensor of {value.numel()} elements made inside "
+                               f"forward; stage code carries such constants only up to {_MAX_CONSTANT} elements: "
+                               "register it as a buffer of its module (register_buffer) instead")
+        node = self.graph.call_function(torch.tensor, (value.tolist(),),
+                                        {"dtype": value.dtype, "device": self._device_node()})
+        node.meta = {"val": value}
+        return node
+
+    def copy(self, n: fx.Node) -> None:
+        """Copy member `n` into the segment: in its tensor-parallel form, or plain (casts retargeted,
+        sizes on split dims divided by tp)."""
+        if self.rewrite_op(n):
+            return
+        cast = n.target in _CASTS and self._to_param_dtype(n)
+        new = self._copy_plain(n)
+        if not isinstance(new, fx.Node):  # an inlined nested graph, or an item of one
+            self.env[n] = new
+            return
+        if cast:
+            if "dtype" in new.kwargs:
+                new.kwargs = {**new.kwargs, "dtype": self.dtype}
+            else:
+                new.args = (new.args[0], self.dtype, *new.args[2:])
+        self.resize(n, new)
+        self.sum_replicated_grads(n, new)
+        self.env[n] = new
+
+    def _to_param_dtype(self, n: fx.Node) -> bool:
+        """Whether `n` casts to the traced parameter dtype (fp32; e.g. HF's `.to(inputs_embeds.dtype)`): that
+        is a cast to whatever dtype the parameters have when the code runs (bf16 under mixed precision),
+        so it is rewritten to read it (`self.dtype`, made here, before the cast's copy)."""
+        traced = next(iter(self.src.param), None)
+        want = n.kwargs.get("dtype", n.args[1] if n.target is _aten.to.dtype and len(n.args) > 1 else None)
+        src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        if traced is None or self.dtype_param is None or want != traced.meta["val"].dtype or \
+                not isinstance(src, torch.Tensor) or not src.is_floating_point():
+            return False  # integer positions cast to float stay fp32
+        if self.dtype is None:
+            self.dtype = self.graph.call_function(getattr, (self.value(self.dtype_param), "dtype"))
+        return True
+
+    def finish(self, outputs: Any) -> Segment:
+        self.graph.output(outputs)
+        self.graph.eliminate_dead_code()
+        code = self.graph.python_code(root_module="self")
+        src, globs = unmangle(code.src, dict(code.globals))
+        _check_globals(globs, self.name)
+        src = src.replace("def forward(self, ", f"def {self.name}(", 1).strip() + "\n"
+        return Segment(name=self.name, source=src, inputs=self.input_names, model_inputs=tuple(self.model_inputs),
+                       params=tuple(self.params.items()), buffers=tuple(self.buffers.items()))
+
+
+_MAX_CONSTANT = 256  # elements of a forward-made constant written into generated code
+
+# Tests switch these off, one at a time, to check that plan.verify catches the fault each prevents:
+# one template for blocks of different kinds, factories on the trace's device, constants looked up
+# on the user's module by their exported name.
+TEMPLATE_PER_KIND = True
+DEVICE_NEUTRAL = True
+CONSTANTS_IN_CODE = True
+
+_KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS}
+
+
+def _check_globals(globs: dict[str, Any], name: str) -> None:
+    unknown = sorted(k for k in globs if k not in _KNOWN_GLOBALS)
+    if unknown:
+        raise SegmentError(f"the {name} code calls {unknown}, which a generated program cannot import; "
+                           "the graph holds a non-ATen call")
+
+
+def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
+    """Cut `ep` (the ExportedProgram `trace` captured for OpGraph `g`) into prefix, block, suffix code."""
+    import torch.utils._pytree as pytree
+
+    src = _Source(ep, g)
+    placements = {p.param: p for p in splits.placements} if splits is not None else {}
+    dims = dict(splits.shard_dims) if splits is not None else {}
+    if tp > 1 and splits is None:
+        raise SegmentError("tp > 1 needs the tensor splits (partitioner.planner.tensor_split.find_splits)")
+    spec = pytree.treespec_dumps(ep.call_spec.out_spec)
+    flat_out = src.output.args[0]
+    blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
+    kw = dict(placements=placements, dims=dims, tp=tp)
+
+    def run(b: _Builder, members: list[fx.Node]) -> None:
+        members = sorted(members, key=_order(src))
+        b.dtype_param = next((a for m in members for a in m.all_input_nodes
+                              if a in src.param and a.meta["val"].is_floating_point()), None)
+        for m in members:
+            b.copy(m)
+
+    if not blocks:
+        b = _Builder(src, "prefix", carried=None, block=None, **kw)
+        run(b, src.members("prefix") + src.members("suffix"))
+        prefix = b.finish(tuple(b.output(x) for x in flat_out))
+        return ModelCode(stack=None, num_blocks=0, tp=tp, prefix=prefix, block=None, suffix=None, output_spec=spec)
+
+    # prefix -> block 0: one tensor
+    pre = src.members("prefix")
+    reads, outs = src.crossing(pre)
+    if len(outs) != 1:
+        raise SegmentError(f"the prefix (before {src.stack}) hands {len(outs)} values to what follows "
+                           f"({', '.join(sorted(o.name for o in outs))}); a pipeline cut passes exactly one tensor")
+    hidden = next(iter(outs))
+    b = _Builder(src, "prefix", carried=None, block=None, **kw)
+    run(b, pre)
+    prefix = b.finish(b.value(hidden))
+
+    # one template per kind of block (partitioner.tracer.block_kinds): its second traced block when there is
+    # one (the tracer may lower the first block differently), else its first
+    kinds = tuple(b.kind for b in g.blocks) if g.blocks else ()
+    kinds = kinds if len(set(kinds)) > 1 and TEMPLATE_PER_KIND else ()
+    templates: list[Segment] = []
+    cuts: list[fx.Node] = [hidden]
+    for k in sorted(set(kinds)) if kinds else [0]:
+        of_kind = [b for b in blocks if (kinds[b] if kinds else 0) == k]
+        if not of_kind:
+            raise SegmentError(f"no traced block of kind {k} in {src.stack}: trace the model with every block")
+        t = of_kind[1] if len(of_kind) > 1 else of_kind[0]
+        members = src.members(t)
+        reads, outs = src.crossing(members)
+        if len(reads) != 1 or len(outs) != 1:
+            raise SegmentError(f"block {t} of {src.stack} reads {sorted(r.name for r in reads)} and hands on "
+                               f"{sorted(o.name for o in outs)} across its boundary; a pipeline cut passes exactly "
+                               "one tensor")
+        (x_in,), (x_out,) = reads, outs
+        b = _Builder(src, "block" if k == 0 else f"block_{k}", carried=x_in, block=t, **kw)
+        run(b, members)
+        templates.append(b.finish(b.value(x_out)))
+        cuts += [x_in, x_out]
+
+    last = src.members(blocks[-1])
+    _, (last_out, *more) = src.crossing(last)
+    if more:
+        raise SegmentError(f"the last block hands {1 + len(more)} values to the suffix; a pipeline cut passes one")
+    suf = src.members("suffix")
+    reads, _ = src.crossing(suf)
+    if reads - {last_out}:
+        raise SegmentError(f"the suffix reads {sorted(r.name for r in reads - {last_out})} besides the last block's "
+                           "output; a pipeline cut passes exactly one tensor")
+    b = _Builder(src, "suffix", carried=last_out, block=None, **kw)
+    run(b, suf)
+    suffix = b.finish(tuple(b.output(x) for x in flat_out))
+    return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
+                     prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec,
+                     hidden_shape=_hidden_shape(src, *cuts), other_blocks=tuple(templates[1:]), block_kinds=kinds)
+
+
+def _hidden_shape(src: _Source, *values: fx.Node) -> tuple[int | tuple[str, int], ...] | None:
+    """The shape every cut carries, in terms of the model inputs' sizes; None unless all cuts agree."""
+    shapes = {tuple(str(d) for d in v.meta["val"].shape) for v in values}
+    if len(shapes) != 1:
+        return None
+    sizes = {str(d): (n.name, j) for n in reversed(src.inputs) for j, d in enumerate(n.meta["val"].shape)}
+    out: list[int | tuple[str, int]] = []
+    for d in next(iter(shapes)):
+        if d.isdigit():
+            out.append(int(d))
+        elif d in sizes:
+            out.append(sizes[d])
+        else:
+            return None
+    return tuple(out)
+
+
+def _order(src: _Source):
+    pos = {n: i for i, n in enumerate(src.gm.graph.nodes)}
+    return lambda n: pos[n]
+

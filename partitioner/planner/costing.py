@@ -1,0 +1,751 @@
+"""What a candidate costs: per-unit times and memory, per-stage evaluation.
+
+Units are what pipeline cuts move between stages: the repeated blocks (the
+prefix rides with the first, the suffix with the last) or, at node
+granularity, single nodes. For a setting (tp, microbatch, recompute) each
+unit gets a forward and backward time per microbatch, the activation bytes
+it keeps per in-flight microbatch, and its parameters per tensor rank.
+A stage (a run of units at pipeline position k) then gets
+
+    c_k    = f_k + b_k                 compute + TP collectives + p2p receive, per microbatch
+    tail_k = exposed DP sync (+ its compression kernels) + optimizer step, once per training step
+    mem_k  = model state at rest (ZeRO) + the most of the moments of a backward (the loss's,
+             a block's, the end's, a compressed reduction's): activations x in-flight microbatches,
+             gradients formed, reductions in flight, ZeRO-3's gathered parameters, a compressor's
+             error feedback and working set (StageEvaluator._peak_memory)
+
+A stage takes the compression with the least exposed time among those whose
+buffers fit in memory.
+
+and the step time of a cut (Narayanan et al. 2021, eq. 1 generalised to
+unequal stages; v = virtual stages per rank) is
+
+    T = (m*v - 1) * max_k c_k + sum_k c_k / v + max_k tail_k
+
+which the schedule simulator reproduces for uniform stages (tests check it).
+
+Async SGD (pinned only; pure data parallel, ZeRO 0, fp32) replaces the
+gradient all-reduce in tail_k by averaging parameters (runtime/async_sgd.py):
+with every=k an fp32 all-reduce of the parameters after every k-th optimizer
+step, blocking, so 1/k of it per step; with staleness=s >= 1 one per step,
+asynchronous, hidden behind the next step's compute up to dp_overlap of it
+(with s = 0 it is waited for at once: every=1). Its flat buffers replace
+DDP's gradient buckets in the memory.
+
+Gradient compression (cost_models/compression.py) changes only tail_k: the
+DDP/ZeRO-1 gradient all-reduce, ZeRO-2/3's reduce-scatter and (ZeRO-3 with
+int8/int4) its parameter all-gathers. Wire time hides behind compute like an
+uncompressed collective's (dp_overlap), kernel time never does. PowerSGD's
+bytes depend on the gradients' shapes: each stage's (cost_models/powersgd.py),
+local to a tensor rank.
+
+Units of everything: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+from cost_models.calibration import Calibration
+from cost_models.comm import CommModel
+from cost_models.compression import (
+    LEVELS,
+    WEIGHT_CODES,
+    all_reduce_time,
+    combinations,
+    gather_time,
+    group_compressor,
+    reduce_scatter_time,
+    traffic_levels,
+)
+from cost_models.compression_memory import ReductionMemory, reduction_memory
+from cost_models.compute import RooflineCompute, dtype_for
+from cost_models.memory import (
+    DDP_BUCKET_BYTES,
+    ModelStateBytes,
+    chunk_inflight,
+    inflight_microbatches,
+    model_state_bytes,
+)
+from cost_models.powersgd import LowRank, low_rank
+from cost_models.topology import Topology
+from partitioner.tracer.opgraph import OpGraph
+from partitioner.planner.plan import ParallelConfig
+from partitioner.tracer.symbolic import Poly
+from partitioner.planner.tensor_split import TensorSplits
+
+__all__ = ["CostContext", "StageCost", "StageEvaluator", "UnitArrays", "UnitCost", "units_of"]
+
+# Adam's step reads param, grad, m, v and writes param, m, v: 7 fp32 words per
+# parameter (torch.optim.Adam foreach path; the fp32 master copy under mixed precision).
+_OPTIM_BYTES_PER_PARAM = 28
+
+
+_NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
+_S = Poly.from_terms({(0, 1): 1.0})  # a dimension of the sequence's length
+# ops whose outputs selective recomputation keeps (runtime.recompute's policy: matrix products and layer norms)
+_SAVED_OPS = frozenset({"linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "layer_norm"})
+_NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
+
+
+def units_of(g: OpGraph, granularity: str = "block") -> tuple[tuple[int, int], ...]:
+    """Node ranges [start, end) of the units; the prefix joins the first block, the suffix the last."""
+    if granularity == "node" or not g.blocks:
+        return tuple((i, i + 1) for i in range(len(g.nodes)))
+    starts = [0] + [b.first_node for b in g.blocks[1:]]
+    ends = starts[1:] + [len(g.nodes)]
+    return tuple(zip(starts, ends))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnitCost:
+    forward_s: float
+    backward_s: float
+    activation_bytes: float  # kept per in-flight microbatch
+    working_bytes: float  # recomputation's working set (the unit's full activations), full recompute only
+    params: float  # per tensor rank
+    largest_output: float = 0.0  # bytes of its blocks' largest floating-point node output, per microbatch and tensor rank
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageCost:
+    forward_s: float
+    backward_s: float
+    tail_s: float
+    exposed_comm_s: float
+    params: float
+    memory: tuple[float, float, float, float, float]  # params, grads, optimizer, activations, buffers
+    fits: bool
+    compression: tuple[str, str] = ("none", "none")  # (intra_node, inter_node) compressor of its gradient reduction
+
+    @property
+    def c(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory)
+
+
+class CostContext:
+    """Everything fixed for one compile(): graph, splits, hardware, precision.
+
+    Not a cache in disguise: unit costs are memoised per (unit shape, tp,
+    microbatch, recompute), a key that fully determines them.
+    """
+
+    def __init__(self, g: OpGraph, topo: Topology, splits: TensorSplits, *, precision: str, optimizer: str,
+                 seq_len: int | None, memory_cap: float, calibration: Calibration | None = None,
+                 granularity: str = "block", compression: dict[str, str] | None = None,
+                 async_sgd: dict[str, int] | None = None):
+        self.g, self.topo, self.splits = g, topo, splits
+        self.async_sgd = dict(async_sgd) if async_sgd else None  # {"every": k} or {"staleness": s}
+        self.compression_pins = dict(compression or {})  # level -> compressor the user pinned
+        self.precision = precision
+        self.optimizer = "adam" if optimizer == "adamw" else optimizer  # same state: m and v
+        self.seq = seq_len or 1
+        self.memory_cap = memory_cap
+        self.cal = calibration or Calibration.for_device(topo.device.name)
+        self.compute = RooflineCompute(device=topo.device, dtype=dtype_for(precision), calibration=self.cal)
+        self.comm = CommModel(topo, self.cal)
+        # Activations and traffic were traced at the model's dtype; mixed precision halves float tensors.
+        traced = 4 if g.dtype == "float32" else 2 if g.dtype in ("bfloat16", "float16") else 8
+        self.scale = (4 if precision == "fp32" else 2) / traced
+        self.units = units_of(g, granularity)
+        self._unit_of = [0] * len(g.nodes)
+        for u, (a, b) in enumerate(self.units):
+            for i in range(a, b):
+                self._unit_of[i] = u
+        self._collectives: dict[str, list] = {}
+        for c in splits.collectives:
+            self._collectives.setdefault(c.node, []).append(c)
+        # Units with the same nodes, costs and splits (copied blocks) share one id, so their
+        # costs are evaluated once per setting and memo keys stay small.
+        ids: dict[tuple, int] = {}
+        self._keys = [ids.setdefault(self._unit_key(a, b), len(ids)) for a, b in self.units]
+        self._boundary = self._boundary_bytes()
+        self._memo: dict[tuple, UnitCost] = {}
+        self._outputs = {n.name: n.output for n in g.nodes}
+        self._arrays: dict[tuple, UnitArrays] = {}
+        self._p2p: dict[tuple, tuple[float, ...]] = {}
+        self._param_local = self._param_sizes()
+        self._param_block = {p.name: p.block for p in g.params}
+        self._sharded = {pl.param: pl.spec != "R" for pl in splits.placements}
+        self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
+
+    # ---- static structure ------------------------------------------------
+    def _unit_key(self, a: int, b: int) -> tuple:
+        nodes = self.g.nodes[a:b]
+        return tuple((n.cost, n.name in self.splits.sharded_nodes,
+                      tuple((c.phase, c.bytes) for c in self._collectives.get(n.name, ())),
+                      n.output.nbytes(1, 1) if n.output else 0) for n in nodes)
+
+    def _boundary_bytes(self) -> list[Poly]:
+        """Bytes crossing each unit boundary: outputs made before it and read after it."""
+        last_use: dict[str, int] = {}
+        for i, n in enumerate(self.g.nodes):
+            for x in n.inputs:
+                last_use[x] = max(last_use.get(x, -1), self._unit_of[i])
+        diff = [Poly() for _ in range(len(self.units) + 1)]
+        for i, n in enumerate(self.g.nodes):
+            u, last = self._unit_of[i], last_use.get(n.name, -1)
+            if last > u and n.output is not None:
+                nbytes = n.output.nbytes_poly()
+                diff[u] = diff[u] + nbytes
+                diff[last] = diff[last] + nbytes * -1
+        out, acc = [], Poly()
+        for u in range(len(self.units) - 1):
+            acc = acc + diff[u]
+            out.append(acc)
+        return out
+
+    def _param_sizes(self) -> dict[int, list[tuple[str, float]]]:
+        """Per unit: (parameter, elements per tensor rank at tp=1) for each parameter its nodes read."""
+        numel = {p.name: p.numel for p in self.g.params}
+        per_unit: dict[int, list[tuple[str, float]]] = {}
+        for u, (a, b) in enumerate(self.units):
+            seen = dict.fromkeys(p for n in self.g.nodes[a:b] for p in n.params)
+            per_unit[u] = [(p, numel[p]) for p in seen]
+        return per_unit
+
+    def low_rank_sums(self, tp: int) -> tuple[list[LowRank], tuple[tuple[tuple[int, LowRank], ...], ...]]:
+        """PowerSGD's view of the gradients one tensor rank holds: prefix sums over units, and the
+        parameters several units read ((unit, LowRank) each), to count once per stage as `stage` does.
+
+        Shapes are the local ones: a parameter split on dim d holds shape[d] / tp there.
+        """
+        hit = self._low_rank.get(tp)
+        if hit is None:
+            dims = {pl.param: pl.dim for pl in self.splits.placements} if tp > 1 else {}
+            per_param = {}
+            for p in self.g.params:
+                shape, d = tuple(p.shape), dims.get(p.name)
+                if d is not None:
+                    shape = shape[:d] + (max(1, shape[d] // tp),) + shape[d + 1:]
+                per_param[p.name] = low_rank([shape])
+            owners: dict[str, list[int]] = {}
+            prefix = [LowRank()]
+            for u in range(len(self.units)):
+                acc = prefix[-1]
+                for p, _ in self._param_local[u]:
+                    acc = acc + per_param[p]
+                    owners.setdefault(p, []).append(u)
+                prefix.append(acc)
+            shared = tuple(tuple((u, per_param[p]) for u in us) for p, us in owners.items() if len(us) > 1)
+            hit = self._low_rank[tp] = (prefix, shared)
+        return hit
+
+    def boundary_bytes(self, u: int, mb: int) -> float:
+        """Activation bytes sent from unit u to unit u + 1 for one microbatch."""
+        return self._boundary[u](mb, self.seq) * self.scale
+
+    # ---- per unit ----------------------------------------------------------
+    def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str) -> UnitCost:
+        key = (self._keys[u], tp, mb, recompute)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute)
+        params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
+        return dataclasses.replace(hit, params=params)
+
+    def _sharded_param(self, name: str) -> bool:
+        return self._sharded[name]
+
+    def _touches_scores(self, n) -> bool:
+        """Whether op n reads or writes an s x s tensor (the attention scores): selective recomputes it."""
+        specs = [n.output, *(self._outputs.get(i) for i in n.inputs)]
+        return any(spec is not None and len(spec.shape) >= 2 and all(d == _S for d in spec.shape[-2:])
+                   for spec in specs)
+
+    def _eval_unit(self, u: int, tp: int, mb: int, recompute: str) -> UnitCost:
+        a, b = self.units[u]
+        s, sc = self.seq, self.scale
+        tp_ranks = tuple(range(tp))
+        fwd = bwd = act = biggest = 0.0
+        # Recomputation (runtime.recompute) runs inside the blocks only, never on the prefix or suffix
+        # (the loss's inputs) a unit may also hold: their activations stay, their ops run once.
+        # full: a block keeps its input; selective: the outputs of its matrix products and layer
+        # norms that do not touch the s x s attention scores, every other op runs again in backward.
+        outside = block_f = kept_sel = recomputed_f = 0.0
+        block_input = None  # the inputs of the blocks the unit holds (None: it holds none)
+        prev = self.g.nodes[a - 1] if a > 0 else None
+        for i in range(a, b):
+            n = self.g.nodes[i]
+            c = n.cost
+            d = tp if (tp > 1 and n.name in self.splits.sharded_nodes) else 1
+            if n.output is not None and n.output.dtype.startswith(("float", "bfloat")) and \
+                    (n.block is not None or not self.g.blocks):  # the prefix's and suffix's are the loss's moment
+                biggest = max(biggest, n.output.nbytes(mb, s) * sc / d)
+            flops = c.forward_flops(mb, s) / d
+            moved = (c.bytes_read(mb, s) + c.bytes_written(mb, s)) * sc / d
+            tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
+            bflops = c.backward_flops(mb, s) / d
+            tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
+            kept = c.activation_bytes(mb, s) * sc / d
+            collective_f = 0.0
+            if tp > 1:
+                for coll in self._collectives.get(n.name, ()):
+                    t = self.comm.all_reduce(coll.bytes(mb, s) * sc, tp_ranks)
+                    if coll.phase == "forward":
+                        collective_f += t
+                    else:
+                        bwd += t
+            if n.block is None:
+                outside += kept
+            else:
+                if i == a or prev.block != n.block:  # a block starts: what is its input
+                    if i == a:
+                        ins = self._boundary[u - 1](mb, s) * sc if u > 0 else 0.0
+                    else:
+                        ins = prev.output.nbytes(mb, s) * sc if prev.output is not None else 0.0
+                    block_input = (block_input or 0.0) + ins
+                block_f += tf + collective_f
+                if n.op in _SAVED_OPS and n.output is not None and not self._touches_scores(n):
+                    kept_sel += n.output.nbytes(mb, s) * sc / d
+                else:  # a collective is not kept either: it runs again with its op
+                    recomputed_f += tf + collective_f
+            fwd, bwd, act = fwd + tf + collective_f, bwd + tb, act + kept
+            prev = n
+        if recompute == "selective" and block_input is not None:
+            return UnitCost(forward_s=fwd, backward_s=bwd + recomputed_f, activation_bytes=outside + block_input + kept_sel,
+                            working_bytes=max(0.0, act - outside - kept_sel), params=0.0, largest_output=biggest)
+        if recompute == "full" and block_input is not None:
+            return UnitCost(forward_s=fwd, backward_s=bwd + block_f, activation_bytes=outside + block_input,
+                            working_bytes=act - outside, params=0.0, largest_output=biggest)
+        return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
+                        largest_output=biggest)
+
+    def unit_arrays(self, tp: int, mb: int, recompute: str) -> UnitArrays:
+        key = (tp, mb, recompute)
+        hit = self._arrays.get(key)
+        if hit is None:
+            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute) for u in range(len(self.units))]
+            owners: dict[str, list[tuple[int, float]]] = {}
+            in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
+            largest = [0.0] * len(self.units)
+            for u in range(len(self.units)):
+                for p, numel in self._param_local[u]:
+                    local = numel / (tp if self._sharded_param(p) else 1)
+                    owners.setdefault(p, []).append((u, local))
+                    largest[u] = max(largest[u], local)
+                    if self._param_block[p] is not None:
+                        in_block[u] += local
+            shared = [p for p, v in owners.items() if len(v) > 1]
+            hit = self._arrays[key] = UnitArrays(
+                costs=tuple(uc), f=tuple(_prefix([x.forward_s for x in uc])), b=tuple(_prefix([x.backward_s for x in uc])),
+                act=tuple(_prefix([x.activation_bytes for x in uc])), par=tuple(_prefix([x.params for x in uc])),
+                work=tuple(x.working_bytes for x in uc), shared=tuple(tuple(owners[p]) for p in shared),
+                shared_in_block=tuple(self._param_block[p] is not None for p in shared),
+                block_par=tuple(in_block), max_param=tuple(largest), rest=tuple(_prefix([x.params - y for x, y in zip(uc, in_block)])),
+                biggest=tuple(x.largest_output for x in uc), unit_act=tuple(x.activation_bytes for x in uc),
+                blocks=tuple(_prefix([1.0 if x > 0 else 0.0 for x in in_block])),
+                total_c=sum(x.forward_s + x.backward_s for x in uc),
+                max_unit_c=max(x.forward_s + x.backward_s for x in uc))
+        return hit
+
+    def p2p_times(self, pp: int, stride: int, mb: int) -> tuple[float, ...]:
+        """Time to send one microbatch's activations across each unit boundary.
+
+        Pipeline neighbours sit dp*tp ranks apart in the mesh; every adjacent
+        pair is equally far, so ranks 0 -> stride stand for all of them.
+        """
+        if pp == 1:
+            return tuple(0.0 for _ in range(len(self.units) - 1))
+        key = (stride, mb)
+        hit = self._p2p.get(key)
+        if hit is None:
+            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb), 0, stride)
+                                         for u in range(len(self.units) - 1))
+        return hit
+
+    def compression_options(self, cand: ParallelConfig) -> tuple[tuple[str, str], ...]:
+        """The (intra_node, inter_node) compressors `cand` may use, the user's pins honoured.
+
+        What the runtime runs on its data-parallel group (compression.combinations):
+        levels the group does not cross stay "none"; at ZeRO-2/3 one compressor,
+        never PowerSGD; PowerSGD across both levels only as ("none", "powersgd").
+        A pin on a level the group does not cross is moot. Empty: `cand` cannot
+        honour the pins.
+
+        Policy: the planner never quantizes weights on its own. int8/int4 at
+        ZeRO-3 gather int8 parameters, so the forward and backward compute with
+        rounded weights (no error feedback repairs that, unlike the gradients'),
+        a change of the model's numerics rather than of its gradient noise: it
+        is considered only where the user pinned it.
+        """
+        if self.async_sgd:  # it averages parameters, uncompressed; no gradient all-reduce to compress
+            return (("none", "none"),)
+        crossed = self.crossed_levels(cand)
+        pins = {lv: c for lv, c in self.compression_pins.items() if lv in crossed}
+        pinned = set(pins.values())
+        return tuple(o for o in combinations(crossed, cand.zero_stage)
+                     if all(o[LEVELS.index(lv)] == c for lv, c in pins.items())
+                     and not (cand.zero_stage == 3 and group_compressor(o) in WEIGHT_CODES
+                              and group_compressor(o) not in pinned))
+
+    def crossed_levels(self, cand: ParallelConfig) -> tuple[str, ...]:
+        """The link levels `cand`'s data-parallel gradient reduction crosses (pipeline rank 0's group
+        stands for all)."""
+        return traffic_levels(self.comm, tuple(d * cand.tp for d in range(cand.dp))) if cand.dp > 1 else ()
+
+    def prepare(self, cand: ParallelConfig, compression: tuple[str, str] | None = None) -> StageEvaluator:
+        """The evaluator of `cand` with that (intra_node, inter_node) compression, or (None) with each
+        stage's best of `compression_options(cand)`."""
+        return StageEvaluator(self, cand, compression)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnitArrays:
+    """Prefix sums over units for one (tp, microbatch, recompute)."""
+
+    costs: tuple[UnitCost, ...]
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    act: tuple[float, ...]
+    par: tuple[float, ...]
+    work: tuple[float, ...]
+    shared: tuple[tuple[tuple[int, float], ...], ...]  # parameters read by several units: (unit, size) each
+    shared_in_block: tuple[bool, ...]  # per entry of `shared`: a parameter of a repeated block
+    block_par: tuple[float, ...]  # per unit: its repeated block's parameters (per tensor rank)
+    max_param: tuple[float, ...]  # per unit: its largest parameter (elements per tensor rank)
+    rest: tuple[float, ...]  # prefix sums of the parameters outside the blocks (prefix, suffix)
+    biggest: tuple[float, ...]  # per unit: its largest node output per microbatch (bytes)
+    unit_act: tuple[float, ...]  # per unit: activation bytes kept per microbatch
+    blocks: tuple[float, ...]  # prefix sums of the units holding a block's parameters
+    total_c: float
+    max_unit_c: float
+
+
+class StageEvaluator:
+    """Stage costs for one candidate in O(1) per stage, from prefix sums over units."""
+
+    def __init__(self, ctx: CostContext, cand: ParallelConfig, compression: tuple[str, str] | None = None):
+        self.ctx, self.cand = ctx, cand
+        self.options = (compression,) if compression is not None else ctx.compression_options(cand)
+        assert self.options, f"{cand} cannot honour the pinned compression {ctx.compression_pins}: filter it out"
+        self.num_stages = cand.pp * cand.interleave
+        arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute)
+        self.arrays = arr
+        self.unit_costs = arr.costs
+        self._f, self._b, self._act, self._par, self._work = arr.f, arr.b, arr.act, arr.par, arr.work
+        self._shared = arr.shared
+        self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size)  # per unit boundary
+        self._param_bytes = 4 if ctx.precision == "fp32" else 2  # parameters gathered in the compute dtype
+        self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
+        self.total_c = arr.total_c
+        self._rest, self._shared_in_block = arr.rest, arr.shared_in_block
+        self._sync_memo: dict[float, float] = {}
+        self._reduce_memo: dict[tuple, tuple[float, float]] = {}
+        self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
+        crossed = ctx.crossed_levels(cand)
+        nodes = ctx.topo.nodes_spanned(self.dp_ranks(0)) if crossed == LEVELS else 1
+        self._reduction_mem = {o: reduction_memory(o, zero_stage=cand.zero_stage, dp=cand.dp, nodes=nodes)
+                               for o in self.options}
+        # The loss is not in the traced graph, but the last stage runs it on the model's output. Per
+        # microbatch in flight it keeps one output-sized tensor (the pipeline executor the output
+        # until that microbatch's backward, the step runner a cross-entropy's log-softmax); the
+        # backward of a cross-entropy then holds two more output-sized tensors at once (the
+        # gradients of the log-softmax and of the logits); full size under tensor parallelism, where
+        # the loss sees gathered outputs. Measured on the example GPT with runtime.memory_probe.
+        out = ctx.g.nodes[-1].cost.bytes_written(cand.microbatch_size, ctx.seq) * ctx.scale if ctx.g.nodes else 0.0
+        self._loss_kept, self._loss_work = out, 2 * out
+
+    def lower_bound(self) -> float:
+        """No cut beats this (math.inf: no cut fits in memory).
+
+        Compute: perfectly balanced stages, no p2p. Tail: the stage holding the
+        most parameters holds at least the average, and its optimizer step
+        (and, for ZeRO-1/2, its parameter all-gather, which nothing hides) is
+        increasing and affine in them. Memory: that stage's model state alone.
+        """
+        c, ctx = self.cand, self.ctx
+        S, m, v = self.num_stages, c.num_microbatches, c.interleave
+        avg = self._par[-1] / S
+        state = model_state_bytes(avg, precision=ctx.precision, optimizer=ctx.optimizer,
+                                  zero_stage=c.zero_stage, dp=c.dp).total
+        if state * v > ctx.memory_cap:
+            return math.inf
+        tail = avg / (c.dp if c.zero_stage >= 1 else 1) * _OPTIM_BYTES_PER_PARAM / self._hbm
+        if c.zero_stage in (1, 2) and c.dp > 1:
+            tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
+        full = (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c / v + tail
+        # with part of the idle time charged, the least the busiest rank works (the average) bounds it
+        busy = m * self.total_c / c.pp + tail
+        return busy + ctx.cal.pipeline_idle_cost * (full - busy) if c.pp > 1 else full
+
+    def dp_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
+        c = self.cand
+        base = pipeline_rank * c.dp * c.tp
+        return tuple(base + d * c.tp for d in range(c.dp))
+
+    def stage(self, i: int, j: int, k: int) -> StageCost:
+        """Units [i, j) as virtual stage k of num_stages."""
+        ctx, cand = self.ctx, self.cand
+        S = self.num_stages
+        f = self._f[j] - self._f[i] + (self.p2p[i - 1] if k > 0 else 0.0)
+        b = self._b[j] - self._b[i] + (self.p2p[j - 1] if k < S - 1 else 0.0)
+        params = self._par[j] - self._par[i]
+        rest = self._rest[j] - self._rest[i]
+        tied = 0.0  # parameters this stage shares with another pipeline rank (a tied embedding and LM head)
+        for users, in_block in zip(self._shared, self._shared_in_block):
+            inside = [size for u, size in users if i <= u < j]
+            drop = sum(inside[1:])  # read by several of its units: held once
+            if inside and len(inside) < len(users) and cand.pp > 1:
+                tied += inside[0]
+                drop_rest = drop + inside[0]  # outside the engine's units: ZeRO-3 never gathers it
+            else:
+                drop_rest = drop
+            params -= drop
+            rest -= 0.0 if in_block else drop_rest
+        m, v = cand.num_microbatches, cand.interleave
+        rank = k % cand.pp
+        if v > 1:  # this chunk's own count: the rank's first chunks hold more than its last
+            inflight = chunk_inflight(pp=cand.pp, stage=rank, num_microbatches=m, interleave=v)[k // cand.pp]
+        else:
+            inflight = inflight_microbatches(cand.schedule, pp=cand.pp, stage=rank, num_microbatches=m,
+                                             interleave=v) if cand.pp > 1 else 1
+        exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i)
+        if ctx.async_sgd:
+            memory_of = lambda option: self._async_memory(i, j, k, params, inflight)
+        else:
+            memory_of = self._peak_memory(i, j, k, params=params, tied=tied, rest=rest, inflight=inflight)
+        # The compression with the least exposed time of those that fit (a compressor's buffers may not;
+        # the fastest when none does); the first, least lossy, on a tie. Interleaved: a rank holds v
+        # chunks; each may use 1/v of the memory (safe, if conservative for uneven chunks).
+        chosen = memory = None
+        for option in sorted(self.options, key=exposed.__getitem__):
+            mem = memory_of(option)
+            fits = sum(mem[:4]) * v + mem[4] <= ctx.memory_cap
+            if memory is None or fits:
+                chosen, memory = option, mem
+            if fits:
+                break
+        return StageCost(forward_s=f, backward_s=b, tail_s=exposed[chosen] + optim, exposed_comm_s=exposed[chosen],
+                         params=params, memory=memory, fits=fits, compression=chosen)
+
+    def stage_low_rank(self, i: int, j: int) -> LowRank | None:
+        """PowerSGD's view of units [i, j)'s gradients, each parameter once (None: no option uses PowerSGD)."""
+        if self._low_rank is None:
+            return None
+        prefix, shared = self._low_rank
+        lr = prefix[j] - prefix[i]
+        for users in shared:
+            inside = [x for u, x in users if i <= u < j]
+            for x in inside[1:]:
+                lr = lr - x
+        return lr
+
+    def _peak_memory(self, i: int, j: int, k: int, *, params: float, tied: float, rest: float,
+                     inflight: int) -> Callable[[tuple[str, str]], tuple[float, float, float, float, float]]:
+        """(params, grads, optimizer, activations, buffers) of units [i, j) as virtual stage k at its peak,
+        as a function of the compression option (what all options share is worked out once).
+
+        What the runtime holds (runtime.data_parallel, runtime.pipeline, runtime.unreplicated):
+
+        - At rest, model state (cost_models.memory.model_state_bytes) of the parameters in the
+          data-parallel engine, ZeRO-sharded; tied parameters (`tied`: shared with another pipeline
+          rank) live outside it, whole on every replica (params and optimizer state, grads in .grad).
+          Gradients at rest only where the engine keeps flat gradient buffers (DDP, ZeRO-1). ZeRO-2/3
+          shard gradients, Unreplicated's and the tied parameters' .grad exist from a step's first
+          backward to its optimizer step: at a moment of a microbatch's backward only when an earlier
+          microbatch's backward ran (m > microbatches in flight), or at the end of a backward.
+        - On top, the most of three moments of one microbatch's backward:
+          loss (last stage): the in-flight microbatches' activations, the loss's kept output per
+              microbatch in flight and the two output-sized gradients of its backward;
+          block: those activations, the gradients into and out of the blocks' largest op, ZeRO-2's
+              gradient bucket being filled (and the one before it, in flight), ZeRO-3's block gathered
+              with the one prefetched and their fp32 gradient (the first block backpropagated has
+              none yet, the second has freed a block's activations), before the last stage the
+              received gradient of the stage's output;
+          end: the other in-flight microbatches' activations, every gradient formed (ZeRO-2/3: the
+              last reductions in flight), and the largest parameter's gradient as autograd forms it:
+              for one read twice in the stage (a tied embedding and LM head) both contributions and,
+              before the engine copies it into its bucket, their sum.
+          ZeRO-3 keeps the parameters outside the blocks (`rest`, on the root module) gathered from
+          forward to backward: live at every moment.
+        - A compressed reduction (cost_models.compression_memory) holds its error feedback at every
+          moment (counted with the gradients), and its working set (a buffer) for the largest bucket
+          or unit while one runs: a fourth moment at the end of the backward, and in the block moment
+          too where the stage reduces several buckets or units.
+        The moment is chosen on the uncalibrated bytes, so each calibration factor scales its terms
+        linearly (cost_models.fit.fit_memory).
+        """
+        ctx, cand, cal, arr = self.ctx, self.cand, self.ctx.cal, self.arrays
+        z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
+        kw = dict(precision=ctx.precision, optimizer=ctx.optimizer)
+        own = model_state_bytes(params - tied, zero_stage=z, dp=cand.dp, **kw)
+        whole = model_state_bytes(tied, zero_stage=0, dp=1, **kw) if tied else _NO_STATE
+        pb, fp32 = self._param_bytes, 4
+        # runtime.unreplicated: pipeline / tensor-parallel programs at dp = 1 in fp32 (codegen_pipeline)
+        flat_grads = z <= 1 and not (cand.dp == 1 and ctx.precision == "fp32" and (cand.pp > 1 or cand.tp > 1))
+        rest_grads = own.grads if flat_grads else 0.0  # held through the step
+        step_grads = whole.grads + (0.0 if flat_grads else own.grads)  # formed by the first backward
+        carried = cand.num_microbatches > inflight
+        grads = (params - tied) * fp32  # what the engine reduces
+        # one reduction's fp32 input (ZeRO-2: a bucket; ZeRO-3: a unit, the largest of blocks and the rest)
+        block = max(arr.block_par[i:j], default=0.0)
+        reduction = {2: min(grads, DDP_BUCKET_BYTES), 3: max(block, rest) * fp32}.get(z, 0.0)
+        several = z == 3 or grads > DDP_BUCKET_BYTES
+        before = reduction if carried else 0.0  # the previous microbatch's last reduction, still in flight
+        kept = rest * pb if z == 3 else 0.0
+        blocks = arr.blocks[j] - arr.blocks[i]
+        gathered = min(2, blocks) * block * pb if z == 3 else 0.0  # the block and the one prefetched
+        act1 = self._act[j] - self._act[i]  # one microbatch's
+        acts = act1 * inflight + max(self._work[i:j], default=0.0)
+        big, twice = self._largest_param(i, j)
+
+        # (grads, activations, loss, buffers) beyond the state at rest, per moment
+        moments = []
+        carry = step_grads if carried else 0.0
+        if last:
+            moments.append((carry + before, acts, self._loss_kept * inflight + self._loss_work, kept))
+        freed = min(arr.unit_act[i:j], default=0.0)
+        filling = {2: reduction + (reduction if carried or several else 0.0),
+                   3: max(0.0, min(2, blocks) * block * fp32 - freed) + before}.get(z, 0.0)
+        received = 0.0 if last else ctx.boundary_bytes(j - 1, mb)
+        moments.append((carry + filling, acts + 2 * max(arr.biggest[i:j], default=0.0), 0.0,
+                        kept + gathered + received))
+        # without an engine (Unreplicated) the parameter's .grad is the gradient, already in step_grads
+        parts = (max(big, 2 * twice) + (twice if z < 3 else 0.0)) * pb if (flat_grads or z >= 2) else 0.0
+        ending = {2: reduction * (2 if carried or several else 1) + reduction / cand.dp, 3: 2 * reduction}.get(z, 0.0)
+        moments.append((step_grads + ending + parts, act1 * (inflight - 1), 0.0, kept + gathered))
+        bucket = reduction if z >= 2 else min(grads, DDP_BUCKET_BYTES)
+        # A compressed reduction runs synchronously in the hook of its bucket's last gradient, which the
+        # hook still holds: the gradients then, the bucket being reduced (ZeRO-2/3: the input; at ZeRO-0/1
+        # it is in the flat gradients), that parameter's gradient, and the working set on top.
+        # (a tied parameter is outside the engine: no hook holds it; the engine's own largest is then
+        # not known here, and small beside the tied embedding it stands in for)
+        hook = (0.0 if tied and big <= tied else max(big, twice)) * pb if (flat_grads or z >= 2) else 0.0
+        reducing = (step_grads + (reduction if z >= 2 else 0.0) + hook, act1 * (inflight - 1), 0.0, kept + gathered)
+
+        def at_peak(rm: ReductionMemory) -> tuple[float, float, float, float, float]:
+            if rm == _NO_BUFFERS:
+                at = moments
+            else:  # the error feedback at every moment (gradient-shaped state, per chunk: with the
+                # gradients); the working set while a reduction runs (reused: a buffer)
+                at = [(g + rm.held * grads, a, loss, b) for g, a, loss, b in moments]
+                at.append((reducing[0] + rm.held * grads,) + reducing[1:3] + (reducing[3] + rm.working * bucket,))
+                if several:  # one runs mid-backward, under the block moment's activations
+                    g, a, loss, b = at[-3]
+                    at[-3] = (g, a, loss, b + rm.working * bucket)
+            g, a, loss, b = max(at, key=sum)
+            return (own.params + whole.params,
+                    (rest_grads + g) * cal.grad_mem_scale,
+                    own.optimizer + whole.optimizer,
+                    a * cal.activation_mem_scale + loss * cal.loss_mem_scale,
+                    b * cal.buffer_mem_scale + cal.memory_overhead_bytes)
+
+        return lambda option: at_peak(self._reduction_mem[option])
+
+    def _largest_param(self, i: int, j: int) -> tuple[float, float]:
+        """(largest parameter of units [i, j), largest one read by two or more of them), elements per tensor rank."""
+        big = max(self.arrays.max_param[i:j], default=0.0)
+        twice = max((inside[0] for users in self._shared
+                     if len(inside := [size for u, size in users if i <= u < j]) > 1), default=0.0)
+        return big, twice
+
+    def _async_memory(self, i: int, j: int, k: int, params: float,
+                      inflight: int) -> tuple[float, float, float, float, float]:
+        """Async SGD (pure data parallel, fp32, ZeRO 0): model state, activations and the loss of the one stage,
+        and runtime.async_sgd's flat buffers: every=k averages through one flat copy of the parameters;
+        staleness=s keeps the agreed parameters plus, per step in flight, its update and the all-reduce's
+        buffer."""
+        ctx, cal = self.ctx, self.ctx.cal
+        state = model_state_bytes(params, precision=ctx.precision, optimizer=ctx.optimizer, zero_stage=0, dp=1)
+        acts = (self._act[j] - self._act[i]) * inflight + max(self._work[i:j], default=0.0)
+        loss = self._loss_kept * inflight + self._loss_work if k == self.num_stages - 1 else 0.0
+        s = ctx.async_sgd.get("staleness")
+        flat = (1 if s is None else 2 * s + 1) * params * 4 if self.cand.dp > 1 else 0.0
+        return (state.params, state.grads * cal.grad_mem_scale, state.optimizer,
+                acts * cal.activation_mem_scale + loss * cal.loss_mem_scale,
+                flat * cal.buffer_mem_scale + cal.memory_overhead_bytes)
+
+    def _param_gather(self, params: float) -> float:
+        """The ZeRO-1/2 all-gather of a stage's updated parameters over its data-parallel group, in the
+        compute dtype. Every pipeline rank's group has the same shape (the mesh is regular), so pipeline
+        rank 0's stands for all; stages repeat sizes, hence the memo."""
+        hit = self._sync_memo.get(params)
+        if hit is None:
+            hit = self._sync_memo[params] = self.ctx.comm.all_gather(params * self._param_bytes, self.dp_ranks(0))
+        return hit
+
+    def _reduction(self, params: float, compression: tuple[str, str], lr: LowRank | None) -> tuple[float, float]:
+        """(wire, kernel) seconds of the stage's gradient reduction with that (intra_node, inter_node)
+        compression: the all-reduce of DDP/ZeRO-1, the flat reduce-scatter of ZeRO-2/3."""
+        lr = lr if "powersgd" in compression else None
+        key = (params, compression, lr)
+        hit = self._reduce_memo.get(key)
+        if hit is None:
+            ranks, comm = self.dp_ranks(0), self.ctx.comm
+            if self.cand.zero_stage <= 1:
+                t = all_reduce_time(params, ranks, comm, dict(zip(LEVELS, compression)), low_rank=lr)
+            else:
+                t = reduce_scatter_time(params, ranks, comm, group_compressor(compression))
+            hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
+        return hit
+
+    def _gather(self, params: float, compressor: str) -> tuple[float, float]:
+        """(wire, kernel) seconds of one ZeRO-3 parameter all-gather of the stage (int8 codes under int8/int4)."""
+        key = ("gather", params, compressor)
+        hit = self._reduce_memo.get(key)
+        if hit is None:
+            t = gather_time(params, self.dp_ranks(0), self.ctx.comm, compressor, param_bytes=self._param_bytes)
+            hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
+        return hit
+
+    def _tail(self, params: float, f: float, b: float, lr: LowRank | None,
+              units: int = 1) -> tuple[dict[tuple[str, str], float], float]:
+        """(exposed data-parallel communication per compression option, optimizer step) of one stage, per step.
+
+        Wire time hides behind compute up to dp_overlap of it, kernel time never:
+        DDP/ZeRO-1 all-reduce behind the last backward; ZeRO-2/3 reduce-scatter
+        every microbatch (runtime.data_parallel: no_sync only defers stages 0
+        and 1), each behind its backward; ZeRO-3 gathers and reduce-scatters
+        per unit (block), so a stage of `units` issues that many of each, its
+        2m parameter gathers per unit behind the m forwards and backwards; the ZeRO-1/2 parameter all-gather after the optimizer step
+        is exposed. The stage takes the compression with the least exposed time
+        of those that fit in memory (StageEvaluator.stage); the search checks
+        that all stages agree (search.py).
+        """
+        cand = self.cand
+        m, z = cand.num_microbatches, cand.zero_stage
+        overlap = self.ctx.cal.dp_overlap
+        exposed = dict.fromkeys(self.options, 0.0)
+        if cand.dp > 1 and self.ctx.async_sgd:
+            exposed = dict.fromkeys(self.options, self._async_sync(params, f, b))
+        elif cand.dp > 1:
+            per_step = m if z >= 2 else 1
+            n = max(1, units) if z == 3 else 1
+            gather = self._param_gather(params) if z in (1, 2) else 0.0  # the updated parameters', in the compute dtype
+            for option in self.options:
+                wire, kernel = (n * x for x in self._reduction(params / n, option, lr))
+                t = per_step * (max(0.0, wire - overlap * b) + kernel)
+                if z == 3:
+                    g_wire, g_kernel = (n * x for x in self._gather(params / n, group_compressor(option)))
+                    t += max(0.0, 2 * m * g_wire - overlap * m * (f + b)) + 2 * m * g_kernel
+                exposed[option] = t + gather
+        shard = params / (cand.dp if z >= 1 else 1)
+        optim = shard * _OPTIM_BYTES_PER_PARAM / self._hbm
+        return exposed, optim
+
+    def _async_sync(self, params: float, f: float, b: float) -> float:
+        """Exposed seconds per step of async SGD's parameter averaging (an fp32 all-reduce of the stage's
+        parameters, uncompressed): every=k, blocking after every k-th step, 1/k of it per step;
+        staleness=s >= 1, one per step behind the next step's m forwards and backwards (up to dp_overlap
+        of them: a link slower than the compute still bounds the step); staleness=0 waits at once."""
+        wire, kernel = self._reduction(params, ("none", "none"), None)
+        a = self.ctx.async_sgd
+        if "every" in a:
+            return (wire + kernel) / a["every"]
+        if a["staleness"] == 0:
+            return wire + kernel
+        return max(0.0, wire - self.ctx.cal.dp_overlap * self.cand.num_microbatches * (f + b)) + kernel
+
+
+def _prefix(xs: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out

@@ -1,0 +1,81 @@
+"""The model as code that a plan carries: prefix, block templates and suffix (`ModelCode`), each a
+plain Python function over ATen ops (`Segment`). `partitioner.codegen.segments.extract` cuts them from
+the exported graph when a plan is compiled; the code generators write them into stage programs. Plain
+data, so the plan (and its JSON) holds it without knowing how it was cut."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import fx
+
+from cost_models.errors import PartitionerError
+
+__all__ = ["ModelCode", "Segment", "SegmentError", "describe"]
+
+
+class SegmentError(PartitionerError):
+    """The model's graph cannot be cut into prefix, block and suffix functions."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Segment:
+    """One function of the model's code.
+
+    source: `def <name>(tp, <inputs>, <model inputs>, <param and buffer arguments>)` returning one
+        tensor (the suffix: the model's flat outputs, a tuple).
+    inputs: argument names of what flows in (the prefix: the model's own inputs; else ("x",)).
+    model_inputs: model inputs a block or the suffix reads besides (labels, an attention mask),
+        passed as `input_<name>`: every pipeline rank has the batch, so no stage sends them.
+    params/buffers: (argument, name in the model); a block's names hold "{i}" for its index.
+    """
+
+    name: str
+    source: str
+    inputs: tuple[str, ...]
+    model_inputs: tuple[str, ...]
+    params: tuple[tuple[str, str], ...]
+    buffers: tuple[tuple[str, str], ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelCode:
+    """The model's code for one tensor-parallel degree. Without a layer stack the prefix is the
+    whole model (block and suffix None, and only pp = 1 can run it)."""
+
+    stack: str | None
+    num_blocks: int
+    tp: int
+    prefix: Segment
+    block: Segment | None  # the template of the blocks of kind 0 (of every block in a uniform stack)
+    suffix: Segment | None
+    output_spec: str  # torch.utils._pytree.treespec_dumps of the model's output structure
+    # the hidden state's shape at every cut: an int, or (model input, dim) for a traced size, so a
+    # receiving stage knows its buffer without a shape message; None when blocks change it
+    hidden_shape: tuple[int | tuple[str, int], ...] | None = None
+    # a stack whose blocks are not all alike (partitioner.tracer.block_kinds): the templates of kinds 1, 2, ...
+    # (functions block_1, block_2, ...) and the kind of every block; () when all are kind 0
+    other_blocks: tuple[Segment, ...] = ()
+    block_kinds: tuple[int, ...] = ()
+
+    @property
+    def templates(self) -> tuple[Segment, ...]:
+        """One block function per kind, kind k at index k."""
+        return ((self.block,) if self.block is not None else ()) + self.other_blocks
+
+    def kind_of(self, i: int) -> int:
+        return self.block_kinds[i] if self.block_kinds else 0
+
+    def template(self, i: int) -> Segment | None:
+        """The code block i runs."""
+        return self.templates[self.kind_of(i)] if self.block is not None else None
+
+    def block_params(self, i: int) -> tuple[str, ...]:
+        t = self.template(i)
+        return tuple(n.format(i=i) for _, n in t.params) if t is not None else ()
+
+
+def describe(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or {}
+    where = list(stack.values())[-1][0] if stack else "the model's forward"
+    return f"{n.name} ({n.target} in {where or 'the root module'})"

@@ -1,0 +1,643 @@
+"""Pipeline schedules as data: each pipeline rank's ordered instruction list.
+
+A `Schedule` says, per pipeline rank, which `Action`s it runs and in what
+order: forwards and backwards of (virtual stage, microbatch), the sends and
+receives that move activations and gradients between ranks, the
+data-parallel gradient reduction of each stage and its optimizer step. The
+planner times these lists with `partitioner.planner.simulate`; the runtime executes
+the same lists. Virtual stage v lives on rank `v % pp` (Megatron-LM's
+interleaved placement: rank r holds stages r, r + pp, r + 2 pp, ...).
+
+`build_schedule` lowers in passes, like torch's pipelining
+(`torch/distributed/pipelining/schedules.py`): the compute order of the
+schedule kind, then `_add_p2p` (a RECV right before the compute that needs
+it, a SEND right after the compute that produces it), then
+`_add_grad_sync` (after a stage's last backward), then `_add_optim` (at the
+end of the list). Sends are assumed non-blocking (isend), receives blocking;
+`validate` checks that no receive waits forever.
+
+>>> s = build_schedule("1f1b", pp=2, num_microbatches=2)
+>>> print(s)
+schedule kind=1f1b pp=2 num_microbatches=2 interleave=1
+rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0GRAD_SYNC 0OPTIM
+rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1GRAD_SYNC 1OPTIM
+>>> Schedule.parse(str(s)) == s
+True
+>>> peak_inflight(s)
+(2, 1)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import json
+import re
+from collections.abc import Callable
+from typing import Literal, NoReturn, get_args
+
+from cost_models.errors import DeclarationError, PartitionerError
+
+__all__ = [
+    "Op", "Action", "Schedule", "ScheduleKind", "SCHEDULE_KINDS",
+    "build_schedule", "validate", "peak_inflight",
+]
+
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+SCHEDULE_KINDS: tuple[str, ...] = get_args(ScheduleKind)
+JSON_FORMAT = "partitioner.planner.schedule/1"
+
+
+class Op(str, enum.Enum):
+    """What one action does. Its value is its spelling in the compact string."""
+
+    F = "F"                  # forward of one microbatch through one stage
+    B = "B"                  # full backward (input and weight gradients)
+    SEND_F = "SEND_F"        # send this stage's output activation to stage + 1
+    RECV_F = "RECV_F"        # receive this stage's input activation from stage - 1
+    SEND_B = "SEND_B"        # send the gradient of this stage's input to stage - 1
+    RECV_B = "RECV_B"        # receive the gradient of this stage's output from stage + 1
+    GRAD_SYNC = "GRAD_SYNC"  # data-parallel reduction of this stage's gradients
+    OPTIM = "OPTIM"          # optimizer step of this stage's parameters
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B})
+P2P_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+STAGE_OPS = frozenset({Op.GRAD_SYNC, Op.OPTIM})   # once per stage, no microbatch
+
+_OP_ALTERNATIVES = "|".join(sorted((op.value for op in Op), key=len, reverse=True))
+_ACTION_RE = re.compile(rf"(\d+)({_OP_ALTERNATIVES})(\d*)")
+_ACTION_GRAMMAR = (
+    "<stage><op><microbatch> with op one of F, B, SEND_F, RECV_F, SEND_B, RECV_B "
+    "(e.g. '2F0', '3SEND_B12'), or <stage><op> with op GRAD_SYNC or OPTIM "
+    "(e.g. '2GRAD_SYNC', '0OPTIM')")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Action:
+    """One instruction of a pipeline rank, printed like torch's `_Action`.
+
+    op: what to do.
+    stage: the virtual stage it belongs to. For sends and receives it is the
+        stage on *this* rank: `2SEND_F0` sends stage 2's output of
+        microbatch 0 to stage 3; `3RECV_F0` is stage 3 receiving it;
+        `3SEND_B0` sends stage 3's input gradient to stage 2; `2RECV_B0`
+        receives it.
+    microbatch: the microbatch index; None exactly for GRAD_SYNC and OPTIM.
+
+    >>> str(Action(op=Op.SEND_F, stage=2, microbatch=0))
+    '2SEND_F0'
+    >>> Action.parse("2GRAD_SYNC")
+    Action(op=<Op.GRAD_SYNC: 'GRAD_SYNC'>, stage=2, microbatch=None)
+    """
+
+    op: Op
+    stage: int
+    microbatch: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op):
+            raise PartitionerError(f"Action op={self.op!r} is not an Op; use one of "
+                                   f"{', '.join('Op.' + o.name for o in Op)}")
+        if not isinstance(self.stage, int) or self.stage < 0:
+            raise PartitionerError(f"Action stage={self.stage!r} must be an int >= 0")
+        if self.op in STAGE_OPS:
+            if self.microbatch is not None:
+                raise PartitionerError(f"{self.op.value} applies to a whole stage: pass "
+                                       f"microbatch=None, not {self.microbatch!r}")
+        elif not isinstance(self.microbatch, int) or self.microbatch < 0:
+            raise PartitionerError(f"{self.op.value} needs microbatch=<int >= 0>, "
+                                   f"got {self.microbatch!r}")
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch is None else self.microbatch
+        return f"{self.stage}{self.op._value_}{mb}"   # _value_: Enum's .value is a slow descriptor
+
+    def peer(self, num_stages: int) -> Action | None:
+        """For a send or receive, the action at the other end (None off the
+        ends of the pipeline): `2SEND_F0` <-> `3RECV_F0`, `3SEND_B0` <-> `2RECV_B0`.
+
+        >>> str(Action.parse("3RECV_F0").peer(4))
+        '2SEND_F0'
+        """
+        if self.op not in P2P_OPS:
+            raise PartitionerError(f"{self} is not a send or receive, so it has no peer")
+        op, shift = _PEER[self.op._value_]
+        stage = self.stage + shift
+        return Action(op=Op(op), stage=stage, microbatch=self.microbatch) if 0 <= stage < num_stages else None
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of `str`: `Action.parse("2SEND_F0")`."""
+        match = _ACTION_RE.fullmatch(text.strip())
+        if match is None:
+            raise PartitionerError(f"cannot parse pipeline action {text!r}: expected {_ACTION_GRAMMAR}")
+        stage, op, mb = match.groups()
+        op = Op(op)
+        if (op in STAGE_OPS) != (mb == ""):
+            raise PartitionerError(f"cannot parse pipeline action {text!r}: expected {_ACTION_GRAMMAR}")
+        return cls(op=op, stage=int(stage), microbatch=int(mb) if mb else None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """Per pipeline rank, its ordered instruction list.
+
+    kind: the schedule family that produced the lists.
+    pp: pipeline ranks.
+    num_microbatches: microbatches per step (m).
+    interleave: virtual stages per rank (v): 1 except for interleaved-1f1b.
+    ranks: `ranks[r]` is rank r's instruction list, run in order.
+
+    Prints three ways: `str` (a header and one line per rank; `parse` reads
+    it back), `table()` (steps x ranks) and `to_json()` / `from_json()`.
+    Construction checks only the shape; `validate` checks the contents.
+    """
+
+    kind: ScheduleKind
+    pp: int
+    num_microbatches: int
+    interleave: int
+    ranks: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        _check_kind_and_sizes(self.kind, self.pp, self.num_microbatches, self.interleave)
+        if not isinstance(self.ranks, tuple):
+            raise PartitionerError(f"Schedule ranks must be a tuple of per-rank tuples, got "
+                                   f"{type(self.ranks).__name__}")
+        if len(self.ranks) != self.pp:
+            raise PartitionerError(f"Schedule has {len(self.ranks)} rank lists but pp={self.pp}; "
+                                   f"give one instruction list per pipeline rank")
+        for r, actions in enumerate(self.ranks):
+            if not isinstance(actions, tuple) or not all(isinstance(a, Action) for a in actions):
+                raise PartitionerError(f"Schedule ranks[{r}] must be a tuple of Action")
+
+    @property
+    def num_stages(self) -> int:
+        """Virtual stages: pp * interleave."""
+        return self.pp * self.interleave
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that holds virtual stage `stage` (stage % pp)."""
+        if not 0 <= stage < self.num_stages:
+            raise PartitionerError(f"stage={stage} is out of range: this schedule has "
+                                   f"stages 0..{self.num_stages - 1} (pp={self.pp} x "
+                                   f"interleave={self.interleave})")
+        return stage % self.pp
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The virtual stages rank `rank` holds: rank, rank + pp, ..."""
+        if not 0 <= rank < self.pp:
+            raise PartitionerError(f"rank={rank} is out of range 0..{self.pp - 1}")
+        return tuple(range(rank, self.num_stages, self.pp))
+
+    def counts(self) -> tuple[dict[Op, int], ...]:
+        """Per rank, how many actions of each op (every op present, 0 if none).
+
+        >>> build_schedule("gpipe", pp=2, num_microbatches=3).counts()[0][Op.SEND_F]
+        3
+        """
+        out = []
+        for actions in self.ranks:
+            c = dict.fromkeys(Op, 0)
+            for a in actions:
+                c[a.op] += 1
+            out.append(c)
+        return tuple(out)
+
+    # --- printing -----------------------------------------------------------
+    def _header(self) -> str:
+        return (f"schedule kind={self.kind} pp={self.pp} "
+                f"num_microbatches={self.num_microbatches} interleave={self.interleave}")
+
+    def __str__(self) -> str:
+        lines = [self._header()]
+        lines += [f"rank {r}: " + " ".join(map(str, actions)) for r, actions in enumerate(self.ranks)]
+        return "\n".join(lines)
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        """Inverse of `str`: a header line, then `rank r: <actions>` for r = 0..pp-1."""
+        lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+        header = re.fullmatch(r"schedule kind=(\S+) pp=(\d+) num_microbatches=(\d+) interleave=(\d+)",
+                              lines[0] if lines else "")
+        if header is None:
+            raise PartitionerError(
+                f"cannot parse schedule header {lines[0] if lines else ''!r}: expected "
+                "'schedule kind=<gpipe|1f1b|interleaved-1f1b> pp=<int> num_microbatches=<int> "
+                "interleave=<int>' as the first line")
+        kind, pp, m, v = header.group(1), *map(int, header.groups()[1:])
+        ranks = []
+        for r, line in enumerate(lines[1:]):
+            prefix = f"rank {r}:"
+            if not line.startswith(prefix):
+                raise PartitionerError(f"cannot parse schedule line {line!r}: expected it to start "
+                                       f"with {prefix!r} (one line per rank, in rank order)")
+            ranks.append(tuple(Action.parse(t) for t in line[len(prefix):].split()))
+        return cls(kind=kind, pp=pp, num_microbatches=m, interleave=v, ranks=tuple(ranks))
+
+    def table(self) -> str:
+        """Steps down, ranks across (torch's `_format_pipeline_order` layout)."""
+        return _format_table(self)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": JSON_FORMAT, "kind": self.kind, "pp": self.pp,
+            "num_microbatches": self.num_microbatches, "interleave": self.interleave,
+            "ranks": [[str(a) for a in actions] for actions in self.ranks],
+        }, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("format") != JSON_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise PartitionerError(f"not a schedule JSON: expected format {JSON_FORMAT!r}, "
+                                   f"found {found!r}")
+        missing = {"kind", "pp", "num_microbatches", "interleave", "ranks"} - data.keys()
+        if missing:
+            raise PartitionerError(f"schedule JSON lacks {sorted(missing)}")
+        return cls(kind=data["kind"], pp=data["pp"], num_microbatches=data["num_microbatches"],
+                   interleave=data["interleave"],
+                   ranks=tuple(tuple(Action.parse(t) for t in actions) for actions in data["ranks"]))
+
+
+# --- building ---------------------------------------------------------------
+def build_schedule(kind: ScheduleKind, *, pp: int, num_microbatches: int,
+                   interleave: int = 1) -> Schedule:
+    """The instruction lists of a GPipe, 1F1B or interleaved-1F1B step.
+
+      gpipe: each rank runs all m forwards, then all m backwards, in
+          microbatch order (torch's `ScheduleGPipe`).
+      1f1b: PipeDream-Flush (Narayanan et al. 2021), Megatron-LM's
+          `forward_backward_pipelining_without_interleaving`: rank r warms up
+          with min(pp - r - 1, m) forwards, then alternates one forward and
+          one backward, then drains the remaining backwards.
+      interleaved-1f1b: Narayanan et al. 2021 (SC'21) section 2.2,
+          Megatron-LM's `forward_backward_pipelining_with_interleaving`: each
+          rank holds `interleave` stages; microbatches go in groups of pp
+          through one stage, then the next; rank r warms up with
+          min((pp - r - 1) * 2 + (interleave - 1) * pp, m * interleave)
+          forwards, then alternates, then drains. Needs m % pp == 0.
+
+    >>> s = build_schedule("interleaved-1f1b", pp=2, num_microbatches=2, interleave=2)
+    >>> print(s.table())
+             rank 0      rank 1
+    step 00: 0F0         1RECV_F0
+    step 01: 0SEND_F0    1F0
+    step 02: 0F1         1SEND_F0
+    step 03: 0SEND_F1    1RECV_F1
+    step 04: 2RECV_F0    1F1
+    step 05: 2F0         1SEND_F1
+    step 06: 2SEND_F0    3RECV_F0
+    step 07: 2RECV_F1    3F0
+    step 08: 2F1         3B0
+    step 09: 2SEND_F1    3SEND_B0
+    step 10: 2RECV_B0    3RECV_F1
+    step 11: 2B0         3F1
+    step 12: 2SEND_B0    3B1
+    step 13: 2RECV_B1    3SEND_B1
+    step 14: 2B1         3GRAD_SYNC
+    step 15: 2SEND_B1    1RECV_B0
+    step 16: 2GRAD_SYNC  1B0
+    step 17: 0RECV_B0    1SEND_B0
+    step 18: 0B0         1RECV_B1
+    step 19: 0RECV_B1    1B1
+    step 20: 0B1         1SEND_B1
+    step 21: 0GRAD_SYNC  1GRAD_SYNC
+    step 22: 2OPTIM      3OPTIM
+    step 23: 0OPTIM      1OPTIM
+    """
+    _check_kind_and_sizes(kind, pp, num_microbatches, interleave)
+    m = num_microbatches
+    if kind == "interleaved-1f1b" and m % pp != 0:
+        lower, upper = (m // pp) * pp, (m // pp + 1) * pp
+        nearest = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+        raise DeclarationError(
+            f"interleaved-1f1b runs microbatches in groups of pp={pp} (Megatron-LM's "
+            f"forward_backward_pipelining_with_interleaving), so num_microbatches must be a "
+            f"multiple of {pp}; got {m}. Use num_microbatches={nearest}, or schedule='1f1b'")
+    order = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order,
+             "interleaved-1f1b": _interleaved_order}[kind]
+    num_stages = pp * interleave
+    ranks = []
+    for r in range(pp):
+        actions = _add_p2p(order(pp, m, interleave, r), rank=r, pp=pp, num_stages=num_stages)
+        ranks.append(tuple(_add_optim(_add_grad_sync(actions))))
+    return Schedule(kind=kind, pp=pp, num_microbatches=m, interleave=interleave, ranks=tuple(ranks))
+
+
+def _check_kind_and_sizes(kind: str, pp: int, m: int, interleave: int) -> None:
+    if kind not in SCHEDULE_KINDS:
+        raise DeclarationError(f"unknown schedule kind={kind!r}; choose one of "
+                               f"{', '.join(map(repr, SCHEDULE_KINDS))}")
+    for name, value in (("pp", pp), ("num_microbatches", m), ("interleave", interleave)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise DeclarationError(f"{name}={value!r} must be an int >= 1")
+    if kind == "interleaved-1f1b" and interleave < 2:
+        raise DeclarationError(f"kind='interleaved-1f1b' needs interleave >= 2 virtual stages per "
+                               f"rank, got interleave={interleave}; with one use kind='1f1b'")
+    if kind != "interleaved-1f1b" and interleave != 1:
+        raise DeclarationError(f"kind={kind!r} places one stage per rank, so interleave must be 1, "
+                               f"got interleave={interleave}; for {interleave} virtual stages per "
+                               f"rank use kind='interleaved-1f1b'")
+
+
+def _gpipe_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
+    return ([Action(op=Op.F, stage=rank, microbatch=i) for i in range(m)]
+            + [Action(op=Op.B, stage=rank, microbatch=i) for i in range(m)])
+
+
+def _one_f_one_b_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
+    warmup = min(pp - rank - 1, m)
+    order = [Action(op=Op.F, stage=rank, microbatch=i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [Action(op=Op.F, stage=rank, microbatch=warmup + i),
+                  Action(op=Op.B, stage=rank, microbatch=i)]
+    order += [Action(op=Op.B, stage=rank, microbatch=i) for i in range(m - warmup, m)]
+    return order
+
+
+def _interleaved_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
+    # Megatron-LM: the k-th forward (backward) of a rank runs chunk
+    # (k mod pp*v) // pp (reversed for backward) on microbatch
+    # (k // (pp*v)) * pp + k mod pp.
+    def nth(op: Op, k: int) -> Action:
+        group, j = divmod(k, pp * v)
+        chunk = j // pp if op is Op.F else v - 1 - j // pp
+        return Action(op=op, stage=chunk * pp + rank, microbatch=group * pp + j % pp)
+
+    total = m * v
+    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    order = [nth(Op.F, k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [nth(Op.F, warmup + k), nth(Op.B, k)]
+    order += [nth(Op.B, k) for k in range(total - warmup, total)]
+    return order
+
+
+def _add_p2p(order: list[Action], *, rank: int, pp: int, num_stages: int) -> list[Action]:
+    """A RECV right before each compute whose input lives on another rank, a
+    SEND right after each compute whose output another rank needs."""
+    def remote(stage: int) -> bool:
+        return 0 <= stage < num_stages and stage % pp != rank
+
+    out = []
+    for a in order:
+        s, mb = a.stage, a.microbatch
+        src, dst = (s - 1, s + 1) if a.op is Op.F else (s + 1, s - 1)
+        recv, send = (Op.RECV_F, Op.SEND_F) if a.op is Op.F else (Op.RECV_B, Op.SEND_B)
+        if remote(src):
+            out.append(Action(op=recv, stage=s, microbatch=mb))
+        out.append(a)
+        if remote(dst):
+            out.append(Action(op=send, stage=s, microbatch=mb))
+    return out
+
+
+def _add_grad_sync(actions: list[Action]) -> list[Action]:
+    """GRAD_SYNC of a stage right after its last backward (and that
+    backward's SEND_B, so the gradient the previous stage waits for leaves
+    first)."""
+    last_b = {a.stage: i for i, a in enumerate(actions) if a.op is Op.B}
+    after = {}
+    for stage, i in last_b.items():
+        nxt = actions[i + 1] if i + 1 < len(actions) else None
+        sent = nxt is not None and nxt.op is Op.SEND_B and nxt.stage == stage
+        after[i + 1 if sent else i] = stage
+    out = []
+    for i, a in enumerate(actions):
+        out.append(a)
+        if i in after:
+            out.append(Action(op=Op.GRAD_SYNC, stage=after[i]))
+    return out
+
+
+def _add_optim(actions: list[Action]) -> list[Action]:
+    """OPTIM of each stage at the end, in the order the gradient syncs were
+    issued, so the first-reduced stage steps while later syncs still run."""
+    return actions + [Action(op=Op.OPTIM, stage=a.stage) for a in actions if a.op is Op.GRAD_SYNC]
+
+
+# --- checking ---------------------------------------------------------------
+def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
+    """Per virtual stage, the most microbatches whose forward is done and
+    backward not yet: the activations that stage holds at its peak.
+
+    GPipe: m. 1F1B: min(m, pp - stage). Read off the program order (one
+    stage's actions all run on one rank, in order), so no timing is needed.
+
+    >>> peak_inflight(build_schedule("1f1b", pp=4, num_microbatches=8))
+    (4, 3, 2, 1)
+    """
+    live = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    for actions in schedule.ranks:
+        for a in actions:
+            if a.op is Op.F:
+                live[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], live[a.stage])
+            elif a.op is Op.B:
+                live[a.stage] -= 1
+    return tuple(peak)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise PartitionerError (a ValueError) unless `schedule` is runnable.
+
+    Checks: every action's stage lives on its rank; every (stage,
+    microbatch) has exactly one F and one B, B after F; the forward input of
+    stage v + 1 comes after stage v's forward (program order on one rank, or
+    SEND_F after the F and a matching RECV_F before the consumer's F on the
+    other rank), likewise gradients backwards; no send or receive without
+    its peer, none between stages on the same rank; one GRAD_SYNC per stage
+    after its last B, one OPTIM per stage after its GRAD_SYNC; and, running
+    the lists with non-blocking sends and blocking receives, no deadlock.
+    The message shows the rank's list with the failing action marked
+    `<-- ERROR HERE`.
+
+    >>> validate(build_schedule("interleaved-1f1b", pp=4, num_microbatches=8, interleave=2))
+    """
+    S, m, pp = schedule.num_stages, schedule.num_microbatches, schedule.pp
+    where: dict[_Key, tuple[int, int]] = {}   # action -> (rank, step)
+
+    def fail(rank: int, step: int, what: str) -> NoReturn:
+        raise PartitionerError(f"invalid pipeline schedule: {what}\n"
+                               + _format_rank(schedule, rank, step))
+
+    def anchor(stage: int) -> tuple[int, int]:   # where to point when an action is missing
+        return stage % pp, len(schedule.ranks[stage % pp]) - 1
+
+    for r, actions in enumerate(schedule.ranks):
+        for i, a in enumerate(actions):
+            if a.stage >= S:
+                fail(r, i, f"{a} names stage {a.stage}, but the schedule has stages 0..{S - 1}")
+            if a.stage % pp != r:
+                fail(r, i, f"{a} runs on rank {r}, but stage {a.stage} lives on rank "
+                           f"{a.stage % pp} (stage % pp)")
+            if a.microbatch is not None and a.microbatch >= m:
+                fail(r, i, f"{a} names microbatch {a.microbatch}, but the schedule has "
+                           f"microbatches 0..{m - 1}")
+            key = _key(a)
+            if key in where:
+                fail(r, i, f"{a} appears twice on rank {r} (first at step {where[key][1]})")
+            where[key] = (r, i)
+
+    for s in range(S):
+        for mb in range(m):
+            f, b = where.get(("F", s, mb)), where.get(("B", s, mb))
+            if f is None:
+                fail(*anchor(s), f"no {s}F{mb}: every stage runs the forward of every microbatch once")
+            if b is None:
+                fail(*anchor(s), f"no {s}B{mb}: every stage runs the backward of every microbatch once")
+            if b[1] < f[1]:
+                fail(*b, f"{s}B{mb} comes before its forward {s}F{mb}")
+            if s + 1 < S:
+                _check_edge(schedule, where, fail, ("F", s, mb), ("F", s + 1, mb))
+                _check_edge(schedule, where, fail, ("B", s + 1, mb), ("B", s, mb))
+        last_b = max(where[("B", s, mb)][1] for mb in range(m))
+        sync, optim = where.get(("GRAD_SYNC", s, None)), where.get(("OPTIM", s, None))
+        if sync is None:
+            fail(*anchor(s), f"no {s}GRAD_SYNC: add it after stage {s}'s last backward")
+        if sync[1] < last_b:
+            fail(*sync, f"{s}GRAD_SYNC comes before stage {s}'s last backward "
+                        f"{schedule.ranks[sync[0]][last_b]}; its gradients are not complete yet")
+        if optim is None:
+            fail(*anchor(s), f"no {s}OPTIM: add it after {s}GRAD_SYNC")
+        if optim[1] < sync[1]:
+            fail(*optim, f"{s}OPTIM comes before {s}GRAD_SYNC; the step would use unreduced gradients")
+
+    for key, (r, i) in where.items():
+        if key[0] in _PEER:
+            peer = _peer_key(key)
+            if not 0 <= peer[1] < S or peer[1] % pp == r:
+                fail(r, i, f"{_text(key)} has no peer on another rank: sends and receives only "
+                           f"cross between consecutive stages on different ranks")
+            if peer not in where:
+                fail(r, i, f"{_text(key)} has no matching {_text(peer)} on rank {peer[1] % pp}")
+    _check_deadlock(schedule)
+
+
+# validate works on (op spelling, stage, microbatch) keys: tuples of str and
+# int hash far faster than Actions (Enum's __hash__ is Python code), and
+# schedules reach 10^5 actions.
+_Key = tuple[str, int, "int | None"]
+_PEER = {"SEND_F": ("RECV_F", 1), "RECV_F": ("SEND_F", -1),
+         "SEND_B": ("RECV_B", -1), "RECV_B": ("SEND_B", 1)}
+_LINK = {"F": ("SEND_F", "RECV_F"), "B": ("SEND_B", "RECV_B")}
+
+
+def _key(a: Action) -> _Key:
+    return (a.op._value_, a.stage, a.microbatch)
+
+
+def _peer_key(key: _Key) -> _Key:
+    op, shift = _PEER[key[0]]
+    return (op, key[1] + shift, key[2])
+
+
+def _text(key: _Key) -> str:
+    return f"{key[1]}{key[0]}{'' if key[2] is None else key[2]}"
+
+
+def _check_edge(schedule: Schedule, where: dict[_Key, tuple[int, int]],
+                fail: Callable[[int, int, str], NoReturn], producer: _Key, consumer: _Key) -> None:
+    """The consumer compute runs after the producer: same rank, program
+    order; else SEND after the producer and RECV before the consumer."""
+    (pr, pi), (cr, ci) = where[producer], where[consumer]
+    if pr == cr:
+        if ci < pi:
+            fail(cr, ci, f"{_text(consumer)} needs the output of {_text(producer)}, which comes "
+                         f"later on this rank")
+        return
+    send_op, recv_op = _LINK[producer[0]]
+    send, recv = (send_op, producer[1], producer[2]), (recv_op, consumer[1], consumer[2])
+    if send not in where:
+        fail(pr, pi, f"{_text(producer)} feeds {_text(consumer)} on rank {cr}, but rank {pr} "
+                     f"never sends it: add {_text(send)} after {_text(producer)}")
+    if recv not in where:
+        fail(cr, ci, f"{_text(consumer)} needs {_text(producer)} from rank {pr}, but rank {cr} "
+                     f"never receives it: add {_text(recv)} before {_text(consumer)}")
+    if where[send][1] < pi:
+        fail(pr, where[send][1], f"{_text(send)} comes before {_text(producer)}, which computes "
+                                 f"what it sends")
+    if where[recv][1] > ci:
+        fail(cr, ci, f"{_text(consumer)} runs before {_text(recv)} delivers its input")
+
+
+def _check_deadlock(schedule: Schedule) -> None:
+    """Run the lists with non-blocking sends and blocking receives; fail at a
+    receive that waits forever, following the chain of waiting ranks."""
+    pc = [0] * schedule.pp
+    sent: set[_Key] = set()                  # sends issued so far
+    waiting: dict[_Key, int] = {}            # send awaited -> the rank waiting for it
+    ready = collections.deque(range(schedule.pp))
+    while ready:
+        r = ready.popleft()
+        actions = schedule.ranks[r]
+        while pc[r] < len(actions):
+            a = actions[pc[r]]
+            op = a.op._value_
+            if op == "RECV_F" or op == "RECV_B":
+                send = _peer_key(_key(a))
+                if send not in sent:
+                    waiting[send] = r
+                    break
+            elif op == "SEND_F" or op == "SEND_B":
+                key = _key(a)
+                sent.add(key)
+                if key in waiting:
+                    ready.append(waiting.pop(key))
+            pc[r] += 1
+    blocked = [r for r in range(schedule.pp) if pc[r] < len(schedule.ranks[r])]
+    if not blocked:
+        return
+    chain, r = [], blocked[0]
+    while r not in chain:     # each blocked rank waits on a send of a rank that is blocked too
+        chain.append(r)
+        r = _peer_key(_key(schedule.ranks[r][pc[r]]))[1] % schedule.pp
+    cycle = chain[chain.index(r):]
+    waits = ", ".join(f"rank {q} waits at {schedule.ranks[q][pc[q]]} for "
+                      f"{_text(_peer_key(_key(schedule.ranks[q][pc[q]])))}" for q in cycle)
+    listings = "\n".join(_format_rank(schedule, q, pc[q]) for q in cycle)
+    raise PartitionerError(
+        f"invalid pipeline schedule: deadlock: {waits}, and each awaited send comes after its "
+        f"rank's blocked receive. Sends do not block and receives do, so move the send ahead of "
+        f"the receive on one of these ranks\n{listings}")
+
+
+_WINDOW = 12   # actions shown either side of the marked one in error messages
+
+
+def _format_rank(schedule: Schedule, rank: int, index: int) -> str:
+    actions = schedule.ranks[rank]
+    if not actions:
+        return f"rank {rank}: no actions  <-- ERROR HERE"
+    lo, hi = max(0, index - _WINDOW), min(len(actions), index + _WINDOW + 1)
+    width = len(str(len(actions) - 1))
+    lines = [f"rank {rank} ({len(actions)} actions):"]
+    if lo > 0:
+        lines.append(f"  ... {lo} earlier actions")
+    for i in range(lo, hi):
+        mark = "  <-- ERROR HERE" if i == index else ""
+        lines.append(f"  step {i:0{width}d}: {actions[i]}{mark}")
+    if hi < len(actions):
+        lines.append(f"  ... {len(actions) - hi} later actions")
+    return "\n".join(lines)
+
+
+def _format_table(schedule: Schedule) -> str:
+    columns = [[str(a) for a in actions] for actions in schedule.ranks]
+    steps = max((len(c) for c in columns), default=0)
+    width = [max([len(f"rank {r}")] + [len(t) for t in c]) for r, c in enumerate(columns)]
+    label = len(str(max(steps - 1, 0)))
+    rows = [" " * (label + 7) + "  ".join(f"rank {r}".ljust(width[r]) for r in range(schedule.pp))]
+    for i in range(steps):
+        cells = [(c[i] if i < len(c) else "").ljust(width[r]) for r, c in enumerate(columns)]
+        rows.append(f"step {i:0{label}d}: " + "  ".join(cells))
+    return "\n".join(row.rstrip() for row in rows)
+

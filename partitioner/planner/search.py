@@ -1,0 +1,244 @@
+"""The search: every configuration the declarations allow, best first, exactly.
+
+Enumerates (tp, pp, dp, microbatch, schedule, interleave, ZeRO stage,
+recompute), orders them by a lower bound on step time, and runs the exact
+stage cut (cut.py) on each until the bound exceeds the k-th best step time
+found: branch and bound, so the k best are exact under the cost model while
+most candidates are never cut. Ties go to the simpler configuration (fewer
+pipeline stages, smaller tensor groups, lower ZeRO stage, less recompute,
+simpler schedule, larger microbatch), the order a person would try them in.
+
+Gradient compression is not a dimension of the enumeration: it changes only
+each stage's tail (costing.py), so every stage takes its best compression and
+the cut is found once. That is exact when the stages of the best cut agree,
+which is the rule (one stage when pp = 1; the same choice for stages of similar
+size): no single compression can beat every stage having its best, and the
+agreed choice achieves it. When they disagree, the candidate is cut again
+under each compression it allows and the best taken.
+
+The runners-up that lost on memory rather than time (`over_memory`) are timed
+by a balanced cut, not searched: they only have to show that a faster
+configuration exists and how far it is from fitting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+from partitioner.planner.costing import CostContext
+from partitioner.planner.cut import Cut, cut_stages, evaluate_cut, step_time
+from partitioner.planner.declarations import MAX_MICROBATCHES, Declarations, divisors
+from partitioner.planner.plan import ParallelConfig
+
+__all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
+
+_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2}
+_INTERLEAVES = (2, 3, 4)
+# Balanced cuts tried when looking for faster configurations that do not fit: each costs one stage
+# evaluation per stage, a few ms on 1000 ranks, so a cap keeps the search's time what it was.
+_OVER_MEMORY_TRIES = 24
+_OVER_MEMORY_TRIES_PER_SHAPE = 4
+
+
+def simplicity(c: ParallelConfig) -> tuple:
+    return (c.pp, c.tp, c.zero_stage, _RECOMPUTE_ORDER[c.recompute], _SCHEDULE_ORDER[c.schedule], c.interleave,
+            -c.microbatch_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scored:
+    cand: ParallelConfig
+    cut: Cut
+    compression: tuple[str, str] = ("none", "none")  # (intra_node, inter_node), the same for every stage
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    ranked: tuple[Scored, ...]  # best first
+    evaluated: int  # candidates whose stages were cut
+    space: int  # candidates enumerated
+    # faster than ranked[0] by a balanced cut but over memory, at most one per mesh shape (tp, pp)
+    over_memory: tuple[Scored, ...] = ()
+
+
+def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: int, num_units: int,
+                         valid_tp: tuple[int, ...]) -> Iterator[ParallelConfig]:
+    """Every configuration the declarations allow (not yet checked for memory)."""
+    gb = d.global_batch_size
+    tps = [d.tp] if d.tp is not None else [t for t in valid_tp if world_size % t == 0 and t <= devices_per_node]
+    for tp in tps:
+        for pp in ([d.pp] if d.pp is not None else divisors(world_size // tp)):
+            if pp > num_units or (world_size // tp) % pp:
+                continue
+            dp = world_size // (tp * pp)
+            if (d.dp is not None and dp != d.dp) or gb % dp:
+                continue
+            per_replica = gb // dp
+            mbs = [d.microbatch_size] if d.microbatch_size is not None else [
+                x for x in divisors(per_replica) if x & (x - 1) == 0 or x == per_replica]
+            for mb in mbs:
+                if per_replica % mb or per_replica // mb > MAX_MICROBATCHES:  # a schedule too long to list
+                    continue
+                m = per_replica // mb
+                for sched, v in _schedules(d, pp, m, num_units):
+                    zeros = [d.zero_stage] if d.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+                    recomputes = [d.recompute] if d.recompute is not None else ["none", "selective", "full"]
+                    for z in zeros:
+                        for rc in recomputes:
+                            yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=z, microbatch_size=mb,
+                                            num_microbatches=m, schedule=sched, interleave=v, recompute=rc)
+
+
+def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        # One stage: every schedule is gradient accumulation; name it 1F1B.
+        return [("1f1b", 1)] if d.schedule in (None, "1f1b", "gpipe") else []
+    out = []
+    for sched in ([d.schedule] if d.schedule is not None else ["1f1b", "gpipe", "interleaved-1f1b"]):
+        if sched != "interleaved-1f1b":
+            out.append((sched, 1))
+            continue
+        for v in ([d.interleave] if d.interleave is not None else _INTERLEAVES):
+            # Megatron's interleaved schedule needs the microbatches in groups of pp.
+            if pp * v <= num_units and m % pp == 0:
+                out.append((sched, v))
+    return out
+
+
+def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5,
+           compression: tuple[str, str] | None = None, incumbent: float = math.inf, max_cuts: int | None = None,
+           over_memory: int = 0, bounds: tuple[int, ...] | None = None) -> SearchResult:
+    """The `keep` best candidates with their exact cuts.
+
+    compression: cost every candidate with this (intra_node, inter_node) compression instead of its
+    best allowed one. incumbent: only cuts at most this fast count (a known step time to beat).
+    max_cuts: stop after this many exact cuts; the result is then the best found, not the best.
+    over_memory: also find up to this many faster configurations that do not fit (`_over_memory`).
+    bounds: cost only this cut (unit indices, one stage per pair) instead of searching for the best one;
+    candidates with another number of stages are skipped.
+    """
+    order = []
+    for cand in candidates:
+        ev = ctx.prepare(cand, compression)
+        order.append((ev.lower_bound(), simplicity(cand), cand, ev))
+    order.sort(key=lambda x: (x[0], x[1]))
+    ranked: list[tuple[float, tuple, ParallelConfig, Cut]] = []
+    evaluated = 0
+    for lb, simple, cand, ev in order:
+        kth = ranked[keep - 1][0] if len(ranked) >= keep else incumbent
+        if math.isinf(lb):
+            continue  # its model state alone does not fit
+        if lb > kth or (max_cuts is not None and evaluated >= max_cuts):
+            break  # sorted by bound: nothing after this can enter the top `keep`
+        evaluated += 1
+        if bounds is None:
+            cut = _cut_one_compression(ctx, ev, incumbent=kth)
+        else:
+            cut = evaluate_cut(ev, bounds) if len(bounds) - 1 == ev.num_stages else None
+        if cut is None:
+            continue
+        ranked.append((cut.step_time_s, simple, cand, cut))
+        ranked.sort(key=lambda x: (x[0], x[1]))
+        del ranked[keep:]
+    scored = tuple(Scored(cand=c, cut=cut, compression=cut.stages[0].compression) for _, _, c, cut in ranked)
+    missed = _over_memory(ctx, order, scored, limit=over_memory) if over_memory and scored else ()
+    return SearchResult(ranked=scored, evaluated=evaluated, space=len(candidates), over_memory=missed)
+
+
+def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, limit: int) -> tuple[Scored, ...]:
+    """Up to `limit` configurations whose balanced cut beats ranked[0] but needs more memory per rank than
+    the cap: the fastest found of each mesh shape (tp, pp), the winner's own shape first (it answers "why
+    not less recompute, a lower ZeRO stage"), then others by their compute bound.
+
+    The compute bound ignores memory (lower_bound() is infinite once model state does not fit), so it
+    orders the candidates a bigger device would have tried first; at most _OVER_MEMORY_TRIES balanced
+    cuts are evaluated, _OVER_MEMORY_TRIES_PER_SHAPE per shape.
+    """
+    best = ranked[0]
+    beat, home = best.cut.step_time_s, (best.cand.tp, best.cand.pp)
+    seen = {s.cand for s in ranked}
+    pending = sorted(((_compute_bound(ev), simple, cand, ev) for _, simple, cand, ev in order if cand not in seen),
+                     key=lambda x: ((x[2].tp, x[2].pp) != home, x[0], x[1]))
+    tries: dict[tuple[int, int], int] = {}
+    found: dict[tuple[int, int], Scored] = {}
+    for bound, _, cand, ev in pending:
+        if bound >= beat:
+            continue  # cannot be faster; later ones of another shape still may be
+        shape = (cand.tp, cand.pp)
+        if shape in found or tries.get(shape, 0) >= _OVER_MEMORY_TRIES_PER_SHAPE:
+            continue
+        if sum(tries.values()) >= _OVER_MEMORY_TRIES or len(found) >= limit:
+            break
+        tries[shape] = tries.get(shape, 0) + 1
+        cut = _balanced_cut(ev)
+        if cut is not None and cut.step_time_s < beat and rank_peak(cut, cand.pp) > ctx.memory_cap:
+            found[shape] = Scored(cand=cand, cut=cut, compression=cut.stages[0].compression)
+    return tuple(found.values())
+
+
+def _compute_bound(ev) -> float:
+    """lower_bound() without its memory test and optimizer tail: perfectly balanced compute, no p2p, the
+    calibrated share of idle time charged."""
+    c, S = ev.cand, ev.num_stages
+    m, v = c.num_microbatches, c.interleave
+    full = (m * v - 1) * max(ev.total_c / S, ev.arrays.max_unit_c) + ev.total_c / v
+    if c.pp == 1:
+        return full
+    busy = m * ev.total_c / c.pp
+    return busy + ev.ctx.cal.pipeline_idle_cost * (full - busy)
+
+
+def _balanced_cut(ev) -> Cut | None:
+    """Equal numbers of units per stage, memory not checked (each stage says whether it fits)."""
+    n, S = len(ev.ctx.units), ev.num_stages
+    if S > n:
+        return None
+    bounds = tuple(round(k * n / S) for k in range(S + 1))
+    stages = tuple(ev.stage(bounds[k], bounds[k + 1], k) for k in range(S))
+    return Cut(bounds=bounds, stages=stages, step_time_s=step_time(stages, ev.cand.num_microbatches, ev.cand.interleave,
+                                                                    idle_cost=ev.ctx.cal.pipeline_idle_cost))
+
+
+def rank_peak(cut: Cut, pp: int) -> float:
+    """The largest per-rank memory of a cut: a rank's virtual stages summed, buffers once (they are reused),
+    as compile.rank_memory counts."""
+    held: dict[int, float] = {}
+    buffers: dict[int, float] = {}
+    for k, st in enumerate(cut.stages):
+        r = k % pp
+        held[r] = held.get(r, 0.0) + st.memory_total - st.memory[4]
+        buffers[r] = max(buffers.get(r, 0.0), st.memory[4])
+    return max(held[r] + buffers[r] for r in held)
+
+
+def _cut_one_compression(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:
+    """The best cut whose stages all use one compression (see the module docstring)."""
+    cut = cut_stages(ev, incumbent=incumbent)
+    if cut is None or len({st.compression for st in cut.stages}) == 1:
+        return cut
+    best = None
+    for option in ev.options:
+        other = cut_stages(ctx.prepare(ev.cand, option), incumbent=incumbent)
+        if other is not None and (best is None or other.step_time_s < best.step_time_s):
+            best = other
+    return best
+
+
+def least_memory(ctx: CostContext, candidates: list[ParallelConfig],
+                 compression: tuple[str, str] | None = None) -> tuple[float, ParallelConfig | None]:
+    """The smallest peak memory per rank of any candidate's balanced cut (for the infeasible error)."""
+    best, who = math.inf, None
+    for cand in candidates:
+        cut = _balanced_cut(ctx.prepare(cand, compression))
+        if cut is None:
+            continue
+        peak = max(st.memory_total * cand.interleave for st in cut.stages)
+        if peak < best:
+            best, who = peak, cand
+    return best, who
+
+
+__all__ += ["evaluate_cut", "least_memory", "rank_peak"]

@@ -1,0 +1,726 @@
+"""Megatron tensor-parallel splits, found from the graph's dataflow: `find_splits(g) -> TensorSplits`.
+
+The rules are those of Megatron-LM (Shoeybi et al. 2019, "Megatron-LM:
+Training Multi-Billion Parameter Language Models Using Model Parallelism",
+section 3), discovered from what flows where, never from module names:
+
+Column then row. A parameterised matmul-like node A (`linear`, `addmm` or
+`mm`/`matmul` with a parameter weight) whose input is replicated can split
+its output features across the tensor group ("column-parallel", weight
+S(0) for nn.Linear's [out, in], S(1) for HF Conv1D's [in, out]). Its output
+is then followed forward through *shard-local* ops, those that compute
+each output element from the same split features of their inputs, so each
+rank can run them on its slice alone:
+
+- elementwise ops, activations, dropout, casts and copies: per element;
+- a product or sum of two tensors both split the same way (SwiGLU
+  `silu(gate) * up`, rotary `q*cos + rotate_half(q)*sin`): per element;
+  one split and one replicated is shard-local only if the replicated one
+  broadcasts along the split dim (a causal mask (1, 1, s, s), rotary
+  cos/sin (1, 1, s, hs)); one that spans it (a residual) breaks the pattern;
+- views, reshapes, transposes, slices, split/getitem, cat, expand that keep
+  the split dim whole: they only rename dims. Reshaping features F into
+  (nh, hs) moves the split onto the head dim (F/tp features are nh/tp whole
+  heads iff tp divides nh: a recorded divisor). Splitting F itself into
+  chunks (a fused qkv) is shard-local only if each rank's slice holds its
+  own part of every chunk: the weight's output rows (columns for Conv1D)
+  must be reordered, recorded as `Placement.fused` (TORCH-NOTES);
+- batched matmul, softmax, masked_fill and scaled_dot_product_attention
+  where the split dim is a batch dim (heads): each head is independent;
+- softmax over the last dim and layer norm over trailing dims not holding
+  the split (e.g. a per-head q/k norm); reductions over other dims.
+
+Anything else reading a split activation breaks the pattern (a layer norm,
+softmax or reduction over the split features, an add with a tensor that
+is not split, an unknown op, a model output that would need a gather):
+then every column producer feeding it and its row consumers stay
+replicated, and the next candidates are looked for again. The pattern ends
+at a parameterised matmul B contracting over the split dim: B is
+row-parallel (weight S(1) for [out, in], S(0) for [in, out]); each rank
+holds partial sums, all-reduced in forward ("g"), and the column input's
+gradient is all-reduced in backward ("f"): one pair per region, whatever
+the number of column producers (q, k, v -> o; gate, up -> down).
+
+Vocabulary (Megatron section 3, last paragraphs). An embedding indexed by
+token ids (a graph input, through views) whose table has at least as many
+rows as columns is vocab-parallel: each rank looks up its rows, zeros the
+rest, and the output is all-reduced. A matmul whose split output reaches a
+cross entropy as the class dim is a vocab-parallel LM head: logits stay
+split over the vocab, and the parallel cross entropy all-reduces three
+per-token fp32 numbers (max logit, sum of exp, target logit). A tied
+embedding / LM head is one parameter, S(0) in both uses; uses that need
+different splits of one parameter replicate it.
+
+Limitations, from what an OpGraph records (shapes, not an op's dim
+arguments): softmax is assumed over the last dim; a permute between equal
+extents is ambiguous and breaks; buffers read directly by an op are not
+seen; a reshape that merges the head dim into the batch (Bloom's
+`baddbmm` on (b*nh, s, hs)) breaks, since the shard is then strided.
+
+Dropout inside a split region must draw different masks on each rank
+(Megatron's model-parallel RNG tracker); outside it, the same mask.
+
+>>> model = gpt_small()                                                   # doctest: +SKIP
+>>> splits = find_splits(trace(model, example_batch(model, 2)))           # doctest: +SKIP
+>>> p = splits.placement("transformer.h.0.attn.c_attn.weight")            # doctest: +SKIP
+>>> p.spec, p.role, p.fused                                               # doctest: +SKIP
+('S(0)', 'column', 3)
+>>> splits.divisors[:2], splits.valid_tp()                                # doctest: +SKIP
+((('heads of transformer.h.0.attn', 4), ('ffn of transformer.h.0.mlp', 1024)), (1, 2, 4))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterable
+from functools import reduce
+from typing import Literal, NamedTuple
+from partitioner.planner.shard_dims import (  # the op classes and shape rules this pass applies
+    _EW, _FIRST_ONLY, _RESHAPES, _TRANSPOSES, _SAME_RANK, _EXPANDS,
+    _SPLITS, _BATCHED_MM, _NORMS, _REDUCTIONS, _CROSS_ENTROPY, _NEW,
+    _INDEX_PATH, _WEIGHTED, _ONE, _prod, _const,
+    _broadcasts, _reshape_dim, _permute_dim, _drop_dim,
+)
+
+from partitioner.tracer.opgraph import OpGraph, OpNode
+from partitioner.tracer.symbolic import Poly
+
+__all__ = ["Placement", "TPCollective", "TensorSplits", "find_splits"]
+
+Role = Literal["column", "row", "vocab_embedding", "vocab_head", "replicated"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """How one parameter lies across the tensor group.
+
+    spec: "S(d)" sharded on tensor dim d, "R" replicated.
+    role: why it is split ("column", "row", "vocab_embedding", "vocab_head") or not.
+    reason: one line a person can check against the model.
+    fused: chunks fused along the split dim (3 for a fused qkv): the rows
+        (columns for an [in, out] weight) are reordered so that rank r holds
+        its slice of every chunk, not one contiguous block.
+    """
+
+    param: str
+    spec: str
+    role: Role
+    reason: str
+    fused: int = 1
+
+    @property
+    def dim(self) -> int | None:
+        """The sharded tensor dim, None when replicated."""
+        return None if self.spec == "R" else int(self.spec[2:-1])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TPCollective:
+    """One tensor-parallel collective per microbatch, bytes at the traced dtype (Poly in b, s)."""
+
+    node: str
+    phase: Literal["forward", "backward"]
+    kind: Literal["all_reduce"]
+    bytes: Poly
+    what: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorSplits:
+    """The tensor-parallel decision for every parameter, independent of the degree tp.
+
+    placements: one per OpGraph.params entry, same order.
+    sharded_nodes: nodes whose compute, bytes and activations divide by tp.
+    collectives: Megatron's f/g all-reduces and the parallel cross entropy's.
+    divisors: (what, n) pairs tp must divide (heads, kv heads, ffn width, vocab).
+    shard_dims: (node, dim) for every sharded node: the dim of its output that is
+        split, which the code generator divides by tp in views and splits.
+    """
+
+    placements: tuple[Placement, ...]
+    sharded_nodes: frozenset[str]
+    collectives: tuple[TPCollective, ...]
+    divisors: tuple[tuple[str, int], ...]
+    shard_dims: tuple[tuple[str, int], ...] = ()
+
+    def valid_tp(self, candidates: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> tuple[int, ...]:
+        """The degrees among `candidates` that divide every divisor."""
+        g = reduce(math.gcd, (n for _, n in self.divisors), 0)
+        return tuple(t for t in candidates if g == 0 or g % t == 0)
+
+    def placement(self, param: str) -> Placement:
+        if param in self._by_param:
+            return self._by_param[param]
+        near = [p.param for p in self.placements if param.rsplit(".", 1)[-1] in p.param][:3]
+        raise KeyError(f"placement: no parameter {param!r} in this graph (tied names use the first name); "
+                       f"similar: {near}")
+
+    @functools.cached_property
+    def _by_param(self) -> dict[str, Placement]:
+        return {p.param: p for p in self.placements}
+
+    def table(self) -> str:
+        w = max((len(p.param) for p in self.placements), default=5)
+        lines = [f"{'param':{w}}  {'spec':7}  {'role':15}  reason"]
+        for p in self.placements:
+            spec = p.spec + (f" x{p.fused}" if p.fused > 1 else "")  # x3: fused chunks reordered
+            lines.append(f"{p.param:{w}}  {spec:7}  {p.role:15}  {p.reason}")
+        lines.append(f"valid tp: {self.valid_tp()}; collectives per microbatch: {len(self.collectives)}")
+        return "\n".join(lines)
+
+    __str__ = table
+
+    def to_json(self) -> dict:
+        return {"placements": [dataclasses.asdict(p) for p in self.placements],
+                "sharded_nodes": sorted(self.sharded_nodes),
+                "collectives": [{**dataclasses.asdict(c), "bytes": c.bytes.to_json()} for c in self.collectives],
+                "divisors": [list(d) for d in self.divisors],
+                "shard_dims": [list(d) for d in self.shard_dims]}
+
+    @staticmethod
+    def from_json(data: dict) -> TensorSplits:
+        return TensorSplits(placements=tuple(Placement(**p) for p in data["placements"]),
+                            sharded_nodes=frozenset(data["sharded_nodes"]),
+                            collectives=tuple(TPCollective(**{**c, "bytes": Poly.from_json(c["bytes"])})
+                                              for c in data["collectives"]),
+                            divisors=tuple((str(k), int(n)) for k, n in data["divisors"]),
+                            shard_dims=tuple((str(k), int(d)) for k, d in data.get("shard_dims", ())))
+
+
+# ---------------------------------------------------------------- one pass
+
+
+class _Weighted(NamedTuple):
+    weight: str
+    bias: tuple[str, ...]
+    out_dim: int  # the weight dim holding output features: 0 for [out, in], 1 for [in, out]
+    act: str  # the activation input
+
+
+def _weighted(n: OpNode, pshape: dict[str, tuple[int, ...]]) -> _Weighted | None:
+    """`n` as x @ W (+ b) with W a parameter, or None."""
+    if n.op not in _WEIGHTED or len(n.inputs) != 1 or not n.params or n.output is None:
+        return None
+    mats = [p for p in n.params if len(pshape[p]) == 2]
+    bias = tuple(p for p in n.params if p not in mats)
+    if len(mats) != 1 or len(bias) > 1 or any(len(pshape[b]) != 1 for b in bias):
+        return None
+    w = mats[0]
+    out_dim = 0 if n.op == "linear" else 1
+    if n.op in ("mm", "matmul") and bias:
+        return None
+    if n.output.shape[-1] != Poly.const(pshape[w][out_dim]):
+        return None
+    return _Weighted(w, bias, out_dim, n.inputs[0])
+
+
+class _Shard(NamedTuple):
+    region: int
+    dim: int  # the split dim of this tensor
+    units: int  # indivisible blocks along it: tp must divide this
+    producers: frozenset[str]
+
+
+class _Step(NamedTuple):
+    dim: int | None = None  # the output's split dim; None: the output is not split
+    cap: int = 0  # units become gcd(units, cap)
+    head_split: int = 0  # a view cut the split features into this many heads
+    fused: int = 0  # a split cut the split dim into this many chunks
+    sink: bool = False  # a cross entropy over the split classes
+    attention: bool = False
+
+
+@dataclasses.dataclass
+class _Region:
+    """Bookkeeping for one connected split region during one pass (mutable, pass-local)."""
+
+    producers: list[str] = dataclasses.field(default_factory=list)
+    rows: list[str] = dataclasses.field(default_factory=list)
+    sinks: list[str] = dataclasses.field(default_factory=list)
+    nodes: list[str] = dataclasses.field(default_factory=list)
+    splits: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    row_units: list[int] = dataclasses.field(default_factory=list)
+    fused: dict[str, int] = dataclasses.field(default_factory=dict)
+    attention: bool = False
+    failure: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    g: OpGraph
+    node: dict[str, OpNode]
+    consumers: dict[str, list[OpNode]]
+    pshape: dict[str, tuple[int, ...]]
+    weighted: dict[str, _Weighted]
+
+    @staticmethod
+    def of(g: OpGraph) -> _Context:
+        pshape = {p.name: p.shape for p in g.params}
+        consumers: dict[str, list[OpNode]] = {n.name: [] for n in g.nodes}
+        for n in g.nodes:
+            for i in dict.fromkeys(n.inputs):
+                if i in consumers:
+                    consumers[i].append(n)
+        weighted = {n.name: w for n in g.nodes if (w := _weighted(n, pshape)) is not None}
+        return _Context(g, {n.name: n for n in g.nodes}, consumers, pshape, weighted)
+
+    def shape(self, name: str) -> tuple[Poly, ...] | None:
+        n = self.node.get(name)
+        return n.output.shape if n is not None and n.output is not None else None
+
+    def label(self, name: str) -> str:
+        n = self.node[name]
+        return n.module_path or n.name
+
+
+def _rule(ctx: _Context, n: OpNode, state: dict[str, _Shard]) -> _Step | str:
+    """How `n` maps its inputs' split dim onto its output, or why it is not shard-local."""
+    op, osh = n.op, n.output.shape
+    r = len(osh)
+    ins = n.inputs[:1] if op in _FIRST_ONLY else n.inputs
+    split = [(i, state[i]) for i in ins if i in state]
+    if not split:  # the split input gives only a dtype or shape (x.type_as(split)): output not split
+        return _Step()
+    name, st = split[0]
+    ish, d = ctx.shape(name), st.dim
+
+    binary_extremum = op in ("max", "min") and len(n.inputs) > 1  # torch.max(a, b) is elementwise
+    if op in _EW or binary_extremum or op in _EXPANDS or op in _SAME_RANK or op == "cat" or op == "concat":
+        if (op in _SAME_RANK or op in ("cat", "concat")) and (len(ish) != r or osh[d] != ish[d]):
+            return f"{'concatenates' if op in ('cat', 'concat') else 'slices'} along the split dim"
+        od = None
+        for i, s in split:
+            x = s.dim + r - len(ctx.shape(i))
+            if od is not None and x != od:
+                return "combines tensors split on different dims"
+            od = x
+        if op in _EXPANDS and osh[od] != ish[d]:
+            return "expands the split dim"
+        for i in ins:
+            if i in state:
+                continue
+            sh = ctx.shape(i)
+            if op in ("cat", "concat"):
+                return f"concatenates with {i}, which is not split"
+            if sh is None:
+                return f"combines it with {i}, a model input that is not split"
+            if not _broadcasts(sh, r, od):
+                return f"combines it with {i}, which is not split but spans the split dim"
+        return _step_with_params(ctx, n, od)
+    if op in _TRANSPOSES:
+        od = _permute_dim(op, ish, osh, d)
+        return "moves the split dim where shapes cannot tell" if od is None else _Step(dim=od)
+    if op in _RESHAPES:
+        if _prod(ish) == _prod(osh):
+            m = _reshape_dim(ish, osh, d)
+            if m is None:
+                return "reshapes the split dim so a rank's slice is no longer one block"
+            od, k = m
+            e = _const(ish[d])
+            return _Step(dim=od, cap=k, head_split=k if k < e and _prod(osh[od + 1:]) != _ONE else 0)
+        od = _drop_dim(ish, osh, d)
+        return _Step(dim=od) if isinstance(od, int) else "selects from the split dim"
+    if op in _SPLITS or op == "unbind":
+        if len(ish) != r:
+            od = _drop_dim(ish, osh, d)
+            return _Step(dim=od) if isinstance(od, int) else "unbinds the split dim"
+        if osh[d] == ish[d]:
+            return _Step(dim=d)
+        e, c0 = _const(ish[d]), _const(osh[d])
+        chunks = [_const(c.output.shape[d]) for c in ctx.consumers[n.name]
+                  if c.op == "getitem" and c.output is not None and len(c.output.shape) == r]
+        fused = len(chunks) if sum(x or 0 for x in chunks) == e else (e // c0 if c0 and e % c0 == 0 else 0)
+        return _Step(dim=d, cap=c0 or 1, fused=fused) if fused > 1 else "splits the split dim unevenly"
+    if op == "getitem":
+        if len(ish) != r:
+            return "indexes the split dim"
+        return _Step(dim=d, cap=_const(osh[d]) or 0)
+    if op == "scaled_dot_product_attention":
+        for i in n.inputs:
+            sh = ctx.shape(i)
+            if i in state and state[i].dim != len(sh) - 3:
+                return "attends with the split dim not the head dim"
+            if i not in state and (i in n.inputs[:3] or sh is None or not _broadcasts(sh, r, r - 3)):
+                return f"attends with {i}, which is not split by heads"
+        return _Step(dim=r - 3, attention=True)
+    if op in _BATCHED_MM and not n.params:
+        od = None
+        for i in n.inputs:
+            sh = ctx.shape(i)
+            if i in state:
+                if state[i].dim >= len(sh) - 2:
+                    return "contracts or splits a matrix dim of the split tensor (no parameter to split)"
+                x = state[i].dim + r - len(sh)
+                if od is not None and x != od:
+                    return "multiplies tensors split on different dims"
+                od = x
+        for i in n.inputs:
+            sh = ctx.shape(i)
+            if i not in state and (sh is None or not _broadcasts(sh, r, od)):
+                return f"multiplies by {i}, which is not split but spans the split (batch) dim"
+        return _Step(dim=od, attention=True)
+    if op in ("softmax", "log_softmax", "_softmax"):
+        return "takes a softmax over the split dim" if d == len(ish) - 1 else _Step(dim=d)
+    if op in _NORMS:
+        nd = max((len(ctx.pshape[p]) for p in n.params), default=1)
+        return "normalises over the split features" if d >= len(ish) - nd else _Step(dim=d)
+    if op in _REDUCTIONS:
+        od = _drop_dim(ish, osh, d)
+        return _Step(dim=od) if isinstance(od, int) else "reduces over the split dim"
+    if op in _CROSS_ENTROPY:
+        if name == n.inputs[0] and len(split) == 1 and d == (1 if len(ish) >= 2 else 0):
+            return _Step(sink=True)
+        return "takes a cross entropy with the split dim not the class dim"
+    return f"is not known to act independently per split feature ({op})"
+
+
+def _step_with_params(ctx: _Context, n: OpNode, od: int) -> _Step | str:
+    r = len(n.output.shape)
+    for p in n.params:
+        if not _broadcasts(tuple(Poly.const(x) for x in ctx.pshape[p]), r, od):
+            return f"applies parameter {p} across the split dim"
+    return _Step(dim=od)
+
+
+class _Pass(NamedTuple):
+    state: dict[str, _Shard]
+    regions: list[_Region]  # roots only
+    vocab_embeddings: dict[str, str]  # embedding node -> its table
+    embedding_reasons: dict[str, str]  # why the others stay whole
+
+
+def _propagate(ctx: _Context, forbidden: dict[str, str], no_vocab: dict[str, str]) -> _Pass:
+    """One topological sweep: start a region at every allowed column candidate, follow it."""
+    state: dict[str, _Shard] = {}
+    regions: list[_Region] = []
+    parent: list[int] = []
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def merge(ids: set[int]) -> int:
+        root, *rest = sorted(ids)
+        for i in rest:
+            parent[i] = root
+            a, b = regions[root], regions[i]
+            for f in ("producers", "rows", "sinks", "nodes", "splits", "row_units"):
+                getattr(a, f).extend(getattr(b, f))
+            a.fused.update(b.fused)
+            a.attention |= b.attention
+            a.failure = a.failure or b.failure
+        return root
+
+    def fail(reg: _Region, n: OpNode, why: str) -> None:
+        if reg.failure is None:
+            reg.failure = f"its split output reaches {n.name} ({n.op}), which {why}"
+
+    vocab: dict[str, str] = {}
+    emb_reason: dict[str, str] = {}
+    for n in ctx.g.nodes:
+        split = [state[i] for i in n.inputs if i in state]
+        w = ctx.weighted.get(n.name)
+        if not split:
+            if w is not None and n.name not in forbidden:
+                regions.append(_Region(producers=[n.name], nodes=[n.name]))
+                parent.append(len(regions) - 1)
+                state[n.name] = _Shard(len(regions) - 1, len(n.output.shape) - 1,
+                                       ctx.pshape[w.weight][w.out_dim], frozenset({n.name}))
+            elif n.op == "embedding" and len(n.params) == 1:
+                why = no_vocab.get(n.name) or _embedding_reason(ctx, n)
+                if why:
+                    emb_reason[n.name] = why
+                else:
+                    vocab[n.name] = n.params[0]
+            continue
+        root = merge({find(s.region) for s in split})
+        reg = regions[root]
+        if w is not None:
+            s = state[w.act]
+            if s.dim != len(ctx.shape(w.act)) - 1:
+                fail(reg, n, "multiplies by a weight along a dim that is not split")
+            else:
+                reg.rows.append(n.name)
+                reg.row_units.append(s.units)
+                reg.nodes.append(n.name)
+            continue
+        if n.op in _NEW:
+            continue
+        step = _rule(ctx, n, state)
+        if isinstance(step, str):
+            fail(reg, n, step)
+            continue
+        if step.dim is None and not step.sink:
+            continue
+        reg.nodes.append(n.name)
+        if step.sink:
+            reg.sinks.append(n.name)
+            continue
+        units = reduce(math.gcd, (s.units for s in split))
+        units = math.gcd(units, step.cap) if step.cap else units
+        producers = frozenset().union(*(s.producers for s in split))
+        if step.head_split:
+            reg.splits.append((n.module_path or n.name, step.head_split))
+        if step.fused:
+            for p in producers:
+                reg.fused[p] = step.fused
+        reg.attention |= step.attention
+        state[n.name] = _Shard(root, step.dim, units, producers)
+
+    for name, s in state.items():
+        n = ctx.node[name]
+        if not ctx.consumers[name] and n.op != "getitem":
+            reg = regions[find(s.region)]
+            if reg.failure is None:
+                reg.failure = (f"its output reaches the model output at {name} with no matmul contracting over "
+                               f"it (a split output would have to be gathered)")
+    roots = [regions[i] for i in sorted({find(i) for i in range(len(regions))})]
+    for reg in roots:
+        if reg.failure is None and reg.rows and reg.sinks:
+            reg.failure = "its split output reaches both a row-parallel matmul and a cross entropy"
+        if reg.failure is None and not reg.rows and not reg.sinks:
+            reg.failure = "no matmul contracts over its split output (no row-parallel partner)"
+    return _Pass(state, roots, vocab, emb_reason)
+
+
+def _embedding_reason(ctx: _Context, n: OpNode) -> str:
+    """Why this embedding is not vocab-parallel ("" if it is)."""
+    rows, cols = (ctx.pshape[n.params[0]] + (0, 0))[:2]
+    src = n.inputs[0] if n.inputs else None
+    while src in ctx.node and ctx.node[src].op in _INDEX_PATH and ctx.node[src].inputs:
+        src = ctx.node[src].inputs[0]
+    if src is None or src in ctx.node:
+        return "embedding indexed by computed positions, not token ids: every rank needs every row"
+    if rows < cols:
+        return (f"embedding of {rows} rows < width {cols}: a vocab split would all-reduce b*s*{cols} values "
+                f"to save less than {cols}x{cols} parameters")
+    return ""
+
+
+# ---------------------------------------------------------------- the pass
+
+
+def find_splits(g: OpGraph) -> TensorSplits:
+    """Megatron column/row pairs, vocab-parallel embedding and head, everything else replicated.
+
+    Sweeps the graph once per round: every parameterised matmul with a
+    replicated input starts a column candidate, followed through shard-local
+    ops to the matmul that contracts over it. Candidates whose split meets an
+    op that is not shard-local (or a parameter needed two ways) are kept
+    whole and the sweep runs again, since their partners may now pair with
+    something else; a transformer settles in one round.
+    """
+    ctx = _Context.of(g)
+    forbidden: dict[str, str] = {}  # column candidates kept whole -> why
+    no_vocab: dict[str, str] = {}  # embeddings kept whole -> why
+    while True:
+        res = _propagate(ctx, forbidden, no_vocab)
+        uses = _uses(ctx, res, forbidden)
+        new = {p: reg.failure for reg in res.regions if reg.failure for p in reg.producers}
+        shared, new_vocab = _conflicts(ctx, res, uses)
+        new = {k: v for k, v in {**shared, **new}.items() if k not in forbidden}
+        new_vocab = {k: v for k, v in new_vocab.items() if k not in no_vocab}
+        if not new and not new_vocab:
+            break
+        forbidden.update(new)
+        no_vocab.update(new_vocab)
+    return TensorSplits(placements=tuple(_placement(ctx, p.name, uses.get(p.name, [])) for p in g.params),
+                        sharded_nodes=frozenset(x for reg in res.regions for x in reg.nodes),
+                        collectives=_collectives(ctx, res), divisors=_divisors(ctx, res),
+                        shard_dims=tuple(sorted((x, res.state[x].dim) for reg in res.regions for x in reg.nodes
+                                               if x in res.state)))
+
+
+def _conflicts(ctx: _Context, res: _Pass,
+               uses: dict[str, list[tuple[str, Placement]]]) -> tuple[dict[str, str], dict[str, str]]:
+    """Parameters read by nodes that need different splits of them: those uses go whole.
+    Returns (column candidates to give up, embeddings to keep whole), each with why."""
+    region_of = {x: reg for reg in res.regions for x in reg.producers + reg.rows}
+    forbid: dict[str, str] = {}
+    no_vocab: dict[str, str] = {}
+    for p, lst in uses.items():
+        specs = {(pl.spec, pl.fused) for _, pl in lst}
+        roles = {pl.role for _, pl in lst}
+        if len(specs) == 1 and (len(roles) == 1 or roles == {"vocab_embedding", "vocab_head"}):
+            continue
+        why = (f"parameter {p} is also read where it needs another split ("
+               + ", ".join(f"{ctx.label(node)}: {pl.spec}" for node, pl in lst) + "); kept whole in every use")
+        for node, pl in lst:
+            if pl.role == "vocab_embedding":
+                no_vocab[node] = why
+            elif node in region_of:
+                for a in region_of[node].producers:
+                    forbid.setdefault(a, why)
+    return forbid, no_vocab
+
+
+def _placement(ctx: _Context, param: str, lst: list[tuple[str, Placement]]) -> Placement:
+    if not lst:
+        return Placement(param=param, spec="R", role="replicated", reason="not read by the traced forward")
+    first = lst[0][1]
+    roles = {pl.role for _, pl in lst}
+    if roles == {"vocab_embedding", "vocab_head"}:
+        heads = ", ".join(dict.fromkeys(ctx.label(n) for n, pl in lst if pl.role == "vocab_head"))
+        return dataclasses.replace(first, reason=f"{first.reason}; tied with the vocab-parallel LM head "
+                                                 f"({heads}): one {first.spec} split serves both uses")
+    return first
+
+
+def _uses(ctx: _Context, res: _Pass, forbidden: dict[str, str]) -> dict[str, list[tuple[str, Placement]]]:
+    """What each node reading a parameter wants for it: param -> [(node, placement)]."""
+    col = {p: reg for reg in res.regions for p in reg.producers}
+    row = {b: reg for reg in res.regions for b in reg.rows}
+    out: dict[str, list[tuple[str, Placement]]] = {}
+    for n in ctx.g.nodes:
+        w = ctx.weighted.get(n.name)
+        for k, p in enumerate(n.params):
+            pl = _want(ctx, res, n, w, p, col.get(n.name), row.get(n.name), forbidden, k)
+            out.setdefault(p, []).append((n.name, pl))
+    return out
+
+
+def _want(ctx: _Context, res: _Pass, n: OpNode, w: _Weighted | None, p: str,
+          col: _Region | None, row: _Region | None, forbidden: dict[str, str], k: int) -> Placement:
+    if w is not None and col is not None and col.failure is None:
+        wspec, fused = f"S({w.out_dim})", col.fused.get(n.name, 1)
+        if col.sinks:
+            if p != w.weight:
+                return Placement(param=p, spec="S(0)", role="vocab_head",
+                                 reason="bias of the vocab-parallel LM head: split with the vocab")
+            return Placement(param=p, spec=wspec, role="vocab_head",
+                             reason="vocab-parallel LM head: logits split over the vocab into a parallel "
+                                    "cross entropy, never gathered")
+        if p != w.weight:
+            return Placement(param=p, spec="S(0)", role="column", fused=fused,
+                             reason="bias of a column-parallel linear: split with its output features")
+        partners = ", ".join(dict.fromkeys(ctx.label(b) for b in col.rows))
+        extra = (f"; its {fused} fused chunks (q, k, v) are reordered so each rank holds its own heads' "
+                 f"slice of each") if fused > 1 else ""
+        return Placement(param=p, spec=wspec, role="column", fused=fused,
+                         reason=f"column-parallel: output features split, shard-local up to row-parallel "
+                                f"{partners}{extra}")
+    if w is not None and row is not None and row.failure is None:
+        if p != w.weight:
+            return Placement(param=p, spec="R", role="replicated",
+                             reason="bias of a row-parallel linear: added after the all-reduce")
+        partners = ", ".join(dict.fromkeys(ctx.label(a) for a in row.producers))
+        return Placement(param=p, spec=f"S({1 - w.out_dim})", role="row",
+                         reason=f"row-parallel: contracts over the split features of {partners}; output "
+                                f"all-reduced in forward")
+    if n.name in res.vocab_embeddings:
+        return Placement(param=p, spec="S(0)", role="vocab_embedding",
+                         reason="vocab-parallel embedding: each rank looks up its vocab rows, output all-reduced")
+    return Placement(param=p, spec="R", role="replicated", reason=_replicated_reason(ctx, res, n, w, forbidden, k))
+
+
+def _replicated_reason(ctx: _Context, res: _Pass, n: OpNode, w: _Weighted | None, forbidden: dict[str, str],
+                       k: int) -> str:
+    """Why a parameter read (as the k-th parameter) by `n` stays whole."""
+    if n.name in res.embedding_reasons:
+        return res.embedding_reasons[n.name]
+    if w is not None:
+        return f"{ctx.label(n.name)} kept whole: {forbidden.get(n.name, 'not part of a column/row pair')}"
+    split_in = any(i in res.state for i in n.inputs)
+    if n.op in _NORMS or n.op in ("group_norm", "instance_norm"):
+        what = f"{n.op} {'weight' if k == 0 else 'bias'}"
+        return (f"{what}: normalises within each head, the same for every head" if split_in else
+                f"{what}: normalises over the full hidden dim")
+    if n.op in ("batch_norm", "native_batch_norm"):
+        return "batch norm: per-channel statistics of activations that are not tensor-split"
+    if "conv" in n.op:
+        return "convolution: Megatron splits matmuls; conv channels are kept whole (data-parallel)"
+    if n.op in _EW:
+        where = n.module_type or n.module_path or n.name
+        return (f"scale in {where} (elementwise {n.op}) on a {'split activation, broadcast along the split' if split_in else 'replicated activation'}: "
+                f"every rank applies it in full")
+    return f"read by {n.op} ({n.name}), which is not split"
+
+
+# ---------------------------------------------------------------- collectives and divisors
+
+# The parallel cross entropy all-reduces three fp32 numbers per token (Megatron's
+# vocab_parallel_cross_entropy: the max logit, the sum of exp, the target logit).
+_CE_STATS = ("max logit per token", "sum of exp per token", "target logit per token")
+_CE_STAT_BYTES = 4  # fp32
+
+
+def _nbytes(n: OpNode) -> Poly:
+    return _prod(n.output.shape) * n.output.itemsize
+
+
+def _collectives(ctx: _Context, res: _Pass) -> tuple[TPCollective, ...]:
+    """Megatron's f (identity forward, all-reduce backward) before each region's column matmuls
+    and on each replicated parameter used inside the region, g (all-reduce forward) after each row
+    matmul; the vocab embedding's and head's."""
+    out: list[tuple[int, TPCollective]] = []
+    pos = {n.name: i for i, n in enumerate(ctx.g.nodes)}
+    pbytes = {p.name: p.nbytes for p in ctx.g.params}
+    from_params = _parameter_values(ctx)
+    for reg in res.regions:
+        seen: set[str] = set()
+        for a in reg.producers:
+            act = ctx.weighted[a].act
+            if act in seen or act not in ctx.node or not ctx.node[act].requires_grad:
+                continue  # one f per distinct input; none for data that needs no gradient
+            seen.add(act)
+            out.append((pos[a], TPCollective(node=a, phase="backward", kind="all_reduce",
+                                             bytes=_nbytes(ctx.node[act]), what="column input gradient (f)")))
+        for x in reg.nodes:  # replicated parameters applied to split activations: their gradient is summed
+            if x in reg.producers or x in reg.rows:
+                continue
+            derived = [p for i in ctx.node[x].inputs if i not in res.state for p in from_params.get(i, ())]
+            for p in dict.fromkeys([*ctx.node[x].params, *derived]):
+                out.append((pos[x], TPCollective(node=x, phase="backward", kind="all_reduce",
+                                                 bytes=Poly.const(pbytes[p]),
+                                                 what=f"gradient of replicated {p} on split activations (f)")))
+        for b in reg.rows:
+            out.append((pos[b], TPCollective(node=b, phase="forward", kind="all_reduce",
+                                             bytes=_nbytes(ctx.node[b]), what="row-parallel output (g)")))
+        for c in reg.sinks:
+            logits = ctx.shape(ctx.node[c].inputs[0])
+            tokens = _prod(x for i, x in enumerate(logits) if i != (1 if len(logits) >= 2 else 0))
+            for what in _CE_STATS:
+                out.append((pos[c], TPCollective(node=c, phase="forward", kind="all_reduce",
+                                                 bytes=tokens * _CE_STAT_BYTES, what=f"cross entropy: {what}")))
+    for e in res.vocab_embeddings:
+        out.append((pos[e], TPCollective(node=e, phase="forward", kind="all_reduce", bytes=_nbytes(ctx.node[e]),
+                                         what="vocab-parallel embedding output")))
+    return tuple(c for _, c in sorted(out, key=lambda x: x[0]))
+
+
+def _parameter_values(ctx: _Context) -> dict[str, tuple[str, ...]]:
+    """Nodes computed from parameters alone (Gemma's `1 + weight`), each with those parameters."""
+    out: dict[str, tuple[str, ...]] = {}
+    for n in ctx.g.nodes:  # topological order
+        if n.op in _NEW or not (n.params or n.inputs) or any(i not in out for i in n.inputs):
+            continue
+        out[n.name] = tuple(dict.fromkeys([*n.params, *(p for i in n.inputs for p in out[i])]))
+    return out
+
+
+def _divisors(ctx: _Context, res: _Pass) -> tuple[tuple[str, int], ...]:
+    """What tp must divide: per region its heads (and smaller kv head counts) or its ffn width; each vocab."""
+    out: dict[str, int] = {}
+    for reg in res.regions:
+        if reg.sinks:
+            for a in reg.producers:
+                w = ctx.weighted[a]
+                out[f"vocab of {w.weight}"] = ctx.pshape[w.weight][w.out_dim]
+            continue
+        by_module: dict[str, set[int]] = {}
+        for mod, k in reg.splits:
+            by_module.setdefault(mod, set()).add(k)
+        for mod, ks in by_module.items():
+            kind = "heads" if reg.attention else "groups"
+            for k in sorted(ks, reverse=True):
+                out[f"{kind if k == max(ks) else 'kv ' + kind} of {mod}"] = k
+        if not by_module:
+            label = ctx.label(reg.rows[0])
+            out[f"ffn of {label.rsplit('.', 1)[0]}"] = reduce(math.gcd, reg.row_units)
+    for p in res.vocab_embeddings.values():
+        out[f"vocab of {p}"] = ctx.pshape[p][0]
+    return tuple(out.items())
