@@ -12,10 +12,10 @@ Rows:
            2 (p-1)/p), and the ratio against fp32; the reduction's wall time (median of 5) beside it.
   nodes    the same step with the ranks as 2 "nodes" (world 4 only), reduced hierarchically: fp32 inside a
            node, each compressor across; bytes each rank sends over the inter-node groups, ratio vs fp32.
-  kernel   runtime.quantize's torch path on one fp32 tensor of `--numel` elements (block 256): GB/s of fp32
+  kernel   runtime.compression.quantize's torch path on one fp32 tensor of `--numel` elements (block 256): GB/s of fp32
            input for quantize (with and without error feedback) and dequantize, best of 5.
 
-  gpu      only where CUDA is available: `runtime.quantize_triton`'s kernels (int8, with error feedback, and
+  gpu      only where CUDA is available: `runtime.compression.quantize_triton`'s kernels (int8, with error feedback, and
            dequantize) from 4 KB to 512 MB of fp32, bytes each moves per second as a fraction of the device's
            datasheet HBM bandwidth (goal >= 80 % at >= 100 MB), and the launch floor (a 1K-element call).
            `--write-calibration PATH` saves `Calibration.for_device(...)` with those two figures as
@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ and the packages, from anywhere
 
-from runtime.collectives import Collectives  # after the path insert
+from runtime.comm.collectives import Collectives  # after the path insert
 
 MODES = ("none", "bf16", "int8", "int4", "powersgd")
 HIER = (("none", "bf16"), ("none", "int8"), ("none", "int4"), ("none", "powersgd"))
@@ -74,8 +74,8 @@ def _step(engine, coll, rank: int) -> float:
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     from examples.training import gpt_small_seeded
-    from runtime.data_parallel import DataParallel
-    from runtime.groups import make_node_groups
+    from runtime.engines.data_parallel import DataParallel
+    from runtime.comm.groups import make_node_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
@@ -134,7 +134,7 @@ class _CrossCounter(Collectives):
 
 
 def kernel_rows(numel: int) -> list[str]:
-    from runtime.quantize import dequantize, quantize
+    from runtime.compression.quantize import dequantize, quantize
 
     x = torch.randn(numel)
     r = torch.zeros(numel)
@@ -162,7 +162,7 @@ def gpu_rows(write: str | None) -> list[str]:
         return ["gpu       none here: Triton kernel throughput is measured on a CUDA device"]
     from cost_models.calibration import Calibration
     from cost_models.devices import get_device
-    from runtime.quantize_triton import dequantize_triton, quantize_triton
+    from runtime.compression.quantize_triton import dequantize_triton, quantize_triton
 
     name = torch.cuda.get_device_name()
     spec = get_device(name.replace("NVIDIA ", "").split()[0].split("-")[0])  # "NVIDIA H100 80GB HBM3" -> H100

@@ -259,7 +259,7 @@ def _torch_tp(row: Row, rank: int, batches: list):
 
 
 def _torch_worker(row: Row, rank: int, tmpdir: str, stage_blocks: list, same_work: bool) -> None:
-    """One rank of the torch baseline; mirrors runtime.launch._worker (threads, store, timeout, batches, timing)."""
+    """One rank of the torch baseline; mirrors runtime.launch.local._worker (threads, store, timeout, batches, timing)."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -307,7 +307,7 @@ def run_compiled(row: Row, plan, batches: list) -> dict:
         hf_llama_seeded,
         hf_loss,
     )
-    from runtime.launch import launch_local
+    from runtime.launch.local import launch_local
 
     model_fn, loss_fn = (gpt_small_seeded, gpt_loss) if row.pp > 1 else (hf_llama_seeded, hf_loss)
     out = launch_local(plan, model_fn, adamw, loss_fn, batches, timeout_s=TIMEOUT_S)

@@ -83,7 +83,7 @@ def _optimizer_class_and_kwargs():
 
 
 def _torch_worker(strategy: str, world: int, rank: int, tmpdir: str, loss_allreduce: bool) -> None:
-    """One rank of the torch baseline; mirrors runtime.launch._worker (threads, store, timeout, batches, timing)."""
+    """One rank of the torch baseline; mirrors runtime.launch.local._worker (threads, store, timeout, batches, timing)."""
     rank_main(rank, world, tmpdir, TIMEOUT_S,
               lambda rank, batches: _torch_train(strategy, world, rank, batches, loss_allreduce))
 
@@ -159,7 +159,7 @@ def make_plan(graph, world: int, zero_stage: int):
 
 def run_compiled(plan, batches: list) -> dict:
     from examples.training import adamw, gpt_loss, gpt_small_seeded
-    from runtime.launch import launch_local
+    from runtime.launch.local import launch_local
 
     out = launch_local(plan, gpt_small_seeded, adamw, gpt_loss, batches, timeout_s=TIMEOUT_S)
     return {"losses": list(out.losses), "step_times_s": list(out.step_times_s),

@@ -1,7 +1,7 @@
 """The torch-baseline side of the runtime benchmarks: spawn ranks as launch_local does, collect their figures.
 
 `bench/runtime_dp.py` and `bench/runtime_3d.py` give the torch baselines the
-same treatment as the compiled programs' workers (`runtime.launch`): spawned
+same treatment as the compiled programs' workers (`runtime.launch.local`): spawned
 processes, one thread each, Gloo over a FileStore in a temp dir with the same
 timeout, the global batches loaded from a file. A worker calls
 `rank_main(rank, world, tmpdir, timeout_s, body)`, where `body(rank,
@@ -58,7 +58,7 @@ def spawn(label: str, world: int, target: Callable, args: Callable[[int, str], S
     import torch
     import torch.multiprocessing as mp
 
-    from runtime.launch import stop_processes
+    from runtime.launch.local import stop_processes
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-torch-ranks-"))
     procs = []

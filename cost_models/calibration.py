@@ -57,7 +57,7 @@ _FRACTIONS = (  # fields that are a fraction in (0, 1]
 
 # Per device preset: the fields whose literature default does not hold there.
 _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    # The CPU runtime quantizes with the torch reference (runtime.quantize), not a fused kernel:
+    # The CPU runtime quantizes with the torch reference (runtime.compression.quantize), not a fused kernel:
     # ~1.7 GB/s of fp32 per pass measured on this project's machine, of its 20 GB/s "HBM" (devices.py).
     "CPU": {"compress_mem_eff": 0.085},  # 1.7e9 / 20e9
 }

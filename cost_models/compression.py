@@ -4,7 +4,7 @@ A compressor applies per link level ("intra_node", "inter_node") to the
 data-parallel gradient reduction: the all-reduce of DDP and ZeRO-1, the
 reduce-scatter of ZeRO-2/3 (and, at ZeRO-3 with int8/int4, the parameter
 all-gathers). The runtime reduces gradients in fp32 under every precision
-(`runtime.mixed_precision`: reduce_dtype = fp32), so that is the baseline:
+(`runtime.engines.mixed_precision`: reduce_dtype = fp32), so that is the baseline:
 
     compressor  bytes per gradient element on the wire (w)   how it reduces
     none        4                                         ring/tree/hierarchical all-reduce of fp32
@@ -13,7 +13,7 @@ all-gathers). The runtime reduces gradients in fp32 under every precision
     int4        1/2 + 4/256                               dequantize+sum+requantize, all-gather
     powersgd    4 f, f = LowRank.fraction (powersgd.py)   rank-4 factors P, Q: two fp32 all-reduces
 
-int8/int4 are `runtime.compressed_reduce` (blockwise absmax, one fp32 scale
+int8/int4 are `runtime.compression.compressed_reduce` (blockwise absmax, one fp32 scale
 per block of 256): each rank sends (p-1)/p n w in the all-to-all and again in
 the all-gather, 2 (p-1)/p n w in all, the bandwidth term of a ring all-reduce
 of n w bytes; its latency terms are those of a ring too ((p-1) alpha per phase).
@@ -64,7 +64,7 @@ passes = 3 for an all-reduce (quantize on the sender, dequantize at the
 owner and after the gather), 2 for a reduce-scatter (no gather); a
 quantized parameter gather moves (n/p)(4 + 1) bytes to quantize the fp32
 master shard and n (1 + a) to dequantize the gathered buffer, a = compute
-dtype bytes (`runtime.quantized_gather`).
+dtype bytes (`runtime.compression.quantized_gather`).
 PowerSGD's matrix work is `powersgd.powersgd_kernel_time`. The constants live
 in `Calibration`.
 
@@ -106,13 +106,13 @@ Compressor = Literal["none", "bf16", "int8", "int4", "powersgd"]
 Level = Literal["intra_node", "inter_node"]
 
 COMPRESSORS: tuple[str, ...] = ("none", "bf16", "int8", "int4", "powersgd")
-IMPLEMENTED: tuple[str, ...] = COMPRESSORS  # what runtime.data_parallel runs
+IMPLEMENTED: tuple[str, ...] = COMPRESSORS  # what runtime.engines.data_parallel runs
 # What the search tries, least lossy first: on equal predicted time the less lossy one wins.
 SEARCHED: tuple[str, ...] = ("none", "bf16", "int8", "int4", "powersgd")
 LEVELS: tuple[str, ...] = (LinkLevel.INTRA_NODE.value, LinkLevel.INTER_NODE.value)
 
-REDUCE_BYTES = 4  # gradients are reduced in fp32 (runtime.mixed_precision.Precision.reduce_dtype)
-QUANT_BLOCK = 256  # elements per fp32 absmax scale (runtime.compressed_reduce.CompressedReduce.block)
+REDUCE_BYTES = 4  # gradients are reduced in fp32 (runtime.engines.mixed_precision.Precision.reduce_dtype)
+QUANT_BLOCK = 256  # elements per fp32 absmax scale (runtime.compression.compressed_reduce.CompressedReduce.block)
 _SCALE_BYTES = 4
 _CODE_BYTES = {"int8": 1.0, "int4": 0.5}
 GATHER_CODE_BYTES = 1 + _SCALE_BYTES / QUANT_BLOCK  # ZeRO-3 int8/int4: parameters gathered as int8 codes

@@ -1,8 +1,8 @@
 """What a compressed gradient reduction holds in memory: its error feedback between steps, its working set while it runs.
 
 Per fp32 byte of the gradient one reduction takes (a DDP/ZeRO-1/ZeRO-2 bucket, a
-ZeRO-3 unit), the buffers `runtime.grad_compression` allocates, counted as the
-memory probe counts them (`runtime.memory_probe`, tests/test_compression_memory.py):
+ZeRO-3 unit), the buffers `runtime.compression.grad_compression` allocates, counted as the
+memory probe counts them (`runtime.launch.memory_probe`, tests/test_compression_memory.py):
 
 =========  =====================  =====================================================================
 compressor  held between steps     working set of one reduction, on top of the bucket itself
@@ -75,7 +75,7 @@ def reduction_memory(compression: tuple[str, str], *, zero_stage: int, dp: int,
         return ReductionMemory()
     intra, inter = compression
     if zero_stage >= 2:
-        c = group_compressor(compression)  # one compressor over the whole group (runtime.grad_compression)
+        c = group_compressor(compression)  # one compressor over the whole group (runtime.compression.grad_compression)
         return ReductionMemory(held=1.0 if c in _BITS else 0.0, working=_REDUCE_SCATTER_WORKING[c])
     if nodes <= 1 or intra == inter and intra in ("none", "powersgd"):
         c = group_compressor(compression)

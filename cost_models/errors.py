@@ -13,10 +13,10 @@ The families, each a subclass of `PartitionerError`, so
   (and `PlanInfeasibleError`, partitioner.compile: nothing fits in memory).
 - `PlanFormatError` (partitioner.planner.plan_json): a plan file that is not a plan.
 - `PlanMismatchError` (partitioner.planner.plan): a plan for another model or topology.
-- `LaunchError` (runtime.env): a job that cannot start as launched (launcher
+- `LaunchError` (runtime.launch.env): a job that cannot start as launched (launcher
   variables, world size, program hash, rendezvous address).
-- `ModelMismatchError` (runtime.step): a model whose parameters are not the plan's.
-- `CheckpointError` (runtime.checkpoint): a checkpoint or manifest that cannot be read back.
+- `ModelMismatchError` (runtime.engines.step): a model whose parameters are not the plan's.
+- `CheckpointError` (runtime.checkpoint.files): a checkpoint or manifest that cannot be read back.
 
 The runtime's classes live in `runtime` and subclass this one: `cost_models`
 imports nothing of the project, so importing it from `runtime` keeps the

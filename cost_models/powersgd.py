@@ -30,7 +30,7 @@ E and P = M Q read G and E and write M, Q = M^T P reads M, the residual reads
 M and writes E: the runtime's fused prologue, product and epilogue), fp32
 products (torch's default: no TF32 for matmul) streaming like torch's own
 kernels, hence `mem_eff` rather than the quantizer's `compress_mem_eff`.
-`runtime.powersgd` stacks the matrices of one bucket by shape and works on
+`runtime.compression.powersgd` stacks the matrices of one bucket by shape and works on
 each stack batched, so launches go per (bucket, shape): at most one per
 matrix, and about one per bucket of DDP_BUCKET_BYTES when a bucket holds one
 shape (big matrices fill buckets alone; a small model's blocks repeat a few
@@ -59,7 +59,7 @@ __all__ = ["POWERSGD_RANK", "LowRank", "compressible", "low_rank", "powersgd_ker
 POWERSGD_RANK = 4  # runtime default rank (Vogels et al. use 1-4 for their language models)
 _FP32 = 4
 _PASSES = 6  # passes of the fp32 matrix through memory (module docstring)
-# Kernels per batch of same-shape matrices in runtime.powersgd: the fused prologue (M = G + E, P = M Q), two
+# Kernels per batch of same-shape matrices in runtime.compression.powersgd: the fused prologue (M = G + E, P = M Q), two
 # batched QRs (orthonormalise Q, then P; a few kernels each), Q = M^T P, the fused epilogue (approx, residual),
 # the copies into and out of the bucket.
 _LAUNCHES_PER_BATCH = 10

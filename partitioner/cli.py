@@ -37,7 +37,7 @@ from typing import Any
 
 from cost_models.errors import DeclarationError, PartitionerError
 from partitioner.compile import PlanInfeasibleError
-from runtime.env import (
+from runtime.launch.env import (
     ALLOW_EXTERNAL_BIND,
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
@@ -151,7 +151,7 @@ def _verify(args: argparse.Namespace, plan: Any, model: Any, inputs: tuple[Any, 
     import torch
 
     from partitioner.loading import load_module
-    from runtime.verify import MAX_VERIFY_ELEMENTS, num_parameters
+    from runtime.verify.check import MAX_VERIFY_ELEMENTS, num_parameters
 
     if not any(p.is_meta for p in model.parameters()):
         return plan.verify(lambda: copy.deepcopy(model), inputs)
@@ -241,7 +241,7 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
     import torch
 
     from partitioner.loading import load_module
-    from runtime.launch import check_model, check_sendable, launch_local
+    from runtime.launch.local import check_model, check_sendable, launch_local
     from runtime.run import default_loss, default_optimizer, load_callable
 
     # Imports FILE.py as the module of its package (examples/gpt.py -> examples.gpt), which load_callable
@@ -313,13 +313,13 @@ def _print_command(args: argparse.Namespace, plan: Any, topo: Any, spec: str) ->
             tail += [f"--{flag}", getattr(args, flag)]
     tail = shlex.join(tail)
     srun = f"srun --nodes {topo.nodes} --ntasks-per-node {topo.devices_per_node} python {tail}"
-    if topo.nodes == 1:  # the rendezvous stays on this machine: loopback, said explicitly (runtime.env)
+    if topo.nodes == 1:  # the rendezvous stays on this machine: loopback, said explicitly (runtime.launch.env)
         torchrun = f"torchrun --nproc-per-node {topo.devices_per_node} {_LOOPBACK} {tail}"
     else:  # the $VARs are left for the shell on each node to expand
         torchrun = (f"torchrun --nnodes {topo.nodes} --nproc-per-node {topo.devices_per_node} --node-rank $NODE_RANK "
                     f"--master-addr $MASTER_ADDR --master-port {DEFAULT_MASTER_PORT} {tail}")
         # rank 0 hosts the rendezvous on the first node's address, reachable from the others: the explicit
-        # opt-in runtime.rendezvous requires to listen beyond loopback (srun passes the environment on)
+        # opt-in runtime.launch.rendezvous requires to listen beyond loopback (srun passes the environment on)
         srun = f"{ALLOW_EXTERNAL_BIND}=1 {srun}"
     if args.json:
         _emit(args, {"plan": args.plan, "model": spec, "topology": str(topo), "world_size": plan.world_size,
@@ -552,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _reshard(args: argparse.Namespace) -> int:
     from partitioner.planner.plan import Plan
-    from runtime.checkpoint import read_manifest, reshard
+    from runtime.checkpoint.files import read_manifest, reshard
 
     plan = Plan.load(args.to)
     t0 = time.perf_counter()

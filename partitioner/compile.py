@@ -108,7 +108,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     zero_stage >= 2. `compression_warmup` steps first run uncompressed (PowerSGD
     with Adam needs some: tests/test_compression_convergence.py).
 
-    `async_sgd` trains the data-parallel replicas asynchronously (runtime.async_sgd):
+    `async_sgd` trains the data-parallel replicas asynchronously (runtime.engines.async_sgd):
     dict(every=k) is local SGD, each replica steps on its own gradients and the
     parameters are averaged after every k-th step; dict(staleness=s) averages
     every step's update asynchronously and applies it s steps later. It changes

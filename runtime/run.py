@@ -5,7 +5,7 @@
     mpirun -np 8 -x MASTER_ADDR -x PARTITIONER_ALLOW_EXTERNAL_BIND=1 python -m runtime.run out/plan.json --model pkg.models:gpt --data pkg.data:batch
     PARTITIONER_ALLOW_EXTERNAL_BIND=1 srun --ntasks 16 python -m runtime.run out/plan.json --model pkg.models:gpt --data pkg.data:batch
 
-Each rank finds its place with `runtime.env.discover()`, runs `rank_{r}.py`
+Each rank finds its place with `runtime.launch.env.discover()`, runs `rank_{r}.py`
 from the plan's directory (or --programs), and trains `--steps` steps on the
 global batches `--data` returns: `fn(step, rank, world_size) -> (inputs,
 targets)`, the same global batch on every rank (the program slices its own).
@@ -14,7 +14,7 @@ Without --data, batches come from the model module's
 model (for small models). Rank 0 prints `step 1/10 loss 2.302585 (0.215 s)`.
 
 Checkpoints: `--save-dir D --save-every K` writes a sharded checkpoint
-(runtime.checkpoint) into D after every K-th step; `--resume-from C` loads C
+(runtime.checkpoint.files) into D after every K-th step; `--resume-from C` loads C
 (a checkpoint or a save directory's newest, written under any plan of the
 model) and continues at its step; `--resume-from auto` does so when D holds a
 checkpoint and starts fresh otherwise: the line to give torchrun
@@ -25,12 +25,12 @@ step K (0-based) under the memory probe, `--memory-limit-bytes B` makes that
 step raise torch.OutOfMemoryError past B bytes (as launch_local does), and
 `--report DIR` has each rank keep DIR/rank_R.json up to date with its step
 times, losses, the probed step's peak and the error it stopped with
-(runtime/measure.py).
+(runtime/launch/measure.py).
 
 Verification: on a first start (and on a resume from a checkpoint that other
 programs wrote, as after an elastic restart under a new plan), rank 0 runs replica 0's
 programs' model code against the module in its own process before step 1
-(runtime.verify: no process group, tensor slices as threads) and stops with
+(runtime.verify.check: no process group, tensor slices as threads) and stops with
 the place they differ; the other ranks wait for it. Skipped for models over
 2e8 parameter elements and with --no-verify.
 
@@ -59,18 +59,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.checkpoint import (
+from runtime.checkpoint.files import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
-from runtime.env import DistEnv, LaunchError, backend, discover
-from runtime.heartbeat import Heartbeat, PeerLost
-from runtime.measure import RankReporter, measure_step
-from runtime.program_check import check_same_program
-from runtime.rendezvous import rendezvous_store
-from runtime.verify import VerifyError
+from runtime.launch.env import DistEnv, LaunchError, backend, discover
+from runtime.launch.heartbeat import Heartbeat, PeerLost
+from runtime.launch.measure import RankReporter, measure_step
+from runtime.launch.program_check import check_same_program
+from runtime.launch.rendezvous import rendezvous_store
+from runtime.verify.check import VerifyError
 
 __all__ = ["main", "load_callable", "default_loss", "default_optimizer"]
 
@@ -193,12 +193,12 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
 
 def _verify_first_start(plan: dict[str, Any], programs: Path, env: DistEnv, model_fn: Callable, loss_fn: Callable,
                         data_fn: Callable, heartbeat: Heartbeat) -> None:
-    """Rank 0 runs replica 0's programs' model code against the module in its own process (runtime.verify) on
+    """Rank 0 runs replica 0's programs' model code against the module in its own process (runtime.verify.check) on
     the first microbatch of step 1's batch, before anything trains; the other ranks wait for it. A mismatch
     stops rank 0 with VerifyError, and the others with PeerLost naming it."""
     import torch.distributed as dist
 
-    from runtime.verify import first_microbatch, verify_plan, verify_skip_reason
+    from runtime.verify.check import first_microbatch, verify_plan, verify_skip_reason
 
     why = verify_skip_reason(plan)  # the same on every rank: all skip the barrier, or none
     if why:
@@ -222,8 +222,8 @@ def _verify_first_start(plan: dict[str, Any], programs: Path, env: DistEnv, mode
 def _written_by(resume: Path | None, program: Path) -> bool:
     """Resuming from a checkpoint these very programs wrote: they were verified when that run first started.
     A restart under another plan (partitioner.elastic on fewer ranks) runs new programs and verifies them."""
-    from runtime.checkpoint import read_manifest
-    from runtime.verify import program_hash
+    from runtime.checkpoint.files import read_manifest
+    from runtime.verify.check import program_hash
 
     if resume is None:
         return False
@@ -338,7 +338,7 @@ def _init(env: DistEnv, timeout: timedelta) -> None:
     name = backend()
     if name == "nccl":
         torch.cuda.set_device(env.local_rank)
-    # not init_method="tcp://...": rank 0's store would listen on every interface (runtime.rendezvous);
+    # not init_method="tcp://...": rank 0's store would listen on every interface (runtime.launch.rendezvous);
     # under torchrun every rank joins the agent's store, as tcp:// did (TORCHELASTIC_USE_AGENT_STORE)
     dist.init_process_group(name, store=rendezvous_store(env, timeout), rank=env.rank, world_size=env.world_size,
                             timeout=timeout)
@@ -373,15 +373,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-from", help="a checkpoint (or save dir) to continue from; 'auto': --save-dir's newest, "
                                          "if any (for torchrun --max-restarts)")
     p.add_argument("--probe-step", type=int, metavar="K",
-                   help="run step K (0-based) under runtime.memory_probe and report its peak bytes (--report)")
+                   help="run step K (0-based) under runtime.launch.memory_probe and report its peak bytes (--report)")
     p.add_argument("--memory-limit-bytes", type=float, metavar="B",
                    help="in the probed step, raise torch.OutOfMemoryError past B bytes, as a device of B bytes would")
     p.add_argument("--no-verify", action="store_true",
                    help="skip checking the programs' model code against the module on rank 0 before step 1 "
-                        "(runtime.verify; done by default on a first start, for models up to 2e8 parameters)")
+                        "(runtime.verify.check; done by default on a first start, for models up to 2e8 parameters)")
     p.add_argument("--report", metavar="DIR",
                    help="each rank keeps DIR/rank_R.json up to date: status, step times, losses, the probed "
-                        "step's peak bytes, the error it stopped with (runtime/measure.py)")
+                        "step's peak bytes, the error it stopped with (runtime/launch/measure.py)")
     return p
 
 

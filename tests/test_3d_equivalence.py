@@ -135,7 +135,7 @@ def test_trains_like_one_process(name, pp, dp, tp, schedule, interleave, zero, o
     ("gpt", 2, 1, 2, 0, "selective"), ("gpt", 2, 1, 2, 0, "full"), ("hf", 2, 2, 1, 3, "selective"),
     ("llama", 1, 1, 2, 0, "selective")])
 def test_recomputing_stages_train_like_one_process(name, pp, dp, tp, zero, recompute, on):
-    """runtime.recompute inside pipeline and tensor-parallel stages: selective re-runs the ops it does not keep,
+    """runtime.engines.recompute inside pipeline and tensor-parallel stages: selective re-runs the ops it does not keep,
     tensor-parallel collectives included; full the whole block."""
     plan = plan_for(name, pp=pp, dp=dp, tp=tp, zero=zero, recompute=recompute, on=on)
     assert plan.config.recompute == recompute

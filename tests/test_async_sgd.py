@@ -24,7 +24,7 @@ from examples.mlp import MLP
 from examples.training import adamw
 from partitioner import OpGraph, Plan, compile, trace
 from partitioner.planner.declarations import async_sgd_pin
-from runtime.launch import launch_local
+from runtime.launch.local import launch_local
 
 IN, HIDDEN, OUT = 8, 32, 4
 # the regression target y = A x + noise: A fixed, noise std 0.1 (the best achievable mean squared error is 0.01)
@@ -179,7 +179,7 @@ def test_the_program_builds_the_async_runner_and_its_hash_tracks_the_field(meta_
                     async_sgd={"every": 4})
     assert local.config == sync.config and local.program(0).program_hash != sync.program(0).program_hash
     src = local.program(3).source
-    assert "from runtime.async_sgd import AsyncSGDRunner" in src and "DataParallel" not in src
+    assert "from runtime.engines.async_sgd import AsyncSGDRunner" in src and "DataParallel" not in src
     assert "ASYNC_SGD = {'every': 4}" in src and "dp_rank=3" in src
     assert "# Local SGD (every=4): each replica steps its optimizer on its own gradients" in src
     assert callable(local.program(3).namespace()["build"])
@@ -220,7 +220,7 @@ def _init(rank: int, world: int, store_path: str) -> None:
 
 
 def _build(plan: Plan, rank: int, optimizer_fn=sgd):
-    """The runner rank's generated program builds, as runtime.launch's worker does."""
+    """The runner rank's generated program builds, as runtime.launch.local's worker does."""
     torch.manual_seed(0)
     return plan.program(rank).namespace()["build"](regression_mlp, optimizer_fn, mse)
 
@@ -310,7 +310,7 @@ def _oracle_worker(rank: int, world: int, store_path: str, out_dir: str) -> None
         runner.sync_now()
         out["stale_synced"] = _params(runner.engine.module)
         out["stale_full_after"] = runner.full_state_dict()
-        with torch.no_grad():  # as runtime.checkpoint's load does: other parameters, then after_load()
+        with torch.no_grad():  # as runtime.checkpoint.files's load does: other parameters, then after_load()
             for q in runner.engine.module.parameters():
                 q.add_(1.0)
         runner.after_load()
@@ -424,7 +424,7 @@ def test_a_checkpoint_resumes_every_replica_exactly_and_saving_changes_nothing(t
     parameters, moments and averaging state: the last 3 steps end bit for bit where the uninterrupted run does.
     Another plan loads the replicas' common model (their mean, or the agreed parameters plus the updates in
     flight)."""
-    from runtime.checkpoint import load_full_state_dict
+    from runtime.checkpoint.files import load_full_state_dict
 
     plan, batches = regression_plan(2, mode, zero_stage=0), regression_batches(7, 32)
     plain = launch_local(plan, regression_mlp, adamw, mse, batches, timeout_s=90)

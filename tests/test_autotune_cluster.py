@@ -33,9 +33,9 @@ from partitioner import autotune
 from partitioner.tune.autotune import AutotuneFailed
 from partitioner.tune.cluster import cluster_launcher
 from partitioner.tune.db import TrialStore
-from runtime.cluster import Srun, Torchrun, launch_cluster, run_args
-from runtime.env import LaunchError
-from runtime.launch import launch_local
+from runtime.launch.cluster import Srun, Torchrun, launch_cluster, run_args
+from runtime.launch.env import LaunchError
+from runtime.launch.local import launch_local
 from runtime.run import default_loss, default_optimizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -184,9 +184,9 @@ def test_torchrun_command_line_on_one_and_several_nodes():
     import doctest
 
     import partitioner.tune.cluster
-    import runtime.cluster
+    import runtime.launch.cluster
 
-    assert doctest.testmod(runtime.cluster).failed == 0 and doctest.testmod(partitioner.tune.cluster).failed == 0
+    assert doctest.testmod(runtime.launch.cluster).failed == 0 and doctest.testmod(partitioner.tune.cluster).failed == 0
     run = run_args("t/plan.json", model="m.py:f", steps=3, report="t/r")
     one = cluster_launcher("torchrun", Topology.parse("local:4"), {})
     argv = one.argv(run, run_id="trial-1", endpoint="127.0.0.1:29411")

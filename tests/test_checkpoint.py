@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from examples.training import adamw
 from runtime import launch_local
-from runtime.checkpoint import (
+from runtime.checkpoint.files import (
     CheckpointError,
     latest_checkpoint,
     load_full_checkpoint,
@@ -38,9 +38,9 @@ from runtime.checkpoint import (
     reshard,
     verify_checkpoint,
 )
-from runtime.checkpoint_layout import local_to_full, range_boxes
-from runtime.env import LaunchError
-from runtime.tensor_parallel import shard_parameter
+from runtime.checkpoint.layout import local_to_full, range_boxes
+from runtime.launch.env import LaunchError
+from runtime.pipeline.tensor_parallel import shard_parameter
 from test_3d_equivalence import MODELS, batches, plan_for, reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +146,7 @@ def _resave_worker(rank, world, store, out_dir):
     import torch.distributed as dist
 
     from partitioner.planner.plan import Plan
-    from runtime.checkpoint import load_checkpoint, save_checkpoint
+    from runtime.checkpoint.files import load_checkpoint, save_checkpoint
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))

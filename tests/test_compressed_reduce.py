@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.collectives import Collectives
-from runtime.compressed_reduce import CompressedReduce
+from runtime.comm.collectives import Collectives
+from runtime.compression.compressed_reduce import CompressedReduce
 
 pytestmark = pytest.mark.slow
 

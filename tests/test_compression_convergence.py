@@ -24,9 +24,9 @@ import torch.multiprocessing as mp
 
 from examples.training import adamw as _adamw_default
 from examples.training import gpt_loss, gpt_tiny_seeded
-from runtime.collectives import Collectives
-from runtime.compressed_reduce import CompressedReduce
-from runtime.data_parallel import DataParallel
+from runtime.comm.collectives import Collectives
+from runtime.compression.compressed_reduce import CompressedReduce
+from runtime.engines.data_parallel import DataParallel
 
 pytestmark = pytest.mark.slow
 

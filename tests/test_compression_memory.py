@@ -1,7 +1,7 @@
 """What a compressed gradient reduction holds, measured on 4 real Gloo ranks against cost_models.compression_memory.
 
 Every rank reduces a bucket of real gradient shapes (the example GPT's) with
-`runtime.grad_compression.GradientReducer` three times, under the memory
+`runtime.compression.grad_compression.GradientReducer` three times, under the memory
 probe: what the reducer keeps between steps (its state: residuals, PowerSGD's
 factors) and the most a reduction allocates on top of what it was given (the
 probe's peak over what was held on entry) must be what the memory model says,
@@ -31,10 +31,10 @@ SHAPES = [(512, 128), (128, 512), (512,), (384, 128), (128,), (128, 384)]  # mat
 
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    from runtime.collectives import Collectives
-    from runtime.grad_compression import GradientReducer
-    from runtime.groups import make_node_groups
-    from runtime.memory_probe import PeakMemory
+    from runtime.comm.collectives import Collectives
+    from runtime.compression.grad_compression import GradientReducer
+    from runtime.comm.groups import make_node_groups
+    from runtime.launch.memory_probe import PeakMemory
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,

@@ -1,4 +1,4 @@
-"""DDP and ZeRO-1/2/3 (runtime.data_parallel) train the same as one process and as torch's own.
+"""DDP and ZeRO-1/2/3 (runtime.engines.data_parallel) train the same as one process and as torch's own.
 
 Tier (a): flat layouts, buckets and units as plain data. Tier (c): real Gloo
 process groups (2 and 4 spawned processes, FileStore). Every spawned world
@@ -25,10 +25,10 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from examples.gpt import gpt_tiny
-from runtime.collectives import Collectives
-from runtime.data_parallel import DataParallel
-from runtime.flat import FlatLayout, bucket, default_units, resolve_units
-from runtime.mixed_precision import LossScaler, policy
+from runtime.comm.collectives import Collectives
+from runtime.engines.data_parallel import DataParallel
+from runtime.engines.flat import FlatLayout, bucket, default_units, resolve_units
+from runtime.engines.mixed_precision import LossScaler, policy
 
 STEPS = 4
 GLOBAL_BATCH = 8

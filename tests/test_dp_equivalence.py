@@ -11,7 +11,7 @@ from examples import gpt as gpt_mod
 from examples import training
 from partitioner import compile, trace
 from partitioner.codegen.program import expected_collectives
-from runtime.launch import LaunchError, launch_local
+from runtime.launch.local import LaunchError, launch_local
 
 pytestmark = pytest.mark.slow
 

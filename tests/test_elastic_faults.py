@@ -28,7 +28,7 @@ import torch
 
 from examples import gpt
 from examples.training import adamw
-from runtime.checkpoint import latest_checkpoint, load_full_state_dict
+from runtime.checkpoint.files import latest_checkpoint, load_full_state_dict
 from runtime.run import default_loss
 
 pytestmark = pytest.mark.slow
@@ -184,7 +184,7 @@ def test_survivor_names_the_dead_rank_and_exits(tmp_path):
 def test_ranks_with_programs_of_different_plans_refuse_to_start():
     from partitioner import compile
     from runtime import launch_local
-    from runtime.env import LaunchError
+    from runtime.launch.env import LaunchError
 
     with torch.device("meta"):
         model = gpt.gpt_tiny()

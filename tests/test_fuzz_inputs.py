@@ -530,7 +530,7 @@ def _plan_with(plan_texts: Quiet, edit) -> str:
 @pytest.mark.parametrize("edit, field", [
     (lambda d: d.update(mesh=d["mesh"][:1]), "plan.mesh"),  # was a KeyError in codegen
     (lambda d: d.update(stages=[]), "plan.stages"),  # was max() of an empty sequence in print(plan)
-    (lambda d: d.update(bucket_bytes=-1), "plan.bucket_bytes"),  # was runtime.flat's ValueError
+    (lambda d: d.update(bucket_bytes=-1), "plan.bucket_bytes"),  # was runtime.engines.flat's ValueError
     (lambda d: d.update(world_size=2**31), "plan.world_size"),  # was an IndexError in codegen
     (lambda d: d["config"].update(zero_stage=-4), "plan.config.zero_stage"),  # was a KeyError in codegen
     (lambda d: d["predicted"].update(step_time_s=10**400), "plan.predicted.step_time_s"),  # OverflowError

@@ -29,11 +29,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from examples.training import gpt_loss, gpt_tiny_seeded
-from runtime.collectives import Collectives
-from runtime.data_parallel import DataParallel
-from runtime.grad_compression import GradientReducer
-from runtime.groups import make_group_among, make_node_groups
-from runtime.quantized_gather import quantized_all_gather
+from runtime.comm.collectives import Collectives
+from runtime.engines.data_parallel import DataParallel
+from runtime.compression.grad_compression import GradientReducer
+from runtime.comm.groups import make_group_among, make_node_groups
+from runtime.compression.quantized_gather import quantized_all_gather
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +170,7 @@ def _world_change(rank: int, out: dict) -> None:
         def emit(self, record):
             records.append(record.getMessage())
 
-    log = logging.getLogger("runtime.grad_compression")
+    log = logging.getLogger("runtime.compression.grad_compression")
     log.addHandler(Keep())
     big = GradientReducer(dist.group.WORLD, Collectives(), compression="int8")
     big.all_reduce_mean_(_bucket(rank, 3), "b", SHAPES)
@@ -220,7 +220,7 @@ def ranks(tmp_path_factory):
 
 
 # error of one hierarchical reduction relative to the largest input element (module docstring of
-# runtime.grad_compression: each quantization costs at most half a block scale of what it quantizes)
+# runtime.compression.grad_compression: each quantization costs at most half a block scale of what it quantizes)
 _TOL = {"none": 1e-6, "bf16": 2 ** -8, "int8": 2 / 127, "int4": 2 / 7, "powersgd": 1e-4}
 
 

@@ -1,7 +1,8 @@
 """Imports run one way, down the flow: no file imports a stage above its own, and no files import each other.
 
 The flow (docs/architecture.md): cost_models at the bottom (it imports nothing of the project), then the
-runtime (it never imports the planner), then the partitioner's stages tracer -> planner -> code generator and
+runtime (it never imports the planner: collectives, compression, engines, pipeline stages, checkpoints,
+verification, launch), then the partitioner's stages tracer -> planner -> code generator and
 presentations (siblings: neither imports the other) -> compile -> tune -> the command line. Imports are read
 with `ast` from every file, those inside functions included; imports under `if TYPE_CHECKING:` are for type
 checkers only and never run, so they are left out. The one sanctioned way up is a convenience method of
@@ -22,7 +23,15 @@ PACKAGES = ("cost_models", "runtime", "partitioner")
 # Two rooms on the same level (a tuple) are siblings: neither imports the other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cost_models",),
-    ("runtime",),
+    ("runtime.comm",),
+    ("runtime.compression",),
+    ("runtime.engines",),
+    ("runtime.pipeline",),
+    ("runtime.checkpoint",),
+    ("runtime.verify",),
+    ("runtime.launch",),
+    ("runtime.moved",),
+    ("runtime.run", "runtime"),
     ("partitioner.loading",),  # FILE.py:fn -> the user's model: where the flow starts
     ("partitioner.tracer",),
     ("partitioner.planner",),
@@ -198,3 +207,33 @@ def test_the_check_finds_each_kind_of_wrong_import(case):
                                             "def program(self):\n    from partitioner.codegen.program import p\n",
                  partitioner__codegen__program="from partitioner.planner.plan import Plan\n")
     assert violations(fine) == ([], [])  # a type-only import and a sanctioned convenience are not violations
+
+
+def test_generated_programs_import_the_runtime_by_its_current_names(meta_gpt_graph):
+    """Every module a generated program imports is a file of the runtime today, not an old name kept for
+    programs written by an older release."""
+    from partitioner import compile
+    from runtime.moved import MOVED
+
+    plans = [compile(meta_gpt_graph, "local:4", global_batch_size=8, **pins) for pins in (
+        dict(pp=1, tp=1, zero_stage=3), dict(pp=2, tp=2, dp=1), dict(pp=1, tp=1, async_sgd=dict(every=2), precision="fp32"))]
+    for plan in plans:
+        tree = ast.parse(plan.program(0).source)
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        runtime_names = {n for n in names if n.split(".")[0] == "runtime"}
+        assert runtime_names and not runtime_names & set(MOVED), runtime_names
+        for n in runtime_names:
+            assert (ROOT / (n.replace(".", "/") + ".py")).exists() or (ROOT / n.replace(".", "/")).is_dir(), n
+
+
+def test_old_runtime_module_names_still_load_the_moved_module_with_a_warning():
+    import importlib
+    import sys
+
+    from runtime.moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} is now {new}.*regenerate"):
+            assert importlib.import_module(old) is importlib.import_module(new)

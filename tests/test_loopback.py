@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.env import (
+from runtime.launch.env import (
     ALLOW_EXTERNAL_BIND,
     DistEnv,
     LaunchError,
@@ -24,7 +24,7 @@ from runtime.env import (
     discover,
     is_loopback,
 )
-from runtime.rendezvous import attempt_prefix, rendezvous_store
+from runtime.launch.rendezvous import attempt_prefix, rendezvous_store
 
 TIMEOUT = timedelta(seconds=20)
 ANY4, ANY6, LOOPBACK4 = "0.0.0.0", "::", "127.0.0.1"
@@ -90,7 +90,7 @@ def test_binding_beyond_loopback_needs_the_flag():
 
 
 def test_c10d_tcpstore_alone_listens_on_every_interface():
-    """The measured fact behind runtime.rendezvous: TCPStore(host="127.0.0.1", is_master=True) listens on [::]
+    """The measured fact behind runtime.launch.rendezvous: TCPStore(host="127.0.0.1", is_master=True) listens on [::]
     (every interface, IPv4 too on a dual-stack host). If this starts failing, torch binds the host it is given
     and the listening-socket workaround could go."""
     port = _free_port()

@@ -1,6 +1,6 @@
 """The memory model's per-rank peak against what the ranks hold, and the probe that measures it.
 
-The probe (runtime.memory_probe) counts the storages a step works with: held on entry
+The probe (runtime.launch.memory_probe) counts the storages a step works with: held on entry
 and touched, allocated inside, resized in place. The model (partitioner/planner/costing.py,
 StageEvaluator._peak_memory) must come within 10 % of it on real processes, for the
 cases it used to miss: a pipeline's last stage (the loss on the executor, the tied
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.memory_probe import PeakMemory
-from runtime.pipeline import PipelineExecutor
+from runtime.launch.memory_probe import PeakMemory
+from runtime.pipeline.executor import PipelineExecutor
 
 MiB = 2**20
 
@@ -91,7 +91,7 @@ def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     from examples import gpt
     from partitioner import Topology, compile
     from partitioner.tracer.trace import trace
-    from runtime.launch import launch_local
+    from runtime.launch.local import launch_local
     from runtime.run import default_loss, default_optimizer
 
     pins = dict(pins)
@@ -114,8 +114,8 @@ def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
 _ENGINE_CHECK = """
 import tempfile, weakref, gc
 import torch, torch.distributed as dist
-from runtime.collectives import Collectives
-from runtime.data_parallel import DataParallel
+from runtime.comm.collectives import Collectives
+from runtime.engines.data_parallel import DataParallel
 
 dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(tempfile.mktemp(), 1))
 for zero in (2, 3):

@@ -1,4 +1,4 @@
-"""The pipeline executor (runtime.pipeline) trains the same as one process and as torch's pipelining.
+"""The pipeline executor (runtime.pipeline.executor) trains the same as one process and as torch's pipelining.
 
 Tier (a): action parsing, tags, `split_sequential`, argument errors, and two
 virtual stages on one rank (no messages) in the pytest process. Tier (c):
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from partitioner.planner.schedule import Action, Op, build_schedule
-from runtime.collectives import Collectives
-from runtime.pipeline import (
+from runtime.comm.collectives import Collectives
+from runtime.pipeline.executor import (
     PipelineError,
     PipelineExecutor,
     message_tag,

@@ -114,7 +114,7 @@ def test_gpt3_175b_on_1024_a100s_looks_like_practice(gpt3_175b):
     assert plan.predicted.peak_memory_bytes <= 80 * GiB
     # practice: tensor groups inside a node, and either a pipeline across nodes (Megatron's 3D) or fully
     # sharded data parallelism over them (FSDP + tensor parallelism, torchtitan's 2D). This used to demand
-    # a pipeline; it accepts FSDP + TP since selective recomputation is costed as runtime.recompute runs
+    # a pipeline; it accepts FSDP + TP since selective recomputation is costed as runtime.engines.recompute runs
     # it (only matrix products' and norms' outputs kept): dp256 tp4 ZeRO-3 then fits in 61 GiB and predicts
     # 20.4 s/step against 22.3 s for the best pipelined plan, the layout torchtitan trains such models with
     assert 1 < plan.tp <= 8 and (plan.pp > 1 or plan.zero_stage == 3)

@@ -1,4 +1,4 @@
-"""PowerSGD (runtime.powersgd) and its Triton kernels (runtime.powersgd_triton).
+"""PowerSGD (runtime.compression.powersgd) and its Triton kernels (runtime.compression.powersgd_triton).
 
 Tier (a) runs in this process, over a 1-rank Gloo group: exactness where the
 gradient has rank <= r, the error-feedback invariant, zero and rank-deficient
@@ -29,10 +29,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import runtime.powersgd
-from runtime.collectives import Collectives
-from runtime.powersgd import PowerSGD
-from runtime.powersgd_triton import powersgd_epilogue_triton, powersgd_prologue_triton
+import runtime.compression.powersgd
+from runtime.comm.collectives import Collectives
+from runtime.compression.powersgd import PowerSGD
+from runtime.compression.powersgd_triton import powersgd_epilogue_triton, powersgd_prologue_triton
 
 INTERPRET = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes")
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -177,7 +177,7 @@ def test_uncompressed_part_is_exact_and_bytes_are_counted(solo):
     coll.calls.clear()
     shapes = [(7,), (3, 4), ()]
     assert bits_equal(ps.reduce(grad(shapes, 1), "s", shapes), grad(shapes, 1)) and coll.calls == [20]
-    assert doctest.testmod(runtime.powersgd).failed == 0
+    assert doctest.testmod(runtime.compression.powersgd).failed == 0
 
 
 def test_warm_start_converges_and_feedback_bounds_the_accumulated_error(solo):
@@ -249,7 +249,7 @@ def test_state_dict_round_trip_and_mismatch(solo, caplog, tmp_path):
     other = [(16, 24), (16, 24)]
     x = grad(other, seed=9)
     fresh = PowerSGD(None, Counting(), rank=2, seed=7).reduce(x, "b0", other)
-    with caplog.at_level(logging.WARNING, logger="runtime.powersgd"):
+    with caplog.at_level(logging.WARNING, logger="runtime.compression.powersgd"):
         c = PowerSGD(None, Counting(), rank=2, seed=7)
         c.load_state_dict(sd)
         assert bits_equal(c.reduce(x, "b0", other), fresh)  # b0 was MIXED: dropped, fresh start
@@ -259,7 +259,7 @@ def test_state_dict_round_trip_and_mismatch(solo, caplog, tmp_path):
     sd["b0/world"] = torch.tensor(2)
     x = grad(MIXED, seed=9)
     fresh = PowerSGD(None, Counting(), rank=2, seed=7).reduce(x, "b0", MIXED)
-    with caplog.at_level(logging.WARNING, logger="runtime.powersgd"):
+    with caplog.at_level(logging.WARNING, logger="runtime.compression.powersgd"):
         c = PowerSGD(None, Counting(), rank=2, seed=7)
         c.load_state_dict(sd)
         assert bits_equal(c.reduce(x, "b0", MIXED), fresh)

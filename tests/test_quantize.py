@@ -1,4 +1,4 @@
-"""Blockwise int8/int4 quantization (runtime.quantize) and its Triton kernels (runtime.quantize_triton).
+"""Blockwise int8/int4 quantization (runtime.compression.quantize) and its Triton kernels (runtime.compression.quantize_triton).
 
 Tier (a). The Triton kernels run in the interpreter on CPU tensors (set
 TRITON_INTERPRET=0 on a GPU machine to test the compiled kernels on CUDA) and
@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from runtime.quantize import (
+from runtime.compression.quantize import (
     Quantized,
     dequantize,
     nbytes,
@@ -26,7 +26,7 @@ from runtime.quantize import (
     quantize,
     unpack_int4,
 )
-from runtime.quantize_triton import (
+from runtime.compression.quantize_triton import (
     dequantize_add_triton,
     dequantize_triton,
     quantize_triton,

@@ -18,14 +18,14 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from runtime.rendezvous import attempt_prefix
+from runtime.launch.rendezvous import attempt_prefix
 
 WORKER = r"""
 import os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
-from runtime.env import discover
-from runtime.rendezvous import rendezvous_store
+from runtime.launch.env import discover
+from runtime.launch.rendezvous import rendezvous_store
 env = discover()
 timeout = timedelta(seconds=30)
 dist.init_process_group("gloo", store=rendezvous_store(env, timeout), rank=env.rank, world_size=env.world_size,

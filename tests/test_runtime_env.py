@@ -1,8 +1,8 @@
-"""runtime.env: the launch environment from torchrun, Open MPI, MPICH/PMI and SLURM variables."""
+"""runtime.launch.env: the launch environment from torchrun, Open MPI, MPICH/PMI and SLURM variables."""
 
 import pytest
 
-from runtime.env import DistEnv, LaunchError, backend, discover, expand_nodelist
+from runtime.launch.env import DistEnv, LaunchError, backend, discover, expand_nodelist
 
 
 def test_no_launcher_is_one_process_on_loopback():

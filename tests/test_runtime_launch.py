@@ -1,4 +1,4 @@
-"""runtime.launch, runtime.groups and runtime.run: real processes over Gloo with hand-written rank programs.
+"""runtime.launch.local, runtime.comm.groups and runtime.run: real processes over Gloo with hand-written rank programs.
 
 The programs here follow the contract codegen's programs follow: `build(model_fn,
 optimizer_fn, loss_fn)` returns a runner with step / full_state_dict /
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.env import LaunchError
-from runtime.groups import group_ranks
-from runtime.launch import launch_local
+from runtime.launch.env import LaunchError
+from runtime.comm.groups import group_ranks
+from runtime.launch.local import launch_local
 from runtime.run import main as run_main
 
 # ---- a model, an optimizer and a loss the workers import by reference ---------------------
@@ -74,7 +74,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from runtime.collectives import Collectives
+from runtime.comm.collectives import Collectives
 
 
 class Runner:
@@ -268,8 +268,8 @@ GROUPS_PROGRAM = '''\
 import torch
 import torch.distributed as dist
 
-from runtime.collectives import Collectives
-from runtime.groups import make_groups
+from runtime.comm.collectives import Collectives
+from runtime.comm.groups import make_groups
 
 MESH = [(0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1)]   # (rank, pp, dp, tp)
 

@@ -1,4 +1,4 @@
-"""Megatron tensor parallelism (runtime.tensor_parallel) computes what one process computes.
+"""Megatron tensor parallelism (runtime.pipeline.tensor_parallel) computes what one process computes.
 
 Tier (a): shard/unshard round trips and the fused-qkv layout as plain data;
 the parallel cross entropy and embedding on one rank (group None) against
@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from examples.gpt import MLP, CausalSelfAttention, GPTConfig
-from runtime.collectives import Collectives
-from runtime.tensor_parallel import (
+from runtime.comm.collectives import Collectives
+from runtime.pipeline.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_to_tp,

@@ -72,8 +72,8 @@ def test_trainer_in_a_users_loop_trains_like_one_process(tmp_path):
 
 
 def test_trainer_refuses_a_plan_for_another_world_size(tmp_path):
-    from runtime.env import LaunchError
-    from runtime.trainer import program_source
+    from runtime.launch.env import LaunchError
+    from runtime.launch.trainer import program_source
 
     model = training.gpt_tiny_seeded()
     g = trace(model, gpt_mod.example_batch(model, 2, seq_len=32))

@@ -1,4 +1,4 @@
-"""plan.verify: the generated stage code against the unmodified module, in one process (runtime.verify).
+"""plan.verify: the generated stage code against the unmodified module, in one process (runtime.verify.check).
 
 Good plans of the example GPT, Hugging Face GPT-2 and Llama pass under tp2,
 pp2, pp2 tp2 and interleaved pp2 x2, comparing outputs, loss and every
@@ -21,13 +21,13 @@ import time
 import pytest
 import torch
 
-import runtime.verify
+import runtime.verify.check
 from cost_models.errors import DeclarationError
 from examples.training import adamw, gpt_4l_seeded, gpt_loss, hf_gpt2_4l_seeded, hf_llama_seeded, hf_loss
 from partitioner import compile, trace
 from runtime import launch_local
-from runtime.local_collectives import LocalCollectiveError, LocalCollectives, LocalGroup
-from runtime.verify import VerifyError, verify_plan, verify_skip_reason
+from runtime.verify.local_collectives import LocalCollectiveError, LocalCollectives, LocalGroup
+from runtime.verify.check import VerifyError, verify_plan, verify_skip_reason
 
 MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "hf": (hf_gpt2_4l_seeded, hf_loss), "llama": (hf_llama_seeded, hf_loss)}
 CONFIGS = {"tp2": {"pp": 1, "tp": 2}, "pp2": {"pp": 2, "tp": 1}, "pp2tp2": {"pp": 2, "tp": 2},
@@ -181,8 +181,8 @@ def test_slices_that_issue_different_collectives_are_refused():
 
 def test_compile_verifies_the_chosen_plan_on_a_copy(monkeypatch):
     reports = []
-    real = runtime.verify.verify_plan
-    monkeypatch.setattr(runtime.verify, "verify_plan", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1])
+    real = runtime.verify.check.verify_plan
+    monkeypatch.setattr(runtime.verify.check, "verify_plan", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1])
     model = gpt_4l_seeded()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, _ = microbatch()
@@ -227,12 +227,12 @@ def test_a_resume_verifies_programs_other_than_those_that_wrote_the_checkpoint(t
         launch_local(b, gpt_4l_seeded, adamw, gpt_loss, batches, programs=broken, resume_from=tmp_path, timeout_s=60)
     assert not multiprocessing.active_children()
     calls = []
-    real = runtime.verify.verify_plan
+    real = runtime.verify.check.verify_plan
     try:
-        runtime.verify.verify_plan = lambda *args, **kw: calls.append(1) or real(*args, **kw)
+        runtime.verify.check.verify_plan = lambda *args, **kw: calls.append(1) or real(*args, **kw)
         out = launch_local(a, gpt_4l_seeded, adamw, gpt_loss, batches, resume_from=tmp_path, timeout_s=60)
     finally:
-        runtime.verify.verify_plan = real
+        runtime.verify.check.verify_plan = real
     assert out.start_step == 1 and calls == []
 
 

@@ -15,7 +15,7 @@ from examples.hf_families import FAMILIES
 from examples.training import gpt_4l_seeded
 from partitioner import compile, trace
 from partitioner.codegen import segment_tp, segments
-from runtime.verify import VerifyError
+from runtime.verify.check import VerifyError
 
 VOCAB, SEQ = 512, 16
 

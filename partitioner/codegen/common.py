@@ -65,10 +65,10 @@ def dp_compression(plan: "Plan", dp_ranks: tuple[int, ...]) -> DpCompression:
     The plan names one per link level. A group inside one node uses the intra-node one, a group with
     one rank per node (or ragged) the inter-node one, flat. At ZeRO-0/1 a group spanning several nodes
     with k > 1 ranks on each reduces hierarchically, as the cost model assumes: the intra-node
-    compressor inside each node, the inter-node one across (runtime.grad_compression); its node groups
+    compressor inside each node, the inter-node one across (runtime.compression.grad_compression); its node groups
     are created by every rank, since c10d requires it. ZeRO-2/3 reduce-scatter flat over the group.
     """
-    from runtime.groups import group_ranks, node_split  # the runtime's own rule for what splits by node
+    from runtime.comm.groups import group_ranks, node_split  # the runtime's own rule for what splits by node
 
     node_of = tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))
     zero = plan.config.zero_stage
@@ -104,6 +104,6 @@ def recompute_lines(plan: "Plan", call: str) -> str:
     if mode == "none":
         return ""
     names = tuple(dict.fromkeys(p.block for p in plan.placements if p.block is not None))
-    why = textwrap.fill(f"Recompute ({mode}, runtime.recompute): {_RECOMPUTE_WHAT[mode]}.", width=100,
+    why = textwrap.fill(f"Recompute ({mode}, runtime.engines.recompute): {_RECOMPUTE_WHAT[mode]}.", width=100,
                         initial_indent="    # ", subsequent_indent="    # ")
     return f"{why}\n    {call}{names!r}, {mode!r})\n"

@@ -6,7 +6,7 @@ and, with tp > 1, rewritten for this rank's shard), which virtual stages and
 blocks this rank runs, its instruction list, the peers of every stage, the
 tensor placements, the tied parameters and their group, and the
 data-parallel engine over its replicas. `build()` returns a
-`runtime.pipeline_step.PipelineRunner`.
+`runtime.pipeline.runner.PipelineRunner`.
 """
 
 from __future__ import annotations
@@ -158,14 +158,14 @@ it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` retu
 import torch
 from torch import device
 
-import runtime.step
-from runtime.collectives import Collectives
-from runtime.data_parallel import DataParallel
-from runtime.groups import {group_imports}
-from runtime.pipeline_step import PipelineRunner
-from runtime.stage import StageModel, state_keys
-from runtime.unreplicated import Unreplicated
-from runtime.tensor_parallel import TPContext, tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding
+import runtime.engines.step
+from runtime.comm.collectives import Collectives
+from runtime.engines.data_parallel import DataParallel
+from runtime.comm.groups import {group_imports}
+from runtime.pipeline.runner import PipelineRunner
+from runtime.pipeline.stage import StageModel, state_keys
+from runtime.engines.unreplicated import Unreplicated
+from runtime.pipeline.tensor_parallel import TPContext, tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding
 
 inf, nan = float("inf"), float("nan")
 
@@ -236,7 +236,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     # reduce-scatter implementation: {impl} ({why_impl}).
     collectives = Collectives(reduce_scatter_impl={impl!r})
     model = model_fn()
-    runtime.step.check_parameters(model, PARAMS)
+    runtime.engines.step.check_parameters(model, PARAMS)
     full_keys = state_keys(model)
     {f"tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp})  # this rank is tensor slice {me.tp} of {c.tp}" if c.tp > 1 else "tp = None  # tp = 1: the code calls no tensor-parallel collective"}
     stage = make_stage(model, tp)

@@ -5,7 +5,7 @@ its runtime). Every block is commented with the plan decision it implements:
 which groups exist, which collective runs where and why, which rows of the
 batch and which slice of the parameters this rank holds. Executing the
 source defines `build(model_fn, optimizer_fn, loss_fn)`, which returns the
-runtime's step runner (`runtime.step.StepRunner`).
+runtime's step runner (`runtime.engines.step.StepRunner`).
 
 Data-parallel plans (pp = tp = 1, any ZeRO stage) are emitted here;
 pipeline, tensor-parallel and 3D programs by `partitioner.codegen.pipeline`;

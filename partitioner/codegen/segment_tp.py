@@ -21,7 +21,7 @@ Used by `partitioner.codegen.segments` while it copies a segment's nodes:
   f's backward sums the shares over the tensor group (Megatron does the same
   for the layer norms that see sequence-parallel activations).
 
-The functions named here live in `runtime.tensor_parallel`; the planner must
+The functions named here live in `runtime.pipeline.tensor_parallel`; the planner must
 not import the runtime, so stand-ins with the same names carry them into the
 graph and the generated program imports the real ones.
 """

@@ -25,7 +25,7 @@ unequal stages; v = virtual stages per rank) is
 which the schedule simulator reproduces for uniform stages (tests check it).
 
 Async SGD (pinned only; pure data parallel, ZeRO 0, fp32) replaces the
-gradient all-reduce in tail_k by averaging parameters (runtime/async_sgd.py):
+gradient all-reduce in tail_k by averaging parameters (runtime/engines/async_sgd.py):
 with every=k an fp32 all-reduce of the parameters after every k-th optimizer
 step, blocking, so 1/k of it per step; with staleness=s >= 1 one per step,
 asynchronous, hidden behind the next step's compute up to dp_overlap of it
@@ -85,7 +85,7 @@ _OPTIM_BYTES_PER_PARAM = 28
 
 _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
 _S = Poly.from_terms({(0, 1): 1.0})  # a dimension of the sequence's length
-# ops whose outputs selective recomputation keeps (runtime.recompute's policy: matrix products and layer norms)
+# ops whose outputs selective recomputation keeps (runtime.engines.recompute's policy: matrix products and layer norms)
 _SAVED_OPS = frozenset({"linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "layer_norm"})
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
 
@@ -264,7 +264,7 @@ class CostContext:
         s, sc = self.seq, self.scale
         tp_ranks = tuple(range(tp))
         fwd = bwd = act = biggest = 0.0
-        # Recomputation (runtime.recompute) runs inside the blocks only, never on the prefix or suffix
+        # Recomputation (runtime.engines.recompute) runs inside the blocks only, never on the prefix or suffix
         # (the loss's inputs) a unit may also hold: their activations stay, their ops run once.
         # full: a block keeps its input; selective: the outputs of its matrix products and layer
         # norms that do not touch the s x s attention scores, every other op runs again in backward.
@@ -448,7 +448,7 @@ class StageEvaluator:
         # until that microbatch's backward, the step runner a cross-entropy's log-softmax); the
         # backward of a cross-entropy then holds two more output-sized tensors at once (the
         # gradients of the log-softmax and of the logits); full size under tensor parallelism, where
-        # the loss sees gathered outputs. Measured on the example GPT with runtime.memory_probe.
+        # the loss sees gathered outputs. Measured on the example GPT with runtime.launch.memory_probe.
         out = ctx.g.nodes[-1].cost.bytes_written(cand.microbatch_size, ctx.seq) * ctx.scale if ctx.g.nodes else 0.0
         self._loss_kept, self._loss_work = out, 2 * out
 
@@ -542,7 +542,7 @@ class StageEvaluator:
         """(params, grads, optimizer, activations, buffers) of units [i, j) as virtual stage k at its peak,
         as a function of the compression option (what all options share is worked out once).
 
-        What the runtime holds (runtime.data_parallel, runtime.pipeline, runtime.unreplicated):
+        What the runtime holds (runtime.engines.data_parallel, runtime.pipeline.executor, runtime.engines.unreplicated):
 
         - At rest, model state (cost_models.memory.model_state_bytes) of the parameters in the
           data-parallel engine, ZeRO-sharded; tied parameters (`tied`: shared with another pipeline
@@ -578,7 +578,7 @@ class StageEvaluator:
         own = model_state_bytes(params - tied, zero_stage=z, dp=cand.dp, **kw)
         whole = model_state_bytes(tied, zero_stage=0, dp=1, **kw) if tied else _NO_STATE
         pb, fp32 = self._param_bytes, 4
-        # runtime.unreplicated: pipeline / tensor-parallel programs at dp = 1 in fp32 (codegen_pipeline)
+        # runtime.engines.unreplicated: pipeline / tensor-parallel programs at dp = 1 in fp32 (codegen_pipeline)
         flat_grads = z <= 1 and not (cand.dp == 1 and ctx.precision == "fp32" and (cand.pp > 1 or cand.tp > 1))
         rest_grads = own.grads if flat_grads else 0.0  # held through the step
         step_grads = whole.grads + (0.0 if flat_grads else own.grads)  # formed by the first backward
@@ -649,7 +649,7 @@ class StageEvaluator:
     def _async_memory(self, i: int, j: int, k: int, params: float,
                       inflight: int) -> tuple[float, float, float, float, float]:
         """Async SGD (pure data parallel, fp32, ZeRO 0): model state, activations and the loss of the one stage,
-        and runtime.async_sgd's flat buffers: every=k averages through one flat copy of the parameters;
+        and runtime.engines.async_sgd's flat buffers: every=k averages through one flat copy of the parameters;
         staleness=s keeps the agreed parameters plus, per step in flight, its update and the all-reduce's
         buffer."""
         ctx, cal = self.ctx, self.ctx.cal
@@ -701,7 +701,7 @@ class StageEvaluator:
 
         Wire time hides behind compute up to dp_overlap of it, kernel time never:
         DDP/ZeRO-1 all-reduce behind the last backward; ZeRO-2/3 reduce-scatter
-        every microbatch (runtime.data_parallel: no_sync only defers stages 0
+        every microbatch (runtime.engines.data_parallel: no_sync only defers stages 0
         and 1), each behind its backward; ZeRO-3 gathers and reduce-scatters
         per unit (block), so a stage of `units` issues that many of each, its
         2m parameter gathers per unit behind the m forwards and backwards; the ZeRO-1/2 parameter all-gather after the optimizer step

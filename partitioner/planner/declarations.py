@@ -150,7 +150,7 @@ def async_sgd_pin(value: Any) -> dict[str, int] | None:
 
 
 def _check_async_sgd(d: Declarations, world_size: int) -> None:
-    """Async SGD runs on plain data parallelism only (runtime.async_sgd): say which pin rules it out, and why."""
+    """Async SGD runs on plain data parallelism only (runtime.engines.async_sgd): say which pin rules it out, and why."""
     a = d.async_sgd
     if not a:
         return

@@ -240,7 +240,7 @@ class Plan:
     # link level ("intra_node", "inter_node") -> compressor of the data-parallel gradient reduction's
     # traffic at that level: "none", "bf16", "int8", "int4" or "powersgd"; "none" where no such traffic flows
     compression: dict[Level, Compressor] = dataclasses.field(default_factory=no_compression)
-    # the first steps reduce uncompressed (runtime.grad_compression), before error feedback starts
+    # the first steps reduce uncompressed (runtime.compression.grad_compression), before error feedback starts
     compression_warmup: int = 0
     # the model spec it was compiled from ("examples/gpt.py:gpt_tiny"), so `partitioner run` needs no
     # --model; "" when compiled from Python or by an older version
@@ -254,7 +254,7 @@ class Plan:
     # asynchronous data parallelism, pinned by the user (the planner never chooses it: it changes the
     # training math): {"every": k}, local SGD, replicas step alone and average parameters every k steps;
     # {"staleness": s}, every step's update is averaged asynchronously and applied s steps later
-    # (runtime.async_sgd). None: synchronous training
+    # (runtime.engines.async_sgd). None: synchronous training
     async_sgd: dict[str, int] | None = None
 
     # ---- the configuration, by name ---------------------------------------
@@ -301,7 +301,7 @@ class Plan:
     def verify(self, model_fn: Any, inputs: Any = None, loss_fn: Any = None, *, targets: Any = None,
                sources: dict[int, str] | None = None, rtol: float = 1e-5, atol: float = 1e-6) -> Any:
         """Run the generated programs' model code in this process, with no process group, and compare outputs,
-        loss and every gradient with `model_fn()`'s module (runtime.verify). Raises VerifyError naming where
+        loss and every gradient with `model_fn()`'s module (runtime.verify.check). Raises VerifyError naming where
         the first difference appears; returns a VerifyReport. `inputs`: one microbatch of the model's forward
         arguments (None: random token ids); `loss_fn(output, targets)` (None: a fixed random weighting of
         the outputs); `sources`: rank -> program source to check instead of `program(rank).source`.
@@ -309,7 +309,7 @@ class Plan:
         >>> print(plan.verify(gpt_4l_seeded))   # doctest: +SKIP
         verified pp2 tp2 (4 stages, 4 programs): outputs, loss and 52 gradients match the module (...)
         """
-        from runtime.verify import verify_plan  # the planner reaches the runtime only here, lazily
+        from runtime.verify.check import verify_plan  # the planner reaches the runtime only here, lazily
 
         return verify_plan(self, model_fn, inputs, loss_fn, targets=targets, sources=sources, rtol=rtol, atol=atol)
 

@@ -14,7 +14,7 @@ The loop:
 2. run each for `warmup` + 1 + `steps` steps through the runtime's launcher
    (local processes, or a torchrun/srun job: see Launchers below):
    the warm-up steps are discarded, the next runs under the memory probe
-   (runtime.memory_probe: peak bytes per rank, and torch.OutOfMemoryError past
+   (runtime.launch.memory_probe: peak bytes per rank, and torch.OutOfMemoryError past
    the device's usable memory, as on the device), the median of the last
    `steps` (each the slowest rank's) is the step time. Out of memory, crashes
    and hangs are recorded with their reason and the tuner goes on (either
@@ -28,11 +28,11 @@ Every trial is committed to the SQLite `db` as it ends (partitioner/tune/db.py):
 re-running skips what is measured and so resumes an interrupted tune.
 
 Launchers: `launcher="local"` (the default; `local:N` topologies) runs each
-trial as local processes (runtime.launch.launch_local). On a cluster,
+trial as local processes (runtime.launch.local.launch_local). On a cluster,
 `launcher="torchrun"` or `"srun"` runs each trial as one job of
-`python -m runtime.run` (partitioner/tune/cluster.py, runtime/cluster.py):
+`python -m runtime.run` (partitioner/tune/cluster.py, runtime/launch/cluster.py):
 the plan and its programs are written to `trial_dir`/KEY/, the ranks time
-and probe the same steps with the same code (runtime/measure.py) and report
+and probe the same steps with the same code (runtime/launch/measure.py) and report
 through per-rank files; a job past `timeout_s` is stopped with every process
 under it. The ranks import the model by name, so it is a spec string there:
 
@@ -414,8 +414,8 @@ class _Tuner:
         return self.record(key, trial, head)
 
     def launch(self, plan: Plan, config, comp, predicted: float, peaks: list[float], round_: int, key: str) -> Trial:
-        from runtime.env import LaunchError
-        from runtime.launch import launch_local
+        from runtime.launch.env import LaunchError
+        from runtime.launch.local import launch_local
         from runtime.run import default_optimizer
 
         n = self.warmup + 1 + self.steps

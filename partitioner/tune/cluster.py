@@ -1,4 +1,4 @@
-"""Autotune trials as cluster jobs: each trial one torchrun or srun job of `python -m runtime.run` (runtime/cluster.py).
+"""Autotune trials as cluster jobs: each trial one torchrun or srun job of `python -m runtime.run` (runtime/launch/cluster.py).
 
 >>> launcher = cluster_launcher("srun", Topology.parse("2x8xH100-80GB"), {})
 >>> launcher.nodes, launcher.ntasks_per_node
@@ -26,7 +26,7 @@ from typing import Any
 
 from cost_models.errors import DeclarationError
 from cost_models.topology import Topology
-from runtime.cluster import ClusterResult, Srun, Torchrun, launch_cluster, run_args
+from runtime.launch.cluster import ClusterResult, Srun, Torchrun, launch_cluster, run_args
 
 __all__ = ["LAUNCHERS", "ClusterTrials", "cluster_launcher", "cluster_trials", "rank_spec"]
 

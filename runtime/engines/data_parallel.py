@@ -1,0 +1,792 @@
+"""Data parallelism for the generated per-rank programs: DDP and ZeRO-1/2/3, collectives placed by us.
+
+torch's DDP, `ZeroRedundancyOptimizer` and FSDP2 do all of this inside their
+own hooks; the compiler must decide every collective itself (shared/DESIGN.md),
+and FSDP2 cannot keep parameters replicated (ZeRO-1/2), so the engine is
+written here on c10d through `runtime.comm.collectives` -- the torch wrappers are
+its oracles in the tests.
+
+One step (the caller divides each microbatch loss by the number of microbatches)::
+
+    dp = DataParallel(model, group=None, ranks=(0, 1), zero_stage=2, collectives=Collectives())
+    opt = torch.optim.AdamW(dp.optimizer_params(), lr=1e-3)
+    for i, (x, y) in enumerate(microbatches):
+        with dp.no_sync() if i < len(microbatches) - 1 else contextlib.nullcontext():
+            (loss_fn(dp.module(x), y) / len(microbatches)).backward()
+    dp.finish_gradients(); dp.clip_grad_norm_(1.0); opt.step(); dp.after_step(); dp.zero_grad()
+
+What each stage keeps and sends (``P`` parameters, ``dp`` ranks, fp32; per step
+with ``m`` microbatches, ``B`` buckets, ``U`` ZeRO-3 units, ``K`` of them on the
+root module):
+
+=========  ===================  ============================  ================================
+stage      params/grads/optim   during backward               after the optimizer step
+=========  ===================  ============================  ================================
+0 (DDP)    4P / 4P / full       B all-reduces (last mb only)  --
+1          4P / 4P / 1/dp       B all-reduces (last mb only)  1 all-gather of the flat buffer
+2          4P / 4P/dp / 1/dp    B reduce-scatters per mb      B all-gathers (one per bucket)
+3 (FSDP)   all 1/dp             forward: U all-gathers; backward: U-K all-gathers and U reduce-scatters, per mb
+=========  ===================  ============================  ================================
+
+plus one all-reduce for `clip_grad_norm_` at stages 1-3 and one (max) for the
+overflow check under fp16. Construction broadcasts parameters and buffers from
+the group's first rank (one broadcast per dtype).
+
+Layouts. Buckets take parameters in reverse registration order (DDP's order:
+gradients become ready roughly back to front) up to ``bucket_bytes`` of fp32.
+ZeRO-1 lays every parameter, in that order, in one flat buffer padded to a
+multiple of dp; rank i owns slice i and the buckets are ranges of it. ZeRO-2
+gives every bucket its own padded flat buffer, so that each bucket can be
+reduce-scattered as soon as it is ready; rank i owns slice i of each bucket
+(one optimizer Parameter per bucket; with the default 25 MiB buckets a small
+model has a single one). ZeRO-3 gives every unit its own flat buffer.
+
+Choices worth knowing:
+
+- `no_sync()` skips communication at stages 0 and 1 (gradients accumulate
+  locally in fp32). Stages 2 and 3 reduce-scatter every microbatch into the
+  fp32 shard gradient anyway, as DeepSpeed ZeRO-2 and FSDP2 do by default, so
+  they never hold a full gradient: one reduce-scatter is in flight at a time
+  (launching the next waits for it), so at most the bucket or unit being
+  filled and the one being reduced are whole.
+- ZeRO-3 gathers a unit in the forward pre-hook of the smallest module holding
+  all its parameters, frees it after that module's forward, and gathers it again
+  when the gradient of the module's output arrives; prefetch: the next unit in
+  the previous forward's order, the previous one in backward. A unit on the
+  root module stays gathered from forward to its backward (FSDP2's root
+  behaviour: it is needed first in backward). At rest the model's sharded
+  attributes are meta tensors (reading freed storage would crash); use
+  `full_state_dict()`.
+- A parameter without a gradient in some backward is fine: an end-of-backward
+  callback reduces every bucket or unit no hook launched (zeros if need be), in
+  index order. But every rank must run the same graph, since the order of the
+  collectives follows it (DDP's rule too). Buffers are broadcast once at the
+  start only (as DDP with ``broadcast_buffers=False``). Frozen parameters are
+  supported at stage 0 only; ZeRO-3 supports activation checkpointing
+  (recomputation inside backward neither re-gathers nor frees) but not
+  ``retain_graph`` double backward. The ZeRO-1/2 all-gather after the step is
+  synchronous (not yet overlapped with the next forward).
+- Compression (`compression=`, `nodes=`, `compression_warmup=`): every
+  reduction goes through `runtime.compression.grad_compression.GradientReducer` (bf16,
+  int8/int4 with error feedback, PowerSGD; hierarchical across nodes). A
+  compressed reduction is synchronous (it does not overlap backward yet); at
+  ZeRO-3 with int8/int4 the weight gathers are int8 too
+  (`runtime.compression.quantized_gather`). `compression_state_dict()` is the residual
+  state a checkpoint must carry.
+- Mixed precision: see `runtime.engines.mixed_precision`; fp16 uses a dynamic loss
+  scale applied to the gradient entering the model's outputs, and an overflow
+  turns `optimizer.step()` into a no-op by leaving the gradients None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from runtime.comm.collectives import Collectives
+from runtime.engines.flat import FlatLayout, bucket, resolve_units
+from runtime.compression.grad_compression import GradientReducer
+from runtime.comm.groups import NodeGroups
+from runtime.engines.mixed_precision import (
+    LossScaler,
+    PrecisionName,
+    cast_floating,
+    policy,
+    scale_grad,
+)
+from runtime.compression.quantized_gather import quantized_all_gather
+from runtime.engines.recompute import recompute_blocks
+
+__all__ = ["DataParallel"]
+
+_FREE, _GATHERING, _GATHERED = "free", "gathering", "gathered"
+
+
+@dataclasses.dataclass(eq=False)
+class _Flat:
+    """One flat buffer's tensors on this rank."""
+
+    layout: FlatLayout
+    # compute dtype; ZeRO-1/2: replicated, the model's parameters view it; ZeRO-3: gathered on demand
+    params: torch.Tensor | None = None
+    grad: torch.Tensor | None = None  # fp32 local gradient; DDP/ZeRO-1 persistent, ZeRO-2 one per microbatch
+    shard: nn.Parameter | None = None  # fp32 master slice this rank steps (ZeRO-1/2/3)
+    pending: list = dataclasses.field(default_factory=list)  # in-flight reduce-scatters: (work, out, inp)
+    fresh: bool = True  # the next reduction folded in overwrites shard.grad
+
+
+@dataclasses.dataclass(eq=False)
+class _Bucket:
+    names: tuple[str, ...]
+    flat: _Flat
+    lo: int
+    hi: int  # range of flat.grad it reduces
+    ready: set = dataclasses.field(default_factory=set)
+    work: object = None  # DDP/ZeRO-1 all-reduce in flight
+    dirty: bool = False  # DDP/ZeRO-1: gradient added since the last launch
+
+
+@dataclasses.dataclass(eq=False)
+class _Unit:
+    index: int
+    flat: _Flat
+    module: nn.Module  # smallest module holding all the unit's parameters
+    slots: list  # (module, attribute, index in the layout) for every alias
+    keep: bool  # on the root: stays gathered from forward to backward
+    state: str = _FREE
+    work: object = None
+    gather_inp: torch.Tensor | None = None
+    views_for: int = -1  # forward pass whose views are installed
+    views: list | None = None  # the views of that forward (one torch.split of the gathered buffer)
+    installed: bool = False  # the module attributes are those views (not meta placeholders)
+    reduced: bool = False  # in the current backward
+
+
+class DataParallel:
+    """Data-parallel training of `model` over `group`: DDP (zero_stage 0) or ZeRO-1/2/3.
+
+    Mutates `model` in place: parameters are re-pointed into flat buffers
+    (ZeRO-1/2), cast to 16-bit (mixed precision) or replaced by gathered views
+    (ZeRO-3), and hooks are registered; call `module` for the forward.
+    """
+
+    def __init__(self, model: nn.Module, *, group, ranks: tuple[int, ...], zero_stage: int,
+                 collectives: Collectives, bucket_bytes: int = 25 * 2**20,
+                 precision: PrecisionName = "fp32", units: Sequence[Sequence[str]] | None = None,
+                 unit_modules: Sequence[str] | None = None, compression: str | Mapping[str, str] = "none",
+                 nodes: NodeGroups | None = None, compression_warmup: int = 0, powersgd_rank: int = 4):
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0 (DDP), 1, 2 or 3 (FSDP), got {zero_stage}")
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if len(ranks) != self.world or ranks[self.rank] != dist.get_rank():
+            raise ValueError(f"ranks={tuple(ranks)} does not describe the group: it has {self.world} ranks "
+                             f"and this process (global rank {dist.get_rank()}) is its rank {self.rank}; pass the "
+                             f"group's global ranks in group order")
+        self.module, self.group, self.ranks = model, group, tuple(ranks)
+        self.reducer = GradientReducer(group, collectives, compression=compression, nodes=nodes,
+                                       zero_stage=zero_stage, warmup_steps=compression_warmup,
+                                       powersgd_rank=powersgd_rank)
+        self.compression = self.reducer.compression
+        self.zero_stage, self.collectives = zero_stage, collectives
+        self.precision = policy(precision)
+        self.scaler = LossScaler() if self.precision.loss_scaling else None
+        self._dtype = self.precision.param_dtype
+        self._params: dict[str, nn.Parameter] = dict(model.named_parameters())  # first names, registration order
+        first = {id(p): n for n, p in self._params.items()}
+        self._alias = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+        self._state_keys = list(model.state_dict().keys())
+        trainable = [n for n, p in self._params.items() if p.requires_grad]
+        if zero_stage > 0 and len(trainable) != len(self._params):
+            frozen = [n for n in self._params if n not in trainable]
+            raise ValueError(f"zero_stage={zero_stage} shards every parameter, but {frozen[:3]} are frozen "
+                             f"(requires_grad=False); use zero_stage=0 or unfreeze them")
+        self._broadcast_state()
+
+        self._require_sync = True
+        self._in_backward = False
+        self._cycle_open = False  # gradients of this step have started to accumulate
+        self._skip_step = False  # fp16 overflow in the last finish_gradients
+        self._flats: list[_Flat] = []
+        self._buckets: list[_Bucket] = []
+        self._units: list[_Unit] = []
+        self._masters: dict[str, nn.Parameter] = {}
+        self._handles = []
+        self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._root_post_forward))
+        if zero_stage == 3:
+            self._build_sharded(resolve_units(model, units), unit_modules)
+        else:
+            self._build_replicated(trainable, bucket_bytes)
+
+    # ---- construction ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_state(self) -> None:
+        """All replicas start from the group's first rank's parameters and buffers (DDP does the same)."""
+        tensors = [*self._params.values(), *(b for _, b in self.module.named_buffers())]
+        self.collectives.broadcast_tensors(tensors, src=self.ranks[0], group=self.group)
+
+    @torch.no_grad()
+    def _build_replicated(self, trainable: list[str], bucket_bytes: int) -> None:
+        order = trainable[::-1]
+        groups = bucket(order, [self._params[n].numel() for n in order], bucket_bytes)
+
+        def shapes(names):
+            return tuple(tuple(self._params[n].shape) for n in names)
+
+        if self.zero_stage == 0:
+            for names in groups:
+                f = _Flat(FlatLayout(names=names, shapes=shapes(names), world=1))
+                f.grad = torch.zeros(f.layout.padded_numel)
+                self._flats.append(f)
+                self._buckets.append(_Bucket(names, f, 0, f.layout.numel))
+            for n, p in self._params.items():
+                if self.precision.mixed and p.requires_grad:
+                    self._masters[n] = nn.Parameter(p.detach().float().clone())
+                if p.is_floating_point():
+                    p.data = p.data.to(self._dtype)
+        else:
+            per_flat = [order] if self.zero_stage == 1 else list(groups)
+            for names in per_flat:
+                f = _Flat(FlatLayout(names=tuple(names), shapes=shapes(names), world=self.world))
+                master = f.layout.flatten([self._params[n] for n in names], torch.float32)
+                f.params = master if not self.precision.mixed else master.to(self._dtype)
+                for n, view in zip(names, f.layout.views(f.params)):
+                    self._params[n].data = view
+                lo, hi = f.layout.shard_range(self.rank)
+                # fp32: the master slice is a view of the replicated buffer (no second copy)
+                f.shard = nn.Parameter(f.params[lo:hi] if not self.precision.mixed else master[lo:hi].clone())
+                if self.zero_stage == 1:
+                    f.grad = torch.zeros(f.layout.padded_numel)
+                self._flats.append(f)
+            for names in groups:
+                f = self._flats[0] if self.zero_stage == 1 else self._flats[len(self._buckets)]
+                off = dict(zip(f.layout.names, f.layout.offsets))
+                lo = off[names[0]]
+                hi = f.layout.padded_numel if self.zero_stage == 2 else off[names[-1]] + self._params[names[-1]].numel()
+                self._buckets.append(_Bucket(names, f, lo, hi))
+        self._bucket_of = {n: b for b in self._buckets for n in b.names}
+        self._slot = {}
+        for b in self._buckets:
+            off = dict(zip(b.flat.layout.names, b.flat.layout.offsets))
+            for n in b.names:
+                self._slot[n] = (b.flat, off[n], self._params[n].numel())
+        for n in trainable:
+            hook = functools.partial(self._on_grad, n)
+            self._handles.append(self._params[n].register_post_accumulate_grad_hook(hook))
+        self._next = 0  # next bucket to launch in this backward (buckets launch in index order on every rank)
+
+    @torch.no_grad()
+    def _build_sharded(self, units: tuple[tuple[str, ...], ...], unit_modules: Sequence[str] | None) -> None:
+        if unit_modules is not None and len(unit_modules) != len(units):
+            raise ValueError(f"unit_modules names {len(unit_modules)} modules for {len(units)} units; give one each")
+        aliases: dict[str, list[str]] = {}
+        for a, n in self._alias.items():
+            aliases.setdefault(n, []).append(a)
+        self._fwd_order: list[int] = []
+        self._fwd_order_prev: list[int] = list(range(len(units)))  # before the first forward: declared order
+        self._forward_id = 0
+        for i, names in enumerate(units):
+            lay = FlatLayout(names=names, shapes=tuple(tuple(self._params[n].shape) for n in names), world=self.world)
+            master = lay.flatten([self._params[n] for n in names], torch.float32)
+            lo, hi = lay.shard_range(self.rank)
+            full = torch.empty(lay.padded_numel, dtype=self._dtype)
+            full.untyped_storage().resize_(0)
+            full.requires_grad_(True)
+            f = _Flat(lay, params=full, shard=nn.Parameter(master[lo:hi].clone()))
+            self._flats.append(f)
+            paths = [a.split(".") for n in names for a in aliases[n]]
+            common = []
+            for parts in zip(*(p[:-1] for p in paths)):
+                if len(set(parts)) > 1:
+                    break
+                common.append(parts[0])
+            # the module whose forward gathers the unit: by default the smallest holding all its
+            # parameters; generated stage code, which reads them from its root, names the root ("")
+            module = self.module.get_submodule(".".join(common) if unit_modules is None else unit_modules[i])
+            slots, owners = [], []
+            for k, n in enumerate(names):
+                for a in aliases[n]:
+                    mod_path, _, attr = a.rpartition(".")
+                    mod = self.module.get_submodule(mod_path)
+                    del mod._parameters[attr]
+                    slots.append((mod, attr, k))
+                    owners.append(mod)
+            u = _Unit(i, f, module, slots, keep=module is self.module)
+            self._units.append(u)
+            self._install_placeholders(u)
+            self._handles.append(full.register_post_accumulate_grad_hook(functools.partial(self._after_backward, u)))
+            for mod in {id(m): m for m in [module, *owners]}.values():
+                self._handles.append(mod.register_forward_pre_hook(functools.partial(self._use, u)))
+            self._handles.append(module.register_forward_hook(functools.partial(self._after_forward, u)))
+        # The unsharded originals are no longer the model's (their shards are): keeping them here would
+        # hold every parameter whole on every rank, ZeRO-3's saving undone. Shapes are all that is left.
+        self._params = {n: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                        for n, p in self._params.items()}
+
+    # ---- public API -----------------------------------------------------------------------
+    @property
+    def buckets(self) -> tuple[tuple[str, ...], ...]:
+        """Parameter names per gradient bucket, in launch order (stages 0-2)."""
+        return tuple(b.names for b in self._buckets)
+
+    @property
+    def units(self) -> tuple[tuple[str, ...], ...]:
+        """Parameter names per ZeRO-3 gather unit."""
+        return tuple(u.flat.layout.names for u in self._units)
+
+    @property
+    def layouts(self) -> tuple[FlatLayout, ...]:
+        """The flat buffers this rank shards (ZeRO-1: one; ZeRO-2: one per bucket; ZeRO-3: one per unit)."""
+        return tuple(f.layout for f in self._flats) if self.zero_stage > 0 else ()
+
+    def checkpoint_blocks(self, names: Sequence[str], mode: str = "full") -> None:
+        """Activation recomputation of these submodules (the plan's blocks) as `mode` says
+        (runtime.engines.recompute: "full" keeps only their inputs, "selective" their matrix products' outputs), as
+        the pipeline's stages do. Under ZeRO-3 the recomputation installs its unit's views again first:
+        the unit is gathered for its backward by then, and no module hook runs inside the checkpoint."""
+        units = {id(u.module): u for u in self._units}
+
+        def reinstall(mod: nn.Module) -> None:
+            if id(mod) in units:
+                self._use(units[id(mod)])
+
+        recompute_blocks(self.module, names, mode, before=reinstall if units else None)
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """What torch.optim steps: DDP the (master) parameters; ZeRO this rank's fp32 flat shards."""
+        if self.zero_stage > 0:
+            return [f.shard for f in self._flats]
+        if self.precision.mixed:
+            return list(self._masters.values())
+        return [p for p in self._params.values() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate this backward's gradients without communicating (stages 0 and 1; at stages
+        2 and 3 each microbatch is still reduce-scattered into the shard)."""
+        before, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = before
+
+    def finish_gradients(self) -> None:
+        """Wait for the reductions; optimizer_params()' .grad then hold the mean gradient of this rank's slice."""
+        if not self._cycle_open:
+            self._open_cycle()  # nothing backpropagated since the last step: zero gradient
+        if self.zero_stage in (0, 1):
+            for b in self._buckets:
+                if b.dirty:
+                    self._launch(b)
+            for b in self._buckets:
+                self._wait_bucket(b)
+            if self.zero_stage == 0:
+                for n, (f, off, numel) in self._slot.items():
+                    target = self._masters[n] if self.precision.mixed else self._params[n]
+                    target.grad = f.grad[off:off + numel].view(self._params[n].shape)
+            else:
+                f = self._flats[0]
+                f.shard.grad = f.grad[slice(*f.layout.shard_range(self.rank))]
+        else:
+            for b in self._buckets:
+                if b.flat.grad is not None:
+                    self._launch(b)
+            for f in self._flats:
+                self._drain(f)
+                if f.fresh:
+                    f.shard.grad = torch.zeros_like(f.shard)
+                    f.fresh = False
+        self._skip_step = False
+        if self.scaler is not None:
+            self._unscale()
+        self._cycle_open = False
+        self.reducer.step_done()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale gradients so their global L2 norm is at most max_norm; return the norm before
+        clipping, the same on every rank (inf after an fp16 overflow, when nothing is stepped).
+        torch.nn.utils.clip_grad_norm_'s formula: coefficient min(1, max_norm / (norm + 1e-6))."""
+        if self._skip_step:
+            return float("inf")
+        grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
+        # float64 squares: a ZeRO-1 shard is one long vector, and fp32 summation over
+        # 10^5+ elements drifts by ~1e-5 relative
+        sq = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+        if self.zero_stage > 0:  # each rank holds a slice: sum the squares (DDP's grads are replicated)
+            self.collectives.all_reduce(sq, self.group, op="sum")
+        norm = sq.sqrt().float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return norm.item()
+
+    @torch.no_grad()
+    def grad_square_sum(self, weight: Callable[[str], float]) -> torch.Tensor:
+        """Sum over this rank's gradients of weight(name) * |g|^2 (float64), after finish_gradients.
+
+        For a global norm over more axes than dp (pipeline stages, tensor shards): ZeRO >= 1 ranks
+        hold disjoint slices, so the caller sums this over dp; DDP replicas hold the same values.
+        `weight` lets a caller count a parameter replicated over the tensor group once (1/tp)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        if self.zero_stage == 0:
+            for n, p in self._params.items():
+                g = (self._masters[n] if self.precision.mixed else p).grad
+                if g is not None:
+                    sq += weight(n) * torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+            return sq
+        for f in self._flats:
+            if f.shard.grad is None:
+                continue
+            lo, _ = f.layout.shard_range(self.rank)
+            offsets = dict(zip(f.layout.names, f.layout.offsets))
+            for n, a, b in f.layout.owned_pieces(self.rank):
+                piece = f.shard.grad[offsets[n] + a - lo: offsets[n] + b - lo]
+                sq += weight(n) * torch.linalg.vector_norm(piece, dtype=torch.float64) ** 2
+        return sq
+
+    @torch.no_grad()
+    def scale_grads_(self, coef: torch.Tensor) -> None:
+        """Multiply every gradient the optimizer will step by coef (clipping across groups)."""
+        for p in self.optimizer_params():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """After optimizer.step(): ZeRO-1/2 all-gather the shards into the replicated parameters;
+        mixed-precision DDP copies the masters into the 16-bit parameters; ZeRO-3 only releases a
+        unit left gathered (none in a normal step)."""
+        if self.zero_stage == 0 and self.precision.mixed:
+            for n, m in self._masters.items():
+                self._params[n].copy_(m)
+        elif self.zero_stage in (1, 2):
+            for f in self._flats:
+                inp = f.shard.detach().to(self._dtype, copy=True)  # the fp32 shard views the output
+                self.collectives.all_gather(f.params, inp, self.group)
+        elif self.zero_stage == 3:
+            for u in self._units:
+                self._reshard(u)
+
+    def zero_grad(self) -> None:
+        """Drop gradients (waits for any reduction still in flight, so ranks stay in step)."""
+        for b in self._buckets:
+            self._wait_bucket(b)
+        for f in self._flats:
+            self._drain(f)
+            if self.zero_stage == 2:
+                f.grad = None
+        for p in [*self.optimizer_params(), *self._params.values()]:
+            p.grad = None
+        self._cycle_open = False
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective. Full fp32 parameters and the buffers under model.state_dict()'s keys (tied
+        names share one tensor) on the group's first rank; None on the others."""
+        values: dict[str, torch.Tensor] = {}
+        if self.zero_stage == 0:
+            for n, p in self._params.items():
+                values[n] = self._masters.get(n, p).detach().float().clone()
+        else:
+            for f in self._flats:
+                full = torch.empty(f.layout.padded_numel, dtype=torch.float32)
+                self.collectives.all_gather(full, f.shard.detach(), self.group)
+                values.update(zip(f.layout.names, f.layout.views(full)))
+        if self.rank != 0:
+            return None
+        return {k: values[self._alias[k]] if k in self._alias else self.module.get_buffer(k).detach().clone()
+                for k in self._state_keys}
+
+    def master_pieces(self) -> list[tuple[torch.Tensor, tuple[tuple[str, tuple[int, ...], int, int, int], ...]]]:
+        """What a checkpoint saves and loads: each tensor holding this rank's authoritative parameter values
+        (what the optimizer steps: fp32 masters or flat shards; frozen parameters at stage 0 too), with the
+        (name, parameter shape, start, stop, offset) ranges it holds: elements [start, stop) of the named
+        parameter's flattening live at [offset, offset + stop - start) of the tensor's flattening."""
+        if self.zero_stage > 0:
+            out = []
+            for f in self._flats:
+                lo, _ = f.layout.shard_range(self.rank)
+                shape, off = dict(zip(f.layout.names, f.layout.shapes)), dict(zip(f.layout.names, f.layout.offsets))
+                out.append((f.shard, tuple((n, shape[n], a, b, off[n] + a - lo)
+                                           for n, a, b in f.layout.owned_pieces(self.rank))))
+            return out
+        return [(self._masters.get(n, p), ((n, tuple(p.shape), 0, p.numel(), 0),)) for n, p in self._params.items()]
+
+    def state_keys(self) -> dict[str, str]:
+        """model.state_dict()'s keys (taken at construction, before ZeRO-3 removed the parameters) -> the name
+        each one's tensor is saved under (tied aliases -> their first name; buffers -> themselves)."""
+        return {k: self._alias.get(k, k) for k in self._state_keys}
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """After the tensors of `master_pieces` were overwritten (a checkpoint loaded): bring the parameters the
+        forward reads up to date, as after an optimizer step (ZeRO-3 gathers from the shards on use anyway)."""
+        if self.zero_stage in (0, 1, 2):
+            self.after_step()
+
+    def compression_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's gradient-compression state (step count, residuals, PowerSGD factors): tensors only."""
+        return self.reducer.state_dict()
+
+    def load_compression_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Restore `compression_state_dict()`; residuals saved under another group size are dropped
+        with a warning."""
+        self.reducer.load_state_dict(sd)
+
+    def held_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds now: parameters (model, masters, flat buffers), gradients and
+        optimizer state (pass the optimizer), each storage counted once, plus their total."""
+        seen: set[int] = set()
+
+        def total(tensors) -> int:
+            out = 0
+            for t in tensors:
+                if t is None or t.device.type == "meta":
+                    continue
+                s = t.untyped_storage()
+                if s.nbytes() and s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    out += s.nbytes()
+            return out
+
+        opt_params = self.optimizer_params()
+        params = total([*self.module.parameters(), *opt_params, *(f.params for f in self._flats)])
+        grads = total([*(p.grad for p in [*self.module.parameters(), *opt_params]),
+                       *(f.grad for f in self._flats),
+                       *(t for f in self._flats for _, out, inp in f.pending for t in (out, inp))])
+        state = 0
+        if optimizer is not None:
+            state = total(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state}
+
+    def __str__(self) -> str:
+        what = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[self.zero_stage]
+        groups = self.units if self.zero_stage == 3 else self.buckets
+        kind = "units" if self.zero_stage == 3 else "buckets"
+        return (f"DataParallel({what}, dp={self.world}, rank {self.rank}, {self.precision.name}, "
+                f"{len(groups)} {kind}: {[len(g) for g in groups]} params)")
+
+    # ---- backward bookkeeping (all stages) ------------------------------------------------
+    def _begin_backward(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if not self._cycle_open:
+            self._open_cycle()
+
+    def _open_cycle(self) -> None:
+        for f in self._flats:
+            if self.zero_stage in (0, 1):
+                f.grad.zero_()
+            f.fresh = True
+        self._cycle_open = True
+
+    def _end_backward(self) -> None:
+        """Runs once at the end of every backward: reduce what no hook launched, in index order."""
+        self._in_backward = False
+        if self.zero_stage == 3:
+            for u in self._units:
+                if not u.reduced:  # unused in this backward: every rank still issues its reduce-scatter
+                    self._reduce(u, torch.zeros(u.flat.layout.padded_numel))
+                u.reduced = False
+                self._reshard(u)
+            return
+        if self.zero_stage == 2 or self._require_sync:
+            while self._next < len(self._buckets):
+                self._launch(self._buckets[self._next])
+                self._next += 1
+        self._next = 0
+        for b in self._buckets:
+            b.ready.clear()
+
+    # ---- stages 0-2: gradient buckets ------------------------------------------------------
+    @torch.no_grad()
+    def _on_grad(self, name: str, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: move p.grad (upcast to fp32) into its bucket; launch ready buckets."""
+        self._begin_backward()
+        g, p.grad = p.grad, None
+        f, off, numel = self._slot[name]
+        b = self._bucket_of[name]
+        if self.zero_stage == 2 and f.grad is None:
+            f.grad = torch.zeros(f.layout.padded_numel)
+        self._wait_bucket(b)  # an earlier synced backward's all-reduce of this buffer (linear: safe to add after)
+        f.grad[off:off + numel].add_(g.reshape(-1))
+        b.dirty = True
+        if self.zero_stage == 2 or self._require_sync:
+            b.ready.add(name)
+            buckets = self._buckets  # launched in index order, so every rank issues the same sequence
+            while self._next < len(buckets) and buckets[self._next].ready == set(buckets[self._next].names):
+                self._launch(buckets[self._next])
+                self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        f = b.flat
+        b.dirty = False
+        if self.zero_stage in (0, 1):
+            if not self.reducer.compressing:
+                b.work = self.collectives.all_reduce(f.grad[b.lo:b.hi], self.group, op="avg", async_op=True)
+            else:  # synchronous: compressed reductions do not overlap backward yet
+                shapes = [tuple(self._params[n].shape) for n in b.names]
+                self.reducer.all_reduce_mean_(f.grad[b.lo:b.hi], _key(b.names), shapes)
+            return
+        self._drain_all()  # at most one reduce-scatter in flight
+        inp = f.grad if f.grad is not None else torch.zeros(f.layout.padded_numel)
+        f.grad = None
+        self._reduce_scatter(f, inp)
+
+    def _wait_bucket(self, b: _Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+
+    # ---- reduce-scatter into shards (stages 2 and 3) --------------------------------------
+    def _reduce_scatter(self, f: _Flat, inp: torch.Tensor) -> None:
+        if self.reducer.compressing:
+            f.pending.append((None, self.reducer.reduce_scatter_mean(inp, _key(f.layout.names)), inp))
+            return
+        out = torch.empty(f.layout.shard_numel)
+        work = self.collectives.reduce_scatter(out, inp, self.group, op="avg", async_op=True)
+        f.pending.append((work, out, inp))
+
+    def _drain_all(self) -> None:
+        """Wait for every reduce-scatter in flight (FSDP2 keeps one in flight too): each holds its bucket's or
+        unit's full fp32 gradient until waited for, so letting them pile up over a backward would hold the
+        whole gradient, which ZeRO-2/3 exist not to do."""
+        for f in self._flats:
+            if f.pending:
+                self._drain(f)
+
+    def _drain(self, f: _Flat) -> None:
+        """Wait for f's reduce-scatters and add them into the shard's gradient."""
+        for work, out, _ in f.pending:
+            if work is not None:
+                work.wait()
+            if f.fresh or f.shard.grad is None:
+                f.shard.grad, f.fresh = out, False
+            else:
+                f.shard.grad.add_(out)
+        f.pending.clear()
+
+    # ---- stage 3: units gathered just in time ----------------------------------------------
+    def _gather(self, u: _Unit, *, async_op: bool) -> None:
+        if u.state != _FREE:
+            return
+        full = u.flat.params
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        if self.reducer.quantized_weights:  # int8 codes and scales on the wire, decoded on wait
+            u.gather_inp = None
+            u.work = quantized_all_gather(full.data, u.flat.shard.detach(), self.group, self.collectives,
+                                          async_op=async_op)
+        else:
+            u.gather_inp = u.flat.shard.detach().to(self._dtype)  # 16-bit: gather half the bytes
+            # .data: the saved views of this buffer must not see a version bump from the refill
+            u.work = self.collectives.all_gather(full.data, u.gather_inp, self.group, async_op=async_op)
+        u.state = _GATHERING if async_op else _GATHERED
+        if not async_op:
+            u.work, u.gather_inp = None, None
+
+    def _wait_gather(self, u: _Unit) -> None:
+        if u.state == _GATHERING:
+            u.work.wait()
+            u.work, u.gather_inp, u.state = None, None, _GATHERED
+
+    def _reshard(self, u: _Unit) -> None:
+        if u.state == _FREE:
+            return
+        self._wait_gather(u)
+        u.flat.params.untyped_storage().resize_(0)
+        u.state = _FREE
+        self._install_placeholders(u)
+
+    def _install_placeholders(self, u: _Unit) -> None:
+        for mod, attr, k in u.slots:
+            mod.__dict__[attr] = torch.empty(u.flat.layout.shapes[k], dtype=self._dtype, device="meta")
+        u.installed = False
+
+    def _use(self, u: _Unit, module=None, args=None) -> None:
+        """Forward pre-hook: make u gathered, install its views, prefetch the next unit."""
+        if u.state != _GATHERED:
+            self._gather(u, async_op=False)
+            self._wait_gather(u)
+        if u.views_for != self._forward_id:
+            u.views_for = self._forward_id
+            self._fwd_order.append(u.index)
+            order = self._fwd_order_prev
+            if u.index in order and order.index(u.index) + 1 < len(order):
+                self._gather(self._units[order[order.index(u.index) + 1]], async_op=True)
+            u.views = u.flat.layout.split(u.flat.params)  # one split: one flat gradient for the unit
+        elif u.installed:
+            return
+        for mod, attr, k in u.slots:  # also when recomputed in backward (activation checkpointing)
+            mod.__dict__[attr] = u.views[k]
+        u.installed = True
+
+    def _after_forward(self, u: _Unit, module, args, output) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside backward (activation checkpointing): its backward follows
+        needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        if torch.is_grad_enabled() and needs_grad:
+            for t in needs_grad:
+                t.register_hook(functools.partial(self._before_backward, u))
+            if u.keep:
+                return
+        self._reshard(u)
+
+    def _before_backward(self, u: _Unit, grad=None) -> None:
+        """Hook on the gradient of u's module output: gather u for its backward, prefetch the previous unit."""
+        self._begin_backward()
+        if u.state == _FREE:
+            self._gather(u, async_op=False)
+        self._wait_gather(u)
+        # prefetch the unit whose backward comes next: the last one before u in forward order
+        # (for a root unit, which starts backward first: the last one of the forward)
+        order = self._fwd_order
+        if not u.keep and u.index in order:
+            order = order[:order.index(u.index)]
+        for j in reversed(order):
+            if j != u.index and self._units[j].state == _FREE and not self._units[j].reduced:
+                self._gather(self._units[j], async_op=True)
+                break
+
+    @torch.no_grad()
+    def _after_backward(self, u: _Unit, full: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of u's gathered buffer: reduce-scatter its gradient (fp32), free it."""
+        self._begin_backward()
+        g, full.grad = full.grad, None
+        self._reduce(u, g.float())
+        self._reshard(u)
+
+    def _reduce(self, u: _Unit, g: torch.Tensor) -> None:
+        self._drain_all()  # at most one reduce-scatter in flight
+        self._reduce_scatter(u.flat, g)
+        u.reduced = True
+
+    # ---- root hooks -----------------------------------------------------------------------
+    def _root_pre_forward(self, module, args, kwargs):
+        if self.zero_stage == 0:
+            for p in self._params.values():
+                p.grad = None  # DDP's exposed grads view the buckets: autograd must not accumulate into them
+        if self.zero_stage == 3:
+            self._forward_id += 1
+            if self._fwd_order:
+                self._fwd_order_prev = self._fwd_order
+            self._fwd_order = []
+        if self.precision.mixed:
+            return cast_floating(args, self._dtype), cast_floating(kwargs, self._dtype)
+        return None
+
+    def _root_post_forward(self, module, args, output):
+        if self.scaler is None or not torch.is_grad_enabled():
+            return None
+        return scale_grad(output, self.scaler)  # fp16: the loss scale enters at the caller's boundary
+
+    # ---- fp16 -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _unscale(self) -> None:
+        params = [p for p in self.optimizer_params() if p.grad is not None]
+        found = torch.zeros(())
+        for p in params:
+            p.grad.mul_(1.0 / self.scaler.scale)
+            found = torch.maximum(found, (~torch.isfinite(p.grad)).any().float())
+        self.collectives.all_reduce(found, self.group, op="max")
+        self._skip_step = bool(found.item())
+        self.scaler.update(found_inf=self._skip_step)
+        if self._skip_step:
+            for p in params:
+                p.grad = None  # torch.optim skips parameters without a gradient: the step is a no-op
+
+
+def _key(names: Sequence[str]) -> str:
+    """A stable name for the gradients of these parameters (residuals survive restarts and re-bucketing
+    that keeps the same parameters together, unlike a bucket index)."""
+    return f"{names[0]}..{names[-1]}[{len(names)}]"

@@ -1,0 +1,71 @@
+"""`Trainer`: run a plan inside your own training loop (under torchrun, mpirun or SLURM).
+
+    trainer = Trainer(plan, model_fn, optimizer_fn, loss_fn)   # plan: a Plan or a directory from write_programs
+    for batch in loader:                                       # global batches: (inputs, targets)
+        loss = trainer.step(batch)
+    full = trainer.state_dict()                                # on rank 0; None elsewhere
+
+The process group is initialised from the launcher's environment when it is
+not already. The trainer executes this rank's generated program; the runtime
+never imports the planner: a Plan object is asked for its program (its own
+method), a directory is read from disk.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from runtime.launch.env import LaunchError, backend, discover
+from runtime.launch.rendezvous import rendezvous_store
+
+__all__ = ["Trainer", "program_source"]
+
+
+def program_source(plan: Any, rank: int) -> tuple[str, int]:
+    """(source of rank's program, the plan's world size) from a Plan object or a programs directory."""
+    if isinstance(plan, (str, Path)):
+        d = Path(plan)
+        d = d.parent if d.is_file() else d
+        meta = d / "plan.json"
+        src = d / f"rank_{rank}.py"
+        if not meta.is_file() or not src.is_file():
+            raise LaunchError(f"{d}: expected plan.json and rank_{rank}.py written by plan.write_programs(DIR) "
+                              "(or `partitioner compile ... --programs DIR`)")
+        return src.read_text(), int(json.loads(meta.read_text())["world_size"])
+    return plan.program(rank).source, int(plan.world_size)
+
+
+class Trainer:
+    def __init__(self, plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable, *,
+                 timeout_s: float = 600):
+        if not dist.is_initialized():
+            env, timeout = discover(), datetime.timedelta(seconds=timeout_s)
+            # not init_method="tcp://...": rank 0's store would listen on every interface (runtime.launch.rendezvous)
+            dist.init_process_group(backend(), store=rendezvous_store(env, timeout), rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        source, plan_world = program_source(plan, rank)
+        if plan_world != world:
+            raise LaunchError(f"the plan is for {plan_world} ranks, but this job has {world}; "
+                              f"compile a plan for {world} devices or launch {plan_world} processes")
+        ns: dict = {"__name__": f"rank_{rank}"}
+        exec(compile(source, f"<rank_{rank}.py>", "exec"), ns)  # noqa: S102 - the plan's generated program
+        self.runner = ns["build"](model_fn, optimizer_fn, loss_fn)
+        self.rank = rank
+
+    def step(self, batch) -> float:
+        """One optimizer step on a global batch; returns the global mean loss."""
+        return self.runner.step(batch)
+
+    def predict(self, inputs):
+        """Inference under the plan (no gradients)."""
+        return self.runner.predict(inputs)
+
+    def state_dict(self):
+        """The full trained parameters under the model's names on rank 0 (a collective: call on every rank)."""
+        return self.runner.full_state_dict()

@@ -1,0 +1,9 @@
+"""Pipeline stages and their tensor slices: what pipeline, tensor-parallel and 3D programs run.
+
+- `runner.py` (read first): `PipelineRunner`, one step of a pipeline plan on this rank;
+- `executor.py`: runs the schedule's action list (forward, backward, send, receive per microbatch);
+- `stage.py`: `StageModel`, the generated segment functions of this stage over the rank's slice of the
+  model's parameters;
+- `tensor_parallel.py`: the tensor group's collectives inside stage code (Megatron's f and g, the
+  vocab-parallel embedding and cross entropy) and parameter sharding by placement.
+"""

@@ -1,0 +1,418 @@
+"""The pipeline executor: runs one pipeline rank's instruction list.
+
+A schedule (GPipe, 1F1B, interleaved 1F1B) arrives as data: this rank's
+ordered actions, each with `.op`, `.stage`, `.microbatch` (the planner's
+`Action`, whose op is an enum with `.value`), or their compact strings
+("2SEND_F0"). The runtime never imports the planner (shared/DESIGN.md), so
+it reads actions by duck typing and parses strings itself. Semantics, as in
+`partitioner/planner/schedule.py`:
+
+  sF i       forward of stage s on microbatch i; keeps input and output for B
+  sB i       backward: the last stage backprops loss_fn(out, target) / m,
+             other stages the received gradient of their output; the input
+             gradient is kept for SEND_B; the microbatch's tensors are freed
+  sSEND_F i  send stage s's output to stage s + 1 (non-blocking)
+  sRECV_F i  post the receive of stage s's input from stage s - 1
+  sSEND_B i  send the gradient of stage s's input to stage s - 1 (non-blocking)
+  sRECV_B i  post the receive of the gradient of stage s's output from s + 1
+  sGRAD_SYNC / sOPTIM: call `grad_sync(s)` / `optim(s)`
+
+Receives are posted at their RECV and waited right before the compute that
+needs them; sends keep their tensor and Work handle until completed (all are
+waited before `run` returns). Neighbouring stages on the same rank (pp = 1
+with several virtual stages) hand tensors over in memory, without messages.
+
+Tags. Gloo matches point-to-point messages by (source, tag) only
+(shared/TORCH-NOTES.md), so every message of a step has its own tag, named
+after the *sending* stage s, the microbatch i and the kind k:
+
+    tag = 3 * (i * num_stages + s) + k,  k = 0 activation, 1 its shape header, 2 gradient
+
+An activation goes from s to s + 1 and a gradient from s to s - 1, so
+(s, i, k) names one edge, one microbatch, one direction. Tags repeat across
+steps; messages with one (source, tag) arrive in order, and a step's
+receives are posted after the previous step's, so step k never takes step
+k + 1's message.
+
+Shapes. A receive needs its buffer's shape and dtype. `activation_shape(s,
+i)` gives those of stage s's input on microbatch i; without it each
+activation is preceded by a small int64 header message (dtype code, ndim,
+dims; tag kind 1), which the shim counts as one more send and receive. A
+gradient has its output's shape and dtype, which this rank knows.
+
+>>> ex = PipelineExecutor(actions=["0F0", "0B0", "0GRAD_SYNC", "0OPTIM"],  # one stage, one rank
+...                       stages={0: torch.nn.Linear(2, 1)}, num_stages=1, stage_to_rank=lambda s: 0,
+...                       collectives=None, loss_fn=torch.nn.functional.mse_loss, num_microbatches=1)
+>>> isinstance(ex.run([torch.ones(1, 2)], [torch.zeros(1, 1)]), float)
+True
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import itertools
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = ["Instr", "PipelineError", "PipelineExecutor", "message_tag", "parse_action", "split_sequential"]
+
+_OPS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "GRAD_SYNC", "OPTIM")
+_STAGE_OPS = ("GRAD_SYNC", "OPTIM")
+_ACTION_RE = re.compile(r"(\d+)(GRAD_SYNC|SEND_F|RECV_F|SEND_B|RECV_B|OPTIM|F|B)(\d*)")
+_ACTIVATION, _HEADER, _GRADIENT = 0, 1, 2      # message kinds, the k of the tag formula
+_MAX_DIMS = 8                                   # the shape header holds dtype code, ndim, 8 dims
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int8, torch.uint8, torch.bool)
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed: a receive timed out, or the list asked for something not there."""
+
+
+class Instr(NamedTuple):
+    """One action as the runtime reads it: op spelling ("F", "SEND_B", ...), stage, microbatch."""
+
+    op: str
+    stage: int
+    microbatch: int | None
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op}{'' if self.microbatch is None else self.microbatch}"
+
+
+def parse_action(action: Any) -> Instr:
+    """An `Instr` from a string like "2SEND_F0" or an object with `.op`, `.stage`, `.microbatch`.
+
+    >>> parse_action("2SEND_F0")
+    Instr(op='SEND_F', stage=2, microbatch=0)
+    >>> str(parse_action("1GRAD_SYNC"))
+    '1GRAD_SYNC'
+    """
+    if isinstance(action, str):
+        match = _ACTION_RE.fullmatch(action.strip())
+        if match is None or (match.group(2) in _STAGE_OPS) != (match.group(3) == ""):
+            raise ValueError(f"cannot parse pipeline action {action!r}: expected <stage><op><microbatch> "
+                             f"with op one of F, B, SEND_F, RECV_F, SEND_B, RECV_B (e.g. '3SEND_B12'), "
+                             f"or <stage>GRAD_SYNC / <stage>OPTIM")
+        stage, op, mb = match.groups()
+        return Instr(op, int(stage), int(mb) if mb else None)
+    try:
+        op, stage, mb = action.op, action.stage, action.microbatch
+    except AttributeError:
+        raise TypeError(f"pipeline action {action!r} is neither a string like '2F0' nor an object with "
+                        f".op, .stage and .microbatch") from None
+    op = getattr(op, "value", op)
+    if op not in _OPS or not isinstance(stage, int) or stage < 0 or \
+            (mb is not None and (not isinstance(mb, int) or mb < 0)) or ((op in _STAGE_OPS) != (mb is None)):
+        raise ValueError(f"pipeline action {action!r} is malformed: op must be one of {', '.join(_OPS)}, "
+                         f"stage an int >= 0, microbatch an int >= 0 (None exactly for GRAD_SYNC and OPTIM)")
+    return Instr(op, stage, mb)
+
+
+def message_tag(sender_stage: int, microbatch: int, kind: int, num_stages: int) -> int:
+    """The tag of a message from `sender_stage` (kind 0 activation, 1 its header, 2 gradient).
+
+    >>> message_tag(2, 0, 0, num_stages=4), message_tag(3, 0, 2, num_stages=4), message_tag(0, 1, 0, 4)
+    (6, 11, 12)
+    """
+    return 3 * (microbatch * num_stages + sender_stage) + kind
+
+
+def split_sequential(model: nn.Sequential, bounds: Sequence[int]) -> list[nn.Sequential]:
+    """Cut `model` into stages: stage j holds modules bounds[j] .. bounds[j + 1] - 1.
+
+    `bounds` runs from 0 to len(model), strictly increasing (len(bounds) - 1
+    stages). The stages share the model's submodules (no copies; the model
+    is not changed) and keep their names, so a stage's state_dict keys are
+    the model's.
+
+    >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    >>> [list(dict(s.named_children())) for s in split_sequential(m, [0, 2, 3])]
+    [['0', '1'], ['2']]
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"split_sequential takes an nn.Sequential, got {type(model).__name__}")
+    bounds, n = list(bounds), len(model)
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n or any(a >= b for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"bounds={bounds} must run from 0 to len(model)={n}, strictly increasing, e.g. "
+                         f"[0, {n // 2}, {n}] for two stages")
+    items = list(model.named_children())
+    return [nn.Sequential(collections.OrderedDict(items[a:b])) for a, b in itertools.pairwise(bounds)]
+
+
+def _call(module: Callable, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return module(*inputs)
+    return module(inputs)
+
+
+class PipelineExecutor:
+    """Runs this rank's instruction list once per `run` (one training step).
+
+    actions: this rank's ordered actions (Action-like objects or strings).
+    stages: this rank's virtual stages, stage index -> module (or callable)
+        taking the previous stage's output tensor (stage 0: the microbatch
+        input; a tuple/list is unpacked, a dict passed as keywords) and
+        returning one tensor.
+    num_stages: virtual stages of the whole pipeline.
+    stage_to_rank: the global rank holding a virtual stage (in this replica).
+    collectives: a `runtime.comm.collectives.Collectives`; every message goes
+        through it (None only when no action sends or receives).
+    loss_fn: loss_fn(last stage's output, target) -> scalar loss of one microbatch.
+    num_microbatches: m; each microbatch's loss is divided by m.
+    group: the process group of the messages (None: the world); ranks are global.
+    grad_sync, optim: called with the stage index at GRAD_SYNC / OPTIM. The
+        executor never zeroes gradients: `optim` (or the caller) does.
+    activation_shape: (stage, microbatch) -> (shape, dtype) of the stage's
+        received input; None: a header message precedes each activation.
+    timeout: how long a receive may wait before PipelineError (None: the
+        process group's timeout).
+    feed_inputs: call every stage as stage(x, model inputs of the microbatch)
+        (stage 0 with x None), for stages that read the model's inputs (labels,
+        masks); every rank then passes microbatches_in.
+    """
+
+    def __init__(self, *, actions: Sequence[Any], stages: dict[int, Callable], num_stages: int,
+                 stage_to_rank: Callable[[int], int], collectives, loss_fn: Callable,
+                 num_microbatches: int, group=None, grad_sync: Callable[[int], None] | None = None,
+                 optim: Callable[[int], None] | None = None,
+                 activation_shape: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]] | None = None,
+                 timeout: datetime.timedelta | None = None, feed_inputs: bool = False):
+        self.actions = tuple(parse_action(a) for a in actions)
+        self.stages, self.num_stages, self.m = dict(stages), num_stages, num_microbatches
+        self.stage_to_rank, self.collectives, self.loss_fn, self.group = stage_to_rank, collectives, loss_fn, group
+        self.grad_sync, self.optim, self.activation_shape, self.timeout = grad_sync, optim, activation_shape, timeout
+        self.feed_inputs = feed_inputs
+        self._check()
+        self._reset()
+
+    def _check(self) -> None:
+        S, m = self.num_stages, self.m
+        for i, a in enumerate(self.actions):
+            where = f"action {i} ({a})"
+            if a.stage not in self.stages:
+                raise ValueError(f"{where} runs stage {a.stage}, but this rank holds stages "
+                                 f"{sorted(self.stages)}: pass its module in `stages` or fix the list")
+            if a.stage >= S or (a.microbatch is not None and a.microbatch >= m):
+                raise ValueError(f"{where} is out of range: stages 0..{S - 1}, microbatches 0..{m - 1}")
+            peer = {"SEND_F": a.stage + 1, "RECV_F": a.stage - 1, "SEND_B": a.stage - 1,
+                    "RECV_B": a.stage + 1}.get(a.op)
+            if peer is not None:
+                if not 0 <= peer < S:
+                    raise ValueError(f"{where} has no peer: stage {peer} does not exist (stage 0 sends no "
+                                     f"input gradient, the last stage no output)")
+                if peer in self.stages:
+                    raise ValueError(f"{where} names stage {peer}, which is on this rank: neighbouring "
+                                     f"stages on one rank hand tensors over without messages; drop it")
+                if self.collectives is None:
+                    raise ValueError(f"{where} is a message, so pass collectives=runtime.comm.collectives.Collectives()")
+
+    def _reset(self) -> None:
+        self._inputs: dict[tuple[int, int], Any] = {}        # (stage, mb) -> forward input
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_out: dict[tuple[int, int], torch.Tensor] = {}   # gradient of a stage's output
+        self._grad_in: dict[tuple[int, int], torch.Tensor | None] = {}  # gradient of its input, for SEND_B
+        self._recvs: dict[tuple[str, int, int], tuple[Any, torch.Tensor, int]] = {}  # (op, s, mb) -> work, buf, step
+        self._sends: list[tuple[Any, torch.Tensor, int, int]] = []  # work, tensor kept alive, step, peer stage
+
+    def held(self) -> list[tuple[int, int]]:
+        """(stage, microbatch) pairs whose forward state is held, i.e. forward run and backward not yet."""
+        return sorted(self._outputs)
+
+    # ---- messages ---------------------------------------------------------------------------------
+    def _wait(self, work, step: int, peer_stage: int, waiting_step: int | None = None) -> None:
+        """Wait for the message of action `step`; `waiting_step` is the compute that needs it."""
+        a = self.actions[step]
+        at = f"pipeline action {step} ({a})" if waiting_step in (None, step) else \
+            f"pipeline action {waiting_step} ({self.actions[waiting_step]}), waiting for action {step} ({a}),"
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        except RuntimeError as e:
+            rank = self.stage_to_rank(peer_stage)
+            raise PipelineError(
+                f"{at} failed waiting on stage {peer_stage} (rank {rank}): {e}. "
+                f"A timeout here means the ranks' instruction lists deadlock (each waits for a message "
+                f"the other sends later; check them with partitioner.planner.schedule.validate) or the peer "
+                f"died; after this error the process group is unusable") from e
+
+    def _send(self, t: torch.Tensor, step: int, peer_stage: int, tag: int) -> None:
+        t = t.detach().contiguous()
+        work = self.collectives.send(t, self.stage_to_rank(peer_stage), tag=tag, group=self.group)
+        self._sends.append((work, t, step, peer_stage))
+        pending = []
+        for entry in self._sends:   # release delivered buffers; wait() raises a failed send's error
+            if entry[0].is_completed():
+                self._wait(entry[0], entry[2], entry[3])
+            else:
+                pending.append(entry)
+        self._sends = pending
+
+    def _post_recv(self, a: Instr, step: int) -> None:
+        s, i = a.stage, a.microbatch
+        if a.op == "RECV_F":
+            if self.activation_shape is not None:
+                shape, dtype = self.activation_shape(s, i)
+            else:
+                header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+                tag = message_tag(s - 1, i, _HEADER, self.num_stages)
+                self._wait(self.collectives.recv(header, self.stage_to_rank(s - 1), tag=tag, group=self.group),
+                           step, s - 1)
+                ndim = int(header[1])
+                shape, dtype = tuple(header[2:2 + ndim].tolist()), _DTYPES[int(header[0])]
+            buf = torch.empty(shape, dtype=dtype)
+            tag, peer = message_tag(s - 1, i, _ACTIVATION, self.num_stages), s - 1
+        else:  # RECV_B: the gradient of this stage's output, shaped like it
+            out = self._outputs.get((s, i))
+            if out is None:
+                raise PipelineError(f"pipeline action {step} ({a}) receives the gradient of {s}F{i}'s output, "
+                                    f"but {s}F{i} has not run on this rank: put the forward first")
+            buf = torch.empty_like(out, memory_format=torch.contiguous_format)
+            tag, peer = message_tag(s + 1, i, _GRADIENT, self.num_stages), s + 1
+        work = self.collectives.recv(buf, self.stage_to_rank(peer), tag=tag, group=self.group)
+        self._recvs[(a.op, s, i)] = (work, buf, step)
+
+    def _take_recv(self, op: str, s: int, i: int, peer: int, now: int) -> torch.Tensor | None:
+        posted = self._recvs.pop((op, s, i), None)
+        if posted is None:
+            return None
+        work, buf, step = posted
+        self._wait(work, step, peer, now)
+        return buf
+
+    # ---- compute ----------------------------------------------------------------------------------
+    def _forward(self, a: Instr, step: int, microbatches_in) -> None:
+        s, i = a.stage, a.microbatch
+        if s == 0:
+            if microbatches_in is None:
+                raise ValueError("this rank holds stage 0: pass run(microbatches_in=[...])")
+            x = microbatches_in[i]
+        else:
+            x = self._take_recv("RECV_F", s, i, s - 1, step)
+            if x is None:
+                x = self._inputs.pop((s, i), None)   # handed over by stage s - 1 on this rank
+            if x is None:
+                raise PipelineError(f"pipeline action {step} ({a}) has no input: add {s}RECV_F{i} before it, "
+                                    f"or run {s - 1}F{i} first when stage {s - 1} is on this rank")
+            x = x.detach().requires_grad_(x.is_floating_point())
+        if self.feed_inputs:  # stage(x, the microbatch's model inputs); stage 0: x is None
+            out = self.stages[s](None if s == 0 else x, microbatches_in[i])
+        else:
+            out = _call(self.stages[s], x)
+        if s < self.num_stages - 1 and not isinstance(out, torch.Tensor):
+            # the last stage's output goes to loss_fn, in whatever structure the model returns
+            raise TypeError(f"stage {s} returned {type(out).__name__}; pipeline stages before the last must "
+                            "return one tensor")
+        self._inputs[(s, i)], self._outputs[(s, i)] = x, out
+        if s + 1 in self.stages:
+            self._inputs[(s + 1, i)] = out.detach()
+
+    def _backward(self, a: Instr, step: int, targets) -> torch.Tensor | None:
+        s, i = a.stage, a.microbatch
+        out, x = self._outputs.pop((s, i), None), self._inputs.pop((s, i), None)
+        if out is None:
+            raise PipelineError(f"pipeline action {step} ({a}) runs before its forward {s}F{i} on this rank")
+        loss = None
+        if s == self.num_stages - 1:
+            if targets is None:
+                raise ValueError(f"this rank holds the last stage {s}: pass run(targets=[...])")
+            loss = self.loss_fn(out, targets[i]) / self.m
+            # the loss keeps what its backward needs (a cross-entropy its log-softmax, not the logits):
+            # holding the output through the backward would keep one more output-sized tensor at the peak
+            del out
+            loss.backward()
+        else:
+            grad = self._take_recv("RECV_B", s, i, s + 1, step)
+            if grad is None:
+                grad = self._grad_out.pop((s, i), None)
+            if grad is None:
+                raise PipelineError(f"pipeline action {step} ({a}) has no output gradient: add {s}RECV_B{i} "
+                                    f"before it, or run {s + 1}B{i} first when stage {s + 1} is on this rank")
+            torch.autograd.backward(out, grad)
+        if s > 0:
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            if s - 1 in self.stages:
+                self._grad_out[(s - 1, i)] = g
+            else:
+                self._grad_in[(s, i)] = g
+        return None if loss is None else loss.detach()
+
+    def _send_output(self, a: Instr, step: int) -> None:
+        s, i = a.stage, a.microbatch
+        out = self._outputs.get((s, i))
+        if out is None:
+            raise PipelineError(f"pipeline action {step} ({a}) sends the output of {s}F{i}, "
+                                f"which has not run (or was freed by {s}B{i}) on this rank")
+        if self.activation_shape is None:
+            if out.dim() > _MAX_DIMS or out.dtype not in _DTYPES:
+                raise TypeError(f"stage {s}'s output ({out.dtype}, {out.dim()} dims) does not fit the "
+                                f"shape header: pass activation_shape=")
+            header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)   # dtype code, ndim, dims
+            header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
+            header[2:2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
+            self._send(header, step, s + 1, message_tag(s, i, _HEADER, self.num_stages))
+        self._send(out, step, s + 1, message_tag(s, i, _ACTIVATION, self.num_stages))
+
+    def _send_input_grad(self, a: Instr, step: int) -> None:
+        s, i = a.stage, a.microbatch
+        if (s, i) not in self._grad_in:
+            raise PipelineError(f"pipeline action {step} ({a}) sends the input gradient of {s}B{i}, "
+                                f"which has not run on this rank")
+        self._send(self._grad_in.pop((s, i)), step, s - 1, message_tag(s, i, _GRADIENT, self.num_stages))
+
+    def _execute(self, a: Instr, step: int, microbatches_in, targets) -> torch.Tensor | None:
+        """Run one action; returns the microbatch loss (already / m) of a last-stage backward."""
+        if a.op == "F":
+            self._forward(a, step, microbatches_in)
+        elif a.op == "B":
+            return self._backward(a, step, targets)
+        elif a.op in ("RECV_F", "RECV_B"):
+            self._post_recv(a, step)
+        elif a.op == "SEND_F":
+            self._send_output(a, step)
+        elif a.op == "SEND_B":
+            self._send_input_grad(a, step)
+        elif a.op == "GRAD_SYNC" and self.grad_sync is not None:
+            self.grad_sync(a.stage)
+        elif a.op == "OPTIM" and self.optim is not None:
+            self.optim(a.stage)
+        return None
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def run(self, microbatches_in: list | None = None, targets: list | None = None) -> float | None:
+        """Run the instruction list once. Returns, on the rank holding the last
+        stage, the sum over microbatches of loss_fn(output, target) / m (the
+        mean microbatch loss: the full batch's mean loss for equal microbatches);
+        None on other ranks."""
+        for name, given, stage in (("microbatches_in", microbatches_in, 0),
+                                   ("targets", targets, self.num_stages - 1)):
+            if (stage in self.stages or (self.feed_inputs and name == "microbatches_in")) and \
+                    (given is None or len(given) != self.m):
+                raise ValueError(f"this rank holds stage {stage}: pass {name} as a list of "
+                                 f"num_microbatches={self.m} items, got {'None' if given is None else len(given)}")
+        self._reset()
+        total = None
+        try:
+            for step, a in enumerate(self.actions):
+                loss = self._execute(a, step, microbatches_in, targets)
+                if loss is not None:
+                    total = loss if total is None else total + loss
+            for work, _, step, peer in self._sends:
+                self._wait(work, step, peer)
+            left = sorted(self._outputs) + sorted(k[1:] for k in self._recvs) + sorted(self._grad_in)
+            if left:
+                raise PipelineError(f"the instruction list ended with work left for (stage, microbatch) "
+                                    f"{left[:4]}: a forward without backward, a receive nobody used, or "
+                                    f"an input gradient never sent")
+        finally:
+            self._reset()   # free every activation, also after an error
+        return None if total is None else total.item()

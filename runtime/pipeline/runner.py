@@ -1,0 +1,178 @@
+"""One training step of a pipeline / tensor-parallel / 3D rank.
+
+The generated program builds a `PipelineRunner` from the plan's numbers.
+A step takes this replica's rows of the global batch, cuts them into
+microbatches and runs this rank's instruction list (`PipelineExecutor`)
+under the data-parallel engine's `no_sync` (gradients accumulate over the
+microbatches, as in Megatron's pipeline). At the rank's last GRAD_SYNC the
+engine reduces over the replicas and the tied parameters (embedding and LM
+head on the first and last stage) are summed over their holders; at its
+last OPTIM the gradients are clipped by the global norm over every shard of
+every stage and slice, and the optimizer steps. The reported loss is the
+last stage's mean over microbatches, averaged over replicas, on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.comm.collectives import Collectives
+from runtime.pipeline.executor import PipelineExecutor
+from runtime.pipeline.stage import StageModel
+from runtime.engines.step import PeakHeld, replica_microbatches
+from runtime.pipeline.tensor_parallel import unshard_parameter
+
+__all__ = ["PipelineRunner"]
+
+
+class PipelineRunner:
+    """What a pipeline or tensor-parallel program's `build()` returns (the same contract as StepRunner)."""
+
+    def __init__(self, *, stage: StageModel, engine, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                 collectives: Collectives, groups, tie_group, tie_first: bool, actions: Sequence[str],
+                 num_stages: int, stage_ranks: Sequence[int], dp_rank: int, dp_size: int, tp_size: int,
+                 microbatch_size: int, num_microbatches: int, clip_grad_norm: float | None,
+                 placements: Mapping[str, tuple[str, int]], full_keys: Sequence[tuple[str, str]],
+                 mesh: Sequence[tuple[int, int, int, int]], program_hash: str,
+                 hidden_shape: Sequence[int | tuple[str, int]] | None = None, hidden_dtype: torch.dtype | None = None):
+        self.stage, self.engine, self.optimizer, self.loss_fn = stage, engine, optimizer, loss_fn
+        self.collectives, self.groups, self.tie_group, self.tie_first = collectives, groups, tie_group, tie_first
+        self.dp_rank, self.dp_size, self.tp_size = dp_rank, dp_size, tp_size
+        self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
+        self.clip_grad_norm, self.program_hash = clip_grad_norm, program_hash
+        self.placements, self.full_keys, self.mesh = dict(placements), tuple(full_keys), tuple(mesh)
+        self.num_stages = num_stages
+        mine = sorted(s for s in stage.stages)
+        self._local_stages = len(mine)
+        self.executor = PipelineExecutor(
+            actions=actions, stages={s: stage.stage_callable(s) for s in mine}, num_stages=num_stages,
+            stage_to_rank=lambda s: stage_ranks[s], collectives=collectives, loss_fn=loss_fn,
+            num_microbatches=num_microbatches, group=None, grad_sync=self._grad_sync, optim=self._optim,
+            feed_inputs=True, activation_shape=self._activation_shape if hidden_shape is not None else None)
+        self.hidden_shape, self.hidden_dtype = hidden_shape, hidden_dtype or torch.float32
+        self._xs: list[Any] = []
+        self.last_grad_norm: float | None = None
+        self._peak = PeakHeld()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self, batch: tuple[Any, Any]) -> float:
+        pairs = replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                     microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches)
+        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+        self._synced = self._stepped = 0
+        self._xs = xs
+        with self.engine.no_sync():
+            loss = self.executor.run(xs, ys if self.num_stages - 1 in self.stage.stages else None)
+        mean = torch.tensor([0.0 if loss is None else float(loss)])
+        if self.groups.pp is not None:  # only the last stage knows the loss
+            self.collectives.all_reduce(mean, self.groups.pp, op="sum")
+        if self.dp_size > 1:
+            self.collectives.all_reduce(mean, self.groups.dp, op="avg")
+        return float(mean.item())
+
+    def _activation_shape(self, s: int, i: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The hidden state's shape on microbatch i, from its inputs' sizes: no shape message needed."""
+        named = self.stage.named_inputs(self._xs[i])
+        shape = tuple(d if isinstance(d, int) else named[d[0]].shape[d[1]] for d in self.hidden_shape)
+        return shape, self.hidden_dtype
+
+    def _grad_sync(self, s: int) -> None:
+        self._synced += 1
+        if self._synced < self._local_stages:
+            return  # one reduction for all of this rank's virtual stages, at the last one's GRAD_SYNC
+        self.engine.finish_gradients()
+        for p in self.stage.tied.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self.tie_group is not None:
+                self.collectives.all_reduce(p.grad, self.tie_group, op="sum")
+            if self.dp_size > 1:
+                self.collectives.all_reduce(p.grad, self.groups.dp, op="avg")
+
+    def _optim(self, s: int) -> None:
+        self._stepped += 1
+        if self._stepped < self._local_stages:
+            return
+        if self.clip_grad_norm is not None:
+            self.last_grad_norm = self._clip(self.clip_grad_norm)
+        self.optimizer.step()
+        self._peak.note(self.held_bytes_now())
+        self.engine.after_step()
+        self.engine.zero_grad()
+        for p in self.stage.tied.values():
+            p.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float) -> float:
+        """torch's clip_grad_norm_ over the whole model: every parameter counted once, wherever it lives."""
+        def weight(name: str) -> float:  # a parameter replicated over the tensor group is counted once
+            return 1.0 if self.placements.get(name, ("R", 1))[0] != "R" else 1.0 / self.tp_size
+
+        sq = self.engine.grad_square_sum(weight)
+        if self.engine.zero_stage > 0 and self.dp_size > 1:
+            self.collectives.all_reduce(sq, self.groups.dp, op="sum")
+        if self.tie_first:  # a tied parameter is counted on its first holder only
+            for name, p in self.stage.tied.items():
+                sq += weight(name) * torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2
+        for g in (self.groups.tp, self.groups.pp):
+            if g is not None:
+                self.collectives.all_reduce(sq, g, op="sum")
+        norm = sq.sqrt().float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self.engine.scale_grads_(coef)
+        for p in self.stage.tied.values():
+            p.grad.mul_(coef)
+        return float(norm.item())
+
+    # ---- the program contract ------------------------------------------------------------------
+    def predict(self, inputs: Any) -> Any:
+        raise NotImplementedError("predict() under a pipeline or tensor-parallel plan needs a forward-only "
+                                  "schedule, which is not generated yet; run inference with a data-parallel plan "
+                                  "(pp=1, tp=1) or on the trained state_dict")
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective over the world: the full model's parameters and buffers on global rank 0."""
+        mine = self.engine.full_state_dict()
+        if mine is not None:
+            mine = dict(mine)
+            for n, p in self.stage.tied.items():
+                mine[n] = p.detach().float().clone()
+        parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(None if mine is None else (mine, self.placements), parts, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        coord = {r: (pp, dp, tp) for r, pp, dp, tp in self.mesh}
+        pieces: dict[str, dict[int, torch.Tensor]] = {}
+        placements: dict[str, tuple[str, int]] = {}  # each stage knows its own shards
+        for r, part in enumerate(parts):
+            if part is None or coord[r][1] != 0:
+                continue
+            for k, v in part[0].items():
+                pieces.setdefault(k, {})[coord[r][2]] = v
+            placements.update(part[1])
+        full: dict[str, torch.Tensor] = {}
+        for k, by_tp in pieces.items():
+            spec, fused = placements.get(k, ("R", 1))
+            shards = [by_tp[t] for t in sorted(by_tp)]
+            full[k] = unshard_parameter(shards, spec, fused) if spec != "R" and len(shards) > 1 else shards[0]
+        missing = [k for k, canon in self.full_keys if canon not in full]
+        if missing:
+            raise RuntimeError(f"full_state_dict: no rank returned {missing[:3]}")
+        return {k: full[canon] for k, canon in self.full_keys}
+
+    def held_bytes_now(self) -> dict[str, int]:
+        now = dict(self.engine.held_bytes(self.optimizer))
+        tied = sum(p.numel() * p.element_size() for p in self.stage.tied.values())
+        now["params"] = now.get("params", 0) + tied
+        now["grads"] = now.get("grads", 0) + sum(p.grad.numel() * p.grad.element_size()
+                                                 for p in self.stage.tied.values() if p.grad is not None)
+        return now
+
+    def held_bytes(self) -> dict[str, int]:
+        return self._peak.note(self.held_bytes_now())

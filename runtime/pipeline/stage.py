@@ -1,0 +1,177 @@
+"""A pipeline rank's model: its stages' parameters, tensor shards, and the generated code that runs them.
+
+`StageModel` takes the user's full model (built by `model_fn` on every rank,
+never re-traced) and the generated segment functions (prefix, block, suffix)
+and keeps only what this rank's virtual stages need:
+
+- blocks of other stages are replaced by empty modules, and parameters of the
+  prefix/suffix this rank does not run are dropped (names of the rest are
+  unchanged, so checkpoints and the plan speak the same names);
+- tensor-parallel parameters are cut to this rank's shard (`shard_parameter`);
+- each kept block's `forward` becomes the generated block function over its
+  own parameters, so module hooks (ZeRO-3 gathers) still fire per block;
+- the root's `forward(*inputs, _stage=s)` runs virtual stage s: the prefix
+  on stage 0, its blocks, the suffix on the last stage;
+- with recompute, each block runs under runtime.engines.recompute: "full" keeps only
+  its input, "selective" the outputs of its matrix products and layer norms.
+
+Parameters used by stages on different pipeline ranks (a tied embedding and
+LM head) are *tied*: each holder keeps its copy outside the data-parallel
+engine (`self.tied`); their gradients are summed over the holders and
+averaged over the replicas by `PipelineRunner` (Megatron's embedding group).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from runtime.engines.recompute import run_recomputed
+from runtime.pipeline.tensor_parallel import shard_parameter
+
+__all__ = ["StageModel", "StageSpec"]
+
+# stage index -> (first block, end block, runs prefix, runs suffix)
+StageSpec = tuple[int, int, bool, bool]
+
+
+def _split(name: str) -> tuple[str, str]:
+    mod, _, attr = name.rpartition(".")
+    return mod, attr
+
+
+class StageModel:
+    """Prunes `model` in place to this rank's stages; `self.module` is what the engine wraps."""
+
+    def __init__(self, model: nn.Module, *, functions: Mapping[str, Callable], stack: str | None,
+                 input_names: Sequence[str], block_inputs: Sequence[Sequence[str]] = (),
+                 block_kinds: Sequence[int] = (), suffix_inputs: Sequence[str] = (),
+                 prefix_args: Sequence[tuple[str, str]], block_args: Sequence[Sequence[tuple[str, str]]],
+                 suffix_args: Sequence[tuple[str, str]], output_spec: str | None, stages: Mapping[int, StageSpec],
+                 placements: Mapping[str, tuple[str, int]], tied: Sequence[str], tp: Any = None,
+                 tp_rank: int = 0, tp_world: int = 1, recompute: str = "none"):
+        self.module, self.functions, self.stack, self.stages = model, dict(functions), stack, dict(stages)
+        # per kind of block (kind 0 runs functions["block"], kind k functions[f"block_{k}"]): its
+        # parameter arguments and the model inputs it reads; block_kinds: the kind of every block
+        self.prefix_args, self.block_args, self.suffix_args = tuple(prefix_args), \
+            tuple(tuple(a) for a in block_args), tuple(suffix_args)
+        self.block_kinds = tuple(block_kinds)
+        self.out_spec = pytree.treespec_loads(output_spec) if output_spec else None
+        self.tp, self.recompute = tp, recompute
+        self.input_names, self.block_inputs, self.suffix_inputs = tuple(input_names), \
+            tuple(tuple(x) for x in block_inputs), tuple(suffix_inputs)
+        self.cast: torch.dtype | None = None  # mixed precision: tied parameters enter the code in this dtype
+
+        blocks = sorted({i for a, b, _, _ in self.stages.values() for i in range(a, b)})
+        need = set()
+        for a, b, pre, suf in self.stages.values():
+            if pre:
+                need |= {n for _, n in self.prefix_args}
+            if suf:
+                need |= {n for _, n in self.suffix_args}
+            for i in range(a, b):
+                need |= {n.format(i=i) for _, n in self.block_args[self.kind(i)]}
+        aliases: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(n)
+        first = {id(p): n for n, p in model.named_parameters()}
+
+        # other stages' blocks: gone (their buffers too)
+        container = model.get_submodule(stack) if stack is not None else None
+        if container is not None:
+            for i in range(len(container)):
+                if i not in blocks:
+                    container[i] = nn.Module()
+        # parameters no stage of this rank reads: dropped; tensor-parallel ones: cut to the shard
+        self.tied: dict[str, nn.Parameter] = {}
+        self._alias_of: dict[str, str] = {}
+        for pid, names in aliases.items():
+            canon = first.get(pid, names[0])
+            try:
+                p = model.get_parameter(names[0])
+            except AttributeError:
+                continue  # lived in a removed block
+            if not any(n in need for n in names):
+                for n in names:
+                    mod, attr = _split(n)
+                    model.get_submodule(mod)._parameters[attr] = None
+                continue
+            spec, fused = placements.get(canon, ("R", 1))
+            if spec != "R" and tp_world > 1:
+                p = nn.Parameter(shard_parameter(p.data, spec, tp_rank, tp_world, fused), requires_grad=p.requires_grad)
+            if canon in tied:
+                self.tied[canon] = p
+            for n in names:
+                mod, attr = _split(n)
+                model.get_submodule(mod)._parameters[attr] = None if canon in tied else p
+            for n in names:
+                self._alias_of[n] = canon
+
+        if container is not None:
+            for i in blocks:
+                container[i].forward = functools.partial(self._block, i)
+        model.forward = self._stage
+
+    # ---- what the generated functions read --------------------------------------------------
+    def _get(self, name: str) -> torch.Tensor:
+        canon = self._alias_of.get(name, name)
+        if canon in self.tied:
+            p = self.tied[canon]
+            return p if self.cast is None else p.to(self.cast)
+        mod, attr = _split(name)
+        return getattr(self.module.get_submodule(mod), attr)  # a ZeRO-3 unit's gathered view, when sharded
+
+    def _args(self, table: Sequence[tuple[str, str]], i: int | None = None) -> dict[str, torch.Tensor]:
+        return {a: self._get(n if i is None else n.format(i=i)) for a, n in table}
+
+    def kind(self, i: int) -> int:
+        return self.block_kinds[i] if self.block_kinds else 0
+
+    def _block(self, i: int, x: torch.Tensor, **model_inputs: Any) -> torch.Tensor:
+        k = self.kind(i)
+        fn = self.functions["block" if k == 0 else f"block_{k}"]
+        return run_recomputed(self.recompute, fn, self.tp, x, **model_inputs, **self._args(self.block_args[k], i))
+
+    def named_inputs(self, inputs: Any) -> dict[str, Any]:
+        """A microbatch's model inputs by the forward's argument names (a dict, a tuple, or one tensor)."""
+        if isinstance(inputs, dict):
+            return dict(inputs)
+        values = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if len(values) != len(self.input_names):
+            raise ValueError(f"the batch gives {len(values)} model input(s), but the plan's code was traced with "
+                             f"{len(self.input_names)} ({', '.join(self.input_names)}): pass the inputs the model "
+                             "was compiled with (e.g. (idx, targets) for a model that computes its own loss)")
+        return dict(zip(self.input_names, values))
+
+    def _stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
+        a, b, pre, suf = self.stages[_stage]
+        named = self.named_inputs(inputs)
+        if pre:
+            x = self.functions["prefix"](self.tp, *(named[n] for n in self.input_names), **self._args(self.prefix_args))
+        container = self.module.get_submodule(self.stack) if self.stack is not None else None
+        for i in range(a, b):
+            x = container[i](x, **{f"input_{n}": named[n] for n in self.block_inputs[self.kind(i)]})
+        if suf and "suffix" in self.functions:
+            x = self.functions["suffix"](self.tp, x, **{f"input_{n}": named[n] for n in self.suffix_inputs},
+                                         **self._args(self.suffix_args))
+        if (suf or self.stack is None) and self.out_spec is not None:
+            flat = list(x) if isinstance(x, (tuple, list)) else [x]
+            return pytree.tree_unflatten(flat, self.out_spec)
+        return x
+
+    def stage_callable(self, s: int) -> Callable:
+        """What the pipeline executor runs for virtual stage s, as stage(x, model inputs): the root
+        module's call, so the data-parallel engine's hooks fire."""
+        return lambda x, inputs: self.module(x, inputs, _stage=s)
+
+
+def state_keys(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """(state_dict key, the name its tensor is gathered under): tied aliases map to the first name."""
+    first = {id(p): n for n, p in model.named_parameters()}
+    alias = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    return tuple((k, alias.get(k, k)) for k in model.state_dict(keep_vars=True))

@@ -1,0 +1,449 @@
+"""Megatron-LM tensor parallelism: autograd-correct collectives and parameter shards.
+
+The building blocks of Shoeybi et al. 2019 ("Megatron-LM: Training
+Multi-Billion Parameter Language Models Using Model Parallelism", section 3),
+written as `torch.autograd.Function`s over a tensor-parallel process group,
+every collective through the counting shim (`runtime.comm.collectives`):
+
+=====================  =========================  ============================
+function               forward                    backward
+=====================  =========================  ============================
+`copy_to_tp`  ("f")    identity                   all-reduce (sum)
+`reduce_from_tp` ("g") all-reduce (sum)           identity
+`gather_from_tp`       all-gather along `dim`     reduce-scatter along `dim`
+`scatter_to_tp`        reduce-scatter along `dim` all-gather along `dim`
+=====================  =========================  ============================
+
+`gather_from_tp`/`scatter_to_tp` are sequence parallelism's pair (Korthikanti
+et al. 2022): the activation is split along the sequence outside the
+tensor-parallel regions. Gloo's all-gather needs equal shards, so `dim` must
+divide evenly.
+
+A Megatron MLP on rank r of tp ranks, weights cut by `shard_parameter`::
+
+    x = copy_to_tp(x, group, coll)                          # (B, T, h)      f
+    a = F.gelu(F.linear(x, w_fc, b_fc))                      # (B, T, 4h/tp)  column: S(0)
+    y = reduce_from_tp(F.linear(a, w_proj), group, coll)     # (B, T, h)      row: S(1), g
+    y = y + b_proj                                           # replicated bias, added once
+
+one all-reduce forward (g) and one backward (f) per block.
+
+The vocabulary: `vocab_parallel_embedding` looks up this rank's rows of the
+table and all-reduces; `vocab_parallel_cross_entropy` takes logits split
+over the vocabulary and all-reduces three fp32 numbers per token (the max
+logit, the sum of exp, the target logit), never the logits themselves.
+
+A `group` of None means this rank is alone on the tensor axis (tp = 1, as in
+`runtime.comm.groups.ProcessGroups`): the collectives are skipped, since c10d
+would read None as the world group. A `runtime.verify.local_collectives.LocalGroup`
+with a `LocalCollectives` per slice runs the same code in threads of one
+process, with no process group (plan.verify).
+
+Sharding is plain data: `shard_parameter(t, "S(0)", rank, world, fused=3)`
+answers "which slice does rank r hold?" without a device or a process group
+(STYLE 11), and `unshard_parameter` puts full tensors back together for
+checkpoints.
+
+>>> w = torch.arange(12.).view(6, 2)                 # a fused [q; k; v] weight, 2 rows each
+>>> shard_parameter(w, "S(0)", rank=1, world=2, fused=3)[:, 0]     # rank 1: q1, k1, v1
+tensor([ 2.,  6., 10.])
+>>> shards = [shard_parameter(w, "S(0)", r, 2, fused=3) for r in range(2)]
+>>> torch.equal(unshard_parameter(shards, "S(0)", fused=3), w)
+True
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.comm.collectives import Collectives
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "copy_to_tp",
+    "gather_from_tp",
+    "parse_spec",
+    "reduce_from_tp",
+    "scatter_to_tp",
+    "shard_parameter",
+    "TPContext",
+    "tp_copy",
+    "tp_reduce",
+    "tp_vocab_embedding",
+    "tp_cross_entropy",
+    "tp_gather",
+    "unshard_parameter",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
+]
+
+
+# ---------------------------------------------------------------- collectives with their gradients
+
+def _world(group) -> int:
+    if group is None:
+        return 1
+    # an in-process group (runtime.verify.local_collectives.LocalGroup, plan.verify's threads) knows its size;
+    # torch.distributed is not initialised there
+    local = getattr(group, "local_world_size", None)
+    return local if local is not None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group, coll: Collectives, op: str = "sum") -> torch.Tensor:
+    """A new tensor: the reduction over the group of x (x itself when alone)."""
+    if group is None:
+        return x
+    out = x.contiguous().clone()
+    coll.all_reduce(out, group, op=op)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Tensor:
+    """Every rank's x concatenated along dim, in group-rank order."""
+    p = _world(group)
+    if p == 1:
+        return x
+    front = x.movedim(dim, 0).contiguous()                        # (n, ...)
+    out = front.new_empty((p * front.shape[0], *front.shape[1:]))  # (p*n, ...)
+    coll.all_gather(out, front, group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Tensor:
+    """This rank's 1/p slice along dim of the sum over ranks of x."""
+    p = _world(group)
+    if p == 1:
+        return x
+    if x.shape[dim] % p:
+        raise ValueError(f"reduce-scatter along dim {dim}: size {x.shape[dim]} is not divisible by the "
+                         f"tensor-parallel degree {p}; pad that dim to a multiple of {p}")
+    front = x.movedim(dim, 0).contiguous()                          # (p*n, ...)
+    out = front.new_empty((front.shape[0] // p, *front.shape[1:]))  # (n, ...)
+    coll.reduce_scatter(out, front, group)
+    return out.movedim(0, dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, coll):
+        ctx.group, ctx.coll = group, coll
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group, ctx.coll), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, coll):
+        return _all_reduce(x, group, coll)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, coll):
+        ctx.dim, ctx.group, ctx.coll = dim, group, coll
+        return _all_gather(x, dim, group, coll)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.coll), None, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, coll):
+        ctx.dim, ctx.group, ctx.coll = dim, group, coll
+        return _reduce_scatter(x, dim, group, coll)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.coll), None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, group, collectives: Collectives) -> torch.Tensor:
+    """Megatron's f, before column-parallel matmuls: identity forward, all-reduce (sum) of the gradient."""
+    return _CopyToTP.apply(x, group, collectives)
+
+
+def reduce_from_tp(x: torch.Tensor, group, collectives: Collectives) -> torch.Tensor:
+    """Megatron's g, after a row-parallel matmul: all-reduce (sum) of partial sums, identity backward."""
+    return _ReduceFromTP.apply(x, group, collectives)
+
+
+def gather_from_tp(x: torch.Tensor, dim: int, group, collectives: Collectives) -> torch.Tensor:
+    """Sequence parallelism's entry to a TP region: all-gather the shards along dim forward,
+    reduce-scatter (sum) the gradient back to this rank's shard. Shards must be equal (Gloo)."""
+    return _GatherFromTP.apply(x, dim % x.dim(), group, collectives)
+
+
+def scatter_to_tp(x: torch.Tensor, dim: int, group, collectives: Collectives) -> torch.Tensor:
+    """Sequence parallelism's exit from a TP region (instead of g): reduce-scatter the partial sums
+    along dim forward (this rank keeps slice `rank` of the sum), all-gather the gradient backward."""
+    return _ScatterToTP.apply(x, dim % x.dim(), group, collectives)
+
+
+# ---------------------------------------------------------------- parameter shards
+
+_SPEC = re.compile(r"^S\((\d+)\)$")
+
+
+def parse_spec(spec: str) -> int | None:
+    """The sharded dim of a placement spec: "S(1)" -> 1, "R" -> None."""
+    if spec == "R":
+        return None
+    m = _SPEC.match(spec)
+    if m is None:
+        raise ValueError(f"placement spec {spec!r} is neither 'R' (replicated) nor 'S(d)' (sharded on "
+                         f"tensor dim d), e.g. 'S(0)' for a column-parallel nn.Linear weight")
+    return int(m.group(1))
+
+
+def _checked_dim(shape: torch.Size, spec: str, world: int, fused: int) -> int | None:
+    dim = parse_spec(spec)
+    if fused < 1:
+        raise ValueError(f"fused={fused}: the number of chunks fused along the split dim must be >= 1")
+    if world < 1:
+        raise ValueError(f"world={world}: the tensor-parallel degree must be >= 1")
+    if dim is None:
+        return None
+    if dim >= len(shape):
+        raise ValueError(f"spec {spec} shards dim {dim} of a {len(shape)}-d tensor {tuple(shape)}; "
+                         f"pick a dim below {len(shape)}")
+    if shape[dim] % fused:
+        raise ValueError(f"spec {spec} with fused={fused}: dim {dim} of {tuple(shape)} ({shape[dim]}) does not "
+                         f"hold {fused} equal chunks; check the placement's fused count")
+    if shape[dim] % (fused * world):
+        raise ValueError(f"spec {spec} with fused={fused} over {world} ranks: dim {dim} of {tuple(shape)} "
+                         f"({shape[dim]}) is not divisible by fused * world = {fused * world}; choose a "
+                         f"tensor-parallel degree dividing {shape[dim] // fused}")
+    return dim
+
+
+def shard_parameter(tensor: torch.Tensor, spec: str, rank: int, world: int, fused: int = 1) -> torch.Tensor:
+    """Rank `rank`'s slice of `tensor` under placement `spec`, as a new contiguous tensor.
+
+    "R": a copy of the whole tensor. "S(d)": the rank-th of `world` equal blocks along d; with
+    fused=k the tensor is k chunks along d (q, k, v of a fused qkv) and the rank takes its block
+    of every chunk, concatenated, so that its local heads' q, k and v stay together.
+
+    >>> shard_parameter(torch.arange(8), "S(0)", rank=1, world=2, fused=2)   # chunks [0..3], [4..7]
+    tensor([2, 3, 6, 7])
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside 0..{world - 1} for a tensor-parallel degree of {world}")
+    dim = _checked_dim(tensor.shape, spec, world, fused)
+    if dim is None:
+        return tensor.detach().clone()
+    chunks = tensor.detach().chunk(fused, dim)
+    return torch.cat([c.chunk(world, dim)[rank] for c in chunks], dim).contiguous()
+
+
+def unshard_parameter(shards: Sequence[torch.Tensor], spec: str, fused: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's shard (in rank order): the inverse of `shard_parameter`.
+
+    "R" returns the first shard (all are equal).
+    """
+    if not shards:
+        raise ValueError("unshard_parameter: no shards given; pass one tensor per tensor-parallel rank")
+    world = len(shards)
+    full_shape = list(shards[0].shape)
+    dim = parse_spec(spec)
+    if dim is None:
+        return shards[0].detach().clone()
+    if any(s.shape != shards[0].shape for s in shards):
+        raise ValueError(f"unshard_parameter: shards differ in shape {[tuple(s.shape) for s in shards]}; "
+                         f"shard_parameter makes equal shards")
+    full_shape[dim] *= world
+    _checked_dim(torch.Size(full_shape), spec, world, fused)
+    per_rank = [s.detach().chunk(fused, dim) for s in shards]      # [rank][chunk]
+    return torch.cat([torch.cat([per_rank[r][j] for r in range(world)], dim) for j in range(fused)], dim)
+
+
+# ---------------------------------------------------------------- vocabulary parallelism
+
+def vocab_parallel_embedding(ids: torch.Tensor, local_weight: torch.Tensor, vocab_start: int, group,
+                             collectives: Collectives, *, padding_idx: int | None = None) -> torch.Tensor:
+    """Embedding with the table split by rows (S(0)): this rank holds ids vocab_start ..
+    vocab_start + local_weight.shape[0] - 1. Looks up the ids it holds, zeros the rows of the
+    rest and all-reduces (g), so every rank gets the full lookup. (B, T) -> (B, T, h).
+    padding_idx (a global id, as nn.Embedding's): its row gets no gradient, on the rank holding it."""
+    vocab_end = vocab_start + local_weight.shape[0]
+    outside = (ids < vocab_start) | (ids >= vocab_end)           # (B, T)
+    local_ids = (ids - vocab_start).masked_fill(outside, 0)
+    pad = padding_idx - vocab_start if padding_idx is not None and vocab_start <= padding_idx < vocab_end else None
+    out = F.embedding(local_ids, local_weight, padding_idx=pad)  # (B, T, h)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)            # also zeros the gradient to row 0
+    return reduce_from_tp(out, group, collectives)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy over tokens with logits split over the vocabulary.
+
+    loss_i = log(sum_v exp(z_iv - m_i)) - (z_i,t_i - m_i), m_i = max_v z_iv, each sum over every
+    rank's slice by an all-reduce. d loss / d z_iv = (softmax_iv - [v == t_i]) / N on this
+    rank's v, with N the number of tokens not ignored; no collective in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, ignore_index, group, coll):
+        v_local = logits.shape[-1]
+        z = logits.reshape(-1, v_local)                                          # (N, V/tp)
+        z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z       # fp16/bf16 in fp32
+        t = targets.reshape(-1)                                                  # (N,)
+        m = _all_reduce(z.max(dim=-1).values, group, coll, op="max")             # (N,) max logit
+        z = z - m.unsqueeze(-1)
+        inside = (t >= vocab_start) & (t < vocab_start + v_local)
+        local_t = (t - vocab_start).masked_fill(~inside, 0)
+        picked = z.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
+        target_logit = _all_reduce(picked, group, coll)                          # (N,) z_t - m
+        exp = z.exp()                                                            # (N, V/tp)
+        sum_exp = _all_reduce(exp.sum(dim=-1), group, coll)                      # (N,)
+        valid = t != ignore_index
+        n = valid.sum()
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0).sum() / n
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, inside & valid, valid, n)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return loss.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, hit, valid, n = ctx.saved_tensors
+        grad = softmax.clone()                                                   # (N, V/tp)
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= hit.to(grad.dtype)
+        grad *= (valid.to(grad.dtype) * (grad_loss.to(grad.dtype) / n)).unsqueeze(-1)
+        return grad.to(ctx.logits_dtype).view(ctx.logits_shape), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group,
+                                 collectives: Collectives, *, ignore_index: int = -100) -> torch.Tensor:
+    """`F.cross_entropy(full_logits.view(-1, V), targets.view(-1), ignore_index=...)` (mean over the
+    tokens not ignored) from this rank's vocabulary slice (..., V/tp) of the logits, which hold
+    classes vocab_start .. vocab_start + V/tp - 1. Three all-reduces of one fp32 number per
+    token (max, sum of exp, target logit); the full logits are never gathered. fp16/bf16 logits
+    are computed in fp32, the gradient returned in their dtype.
+    """
+    if local_logits.shape[:-1] != targets.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(local_logits.shape)} need targets of "
+                         f"shape {tuple(local_logits.shape[:-1])} (one class per row), got {tuple(targets.shape)}")
+    return _VocabParallelCrossEntropy.apply(local_logits, targets, vocab_start, ignore_index, group, collectives)
+
+
+# ---------------------------------------------------------------- layers
+
+class ColumnParallelLinear(nn.Module):
+    """nn.Linear with the output features split (weight and bias S(0)); input through f.
+
+    `from_linear(full, rank, world, group, coll, fused=3)` for a fused qkv projection.
+    Output (..., out/tp), split like the weight rows.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, collectives: Collectives):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.group, self.collectives = group, collectives
+
+    @classmethod
+    def from_linear(cls, full: nn.Linear, rank: int, world: int, group, collectives: Collectives,
+                    fused: int = 1) -> ColumnParallelLinear:
+        bias = None if full.bias is None else shard_parameter(full.bias, "S(0)", rank, world, fused)
+        return cls(shard_parameter(full.weight, "S(0)", rank, world, fused), bias, group, collectives)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group, self.collectives), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """nn.Linear with the input features split (weight S(1), bias replicated); output through g.
+
+    Input (..., in/tp) split like a column layer's output; output (..., out), the same on every rank.
+    The bias is added once, after the all-reduce.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, collectives: Collectives):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.group, self.collectives = group, collectives
+
+    @classmethod
+    def from_linear(cls, full: nn.Linear, rank: int, world: int, group,
+                    collectives: Collectives) -> RowParallelLinear:
+        bias = None if full.bias is None else shard_parameter(full.bias, "R", rank, world)
+        return cls(shard_parameter(full.weight, "S(1)", rank, world), bias, group, collectives)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.group, self.collectives)
+        return y if self.bias is None else y + self.bias
+
+
+# ---------------------------------------------------------------- what generated code calls
+
+class TPContext(NamedTuple):
+    """The tensor-parallel group as generated stage code sees it (the `tp` argument of every
+    segment function; None when tp = 1, where no segment calls these)."""
+
+    group: object
+    collectives: Collectives
+    rank: int
+    world: int
+
+
+def tp_copy(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """f at a column-parallel region's input (see `copy_to_tp`)."""
+    return copy_to_tp(x, tp.group, tp.collectives)
+
+
+def tp_reduce(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """g after a row-parallel matmul (see `reduce_from_tp`)."""
+    return reduce_from_tp(x, tp.group, tp.collectives)
+
+
+def tp_vocab_embedding(local_weight: torch.Tensor, ids: torch.Tensor, tp: TPContext,
+                       padding_idx: int = -1) -> torch.Tensor:
+    """aten.embedding(weight, ids, padding_idx) with the table split by rows over the group (see
+    `vocab_parallel_embedding`); padding_idx -1 is none, as in aten."""
+    return vocab_parallel_embedding(ids, local_weight, tp.rank * local_weight.shape[0], tp.group, tp.collectives,
+                                    padding_idx=None if padding_idx < 0 else padding_idx)
+
+
+def tp_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                     tp: TPContext) -> torch.Tensor:
+    """aten.cross_entropy_loss (mean) over logits split by vocabulary (see `vocab_parallel_cross_entropy`)."""
+    return vocab_parallel_cross_entropy(local_logits, targets, tp.rank * local_logits.shape[-1], tp.group,
+                                        tp.collectives, ignore_index=ignore_index)
+
+
+class _GatherOutput(torch.autograd.Function):
+    """All-gather along dim forward; backward keeps this rank's slice. For a model output every
+    tensor rank computes the same function of: the gradient is the same on all, so no reduction."""
+
+    @staticmethod
+    def forward(ctx, x, dim, tp):
+        ctx.dim, ctx.rank, ctx.world = dim, tp.rank, tp.world
+        return _all_gather(x, dim, tp.group, tp.collectives)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.world, ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+def tp_gather(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
+    """A model output split over the tensor group (vocab-parallel logits), whole on every rank."""
+    return _GatherOutput.apply(x, dim % x.dim(), tp)
