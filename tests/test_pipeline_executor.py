@@ -95,8 +95,9 @@ def test_parses_actions_objects_and_strings():
     for text in ("2SEND_F0", "3RECV_B12", "0F7", "1B0", "4GRAD_SYNC", "0OPTIM"):
         assert parse_action(Action.parse(text)) == parse_action(text)
         assert str(parse_action(text)) == text
-    assert parse_action(Action(op=Op.SEND_B, stage=3, microbatch=1)) == ("SEND_B", 3, 1)
-    assert parse_action(types.SimpleNamespace(op="RECV_F", stage=1, microbatch=2)) == ("RECV_F", 1, 2)
+    assert parse_action(Action(op=Op.SEND_B, stage=3, microbatch=1)) == Action(op=Op.SEND_B, stage=3, microbatch=1)
+    assert parse_action(types.SimpleNamespace(op="RECV_F", stage=1, microbatch=2)) == \
+        Action(op=Op.RECV_F, stage=1, microbatch=2)
     with pytest.raises(ValueError, match="malformed"):
         parse_action(types.SimpleNamespace(op="F", stage=1, microbatch=None))
     for bad in ("2SEND0", "F0", "1GRAD_SYNC3", "2B"):

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import json
 import re
 from collections.abc import Callable
 from typing import Literal, NoReturn, get_args
 
+from cost_models.actions import PEER, Action, Op
 from cost_models.errors import DeclarationError, PartitionerError
 
 __all__ = [
@@ -47,100 +47,6 @@ __all__ = [
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 SCHEDULE_KINDS: tuple[str, ...] = get_args(ScheduleKind)
 JSON_FORMAT = "partitioner.planner.schedule/1"
-
-
-class Op(str, enum.Enum):
-    """What one action does. Its value is its spelling in the compact string."""
-
-    F = "F"                  # forward of one microbatch through one stage
-    B = "B"                  # full backward (input and weight gradients)
-    SEND_F = "SEND_F"        # send this stage's output activation to stage + 1
-    RECV_F = "RECV_F"        # receive this stage's input activation from stage - 1
-    SEND_B = "SEND_B"        # send the gradient of this stage's input to stage - 1
-    RECV_B = "RECV_B"        # receive the gradient of this stage's output from stage + 1
-    GRAD_SYNC = "GRAD_SYNC"  # data-parallel reduction of this stage's gradients
-    OPTIM = "OPTIM"          # optimizer step of this stage's parameters
-
-    def __str__(self) -> str:
-        return self.value
-
-
-COMPUTE_OPS = frozenset({Op.F, Op.B})
-P2P_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
-STAGE_OPS = frozenset({Op.GRAD_SYNC, Op.OPTIM})   # once per stage, no microbatch
-
-_OP_ALTERNATIVES = "|".join(sorted((op.value for op in Op), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"(\d+)({_OP_ALTERNATIVES})(\d*)")
-_ACTION_GRAMMAR = (
-    "<stage><op><microbatch> with op one of F, B, SEND_F, RECV_F, SEND_B, RECV_B "
-    "(e.g. '2F0', '3SEND_B12'), or <stage><op> with op GRAD_SYNC or OPTIM "
-    "(e.g. '2GRAD_SYNC', '0OPTIM')")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Action:
-    """One instruction of a pipeline rank, printed like torch's `_Action`.
-
-    op: what to do.
-    stage: the virtual stage it belongs to. For sends and receives it is the
-        stage on *this* rank: `2SEND_F0` sends stage 2's output of
-        microbatch 0 to stage 3; `3RECV_F0` is stage 3 receiving it;
-        `3SEND_B0` sends stage 3's input gradient to stage 2; `2RECV_B0`
-        receives it.
-    microbatch: the microbatch index; None exactly for GRAD_SYNC and OPTIM.
-
-    >>> str(Action(op=Op.SEND_F, stage=2, microbatch=0))
-    '2SEND_F0'
-    >>> Action.parse("2GRAD_SYNC")
-    Action(op=<Op.GRAD_SYNC: 'GRAD_SYNC'>, stage=2, microbatch=None)
-    """
-
-    op: Op
-    stage: int
-    microbatch: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.op, Op):
-            raise PartitionerError(f"Action op={self.op!r} is not an Op; use one of "
-                                   f"{', '.join('Op.' + o.name for o in Op)}")
-        if not isinstance(self.stage, int) or self.stage < 0:
-            raise PartitionerError(f"Action stage={self.stage!r} must be an int >= 0")
-        if self.op in STAGE_OPS:
-            if self.microbatch is not None:
-                raise PartitionerError(f"{self.op.value} applies to a whole stage: pass "
-                                       f"microbatch=None, not {self.microbatch!r}")
-        elif not isinstance(self.microbatch, int) or self.microbatch < 0:
-            raise PartitionerError(f"{self.op.value} needs microbatch=<int >= 0>, "
-                                   f"got {self.microbatch!r}")
-
-    def __str__(self) -> str:
-        mb = "" if self.microbatch is None else self.microbatch
-        return f"{self.stage}{self.op._value_}{mb}"   # _value_: Enum's .value is a slow descriptor
-
-    def peer(self, num_stages: int) -> Action | None:
-        """For a send or receive, the action at the other end (None off the
-        ends of the pipeline): `2SEND_F0` <-> `3RECV_F0`, `3SEND_B0` <-> `2RECV_B0`.
-
-        >>> str(Action.parse("3RECV_F0").peer(4))
-        '2SEND_F0'
-        """
-        if self.op not in P2P_OPS:
-            raise PartitionerError(f"{self} is not a send or receive, so it has no peer")
-        op, shift = _PEER[self.op._value_]
-        stage = self.stage + shift
-        return Action(op=Op(op), stage=stage, microbatch=self.microbatch) if 0 <= stage < num_stages else None
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Inverse of `str`: `Action.parse("2SEND_F0")`."""
-        match = _ACTION_RE.fullmatch(text.strip())
-        if match is None:
-            raise PartitionerError(f"cannot parse pipeline action {text!r}: expected {_ACTION_GRAMMAR}")
-        stage, op, mb = match.groups()
-        op = Op(op)
-        if (op in STAGE_OPS) != (mb == ""):
-            raise PartitionerError(f"cannot parse pipeline action {text!r}: expected {_ACTION_GRAMMAR}")
-        return cls(op=op, stage=int(stage), microbatch=int(mb) if mb else None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -512,7 +418,7 @@ def validate(schedule: Schedule) -> None:
             fail(*optim, f"{s}OPTIM comes before {s}GRAD_SYNC; the step would use unreduced gradients")
 
     for key, (r, i) in where.items():
-        if key[0] in _PEER:
+        if key[0] in PEER:
             peer = _peer_key(key)
             if not 0 <= peer[1] < S or peer[1] % pp == r:
                 fail(r, i, f"{_text(key)} has no peer on another rank: sends and receives only "
@@ -526,8 +432,6 @@ def validate(schedule: Schedule) -> None:
 # int hash far faster than Actions (Enum's __hash__ is Python code), and
 # schedules reach 10^5 actions.
 _Key = tuple[str, int, "int | None"]
-_PEER = {"SEND_F": ("RECV_F", 1), "RECV_F": ("SEND_F", -1),
-         "SEND_B": ("RECV_B", -1), "RECV_B": ("SEND_B", 1)}
 _LINK = {"F": ("SEND_F", "RECV_F"), "B": ("SEND_B", "RECV_B")}
 
 
@@ -536,7 +440,7 @@ def _key(a: Action) -> _Key:
 
 
 def _peer_key(key: _Key) -> _Key:
-    op, shift = _PEER[key[0]]
+    op, shift = PEER[key[0]]
     return (op, key[1] + shift, key[2])
 
 

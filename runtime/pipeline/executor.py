@@ -2,9 +2,9 @@
 
 A schedule (GPipe, 1F1B, interleaved 1F1B) arrives as data: this rank's
 ordered actions, each with `.op`, `.stage`, `.microbatch` (the planner's
-`Action`, whose op is an enum with `.value`), or their compact strings
-("2SEND_F0"). The runtime never imports the planner (shared/DESIGN.md), so
-it reads actions by duck typing and parses strings itself. Semantics, as in
+`Action`), or their compact strings ("2SEND_F0"). The runtime never imports
+the planner: both take the grammar from `cost_models.actions`, below them
+both, so what the planner writes is what this parses. Semantics, as in
 `partitioner/planner/schedule.py`:
 
   sF i       forward of stage s on microbatch i; keeps input and output for B
@@ -52,18 +52,16 @@ from __future__ import annotations
 import collections
 import datetime
 import itertools
-import re
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Instr", "PipelineError", "PipelineExecutor", "message_tag", "parse_action", "split_sequential"]
+from cost_models.actions import Action
 
-_OPS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "GRAD_SYNC", "OPTIM")
-_STAGE_OPS = ("GRAD_SYNC", "OPTIM")
-_ACTION_RE = re.compile(r"(\d+)(GRAD_SYNC|SEND_F|RECV_F|SEND_B|RECV_B|OPTIM|F|B)(\d*)")
+__all__ = ["PipelineError", "PipelineExecutor", "message_tag", "parse_action", "split_sequential"]
+
 _ACTIVATION, _HEADER, _GRADIENT = 0, 1, 2      # message kinds, the k of the tag formula
 _MAX_DIMS = 8                                   # the shape header holds dtype code, ndim, 8 dims
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -74,44 +72,16 @@ class PipelineError(RuntimeError):
     """A pipeline step failed: a receive timed out, or the list asked for something not there."""
 
 
-class Instr(NamedTuple):
-    """One action as the runtime reads it: op spelling ("F", "SEND_B", ...), stage, microbatch."""
-
-    op: str
-    stage: int
-    microbatch: int | None
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.op}{'' if self.microbatch is None else self.microbatch}"
-
-
-def parse_action(action: Any) -> Instr:
-    """An `Instr` from a string like "2SEND_F0" or an object with `.op`, `.stage`, `.microbatch`.
+def parse_action(action: Any) -> Action:
+    """The instruction an action names: its text ("2SEND_F0"), an Action, or any object with `.op`,
+    `.stage`, `.microbatch` (cost_models.actions, the one grammar the planner writes and this runs).
 
     >>> parse_action("2SEND_F0")
-    Instr(op='SEND_F', stage=2, microbatch=0)
+    Action(op=<Op.SEND_F: 'SEND_F'>, stage=2, microbatch=0)
     >>> str(parse_action("1GRAD_SYNC"))
     '1GRAD_SYNC'
     """
-    if isinstance(action, str):
-        match = _ACTION_RE.fullmatch(action.strip())
-        if match is None or (match.group(2) in _STAGE_OPS) != (match.group(3) == ""):
-            raise ValueError(f"cannot parse pipeline action {action!r}: expected <stage><op><microbatch> "
-                             f"with op one of F, B, SEND_F, RECV_F, SEND_B, RECV_B (e.g. '3SEND_B12'), "
-                             f"or <stage>GRAD_SYNC / <stage>OPTIM")
-        stage, op, mb = match.groups()
-        return Instr(op, int(stage), int(mb) if mb else None)
-    try:
-        op, stage, mb = action.op, action.stage, action.microbatch
-    except AttributeError:
-        raise TypeError(f"pipeline action {action!r} is neither a string like '2F0' nor an object with "
-                        f".op, .stage and .microbatch") from None
-    op = getattr(op, "value", op)
-    if op not in _OPS or not isinstance(stage, int) or stage < 0 or \
-            (mb is not None and (not isinstance(mb, int) or mb < 0)) or ((op in _STAGE_OPS) != (mb is None)):
-        raise ValueError(f"pipeline action {action!r} is malformed: op must be one of {', '.join(_OPS)}, "
-                         f"stage an int >= 0, microbatch an int >= 0 (None exactly for GRAD_SYNC and OPTIM)")
-    return Instr(op, stage, mb)
+    return Action.of(action)
 
 
 def message_tag(sender_stage: int, microbatch: int, kind: int, num_stages: int) -> int:
@@ -257,7 +227,7 @@ class PipelineExecutor:
                 pending.append(entry)
         self._sends = pending
 
-    def _post_recv(self, a: Instr, step: int) -> None:
+    def _post_recv(self, a: Action, step: int) -> None:
         s, i = a.stage, a.microbatch
         if a.op == "RECV_F":
             if self.activation_shape is not None:
@@ -290,7 +260,7 @@ class PipelineExecutor:
         return buf
 
     # ---- compute ----------------------------------------------------------------------------------
-    def _forward(self, a: Instr, step: int, microbatches_in) -> None:
+    def _forward(self, a: Action, step: int, microbatches_in) -> None:
         s, i = a.stage, a.microbatch
         if s == 0:
             if microbatches_in is None:
@@ -316,7 +286,7 @@ class PipelineExecutor:
         if s + 1 in self.stages:
             self._inputs[(s + 1, i)] = out.detach()
 
-    def _backward(self, a: Instr, step: int, targets) -> torch.Tensor | None:
+    def _backward(self, a: Action, step: int, targets) -> torch.Tensor | None:
         s, i = a.stage, a.microbatch
         out, x = self._outputs.pop((s, i), None), self._inputs.pop((s, i), None)
         if out is None:
@@ -346,7 +316,7 @@ class PipelineExecutor:
                 self._grad_in[(s, i)] = g
         return None if loss is None else loss.detach()
 
-    def _send_output(self, a: Instr, step: int) -> None:
+    def _send_output(self, a: Action, step: int) -> None:
         s, i = a.stage, a.microbatch
         out = self._outputs.get((s, i))
         if out is None:
@@ -362,14 +332,14 @@ class PipelineExecutor:
             self._send(header, step, s + 1, message_tag(s, i, _HEADER, self.num_stages))
         self._send(out, step, s + 1, message_tag(s, i, _ACTIVATION, self.num_stages))
 
-    def _send_input_grad(self, a: Instr, step: int) -> None:
+    def _send_input_grad(self, a: Action, step: int) -> None:
         s, i = a.stage, a.microbatch
         if (s, i) not in self._grad_in:
             raise PipelineError(f"pipeline action {step} ({a}) sends the input gradient of {s}B{i}, "
                                 f"which has not run on this rank")
         self._send(self._grad_in.pop((s, i)), step, s - 1, message_tag(s, i, _GRADIENT, self.num_stages))
 
-    def _execute(self, a: Instr, step: int, microbatches_in, targets) -> torch.Tensor | None:
+    def _execute(self, a: Action, step: int, microbatches_in, targets) -> torch.Tensor | None:
         """Run one action; returns the microbatch loss (already / m) of a last-stage backward."""
         if a.op == "F":
             self._forward(a, step, microbatches_in)

@@ -1,0 +1,139 @@
+"""The pipeline action vocabulary: what the planner writes into a schedule and the runtime executes.
+
+One instruction of a pipeline rank is an `Action`: an `Op`, the virtual stage it belongs to and the
+microbatch (none for the once-per-stage GRAD_SYNC and OPTIM). Its text form is torch's `_Action`
+spelling, `<stage><op><microbatch>`: `2F0`, `3SEND_B12`, `0GRAD_SYNC`; `Action.parse` reads it back.
+`partitioner.planner.schedule` builds lists of them; `runtime.pipeline.executor` runs the same lists
+(`Action.of` accepts the text, an Action, or any object with .op/.stage/.microbatch).
+
+>>> str(Action(op=Op.SEND_F, stage=2, microbatch=0))
+'2SEND_F0'
+>>> Action.parse("2GRAD_SYNC")
+Action(op=<Op.GRAD_SYNC: 'GRAD_SYNC'>, stage=2, microbatch=None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import Any
+
+from cost_models.errors import PartitionerError
+
+__all__ = ["Op", "Action", "COMPUTE_OPS", "P2P_OPS", "STAGE_OPS", "PEER", "GRAMMAR"]
+
+
+class Op(str, enum.Enum):
+    """What one action does. Its value is its spelling in the compact string."""
+
+    F = "F"                  # forward of one microbatch through one stage
+    B = "B"                  # full backward (input and weight gradients)
+    SEND_F = "SEND_F"        # send this stage's output activation to stage + 1
+    RECV_F = "RECV_F"        # receive this stage's input activation from stage - 1
+    SEND_B = "SEND_B"        # send the gradient of this stage's input to stage - 1
+    RECV_B = "RECV_B"        # receive the gradient of this stage's output from stage + 1
+    GRAD_SYNC = "GRAD_SYNC"  # data-parallel reduction of this stage's gradients
+    OPTIM = "OPTIM"          # optimizer step of this stage's parameters
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B})
+P2P_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+STAGE_OPS = frozenset({Op.GRAD_SYNC, Op.OPTIM})   # once per stage, no microbatch
+
+# a send or receive -> (the op at the other end, the other end's stage minus this one's)
+PEER = {"SEND_F": ("RECV_F", 1), "RECV_F": ("SEND_F", -1), "SEND_B": ("RECV_B", -1), "RECV_B": ("SEND_B", 1)}
+
+_OP_ALTERNATIVES = "|".join(sorted((op.value for op in Op), key=len, reverse=True))
+_RE = re.compile(rf"(\d+)({_OP_ALTERNATIVES})(\d*)")
+GRAMMAR = (
+    "<stage><op><microbatch> with op one of F, B, SEND_F, RECV_F, SEND_B, RECV_B "
+    "(e.g. '2F0', '3SEND_B12'), or <stage><op> with op GRAD_SYNC or OPTIM "
+    "(e.g. '2GRAD_SYNC', '0OPTIM')")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Action:
+    """One instruction of a pipeline rank, printed like torch's `_Action`.
+
+    op: what to do.
+    stage: the virtual stage it belongs to. For sends and receives it is the
+        stage on *this* rank: `2SEND_F0` sends stage 2's output of
+        microbatch 0 to stage 3; `3RECV_F0` is stage 3 receiving it;
+        `3SEND_B0` sends stage 3's input gradient to stage 2; `2RECV_B0`
+        receives it.
+    microbatch: the microbatch index; None exactly for GRAD_SYNC and OPTIM.
+
+    >>> str(Action(op=Op.SEND_F, stage=2, microbatch=0))
+    '2SEND_F0'
+    >>> Action.parse("2GRAD_SYNC")
+    Action(op=<Op.GRAD_SYNC: 'GRAD_SYNC'>, stage=2, microbatch=None)
+    """
+
+    op: Op
+    stage: int
+    microbatch: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op):
+            raise PartitionerError(f"Action op={self.op!r} is not an Op; use one of "
+                                   f"{', '.join('Op.' + o.name for o in Op)}")
+        if not isinstance(self.stage, int) or self.stage < 0:
+            raise PartitionerError(f"Action stage={self.stage!r} must be an int >= 0")
+        if self.op in STAGE_OPS:
+            if self.microbatch is not None:
+                raise PartitionerError(f"{self.op.value} applies to a whole stage: pass "
+                                       f"microbatch=None, not {self.microbatch!r}")
+        elif not isinstance(self.microbatch, int) or self.microbatch < 0:
+            raise PartitionerError(f"{self.op.value} needs microbatch=<int >= 0>, "
+                                   f"got {self.microbatch!r}")
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch is None else self.microbatch
+        return f"{self.stage}{self.op._value_}{mb}"   # _value_: Enum's .value is a slow descriptor
+
+    def peer(self, num_stages: int) -> Action | None:
+        """For a send or receive, the action at the other end (None off the
+        ends of the pipeline): `2SEND_F0` <-> `3RECV_F0`, `3SEND_B0` <-> `2RECV_B0`.
+
+        >>> str(Action.parse("3RECV_F0").peer(4))
+        '2SEND_F0'
+        """
+        if self.op not in P2P_OPS:
+            raise PartitionerError(f"{self} is not a send or receive, so it has no peer")
+        op, shift = PEER[self.op._value_]
+        stage = self.stage + shift
+        return Action(op=Op(op), stage=stage, microbatch=self.microbatch) if 0 <= stage < num_stages else None
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of `str`: `Action.parse("2SEND_F0")`."""
+        match = _RE.fullmatch(text.strip())
+        if match is None:
+            raise PartitionerError(f"cannot parse pipeline action {text!r}: expected {GRAMMAR}")
+        stage, op, mb = match.groups()
+        op = Op(op)
+        if (op in STAGE_OPS) != (mb == ""):
+            raise PartitionerError(f"cannot parse pipeline action {text!r}: expected {GRAMMAR}")
+        return cls(op=op, stage=int(stage), microbatch=int(mb) if mb else None)
+
+    @classmethod
+    def of(cls, action: Any) -> Action:
+        """An Action from its text ("2SEND_F0"), or from any object with `.op` (an Op or its spelling),
+        `.stage` and `.microbatch`: what the runtime accepts as an instruction list."""
+        if isinstance(action, cls):
+            return action
+        if isinstance(action, str):
+            return cls.parse(action)
+        try:
+            op, stage, mb = action.op, action.stage, action.microbatch
+        except AttributeError:
+            raise TypeError(f"pipeline action {action!r} is neither a string like '2F0' nor an object with "
+                            ".op, .stage and .microbatch") from None
+        try:
+            return cls(op=Op(getattr(op, "value", op)), stage=stage, microbatch=mb)
+        except (ValueError, PartitionerError) as exc:
+            raise PartitionerError(f"pipeline action {action!r} is malformed ({exc}): expected {GRAMMAR}") from None
