@@ -35,6 +35,7 @@ from cost_models.memory import DDP_BUCKET_BYTES
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
+from cost_models.placements import REPLICATED
 from partitioner.planner.comparisons import (
     durations,
     hand_baselines,
@@ -380,7 +381,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
     param_spec = {p.name: p for p in g.params}
     for pl in splits.placements:
         spec, role, reason = (pl.spec, pl.role, pl.reason) if cand.tp > 1 else \
-            ("R", "replicated", f"tp=1: every rank holds the whole tensor (with tp > 1: {pl.role}, {pl.spec})")
+            (REPLICATED, "replicated", f"tp=1: every rank holds the whole tensor (with tp > 1: {pl.role}, {pl.spec})")
         spec_ = param_spec[pl.param]
         placements.append(ParamPlacement(param=pl.param, shape=spec_.shape, spec=spec, role=role, reason=reason,
                                          block=g.blocks[spec_.block].name if spec_.block is not None else None,

@@ -11,6 +11,8 @@ data-parallel engine over its replicas. `build()` returns a
 
 from __future__ import annotations
 
+from cost_models.placements import is_sharded
+
 import hashlib
 from typing import TYPE_CHECKING
 
@@ -100,7 +102,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
         held |= {n for _, n in code.suffix.params} if suf and code.suffix else set()
         for i in range(a, b):
             held |= set(code.block_params(i))
-    placements = {p.param: (p.spec, p.fused) for p in plan.placements if p.spec != "R" and p.param in held}
+    placements = {p.param: (p.spec, p.fused) for p in plan.placements if is_sharded(p.spec) and p.param in held}
     units = [tuple(n for n in code.block_params(i) if n not in tied)
              for s, (a, b, _, _) in sorted(my_blocks.items()) for i in range(a, b)]
     rest = tuple(sorted(held - {n for u in units for n in u} - set(tied)))

@@ -28,6 +28,8 @@ graph and the generated program imports the real ones.
 
 from __future__ import annotations
 
+from cost_models.placements import is_sharded
+
 from typing import Any
 
 import torch
@@ -151,7 +153,7 @@ class TensorParallelRewrite:
         """Whether `a` is a replicated parameter, or computed from such parameters (and shapes) alone."""
         if a in self.src.param:
             p = self.placements.get(self.src.param[a])
-            return p is None or p.spec == "R"
+            return p is None or not is_sharded(p.spec)
         if a.op != "call_function" or self.src.shape_only.get(a, False):
             return False
         inputs = [x for x in a.all_input_nodes if not self.src.shape_only.get(x, False)]

@@ -71,6 +71,7 @@ from cost_models.memory import (
 )
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
+from cost_models.placements import is_sharded
 from partitioner.tracer.opgraph import OpGraph
 from partitioner.planner.plan import ParallelConfig
 from partitioner.tracer.symbolic import Poly
@@ -172,7 +173,7 @@ class CostContext:
         self._p2p: dict[tuple, tuple[float, ...]] = {}
         self._param_local = self._param_sizes()
         self._param_block = {p.name: p.block for p in g.params}
-        self._sharded = {pl.param: pl.spec != "R" for pl in splits.placements}
+        self._sharded = {pl.param: is_sharded(pl.spec) for pl in splits.placements}
         self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
 
     # ---- static structure ------------------------------------------------

@@ -15,11 +15,11 @@ What `compile` produces always passes (tests/test_fuzz_inputs.py checks both dir
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, Any
 
 from cost_models.errors import DeclarationError, TopologyError
 from cost_models.topology import Topology
+from cost_models.placements import sharded_dim
 from partitioner.planner.declarations import ASYNC_SGD_FORCED, OPTIMIZERS, async_sgd_pin
 from partitioner.planner.plan_json import PlanFormatError
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["check_plan"]
 
-_SPEC = re.compile(r"R|S\((?P<dim>[0-9]+)\)")
 _FIX = "recompile the plan (partitioner compile ...) rather than editing it"
 
 
@@ -153,8 +152,11 @@ def _check_placements(p: Plan) -> None:
         seen.add(pl.param)
         if any(d < 0 for d in pl.shape):
             _fail(f"placements[{i}].shape", f"{list(pl.shape)} has a negative size")
-        m = _SPEC.fullmatch(pl.spec)
-        if m is None or (m["dim"] is not None and int(m["dim"]) >= len(pl.shape)):
+        try:
+            dim = sharded_dim(pl.spec)
+        except ValueError:
+            dim = len(pl.shape)  # not a spec: refused below, as a dim out of range is
+        if dim is not None and dim >= len(pl.shape):
             _fail(f"placements[{i}].spec", f"{pl.spec!r} is not 'R' (replicated) or 'S(d)' with d a dim of "
                                            f"shape {list(pl.shape)}")
         _at_least(f"placements[{i}].fused", pl.fused, 1)

@@ -71,6 +71,8 @@ Dropout inside a split region must draw different masks on each rank
 
 from __future__ import annotations
 
+from cost_models.placements import REPLICATED, Shard, sharded_dim
+
 import dataclasses
 import functools
 import math
@@ -113,7 +115,7 @@ class Placement:
     @property
     def dim(self) -> int | None:
         """The sharded tensor dim, None when replicated."""
-        return None if self.spec == "R" else int(self.spec[2:-1])
+        return sharded_dim(self.spec)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -560,7 +562,7 @@ def _conflicts(ctx: _Context, res: _Pass,
 
 def _placement(ctx: _Context, param: str, lst: list[tuple[str, Placement]]) -> Placement:
     if not lst:
-        return Placement(param=param, spec="R", role="replicated", reason="not read by the traced forward")
+        return Placement(param=param, spec=REPLICATED, role="replicated", reason="not read by the traced forward")
     first = lst[0][1]
     roles = {pl.role for _, pl in lst}
     if roles == {"vocab_embedding", "vocab_head"}:
@@ -586,16 +588,16 @@ def _uses(ctx: _Context, res: _Pass, forbidden: dict[str, str]) -> dict[str, lis
 def _want(ctx: _Context, res: _Pass, n: OpNode, w: _Weighted | None, p: str,
           col: _Region | None, row: _Region | None, forbidden: dict[str, str], k: int) -> Placement:
     if w is not None and col is not None and col.failure is None:
-        wspec, fused = f"S({w.out_dim})", col.fused.get(n.name, 1)
+        wspec, fused = str(Shard(w.out_dim)), col.fused.get(n.name, 1)
         if col.sinks:
             if p != w.weight:
-                return Placement(param=p, spec="S(0)", role="vocab_head",
+                return Placement(param=p, spec=str(Shard(0)), role="vocab_head",
                                  reason="bias of the vocab-parallel LM head: split with the vocab")
             return Placement(param=p, spec=wspec, role="vocab_head",
                              reason="vocab-parallel LM head: logits split over the vocab into a parallel "
                                     "cross entropy, never gathered")
         if p != w.weight:
-            return Placement(param=p, spec="S(0)", role="column", fused=fused,
+            return Placement(param=p, spec=str(Shard(0)), role="column", fused=fused,
                              reason="bias of a column-parallel linear: split with its output features")
         partners = ", ".join(dict.fromkeys(ctx.label(b) for b in col.rows))
         extra = (f"; its {fused} fused chunks (q, k, v) are reordered so each rank holds its own heads' "
@@ -605,16 +607,16 @@ def _want(ctx: _Context, res: _Pass, n: OpNode, w: _Weighted | None, p: str,
                                 f"{partners}{extra}")
     if w is not None and row is not None and row.failure is None:
         if p != w.weight:
-            return Placement(param=p, spec="R", role="replicated",
+            return Placement(param=p, spec=REPLICATED, role="replicated",
                              reason="bias of a row-parallel linear: added after the all-reduce")
         partners = ", ".join(dict.fromkeys(ctx.label(a) for a in row.producers))
-        return Placement(param=p, spec=f"S({1 - w.out_dim})", role="row",
+        return Placement(param=p, spec=str(Shard(1 - w.out_dim)), role="row",
                          reason=f"row-parallel: contracts over the split features of {partners}; output "
                                 f"all-reduced in forward")
     if n.name in res.vocab_embeddings:
-        return Placement(param=p, spec="S(0)", role="vocab_embedding",
+        return Placement(param=p, spec=str(Shard(0)), role="vocab_embedding",
                          reason="vocab-parallel embedding: each rank looks up its vocab rows, output all-reduced")
-    return Placement(param=p, spec="R", role="replicated", reason=_replicated_reason(ctx, res, n, w, forbidden, k))
+    return Placement(param=p, spec=REPLICATED, role="replicated", reason=_replicated_reason(ctx, res, n, w, forbidden, k))
 
 
 def _replicated_reason(ctx: _Context, res: _Pass, n: OpNode, w: _Weighted | None, forbidden: dict[str, str],

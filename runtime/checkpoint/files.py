@@ -72,8 +72,8 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from cost_models.errors import PartitionerError
+from cost_models.placements import REPLICATED, sharded_dim
 from runtime.checkpoint.layout import Box, full_shape, local_to_full, range_boxes
-from runtime.pipeline.tensor_parallel import parse_spec
 
 __all__ = [
     "FORMAT",
@@ -153,8 +153,8 @@ def _pieces(runner: Any) -> tuple[list[_Piece], dict[str, tuple[int, ...]], list
     shapes: dict[str, tuple[int, ...]] = {}
     for holder, ranges in held:
         for name, local_shape, a, b, at in ranges:
-            spec, fused = placements.get(name, ("R", 1))
-            d = parse_spec(spec)
+            spec, fused = placements.get(name, (REPLICATED, 1))
+            d = sharded_dim(spec)
             shapes[name] = full_shape(local_shape, d, tp_world)
             pos = at
             for box in range_boxes(local_shape, a, b):
@@ -817,8 +817,8 @@ def reshard(src: str | Path, plan_b: Any, dst: str | Path) -> Path:
             sd[fqn] = t
             continue
         name = fqn.split("/", 1)[1] if fqn.startswith("model/") else fqn.split("/", 2)[2]
-        p = placements.get(name, {"spec": "R", "fused": 1})
-        d_ = parse_spec(p.get("spec", "R"))
+        p = placements.get(name, {"spec": REPLICATED, "fused": 1})
+        d_ = sharded_dim(p.get("spec", REPLICATED))
         boxes: list[tuple[Box, torch.Tensor]] = []
         seen: set[tuple[int, ...]] = set()
         for t_rank in range(tp if d_ is not None else 1):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cost_models.placements import REPLICATED, is_sharded
 from runtime.comm.collectives import Collectives
 from runtime.pipeline.executor import PipelineExecutor
 from runtime.pipeline.stage import StageModel
@@ -111,7 +112,7 @@ class PipelineRunner:
     def _clip(self, max_norm: float) -> float:
         """torch's clip_grad_norm_ over the whole model: every parameter counted once, wherever it lives."""
         def weight(name: str) -> float:  # a parameter replicated over the tensor group is counted once
-            return 1.0 if self.placements.get(name, ("R", 1))[0] != "R" else 1.0 / self.tp_size
+            return 1.0 if is_sharded(self.placements.get(name, (REPLICATED, 1))[0]) else 1.0 / self.tp_size
 
         sq = self.engine.grad_square_sum(weight)
         if self.engine.zero_stage > 0 and self.dp_size > 1:
@@ -158,9 +159,9 @@ class PipelineRunner:
             placements.update(part[1])
         full: dict[str, torch.Tensor] = {}
         for k, by_tp in pieces.items():
-            spec, fused = placements.get(k, ("R", 1))
+            spec, fused = placements.get(k, (REPLICATED, 1))
             shards = [by_tp[t] for t in sorted(by_tp)]
-            full[k] = unshard_parameter(shards, spec, fused) if spec != "R" and len(shards) > 1 else shards[0]
+            full[k] = unshard_parameter(shards, spec, fused) if is_sharded(spec) and len(shards) > 1 else shards[0]
         missing = [k for k, canon in self.full_keys if canon not in full]
         if missing:
             raise RuntimeError(f"full_state_dict: no rank returned {missing[:3]}")

@@ -31,6 +31,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from cost_models.placements import REPLICATED, is_sharded
+
 from runtime.engines.recompute import run_recomputed
 from runtime.pipeline.tensor_parallel import shard_parameter
 
@@ -101,8 +103,8 @@ class StageModel:
                     mod, attr = _split(n)
                     model.get_submodule(mod)._parameters[attr] = None
                 continue
-            spec, fused = placements.get(canon, ("R", 1))
-            if spec != "R" and tp_world > 1:
+            spec, fused = placements.get(canon, (REPLICATED, 1))
+            if is_sharded(spec) and tp_world > 1:
                 p = nn.Parameter(shard_parameter(p.data, spec, tp_rank, tp_world, fused), requires_grad=p.requires_grad)
             if canon in tied:
                 self.tied[canon] = p

@@ -54,7 +54,8 @@ True
 
 from __future__ import annotations
 
-import re
+from cost_models.placements import REPLICATED, sharded_dim
+
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -198,18 +199,11 @@ def scatter_to_tp(x: torch.Tensor, dim: int, group, collectives: Collectives) ->
 
 # ---------------------------------------------------------------- parameter shards
 
-_SPEC = re.compile(r"^S\((\d+)\)$")
 
 
 def parse_spec(spec: str) -> int | None:
-    """The sharded dim of a placement spec: "S(1)" -> 1, "R" -> None."""
-    if spec == "R":
-        return None
-    m = _SPEC.match(spec)
-    if m is None:
-        raise ValueError(f"placement spec {spec!r} is neither 'R' (replicated) nor 'S(d)' (sharded on "
-                         f"tensor dim d), e.g. 'S(0)' for a column-parallel nn.Linear weight")
-    return int(m.group(1))
+    """The sharded dim of a placement spec: "S(1)" -> 1, "R" -> None (cost_models.placements)."""
+    return sharded_dim(spec)
 
 
 def _checked_dim(shape: torch.Size, spec: str, world: int, fused: int) -> int | None:
@@ -385,7 +379,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, full: nn.Linear, rank: int, world: int, group,
                     collectives: Collectives) -> RowParallelLinear:
-        bias = None if full.bias is None else shard_parameter(full.bias, "R", rank, world)
+        bias = None if full.bias is None else shard_parameter(full.bias, REPLICATED, rank, world)
         return cls(shard_parameter(full.weight, "S(1)", rank, world), bias, group, collectives)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
