@@ -22,6 +22,7 @@ import dataclasses
 from typing import Literal, Protocol, runtime_checkable
 
 from cost_models.calibration import Calibration, saturating_efficiency
+from cost_models.choices import PRECISIONS
 from cost_models.errors import PartitionerError
 from cost_models.specs import DeviceSpec, canonical_dtype
 
@@ -36,7 +37,7 @@ _TENSOR_CORE_CLASSES = ("matmul", "conv", "attention")
 
 # Training precision (what users declare) -> dtype of the compute kernels.
 _DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
-PRECISIONS: tuple[str, ...] = tuple(_DTYPE_OF_PRECISION)
+assert tuple(_DTYPE_OF_PRECISION) == PRECISIONS
 
 
 def dtype_for(precision: str) -> str:

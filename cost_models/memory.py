@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from typing import Literal
 
-from cost_models.compute import PRECISIONS
+from cost_models.choices import PRECISIONS, RECOMPUTE_POLICIES, SCHEDULES, ZERO_STAGES
 from cost_models.errors import PartitionerError
 
 __all__ = [
@@ -24,10 +24,7 @@ __all__ = [
     "TemporaryBytes", "temporary_buffer_bytes",
 ]
 
-OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
-ZERO_STAGES = (0, 1, 2, 3)
-RECOMPUTE_POLICIES = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+OPTIMIZERS = ("adam", "sgd", "sgd-momentum")  # the optimizer state a parameter carries (see _BYTES)
 
 # Bytes per parameter: (params, grads, optimizer state).
 # fp32: fp32 weights and grads; Adam keeps m and v in fp32 (8), SGD with

@@ -35,6 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from cost_models.choices import OPTIMIZERS, PRECISIONS, RECOMPUTE_POLICIES, SCHEDULES
 from cost_models.errors import DeclarationError, PartitionerError
 from partitioner.compile import PlanInfeasibleError
 from runtime.launch.env import (
@@ -395,12 +396,12 @@ def _positive(text: str) -> int:
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", default="bf16-mixed", choices=("fp32", "bf16-mixed", "fp16-mixed"))
-    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     for name in ("dp", "tp", "pp", "zero-stage", "microbatch-size", "interleave"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"pin {name} (default: the planner chooses)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None, help="pin the schedule")
-    p.add_argument("--recompute", choices=("none", "selective", "full"), default=None, help="pin recomputation")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pin the schedule")
+    p.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default=None, help="pin recomputation")
     p.add_argument("--compression", default=None, metavar="NAME|LEVEL=NAME,...",
                    help="pin the data-parallel gradient compressor (none, bf16, int8, int4, powersgd) on every link "
                         "level, or per level, e.g. inter_node=int8,intra_node=none (default: the planner chooses)")

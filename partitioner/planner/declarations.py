@@ -12,11 +12,10 @@ import math
 import re
 from typing import Any
 
+from cost_models.choices import OPTIMIZERS, PRECISIONS, SCHEDULES
+from cost_models.choices import RECOMPUTE_POLICIES as RECOMPUTE
 from cost_models.compression import COMPRESSORS, IMPLEMENTED, LEVELS
-from cost_models.compute import PRECISIONS
 from cost_models.errors import DeclarationError
-from cost_models.memory import RECOMPUTE_POLICIES as RECOMPUTE
-from cost_models.memory import SCHEDULES
 
 __all__ = [
     "ASYNC_SGD_FORCED",
@@ -28,7 +27,6 @@ __all__ = [
     "divisors",
 ]
 
-OPTIMIZERS = ("adam", "adamw", "sgd")  # adamw keeps Adam's state; cost_models.memory counts it as adam
 _BLOCK_INDEX = re.compile(r"\.\d+\.")
 
 

@@ -18,14 +18,15 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from cost_models.choices import Precision, Recompute
 from cost_models.compression import Compressor, Level, no_compression
 from cost_models.errors import PartitionerError
+from partitioner.planner.model_code import ModelCode
 from partitioner.planner.plan_check import check_plan
 from partitioner.planner.plan_json import PlanFormatError, decode, encode
 from partitioner.planner.schedule import Schedule, ScheduleKind
-from partitioner.planner.model_code import ModelCode
 
 __all__ = [
     "PLAN_VERSION",
@@ -43,8 +44,6 @@ __all__ = [
 
 PLAN_VERSION = 1
 
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
-Recompute = Literal["none", "selective", "full"]
 
 
 class PlanMismatchError(PartitionerError):

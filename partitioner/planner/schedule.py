@@ -34,9 +34,10 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable
-from typing import Literal, NoReturn, get_args
+from typing import NoReturn
 
 from cost_models.actions import PEER, Action, Op
+from cost_models.choices import SCHEDULES, ScheduleKind
 from cost_models.errors import DeclarationError, PartitionerError
 
 __all__ = [
@@ -44,8 +45,7 @@ __all__ = [
     "build_schedule", "validate", "peak_inflight",
 ]
 
-ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
-SCHEDULE_KINDS: tuple[str, ...] = get_args(ScheduleKind)
+SCHEDULE_KINDS = SCHEDULES
 JSON_FORMAT = "partitioner.planner.schedule/1"
 
 

@@ -24,14 +24,16 @@ scaled twice.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
+from cost_models.choices import PRECISIONS, Precision as PrecisionChoice
+
 __all__ = ["LossScaler", "Precision", "PrecisionName", "cast_floating", "policy", "scale_grad"]
 
-PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+PrecisionName = PrecisionChoice  # cost_models.choices.Precision: this module's Precision is the policy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,6 +58,7 @@ _POLICIES = {
     "bf16-mixed": Precision(name="bf16-mixed", param_dtype=torch.bfloat16),
     "fp16-mixed": Precision(name="fp16-mixed", param_dtype=torch.float16, loss_scaling=True),
 }
+assert tuple(_POLICIES) == PRECISIONS
 
 
 def policy(name: str) -> Precision:
