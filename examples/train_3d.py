@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from examples.training import adamw, gpt_4l_seeded, gpt_loss
+from examples.training import adamw, gpt_4l_seeded, gpt_loss, train_one_process
 from partitioner import compile
 from runtime import launch_local
 
@@ -38,15 +38,7 @@ def main() -> None:
                for _ in range(args.steps)]
     out = launch_local(plan, gpt_4l_seeded, adamw, gpt_loss, batches)
 
-    ref = gpt_4l_seeded()
-    opt = adamw(ref.parameters())
-    want = []
-    for x, y in batches:
-        loss = gpt_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want, ref, _ = train_one_process(gpt_4l_seeded, adamw, gpt_loss, batches)
     diff = max((out.state_dict[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     print(f"\n{plan.world_size} processes: losses {[round(v, 6) for v in out.losses]}")
     print(f"one process:  losses {[round(v, 6) for v in want]}")

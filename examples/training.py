@@ -5,10 +5,13 @@
     out = launch_local(plan, gpt_tiny_seeded, adamw, gpt_loss, batches)
 
 Every factory seeds torch before building, so every rank (and the
-single-process reference) starts from the same weights.
+single-process reference, `train_one_process`) starts from the same weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +19,8 @@ import torch.nn.functional as F
 from examples import gpt
 
 __all__ = ["gpt_tiny_seeded", "gpt_small_seeded", "gpt_4l_seeded", "gpt_8l_seeded", "hf_gpt2_seeded",
-           "hf_gpt2_4l_seeded", "hf_llama_seeded", "adamw", "sgd", "gpt_loss", "hf_loss", "in_model_loss"]
+           "hf_gpt2_4l_seeded", "hf_llama_seeded", "adamw", "sgd", "gpt_loss", "hf_loss", "in_model_loss",
+           "Trained", "train_one_process"]
 
 
 def gpt_tiny_seeded() -> gpt.GPT:
@@ -98,3 +102,27 @@ def hf_llama_seeded():
 def in_model_loss(output, targets) -> torch.Tensor:
     """The loss a model computed itself (the example GPT's (logits, loss) when called with targets)."""
     return output[1]
+
+
+class Trained(NamedTuple):
+    losses: list[float]
+    model: torch.nn.Module
+    grad_norms: list[float]  # before clipping, each step; empty without clipping
+
+
+def train_one_process(model_fn: Callable[[], torch.nn.Module], optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+                      loss_fn: Callable, batches: Iterable[tuple[Any, Any]], *,
+                      clip_grad_norm: float | None = None) -> Trained:
+    """The truth every plan must reproduce: the same seed and data, each whole global batch, in one process."""
+    model = model_fn()
+    opt = optimizer_fn(model.parameters())
+    losses, norms = [], []
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if clip_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return Trained(losses, model, norms)

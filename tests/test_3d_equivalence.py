@@ -24,6 +24,7 @@ from examples.training import (
     hf_loss,
     in_model_loss,
     sgd,
+    train_one_process,
 )
 from partitioner import compile
 from runtime import launch_local
@@ -46,16 +47,8 @@ def batches(steps: int = STEPS, *, padding: bool = False) -> list[tuple[torch.Te
 
 
 def reference(model_fn, loss_fn, data) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = model_fn()
-    opt = adamw(model.parameters())
-    losses = []
-    for x, y in data:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    trained = train_one_process(model_fn, adamw, loss_fn, data)
+    return trained.losses, trained.model.state_dict()
 
 
 def plan_for(name: str, *, pp: int, dp: int, tp: int, schedule: str = "1f1b", interleave: int = 1, zero: int = 0,
@@ -170,16 +163,8 @@ def test_clipping_counts_every_shard_of_every_stage_once(on):
                    schedule="1f1b", clip_grad_norm=0.05)
     data = batches(2)
     out = launch_local(plan, model_fn, adamw, loss_fn, data, timeout_s=180)
-    model = model_fn()
-    opt = adamw(model.parameters())
-    losses = []
-    for x, y in data:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) > 0.05  # it does clip
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, model, norms = train_one_process(model_fn, adamw, loss_fn, data, clip_grad_norm=0.05)
+    assert min(norms) > 0.05  # it does clip
     torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(out.state_dict[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

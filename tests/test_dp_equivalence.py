@@ -21,15 +21,7 @@ GB = 8
 
 def reference(model_fn, optimizer_fn, loss_fn, batches):
     """One process, whole global batch, mean loss: what every plan must reproduce."""
-    model = model_fn()
-    opt = optimizer_fn(model.parameters())
-    losses = []
-    for x, y in batches:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, model, _ = training.train_one_process(model_fn, optimizer_fn, loss_fn, batches)
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 

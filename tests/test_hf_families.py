@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from examples.hf_families import FAMILIES
-from examples.training import hf_loss, sgd
+from examples.training import hf_loss, sgd, train_one_process
 from partitioner import compile, trace
 from runtime import launch_local
 
@@ -58,16 +58,8 @@ def meta_graph(family: str):
 
 @functools.cache
 def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = FAMILIES[family]()
-    opt = sgd(model.parameters())
-    losses = []
-    for x, y in batches():
-        loss = hf_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    trained = train_one_process(FAMILIES[family], sgd, hf_loss, batches())
+    return trained.losses, trained.model.state_dict()
 
 
 def test_block_kinds_are_found_from_what_blocks_compute():
