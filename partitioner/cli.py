@@ -241,13 +241,11 @@ def _run(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
     import torch
 
-    from partitioner.loading import load_module
+    from runtime.launch.loading import load_callable, load_object
     from runtime.launch.local import check_model, check_sendable, launch_local
-    from runtime.run import default_loss, default_optimizer, load_callable
+    from runtime.run import default_loss, default_optimizer
 
-    # Imports FILE.py as the module of its package (examples/gpt.py -> examples.gpt), which load_callable
-    # then finds loaded: spawned workers unpickle the model factory by that importable name.
-    module, _ = load_module(spec)
+    module, _, _ = load_object(spec, "--model")
     model_fn = load_callable(spec, "--model")
     optimizer_fn = load_callable(args.optimizer, "--optimizer") if args.optimizer else default_optimizer(plan.optimizer)
     loss_fn = load_callable(args.loss, "--loss") if args.loss else default_loss

@@ -45,15 +45,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
-import importlib.util
 import json
 import os
 import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -67,6 +64,7 @@ from runtime.checkpoint.files import (
 )
 from runtime.launch.env import DistEnv, LaunchError, backend, discover
 from runtime.launch.heartbeat import Heartbeat, PeerLost
+from runtime.launch.loading import load_callable, load_object
 from runtime.launch.measure import RankReporter, measure_step
 from runtime.launch.program_check import check_same_program
 from runtime.launch.rendezvous import rendezvous_store
@@ -248,47 +246,6 @@ def _resume_path(args: argparse.Namespace) -> Path | None:
     return Path(verify_checkpoint(args.resume_from)["path"])  # refuses a missing or corrupted one before starting
 
 
-def load_callable(spec: str, what: str = "callable") -> Callable:
-    """`pkg.module:name` or `path/to/file.py:name` -> the object (an nn.Module instance becomes a factory).
-
-    >>> load_callable("torch.nn.functional:mse_loss").__name__
-    'mse_loss'
-    """
-    if ":" not in spec:
-        raise LaunchError(f"{what} {spec!r}: expected pkg.module:NAME or path/to/file.py:NAME")
-    where, name = spec.rsplit(":", 1)
-    module = _module(where, f"{what} {spec!r}")
-    if not hasattr(module, name):
-        raise LaunchError(f"{what} {spec!r}: {where} has no {name!r}")
-    obj = getattr(module, name)
-    if isinstance(obj, torch.nn.Module):
-        return lambda: obj
-    if not callable(obj):
-        raise LaunchError(f"{what} {spec!r}: {name} is a {type(obj).__name__}, not callable")
-    return obj
-
-
-def _module(where: str, what: str) -> ModuleType:
-    if not (where.endswith(".py") or "/" in where):
-        try:
-            return importlib.import_module(where)
-        except ImportError as exc:
-            raise LaunchError(f"{what}: cannot import {where}: {exc}") from exc
-    path = Path(where).resolve()
-    if not path.is_file():
-        raise LaunchError(f"{what}: file {where} does not exist")
-    for module in list(sys.modules.values()):  # loaded already (say, --model and --data from one file)
-        if getattr(module, "__file__", None) == str(path):
-            return module
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))  # let the file import its siblings
-    loader = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(loader)
-    sys.modules.setdefault(path.stem, module)
-    loader.loader.exec_module(module)
-    return module
-
-
 def default_optimizer(name: str) -> Callable:
     """The optimizer the plan was costed for, with a default learning rate: params -> Optimizer."""
     table = {"adam": (torch.optim.Adam, 1e-3), "adamw": (torch.optim.AdamW, 1e-3), "sgd": (torch.optim.SGD, 1e-2)}
@@ -316,7 +273,7 @@ def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 def _example_data(model_spec: str, batch_size: int | None) -> Callable:
     where = model_spec.rsplit(":", 1)[0]
     factory = load_callable(model_spec, "--model")
-    module = _module(where, f"--model {model_spec!r}")
+    module, _, _ = load_object(model_spec, "--model")
     if not hasattr(module, "example_batch") or not batch_size:
         raise LaunchError(f"no --data and the model's module {where} has no example_batch(model, batch_size): "
                           "pass --data pkg.module:fn with fn(step, rank, world_size) -> (inputs, targets)")

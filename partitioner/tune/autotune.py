@@ -200,7 +200,8 @@ def autotune(model: str | Callable, topology: Topology | str | dict, *, example_
         instead of the cost model's top `trials`.
     compile_kwargs: passed to every compile (precision, optimizer, max_memory_fraction, pins...).
     """
-    from runtime.run import default_loss, load_callable
+    from runtime.launch.loading import load_callable
+    from runtime.run import default_loss
 
     _check(trials=trials, steps=steps, warmup=warmup, max_rounds=max_rounds)
     topo = Topology.coerce(topology)

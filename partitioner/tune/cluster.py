@@ -116,7 +116,7 @@ class ClusterTrials:
 def cluster_trials(name: str, topo: Topology, launcher_args: Mapping[str, Any], *, model: Any, data: Any,
                    optimizer: Any, loss: Any, timeout_s: float, db: Path) -> ClusterTrials:
     """autotune's arguments checked for launcher `name`: specs the ranks can import, counts that match `topo`."""
-    from runtime.run import load_callable
+    from runtime.launch.loading import load_callable
 
     trials = ClusterTrials(launcher=cluster_launcher(name, topo, launcher_args), model=rank_spec(model, "model", name),
                            data=rank_spec(data, "data", name), optimizer=rank_spec(optimizer, "optimizer_fn", name),
