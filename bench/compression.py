@@ -30,11 +30,10 @@ import dataclasses
 import datetime
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
-
-import sys
 
 import torch
 import torch.distributed as dist
@@ -74,8 +73,8 @@ def _step(engine, coll, rank: int) -> float:
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     from examples.training import gpt_small_seeded
-    from runtime.engines.data_parallel import DataParallel
     from runtime.comm.groups import make_node_groups
+    from runtime.engines.data_parallel import DataParallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,

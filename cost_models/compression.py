@@ -91,8 +91,14 @@ import functools
 import math
 from typing import Literal, Mapping, Sequence
 
-from cost_models.comm import (CommModel, calibrated_link, pairwise_all_to_all, ring_all_gather, ring_all_reduce,
-                              ring_reduce_scatter)
+from cost_models.comm import (
+    CommModel,
+    calibrated_link,
+    pairwise_all_to_all,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 from cost_models.memory import DDP_BUCKET_BYTES
 from cost_models.powersgd import LowRank, powersgd_kernel_time
 from cost_models.specs import LinkLevel, LinkSpec

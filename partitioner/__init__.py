@@ -6,12 +6,12 @@
 from cost_models.errors import DeclarationError, PartitionerError, TopologyError, TraceError
 from cost_models.specs import DeviceSpec
 from cost_models.topology import Topology
-from partitioner.tune.autotune import AutotuneResult, Trial, autotune
 from partitioner.compile import PlanInfeasibleError, compile
-from partitioner.tracer.opgraph import Block, OpCost, OpGraph, OpNode, ParamSpec, TensorSpec
 from partitioner.planner.plan import Plan, PlanMismatchError
 from partitioner.planner.plan_json import PlanFormatError
+from partitioner.tracer.opgraph import Block, OpCost, OpGraph, OpNode, ParamSpec, TensorSpec
 from partitioner.tracer.trace import trace
+from partitioner.tune.autotune import AutotuneResult, Trial, autotune
 
 __all__ = [
     "compile", "autotune", "AutotuneResult", "Trial", "Plan", "PlanInfeasibleError", "PlanMismatchError", "PlanFormatError", "trace", "Topology", "DeviceSpec", "OpGraph", "OpNode", "OpCost", "TensorSpec", "ParamSpec", "Block",

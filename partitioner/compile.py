@@ -32,10 +32,12 @@ from cost_models.compression import (
 from cost_models.compute import dtype_for
 from cost_models.errors import DeclarationError, PartitionerError
 from cost_models.memory import DDP_BUCKET_BYTES
+from cost_models.mesh import Mesh
+from cost_models.placements import REPLICATED
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
-from cost_models.placements import REPLICATED
+from partitioner.codegen.segments import SegmentError, extract
 from partitioner.planner.comparisons import (
     durations,
     hand_baselines,
@@ -52,7 +54,6 @@ from partitioner.planner.declarations import (
     compression_pins,
     compression_refusal,
 )
-from partitioner.tracer.opgraph import OpGraph
 from partitioner.planner.plan import (
     PLAN_VERSION,
     Alternative,
@@ -67,9 +68,9 @@ from partitioner.planner.plan import (
 )
 from partitioner.planner.schedule import build_schedule
 from partitioner.planner.search import Scored, enumerate_candidates, least_memory, search
-from partitioner.codegen.segments import SegmentError, extract
 from partitioner.planner.simulate import simulate
 from partitioner.planner.tensor_split import TensorSplits, find_splits
+from partitioner.tracer.opgraph import OpGraph
 from partitioner.tracer.trace import trace
 
 __all__ = ["PlanInfeasibleError", "compile"]
@@ -307,12 +308,10 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
 
 
 def _mesh(c: ParallelConfig, topo: Topology) -> tuple[MeshCoord, ...]:
-    """rank = pp_index * (dp * tp) + dp_index * tp + tp_index: tensor groups are consecutive ranks
-    (inside a node), pipeline neighbours furthest apart (across nodes)."""
-    out = []
-    for r in range(topo.world_size):
-        out.append(MeshCoord(rank=r, pp=r // (c.dp * c.tp), dp=(r // c.tp) % c.dp, tp=r % c.tp, node=topo.node_of(r)))
-    return tuple(out)
+    """Every rank's coordinates, as cost_models.mesh lays them out (tensor groups on consecutive ranks)."""
+    mesh = Mesh(c.pp, c.dp, c.tp)
+    return tuple(MeshCoord(rank=r, pp=pp, dp=dp, tp=tp, node=topo.node_of(r))
+                 for r in range(topo.world_size) for pp, dp, tp in [mesh.coords(r)])
 
 
 def rank_memory(cut: Cut, pp: int) -> dict[int, MemoryBreakdown]:
@@ -486,7 +485,7 @@ def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cu
     busiest = max(range(len(cut.stages)), key=lambda k: cut.stages[k].params)
     i, j = cut.bounds[busiest], cut.bounds[busiest + 1]
     if cand.tp > 1:
-        level = topo.group_level(range(cand.tp)).value
+        level = topo.group_level(Mesh(cand.pp, cand.dp, cand.tp).tp_ranks()).value
         tp_bytes = sum(c.bytes(mb, s) * ctx.scale for u in range(i, j) for a, b in [ctx.units[u]]
                        for n in ctx.g.nodes[a:b] for c in ctx._collectives.get(n.name, ()))
         out[level] = out.get(level, 0.0) + 2 * (cand.tp - 1) / cand.tp * tp_bytes * m

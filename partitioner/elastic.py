@@ -65,8 +65,8 @@ def plan_for_world(args: argparse.Namespace, world: int, rank: int) -> Path:
 def cached_trace(args: argparse.Namespace) -> tuple[Any, str]:
     """The model's OpGraph, from SAVE_DIR/plans/trace when an earlier start traced this model source."""
     from partitioner.loading import load_model
-    from partitioner.tracer.trace import trace
     from partitioner.tracer.cache import load_trace, save_trace, source_key
+    from partitioner.tracer.trace import trace
 
     d, key = Path(args.save_dir) / "plans" / "trace", source_key(args.model)
     g = load_trace(d, key)

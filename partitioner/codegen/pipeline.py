@@ -11,11 +11,10 @@ data-parallel engine over its replicas. `build()` returns a
 
 from __future__ import annotations
 
-from cost_models.placements import is_sharded
-
 import hashlib
 from typing import TYPE_CHECKING
 
+from cost_models.placements import is_sharded
 from partitioner.codegen.common import ZERO_WHAT, CodegenError, dp_compression, params_table, reduce_scatter_impl
 
 if TYPE_CHECKING:

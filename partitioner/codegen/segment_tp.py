@@ -28,13 +28,12 @@ graph and the generated program imports the real ones.
 
 from __future__ import annotations
 
-from cost_models.placements import is_sharded
-
 from typing import Any
 
 import torch
 from torch import fx
 
+from cost_models.placements import is_sharded
 from partitioner.planner.model_code import SegmentError, describe
 
 __all__ = ["RUNTIME_FUNCTIONS", "TensorParallelRewrite", "unmangle"]

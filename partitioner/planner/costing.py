@@ -69,13 +69,14 @@ from cost_models.memory import (
     inflight_microbatches,
     model_state_bytes,
 )
+from cost_models.mesh import Mesh
+from cost_models.placements import is_sharded
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
-from cost_models.placements import is_sharded
-from partitioner.tracer.opgraph import OpGraph
 from partitioner.planner.plan import ParallelConfig
-from partitioner.tracer.symbolic import Poly
 from partitioner.planner.tensor_split import TensorSplits
+from partitioner.tracer.opgraph import OpGraph
+from partitioner.tracer.symbolic import Poly
 
 __all__ = ["CostContext", "StageCost", "StageEvaluator", "UnitArrays", "UnitCost", "units_of"]
 
@@ -263,7 +264,7 @@ class CostContext:
     def _eval_unit(self, u: int, tp: int, mb: int, recompute: str) -> UnitCost:
         a, b = self.units[u]
         s, sc = self.seq, self.scale
-        tp_ranks = tuple(range(tp))
+        tp_ranks = Mesh(1, 1, tp).tp_ranks()  # every tensor group sits alike: consecutive ranks
         fwd = bwd = act = biggest = 0.0
         # Recomputation (runtime.engines.recompute) runs inside the blocks only, never on the prefix or suffix
         # (the loss's inputs) a unit may also hold: their activations stay, their ops run once.
@@ -478,8 +479,7 @@ class StageEvaluator:
 
     def dp_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
         c = self.cand
-        base = pipeline_rank * c.dp * c.tp
-        return tuple(base + d * c.tp for d in range(c.dp))
+        return Mesh(c.pp, c.dp, c.tp).dp_ranks(pp=pipeline_rank)
 
     def stage(self, i: int, j: int, k: int) -> StageCost:
         """Units [i, j) as virtual stage k of num_stages."""

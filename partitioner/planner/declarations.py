@@ -12,8 +12,9 @@ import math
 import re
 from typing import Any
 
-from cost_models.choices import OPTIMIZERS, PRECISIONS, SCHEDULES
+from cost_models.choices import OPTIMIZERS, PRECISIONS
 from cost_models.choices import RECOMPUTE_POLICIES as RECOMPUTE
+from cost_models.choices import SCHEDULES
 from cost_models.compression import COMPRESSORS, IMPLEMENTED, LEVELS
 from cost_models.errors import DeclarationError
 

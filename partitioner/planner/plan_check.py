@@ -18,8 +18,8 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from cost_models.errors import DeclarationError, TopologyError
-from cost_models.topology import Topology
 from cost_models.placements import sharded_dim
+from cost_models.topology import Topology
 from partitioner.planner.declarations import ASYNC_SGD_FORCED, OPTIMIZERS, async_sgd_pin
 from partitioner.planner.plan_json import PlanFormatError
 

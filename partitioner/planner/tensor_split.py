@@ -71,21 +71,37 @@ Dropout inside a split region must draw different masks on each rank
 
 from __future__ import annotations
 
-from cost_models.placements import REPLICATED, Shard, sharded_dim
-
 import dataclasses
 import functools
 import math
 from collections.abc import Iterable
 from functools import reduce
 from typing import Literal, NamedTuple
-from partitioner.planner.shard_dims import (  # the op classes and shape rules this pass applies
-    _EW, _FIRST_ONLY, _RESHAPES, _TRANSPOSES, _SAME_RANK, _EXPANDS,
-    _SPLITS, _BATCHED_MM, _NORMS, _REDUCTIONS, _CROSS_ENTROPY, _NEW,
-    _INDEX_PATH, _WEIGHTED, _ONE, _prod, _const,
-    _broadcasts, _reshape_dim, _permute_dim, _drop_dim,
-)
 
+from cost_models.placements import REPLICATED, Shard, sharded_dim
+from partitioner.planner.shard_dims import (  # the op classes and shape rules this pass applies
+    _BATCHED_MM,
+    _CROSS_ENTROPY,
+    _EW,
+    _EXPANDS,
+    _FIRST_ONLY,
+    _INDEX_PATH,
+    _NEW,
+    _NORMS,
+    _ONE,
+    _REDUCTIONS,
+    _RESHAPES,
+    _SAME_RANK,
+    _SPLITS,
+    _TRANSPOSES,
+    _WEIGHTED,
+    _broadcasts,
+    _const,
+    _drop_dim,
+    _permute_dim,
+    _prod,
+    _reshape_dim,
+)
 from partitioner.tracer.opgraph import OpGraph, OpNode
 from partitioner.tracer.symbolic import Poly
 

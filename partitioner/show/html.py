@@ -16,9 +16,9 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from partitioner.tracer.opgraph_table import human
 from partitioner.show.text import blocks_text, compression_text, ranges_text
 from partitioner.show.timeline import Timeline, build_timeline, event_style, stage_color
+from partitioner.tracer.opgraph_table import human
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan

@@ -19,6 +19,7 @@ import re
 import textwrap
 from typing import TYPE_CHECKING
 
+from cost_models.mesh import Mesh
 from cost_models.powersgd import POWERSGD_RANK
 from partitioner.tracer.opgraph_table import human
 
@@ -244,7 +245,7 @@ def format_plan(p: Plan) -> str:
     for m in p.mesh:
         nodes.setdefault(m.node, []).append(m.rank)
     shown = list(nodes.items())[:4]
-    mesh = (f"pp {c.pp} x dp {c.dp} x tp {c.tp}; rank = pp*{c.dp * c.tp} + dp*{c.tp} + tp; "
+    mesh = (f"pp {c.pp} x dp {c.dp} x tp {c.tp}; {Mesh(c.pp, c.dp, c.tp).formula()}; "
             + "; ".join(f"node {n}: ranks {ranges_text(r)}" for n, r in shown)
             + (f"; ... {len(nodes)} nodes" if len(nodes) > 4 else ""))
     cap = pr.memory_capacity_bytes

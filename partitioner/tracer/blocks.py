@@ -30,7 +30,7 @@ from collections import Counter
 
 from torch import nn
 
-from partitioner.tracer.opgraph import TensorSpec, OpCost
+from partitioner.tracer.opgraph import OpCost, TensorSpec
 
 TRACED_BLOCKS = 3  # (super-)blocks captured before copying; see expand()
 

@@ -21,7 +21,16 @@ from torch import nn
 
 from cost_models.errors import TraceError
 from partitioner.tracer.block_kinds import attribute_kinds, find_repeat, graph_kinds, likely_kinds, recording
-from partitioner.tracer.blocks import TRACED_BLOCKS, Costed, LayerStack, NotRepeating, block_index, expand, find_layer_stack, truncated
+from partitioner.tracer.blocks import (
+    TRACED_BLOCKS,
+    Costed,
+    LayerStack,
+    NotRepeating,
+    block_index,
+    expand,
+    find_layer_stack,
+    truncated,
+)
 from partitioner.tracer.capture import Capture, RawSpec, capture
 from partitioner.tracer.op_rules import known_op, op_cost
 from partitioner.tracer.opgraph import Block, OpCost, OpGraph, OpNode, ParamSpec, TensorSpec

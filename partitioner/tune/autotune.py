@@ -63,11 +63,11 @@ from cost_models.calibration import Calibration
 from cost_models.errors import DeclarationError, PartitionerError
 from cost_models.fit import MEMORY_FACTORS, fit_memory, fit_step_times
 from cost_models.topology import Topology
+from partitioner.compile import PlanInfeasibleError, compile
+from partitioner.planner.plan import MemoryBreakdown, ParallelConfig, Plan
+from partitioner.tracer.opgraph import OpGraph
 from partitioner.tune.cluster import LAUNCHERS, ClusterTrials, cluster_trials
 from partitioner.tune.db import TrialStore, trial_key
-from partitioner.compile import PlanInfeasibleError, compile
-from partitioner.tracer.opgraph import OpGraph
-from partitioner.planner.plan import MemoryBreakdown, ParallelConfig, Plan
 
 __all__ = ["AutotuneResult", "Trial", "autotune", "format_trials", "rank_memory_of"]
 

@@ -6,8 +6,17 @@ read what plan A wrote.
 """
 
 from runtime.checkpoint.files import (
-    CheckpointError, CheckpointInfo, FORMAT, VERSION, latest_checkpoint, load_checkpoint,
-    load_full_state_dict, read_manifest, reshard, resolve_checkpoint, save_checkpoint,
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    CheckpointInfo,
+    latest_checkpoint,
+    load_checkpoint,
+    load_full_state_dict,
+    read_manifest,
+    reshard,
+    resolve_checkpoint,
+    save_checkpoint,
 )
 
 __all__ = [

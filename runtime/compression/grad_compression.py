@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.comm.collectives import Collectives
-from runtime.compression.compressed_reduce import CompressedReduce
 from runtime.comm.groups import NodeGroups
+from runtime.compression.compressed_reduce import CompressedReduce
 
 __all__ = ["COMPRESSORS", "GradientReducer"]
 

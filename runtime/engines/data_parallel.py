@@ -91,9 +91,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from runtime.comm.collectives import Collectives
-from runtime.engines.flat import FlatLayout, bucket, resolve_units
-from runtime.compression.grad_compression import GradientReducer
 from runtime.comm.groups import NodeGroups
+from runtime.compression.grad_compression import GradientReducer
+from runtime.compression.quantized_gather import quantized_all_gather
+from runtime.engines.flat import FlatLayout, bucket, resolve_units
 from runtime.engines.mixed_precision import (
     LossScaler,
     PrecisionName,
@@ -101,7 +102,6 @@ from runtime.engines.mixed_precision import (
     policy,
     scale_grad,
 )
-from runtime.compression.quantized_gather import quantized_all_gather
 from runtime.engines.recompute import recompute_blocks
 
 __all__ = ["DataParallel"]

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from cost_models.choices import PRECISIONS, Precision as PrecisionChoice
+from cost_models.choices import PRECISIONS
+from cost_models.choices import Precision as PrecisionChoice
 
 __all__ = ["LossScaler", "Precision", "PrecisionName", "cast_floating", "policy", "scale_grad"]
 

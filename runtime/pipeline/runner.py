@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from cost_models.placements import REPLICATED, is_sharded
 from runtime.comm.collectives import Collectives
+from runtime.engines.step import PeakHeld, replica_microbatches
 from runtime.pipeline.executor import PipelineExecutor
 from runtime.pipeline.stage import StageModel
-from runtime.engines.step import PeakHeld, replica_microbatches
 from runtime.pipeline.tensor_parallel import unshard_parameter
 
 __all__ = ["PipelineRunner"]

@@ -32,7 +32,6 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_models.placements import REPLICATED, is_sharded
-
 from runtime.engines.recompute import run_recomputed
 from runtime.pipeline.tensor_parallel import shard_parameter
 

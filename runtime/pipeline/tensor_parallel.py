@@ -54,8 +54,6 @@ True
 
 from __future__ import annotations
 
-from cost_models.placements import REPLICATED, sharded_dim
-
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -64,6 +62,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cost_models.placements import REPLICATED, sharded_dim
 from runtime.comm.collectives import Collectives
 
 __all__ = [

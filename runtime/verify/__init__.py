@@ -9,7 +9,12 @@ microbatch forward and backward, and compares outputs, loss and every gradient. 
 """
 
 from runtime.verify.check import (
-    MAX_VERIFY_ELEMENTS, VerifyError, VerifyReport, first_microbatch, num_parameters, verify_plan,
+    MAX_VERIFY_ELEMENTS,
+    VerifyError,
+    VerifyReport,
+    first_microbatch,
+    num_parameters,
+    verify_plan,
     verify_skip_reason,
 )
 

@@ -27,9 +27,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from cost_models.errors import PartitionerError
-from runtime.verify.local_collectives import LocalCollectiveError, LocalCollectives, LocalGroup
 from runtime.engines.step import check_parameters
 from runtime.pipeline.tensor_parallel import TPContext
+from runtime.verify.local_collectives import LocalCollectiveError, LocalCollectives, LocalGroup
 
 __all__ = ["Facts", "NoDropout", "Setup", "VerifyError", "call_module", "generic_loss", "on_slices", "plan_facts",
            "program_hash", "run_generated", "setup", "zero_grads"]
