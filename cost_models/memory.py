@@ -19,12 +19,16 @@ from cost_models.errors import PartitionerError
 
 __all__ = [
     "PRECISIONS", "OPTIMIZERS", "ZERO_STAGES", "RECOMPUTE_POLICIES", "SCHEDULES",
-    "DDP_BUCKET_BYTES", "ModelStateBytes", "model_state_bytes",
+    "DDP_BUCKET_BYTES", "SELECTIVE_KEEPS", "ModelStateBytes", "model_state_bytes",
     "transformer_activation_bytes", "inflight_microbatches", "chunk_inflight",
     "TemporaryBytes", "temporary_buffer_bytes",
 ]
 
 OPTIMIZERS = ("adam", "sgd", "sgd-momentum")  # the optimizer state a parameter carries (see _BYTES)
+# The ATen ops whose outputs selective recomputation keeps: matrix products and layer norms (Korthikanti et
+# al. 2022), unless they read or write the s x s attention scores. The planner costs what they keep; the
+# runtime's checkpoint policy (runtime.engines.recompute) saves exactly these.
+SELECTIVE_KEEPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "layer_norm")
 
 # Bytes per parameter: (params, grads, optimizer state).
 # fp32: fp32 weights and grads; Adam keeps m and v in fp32 (8), SGD with

@@ -64,6 +64,7 @@ from cost_models.compression_memory import ReductionMemory, reduction_memory
 from cost_models.compute import RooflineCompute, dtype_for
 from cost_models.memory import (
     DDP_BUCKET_BYTES,
+    SELECTIVE_KEEPS,
     ModelStateBytes,
     chunk_inflight,
     inflight_microbatches,
@@ -87,8 +88,7 @@ _OPTIM_BYTES_PER_PARAM = 28
 
 _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
 _S = Poly.from_terms({(0, 1): 1.0})  # a dimension of the sequence's length
-# ops whose outputs selective recomputation keeps (runtime.engines.recompute's policy: matrix products and layer norms)
-_SAVED_OPS = frozenset({"linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "layer_norm"})
+_SAVED_OPS = frozenset(SELECTIVE_KEEPS)  # what selective recomputation keeps, as the runtime's policy does
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
 
 

@@ -32,6 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from cost_models.compression import QUANT_BLOCK
 from runtime.comm.collectives import Collectives
 from runtime.compression.quantize import Quantized
 from runtime.compression.quantize import dequantize as _dequantize
@@ -68,7 +69,7 @@ class CompressedReduce:
     group: object
     collectives: Collectives
     bits: int = 8
-    block: int = 256
+    block: int = QUANT_BLOCK
     feedback: bool = True
     residuals: dict = dataclasses.field(default_factory=dict)  # (key, phase) -> fp32 tensor
 

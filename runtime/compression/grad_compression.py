@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from cost_models.powersgd import POWERSGD_RANK
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import NodeGroups
 from runtime.compression.compressed_reduce import CompressedReduce
@@ -62,7 +63,7 @@ class GradientReducer:
 
     def __init__(self, group, collectives: Collectives, *, compression: str | Mapping[str, str] = "none",
                  nodes: NodeGroups | None = None, zero_stage: int = 0, warmup_steps: int = 0,
-                 powersgd_rank: int = 4):
+                 powersgd_rank: int = POWERSGD_RANK):
         self.group, self.collectives, self.zero_stage = group, collectives, zero_stage
         self.world = dist.get_world_size(group)
         self.nodes = nodes

@@ -73,6 +73,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from cost_models.powersgd import POWERSGD_RANK
 from runtime.comm.collectives import Collectives
 
 __all__ = ["PowerSGD"]
@@ -186,7 +187,7 @@ class PowerSGD:
     """A torch.distributed process group; None is the default (world) group."""
     collectives: Collectives
     """Every all-reduce goes through it (and is counted there)."""
-    rank: int = 4
+    rank: int = POWERSGD_RANK
     """r: columns of P and Q; a matrix is sent as ``r (n + m)`` numbers instead of ``n m``."""
     seed: int = 0
     """Seeds the first Q of each key and matrix shape (the same on every rank)."""

@@ -46,6 +46,8 @@ import dataclasses
 
 import torch
 
+from cost_models.compression import QUANT_BLOCK
+
 __all__ = ["Quantized", "dequantize", "nbytes", "pack_int4", "qmax", "quantize", "unpack_int4"]
 
 
@@ -97,7 +99,7 @@ def quantize(
     x: torch.Tensor,
     *,
     bits: int = 8,
-    block: int = 256,
+    block: int = QUANT_BLOCK,
     residual: torch.Tensor | None = None,
     stochastic: bool = False,
     generator: torch.Generator | None = None,

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cost_models.compression import QUANT_BLOCK
 from runtime.compression.quantize import Quantized, check_args, qmax
 
 __all__ = ["dequantize_add_triton", "dequantize_triton", "quantize_triton"]
@@ -124,7 +125,7 @@ def quantize_triton(
     x: torch.Tensor,
     *,
     bits: int = 8,
-    block: int = 256,
+    block: int = QUANT_BLOCK,
     residual: torch.Tensor | None = None,
     stochastic: bool = False,
     seed: int = 0,

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from cost_models.compression import QUANT_BLOCK
 from runtime.comm.collectives import Collectives
 from runtime.compression.quantize import Quantized, dequantize, quantize
 
@@ -73,7 +74,7 @@ def gather_quantized(out: torch.Tensor, q: Quantized, group, collectives: Collec
 
 
 def quantized_all_gather(out: torch.Tensor, shard: torch.Tensor, group, collectives: Collectives, *,
-                         bits: int = 8, block: int = 256, async_op: bool = False) -> QuantizedGather | None:
+                         bits: int = 8, block: int = QUANT_BLOCK, async_op: bool = False) -> QuantizedGather | None:
     """Gather every rank's `shard` (fp32, equal sizes) into `out` (world * shard elements, any float
     dtype), quantized on the wire. Returns the handle to wait on when async_op, else None (done)."""
     n = shard.numel()

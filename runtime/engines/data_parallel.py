@@ -90,6 +90,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from cost_models.memory import DDP_BUCKET_BYTES
+from cost_models.powersgd import POWERSGD_RANK
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import NodeGroups
 from runtime.compression.grad_compression import GradientReducer
@@ -158,10 +160,10 @@ class DataParallel:
     """
 
     def __init__(self, model: nn.Module, *, group, ranks: tuple[int, ...], zero_stage: int,
-                 collectives: Collectives, bucket_bytes: int = 25 * 2**20,
+                 collectives: Collectives, bucket_bytes: int = DDP_BUCKET_BYTES,
                  precision: PrecisionName = "fp32", units: Sequence[Sequence[str]] | None = None,
                  unit_modules: Sequence[str] | None = None, compression: str | Mapping[str, str] = "none",
-                 nodes: NodeGroups | None = None, compression_warmup: int = 0, powersgd_rank: int = 4):
+                 nodes: NodeGroups | None = None, compression_warmup: int = 0, powersgd_rank: int = POWERSGD_RANK):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0 (DDP), 1, 2 or 3 (FSDP), got {zero_stage}")
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)

@@ -31,13 +31,16 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from cost_models.memory import SELECTIVE_KEEPS
+
 __all__ = ["MODES", "recompute_blocks", "run_recomputed"]
 
 MODES = ("none", "selective", "full")
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.baddbmm.default, torch.ops.aten.matmul.default, torch.ops.aten.linear.default}
-_NORMS = {torch.ops.aten.native_layer_norm.default}
-_SAVED = _MATMULS | _NORMS
+# cost_models.memory.SELECTIVE_KEEPS names the ops as the traced graph holds them; the checkpoint policy sees
+# them as dispatched, where layer_norm arrives as native_layer_norm.
+_DISPATCHED_AS = {"layer_norm": "native_layer_norm"}
+_SAVED = {getattr(torch.ops.aten, _DISPATCHED_AS.get(name, name)).default for name in SELECTIVE_KEEPS}
+_MATMULS = _SAVED - {torch.ops.aten.native_layer_norm.default}
 
 
 def _square(t: Any, s: int) -> bool:
