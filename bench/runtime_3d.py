@@ -13,7 +13,7 @@ Rows (the name is what ``--rows`` takes):
     pp2-gpipe pp2-1f1b pp4-gpipe pp4-1f1b   pipeline, dp = tp = 1, 4 microbatches of 2
     tp2                                     tensor parallel, pp = dp = 1, one microbatch of 8
 
-Pipeline rows. Model: the TORCH-NOTES benchmark model,
+Pipeline rows. Model: the benchmark model of docs/torch-notes.md,
 ``examples.training.gpt_small_seeded`` (4 blocks, d=256, 4 heads, seq 128,
 vocab 8192, wte tied to lm_head), fp32, AdamW (``examples.training.adamw``),
 global batch 8; step s uses ``examples.gpt.example_batch(model, 8, seed=s)``.
@@ -74,7 +74,7 @@ Each reported time is the median over the steps after the first ``--warmup``
 (default 1; each round runs compiled then torch, alternating which goes
 first). ratio = compiled / torch (goal <= 1.05). "predicted" is
 ``plan.predicted.step_time_s``, printed next to the measurement to calibrate
-the cost model for this CPU. Noise between runs here is about +-10 % (TORCH-NOTES).
+the cost model for this CPU. Noise between runs here is about +-10 % (docs/torch-notes.md#the-benchmark-model-and-its-baseline-step-times).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Benchmark script, not a test: figures are printed, never asserted. Usage (from a
     python bench/runtime_dp.py --worlds 2 --strategies ddp --steps 20
     python bench/runtime_dp.py --rounds 3                        # alternate compiled/torch 3 times, pool the steps
 
-Model: the TORCH-NOTES benchmark model, ``examples.training.gpt_small_seeded``
+Model: the benchmark model of docs/torch-notes.md, ``examples.training.gpt_small_seeded``
 (4 layers, d=256, 4 heads, seq 128, vocab 8192, tied embedding), fp32, AdamW
 (``examples.training.adamw``), loss ``examples.training.gpt_loss``, global batch
 8; step s uses ``examples.gpt.example_batch(model, 8, seed=s)``. Every rank sees
@@ -39,7 +39,7 @@ Each reported time is the median over the steps after the first ``--warmup``
 first). ratio = compiled / torch (goal <= 1.05; below 1.0 where the planner's
 choices allow). "predicted" is ``plan.predicted.step_time_s``, printed next to
 the measurement to calibrate the cost model for this CPU. Noise between runs
-here is about +-10 % (TORCH-NOTES).
+here is about +-10 % (docs/torch-notes.md#the-benchmark-model-and-its-baseline-step-times).
 """
 
 from __future__ import annotations

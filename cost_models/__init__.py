@@ -1,6 +1,6 @@
 """Cost models: hardware (Topology) and the time/memory formulas the planner uses.
 
-Imports nothing else of the project (shared/DESIGN.md, rules of the house).
+Imports nothing else of the project (docs/architecture.md#rules-of-the-house).
 
 >>> from cost_models import Topology, CommModel
 >>> topo = Topology.parse("2x8xA100-80GB")

@@ -95,7 +95,7 @@ _DEVICES = (
         #   (measured 0.3e9), so it is left out: asking for it is an error.
         # - memory 8 GiB per process: a default budget, not a hardware limit.
         # - "HBM" is DRAM, ~20e9 B/s per process.
-        # - The intra-node "link" is loopback Gloo. TORCH-NOTES: all_reduce of
+        # - The intra-node "link" is loopback Gloo (docs/torch-notes.md, Gloo collective timings): all_reduce of
         #   1M fp32 (4.19e6 B) takes 6.6 ms on 2 ranks. Ring model
         #   t = 2(n-1)/n * B/bw + 2(n-1)*alpha with alpha ~75 us (order
         #   50-100 us for a Gloo TCP message) gives bw = 4.19e6/6.45e-3

@@ -2,7 +2,7 @@
 
 `PartitionerError` is a `ValueError`, so callers that already catch
 `ValueError` keep working; each subclass names the kind of input that was
-wrong. Messages say what is wrong, why, and how to fix it (STYLE.md item 8).
+wrong. Messages say what is wrong, why, and how to fix it (docs/architecture.md#rules-of-the-house).
 
 The families, each a subclass of `PartitionerError`, so
 `except PartitionerError` catches every refusal of bad input and nothing else:
@@ -20,7 +20,7 @@ The families, each a subclass of `PartitionerError`, so
 
 The runtime's classes live in `runtime` and subclass this one: `cost_models`
 imports nothing of the project, so importing it from `runtime` keeps the
-one-direction rule (DESIGN.md).
+one-direction rule (docs/architecture.md#rules-of-the-house).
 """
 
 from __future__ import annotations

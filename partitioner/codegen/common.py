@@ -33,13 +33,14 @@ class CodegenError(PartitionerError):
 
 
 def reduce_scatter_impl(plan: "Plan") -> tuple[str, str]:
-    # TORCH-NOTES (measured here): Gloo's reduce_scatter of 16M floats takes 96 ms on 2 ranks
-    # against 58 ms for all_reduce of the same buffer, so on CPU processes all-reduce-then-slice
-    # wins; NCCL's reduce-scatter moves half the bytes of an all-reduce and is the faster one.
+    # Measured here (docs/torch-notes.md#gloo-collective-timings-reduce-scatter-is-slower-than-all-reduce):
+    # Gloo's reduce_scatter of 16M floats takes 96 ms on 2 ranks against 58 ms for all_reduce of the same
+    # buffer, so on CPU processes all-reduce-then-slice wins; NCCL's reduce-scatter moves half the bytes of
+    # an all-reduce and is the faster one.
     device = plan.topology.get("device")
     name = device.get("name") if isinstance(device, dict) else device
     if plan.topology.get("local") or name == "CPU":
-        return "all_reduce_slice", "Gloo: all-reduce then slice beats reduce-scatter (TORCH-NOTES)"
+        return "all_reduce_slice", "Gloo: all-reduce then slice beats reduce-scatter (docs/torch-notes.md)"
     return "reduce_scatter", "NCCL: reduce-scatter moves half the bytes of an all-reduce"
 
 

@@ -2,7 +2,7 @@
 
 A value pins a dimension of the search, None leaves it to the planner. Every
 refusal names the relation that fails and suggests values that hold
-(STYLE.md item 8), raised as `DeclarationError` (a `ValueError`).
+(docs/architecture.md#rules-of-the-house), raised as `DeclarationError` (a `ValueError`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ rank can run them on its slice alone:
   heads iff tp divides nh: a recorded divisor). Splitting F itself into
   chunks (a fused qkv) is shard-local only if each rank's slice holds its
   own part of every chunk: the weight's output rows (columns for Conv1D)
-  must be reordered, recorded as `Placement.fused` (TORCH-NOTES);
+  must be reordered, recorded as `Placement.fused`
+  (docs/torch-notes.md#a-fused-qkv-linear-cannot-be-column-split-as-it-is);
 - batched matmul, softmax, masked_fill and scaled_dot_product_attention
   where the split dim is a batch dim (heads): each head is independent;
 - softmax over the last dim and layer norm over trailing dims not holding

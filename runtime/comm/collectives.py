@@ -34,9 +34,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class Collectives:
     """Counting wrappers; `group=None` is the default (world) group.
 
-    reduce_scatter_impl: Gloo's reduce-scatter is slower than all-reduce of the
-    same buffer (TORCH-NOTES: 96 vs 58 ms for 16M floats on 2 ranks), so the
-    plan may choose "all_reduce_slice": all-reduce, then keep this rank's slice.
+    reduce_scatter_impl: Gloo's reduce-scatter is slower than all-reduce of the same buffer (96 vs 58 ms
+    for 16M floats on 2 ranks:
+    docs/torch-notes.md#gloo-collective-timings-reduce-scatter-is-slower-than-all-reduce), so the plan may
+    choose "all_reduce_slice": all-reduce, then keep this rank's slice.
     """
 
     reduce_scatter_impl: ReduceScatterImpl = "reduce_scatter"

@@ -1,7 +1,7 @@
 """Data parallelism for the generated per-rank programs: DDP and ZeRO-1/2/3, collectives placed by us.
 
 torch's DDP, `ZeroRedundancyOptimizer` and FSDP2 do all of this inside their
-own hooks; the compiler must decide every collective itself (shared/DESIGN.md),
+own hooks; the compiler must decide every collective itself (docs/architecture.md#rules-of-the-house),
 and FSDP2 cannot keep parameters replicated (ZeRO-1/2), so the engine is
 written here on c10d through `runtime.comm.collectives` -- the torch wrappers are
 its oracles in the tests.

@@ -493,7 +493,7 @@ def _failure(dead: list[int], exits: list[int | None], tmp: Path, phase: Any, pr
 _SIGNAL_HINTS = {
     "SIGKILL": ": killed from outside (the out-of-memory killer: see `dmesg`; or a kill -9)",
     "SIGABRT": ": an abort in native code (Gloo aborts when a receive gets a message of another size: a "
-               "send/recv mismatch, see TORCH-NOTES; or a failed internal check)",
+               "send/recv mismatch, see docs/torch-notes.md; or a failed internal check)",
     "SIGSEGV": ": a crash in native code",
 }
 

@@ -23,8 +23,8 @@ waited before `run` returns). Neighbouring stages on the same rank (pp = 1
 with several virtual stages) hand tensors over in memory, without messages.
 
 Tags. Gloo matches point-to-point messages by (source, tag) only
-(shared/TORCH-NOTES.md), so every message of a step has its own tag, named
-after the *sending* stage s, the microbatch i and the kind k:
+(docs/torch-notes.md#gloo-matches-point-to-point-messages-by-source-and-tag-only), so every message
+of a step has its own tag, named after the *sending* stage s, the microbatch i and the kind k:
 
     tag = 3 * (i * num_stages + s) + k,  k = 0 activation, 1 its shape header, 2 gradient
 

@@ -1,0 +1,170 @@
+"""Write docs/cli.md, the command-line reference, from the `partitioner` argparse parser.
+
+    python docs/make_cli_reference.py            # rewrite docs/cli.md
+    python docs/make_cli_reference.py --stdout   # print it instead
+
+The text is built from `partitioner.cli.build_parser()`: the top-level description, then per subcommand
+its one-line help, description, a usage line, every argument (flags, metavar or choices, default, help),
+its argument groups and its examples. It walks the parser's actions rather than calling `format_help()`,
+so the page does not depend on the terminal width or on how a Python release wraps help text.
+tests/test_docs.py fails when docs/cli.md differs from what this script writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_MD = ROOT / "docs" / "cli.md"
+
+
+def _metavar(action: argparse.Action) -> str:
+    """What follows the flag in a usage line: METAVAR, {choices}, or nothing for a switch."""
+    if action.nargs == 0:
+        return ""
+    if action.metavar is not None:
+        return str(action.metavar)
+    if action.choices is not None:
+        return "{" + ",".join(str(c) for c in action.choices) + "}"
+    return action.dest if not action.option_strings else action.dest.upper()
+
+
+def _synopsis(action: argparse.Action) -> str:
+    mv = _metavar(action)
+    if not action.option_strings:
+        return mv
+    flag = max(action.option_strings, key=len)  # --output rather than -o
+    return f"{flag} {mv}".strip()
+
+
+def _usage(prog: str, parser: argparse.ArgumentParser) -> str:
+    """`partitioner compile --topology TOPOLOGY ... [options] model`: required options, then positionals."""
+    words = [prog]
+    actions = [a for a in parser._actions if a.help is not argparse.SUPPRESS]
+    words += [_synopsis(a) for a in actions if a.option_strings and a.required]
+    if any(a.option_strings and not a.required for a in actions):
+        words.append("[options]")
+    words += [_synopsis(a) for a in actions if not a.option_strings]
+    return " ".join(words)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _default(action: argparse.Action) -> str:
+    if not action.option_strings:
+        return "required"
+    if action.required:
+        return "required"
+    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+        return ""
+    return f"`{action.default}`"
+
+
+def _table(actions: list[argparse.Action]) -> list[str]:
+    rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
+    for a in actions:
+        names = ", ".join(a.option_strings) if a.option_strings else a.dest
+        mv = _metavar(a)
+        arg = f"`{names} {mv}`" if a.option_strings and mv else f"`{names}`"
+        rows.append(f"| {_cell(arg)} | {_default(a)} | {_cell(a.help or '')} |")
+    return rows
+
+
+def _epilog_examples(epilog: str | None) -> list[str]:
+    """The `examples:` lines of an epilog (the exit codes that follow them are printed once, at the top)."""
+    if not epilog or not epilog.startswith("examples:"):
+        return []
+    block = epilog.split("\n\n")[0].splitlines()[1:]
+    return [line.strip() for line in block if line.strip()]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
+    """(name, one-line help, parser) of every subcommand, in the order they were added."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help or "" for a in action._choices_actions}
+            out += [(name, helps.get(name, ""), sub) for name, sub in action.choices.items()]
+    return out
+
+
+def _groups(parser: argparse.ArgumentParser) -> list[tuple[str | None, str | None, list[argparse.Action]]]:
+    """(title, description, actions) per argument group: positionals and plain options first, as one table."""
+    out: list[tuple[str | None, str | None, list[argparse.Action]]] = [(None, None, [])]
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions
+                   if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+                   and not isinstance(a, argparse._SubParsersAction)]
+        if group.title in ("positional arguments", "options", "optional arguments"):
+            out[0][2].extend(actions)  # positionals and plain options: one table
+        elif actions:
+            out.append((group.title, group.description, actions))
+    return [g for g in out if g[2]]
+
+
+def render() -> str:
+    from partitioner import cli
+
+    parser = cli.build_parser()
+    doc = cli.__doc__ or ""
+    exit_codes = doc[doc.index("Exit codes:"):].strip().splitlines()[1:] if "Exit codes:" in doc else []
+    lines = [
+        "# Command-line reference",
+        "",
+        "<!-- Generated by `python docs/make_cli_reference.py` from partitioner/cli.py: do not edit by hand. -->",
+        "",
+        (parser.description or "").strip(),
+        "",
+        "Every subcommand takes `--json` (exactly one JSON document on stdout, progress and info on stderr, "
+        "nothing on stdout when it fails) and `--debug` (the full traceback on errors; without it an error is "
+        "one line on stderr). The same flags work before the subcommand: `partitioner --debug run ...`.",
+        "",
+        "Exit codes, the same for every subcommand:",
+        "",
+        "| code | meaning |",
+        "| --- | --- |",
+    ]
+    for row in exit_codes:
+        code, _, meaning = row.strip().partition(" ")
+        lines.append(f"| {code} | {_cell(meaning.strip())} |")
+    subs = _subparsers(parser)
+    examples = _epilog_examples(parser.epilog)
+    if examples:
+        lines += ["", "At a glance:", "", "```bash", *examples, "```"]
+    lines += ["", "Subcommands: " + ", ".join(f"[`{name}`](#partitioner-{name})" for name, _, _ in subs) + "."]
+    for name, summary, sub in subs:
+        lines += ["", f"## partitioner {name}", "", f"{summary[:1].upper()}{summary[1:]}."
+                  if summary else "", ""]
+        if sub.description:
+            lines += [sub.description.strip(), ""]
+        lines += ["```", _usage(f"partitioner {name}", sub), "```", ""]
+        for title, description, actions in _groups(sub):
+            if title:
+                lines += [f"**{title}**" + (f": {description}" if description else ""), ""]
+            lines += _table(actions) + [""]
+        examples = _epilog_examples(sub.epilog)
+        if examples:
+            lines += ["Examples:", "", "```bash", *examples, "```"]
+    return "\n".join(lines).rstrip("\n").replace("\n\n\n", "\n\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    args.add_argument("--stdout", action="store_true", help="print the page instead of writing docs/cli.md")
+    ns = args.parse_args(argv)
+    text = render()
+    if ns.stdout:
+        sys.stdout.write(text)
+    else:
+        CLI_MD.write_text(text)
+        print(f"wrote {CLI_MD.relative_to(ROOT)} ({len(text.splitlines())} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run from anywhere: import the partitioner of this checkout
+    sys.exit(main())
