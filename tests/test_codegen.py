@@ -91,3 +91,20 @@ def test_pipeline_programs_need_the_exported_graph(graph):
     assert "def block(tp, x" in src and re.search(r"def suffix\(tp, x, .*input_targets", src)
     with pytest.raises(CodegenError, match="rank=7: the plan has ranks 0..3"):
         dp_plan(graph, 0).program(7)
+
+
+def test_no_line_of_a_program_grows_with_the_world(meta_gpt_graph):
+    """The mesh, the node of every rank, tie groups and data-parallel ranks are written as formulas (grid,
+    nodes_of, stage_peers, groups.dp_ranks) and long tables wrapped, so a 1024-rank program's longest line
+    is as long as an 8-rank one's (a 3072-rank plan's MESH was one line of 60K characters); and the
+    formulas give the plan's own mesh."""
+    longest = {}
+    for topo, gb in (("1x8xA100-80GB", 16), ("128x8xA100-80GB", 2048)):
+        plan = compile(meta_gpt_graph, topo, global_batch_size=gb, pp=2, tp=2, precision="fp32")
+        for rank in (0, plan.world_size - 1):
+            prog = plan.program(rank)
+            longest[topo] = max(longest.get(topo, 0), max(map(len, prog.source.splitlines())))
+            ns = prog.namespace()
+            assert ns["MESH"] == tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)
+            assert ns["NODE_OF"] == tuple(m.node for m in plan.mesh)
+    assert longest["128x8xA100-80GB"] <= longest["1x8xA100-80GB"] + 16 <= 300, longest

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from partitioner.codegen.common import params_table, recompute_lines
+from partitioner.codegen.common import mesh_lines, params_table, recompute_lines
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -48,6 +48,8 @@ def async_program_source(plan: Plan, rank: int, program_hash: str) -> str:
     every = plan.async_sgd.get("every")
     recompute = recompute_lines(plan, "recompute_blocks(model, ")
     recompute_import = "from runtime.engines.recompute import recompute_blocks\n" if recompute else ""
+    ml = mesh_lines(plan)
+    group_imports = ", ".join(sorted({*ml.imports, "make_groups"} - {"nodes_of"}))
     averaging = (f"1 all-reduce of the parameters {_every(every)}" if every else
                  "1 asynchronous all-reduce of the step's update")
     return f'''"""Per-rank program: rank {rank} of {plan.world_size}.
@@ -60,7 +62,7 @@ it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` retu
 import runtime.engines.step
 from runtime.engines.async_sgd import AsyncSGDRunner
 from runtime.comm.collectives import Collectives
-from runtime.comm.groups import make_groups
+from runtime.comm.groups import {group_imports}
 {recompute_import}from runtime.engines.unreplicated import Unreplicated
 
 PROGRAM_HASH = {program_hash!r}
@@ -69,7 +71,7 @@ WORLD_SIZE = {plan.world_size}
 
 # The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice). Every rank creates
 # every process group, in this order (c10d requires it).
-MESH = {tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)!r}
+MESH = {ml.mesh}
 
 # The parameters the plan was compiled for (name, shape): any other model is refused.
 PARAMS = (
@@ -98,7 +100,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     # Construction broadcasts replica 0's parameters and buffers; sync_now() averages at once.
     return AsyncSGDRunner(
         engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, dp_group=groups.dp,
-        dp_ranks={dp_ranks!r}, dp_rank={me.dp}, microbatch_size={c.microbatch_size},
+        dp_ranks=groups.dp_ranks, dp_rank={me.dp}, microbatch_size={c.microbatch_size},
         num_microbatches={c.num_microbatches}, clip_grad_norm={plan.clip_grad_norm!r}, program_hash=PROGRAM_HASH,
         async_sgd=ASYNC_SGD)
 '''

@@ -5,16 +5,18 @@ pipeline and async generators all import them from here."""
 from __future__ import annotations
 
 import dataclasses
+import pprint
 import textwrap
 from typing import TYPE_CHECKING
 
 from cost_models.errors import PartitionerError
+from cost_models.mesh import Mesh
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
-__all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "dp_compression", "params_table", "recompute_lines",
-           "reduce_scatter_impl"]
+__all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "dp_compression", "literal", "mesh_lines",
+           "params_table", "ranks_text", "recompute_lines", "reduce_scatter_impl"]
 
 ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
@@ -108,3 +110,52 @@ def recompute_lines(plan: "Plan", call: str) -> str:
     why = textwrap.fill(f"Recompute ({mode}, runtime.engines.recompute): {_RECOMPUTE_WHAT[mode]}.", width=100,
                         initial_indent="    # ", subsequent_indent="    # ")
     return f"{why}\n    {call}{names!r}, {mode!r})\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLines:
+    """A program's MESH and NODE_OF values as source, and what they import from runtime.comm.groups."""
+
+    mesh: str
+    node_of: str
+    imports: tuple[str, ...]
+
+
+def mesh_lines(plan: "Plan") -> MeshLines:
+    """MESH as `grid(pp, dp, tp)` when the plan's mesh is cost_models.mesh's layout, NODE_OF as
+    `nodes_of(world, per_node)` when every node holds as many consecutive ranks; the literal tables otherwise
+    (a hand-made plan). Written as tables, a 3072-rank plan's MESH was one line of 60K characters."""
+    c = plan.config
+    mesh = Mesh(c.pp, c.dp, c.tp)
+    coords = tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)
+    nodes = tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))
+    imports = []
+    if coords == tuple((r, *mesh.coords(r)) for r in range(mesh.size)):
+        mesh_src = f"grid(pp={c.pp}, dp={c.dp}, tp={c.tp})  # (rank, pp, dp, tp) of every rank: {mesh.formula()}"
+        imports.append("grid")
+    else:
+        mesh_src = f"{coords!r}  # (rank, pp, dp, tp) of every rank"
+    per = nodes.count(0)
+    if per and nodes == tuple(r // per for r in range(len(nodes))):
+        node_src = f"nodes_of({len(nodes)}, per_node={per})  # rank -> node: rank // {per}"
+        imports.append("nodes_of")
+    else:
+        node_src = f"{nodes!r}  # rank -> node"
+    return MeshLines(mesh_src, node_src, tuple(imports))
+
+
+def literal(value: object, indent: int = 0, width: int = 110) -> str:
+    """`value` as Python source wrapped to `width` columns (pprint), its later lines indented by `indent`:
+    tables that grow with the model or the world (units, argument lists, action lists) stay readable."""
+    text = pprint.pformat(value, width=max(width - indent, 40), compact=True)
+    return text.replace("\n", "\n" + " " * indent)
+
+
+def ranks_text(ranks: tuple[int, ...]) -> str:
+    """Ranks for a comment: all of them when few, else the run by its ends."""
+    if len(ranks) <= 8:
+        return repr(tuple(ranks))
+    step = ranks[1] - ranks[0]
+    if all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        return f"({ranks[0]}, {ranks[1]}, ..., {ranks[-1]})"
+    return f"({', '.join(map(str, ranks[:4]))}, ..., {ranks[-1]}; {len(ranks)} ranks)"

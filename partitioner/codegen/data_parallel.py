@@ -6,7 +6,16 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from partitioner.codegen.common import ZERO_WHAT, dp_compression, params_table, recompute_lines, reduce_scatter_impl
+from partitioner.codegen.common import (
+    ZERO_WHAT,
+    dp_compression,
+    literal,
+    mesh_lines,
+    params_table,
+    ranks_text,
+    recompute_lines,
+    reduce_scatter_impl,
+)
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -31,8 +40,7 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
     blocks: dict[str, list[str]] = {}
     for p in plan.placements:
         blocks.setdefault(p.block or "(outside the blocks)", []).append(p.param)
-    units = ",\n".join(f"    ({', '.join(repr(n) for n in names)}{',' if len(names) == 1 else ''})"
-                       for names in blocks.values())
+    units = ",\n".join(f"    {literal(tuple(names), indent=4)}" for names in blocks.values())
     numel = {p.param: math.prod(p.shape) for p in plan.placements}
     shard_lines = []
     if c.zero_stage == 3:
@@ -47,6 +55,9 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
         shard_lines.append(f"    #   {what} for elements [{me.dp * shard:,}, {min(n, (me.dp + 1) * shard):,}) of the "
                            f"{n:,}-element flat parameter buffer (slice {me.dp} of {c.dp})")
     shards = "\n".join(shard_lines) or "    #   nothing sharded: every replica holds every parameter, gradient and state"
+    ml = mesh_lines(plan)
+    names = {*ml.imports, "make_groups", *(("group_ranks", "make_node_groups") if comp.setup else ())}
+    group_imports = ", ".join(sorted(names))
     recompute = recompute_lines(plan, "engine.checkpoint_blocks(")
 
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size}.
@@ -59,7 +70,7 @@ it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` retu
 import runtime.engines.step
 from runtime.comm.collectives import Collectives
 from runtime.engines.data_parallel import DataParallel
-from runtime.comm.groups import {"group_ranks, make_groups, make_node_groups" if comp.setup else "make_groups"}
+from runtime.comm.groups import {group_imports}
 
 PROGRAM_HASH = {h!r}
 RANK = {rank}
@@ -67,8 +78,8 @@ WORLD_SIZE = {plan.world_size}
 
 # The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice). Every rank creates
 # every process group, in this order (c10d requires it).
-MESH = {tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)!r}
-NODE_OF = {tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))!r}  # rank -> node
+MESH = {ml.mesh}
+NODE_OF = {ml.node_of}
 
 # The parameters the plan was compiled for (name, shape): any other model is refused.
 PARAMS = (
@@ -88,13 +99,13 @@ def build(model_fn, optimizer_fn, loss_fn):
     model = model_fn()
     runtime.engines.step.check_parameters(model, PARAMS)
 
-    # Data parallelism over replicas {dp_ranks} (this rank is replica {me.dp} of {c.dp}).
+    # Data parallelism over replicas {ranks_text(dp_ranks)} (this rank is replica {me.dp} of {c.dp}).
     # {ZERO_WHAT[c.zero_stage]}.
     # Gradient buckets of {plan.bucket_bytes:,} bytes. Collectives per step{counted}: {expected}.
     # This rank holds:
 {shards}
     # Gradient compression on this group: {comp.why}.
-    engine = DataParallel(model, group=groups.dp, ranks={dp_ranks!r}, zero_stage={c.zero_stage},
+    engine = DataParallel(model, group=groups.dp, ranks=groups.dp_ranks, zero_stage={c.zero_stage},
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
                           units=UNITS, compression={comp.arg}, nodes={comp.nodes},
                           compression_warmup={plan.compression_warmup})

@@ -15,7 +15,17 @@ import hashlib
 from typing import TYPE_CHECKING
 
 from cost_models.placements import is_sharded
-from partitioner.codegen.common import ZERO_WHAT, CodegenError, dp_compression, params_table, reduce_scatter_impl
+from partitioner.codegen.common import (
+    ZERO_WHAT,
+    CodegenError,
+    dp_compression,
+    literal,
+    mesh_lines,
+    params_table,
+    ranks_text,
+    reduce_scatter_impl,
+)
+from runtime.comm.groups import stage_peers  # the rule the program will use
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -95,6 +105,9 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     tie_pp = sorted(next(iter(holder_sets))) if holder_sets else []
     tie_groups = sorted({tuple(sorted(by_coord[(p, d, t)] for p in tie_pp))
                          for d in range(c.dp) for t in range(c.tp)}) if tie_pp else []
+    # every rank creates every tie group, in one order (c10d): the runtime's rule derives them from the mesh
+    by_rule = bool(tie_groups) and stage_peers(plan.mesh, tie_pp) == tuple(tie_groups)
+    tie_src = f"stage_peers(MESH, {tuple(tie_pp)!r})" if by_rule else literal(tuple(tie_groups))
     held: set[str] = set()
     for s, (a, b, pre, suf) in my_blocks.items():
         held |= {n for _, n in code.prefix.params} if pre else set()
@@ -121,18 +134,20 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
     segs = [code.prefix, *code.templates] + ([code.suffix] if code.suffix is not None else [])
     functions = "\n\n".join(s.source.rstrip() for s in segs)
-    args = "\n".join(f"{s.name.upper()}_ARGS = {tuple(s.params) + tuple(s.buffers)!r}" for s in segs)
+    args = "\n".join(f"{s.name.upper()}_ARGS = {literal(tuple(s.params) + tuple(s.buffers))}" for s in segs)
     fn_table = ", ".join(f"{s.name!r}: {s.name}" for s in segs)
     block_args = f"({', '.join(t.name.upper() + '_ARGS' for t in code.templates)},)" if code.block is not None else "()"
     block_inputs = tuple(t.model_inputs for t in code.templates)
     kinds_line = (f"# The blocks are not all alike: kind of each block (kind 0 runs `block`, kind k `block_k`).\n"
-                  f"BLOCK_KINDS = {code.block_kinds!r}" if code.block_kinds else
+                  f"BLOCK_KINDS = {literal(code.block_kinds)}" if code.block_kinds else
                   "BLOCK_KINDS = ()  # every block runs `block`")
     suffix_args = "SUFFIX_ARGS" if code.suffix is not None else "()"
     mixed = plan.precision != "fp32"
     comp = dp_compression(plan, dp_ranks)
-    group_imports = ("group_ranks, make_group_among, make_groups, make_node_groups, make_self_group" if comp.setup
-                     else "make_group_among, make_groups, make_self_group")
+    ml = mesh_lines(plan)
+    names = {*ml.imports, "make_group_among", "make_groups", "make_self_group", *(("stage_peers",) if by_rule else ()),
+             *(("group_ranks", "make_node_groups") if comp.setup else ())}
+    group_imports = ", ".join(sorted(names))
     if c.dp == 1 and not mixed:
         engine = ("    # No data parallelism (dp = 1) and fp32: gradients stay in .grad, the optimizer steps the\n"
                   "    # parameters, nothing is reduced across replicas.\n"
@@ -140,9 +155,10 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     else:
         group = "groups.dp" if c.dp > 1 else "make_self_group(RANK, WORLD_SIZE)"
         why = "" if c.dp > 1 else " (dp = 1: the engine over this rank alone keeps the fp32 masters)"
-        engine = (f"    # Data parallelism over replicas {dp_ranks} (this rank is replica {me.dp} of {c.dp}): "
+        engine = (f"    # Data parallelism over replicas {ranks_text(dp_ranks)} (this rank is replica {me.dp} of {c.dp}): "
                   f"{ZERO_WHAT[c.zero_stage]}{why}.\n"
-                  f"    engine = DataParallel(model, group={group}, ranks={dp_ranks!r}, zero_stage={c.zero_stage},\n"
+                  f"    engine = DataParallel(model, group={group}, ranks={'groups.dp_ranks' if c.dp > 1 else repr(dp_ranks)}, "
+                  f"zero_stage={c.zero_stage},\n"
                   f"                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, "
                   f"precision={plan.precision!r},\n"
                   f"                          units=UNITS, unit_modules=UNIT_MODULES, "
@@ -175,8 +191,8 @@ RANK = {rank}
 WORLD_SIZE = {plan.world_size}
 
 # The mesh: (rank, pipeline rank, data-parallel replica, tensor slice) for every rank.
-MESH = {tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)!r}
-NODE_OF = {tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))!r}  # rank -> node
+MESH = {ml.mesh}
+NODE_OF = {ml.node_of}
 
 # The parameters the plan was compiled for (name, full shape): any other model is refused.
 PARAMS = (
@@ -190,9 +206,9 @@ STAGES = {{
 {stage_lines}
 }}
 # Global rank of every virtual stage in this replica and tensor slice: the peers of SEND/RECV.
-STAGE_RANKS = {stage_ranks!r}
+STAGE_RANKS = {literal(stage_ranks)}
 # This rank's instruction list: {c.num_microbatches} microbatches of {c.microbatch_size} per step.
-ACTIONS = {actions!r}.split()
+ACTIONS = {literal(actions)}.split()
 
 # Tensor parallelism over {c.tp} rank(s): this rank's sharded parameters -> (spec, fused chunks);
 # the others it holds are whole.
@@ -200,12 +216,13 @@ PLACEMENTS = {{
 {place_lines}
 }}
 # Parameters read by stages on different pipeline ranks (a tied embedding and LM head): each
-# holder keeps a copy, their gradients are summed over the holders {tie_groups!r}.
-TIED = {tuple(tied)!r}
-TIE_GROUPS = {tuple(tie_groups)!r}
+# holder keeps a copy, their gradients are summed over the holders, for each replica and tensor slice
+# (pipeline ranks {tuple(tie_pp)}: {len(tie_groups)} group(s), {ranks_text(tie_groups[0]) if tie_groups else "none"} first).
+TIED = {literal(tuple(tied))}
+TIE_GROUPS = {tie_src}
 # ZeRO-3 gathers one unit (a block, then the rest) at a time.
-UNITS = {tuple(units)!r}
-UNIT_MODULES = {tuple(unit_modules)!r}
+UNITS = {literal(tuple(tuple(u) for u in units))}
+UNIT_MODULES = {literal(tuple(unit_modules))}
 
 # ---- the model's code: prefix, block template, suffix (cut from the exported graph{", rewritten for the tensor shards" if c.tp > 1 else ""})
 

@@ -25,8 +25,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-__all__ = ["ProcessGroups", "Axis", "AXES", "NodeGroups", "make_groups", "group_ranks", "make_group_among",
-           "make_self_group", "make_node_groups", "node_split"]
+from cost_models.mesh import Mesh
+
+__all__ = ["ProcessGroups", "Axis", "AXES", "NodeGroups", "grid", "nodes_of", "make_groups", "group_ranks",
+           "make_group_among", "make_self_group", "make_node_groups", "node_split", "stage_peers"]
 
 Axis = Literal["dp", "tp", "pp"]
 AXES: tuple[Axis, ...] = ("dp", "tp", "pp")
@@ -118,6 +120,39 @@ def make_groups(rank: int, mesh: Sequence[Any]) -> ProcessGroups:
             if rank in ranks:
                 fields[axis], fields[f"{axis}_ranks"] = pg, ranks
     return ProcessGroups(**fields)
+
+
+def grid(pp: int, dp: int, tp: int) -> tuple[tuple[int, int, int, int], ...]:
+    """(rank, pp, dp, tp) of every rank of a pp x dp x tp mesh laid out as cost_models.mesh says:
+    what a program's MESH is when its plan uses that layout (a formula, not a table of every rank).
+
+    >>> grid(pp=1, dp=2, tp=2)
+    ((0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1))
+    """
+    mesh = Mesh(pp, dp, tp)
+    return tuple((r, *mesh.coords(r)) for r in range(mesh.size))
+
+
+def nodes_of(world: int, per_node: int) -> tuple[int, ...]:
+    """Rank -> node when every node holds `per_node` consecutive ranks.
+
+    >>> nodes_of(4, per_node=2)
+    (0, 0, 1, 1)
+    """
+    return tuple(r // per_node for r in range(world))
+
+
+def stage_peers(mesh: Sequence[Any], stages: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """For each (replica, tensor slice) of the mesh, its ranks at pipeline ranks `stages`, sorted: the groups
+    over which a parameter held by those stages (a tied embedding and LM head) sums its gradient.
+
+    >>> stage_peers(grid(pp=2, dp=2, tp=1), (0, 1))
+    ((0, 2), (1, 3))
+    """
+    coords = [_coord(m) for m in mesh]
+    by_coord = {(pp, dp, tp): r for r, pp, dp, tp in coords}
+    dps, tps = sorted({c[2] for c in coords}), sorted({c[3] for c in coords})
+    return tuple(sorted({tuple(sorted(by_coord[(p, d, t)] for p in stages)) for d in dps for t in tps}))
 
 
 def _coord(m: Any) -> tuple[int, int, int, int]:
