@@ -108,3 +108,33 @@ def test_no_line_of_a_program_grows_with_the_world(meta_gpt_graph):
             assert ns["MESH"] == tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)
             assert ns["NODE_OF"] == tuple(m.node for m in plan.mesh)
     assert longest["128x8xA100-80GB"] <= longest["1x8xA100-80GB"] + 16 <= 300, longest
+
+
+# ---- golden programs ----------------------------------------------------------------------------------------
+# tests/golden/program_*.py hold whole generated programs, as tests/golden/plan_*.txt hold printed plans: a
+# change to what a rank runs shows as a diff to review. Regenerate with
+#     PARTITIONER_REGEN_GOLDEN=1 python -m pytest -q tests/test_codegen.py -k golden
+
+GOLDEN_PROGRAMS = {  # file: (topology, pins, rank)
+    "program_gpt_tiny_dp4_zero1_rank1.py": ("local:4", dict(pp=1, tp=1, zero_stage=1), 1),
+    "program_gpt_tiny_pp2_tp2_rank2.py": ("local:4", dict(pp=2, tp=2, dp=1), 2),
+    "program_gpt_tiny_local_sgd_rank0.py": ("local:2", dict(pp=1, tp=1, async_sgd=dict(every=4)), 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_PROGRAMS))
+def test_golden_programs(graph, name):
+    import os
+    from pathlib import Path
+
+    topo, pins, rank = GOLDEN_PROGRAMS[name]
+    plan = compile(graph, topo, global_batch_size=8, precision="fp32", microbatch_size=2, **pins)
+    source = plan.program(rank).source
+    path = Path(__file__).parent / "golden" / name
+    if os.environ.get("PARTITIONER_REGEN_GOLDEN") == "1":
+        path.write_text(source)
+        return
+    assert path.is_file(), f"{path} is missing: PARTITIONER_REGEN_GOLDEN=1 python -m pytest -q {__file__} -k golden"
+    assert source == path.read_text(), (
+        f"rank {rank}'s program differs from {path}. If the change is intended, regenerate with "
+        f"PARTITIONER_REGEN_GOLDEN=1 python -m pytest -q tests/test_codegen.py -k golden and review the diff")

@@ -60,9 +60,9 @@ it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` retu
 """
 
 import runtime.engines.step
-from runtime.engines.async_sgd import AsyncSGDRunner
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import {group_imports}
+from runtime.engines.async_sgd import AsyncSGDRunner
 {recompute_import}from runtime.engines.unreplicated import Unreplicated
 
 PROGRAM_HASH = {program_hash!r}

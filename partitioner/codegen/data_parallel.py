@@ -69,8 +69,8 @@ it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` retu
 
 import runtime.engines.step
 from runtime.comm.collectives import Collectives
-from runtime.engines.data_parallel import DataParallel
 from runtime.comm.groups import {group_imports}
+from runtime.engines.data_parallel import DataParallel
 
 PROGRAM_HASH = {h!r}
 RANK = {rank}

@@ -177,12 +177,13 @@ from torch import device
 
 import runtime.engines.step
 from runtime.comm.collectives import Collectives
-from runtime.engines.data_parallel import DataParallel
 from runtime.comm.groups import {group_imports}
+from runtime.engines.data_parallel import DataParallel
+from runtime.engines.unreplicated import Unreplicated
 from runtime.pipeline.runner import PipelineRunner
 from runtime.pipeline.stage import StageModel, state_keys
-from runtime.engines.unreplicated import Unreplicated
-from runtime.pipeline.tensor_parallel import TPContext, tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding
+from runtime.pipeline.tensor_parallel import (TPContext, tp_copy, tp_cross_entropy, tp_gather, tp_reduce,
+                                              tp_vocab_embedding)
 
 inf, nan = float("inf"), float("nan")
 
