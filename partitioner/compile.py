@@ -65,6 +65,7 @@ from partitioner.planner.plan import (
     Plan,
     Predicted,
     StagePlan,
+    per_rank_memory,
 )
 from partitioner.planner.schedule import build_schedule
 from partitioner.planner.search import Scored, enumerate_candidates, least_memory, search
@@ -315,18 +316,8 @@ def _mesh(c: ParallelConfig, topo: Topology) -> tuple[MeshCoord, ...]:
 
 
 def rank_memory(cut: Cut, pp: int) -> dict[int, MemoryBreakdown]:
-    """Per pipeline rank: the sum over its virtual stages, buffers counted once (they are reused)."""
-    out: dict[int, MemoryBreakdown] = {}
-    for k, st in enumerate(cut.stages):
-        r = k % pp
-        prev = out.get(r)
-        p, g, o, a, b = st.memory
-        if prev is None:
-            out[r] = MemoryBreakdown(params=p, grads=g, optimizer=o, activations=a, buffers=b)
-        else:
-            out[r] = MemoryBreakdown(params=prev.params + p, grads=prev.grads + g, optimizer=prev.optimizer + o,
-                                     activations=prev.activations + a, buffers=max(prev.buffers, b))
-    return out
+    """Per pipeline rank: its virtual stages summed, buffers once (per_rank_memory)."""
+    return per_rank_memory([st.memory for st in cut.stages], pp)
 
 
 def _why(best: Scored, other: Scored) -> str:
@@ -365,8 +356,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
         ranks = tuple(m.rank for m in mesh if m.pp == rank)
         stages.append(StagePlan(index=k, blocks=names, first_node=first, last_node=last, num_params=round(st.params),
                                 ranks=ranks, forward_s=st.forward_s, backward_s=st.backward_s,
-                                memory=MemoryBreakdown(params=st.memory[0], grads=st.memory[1], optimizer=st.memory[2],
-                                                       activations=st.memory[3], buffers=st.memory[4])))
+                                memory=MemoryBreakdown(**st.memory._asdict())))
 
     node_stage = {}
     for u, (a, b) in enumerate(ctx.units):

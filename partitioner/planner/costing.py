@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from cost_models.calibration import Calibration
 from cost_models.comm import CommModel
@@ -79,7 +80,7 @@ from partitioner.planner.tensor_split import TensorSplits
 from partitioner.tracer.opgraph import OpGraph
 from partitioner.tracer.symbolic import Poly
 
-__all__ = ["CostContext", "StageCost", "StageEvaluator", "UnitArrays", "UnitCost", "units_of"]
+__all__ = ["CostContext", "StageCost", "StageEvaluator", "StageMemory", "UnitArrays", "UnitCost", "units_of"]
 
 # Adam's step reads param, grad, m, v and writes param, m, v: 7 fp32 words per
 # parameter (torch.optim.Adam foreach path; the fp32 master copy under mixed precision).
@@ -111,6 +112,16 @@ class UnitCost:
     largest_output: float = 0.0  # bytes of its blocks' largest floating-point node output, per microbatch and tensor rank
 
 
+class StageMemory(NamedTuple):
+    """Bytes one rank holds at its peak for one (virtual) stage: a tuple, cheap in the search's inner loop."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageCost:
     forward_s: float
@@ -118,7 +129,7 @@ class StageCost:
     tail_s: float
     exposed_comm_s: float
     params: float
-    memory: tuple[float, float, float, float, float]  # params, grads, optimizer, activations, buffers
+    memory: StageMemory
     fits: bool
     compression: tuple[str, str] = ("none", "none")  # (intra_node, inter_node) compressor of its gradient reduction
 
@@ -621,7 +632,7 @@ class StageEvaluator:
         hook = (0.0 if tied and big <= tied else max(big, twice)) * pb if (flat_grads or z >= 2) else 0.0
         reducing = (step_grads + (reduction if z >= 2 else 0.0) + hook, act1 * (inflight - 1), 0.0, kept + gathered)
 
-        def at_peak(rm: ReductionMemory) -> tuple[float, float, float, float, float]:
+        def at_peak(rm: ReductionMemory) -> StageMemory:
             if rm == _NO_BUFFERS:
                 at = moments
             else:  # the error feedback at every moment (gradient-shaped state, per chunk: with the
@@ -632,11 +643,11 @@ class StageEvaluator:
                     g, a, loss, b = at[-3]
                     at[-3] = (g, a, loss, b + rm.working * bucket)
             g, a, loss, b = max(at, key=sum)
-            return (own.params + whole.params,
-                    (rest_grads + g) * cal.grad_mem_scale,
-                    own.optimizer + whole.optimizer,
-                    a * cal.activation_mem_scale + loss * cal.loss_mem_scale,
-                    b * cal.buffer_mem_scale + cal.memory_overhead_bytes)
+            return StageMemory(own.params + whole.params,
+                               (rest_grads + g) * cal.grad_mem_scale,
+                               own.optimizer + whole.optimizer,
+                               a * cal.activation_mem_scale + loss * cal.loss_mem_scale,
+                               b * cal.buffer_mem_scale + cal.memory_overhead_bytes)
 
         return lambda option: at_peak(self._reduction_mem[option])
 
@@ -648,7 +659,7 @@ class StageEvaluator:
         return big, twice
 
     def _async_memory(self, i: int, j: int, k: int, params: float,
-                      inflight: int) -> tuple[float, float, float, float, float]:
+                      inflight: int) -> StageMemory:
         """Async SGD (pure data parallel, fp32, ZeRO 0): model state, activations and the loss of the one stage,
         and runtime.engines.async_sgd's flat buffers: every=k averages through one flat copy of the parameters;
         staleness=s keeps the agreed parameters plus, per step in flight, its update and the all-reduce's
@@ -659,9 +670,9 @@ class StageEvaluator:
         loss = self._loss_kept * inflight + self._loss_work if k == self.num_stages - 1 else 0.0
         s = ctx.async_sgd.get("staleness")
         flat = (1 if s is None else 2 * s + 1) * params * 4 if self.cand.dp > 1 else 0.0
-        return (state.params, state.grads * cal.grad_mem_scale, state.optimizer,
-                acts * cal.activation_mem_scale + loss * cal.loss_mem_scale,
-                flat * cal.buffer_mem_scale + cal.memory_overhead_bytes)
+        return StageMemory(state.params, state.grads * cal.grad_mem_scale, state.optimizer,
+                           acts * cal.activation_mem_scale + loss * cal.loss_mem_scale,
+                           flat * cal.buffer_mem_scale + cal.memory_overhead_bytes)
 
     def _param_gather(self, params: float) -> float:
         """The ZeRO-1/2 all-gather of a stage's updated parameters over its data-parallel group, in the

@@ -18,6 +18,7 @@ import json
 import os
 import uuid
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from cost_models.choices import Precision, Recompute
@@ -40,6 +41,7 @@ __all__ = [
     "PlanMismatchError",
     "Predicted",
     "StagePlan",
+    "per_rank_memory",
 ]
 
 PLAN_VERSION = 1
@@ -101,6 +103,20 @@ class MemoryBreakdown:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+def per_rank_memory(memories: Sequence[Any], pp: int) -> dict[int, MemoryBreakdown]:
+    """Per pipeline rank, from the memory of every virtual stage in stage order (stage k lives on rank
+    k % pp): its stages' params, grads, optimizer state and activations summed, buffers once (they are
+    reused). The one rule the search, compile and a plan count a rank's memory by."""
+    out: dict[int, MemoryBreakdown] = {}
+    for k, m in enumerate(memories):
+        r, prev = k % pp, out.get(k % pp)
+        out[r] = MemoryBreakdown(params=m.params, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
+                                 buffers=m.buffers) if prev is None else MemoryBreakdown(
+            params=prev.params + m.params, grads=prev.grads + m.grads, optimizer=prev.optimizer + m.optimizer,
+            activations=prev.activations + m.activations, buffers=max(prev.buffers, m.buffers))
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,14 +297,8 @@ class Plan:
         return (*(st.first_node for st in self.stages), self.stages[-1].last_node + 1)
 
     def rank_memory(self) -> dict[int, MemoryBreakdown]:
-        """Per pipeline rank: its virtual stages' memory summed, buffers once (they are reused), as compile counts it."""
-        out: dict[int, MemoryBreakdown] = {}
-        for st in self.stages:
-            r, m, prev = st.index % self.pp, st.memory, out.get(st.index % self.pp)
-            out[r] = m if prev is None else MemoryBreakdown(
-                params=prev.params + m.params, grads=prev.grads + m.grads, optimizer=prev.optimizer + m.optimizer,
-                activations=prev.activations + m.activations, buffers=max(prev.buffers, m.buffers))
-        return out
+        """Per pipeline rank: its virtual stages' memory summed, buffers once (per_rank_memory)."""
+        return per_rank_memory([st.memory for st in sorted(self.stages, key=lambda st: st.index)], self.pp)
 
     # ---- programs ------------------------------------------------------
     def program(self, rank: int):

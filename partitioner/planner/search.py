@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from partitioner.planner.costing import CostContext
 from partitioner.planner.cut import Cut, cut_stages, evaluate_cut, step_time
 from partitioner.planner.declarations import MAX_MICROBATCHES, Declarations, divisors
-from partitioner.planner.plan import ParallelConfig
+from partitioner.planner.plan import ParallelConfig, per_rank_memory
 
 __all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
 
@@ -203,15 +203,8 @@ def _balanced_cut(ev) -> Cut | None:
 
 
 def rank_peak(cut: Cut, pp: int) -> float:
-    """The largest per-rank memory of a cut: a rank's virtual stages summed, buffers once (they are reused),
-    as compile.rank_memory counts."""
-    held: dict[int, float] = {}
-    buffers: dict[int, float] = {}
-    for k, st in enumerate(cut.stages):
-        r = k % pp
-        held[r] = held.get(r, 0.0) + st.memory_total - st.memory[4]
-        buffers[r] = max(buffers.get(r, 0.0), st.memory[4])
-    return max(held[r] + buffers[r] for r in held)
+    """The largest per-rank memory of a cut (per_rank_memory: a rank's virtual stages summed, buffers once)."""
+    return max(m.total for m in per_rank_memory([st.memory for st in cut.stages], pp).values())
 
 
 def _cut_one_compression(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:
