@@ -111,14 +111,14 @@ def test_no_line_of_a_program_grows_with_the_world(meta_gpt_graph):
 
 
 # ---- golden programs ----------------------------------------------------------------------------------------
-# tests/golden/program_*.py hold whole generated programs, as tests/golden/plan_*.txt hold printed plans: a
+# tests/golden/program_*.txt hold whole generated programs, as tests/golden/plan_*.txt hold printed plans: a
 # change to what a rank runs shows as a diff to review. Regenerate with
 #     PARTITIONER_REGEN_GOLDEN=1 python -m pytest -q tests/test_codegen.py -k golden
 
 GOLDEN_PROGRAMS = {  # file: (topology, pins, rank)
-    "program_gpt_tiny_dp4_zero1_rank1.py": ("local:4", dict(pp=1, tp=1, zero_stage=1), 1),
-    "program_gpt_tiny_pp2_tp2_rank2.py": ("local:4", dict(pp=2, tp=2, dp=1), 2),
-    "program_gpt_tiny_local_sgd_rank0.py": ("local:2", dict(pp=1, tp=1, async_sgd=dict(every=4)), 0),
+    "program_gpt_tiny_dp4_zero1_rank1.txt": ("local:4", dict(pp=1, tp=1, zero_stage=1), 1),
+    "program_gpt_tiny_pp2_tp2_rank2.txt": ("local:4", dict(pp=2, tp=2, dp=1), 2),
+    "program_gpt_tiny_local_sgd_rank0.txt": ("local:2", dict(pp=1, tp=1, async_sgd=dict(every=4)), 0),
 }
 
 

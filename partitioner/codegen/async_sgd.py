@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from partitioner.codegen.common import mesh_lines, params_table, recompute_lines
+from partitioner.codegen.common import mesh_lines, program_header, recompute_lines
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -65,18 +65,7 @@ from runtime.comm.groups import {group_imports}
 from runtime.engines.async_sgd import AsyncSGDRunner
 {recompute_import}from runtime.engines.unreplicated import Unreplicated
 
-PROGRAM_HASH = {program_hash!r}
-RANK = {rank}
-WORLD_SIZE = {plan.world_size}
-
-# The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice). Every rank creates
-# every process group, in this order (c10d requires it).
-MESH = {ml.mesh}
-
-# The parameters the plan was compiled for (name, shape): any other model is refused.
-PARAMS = (
-{params_table(plan)},
-)
+{program_header(plan, rank, program_hash, node_of=False)}
 
 # Asynchronous SGD, as declared: the planner never chooses it, since it changes the training math.
 ASYNC_SGD = {plan.async_sgd!r}

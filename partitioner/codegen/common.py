@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
 __all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "dp_compression", "literal", "mesh_lines",
-           "params_table", "ranks_text", "recompute_lines", "reduce_scatter_impl"]
+           "params_table", "program_header", "ranks_text", "recompute_lines", "reduce_scatter_impl"]
 
 ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
@@ -159,3 +159,22 @@ def ranks_text(ranks: tuple[int, ...]) -> str:
     if all(b - a == step for a, b in zip(ranks, ranks[1:])):
         return f"({ranks[0]}, {ranks[1]}, ..., {ranks[-1]})"
     return f"({', '.join(map(str, ranks[:4]))}, ..., {ranks[-1]}; {len(ranks)} ranks)"
+
+
+def program_header(plan: "Plan", rank: int, program_hash: str, *, node_of: bool = True) -> str:
+    """What every program states first: its plan's hash, its rank, the mesh (and each rank's node), and the
+    parameters it was compiled for."""
+    ml = mesh_lines(plan)
+    nodes = f"NODE_OF = {ml.node_of}\n" if node_of else ""
+    return f'''PROGRAM_HASH = {program_hash!r}
+RANK = {rank}
+WORLD_SIZE = {plan.world_size}
+
+# The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice). Every rank creates
+# every process group, in this order (c10d requires it).
+MESH = {ml.mesh}
+{nodes}
+# The parameters the plan was compiled for (name, full shape): any other model is refused.
+PARAMS = (
+{params_table(plan)},
+)'''

@@ -11,7 +11,7 @@ from partitioner.codegen.common import (
     dp_compression,
     literal,
     mesh_lines,
-    params_table,
+    program_header,
     ranks_text,
     recompute_lines,
     reduce_scatter_impl,
@@ -36,7 +36,6 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
     first = me.dp * per
     expected = ", ".join(f"{n} {op}" for op, n in sorted(expected_collectives(plan).items())) or "none"
 
-    params = params_table(plan)
     blocks: dict[str, list[str]] = {}
     for p in plan.placements:
         blocks.setdefault(p.block or "(outside the blocks)", []).append(p.param)
@@ -72,19 +71,7 @@ from runtime.comm.collectives import Collectives
 from runtime.comm.groups import {group_imports}
 from runtime.engines.data_parallel import DataParallel
 
-PROGRAM_HASH = {h!r}
-RANK = {rank}
-WORLD_SIZE = {plan.world_size}
-
-# The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice). Every rank creates
-# every process group, in this order (c10d requires it).
-MESH = {ml.mesh}
-NODE_OF = {ml.node_of}
-
-# The parameters the plan was compiled for (name, shape): any other model is refused.
-PARAMS = (
-{params},
-)
+{program_header(plan, rank, h)}
 
 # Blocks: ZeRO-3 gathers and frees parameters one block at a time.
 UNITS = (

@@ -21,7 +21,7 @@ from partitioner.codegen.common import (
     dp_compression,
     literal,
     mesh_lines,
-    params_table,
+    program_header,
     ranks_text,
     reduce_scatter_impl,
 )
@@ -129,7 +129,6 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
         f"    {s}: ({a}, {b}, {pre}, {suf}),  # "
         + ", ".join((["prefix"] if pre else []) + ([f"blocks {a}..{b - 1}" if b > a + 1 else f"block {a}"] if b > a else []) + (["suffix"] if suf else []))
         for s, (a, b, pre, suf) in sorted(my_blocks.items()))
-    params = params_table(plan)
     place_lines = "\n".join(f"    {n!r}: {v!r},  # {next(p.role for p in plan.placements if p.param == n)}"
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
     segs = [code.prefix, *code.templates] + ([code.suffix] if code.suffix is not None else [])
@@ -187,18 +186,7 @@ from runtime.pipeline.tensor_parallel import (TPContext, tp_copy, tp_cross_entro
 
 inf, nan = float("inf"), float("nan")
 
-PROGRAM_HASH = {h!r}
-RANK = {rank}
-WORLD_SIZE = {plan.world_size}
-
-# The mesh: (rank, pipeline rank, data-parallel replica, tensor slice) for every rank.
-MESH = {ml.mesh}
-NODE_OF = {ml.node_of}
-
-# The parameters the plan was compiled for (name, full shape): any other model is refused.
-PARAMS = (
-{params},
-)
+{program_header(plan, rank, h)}
 
 # This rank's virtual stages: stage -> (first block, end block, runs the prefix, runs the suffix)
 # of {code.stack or 'the model'} ({code.num_blocks} blocks; {len(plan.stages)} stages in all, {c.schedule}
