@@ -36,14 +36,17 @@ class Mesh:
         """(pp, dp, tp) of a rank."""
         return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
 
+    # the ranks of a group are an arithmetic run (the planner asks for them in its inner loop)
     def tp_ranks(self, pp: int = 0, dp: int = 0) -> tuple[int, ...]:
-        return tuple(self.rank(pp, dp, t) for t in range(self.tp))
+        first = self.rank(pp, dp, 0)
+        return tuple(range(first, first + self.tp))
 
     def dp_ranks(self, pp: int = 0, tp: int = 0) -> tuple[int, ...]:
-        return tuple(self.rank(pp, d, tp) for d in range(self.dp))
+        first = self.rank(pp, 0, tp)
+        return tuple(range(first, first + self.dp * self.tp, self.tp))
 
     def pp_ranks(self, dp: int = 0, tp: int = 0) -> tuple[int, ...]:
-        return tuple(self.rank(p, dp, tp) for p in range(self.pp))
+        return tuple(range(self.rank(0, dp, tp), self.size, self.dp * self.tp))
 
     def formula(self) -> str:
         return f"rank = pp*{self.dp * self.tp} + dp*{self.tp} + tp"

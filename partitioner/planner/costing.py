@@ -450,6 +450,7 @@ class StageEvaluator:
         self.total_c = arr.total_c
         self._rest, self._shared_in_block = arr.rest, arr.shared_in_block
         self._sync_memo: dict[float, float] = {}
+        self._dp_groups = {r: Mesh(cand.pp, cand.dp, cand.tp).dp_ranks(pp=r) for r in range(cand.pp)}
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
         crossed = ctx.crossed_levels(cand)
@@ -489,8 +490,7 @@ class StageEvaluator:
         return busy + ctx.cal.pipeline_idle_cost * (full - busy) if c.pp > 1 else full
 
     def dp_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
-        c = self.cand
-        return Mesh(c.pp, c.dp, c.tp).dp_ranks(pp=pipeline_rank)
+        return self._dp_groups[pipeline_rank]
 
     def stage(self, i: int, j: int, k: int) -> StageCost:
         """Units [i, j) as virtual stage k of num_stages."""
