@@ -138,7 +138,7 @@ class Calibration:
           preset's numbers are an estimate for a share of an unknown CPU, so
           the fit moves this rather than push efficiencies past 1.
 
-    Memory (partitioner/planner/costing.py, StageEvaluator._peak_memory): a rank's peak is
+    Memory (partitioner/planner/stage_costs.py, StageEvaluator._peak_memory): a rank's peak is
       its model state at rest plus the largest of three moments of a backward
       (the loss's, a block's, the end's); each factor scales its bytes there.
       activation_mem_scale: measured / modelled activation bytes (saved

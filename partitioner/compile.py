@@ -44,7 +44,6 @@ from partitioner.planner.comparisons import (
     over_memory_alternatives,
     pinned_out,
 )
-from partitioner.planner.costing import CostContext, StageEvaluator, units_of
 from partitioner.planner.cut import Cut, charge_idle, evaluate_cut
 from partitioner.planner.declarations import (
     ASYNC_SGD_FORCED,
@@ -70,7 +69,9 @@ from partitioner.planner.plan import (
 from partitioner.planner.schedule import build_schedule
 from partitioner.planner.search import Scored, enumerate_candidates, least_memory, search
 from partitioner.planner.simulate import simulate
+from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
+from partitioner.planner.unit_costs import CostContext, units_of
 from partitioner.tracer.opgraph import OpGraph
 from partitioner.tracer.trace import trace
 
@@ -339,7 +340,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
               baselines: tuple[Baseline, ...] = (), declared: dict[str, Any] | None = None) -> Plan:
     best = ranked[0]
     cand, cut = best.cand, best.cut
-    ev = ctx.prepare(cand, best.compression)
+    ev = StageEvaluator(ctx, cand, best.compression)
     mesh = _mesh(cand, topo)
     S = cand.pp * cand.interleave
 
@@ -381,7 +382,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
     sim = simulate(sched, durations(ev, cut))
     saving = 0.0
     if best.compression != ("none", "none"):
-        plain = ctx.prepare(cand, ("none", "none"))
+        plain = StageEvaluator(ctx, cand, ("none", "none"))
         saving = simulate(sched, durations(plain, evaluate_cut(plain, cut.bounds))).step_time_s - sim.step_time_s
     predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving)
     alternatives = tuple(Alternative(config=o.cand, step_time_s=o.cut.step_time_s,

@@ -1,7 +1,7 @@
 """The memory model's per-rank peak against what the ranks hold, and the probe that measures it.
 
 The probe (runtime.launch.memory_probe) counts the storages a step works with: held on entry
-and touched, allocated inside, resized in place. The model (partitioner/planner/costing.py,
+and touched, allocated inside, resized in place. The model (partitioner/planner/stage_costs.py,
 StageEvaluator._peak_memory) must come within 10 % of it on real processes, for the
 cases it used to miss: a pipeline's last stage (the loss on the executor, the tied
 embedding outside ZeRO, gradients not yet formed at the loss's moment), ZeRO-2

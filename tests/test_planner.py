@@ -14,7 +14,8 @@ import torch
 from examples import gpt as gpt_mod
 from partitioner import (DeclarationError, OpGraph, Plan, PlanFormatError, PlanInfeasibleError, PlanMismatchError,
                          Topology, compile, trace)
-from partitioner.planner.costing import CostContext
+from partitioner.planner.stage_costs import StageEvaluator
+from partitioner.planner.unit_costs import CostContext
 from partitioner.planner.cut import evaluate_cut
 from partitioner.planner.declarations import Declarations
 from partitioner.planner.schedule import peak_inflight, validate
@@ -55,7 +56,7 @@ def exhaustive_best(ctx: CostContext, cands) -> float:
     n = len(ctx.units)
     best = math.inf
     for cand in cands:
-        ev = ctx.prepare(cand)
+        ev = StageEvaluator(ctx, cand)
         S = ev.num_stages
         if S > n:
             continue

@@ -8,7 +8,8 @@ compression, per-rank memory and predicted step time, the alternatives it beat, 
 Read first: `plan.py` (what a plan holds). Then how one is chosen:
 - `declarations.py`: the user's pins and constraints, checked;
 - `tensor_split.py` (with `shard_dims.py`): which dimension of every tensor splits under tensor parallelism;
-- `costing.py`: time and memory of a run of blocks on a stage under a config; `cut.py`: pipeline cuts;
+- `unit_costs.py`: each unit's (block's) time, activations and parameters under a setting;
+  `stage_costs.py`: time and memory of a run of units on a stage under a config; `cut.py`: pipeline cuts;
 - `search.py`: the configurations tried and the best kept; `comparisons.py`: the hand baselines;
 - `schedule.py`: pipeline schedules as action lists; `simulate.py`: their timing;
 - `plan_json.py`, `plan_check.py`: the JSON form and its validation.

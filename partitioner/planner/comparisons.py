@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 from cost_models.compression import LEVELS
-from partitioner.planner.costing import CostContext, StageEvaluator
 from partitioner.planner.cut import Cut, charge_idle
 from partitioner.planner.declarations import Declarations, divisors
 from partitioner.planner.plan import Alternative, Baseline, ParallelConfig
@@ -32,6 +31,8 @@ from partitioner.planner.search import (
     search,
 )
 from partitioner.planner.simulate import Durations, simulate
+from partitioner.planner.stage_costs import StageEvaluator
+from partitioner.planner.unit_costs import CostContext
 
 __all__ = ["durations", "hand_baselines", "over_memory_alternatives", "pinned_out"]
 
@@ -139,7 +140,7 @@ def _candidates(ctx: CostContext, d: Declarations) -> list[ParallelConfig]:
 def _fitted(ctx: CostContext, name: str, s: Scored, note: str = "") -> Baseline:
     c = s.cand
     sched = build_schedule(c.schedule, pp=c.pp, num_microbatches=c.num_microbatches, interleave=c.interleave)
-    simulated = simulate(sched, durations(ctx.prepare(c, NO_COMPRESSION), s.cut)).step_time_s
+    simulated = simulate(sched, durations(StageEvaluator(ctx, c, NO_COMPRESSION), s.cut)).step_time_s
     step = charge_idle(s.cut.stages, c.num_microbatches, c.interleave, simulated, ctx.cal.pipeline_idle_cost)  # as _predict
     return Baseline(name=name, config=c, step_time_s=step, peak_memory_bytes=rank_peak(s.cut, c.pp), fits=True,
                     note=note)

@@ -1,6 +1,6 @@
 """`cut_stages`: split units into pipeline stages minimising the step time.
 
-The step time of a cut (costing.py) is
+The step time of a cut (stage_costs.py) is
 
     T = (m*v - 1) * max_k c_k + sum_k c_k / v + max_k tail_k
 
@@ -20,7 +20,7 @@ import bisect
 import dataclasses
 import math
 
-from partitioner.planner.costing import StageCost, StageEvaluator
+from partitioner.planner.stage_costs import StageCost, StageEvaluator
 
 __all__ = ["Cut", "charge_idle", "cut_stages", "evaluate_cut", "step_time"]
 

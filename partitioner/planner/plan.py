@@ -17,8 +17,8 @@ import dataclasses
 import json
 import os
 import uuid
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from cost_models.choices import Precision, Recompute

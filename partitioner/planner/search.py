@@ -9,7 +9,7 @@ pipeline stages, smaller tensor groups, lower ZeRO stage, less recompute,
 simpler schedule, larger microbatch), the order a person would try them in.
 
 Gradient compression is not a dimension of the enumeration: it changes only
-each stage's tail (costing.py), so every stage takes its best compression and
+each stage's tail (stage_costs.py), so every stage takes its best compression and
 the cut is found once. That is exact when the stages of the best cut agree,
 which is the rule (one stage when pp = 1; the same choice for stages of similar
 size): no single compression can beat every stage having its best, and the
@@ -27,10 +27,11 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
-from partitioner.planner.costing import CostContext
 from partitioner.planner.cut import Cut, cut_stages, evaluate_cut, step_time
 from partitioner.planner.declarations import MAX_MICROBATCHES, Declarations, divisors
 from partitioner.planner.plan import ParallelConfig, per_rank_memory
+from partitioner.planner.stage_costs import StageEvaluator
+from partitioner.planner.unit_costs import CostContext
 
 __all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
 
@@ -122,7 +123,7 @@ def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5,
     """
     order = []
     for cand in candidates:
-        ev = ctx.prepare(cand, compression)
+        ev = StageEvaluator(ctx, cand, compression)
         order.append((ev.lower_bound(), simplicity(cand), cand, ev))
     order.sort(key=lambda x: (x[0], x[1]))
     ranked: list[tuple[float, tuple, ParallelConfig, Cut]] = []
@@ -214,7 +215,7 @@ def _cut_one_compression(ctx: CostContext, ev, *, incumbent: float) -> Cut | Non
         return cut
     best = None
     for option in ev.options:
-        other = cut_stages(ctx.prepare(ev.cand, option), incumbent=incumbent)
+        other = cut_stages(StageEvaluator(ctx, ev.cand, option), incumbent=incumbent)
         if other is not None and (best is None or other.step_time_s < best.step_time_s):
             best = other
     return best
@@ -225,7 +226,7 @@ def least_memory(ctx: CostContext, candidates: list[ParallelConfig],
     """The smallest peak memory per rank of any candidate's balanced cut (for the infeasible error)."""
     best, who = math.inf, None
     for cand in candidates:
-        cut = _balanced_cut(ctx.prepare(cand, compression))
+        cut = _balanced_cut(StageEvaluator(ctx, cand, compression))
         if cut is None:
             continue
         peak = max(st.memory_total * cand.interleave for st in cut.stages)

@@ -12,7 +12,7 @@
   unlike there, the elementwise ops' activations go too (a policy sees ops,
   not which tensors autograd would keep, and caching every other output would
   keep more than no recomputation). The cost model counts the same
-  (partitioner/planner/costing.py, CostContext.unit_cost).
+  (partitioner/planner/unit_costs.py, CostContext.unit_cost).
 
 Both re-run the block's Python in backward with the forward's RNG state, so
 dropout draws the same masks, and every rank issues the same collectives.

@@ -1,11 +1,7 @@
-"""What a candidate costs: per-unit times and memory, per-stage evaluation.
+"""What a stage costs: a run of units at one pipeline position, its time and its peak memory.
 
-Units are what pipeline cuts move between stages: the repeated blocks (the
-prefix rides with the first, the suffix with the last) or, at node
-granularity, single nodes. For a setting (tp, microbatch, recompute) each
-unit gets a forward and backward time per microbatch, the activation bytes
-it keeps per in-flight microbatch, and its parameters per tensor rank.
-A stage (a run of units at pipeline position k) then gets
+The units' costs come from `partitioner.planner.unit_costs`; a stage (a run of units at pipeline position
+k) gets
 
     c_k    = f_k + b_k                 compute + TP collectives + p2p receive, per microbatch
     tail_k = exposed DP sync (+ its compression kernels) + optimizer step, once per training step
@@ -46,70 +42,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
-from cost_models.calibration import Calibration
-from cost_models.comm import CommModel
 from cost_models.compression import (
     LEVELS,
-    WEIGHT_CODES,
     all_reduce_time,
-    combinations,
     gather_time,
     group_compressor,
     reduce_scatter_time,
-    traffic_levels,
 )
 from cost_models.compression_memory import ReductionMemory, reduction_memory
-from cost_models.compute import RooflineCompute, dtype_for
 from cost_models.memory import (
     DDP_BUCKET_BYTES,
-    SELECTIVE_KEEPS,
     ModelStateBytes,
     chunk_inflight,
     inflight_microbatches,
     model_state_bytes,
 )
 from cost_models.mesh import Mesh
-from cost_models.placements import is_sharded
-from cost_models.powersgd import LowRank, low_rank
-from cost_models.topology import Topology
+from cost_models.powersgd import LowRank
 from partitioner.planner.plan import ParallelConfig
-from partitioner.planner.tensor_split import TensorSplits
-from partitioner.tracer.opgraph import OpGraph
-from partitioner.tracer.symbolic import Poly
+from partitioner.planner.unit_costs import CostContext
 
-__all__ = ["CostContext", "StageCost", "StageEvaluator", "StageMemory", "UnitArrays", "UnitCost", "units_of"]
+__all__ = ["StageCost", "StageEvaluator", "StageMemory"]
 
-# Adam's step reads param, grad, m, v and writes param, m, v: 7 fp32 words per
-# parameter (torch.optim.Adam foreach path; the fp32 master copy under mixed precision).
 _OPTIM_BYTES_PER_PARAM = 28
-
-
 _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
-_S = Poly.from_terms({(0, 1): 1.0})  # a dimension of the sequence's length
-_SAVED_OPS = frozenset(SELECTIVE_KEEPS)  # what selective recomputation keeps, as the runtime's policy does
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
-
-
-def units_of(g: OpGraph, granularity: str = "block") -> tuple[tuple[int, int], ...]:
-    """Node ranges [start, end) of the units; the prefix joins the first block, the suffix the last."""
-    if granularity == "node" or not g.blocks:
-        return tuple((i, i + 1) for i in range(len(g.nodes)))
-    starts = [0] + [b.first_node for b in g.blocks[1:]]
-    ends = starts[1:] + [len(g.nodes)]
-    return tuple(zip(starts, ends))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class UnitCost:
-    forward_s: float
-    backward_s: float
-    activation_bytes: float  # kept per in-flight microbatch
-    working_bytes: float  # recomputation's working set (the unit's full activations), full recompute only
-    params: float  # per tensor rank
-    largest_output: float = 0.0  # bytes of its blocks' largest floating-point node output, per microbatch and tensor rank
 
 
 class StageMemory(NamedTuple):
@@ -140,295 +100,6 @@ class StageCost:
     @property
     def memory_total(self) -> float:
         return sum(self.memory)
-
-
-class CostContext:
-    """Everything fixed for one compile(): graph, splits, hardware, precision.
-
-    Not a cache in disguise: unit costs are memoised per (unit shape, tp,
-    microbatch, recompute), a key that fully determines them.
-    """
-
-    def __init__(self, g: OpGraph, topo: Topology, splits: TensorSplits, *, precision: str, optimizer: str,
-                 seq_len: int | None, memory_cap: float, calibration: Calibration | None = None,
-                 granularity: str = "block", compression: dict[str, str] | None = None,
-                 async_sgd: dict[str, int] | None = None):
-        self.g, self.topo, self.splits = g, topo, splits
-        self.async_sgd = dict(async_sgd) if async_sgd else None  # {"every": k} or {"staleness": s}
-        self.compression_pins = dict(compression or {})  # level -> compressor the user pinned
-        self.precision = precision
-        self.optimizer = "adam" if optimizer == "adamw" else optimizer  # same state: m and v
-        self.seq = seq_len or 1
-        self.memory_cap = memory_cap
-        self.cal = calibration or Calibration.for_device(topo.device.name)
-        self.compute = RooflineCompute(device=topo.device, dtype=dtype_for(precision), calibration=self.cal)
-        self.comm = CommModel(topo, self.cal)
-        # Activations and traffic were traced at the model's dtype; mixed precision halves float tensors.
-        traced = 4 if g.dtype == "float32" else 2 if g.dtype in ("bfloat16", "float16") else 8
-        self.scale = (4 if precision == "fp32" else 2) / traced
-        self.units = units_of(g, granularity)
-        self._unit_of = [0] * len(g.nodes)
-        for u, (a, b) in enumerate(self.units):
-            for i in range(a, b):
-                self._unit_of[i] = u
-        self._collectives: dict[str, list] = {}
-        for c in splits.collectives:
-            self._collectives.setdefault(c.node, []).append(c)
-        # Units with the same nodes, costs and splits (copied blocks) share one id, so their
-        # costs are evaluated once per setting and memo keys stay small.
-        ids: dict[tuple, int] = {}
-        self._keys = [ids.setdefault(self._unit_key(a, b), len(ids)) for a, b in self.units]
-        self._boundary = self._boundary_bytes()
-        self._memo: dict[tuple, UnitCost] = {}
-        self._outputs = {n.name: n.output for n in g.nodes}
-        self._arrays: dict[tuple, UnitArrays] = {}
-        self._p2p: dict[tuple, tuple[float, ...]] = {}
-        self._param_local = self._param_sizes()
-        self._param_block = {p.name: p.block for p in g.params}
-        self._sharded = {pl.param: is_sharded(pl.spec) for pl in splits.placements}
-        self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
-
-    # ---- static structure ------------------------------------------------
-    def _unit_key(self, a: int, b: int) -> tuple:
-        nodes = self.g.nodes[a:b]
-        return tuple((n.cost, n.name in self.splits.sharded_nodes,
-                      tuple((c.phase, c.bytes) for c in self._collectives.get(n.name, ())),
-                      n.output.nbytes(1, 1) if n.output else 0) for n in nodes)
-
-    def _boundary_bytes(self) -> list[Poly]:
-        """Bytes crossing each unit boundary: outputs made before it and read after it."""
-        last_use: dict[str, int] = {}
-        for i, n in enumerate(self.g.nodes):
-            for x in n.inputs:
-                last_use[x] = max(last_use.get(x, -1), self._unit_of[i])
-        diff = [Poly() for _ in range(len(self.units) + 1)]
-        for i, n in enumerate(self.g.nodes):
-            u, last = self._unit_of[i], last_use.get(n.name, -1)
-            if last > u and n.output is not None:
-                nbytes = n.output.nbytes_poly()
-                diff[u] = diff[u] + nbytes
-                diff[last] = diff[last] + nbytes * -1
-        out, acc = [], Poly()
-        for u in range(len(self.units) - 1):
-            acc = acc + diff[u]
-            out.append(acc)
-        return out
-
-    def _param_sizes(self) -> dict[int, list[tuple[str, float]]]:
-        """Per unit: (parameter, elements per tensor rank at tp=1) for each parameter its nodes read."""
-        numel = {p.name: p.numel for p in self.g.params}
-        per_unit: dict[int, list[tuple[str, float]]] = {}
-        for u, (a, b) in enumerate(self.units):
-            seen = dict.fromkeys(p for n in self.g.nodes[a:b] for p in n.params)
-            per_unit[u] = [(p, numel[p]) for p in seen]
-        return per_unit
-
-    def low_rank_sums(self, tp: int) -> tuple[list[LowRank], tuple[tuple[tuple[int, LowRank], ...], ...]]:
-        """PowerSGD's view of the gradients one tensor rank holds: prefix sums over units, and the
-        parameters several units read ((unit, LowRank) each), to count once per stage as `stage` does.
-
-        Shapes are the local ones: a parameter split on dim d holds shape[d] / tp there.
-        """
-        hit = self._low_rank.get(tp)
-        if hit is None:
-            dims = {pl.param: pl.dim for pl in self.splits.placements} if tp > 1 else {}
-            per_param = {}
-            for p in self.g.params:
-                shape, d = tuple(p.shape), dims.get(p.name)
-                if d is not None:
-                    shape = shape[:d] + (max(1, shape[d] // tp),) + shape[d + 1:]
-                per_param[p.name] = low_rank([shape])
-            owners: dict[str, list[int]] = {}
-            prefix = [LowRank()]
-            for u in range(len(self.units)):
-                acc = prefix[-1]
-                for p, _ in self._param_local[u]:
-                    acc = acc + per_param[p]
-                    owners.setdefault(p, []).append(u)
-                prefix.append(acc)
-            shared = tuple(tuple((u, per_param[p]) for u in us) for p, us in owners.items() if len(us) > 1)
-            hit = self._low_rank[tp] = (prefix, shared)
-        return hit
-
-    def boundary_bytes(self, u: int, mb: int) -> float:
-        """Activation bytes sent from unit u to unit u + 1 for one microbatch."""
-        return self._boundary[u](mb, self.seq) * self.scale
-
-    # ---- per unit ----------------------------------------------------------
-    def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str) -> UnitCost:
-        key = (self._keys[u], tp, mb, recompute)
-        hit = self._memo.get(key)
-        if hit is None:
-            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute)
-        params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
-        return dataclasses.replace(hit, params=params)
-
-    def _sharded_param(self, name: str) -> bool:
-        return self._sharded[name]
-
-    def _touches_scores(self, n) -> bool:
-        """Whether op n reads or writes an s x s tensor (the attention scores): selective recomputes it."""
-        specs = [n.output, *(self._outputs.get(i) for i in n.inputs)]
-        return any(spec is not None and len(spec.shape) >= 2 and all(d == _S for d in spec.shape[-2:])
-                   for spec in specs)
-
-    def _eval_unit(self, u: int, tp: int, mb: int, recompute: str) -> UnitCost:
-        a, b = self.units[u]
-        s, sc = self.seq, self.scale
-        tp_ranks = Mesh(1, 1, tp).tp_ranks()  # every tensor group sits alike: consecutive ranks
-        fwd = bwd = act = biggest = 0.0
-        # Recomputation (runtime.engines.recompute) runs inside the blocks only, never on the prefix or suffix
-        # (the loss's inputs) a unit may also hold: their activations stay, their ops run once.
-        # full: a block keeps its input; selective: the outputs of its matrix products and layer
-        # norms that do not touch the s x s attention scores, every other op runs again in backward.
-        outside = block_f = kept_sel = recomputed_f = 0.0
-        block_input = None  # the inputs of the blocks the unit holds (None: it holds none)
-        prev = self.g.nodes[a - 1] if a > 0 else None
-        for i in range(a, b):
-            n = self.g.nodes[i]
-            c = n.cost
-            d = tp if (tp > 1 and n.name in self.splits.sharded_nodes) else 1
-            if n.output is not None and n.output.dtype.startswith(("float", "bfloat")) and \
-                    (n.block is not None or not self.g.blocks):  # the prefix's and suffix's are the loss's moment
-                biggest = max(biggest, n.output.nbytes(mb, s) * sc / d)
-            flops = c.forward_flops(mb, s) / d
-            moved = (c.bytes_read(mb, s) + c.bytes_written(mb, s)) * sc / d
-            tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
-            bflops = c.backward_flops(mb, s) / d
-            tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
-            kept = c.activation_bytes(mb, s) * sc / d
-            collective_f = 0.0
-            if tp > 1:
-                for coll in self._collectives.get(n.name, ()):
-                    t = self.comm.all_reduce(coll.bytes(mb, s) * sc, tp_ranks)
-                    if coll.phase == "forward":
-                        collective_f += t
-                    else:
-                        bwd += t
-            if n.block is None:
-                outside += kept
-            else:
-                if i == a or prev.block != n.block:  # a block starts: what is its input
-                    if i == a:
-                        ins = self._boundary[u - 1](mb, s) * sc if u > 0 else 0.0
-                    else:
-                        ins = prev.output.nbytes(mb, s) * sc if prev.output is not None else 0.0
-                    block_input = (block_input or 0.0) + ins
-                block_f += tf + collective_f
-                if n.op in _SAVED_OPS and n.output is not None and not self._touches_scores(n):
-                    kept_sel += n.output.nbytes(mb, s) * sc / d
-                else:  # a collective is not kept either: it runs again with its op
-                    recomputed_f += tf + collective_f
-            fwd, bwd, act = fwd + tf + collective_f, bwd + tb, act + kept
-            prev = n
-        if recompute == "selective" and block_input is not None:
-            return UnitCost(forward_s=fwd, backward_s=bwd + recomputed_f, activation_bytes=outside + block_input + kept_sel,
-                            working_bytes=max(0.0, act - outside - kept_sel), params=0.0, largest_output=biggest)
-        if recompute == "full" and block_input is not None:
-            return UnitCost(forward_s=fwd, backward_s=bwd + block_f, activation_bytes=outside + block_input,
-                            working_bytes=act - outside, params=0.0, largest_output=biggest)
-        return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
-                        largest_output=biggest)
-
-    def unit_arrays(self, tp: int, mb: int, recompute: str) -> UnitArrays:
-        key = (tp, mb, recompute)
-        hit = self._arrays.get(key)
-        if hit is None:
-            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute) for u in range(len(self.units))]
-            owners: dict[str, list[tuple[int, float]]] = {}
-            in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
-            largest = [0.0] * len(self.units)
-            for u in range(len(self.units)):
-                for p, numel in self._param_local[u]:
-                    local = numel / (tp if self._sharded_param(p) else 1)
-                    owners.setdefault(p, []).append((u, local))
-                    largest[u] = max(largest[u], local)
-                    if self._param_block[p] is not None:
-                        in_block[u] += local
-            shared = [p for p, v in owners.items() if len(v) > 1]
-            hit = self._arrays[key] = UnitArrays(
-                costs=tuple(uc), f=tuple(_prefix([x.forward_s for x in uc])), b=tuple(_prefix([x.backward_s for x in uc])),
-                act=tuple(_prefix([x.activation_bytes for x in uc])), par=tuple(_prefix([x.params for x in uc])),
-                work=tuple(x.working_bytes for x in uc), shared=tuple(tuple(owners[p]) for p in shared),
-                shared_in_block=tuple(self._param_block[p] is not None for p in shared),
-                block_par=tuple(in_block), max_param=tuple(largest), rest=tuple(_prefix([x.params - y for x, y in zip(uc, in_block)])),
-                biggest=tuple(x.largest_output for x in uc), unit_act=tuple(x.activation_bytes for x in uc),
-                blocks=tuple(_prefix([1.0 if x > 0 else 0.0 for x in in_block])),
-                total_c=sum(x.forward_s + x.backward_s for x in uc),
-                max_unit_c=max(x.forward_s + x.backward_s for x in uc))
-        return hit
-
-    def p2p_times(self, pp: int, stride: int, mb: int) -> tuple[float, ...]:
-        """Time to send one microbatch's activations across each unit boundary.
-
-        Pipeline neighbours sit dp*tp ranks apart in the mesh; every adjacent
-        pair is equally far, so ranks 0 -> stride stand for all of them.
-        """
-        if pp == 1:
-            return tuple(0.0 for _ in range(len(self.units) - 1))
-        key = (stride, mb)
-        hit = self._p2p.get(key)
-        if hit is None:
-            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb), 0, stride)
-                                         for u in range(len(self.units) - 1))
-        return hit
-
-    def compression_options(self, cand: ParallelConfig) -> tuple[tuple[str, str], ...]:
-        """The (intra_node, inter_node) compressors `cand` may use, the user's pins honoured.
-
-        What the runtime runs on its data-parallel group (compression.combinations):
-        levels the group does not cross stay "none"; at ZeRO-2/3 one compressor,
-        never PowerSGD; PowerSGD across both levels only as ("none", "powersgd").
-        A pin on a level the group does not cross is moot. Empty: `cand` cannot
-        honour the pins.
-
-        Policy: the planner never quantizes weights on its own. int8/int4 at
-        ZeRO-3 gather int8 parameters, so the forward and backward compute with
-        rounded weights (no error feedback repairs that, unlike the gradients'),
-        a change of the model's numerics rather than of its gradient noise: it
-        is considered only where the user pinned it.
-        """
-        if self.async_sgd:  # it averages parameters, uncompressed; no gradient all-reduce to compress
-            return (("none", "none"),)
-        crossed = self.crossed_levels(cand)
-        pins = {lv: c for lv, c in self.compression_pins.items() if lv in crossed}
-        pinned = set(pins.values())
-        return tuple(o for o in combinations(crossed, cand.zero_stage)
-                     if all(o[LEVELS.index(lv)] == c for lv, c in pins.items())
-                     and not (cand.zero_stage == 3 and group_compressor(o) in WEIGHT_CODES
-                              and group_compressor(o) not in pinned))
-
-    def crossed_levels(self, cand: ParallelConfig) -> tuple[str, ...]:
-        """The link levels `cand`'s data-parallel gradient reduction crosses (pipeline rank 0's group
-        stands for all)."""
-        return traffic_levels(self.comm, tuple(d * cand.tp for d in range(cand.dp))) if cand.dp > 1 else ()
-
-    def prepare(self, cand: ParallelConfig, compression: tuple[str, str] | None = None) -> StageEvaluator:
-        """The evaluator of `cand` with that (intra_node, inter_node) compression, or (None) with each
-        stage's best of `compression_options(cand)`."""
-        return StageEvaluator(self, cand, compression)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class UnitArrays:
-    """Prefix sums over units for one (tp, microbatch, recompute)."""
-
-    costs: tuple[UnitCost, ...]
-    f: tuple[float, ...]
-    b: tuple[float, ...]
-    act: tuple[float, ...]
-    par: tuple[float, ...]
-    work: tuple[float, ...]
-    shared: tuple[tuple[tuple[int, float], ...], ...]  # parameters read by several units: (unit, size) each
-    shared_in_block: tuple[bool, ...]  # per entry of `shared`: a parameter of a repeated block
-    block_par: tuple[float, ...]  # per unit: its repeated block's parameters (per tensor rank)
-    max_param: tuple[float, ...]  # per unit: its largest parameter (elements per tensor rank)
-    rest: tuple[float, ...]  # prefix sums of the parameters outside the blocks (prefix, suffix)
-    biggest: tuple[float, ...]  # per unit: its largest node output per microbatch (bytes)
-    unit_act: tuple[float, ...]  # per unit: activation bytes kept per microbatch
-    blocks: tuple[float, ...]  # prefix sums of the units holding a block's parameters
-    total_c: float
-    max_unit_c: float
 
 
 class StageEvaluator:
@@ -754,10 +425,3 @@ class StageEvaluator:
         if a["staleness"] == 0:
             return wire + kernel
         return max(0.0, wire - self.ctx.cal.dp_overlap * self.cand.num_microbatches * (f + b)) + kernel
-
-
-def _prefix(xs: Sequence[float]) -> list[float]:
-    out = [0.0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
