@@ -4,7 +4,7 @@
   `docs/PAGE.md#anchor` a source file cites;
 - every ```python block whose first line is `# runs in tests/test_docs.py` runs: the blocks of one page in
   order, in one namespace (a later block may use what an earlier one made), in a temporary directory;
-- docs/cli.md is what `python docs/make_cli_reference.py` writes from partitioner/cli.py;
+- docs/cli.md is what `python docs/make_cli_reference.py` writes from partitioner/cli/;
 - docs/architecture.md names every package and top-level module of partitioner/ and runtime/;
 - the README keeps the two commands CI and newcomers run, as they are.
 
@@ -206,7 +206,7 @@ def test_cli_reference_is_generated_from_the_parser():
     if actual != expected:
         diff = "".join(list(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True),
                                                  "docs/cli.md", "generated"))[:40])
-        pytest.fail("docs/cli.md is out of date with partitioner/cli.py: regenerate it with "
+        pytest.fail("docs/cli.md is out of date with partitioner/cli/: regenerate it with "
                     f"`python docs/make_cli_reference.py` and commit the result.\n{diff}")
 
 

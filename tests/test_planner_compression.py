@@ -13,7 +13,7 @@ from cost_models.compression import all_reduce_time, wire_bytes
 from cost_models.powersgd import low_rank
 from examples import gpt as gpt_mod
 from partitioner import DeclarationError, OpGraph, Plan, Topology, compile, trace
-from partitioner.cli import _compression_arg
+from partitioner.cli.common import compression_arg as _compression_arg
 
 GB = 512  # global batch of gpt3_1_3b (seq 2048), as GPT-3 XL was trained (Brown et al. 2020, table 2.1)
 SLOW = Topology(nodes=4, devices_per_node=8, device="H100-80GB", inter_node_GBps=1.25)  # 10 Gb/s between nodes
