@@ -55,15 +55,7 @@ def test_trainer_in_a_users_loop_trains_like_one_process(tmp_path):
                        start_method="spawn")
     got = torch.load(out_file, weights_only=True)
 
-    ref = training.gpt_tiny_seeded()
-    opt = training.sgd(ref.parameters())
-    losses = []
-    for x, y in batches:
-        loss = training.gpt_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, ref, _ = training.train_one_process(training.gpt_tiny_seeded, training.sgd, training.gpt_loss, batches)
     assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got["state"][name], p.detach(), rtol=1e-5, atol=1e-6)
