@@ -35,7 +35,7 @@ our ``manifest.json`` are counted in the total only). ratio = ours / torch.
 With W=4 also a pp2 x tp2 plan (ours only: torch has no equivalent one-liner here). Resharding: the W=4
 ZeRO-3 checkpoint loaded by the W=2 ZeRO-3 plan (time per rank, slowest rank, median over repeats), then that
 W=2 runner saves, and a W=3 ZeRO-3 plan loads the W=2 checkpoint; and offline
-``runtime.checkpoint.files.reshard(W=4 checkpoint, W=2 plan, dir)`` in this one (parent) process, with torch's default
+``runtime.checkpoint.reshard(W=4 checkpoint, W=2 plan, dir)`` in this one (parent) process, with torch's default
 thread count, plus the W=2 plan loading its output.
 
 Checks after each load (printed): the loaded runner's full parameters and buffers equal, bitwise, those the
@@ -105,7 +105,7 @@ def _build(job: dict, rank: int):
 
 def _ours(job: dict, rank: int, batches: list) -> dict:
     """Train one step, time saves into fresh dirs, time loads into a fresh runner, check, step both once more."""
-    from runtime.checkpoint.files import load_checkpoint, save_checkpoint
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
 
     base, reps, pj = Path(job["dir"]), job["repeats"], job["plan_json"]
     a = _build(job, rank)
@@ -125,7 +125,7 @@ def _ours(job: dict, rank: int, batches: list) -> dict:
 
 def _reshard(job: dict, rank: int, batches: list) -> dict:
     """Load each source checkpoint into a fresh runner of this plan (timed), save it (if asked), step once."""
-    from runtime.checkpoint.files import load_checkpoint, save_checkpoint
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
 
     reps, pj = job["repeats"], job["plan_json"]
     out: dict[str, Any] = {"load_s": {}, "states": {}}
@@ -337,7 +337,7 @@ def job_for(kind: str, plan, world: int, model: str, repeats: int, d: Path, **mo
 
 def measure_world(world: int, label: str, plan, args, batches: list, top: Path, with_torch: bool) -> dict:
     """Ours (and torch's FSDP2) at one world size: times, bytes, checks; prints the row."""
-    from runtime.checkpoint.files import load_full_state_dict, resolve_checkpoint
+    from runtime.checkpoint import load_full_state_dict, resolve_checkpoint
 
     row: dict[str, Any] = {"label": f"world {world} {label}"}
     d = top / f"ours_w{world}_{label}"
@@ -394,7 +394,7 @@ def measure_reshard(args, graph, batches: list, top: Path, w4: dict) -> list[str
 
     The reference is the world-4 runner's own full state at its save (`w4["saved"]`), not the checkpoint read
     back, so a fault in reading checkpoints back cannot hide one in resharding."""
-    from runtime.checkpoint.files import load_full_state_dict, reshard, resolve_checkpoint
+    from runtime.checkpoint import load_full_state_dict, reshard, resolve_checkpoint
 
     want, loss4, src4 = w4["saved"], w4["loss_next"], w4["ckpt"]
 
@@ -411,7 +411,7 @@ def measure_reshard(args, graph, batches: list, top: Path, w4: dict) -> list[str
     off = top / "offline_0"
     checks = [f"offline copy: load_full_state_dict == world-4 state {verdict(load_full_state_dict(off), want)}"]
     _, total = rank_bytes(off, 2)
-    print(f"reshard offline 4 -> 2 (runtime.checkpoint.files.reshard, one process): {statistics.median(off_s):.3f} s, "
+    print(f"reshard offline 4 -> 2 (runtime.checkpoint.reshard, one process): {statistics.median(off_s):.3f} s, "
           f"output {mb(total)} in {len(list(off.glob('*.distcp')))} .distcp files", flush=True)
     print(f"  check: {checks[-1]}", flush=True)
 

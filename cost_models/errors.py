@@ -16,7 +16,7 @@ The families, each a subclass of `PartitionerError`, so
 - `LaunchError` (runtime.launch.env): a job that cannot start as launched (launcher
   variables, world size, program hash, rendezvous address).
 - `ModelMismatchError` (runtime.engines.step): a model whose parameters are not the plan's.
-- `CheckpointError` (runtime.checkpoint.files): a checkpoint or manifest that cannot be read back.
+- `CheckpointError` (runtime.checkpoint): a checkpoint or manifest that cannot be read back.
 
 The runtime's classes live in `runtime` and subclass this one: `cost_models`
 imports nothing of the project, so importing it from `runtime` keeps the

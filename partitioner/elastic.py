@@ -14,7 +14,7 @@ the trace the first start made, kept in `SAVE_DIR/plans/trace/`
 (partitioner.tracer.cache): re-planning is the planner's search alone. Then the ranks train under
 `runtime.run` with `--resume-from auto`: the newest checkpoint in SAVE_DIR,
 written under whatever plan and world size the job had before, is resharded
-into the new plan as it loads (runtime.checkpoint.files), and training continues at
+into the new plan as it loads (runtime.checkpoint), and training continues at
 its step with the same global batch: batches are a function of the step, so
 the data order does not depend on the world size.
 

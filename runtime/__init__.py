@@ -14,7 +14,7 @@ Never imports the planner: a generated program needs torch and this package only
 """
 
 from runtime import moved
-from runtime.checkpoint.files import CheckpointError, load_full_state_dict, reshard
+from runtime.checkpoint import CheckpointError, load_full_state_dict, reshard
 from runtime.launch.local import LaunchResult, launch_local
 from runtime.launch.trainer import Trainer
 

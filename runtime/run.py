@@ -14,7 +14,7 @@ Without --data, batches come from the model module's
 model (for small models). Rank 0 prints `step 1/10 loss 2.302585 (0.215 s)`.
 
 Checkpoints: `--save-dir D --save-every K` writes a sharded checkpoint
-(runtime.checkpoint.files) into D after every K-th step; `--resume-from C` loads C
+(runtime.checkpoint) into D after every K-th step; `--resume-from C` loads C
 (a checkpoint or a save directory's newest, written under any plan of the
 model) and continues at its step; `--resume-from auto` does so when D holds a
 checkpoint and starts fresh otherwise: the line to give torchrun
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.checkpoint.files import (
+from runtime.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -220,7 +220,7 @@ def _verify_first_start(plan: dict[str, Any], programs: Path, env: DistEnv, mode
 def _written_by(resume: Path | None, program: Path) -> bool:
     """Resuming from a checkpoint these very programs wrote: they were verified when that run first started.
     A restart under another plan (partitioner.elastic on fewer ranks) runs new programs and verifies them."""
-    from runtime.checkpoint.files import read_manifest
+    from runtime.checkpoint import read_manifest
     from runtime.verify.check import program_hash
 
     if resume is None:

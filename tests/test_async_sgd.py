@@ -310,7 +310,7 @@ def _oracle_worker(rank: int, world: int, store_path: str, out_dir: str) -> None
         runner.sync_now()
         out["stale_synced"] = _params(runner.engine.module)
         out["stale_full_after"] = runner.full_state_dict()
-        with torch.no_grad():  # as runtime.checkpoint.files's load does: other parameters, then after_load()
+        with torch.no_grad():  # as runtime.checkpoint.load_checkpoint does: other parameters, then after_load()
             for q in runner.engine.module.parameters():
                 q.add_(1.0)
         runner.after_load()
@@ -424,7 +424,7 @@ def test_a_checkpoint_resumes_every_replica_exactly_and_saving_changes_nothing(t
     parameters, moments and averaging state: the last 3 steps end bit for bit where the uninterrupted run does.
     Another plan loads the replicas' common model (their mean, or the agreed parameters plus the updates in
     flight)."""
-    from runtime.checkpoint.files import load_full_state_dict
+    from runtime.checkpoint import load_full_state_dict
 
     plan, batches = regression_plan(2, mode, zero_stage=0), regression_batches(7, 32)
     plain = launch_local(plan, regression_mlp, adamw, mse, batches, timeout_s=90)

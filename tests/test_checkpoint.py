@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from examples.training import adamw
 from runtime import launch_local
-from runtime.checkpoint.files import (
+from runtime.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_full_checkpoint,
@@ -146,7 +146,7 @@ def _resave_worker(rank, world, store, out_dir):
     import torch.distributed as dist
 
     from partitioner.planner.plan import Plan
-    from runtime.checkpoint.files import load_checkpoint, save_checkpoint
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))

@@ -28,7 +28,7 @@ import torch
 
 from examples import gpt
 from examples.training import adamw
-from runtime.checkpoint.files import latest_checkpoint, load_full_state_dict
+from runtime.checkpoint import latest_checkpoint, load_full_state_dict
 from runtime.run import default_loss
 
 pytestmark = pytest.mark.slow

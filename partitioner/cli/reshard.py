@@ -11,7 +11,7 @@ from partitioner.cli.common import EXIT_OK
 
 def reshard_command(args: argparse.Namespace) -> int:
     from partitioner.planner.plan import Plan
-    from runtime.checkpoint.files import read_manifest, reshard
+    from runtime.checkpoint import read_manifest, reshard
 
     plan = Plan.load(args.to)
     t0 = time.perf_counter()

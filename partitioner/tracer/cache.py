@@ -17,7 +17,7 @@ edited model traces again. A damaged or foreign entry is a miss (traced again), 
 
 Trust: torch.export.load may unpickle the archive's tensor entries. A trace directory sits beside the
 rank programs in SAVE_DIR/plans, which the ranks execute: whoever can write there can already run code,
-so it is trusted as code, and is not a checkpoint (those are read without unpickling: runtime.checkpoint.files).
+so it is trusted as code, and is not a checkpoint (those are read without unpickling: runtime.checkpoint.dcp_io).
 """
 
 from __future__ import annotations

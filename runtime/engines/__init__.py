@@ -2,7 +2,9 @@
 
 - `step.py` (read first): `StepRunner`, one step (microbatches, loss, reduction, clipping, optimizer),
   the checks a program makes of the model it is given;
-- `data_parallel.py`: DDP and ZeRO-1/2/3 over flat buffers (`flat.py`: bucketing and the flat layout);
+- `data_parallel.py`: DDP and ZeRO-1/2/3, the engine and what every stage shares; `dp_buckets.py`: the
+  replicated stages' gradient buckets (DDP, ZeRO-1/2); `zero3.py`: ZeRO-3's units gathered just in time;
+  `flat.py`: bucketing and the flat layout;
 - `async_sgd.py`: replicas that step alone and average (local SGD, bounded staleness);
   `unreplicated.py`: a stage with no data parallelism;
 - `mixed_precision.py`: bf16 / fp16 compute over fp32 masters, loss scaling; `recompute.py`: full and

@@ -94,7 +94,7 @@ class AsyncSGDRunner:
     parameters, which differ from the others' between averagings); full_state_dict(): collective, the
     parameters averaged over the replicas (no replica's parameters change) and rank 0's buffers, on the
     group's first rank, None elsewhere: one model; sync_now(): collective, averages the parameters in
-    place now (the end of training calls it; a checkpoint does not: runtime.checkpoint.files saves each
+    place now (the end of training calls it; a checkpoint does not: runtime.checkpoint saves each
     replica as it is, with consensus() and replica_state()); held_bytes(); collectives; program_hash;
     engine (a `runtime.engines.unreplicated.Unreplicated`); optimizer.
     """
@@ -210,7 +210,7 @@ class AsyncSGDRunner:
             self._apply_oldest()
         self._install()
 
-    # ---- checkpoints (runtime.checkpoint.files) ------------------------------------------------------
+    # ---- checkpoints (runtime.checkpoint) ------------------------------------------------------
     @torch.no_grad()
     def consensus(self) -> list[torch.Tensor]:
         """Collective: the replicas' common model (one flat per dtype), changing no replica. every=k: the
@@ -270,7 +270,7 @@ class AsyncSGDRunner:
 
     @torch.no_grad()
     def after_load(self) -> None:
-        """The parameters were just overwritten (runtime.checkpoint.files loads into a fresh runner, then calls this):
+        """The parameters were just overwritten (runtime.checkpoint loads into a fresh runner, then calls this):
         make them the agreed parameters and forget any update in flight. Local, no collective: every replica
         loads the same (averaged) parameters. The every=k count restarts here."""
         for u in self._pending:

@@ -4,7 +4,9 @@ torch's DDP, `ZeroRedundancyOptimizer` and FSDP2 do all of this inside their
 own hooks; the compiler must decide every collective itself (docs/architecture.md#rules-of-the-house),
 and FSDP2 cannot keep parameters replicated (ZeRO-1/2), so the engine is
 written here on c10d through `runtime.comm.collectives` -- the torch wrappers are
-its oracles in the tests.
+its oracles in the tests. This module holds the engine and what every stage shares (the backward's
+bookkeeping, the reduce-scatter queue, clipping, mixed precision); `runtime.engines.dp_buckets` the
+gradient buckets of stages 0-2, `runtime.engines.zero3` the units of stage 3.
 
 One step (the caller divides each microbatch loss by the number of microbatches)::
 
@@ -81,22 +83,19 @@ Choices worth knowing:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 from cost_models.memory import DDP_BUCKET_BYTES
 from cost_models.powersgd import POWERSGD_RANK
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import NodeGroups
 from runtime.compression.grad_compression import GradientReducer
-from runtime.compression.quantized_gather import quantized_all_gather
-from runtime.engines.flat import FlatLayout, bucket, resolve_units
+from runtime.engines.dp_buckets import Bucket, GradientBuckets
+from runtime.engines.flat import FlatLayout, FlatTensors, grad_key, resolve_units
 from runtime.engines.mixed_precision import (
     LossScaler,
     PrecisionName,
@@ -105,53 +104,19 @@ from runtime.engines.mixed_precision import (
     scale_grad,
 )
 from runtime.engines.recompute import recompute_blocks
+from runtime.engines.zero3 import ShardedUnits, Unit
 
 __all__ = ["DataParallel"]
 
-_FREE, _GATHERING, _GATHERED = "free", "gathering", "gathered"
 
 
-@dataclasses.dataclass(eq=False)
-class _Flat:
-    """One flat buffer's tensors on this rank."""
-
-    layout: FlatLayout
-    # compute dtype; ZeRO-1/2: replicated, the model's parameters view it; ZeRO-3: gathered on demand
-    params: torch.Tensor | None = None
-    grad: torch.Tensor | None = None  # fp32 local gradient; DDP/ZeRO-1 persistent, ZeRO-2 one per microbatch
-    shard: nn.Parameter | None = None  # fp32 master slice this rank steps (ZeRO-1/2/3)
-    pending: list = dataclasses.field(default_factory=list)  # in-flight reduce-scatters: (work, out, inp)
-    fresh: bool = True  # the next reduction folded in overwrites shard.grad
 
 
-@dataclasses.dataclass(eq=False)
-class _Bucket:
-    names: tuple[str, ...]
-    flat: _Flat
-    lo: int
-    hi: int  # range of flat.grad it reduces
-    ready: set = dataclasses.field(default_factory=set)
-    work: object = None  # DDP/ZeRO-1 all-reduce in flight
-    dirty: bool = False  # DDP/ZeRO-1: gradient added since the last launch
 
 
-@dataclasses.dataclass(eq=False)
-class _Unit:
-    index: int
-    flat: _Flat
-    module: nn.Module  # smallest module holding all the unit's parameters
-    slots: list  # (module, attribute, index in the layout) for every alias
-    keep: bool  # on the root: stays gathered from forward to backward
-    state: str = _FREE
-    work: object = None
-    gather_inp: torch.Tensor | None = None
-    views_for: int = -1  # forward pass whose views are installed
-    views: list | None = None  # the views of that forward (one torch.split of the gathered buffer)
-    installed: bool = False  # the module attributes are those views (not meta placeholders)
-    reduced: bool = False  # in the current backward
 
 
-class DataParallel:
+class DataParallel(GradientBuckets, ShardedUnits):
     """Data-parallel training of `model` over `group`: DDP (zero_stage 0) or ZeRO-1/2/3.
 
     Mutates `model` in place: parameters are re-pointed into flat buffers
@@ -195,9 +160,9 @@ class DataParallel:
         self._in_backward = False
         self._cycle_open = False  # gradients of this step have started to accumulate
         self._skip_step = False  # fp16 overflow in the last finish_gradients
-        self._flats: list[_Flat] = []
-        self._buckets: list[_Bucket] = []
-        self._units: list[_Unit] = []
+        self._flats: list[FlatTensors] = []
+        self._buckets: list[Bucket] = []
+        self._units: list[Unit] = []
         self._masters: dict[str, nn.Parameter] = {}
         self._handles = []
         self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
@@ -214,103 +179,7 @@ class DataParallel:
         tensors = [*self._params.values(), *(b for _, b in self.module.named_buffers())]
         self.collectives.broadcast_tensors(tensors, src=self.ranks[0], group=self.group)
 
-    @torch.no_grad()
-    def _build_replicated(self, trainable: list[str], bucket_bytes: int) -> None:
-        order = trainable[::-1]
-        groups = bucket(order, [self._params[n].numel() for n in order], bucket_bytes)
 
-        def shapes(names):
-            return tuple(tuple(self._params[n].shape) for n in names)
-
-        if self.zero_stage == 0:
-            for names in groups:
-                f = _Flat(FlatLayout(names=names, shapes=shapes(names), world=1))
-                f.grad = torch.zeros(f.layout.padded_numel)
-                self._flats.append(f)
-                self._buckets.append(_Bucket(names, f, 0, f.layout.numel))
-            for n, p in self._params.items():
-                if self.precision.mixed and p.requires_grad:
-                    self._masters[n] = nn.Parameter(p.detach().float().clone())
-                if p.is_floating_point():
-                    p.data = p.data.to(self._dtype)
-        else:
-            per_flat = [order] if self.zero_stage == 1 else list(groups)
-            for names in per_flat:
-                f = _Flat(FlatLayout(names=tuple(names), shapes=shapes(names), world=self.world))
-                master = f.layout.flatten([self._params[n] for n in names], torch.float32)
-                f.params = master if not self.precision.mixed else master.to(self._dtype)
-                for n, view in zip(names, f.layout.views(f.params)):
-                    self._params[n].data = view
-                lo, hi = f.layout.shard_range(self.rank)
-                # fp32: the master slice is a view of the replicated buffer (no second copy)
-                f.shard = nn.Parameter(f.params[lo:hi] if not self.precision.mixed else master[lo:hi].clone())
-                if self.zero_stage == 1:
-                    f.grad = torch.zeros(f.layout.padded_numel)
-                self._flats.append(f)
-            for names in groups:
-                f = self._flats[0] if self.zero_stage == 1 else self._flats[len(self._buckets)]
-                off = dict(zip(f.layout.names, f.layout.offsets))
-                lo = off[names[0]]
-                hi = f.layout.padded_numel if self.zero_stage == 2 else off[names[-1]] + self._params[names[-1]].numel()
-                self._buckets.append(_Bucket(names, f, lo, hi))
-        self._bucket_of = {n: b for b in self._buckets for n in b.names}
-        self._slot = {}
-        for b in self._buckets:
-            off = dict(zip(b.flat.layout.names, b.flat.layout.offsets))
-            for n in b.names:
-                self._slot[n] = (b.flat, off[n], self._params[n].numel())
-        for n in trainable:
-            hook = functools.partial(self._on_grad, n)
-            self._handles.append(self._params[n].register_post_accumulate_grad_hook(hook))
-        self._next = 0  # next bucket to launch in this backward (buckets launch in index order on every rank)
-
-    @torch.no_grad()
-    def _build_sharded(self, units: tuple[tuple[str, ...], ...], unit_modules: Sequence[str] | None) -> None:
-        if unit_modules is not None and len(unit_modules) != len(units):
-            raise ValueError(f"unit_modules names {len(unit_modules)} modules for {len(units)} units; give one each")
-        aliases: dict[str, list[str]] = {}
-        for a, n in self._alias.items():
-            aliases.setdefault(n, []).append(a)
-        self._fwd_order: list[int] = []
-        self._fwd_order_prev: list[int] = list(range(len(units)))  # before the first forward: declared order
-        self._forward_id = 0
-        for i, names in enumerate(units):
-            lay = FlatLayout(names=names, shapes=tuple(tuple(self._params[n].shape) for n in names), world=self.world)
-            master = lay.flatten([self._params[n] for n in names], torch.float32)
-            lo, hi = lay.shard_range(self.rank)
-            full = torch.empty(lay.padded_numel, dtype=self._dtype)
-            full.untyped_storage().resize_(0)
-            full.requires_grad_(True)
-            f = _Flat(lay, params=full, shard=nn.Parameter(master[lo:hi].clone()))
-            self._flats.append(f)
-            paths = [a.split(".") for n in names for a in aliases[n]]
-            common = []
-            for parts in zip(*(p[:-1] for p in paths)):
-                if len(set(parts)) > 1:
-                    break
-                common.append(parts[0])
-            # the module whose forward gathers the unit: by default the smallest holding all its
-            # parameters; generated stage code, which reads them from its root, names the root ("")
-            module = self.module.get_submodule(".".join(common) if unit_modules is None else unit_modules[i])
-            slots, owners = [], []
-            for k, n in enumerate(names):
-                for a in aliases[n]:
-                    mod_path, _, attr = a.rpartition(".")
-                    mod = self.module.get_submodule(mod_path)
-                    del mod._parameters[attr]
-                    slots.append((mod, attr, k))
-                    owners.append(mod)
-            u = _Unit(i, f, module, slots, keep=module is self.module)
-            self._units.append(u)
-            self._install_placeholders(u)
-            self._handles.append(full.register_post_accumulate_grad_hook(functools.partial(self._after_backward, u)))
-            for mod in {id(m): m for m in [module, *owners]}.values():
-                self._handles.append(mod.register_forward_pre_hook(functools.partial(self._use, u)))
-            self._handles.append(module.register_forward_hook(functools.partial(self._after_forward, u)))
-        # The unsharded originals are no longer the model's (their shards are): keeping them here would
-        # hold every parameter whole on every rank, ZeRO-3's saving undone. Shapes are all that is left.
-        self._params = {n: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                        for n, p in self._params.items()}
 
     # ---- public API -----------------------------------------------------------------------
     @property
@@ -591,50 +460,13 @@ class DataParallel:
         for b in self._buckets:
             b.ready.clear()
 
-    # ---- stages 0-2: gradient buckets ------------------------------------------------------
-    @torch.no_grad()
-    def _on_grad(self, name: str, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: move p.grad (upcast to fp32) into its bucket; launch ready buckets."""
-        self._begin_backward()
-        g, p.grad = p.grad, None
-        f, off, numel = self._slot[name]
-        b = self._bucket_of[name]
-        if self.zero_stage == 2 and f.grad is None:
-            f.grad = torch.zeros(f.layout.padded_numel)
-        self._wait_bucket(b)  # an earlier synced backward's all-reduce of this buffer (linear: safe to add after)
-        f.grad[off:off + numel].add_(g.reshape(-1))
-        b.dirty = True
-        if self.zero_stage == 2 or self._require_sync:
-            b.ready.add(name)
-            buckets = self._buckets  # launched in index order, so every rank issues the same sequence
-            while self._next < len(buckets) and buckets[self._next].ready == set(buckets[self._next].names):
-                self._launch(buckets[self._next])
-                self._next += 1
 
-    def _launch(self, b: _Bucket) -> None:
-        f = b.flat
-        b.dirty = False
-        if self.zero_stage in (0, 1):
-            if not self.reducer.compressing:
-                b.work = self.collectives.all_reduce(f.grad[b.lo:b.hi], self.group, op="avg", async_op=True)
-            else:  # synchronous: compressed reductions do not overlap backward yet
-                shapes = [tuple(self._params[n].shape) for n in b.names]
-                self.reducer.all_reduce_mean_(f.grad[b.lo:b.hi], _key(b.names), shapes)
-            return
-        self._drain_all()  # at most one reduce-scatter in flight
-        inp = f.grad if f.grad is not None else torch.zeros(f.layout.padded_numel)
-        f.grad = None
-        self._reduce_scatter(f, inp)
 
-    def _wait_bucket(self, b: _Bucket) -> None:
-        if b.work is not None:
-            b.work.wait()
-            b.work = None
 
     # ---- reduce-scatter into shards (stages 2 and 3) --------------------------------------
-    def _reduce_scatter(self, f: _Flat, inp: torch.Tensor) -> None:
+    def _reduce_scatter(self, f: FlatTensors, inp: torch.Tensor) -> None:
         if self.reducer.compressing:
-            f.pending.append((None, self.reducer.reduce_scatter_mean(inp, _key(f.layout.names)), inp))
+            f.pending.append((None, self.reducer.reduce_scatter_mean(inp, grad_key(f.layout.names)), inp))
             return
         out = torch.empty(f.layout.shard_numel)
         work = self.collectives.reduce_scatter(out, inp, self.group, op="avg", async_op=True)
@@ -648,7 +480,7 @@ class DataParallel:
             if f.pending:
                 self._drain(f)
 
-    def _drain(self, f: _Flat) -> None:
+    def _drain(self, f: FlatTensors) -> None:
         """Wait for f's reduce-scatters and add them into the shard's gradient."""
         for work, out, _ in f.pending:
             if work is not None:
@@ -659,99 +491,14 @@ class DataParallel:
                 f.shard.grad.add_(out)
         f.pending.clear()
 
-    # ---- stage 3: units gathered just in time ----------------------------------------------
-    def _gather(self, u: _Unit, *, async_op: bool) -> None:
-        if u.state != _FREE:
-            return
-        full = u.flat.params
-        full.untyped_storage().resize_(full.numel() * full.element_size())
-        if self.reducer.quantized_weights:  # int8 codes and scales on the wire, decoded on wait
-            u.gather_inp = None
-            u.work = quantized_all_gather(full.data, u.flat.shard.detach(), self.group, self.collectives,
-                                          async_op=async_op)
-        else:
-            u.gather_inp = u.flat.shard.detach().to(self._dtype)  # 16-bit: gather half the bytes
-            # .data: the saved views of this buffer must not see a version bump from the refill
-            u.work = self.collectives.all_gather(full.data, u.gather_inp, self.group, async_op=async_op)
-        u.state = _GATHERING if async_op else _GATHERED
-        if not async_op:
-            u.work, u.gather_inp = None, None
 
-    def _wait_gather(self, u: _Unit) -> None:
-        if u.state == _GATHERING:
-            u.work.wait()
-            u.work, u.gather_inp, u.state = None, None, _GATHERED
 
-    def _reshard(self, u: _Unit) -> None:
-        if u.state == _FREE:
-            return
-        self._wait_gather(u)
-        u.flat.params.untyped_storage().resize_(0)
-        u.state = _FREE
-        self._install_placeholders(u)
 
-    def _install_placeholders(self, u: _Unit) -> None:
-        for mod, attr, k in u.slots:
-            mod.__dict__[attr] = torch.empty(u.flat.layout.shapes[k], dtype=self._dtype, device="meta")
-        u.installed = False
 
-    def _use(self, u: _Unit, module=None, args=None) -> None:
-        """Forward pre-hook: make u gathered, install its views, prefetch the next unit."""
-        if u.state != _GATHERED:
-            self._gather(u, async_op=False)
-            self._wait_gather(u)
-        if u.views_for != self._forward_id:
-            u.views_for = self._forward_id
-            self._fwd_order.append(u.index)
-            order = self._fwd_order_prev
-            if u.index in order and order.index(u.index) + 1 < len(order):
-                self._gather(self._units[order[order.index(u.index) + 1]], async_op=True)
-            u.views = u.flat.layout.split(u.flat.params)  # one split: one flat gradient for the unit
-        elif u.installed:
-            return
-        for mod, attr, k in u.slots:  # also when recomputed in backward (activation checkpointing)
-            mod.__dict__[attr] = u.views[k]
-        u.installed = True
 
-    def _after_forward(self, u: _Unit, module, args, output) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return  # a recomputation inside backward (activation checkpointing): its backward follows
-        needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-        if torch.is_grad_enabled() and needs_grad:
-            for t in needs_grad:
-                t.register_hook(functools.partial(self._before_backward, u))
-            if u.keep:
-                return
-        self._reshard(u)
 
-    def _before_backward(self, u: _Unit, grad=None) -> None:
-        """Hook on the gradient of u's module output: gather u for its backward, prefetch the previous unit."""
-        self._begin_backward()
-        if u.state == _FREE:
-            self._gather(u, async_op=False)
-        self._wait_gather(u)
-        # prefetch the unit whose backward comes next: the last one before u in forward order
-        # (for a root unit, which starts backward first: the last one of the forward)
-        order = self._fwd_order
-        if not u.keep and u.index in order:
-            order = order[:order.index(u.index)]
-        for j in reversed(order):
-            if j != u.index and self._units[j].state == _FREE and not self._units[j].reduced:
-                self._gather(self._units[j], async_op=True)
-                break
 
-    @torch.no_grad()
-    def _after_backward(self, u: _Unit, full: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of u's gathered buffer: reduce-scatter its gradient (fp32), free it."""
-        self._begin_backward()
-        g, full.grad = full.grad, None
-        self._reduce(u, g.float())
-        self._reshard(u)
 
-    def _reduce(self, u: _Unit, g: torch.Tensor) -> None:
-        self._drain_all()  # at most one reduce-scatter in flight
-        self._reduce_scatter(u.flat, g)
-        u.reduced = True
 
     # ---- root hooks -----------------------------------------------------------------------
     def _root_pre_forward(self, module, args, kwargs):
@@ -788,7 +535,3 @@ class DataParallel:
                 p.grad = None  # torch.optim skips parameters without a gradient: the step is a no-op
 
 
-def _key(names: Sequence[str]) -> str:
-    """A stable name for the gradients of these parameters (residuals survive restarts and re-bucketing
-    that keeps the same parameters together, unlike a bucket index)."""
-    return f"{names[0]}..{names[-1]}[{len(names)}]"

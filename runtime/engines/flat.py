@@ -196,3 +196,22 @@ def resolve_units(model: nn.Module, units: Sequence[Sequence[str]] | None) -> tu
             out.append(tuple(names))
     rest = tuple(n for n in first_name.values() if n not in seen)
     return tuple(out) + ((rest,) if rest else ())
+
+
+@dataclasses.dataclass(eq=False)
+class FlatTensors:
+    """One flat buffer's tensors on this rank."""
+
+    layout: FlatLayout
+    # compute dtype; ZeRO-1/2: replicated, the model's parameters view it; ZeRO-3: gathered on demand
+    params: torch.Tensor | None = None
+    grad: torch.Tensor | None = None  # fp32 local gradient; DDP/ZeRO-1 persistent, ZeRO-2 one per microbatch
+    shard: nn.Parameter | None = None  # fp32 master slice this rank steps (ZeRO-1/2/3)
+    pending: list = dataclasses.field(default_factory=list)  # in-flight reduce-scatters: (work, out, inp)
+    fresh: bool = True  # the next reduction folded in overwrites shard.grad
+
+
+def grad_key(names: Sequence[str]) -> str:
+    """A stable name for the gradients of these parameters (residuals survive restarts and re-bucketing
+    that keeps the same parameters together, unlike a bucket index)."""
+    return f"{names[0]}..{names[-1]}[{len(names)}]"

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from runtime.checkpoint.files import load_checkpoint, save_checkpoint
+from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.launch.env import LaunchError
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
 from runtime.launch.program_check import check_same_program
@@ -117,7 +117,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         peak in `peak_step_bytes` (the probe slows that step: leave it out of timings).
     memory_limit_bytes: in the probed step, a rank going past this many bytes raises torch.OutOfMemoryError,
         as a device of that capacity would.
-    save_dir, save_every, keep_last: write a sharded checkpoint (runtime.checkpoint.files) into save_dir after every
+    save_dir, save_every, keep_last: write a sharded checkpoint (runtime.checkpoint) into save_dir after every
         `save_every` steps (counted from step 0, so a resumed run saves at the same steps), keeping the newest
         `keep_last` (all by default).
     resume_from: a checkpoint (or a save_dir: its newest) written under any plan of this model: parameters and
@@ -145,7 +145,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         raise LaunchError("save_dir and save_every go together: pass both to write checkpoints, or neither")
     start = 0
     if resume_from is not None:
-        from runtime.checkpoint.files import check_checkpoint_model, verify_checkpoint
+        from runtime.checkpoint.manifest import check_checkpoint_model, verify_checkpoint
 
         manifest = verify_checkpoint(resume_from)  # a missing, corrupted or foreign checkpoint: refused before spawning
         if getattr(plan, "placements", None) is not None:
