@@ -48,9 +48,8 @@ from partitioner.planner.cut import Cut, charge_idle, evaluate_cut
 from partitioner.planner.declarations import (
     ASYNC_SGD_FORCED,
     Declarations,
-    async_sgd_pin,
+    PlannerOptions,
     check_declarations,
-    compression_pins,
     compression_refusal,
 )
 from partitioner.planner.plan import (
@@ -67,7 +66,7 @@ from partitioner.planner.plan import (
     per_rank_memory,
 )
 from partitioner.planner.schedule import build_schedule
-from partitioner.planner.search import Scored, enumerate_candidates, least_memory, search
+from partitioner.planner.search import Scored, SearchResult, enumerate_candidates, least_memory, search
 from partitioner.planner.simulate import simulate
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
@@ -75,11 +74,18 @@ from partitioner.planner.unit_costs import CostContext, units_of
 from partitioner.tracer.opgraph import OpGraph
 from partitioner.tracer.trace import trace
 
-__all__ = ["PlanInfeasibleError", "compile"]
+__all__ = ["PlanInfeasibleError", "compile", "plan_graph"]
 
 
 # Faster configurations that do not fit, shown among the runners-up (one per mesh shape).
 _OVER_MEMORY_SHOWN = 3
+
+
+def _defaults() -> dict[str, Any]:
+    import inspect
+
+    return {k: p.default for k, p in inspect.signature(compile).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 class PlanInfeasibleError(PartitionerError):
@@ -96,7 +102,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
             async_sgd: dict[str, int] | None = None, stage_bounds: Sequence[int] | None = None,
-            verify: bool = False) -> Plan:
+            verify: bool = False, declarations: Declarations | None = None) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
 
     `compression` pins the compressor of the data-parallel gradient reduction
@@ -129,6 +135,10 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     `model` is an nn.Module (traced with `example_inputs`/`example_kwargs`,
     which may live on the meta device) or an OpGraph from `trace`.
 
+    `declarations` is the same declarations as one value, `partitioner.Declarations` (what the
+    keyword arguments from `global_batch_size` to `compression_warmup` become): give either, not both.
+    Below `compile()` the planner takes that value and `PlannerOptions` (`plan_graph`).
+
     `verify=True` runs the chosen plan's generated code in this process against a copy of `model`
     on the example inputs (`Plan.verify`; the model is never modified) and raises VerifyError where they
     differ. It needs the model's values: for a model on the meta device call
@@ -140,10 +150,36 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     configurations costed the same way (partitioner.planner.comparisons). `explain()`
     prints them.
 
-    >>> plan = compile(gpt_small(), "local:4", example_inputs=example_batch(m, 8), global_batch_size=32)  # doctest: +SKIP
-    >>> print(plan)                                                                                       # doctest: +SKIP
+    >>> from examples.gpt import gpt_small, example_batch
+    >>> m = gpt_small()
+    >>> plan = compile(m, "local:4", example_inputs=example_batch(m, 8), global_batch_size=32)
+    >>> print(plan)
+    Plan for GPT on local:4 (4 devices), global batch 32 x seq 128, bf16-mixed, adam
+      config       dp4 tp1 pp1 zero3 mb8x1 1f1b recompute=none
+      mesh         pp 1 x dp 4 x tp 1; rank = pp*4 + dp*1 + tp; node 0: ranks 0-3
+      zero         stage 3: parameters, gradients and optimizer state sharded over 4 data-parallel replicas
+      batch        32 samples per step = 4 replicas x 1 microbatch of 8 (4.1K tokens of seq 128)
+    ...
     """
     topo = Topology.coerce(topology)
+    pins = dict(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp, pp=pp,
+                zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
+                recompute=recompute, max_memory_fraction=max_memory_fraction, compression=compression,
+                async_sgd=async_sgd, clip_grad_norm=clip_grad_norm, compression_warmup=compression_warmup)
+    if declarations is not None:
+        if not isinstance(declarations, Declarations):
+            raise DeclarationError(f"declarations={declarations!r}: pass a partitioner.Declarations, or the "
+                                   "declarations as keyword arguments (compile(model, topology, x, tp=2, ...))")
+        defaults = _defaults()
+        both = sorted(k for k, v in pins.items() if v != defaults[k])
+        if both:
+            raise DeclarationError(f"declarations= and {', '.join(f'{k}=' for k in both)} both given: declare each "
+                                   f"value once, e.g. declarations=dataclasses.replace(declarations, {both[0]}=...)")
+        decl = declarations
+    else:
+        decl = Declarations.declare(**pins)
+    opts = PlannerOptions.declare(calibration=calibration, cut_granularity=cut_granularity,
+                                  alternatives=alternatives, stage_bounds=stage_bounds, device=topo.device.name)
     if verify:
         _check_verifiable(model)
     if isinstance(model, OpGraph):
@@ -153,34 +189,20 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             raise DeclarationError("example_inputs: required to trace the model, e.g. example_inputs=(tokens,); "
                                    "or pass an OpGraph from partitioner.tracer.trace")
         g = trace(model, example_inputs or (), example_kwargs)
-    if global_batch_size is None:
-        raise DeclarationError("global_batch_size: required, the samples per optimizer step over all replicas "
-                               "(e.g. global_batch_size=512)")
-    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
-                                       or not 0 < clip_grad_norm <= 1e308):  # not inf, NaN or beyond float
-        raise DeclarationError(f"clip_grad_norm={clip_grad_norm!r}: must be a finite number > 0 (e.g. 1.0), or None "
-                               "for no clipping")
-    if isinstance(compression_warmup, bool) or not isinstance(compression_warmup, int) or compression_warmup < 0:
-        raise DeclarationError(f"compression_warmup={compression_warmup!r}: the number of first steps that reduce "
-                               "uncompressed, an int >= 0 (e.g. compression_warmup=100)")
-    if cut_granularity not in ("block", "node"):
-        raise DeclarationError(f"cut_granularity={cut_granularity!r}: must be 'block' or 'node'")
-    if calibration is not None and not isinstance(calibration, (Calibration, str, os.PathLike)):
-        raise DeclarationError(f"calibration={calibration!r}: pass a Calibration, the path of its JSON file "
-                               "(Calibration.save, `partitioner autotune --calibration-out`), or None for the "
-                               "device's defaults")
-    cal = Calibration.load(calibration) if isinstance(calibration, (str, os.PathLike)) else \
-        (calibration or Calibration.for_device(topo.device.name))
-    decl = Declarations(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp,
-                        pp=pp, zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule,
-                        interleave=interleave, recompute=recompute, max_memory_fraction=max_memory_fraction,
-                        compression=compression_pins(compression), async_sgd=async_sgd_pin(async_sgd))
+    plan = plan_graph(g, topo, decl, opts)
+    if verify:
+        _verify(plan, model, example_inputs, example_kwargs)
+    return plan
+
+
+def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOptions = PlannerOptions()) -> Plan:
+    """The plan of a traced graph: `compile()` after tracing and reading its arguments."""
     splits = find_splits(g)
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
     # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them.
     no_pp, no_tp = _code_limits(g, splits, valid_tp)
-    for axis, value, why in (("pp", pp, no_pp), ("tp", tp, no_tp or no_pp)):
+    for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp or no_pp)):
         if why and value not in (None, 1):
             raise DeclarationError(f"{axis}={value}: no per-rank program can be generated for this model with "
                                    f"{axis} > 1 ({why}); leave {axis} unpinned or pin {axis}=1")
@@ -189,8 +211,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         valid_tp = (1,)
         forced = {"tp": 1, **({"pp": 1} if no_pp else {})}
         decl = dataclasses.replace(decl, **forced)
-    unit_name = "blocks" if g.blocks and cut_granularity == "block" else "nodes"
-    num_units = len(units_of(g, cut_granularity))
+    unit_name = "blocks" if g.blocks and opts.cut_granularity == "block" else "nodes"
+    num_units = len(units_of(g, opts.cut_granularity))
     check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=num_units,
                        unit_name=unit_name, valid_tp=valid_tp, tp_divisors=splits.divisors)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
@@ -199,9 +221,10 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         decl = dataclasses.replace(decl, **ASYNC_SGD_FORCED)
 
     def context(compression: dict[str, str], async_sgd: dict[str, int] | None = None) -> CostContext:
-        return CostContext(g, topo, splits, precision=precision, optimizer=optimizer, seq_len=g.traced_seq_len,
-                           memory_cap=max_memory_fraction * topo.device.memory_bytes, calibration=cal,
-                           granularity=cut_granularity, compression=compression, async_sgd=async_sgd)
+        return CostContext(g, topo, splits, precision=decl.precision, optimizer=decl.optimizer,
+                           seq_len=g.traced_seq_len, memory_cap=decl.max_memory_fraction * topo.device.memory_bytes,
+                           calibration=opts.calibration, granularity=opts.cut_granularity, compression=compression,
+                           async_sgd=async_sgd)
 
     ctx = context(decl.compression, decl.async_sgd)
     # what the plan is compared with (runners-up that break a pin, hand baselines) trains synchronously
@@ -214,27 +237,22 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     if not cands:
         raise DeclarationError(
             f"no configuration satisfies the declarations {decl.pinned()} with global_batch_size="
-            f"{global_batch_size} on {topo.world_size} devices; relax a pinned value")
-    bounds = None if stage_bounds is None else _unit_bounds(stage_bounds, ctx.units)
+            f"{decl.global_batch_size} on {topo.world_size} devices; relax a pinned value")
+    bounds = None if opts.stage_bounds is None else _unit_bounds(opts.stage_bounds, ctx.units)
     if bounds is not None and not any(c.pp * c.interleave == len(bounds) - 1 for c in cands):
-        raise DeclarationError(f"stage_bounds={tuple(stage_bounds)}: {len(bounds) - 1} stages, but no configuration "
-                               f"the declarations {decl.pinned()} allow has that many (pp x interleave)")
-    result = search(ctx, cands, keep=max(1, alternatives + 1), over_memory=min(alternatives, _OVER_MEMORY_SHOWN),
-                    bounds=bounds)
+        raise DeclarationError(f"stage_bounds={tuple(opts.stage_bounds)}: {len(bounds) - 1} stages, but no "
+                               f"configuration the declarations {decl.pinned()} allow has that many (pp x interleave)")
+    result = search(ctx, cands, keep=max(1, opts.alternatives + 1),
+                    over_memory=min(opts.alternatives, _OVER_MEMORY_SHOWN), bounds=bounds)
     if not result.ranked:
         _infeasible(ctx, cands, decl, topo)
     best = result.ranked[0]
     rejected = over_memory_alternatives(best, result.over_memory, ctx.memory_cap)
-    if alternatives > 0:
+    if opts.alternatives > 0:
         free_ctx = context({}) if decl.compression else sync_ctx
         rejected += tuple(x for x in [pinned_out(free_ctx, decl, best, valid_tp=valid_tp, forced=forced)] if x)
-    plan = _assemble(g, topo, decl, splits, ctx, result.ranked, result.evaluated, result.space,
-                     clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
-                     compression_warmup=compression_warmup, rejected=rejected,
-                     baselines=hand_baselines(sync_ctx, decl) if alternatives > 0 else (), declared=declared)
-    if verify:
-        _verify(plan, model, example_inputs, example_kwargs)
-    return plan
+    return _assemble(g, topo, decl, splits, ctx, result, rejected=rejected, declared=declared,
+                     baselines=hand_baselines(sync_ctx, decl) if opts.alternatives > 0 else ())
 
 
 def _check_verifiable(model: Any) -> None:
@@ -335,9 +353,9 @@ def _why(best: Scored, other: Scored) -> str:
 
 
 def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSplits, ctx: CostContext,
-              ranked: tuple[Scored, ...], evaluated: int, space: int, *, clip_grad_norm: float | None,
-              compression_warmup: int = 0, rejected: tuple[Alternative, ...] = (),
-              baselines: tuple[Baseline, ...] = (), declared: dict[str, Any] | None = None) -> Plan:
+              result: SearchResult, *, rejected: tuple[Alternative, ...] = (), baselines: tuple[Baseline, ...] = (),
+              declared: dict[str, Any] | None = None) -> Plan:
+    ranked = result.ranked
     best = ranked[0]
     cand, cut = best.cand, best.cut
     ev = StageEvaluator(ctx, cand, best.compression)
@@ -394,10 +412,10 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 global_batch_size=decl.global_batch_size, seq_len=g.traced_seq_len, precision=decl.precision,
                 optimizer=decl.optimizer, declarations=decl.pinned() if declared is None else declared,
                 config=cand, mesh=mesh, stages=tuple(stages), placements=tuple(placements), instructions=sched, predicted=predicted,
-                alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, clip_grad_norm=clip_grad_norm,
-                candidates_evaluated=evaluated, search_space=space,
+                alternatives=alternatives, bucket_bytes=DDP_BUCKET_BYTES, clip_grad_norm=decl.clip_grad_norm,
+                candidates_evaluated=result.evaluated, search_space=result.space,
                 compression=dict(zip(LEVELS, best.compression)),
-                compression_warmup=compression_warmup if best.compression != ("none", "none") else 0,
+                compression_warmup=decl.compression_warmup if best.compression != ("none", "none") else 0,
                 rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
                 block_kinds=_block_kinds(g), block_container=g.block_container if _block_kinds(g) else None,
                 **_model_code(g, splits, cand))

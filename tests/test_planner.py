@@ -285,3 +285,18 @@ def test_compile_traces_a_model_given_example_inputs():
         compile(model, "local:2", global_batch_size=8)
     with pytest.raises(DeclarationError, match="global_batch_size: required"):
         compile(model, "local:2", example_inputs=gpt_mod.example_batch(model, 2))
+
+
+def test_declarations_as_one_value_plan_as_the_keywords(meta_gpt_graph):
+    """compile(declarations=Declarations) is compile(**pins); giving a value both ways, or a stray type, is refused."""
+    from partitioner import Declarations
+
+    kw = dict(global_batch_size=16, tp=2, zero_stage=1, compression="bf16", clip_grad_norm=0.5)
+    by_value = compile(meta_gpt_graph, "2x4xA100-80GB", declarations=Declarations.declare(**kw))
+    assert by_value.to_json() == compile(meta_gpt_graph, "2x4xA100-80GB", **kw).to_json()
+    with pytest.raises(DeclarationError, match="declarations= and tp= both given"):
+        compile(meta_gpt_graph, "local:4", tp=2, declarations=Declarations.declare(global_batch_size=8))
+    with pytest.raises(DeclarationError, match="pass a partitioner.Declarations"):
+        compile(meta_gpt_graph, "local:4", declarations={"global_batch_size": 8})
+    with pytest.raises(DeclarationError, match="tensor_parallel: not a declaration"):
+        Declarations.declare(global_batch_size=8, tensor_parallel=2)

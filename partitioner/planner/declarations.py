@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Any
 
+from cost_models.calibration import Calibration
 from cost_models.choices import OPTIMIZERS, PRECISIONS
 from cost_models.choices import RECOMPUTE_POLICIES as RECOMPUTE
 from cost_models.choices import SCHEDULES
@@ -21,6 +23,7 @@ from cost_models.errors import DeclarationError
 __all__ = [
     "ASYNC_SGD_FORCED",
     "Declarations",
+    "PlannerOptions",
     "async_sgd_pin",
     "check_declarations",
     "compression_pins",
@@ -51,6 +54,38 @@ class Declarations:
     # {"every": k} (local SGD) or {"staleness": s} (from `async_sgd_pin`); None: synchronous training.
     # Never chosen by the planner: it changes the training math, so it is used only when pinned.
     async_sgd: dict[str, int] | None = None
+    # What the program does besides the plan's choices (recorded in the plan, not searched)
+    clip_grad_norm: float | None = None
+    compression_warmup: int = 0  # first steps that reduce uncompressed
+
+    @classmethod
+    def declare(cls, **values: Any) -> Declarations:
+        """The user's declarations, as `compile()` takes them: `compression` and `async_sgd` in any form
+        `compression_pins` / `async_sgd_pin` accept, every value checked for its type and range on its own
+        (relations between values and the topology: `check_declarations`).
+
+        >>> Declarations.declare(global_batch_size=8, tp=2, compression="int8").pinned()
+        {'tp': 2, 'compression': {'intra_node': 'int8', 'inter_node': 'int8'}}
+        """
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise DeclarationError(f"{', '.join(unknown)}: not a declaration; the declarations are "
+                                   f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        if values.get("global_batch_size") is None:
+            raise DeclarationError("global_batch_size: required, the samples per optimizer step over all replicas "
+                                   "(e.g. global_batch_size=512)")
+        clip = values.get("clip_grad_norm")
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                 or not 0 < clip <= 1e308):  # not inf, NaN or beyond float
+            raise DeclarationError(f"clip_grad_norm={clip!r}: must be a finite number > 0 (e.g. 1.0), or None "
+                                   "for no clipping")
+        warmup = values.get("compression_warmup", 0)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise DeclarationError(f"compression_warmup={warmup!r}: the number of first steps that reduce "
+                                   "uncompressed, an int >= 0 (e.g. compression_warmup=100)")
+        return cls(**{**values, "compression": compression_pins(values.get("compression")),
+                      "async_sgd": async_sgd_pin(values.get("async_sgd")),
+                      "clip_grad_norm": None if clip is None else float(clip)})
 
     def pinned(self) -> dict[str, Any]:
         """The declarations that pin something, for the plan's record."""
@@ -61,6 +96,41 @@ class Declarations:
         if self.async_sgd:
             out["async_sgd"] = dict(self.async_sgd)
         return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlannerOptions:
+    """How `compile()` searches, as opposed to what it must satisfy (`Declarations`).
+
+    calibration: the fitted cost factors (None: the device's defaults); cut_granularity: pipeline cuts
+    between blocks ("block") or between any graph nodes ("node"); alternatives: how many runners-up the
+    plan records; stage_bounds: a pinned pipeline cut, as graph node indices (an earlier plan's
+    `stage_bounds`).
+    """
+
+    calibration: Calibration | None = None
+    cut_granularity: str = "block"
+    alternatives: int = 5
+    stage_bounds: tuple[int, ...] | None = None
+
+    @classmethod
+    def declare(cls, *, calibration: Any = None, cut_granularity: str = "block", alternatives: int = 5,
+                stage_bounds: Any = None, device: str) -> PlannerOptions:
+        """Options as `compile()` takes them: `calibration` a Calibration, the path of its JSON, or None for
+        `device`'s defaults (resolved here, once)."""
+        if cut_granularity not in ("block", "node"):
+            raise DeclarationError(f"cut_granularity={cut_granularity!r}: must be 'block' or 'node'")
+        if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
+            raise DeclarationError(f"alternatives={alternatives!r}: how many runners-up to record, an int >= 0")
+        if calibration is not None and not isinstance(calibration, (Calibration, str, os.PathLike)):
+            raise DeclarationError(f"calibration={calibration!r}: pass a Calibration, the path of its JSON file "
+                                   "(Calibration.save, `partitioner autotune --calibration-out`), or None for the "
+                                   "device's defaults")
+        cal = Calibration.load(calibration) if isinstance(calibration, (str, os.PathLike)) else \
+            (calibration or Calibration.for_device(device))
+        return cls(calibration=cal, cut_granularity=cut_granularity, alternatives=alternatives,
+                   stage_bounds=stage_bounds if stage_bounds is None or not isinstance(stage_bounds, list)
+                   else tuple(stage_bounds))
 
 
 def compression_pins(value: Any) -> dict[str, str]:
