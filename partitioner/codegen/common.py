@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from cost_models.errors import PartitionerError
 from cost_models.mesh import Mesh
+from cost_models.placements import sharded_dim
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -142,6 +143,25 @@ def mesh_lines(plan: "Plan") -> MeshLines:
     else:
         node_src = f"{nodes!r}  # rank -> node"
     return MeshLines(mesh_src, node_src, tuple(imports))
+
+
+def slice_text(shape: tuple[int, ...], spec: str, fused: int, tp: int, t: int) -> str:
+    """Which part of a full parameter tensor slice `t` of `tp` holds, for a comment beside it: a fused
+    tensor (q, k and v in one weight) is `fused` chunks along the split dim, each split over the tensor group.
+
+    >>> slice_text((384, 128), "S(0)", 3, 2, 1)
+    'dim 0 [64:128, 192:256, 320:384] of 384: (192, 128) here'
+    >>> slice_text((128, 512), "S(1)", 1, 2, 0)
+    'dim 1 [0:256] of 512: (128, 256) here'
+    """
+    d = sharded_dim(spec)
+    if d is None:
+        return f"whole: {tuple(shape)}"
+    chunk = shape[d] // fused
+    per = chunk // tp
+    ranges = ", ".join(f"{c * chunk + t * per}:{c * chunk + (t + 1) * per}" for c in range(fused))
+    local = tuple(per * fused if i == d else n for i, n in enumerate(shape))
+    return f"dim {d} [{ranges}] of {shape[d]}: {local} here"
 
 
 def literal(value: object, indent: int = 0, width: int = 110) -> str:

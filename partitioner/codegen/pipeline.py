@@ -24,6 +24,7 @@ from partitioner.codegen.common import (
     program_header,
     ranks_text,
     reduce_scatter_impl,
+    slice_text,
 )
 from runtime.comm.groups import stage_peers  # the rule the program will use
 
@@ -129,7 +130,9 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
         f"    {s}: ({a}, {b}, {pre}, {suf}),  # "
         + ", ".join((["prefix"] if pre else []) + ([f"blocks {a}..{b - 1}" if b > a + 1 else f"block {a}"] if b > a else []) + (["suffix"] if suf else []))
         for s, (a, b, pre, suf) in sorted(my_blocks.items()))
-    place_lines = "\n".join(f"    {n!r}: {v!r},  # {next(p.role for p in plan.placements if p.param == n)}"
+    by_param = {p.param: p for p in plan.placements}
+    place_lines = "\n".join(f"    {n!r}: {v!r},  # {by_param[n].role}: "
+                            f"{slice_text(by_param[n].shape, v[0], v[1], c.tp, me.tp)}"
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
     segs = [code.prefix, *code.templates] + ([code.suffix] if code.suffix is not None else [])
     functions = "\n\n".join(s.source.rstrip() for s in segs)
@@ -199,8 +202,8 @@ STAGE_RANKS = {literal(stage_ranks)}
 # This rank's instruction list: {c.num_microbatches} microbatches of {c.microbatch_size} per step.
 ACTIONS = {literal(actions)}.split()
 
-# Tensor parallelism over {c.tp} rank(s): this rank's sharded parameters -> (spec, fused chunks);
-# the others it holds are whole.
+# Tensor parallelism over {c.tp} rank(s): this rank's sharded parameters -> (spec, fused chunks), with
+# the slice of the full tensor this rank holds (tensor slice {me.tp}); the others it holds are whole.
 PLACEMENTS = {{
 {place_lines}
 }}
@@ -214,6 +217,8 @@ UNITS = {literal(tuple(tuple(u) for u in units))}
 UNIT_MODULES = {literal(tuple(unit_modules))}
 
 # ---- the model's code: prefix, block template, suffix (cut from the exported graph{", rewritten for the tensor shards" if c.tp > 1 else ""})
+# Beside each value, its shape on this rank{" (the tensor-split dim divided by tp)" if c.tp > 1 else ""}: sizes that follow an
+# input are named by it (idx.1: dim 1 of idx), and the dtype is the traced one{" (floats run in " + ("bf16" if "bf16" in plan.precision else "fp16") + " under " + plan.precision + ")" if plan.precision != "fp32" else ""}.
 
 {functions}
 

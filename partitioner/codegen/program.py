@@ -11,8 +11,25 @@ Data-parallel plans (pp = tp = 1, any ZeRO stage) are emitted here;
 pipeline, tensor-parallel and 3D programs by `partitioner.codegen.pipeline`;
 async SGD plans (`plan.async_sgd`) by `partitioner.codegen.async_sgd`.
 
->>> print(plan.program(1).source)           # doctest: +SKIP
-\"\"\"Per-rank program: rank 1 of 4 ...
+>>> from partitioner import compile
+>>> from examples.mlp import mlp, example_inputs
+>>> model = mlp()
+>>> plan = compile(model, "local:4", example_inputs(model), global_batch_size=32, dp=4)
+>>> print(plan.program(1).source)
+\"\"\"Per-rank program: rank 1 of 4.
+<BLANKLINE>
+Plan ... for MLP on local:4: dp4 tp1 pp1 zero3 mb8x1 1f1b recompute=none.
+...
+def build(model_fn, optimizer_fn, loss_fn):
+    groups = make_groups(RANK, MESH)
+...
+    engine = DataParallel(model, group=groups.dp, ranks=groups.dp_ranks, zero_stage=3,
+...
+    return runtime.engines.step.StepRunner(
+        engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, dp_group=groups.dp,
+        dp_rank=1, dp_size=4, microbatch_size=8, num_microbatches=1,
+        clip_grad_norm=None, program_hash=PROGRAM_HASH)
+<BLANKLINE>
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ class TensorParallelRewrite:
             x, weight = self.value(n.args[a]), self.value(n.args[w])
             op = _aten.mm.default if n.target is _aten.addmm.default else n.target
             partial = self.graph.call_function(op, (x, weight))
+            partial.meta = dict(n.meta)  # the partial sums have the full output's shape
             out = self.graph.create_node("call_function", tp_reduce, (partial, self.tp_arg), name="g")
             bias = n.args[b] if b is not None and len(n.args) > b else None
             if bias is not None:

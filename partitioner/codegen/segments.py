@@ -25,10 +25,16 @@ head and cross entropy): see `partitioner.codegen.segment_tp`. Casts to the trac
 parameter dtype (fp32) become casts to the parameters' dtype at run time,
 so the same code runs under bf16 mixed precision.
 
->>> code = extract(ep, g)                      # doctest: +SKIP
->>> print(code.block.source)                   # doctest: +SKIP
-def block(tp, x, ln_1_weight, ...):
-    layer_norm = torch.ops.aten.layer_norm.default(x, [256], ln_1_weight, ...)
+>>> from partitioner import trace
+>>> from examples.gpt import gpt_small, example_batch
+>>> model = gpt_small()
+>>> g = trace(model, example_batch(model, 2))
+>>> ep = g.graph_module                        # the ExportedProgram the tracer captured
+>>> code = extract(ep, g)
+>>> print(code.block.source)
+def block(tp, x, ln_1_weight, ln_1_bias, attn_c_attn_weight, ...):
+    layer_norm...: "f32[idx.0, idx.1, 256]" = torch.ops.aten.layer_norm.default(x, [256], ln_1_weight, ...)
+...
 """
 
 from __future__ import annotations
@@ -306,9 +312,50 @@ class _Builder(TensorParallelRewrite):
         code = self.graph.python_code(root_module="self")
         src, globs = unmangle(code.src, dict(code.globals))
         _check_globals(globs, self.name)
+        src = _annotate(src, self._shard_shapes())
         src = src.replace("def forward(self, ", f"def {self.name}(", 1).strip() + "\n"
         return Segment(name=self.name, source=src, inputs=self.input_names, model_inputs=tuple(self.model_inputs),
                        params=tuple(self.params.items()), buffers=tuple(self.buffers.items()))
+
+    def _shard_shapes(self) -> dict[str, str]:
+        """Each value's shape on this rank, as the fx printer's verbose form writes it ("f32[b, s, 192]"):
+        the traced shape with the split dim divided by tp, sizes that follow the inputs named by them."""
+        sizes = {str(d): f"{n.name}.{j}" for n in reversed(self.src.inputs)
+                 for j, d in enumerate(n.meta["val"].shape)}
+        out = {}
+        for node in self.graph.nodes:
+            val = node.meta.get("val")
+            if node.op != "call_function":
+                continue
+            if not isinstance(val, torch.Tensor):
+                # the tensor-parallel f and g (identity forward or backward) have their input's shape
+                x = node.args[0] if node.args else None
+                if getattr(node.target, "__name__", "") in _SAME_SHAPE and isinstance(x, fx.Node) and x.name in out:
+                    out[node.name] = out[x.name]
+                continue
+            split = self.dims.get(node.name) if self.tp > 1 else None
+            dims = [_SYMBOL.sub(lambda m: sizes.get(m.group(0), m.group(0)), str(d)) for d in val.shape]
+            if split is not None and dims[split].isdigit():
+                dims[split] = str(int(dims[split]) // self.tp)
+            out[node.name] = f"{_DTYPE_SHORT.get(val.dtype, str(val.dtype).removeprefix('torch.'))}[{', '.join(dims)}]"
+        return out
+
+
+_DTYPE_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+                torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.uint8: "u8", torch.int8: "i8"}
+_SAME_SHAPE = ("tp_copy", "tp_reduce")
+_SYMBOL = re.compile(r"\bs\d+\b")  # torch.export's size symbols (s0, s75, ...)
+_ASSIGN = re.compile(r"^(    )([A-Za-z_]\w*) = ")
+
+
+def _annotate(src: str, shapes: dict[str, str]) -> str:
+    """Write each value's shape beside its name, as fx's verbose printer does (`x: "f32[4, 64]" = ...`)."""
+    def one(line: str) -> str:
+        m = _ASSIGN.match(line)
+        if not m or m.group(2) not in shapes:
+            return line
+        return f'{m.group(1)}{m.group(2)}: "{shapes[m.group(2)]}" = {line[m.end():]}'
+    return "\n".join(one(line) for line in src.split("\n"))
 
 
 _MAX_CONSTANT = 256  # elements of a forward-made constant written into generated code
