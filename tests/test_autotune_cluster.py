@@ -181,12 +181,6 @@ def test_srun_command_line_is_composed_for_the_topology(tmp_path):
 
 
 def test_torchrun_command_line_on_one_and_several_nodes():
-    import doctest
-
-    import partitioner.tune.cluster
-    import runtime.launch.cluster
-
-    assert doctest.testmod(runtime.launch.cluster).failed == 0 and doctest.testmod(partitioner.tune.cluster).failed == 0
     run = run_args("t/plan.json", model="m.py:f", steps=3, report="t/r")
     one = cluster_launcher("torchrun", Topology.parse("local:4"), {})
     argv = one.argv(run, run_id="trial-1", endpoint="127.0.0.1:29411")

@@ -11,15 +11,14 @@ nodes of 2 ranks.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cost_models.compression_memory import reduction_memory
+from ranks import gloo_group
 
 pytestmark = pytest.mark.slow
 
@@ -36,31 +35,29 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     from runtime.comm.groups import make_node_groups
     from runtime.launch.memory_probe import PeakMemory
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    nodes = make_node_groups(rank, [tuple(range(world))], node_of=(0, 0, 1, 1))
-    n = sum(math.prod(s) for s in SHAPES)
-    out = {}
-    for compression, zero, n_nodes in CASES:
-        spec = dict(zip(("intra_node", "inter_node"), compression)) if n_nodes > 1 else compression[0]
-        red = GradientReducer(None, Collectives(), compression=spec, zero_stage=zero,
-                              nodes=nodes if n_nodes > 1 else None)
-        torch.manual_seed(rank)
-        working = []
-        for _ in range(3):
-            g = torch.randn(n)
-            with PeakMemory() as probe:
-                if zero < 2:
-                    red.all_reduce_mean_(g, "bucket", SHAPES)
-                else:
-                    red.reduce_scatter_mean(g, "bucket")
-            red.step_done()
-            working.append(probe.peak)
-        held = sum(t.numel() * t.element_size() for k, t in red.state_dict().items() if t.dim() and t.is_floating_point())
-        out[compression, zero, n_nodes] = (held / (4 * n), working[-1] / (4 * n))
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
+    with gloo_group(rank, world, store_path):
+        nodes = make_node_groups(rank, [tuple(range(world))], node_of=(0, 0, 1, 1))
+        n = sum(math.prod(s) for s in SHAPES)
+        out = {}
+        for compression, zero, n_nodes in CASES:
+            spec = dict(zip(("intra_node", "inter_node"), compression)) if n_nodes > 1 else compression[0]
+            red = GradientReducer(None, Collectives(), compression=spec, zero_stage=zero,
+                                  nodes=nodes if n_nodes > 1 else None)
+            torch.manual_seed(rank)
+            working = []
+            for _ in range(3):
+                g = torch.randn(n)
+                with PeakMemory() as probe:
+                    if zero < 2:
+                        red.all_reduce_mean_(g, "bucket", SHAPES)
+                    else:
+                        red.reduce_scatter_mean(g, "bucket")
+                red.step_done()
+                working.append(probe.peak)
+            held = sum(t.numel() * t.element_size() for k, t in red.state_dict().items()
+                       if t.dim() and t.is_floating_point())
+            out[compression, zero, n_nodes] = (held / (4 * n), working[-1] / (4 * n))
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +74,3 @@ def test_the_model_counts_what_the_reducer_holds_and_allocates(measured, case):
         assert held == pytest.approx(want.held, rel=0.05, abs=0.01), f"rank {rank}: held {held:.3f} x the bucket"
         assert working == pytest.approx(want.working, rel=0.08, abs=0.02), \
             f"rank {rank}: working set {working:.3f} x the bucket, the model says {want.working}"
-
-
-def test_the_docstring_examples():
-    import doctest
-
-    import cost_models.compression_memory
-
-    assert doctest.testmod(cost_models.compression_memory).failed == 0

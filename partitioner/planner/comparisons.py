@@ -10,7 +10,11 @@ microbatch, schedule and recompute that suit it best) and without gradient
 compression, then its step is simulated like the plan's, so the gain printed
 by `plan.explain()` compares like with like:
 
->>> [(b.name, b.fits) for b in plan.baselines]   # doctest: +SKIP
+>>> from partitioner import compile
+>>> from examples.mlp import mlp, example_inputs
+>>> model = mlp()
+>>> plan = compile(model, "8xA100-80GB", example_inputs(model), global_batch_size=64)
+>>> [(b.name, b.fits) for b in plan.baselines]
 [('pure data parallel', True), ('ZeRO-3 only', True), ('Megatron tp=8', True)]
 """
 

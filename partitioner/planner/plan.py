@@ -6,9 +6,13 @@ instruction lists (`plan.instructions`), the predicted cost and the runners-up. 
 versioned JSON tied to the hashes of the graph and the topology it was made
 for, so a plan for another model or cluster is refused on load.
 
->>> plan = compile(model, Topology.parse("8xA100-80GB"), example_inputs=(x,))   # doctest: +SKIP
->>> plan.dp, plan.tp, plan.pp, plan.zero_stage                                   # doctest: +SKIP
-(8, 1, 1, 1)
+>>> from partitioner import compile, Topology
+>>> from examples.mlp import mlp, example_inputs
+>>> model = mlp()
+>>> x, = example_inputs(model)
+>>> plan = compile(model, Topology.parse("8xA100-80GB"), example_inputs=(x,), global_batch_size=64)
+>>> plan.dp, plan.tp, plan.pp, plan.zero_stage
+(2, 4, 1, 0)
 """
 
 from __future__ import annotations
@@ -315,8 +319,15 @@ class Plan:
         arguments (None: random token ids); `loss_fn(output, targets)` (None: a fixed random weighting of
         the outputs); `sources`: rank -> program source to check instead of `program(rank).source`.
 
-        >>> print(plan.verify(gpt_4l_seeded))   # doctest: +SKIP
-        verified pp2 tp2 (4 stages, 4 programs): outputs, loss and 52 gradients match the module (...)
+        >>> from partitioner import compile
+        >>> from examples.gpt import example_batch
+        >>> from examples.training import gpt_4l_seeded
+        >>> model = gpt_4l_seeded()
+        >>> plan = compile(model, "local:4", example_inputs=example_batch(model, 2)[:1], global_batch_size=8,
+        ...                pp=2, tp=2)
+        >>> print(plan.verify(gpt_4l_seeded))
+        verified pp2 tp2 (2 stages, 4 programs): outputs, loss and 52 gradients match the module (max abs error
+        ..., max rel error ...) in ... s
         """
         from runtime.verify.check import verify_plan  # the planner reaches the runtime only here, lazily
 

@@ -61,12 +61,14 @@ seen; a reshape that merges the head dim into the batch (Bloom's
 Dropout inside a split region must draw different masks on each rank
 (Megatron's model-parallel RNG tracker); outside it, the same mask.
 
->>> model = gpt_small()                                                   # doctest: +SKIP
->>> splits = find_splits(trace(model, example_batch(model, 2)))           # doctest: +SKIP
->>> p = splits.placement("transformer.h.0.attn.c_attn.weight")            # doctest: +SKIP
->>> p.spec, p.role, p.fused                                               # doctest: +SKIP
+>>> from partitioner import trace
+>>> from examples.gpt import gpt_small, example_batch
+>>> model = gpt_small()
+>>> splits = find_splits(trace(model, example_batch(model, 2)))
+>>> p = splits.placement("transformer.h.0.attn.c_attn.weight")
+>>> p.spec, p.role, p.fused
 ('S(0)', 'column', 3)
->>> splits.divisors[:2], splits.valid_tp()                                # doctest: +SKIP
+>>> splits.divisors[:2], splits.valid_tp()
 ((('heads of transformer.h.0.attn', 4), ('ffn of transformer.h.0.mlp', 1024)), (1, 2, 4))
 """
 

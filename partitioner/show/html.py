@@ -5,8 +5,20 @@ a pipeline stage's devices); nothing is fetched, so the file opens offline
 and can be mailed around. Every section carries a stable id (summary,
 device-grid, stage-map, memory-bars, timeline, alternatives).
 
->>> plan.to_html("gpt.plan.html")        # doctest: +SKIP
-PosixPath('gpt.plan.html')
+>>> import tempfile
+>>> from pathlib import Path
+>>> from partitioner import compile
+>>> from examples.mlp import mlp, example_inputs
+>>> model = mlp()
+>>> plan = compile(model, "local:2", example_inputs(model), global_batch_size=16)
+>>> path = plan.to_html(Path(tempfile.mkdtemp()) / "mlp.plan.html")
+>>> path
+PosixPath('.../mlp.plan.html')
+>>> page = path.read_text()
+>>> all(f'id="{s}"' in page for s in ("summary", "device-grid", "stage-map", "memory-bars", "timeline",
+...                                        "alternatives"))
+True
+>>> path.unlink(); path.parent.rmdir()
 """
 
 from __future__ import annotations

@@ -6,9 +6,19 @@ names each action as it ran, per pipeline rank and lane (compute, send,
 collective). The trace (`plan.timeline()`) and the HTML page
 (`plan.to_html()`) both draw these events.
 
->>> trace = plan.timeline("step.json", png="step.png")   # doctest: +SKIP
->>> sorted({e["name"] for e in trace["traceEvents"] if e["ph"] == "X"})[:4]   # doctest: +SKIP
+>>> import shutil, tempfile
+>>> from pathlib import Path
+>>> from partitioner import compile
+>>> from examples.mlp import mlp, example_inputs
+>>> model = mlp()
+>>> plan = compile(model, "local:2", example_inputs(model), global_batch_size=16, microbatch_size=4)
+>>> out = Path(tempfile.mkdtemp())
+>>> trace = plan.timeline(out / "step.json", png=out / "step.png")
+>>> sorted({e["name"] for e in trace["traceEvents"] if e["ph"] == "X"})[:4]
 ['B0', 'B1', 'F0', 'F1']
+>>> sorted(p.name for p in out.iterdir())
+['step.json', 'step.png']
+>>> shutil.rmtree(out)
 
 Open step.json in https://ui.perfetto.dev or chrome://tracing.
 """

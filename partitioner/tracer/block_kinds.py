@@ -18,8 +18,22 @@ changes what a block computes:
   block, and which outside values it reads), so that two blocks are of one
   kind only when their graphs are equal.
 
->>> attribute_kinds(gemma3, stack, reads)      # doctest: +SKIP
+The example GPT with `local_window` alternates as Gemma3 does: `attn.window` is the window on
+blocks 1, 3, ... and None on the others, and the attention code reads it:
+
+>>> import torch
+>>> from examples.gpt import GPT, GPTConfig
+>>> from partitioner.tracer.blocks import find_layer_stack
+>>> model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, local_window=4))
+>>> stack = find_layer_stack(model)
+>>> reads = set()
+>>> _ = recording(model.transformer.h[0], reads)(torch.zeros(1, 8, 32))   # as the tracer runs a block
+>>> ("attn", "window") in reads
+True
+>>> attribute_kinds(model, stack, reads)
 (0, 1, 0, 1)
+>>> attribute_kinds(model, stack, set())      # by structure alone the blocks are alike
+(0, 0, 0, 0)
 
 Kinds that repeat (`find_repeat`) let the tracer trace a few blocks and copy
 the rest (partitioner.tracer.blocks.expand):

@@ -5,9 +5,17 @@ every node carries a typed `TensorSpec` and `OpCost` whose numbers are
 `Poly`s in the microbatch size `b` and the sequence length `s`, so one trace
 serves every candidate plan.
 
->>> g = trace(model, (tokens,))                     # doctest: +SKIP
->>> g.num_params, g.flops(batch_size=8)              # doctest: +SKIP
-(7_361_792, 1.53e11)
+>>> import torch
+>>> from partitioner import trace
+>>> from examples.gpt import gpt_small, example_inputs
+>>> with torch.device("meta"):                       # shapes are all it needs: nothing allocated
+...     model = gpt_small()
+>>> tokens, = example_inputs(model)
+>>> g = trace(model, (tokens,))
+>>> g.num_params, g.flops(batch_size=8)
+(5289472, 34050506752.0)
+>>> g.flops(batch_size=8, seq_len=64) < g.flops(batch_size=8) / 2   # every count is a polynomial in b and s
+True
 """
 
 from __future__ import annotations

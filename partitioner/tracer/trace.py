@@ -52,8 +52,11 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     trace). `leaf_modules` keeps modules of those
     classes whole (fx only). Works with a model on the meta device.
 
-    >>> g = trace(gpt_small(), (tokens,))                # doctest: +SKIP
-    >>> g.num_params, len(g.blocks)                       # doctest: +SKIP
+    >>> from examples.gpt import gpt_small, example_inputs
+    >>> model = gpt_small()
+    >>> tokens, = example_inputs(model)
+    >>> g = trace(model, (tokens,))
+    >>> g.num_params, len(g.blocks)
     (5289472, 4)
     """
     if not isinstance(model, nn.Module):

@@ -1,11 +1,19 @@
 """Auto-tune: measure the cost model's best candidates on the real machines, fit its calibration, repeat.
 
->>> res = autotune("examples/gpt.py:gpt_small", "local:4", global_batch_size=16, trials=6,
-...                db="tune.sqlite")                                     # doctest: +SKIP
->>> res.plan            # the best measured configuration, compiled with the fitted calibration
->>> res.trials          # each: config, predicted and measured step time and peak memory, status
->>> res.calibration_path                                                 # doctest: +SKIP
-PosixPath('tune.calibration.json')
+The smallest tune: one trial of one measured step on two local processes (progress goes to stderr):
+
+>>> import tempfile
+>>> from pathlib import Path
+>>> tmp = Path(tempfile.mkdtemp())
+>>> res = autotune("examples/gpt.py:gpt_tiny", "local:2", global_batch_size=8, trials=1, steps=1, warmup=0,
+...                max_rounds=1, db=tmp / "tune.sqlite")
+>>> print(res.plan.config)   # the best measured configuration, compiled with the fitted calibration
+dp2 tp1 pp1 zero3 mb4x1 1f1b recompute=none
+>>> print(format_trials(res.trials))   # each: config, predicted and measured step time and peak memory, status
+config                                                   status  meas ms  pred ms calib ms     err meas MiB calib MiB mem err
+dp2 tp1 pp1 zero3 mb4x1 1f1b recompute=none                  ok ...
+>>> res.calibration_path
+PosixPath('.../tune.calibration.json')
 
 The loop:
 1. compile under the starting calibration; take `trials` of its ranked
@@ -34,10 +42,21 @@ trial as local processes (runtime.launch.local.launch_local). On a cluster,
 the plan and its programs are written to `trial_dir`/KEY/, the ranks time
 and probe the same steps with the same code (runtime/launch/measure.py) and report
 through per-rank files; a job past `timeout_s` is stopped with every process
-under it. The ranks import the model by name, so it is a spec string there:
+under it. The ranks import the model by name, so it is a spec string there.
+One node's torchrun job here (the default endpoint: 127.0.0.1 and a free port):
 
->>> autotune("examples/gpt.py:gpt_small", "2x8xH100-80GB", global_batch_size=64, launcher="torchrun",
-...          launcher_args=dict(rdzv_endpoint="node01:29400", wrapper="srun --ntasks-per-node=1"))  # doctest: +SKIP
+>>> res = autotune("examples/gpt.py:gpt_tiny", "local:2", global_batch_size=8, trials=1, steps=1, warmup=0,
+...                max_rounds=1, db=tmp / "cluster.sqlite", launcher="torchrun",
+...                launcher_args=dict(trial_dir=tmp / "trials"))
+>>> [(str(t.config), t.status) for t in res.trials]
+[('dp2 tp1 pp1 zero3 mb4x1 1f1b recompute=none', 'ok')]
+>>> import shutil; shutil.rmtree(tmp)
+
+On two nodes of a cluster the topology says so and torchrun needs a meeting point and a way onto
+each node: `autotune("examples/gpt.py:gpt_small", "2x8xH100-80GB", global_batch_size=64,
+launcher="torchrun", launcher_args=dict(rdzv_endpoint="node01:29400", wrapper="srun --ntasks-per-node=1"))`.
+Inside a SLURM allocation srun starts every rank itself (SLURM is not on the machines the tests run on):
+
 >>> autotune("examples/gpt.py:gpt_small", "2x8xH100-80GB", global_batch_size=64, launcher="srun")  # doctest: +SKIP
 
 launcher_args: torchrun: rdzv_endpoint ("HOST:PORT"; default 127.0.0.1 and a

@@ -9,14 +9,19 @@ c10d requires every rank to call `new_group` for every group, in the same
 order, even for groups it is not in; `make_groups` walks all groups of all
 axes in one fixed order (axis dp, tp, pp; groups sorted by their ranks) on
 every rank. `group_ranks` is that walk without torch.distributed.
-Inside an initialised process group, on rank 2 of a dp 2 x tp 2 mesh:
+Inside an initialised process group, on rank 2 of a dp 2 x tp 2 mesh (here torch's fake backend
+stands in for the other three processes: it creates groups and runs no collective):
 
 >>> mesh = [(0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1)]   # (rank, pp, dp, tp): dp 2 x tp 2
 >>> group_ranks(mesh)
 {'dp': [(0, 2), (1, 3)], 'tp': [(0, 1), (2, 3)], 'pp': [(0,), (1,), (2,), (3,)]}
->>> g = make_groups(2, mesh)  # doctest: +SKIP
->>> g.dp_ranks, g.tp_ranks, g.pp_ranks, g.pp  # doctest: +SKIP
+>>> import torch.distributed as dist
+>>> from torch.testing._internal.distributed.fake_pg import FakeStore
+>>> dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
+>>> g = make_groups(2, mesh)
+>>> g.dp_ranks, g.tp_ranks, g.pp_ranks, g.pp
 ((0, 2), (2, 3), (2,), None)
+>>> dist.destroy_process_group()
 """
 
 from __future__ import annotations

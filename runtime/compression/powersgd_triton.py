@@ -21,9 +21,15 @@ Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set
 before triton is first imported). Importing `runtime.compression.powersgd` never needs
 triton; this module does.
 
->>> M, P, Q = torch.randn(3, 40, 17), torch.randn(3, 40, 4), torch.randn(3, 17, 4)  # doctest: +SKIP
->>> approx, residual = powersgd_epilogue_triton(M, P, Q)                            # doctest: +SKIP
->>> torch.allclose(approx, P @ Q.transpose(1, 2), atol=1e-5)                          # doctest: +SKIP
+>>> import os
+>>> import torch
+>>> device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+>>> M, P, Q = (torch.randn(3, 40, 17, device=device), torch.randn(3, 40, 4, device=device),
+...            torch.randn(3, 17, 4, device=device))
+>>> approx, residual = powersgd_epilogue_triton(M, P, Q)
+>>> torch.allclose(approx, P @ Q.transpose(1, 2), atol=1e-5)
+True
+>>> torch.allclose(residual, M - approx, atol=1e-5)
 True
 """
 

@@ -18,9 +18,12 @@ Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set
 before triton is first imported). Importing `runtime.compression.quantize` never needs
 triton; this module does.
 
->>> x = torch.randn(1000, device="cuda")                  # doctest: +SKIP
->>> q, r = quantize_triton(x, bits=4, block=256, residual=torch.zeros_like(x))  # doctest: +SKIP
->>> q.codes.shape, q.scales.shape                          # doctest: +SKIP
+>>> import os
+>>> import torch
+>>> device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+>>> x = torch.randn(1000, device=device)
+>>> q, r = quantize_triton(x, bits=4, block=256, residual=torch.zeros_like(x))
+>>> q.codes.shape, q.scales.shape
 (torch.Size([500]), torch.Size([4]))
 """
 

@@ -31,12 +31,38 @@ by their local norm. Buffers (BatchNorm statistics) are broadcast from the
 group's first rank at construction, with the parameters, and never averaged
 (as `DataParallel`).
 
->>> runner = AsyncSGDRunner(engine=Unreplicated(model), optimizer=opt, loss_fn=mse, collectives=Collectives(),
-...                         dp_group=None, dp_ranks=(0, 1), dp_rank=rank, microbatch_size=4, num_microbatches=1,
-...                         clip_grad_norm=None, program_hash="", async_sgd={"every": 4})   # doctest: +SKIP
->>> runner.step((x, y))       # global mean loss, on every rank                             # doctest: +SKIP
-0.734
->>> runner.sync_now(); runner.full_state_dict()   # collectives: every rank calls them      # doctest: +SKIP
+A program builds the runner with `runtime.comm.collectives.Collectives()` over its process group. Here
+two replicas run as two threads of one process, whose collectives meet in memory (the in-process
+group plan.verify uses, runtime.verify.local_collectives):
+
+>>> import threading
+>>> import torch
+>>> from runtime.engines.unreplicated import Unreplicated
+>>> from runtime.verify.local_collectives import LocalCollectives, LocalGroup
+>>> class InMemory(LocalCollectives):
+...     def broadcast_tensors(self, tensors, src, group):
+...         pass                      # both replicas are built from one seed: nothing to send
+>>> def seeded():
+...     torch.manual_seed(0)
+...     return torch.nn.Linear(4, 1)
+>>> models = [seeded(), seeded()]
+>>> x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.ones(8, 1)
+>>> mse, group, losses, states = torch.nn.functional.mse_loss, LocalGroup(2), {}, {}
+>>> def rank_main(rank):
+...     model = models[rank]
+...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+...     runner = AsyncSGDRunner(engine=Unreplicated(model), optimizer=opt, loss_fn=mse, collectives=InMemory(rank),
+...                             dp_group=group, dp_ranks=(0, 1), dp_rank=rank, microbatch_size=4, num_microbatches=1,
+...                             clip_grad_norm=None, program_hash="", async_sgd={"every": 4})
+...     losses[rank] = [runner.step((x, y)) for _ in range(2)]   # global mean loss, on every rank
+...     runner.sync_now(); states[rank] = runner.full_state_dict()   # collectives: every rank calls them
+>>> threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in (0, 1)]
+>>> for t in threads: t.start()
+>>> for t in threads: t.join()
+>>> losses[0] == losses[1], [round(loss, 3) for loss in losses[0]]
+(True, [2.266, 0.971])
+>>> sorted(states[0]), states[1]      # the averaged model on the group's first rank
+(['bias', 'weight'], None)
 """
 
 from __future__ import annotations

@@ -1,8 +1,18 @@
 """Run a plan's per-rank programs as local processes over Gloo: the path tests and autotune use.
 
->>> result = launch_local(plan, mlp, sgd, mse, batches, timeout_s=60)   # doctest: +SKIP
->>> result.losses, result.collective_counts[0]                          # doctest: +SKIP
-([2.31, 2.12, 1.98], {'all_reduce': 9})
+>>> import torch
+>>> from partitioner import compile
+>>> from examples.mlp import mlp, example_inputs
+>>> from examples.training import sgd
+>>> mse = torch.nn.functional.mse_loss
+>>> model = mlp()
+>>> plan = compile(model, "local:2", example_inputs(model), global_batch_size=8, precision="fp32", dp=2,
+...                zero_stage=0)
+>>> g = torch.Generator().manual_seed(0)
+>>> batches = [(torch.randn(8, 784, generator=g), torch.randn(8, 10, generator=g)) for _ in range(2)]
+>>> result = launch_local(plan, mlp, sgd, mse, batches, timeout_s=60)
+>>> [round(loss, 3) for loss in result.losses], result.collective_counts[0]
+([1.186, 0.921], {'broadcast': 1, 'all_reduce': 4})
 
 Everything that can be checked is checked before a process starts: the world
 size, that the callables can be sent to spawned workers, that the model has

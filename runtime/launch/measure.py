@@ -4,9 +4,20 @@ launch_local's workers and `python -m runtime.run` (under torchrun, mpirun or
 srun) time and probe a step with the same `measure_step`, so a trial measures
 the same thing whichever launcher started it:
 
->>> m = measure_step(runner, batch, probe=True, limit_bytes=460 * 2**20)   # doctest: +SKIP
->>> m.seconds, m.peak_bytes                                                 # doctest: +SKIP
-(0.214, 31457280)
+>>> import torch
+>>> import torch.distributed as dist
+>>> from partitioner import compile
+>>> from examples.mlp import mlp, example_inputs
+>>> from examples.training import sgd
+>>> model = mlp()
+>>> plan = compile(model, "local:1", example_inputs(model), global_batch_size=8)
+>>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)   # a job of one rank
+>>> runner = plan.program(0).namespace()["build"](mlp, sgd, torch.nn.functional.cross_entropy)
+>>> batch = (example_inputs(model)[0], torch.zeros(8, dtype=torch.long))
+>>> m = measure_step(runner, batch, probe=True, limit_bytes=460 * 2**20)
+>>> m.seconds > 0, m.peak_bytes
+(True, 9401058)
+>>> dist.destroy_process_group()
 
 `probe=True` runs the step under runtime.launch.memory_probe.PeakMemory: the peak is
 the bytes of tensor storages live during the step, those held on entry that

@@ -22,16 +22,31 @@ of the tensor storages a training step works with.
 `peak_bytes` = bytes held before the block (as defined above) + the most the
 block added on top at any op.
 
->>> with PeakMemory() as probe:                  # doctest: +SKIP
-...     runner.step(batch)
->>> probe.peak_bytes                             # doctest: +SKIP
-152706264
+>>> import torch
+>>> model = torch.nn.Linear(256, 256)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+>>> def step(batch):                   # one training step, as a program's runner.step(batch)
+...     model(batch).square().mean().backward()
+...     opt.step()
+...     opt.zero_grad()
+>>> batch = torch.randn(32, 256)
+>>> with PeakMemory() as probe:
+...     step(batch)
+>>> probe.peak_bytes
+822272
 
 With `limit_bytes`, an allocation that takes the live bytes past the limit
 raises torch.OutOfMemoryError, as a GPU's allocator would at its capacity: a
-trial planned for a device's memory fails like on that device. Overhead: one
-Python call per op (tens of percent), and the walk on entry (about 0.1 s):
-time steps without it.
+trial planned for a device's memory fails like on that device.
+
+>>> with PeakMemory(limit_bytes=500_000):
+...     step(batch)
+Traceback (most recent call last):
+...
+torch.OutOfMemoryError: aten.mm.default: 0.6 MiB would be live, over the 0.5 MiB this rank may use (0.3 MiB held ...)
+
+Overhead: one Python call per op (tens of percent), and the walk on entry
+(about 0.1 s): time steps without it.
 """
 
 from __future__ import annotations

@@ -23,10 +23,17 @@ torch.distributed process group:
 Dropout is switched off on both sides (a TorchFunctionMode), so a model that
 trains with dropout is compared deterministically.
 
->>> report = verify_plan(plan, gpt_4l_seeded, loss_fn=gpt_loss, targets=y)   # doctest: +SKIP
->>> print(report)                                                            # doctest: +SKIP
-verified pp2 tp2 (4 stages, 4 programs): outputs, loss and 52 gradients match the module (max abs error \
-2.4e-07, max rel error 6e-07) in 0.12 s
+>>> from partitioner import compile
+>>> from examples.gpt import example_batch
+>>> from examples.training import gpt_4l_seeded, gpt_loss
+>>> model = gpt_4l_seeded()
+>>> x, y = example_batch(model, 8)
+>>> plan = compile(model, "local:4", example_inputs=(x,), global_batch_size=8, pp=2, tp=2)
+>>> x, y = first_microbatch(plan, (x, y))
+>>> report = verify_plan(plan, gpt_4l_seeded, (x,), loss_fn=gpt_loss, targets=y)
+>>> print(report)
+verified pp2 tp2 (2 stages, 4 programs): outputs, loss and 52 gradients match the module (max abs error \
+..., max rel error ...) in ... s
 
 `runtime` must not import the planner: the plan is read duck-typed (its
 `.config`, `.mesh`, `.seq_len`, `.placements`, `.program(rank)`) or as its
