@@ -11,35 +11,53 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="session")
-def meta_gpt_graph():
-    """A 4-block GPT traced on the meta device (nothing allocated): plans of it are cheap to compile."""
+def _traced_on_meta(build, batch: int, seq: int):
+    """build() on the meta device (nothing allocated), traced with `batch` x `seq` token ids as idx and targets."""
     import torch
 
-    from examples import gpt
     from partitioner import trace
 
-    cfg = gpt.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256)
     with torch.device("meta"):
-        model = gpt.GPT(cfg)
-    idx = torch.empty(2, 64, dtype=torch.long, device="meta")
+        model = build()
+    idx = torch.empty(batch, seq, dtype=torch.long, device="meta")
     return trace(model, (idx, idx))
+
+
+@pytest.fixture(scope="session")
+def meta_gpt_graph():
+    """A 4-block GPT traced on the meta device: plans of it are cheap to compile."""
+    from examples import gpt
+
+    cfg = gpt.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256)
+    return _traced_on_meta(lambda: gpt.GPT(cfg), 2, 64)
+
+
+@pytest.fixture(scope="session")
+def gpt3_xl():
+    """GPT-3 XL (1.3B) traced on the meta device at its training sequence length, 2048."""
+    from examples import gpt
+
+    return _traced_on_meta(gpt.gpt3_1_3b, 1, 2048)
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    """spawned(worker, world): start `world` processes running worker(rank, world, store_path, out_dir) and return
-    each rank's `out_dir/rank{r}.pt`, once per (worker, world) in a test module."""
-    import torch
+    """spawned(worker, world): ranks.spawn(worker, world, ...) once per (worker, world) in a test module: what
+    each rank saved, by rank."""
     import torch.multiprocessing as mp
+
+    from ranks import spawn
 
     cache: dict = {}
 
-    def get(worker, world: int) -> list[dict]:
-        if (worker, world) not in cache:
-            tmp = tmp_path_factory.mktemp(f"{worker.__module__}-{world}")
-            mp.start_processes(worker, args=(world, str(tmp / "store"), str(tmp)), nprocs=world, start_method="spawn")
-            cache[worker, world] = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    def get(worker, world: int) -> list:
+        if (worker, world) not in cache:  # a failed world fails every test that reads it, not just the first
+            try:
+                cache[worker, world] = spawn(worker, world, tmp_path_factory.mktemp(f"{worker.__module__}-{world}"))
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+                cache[worker, world] = e
+        if isinstance(cache[worker, world], Exception):
+            raise cache[worker, world]
         return cache[worker, world]
 
     return get

@@ -9,7 +9,6 @@ and the replicas differ between averagings and agree after sync_now().
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import re
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from examples.mlp import MLP
@@ -25,6 +23,7 @@ from examples.training import adamw
 from partitioner import OpGraph, Plan, compile, trace
 from partitioner.planner.declarations import async_sgd_pin
 from runtime.launch.local import launch_local
+from ranks import gloo_group
 
 IN, HIDDEN, OUT = 8, 32, 4
 # the regression target y = A x + noise: A fixed, noise std 0.1 (the best achievable mean squared error is 0.01)
@@ -213,12 +212,6 @@ def test_every_1_trains_exactly_like_synchronous_ddp_through_the_launcher():
 
 
 # ---- in worker processes: one launch per world size (starting processes is what costs here) ---------------------
-def _init(rank: int, world: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-
-
 def _build(plan: Plan, rank: int, optimizer_fn=sgd):
     """The runner rank's generated program builds, as runtime.launch.local's worker does."""
     torch.manual_seed(0)
@@ -226,17 +219,13 @@ def _build(plan: Plan, rank: int, optimizer_fn=sgd):
 
 
 def _convergence_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    _init(rank, world, store_path)
-    try:
+    with gloo_group(rank, world, store_path):
         out = {}
         for name, a in (("sync", None), ("every4", {"every": 4}), ("stale2", {"staleness": 2})):
             runner = _build(regression_plan(world, a, gb=64, zero_stage=0), rank)
             losses = [runner.step(b) for b in regression_batches(CONVERGENCE_STEPS, 64)]
             out[name] = {"losses": losses, "state": runner.full_state_dict(), "counts": dict(runner.collectives.counts)}
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 CONVERGENCE_STEPS = 150
@@ -278,8 +267,7 @@ def _oracle_worker(rank: int, world: int, store_path: str, out_dir: str) -> None
     )
     from torch.distributed.optim import PostLocalSGDOptimizer
 
-    _init(rank, world, store_path)
-    try:
+    with gloo_group(rank, world, store_path):
         batches = regression_batches(STEPS, GB)
         out: dict = {}
         # ours, local SGD every=K with AdamW (its state must stay local, as torch's)
@@ -322,9 +310,6 @@ def _oracle_worker(rank: int, world: int, store_path: str, out_dir: str) -> None
             losses = [runner.step(b) for b in regression_batches(6, 32)]
             out[name] = {"losses": losses, "params": _params(runner.engine.module)}
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ from runtime.checkpoint import (
 from runtime.checkpoint.layout import local_to_full, range_boxes
 from runtime.launch.env import LaunchError
 from runtime.pipeline.tensor_parallel import shard_parameter
+from ranks import assert_trains_like, gloo_group
 from test_3d_equivalence import MODELS, batches, plan_for, reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,10 +95,7 @@ def run_a(tmp_path_factory):
 
 
 def _assert_matches_reference(out, run, first_step: int):
-    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(run["want_losses"][first_step:]),
-                               rtol=1e-5, atol=1e-6)
-    for k, v in run["want"].items():
-        torch.testing.assert_close(out.state_dict[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert_trains_like(out, run["want_losses"][first_step:], run["want"])
 
 
 @pytest.mark.slow
@@ -143,22 +141,18 @@ def test_offline_reshard_then_resume(run_a, tmp_path):
 
 def _resave_worker(rank, world, store, out_dir):
     """Build plan B's runner, load the checkpoint (written under plan A), save it again under B."""
-    import torch.distributed as dist
-
     from partitioner.planner.plan import Plan
     from runtime.checkpoint import load_checkpoint, save_checkpoint
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
-    plan = Plan.from_json(Path(os.environ["CKPT_TEST_PLAN"]).read_text())
-    ns: dict = {}
-    exec(compile(plan.program(rank).source, f"rank_{rank}.py", "exec"), ns)
-    torch.manual_seed(0)
-    runner = ns["build"](MODELS["gpt"][0], adamw, MODELS["gpt"][1])
-    info = load_checkpoint(runner, os.environ["CKPT_TEST_SRC"], plan_json=plan.to_json())
-    save_checkpoint(runner, os.environ["CKPT_TEST_DST"], step=info.step, plan_json=plan.to_json())
-    torch.save({"step": info.step, "same_plan": info.same_plan}, Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
+    with gloo_group(rank, world, store):
+        plan = Plan.from_json(Path(os.environ["CKPT_TEST_PLAN"]).read_text())
+        ns: dict = {}
+        exec(compile(plan.program(rank).source, f"rank_{rank}.py", "exec"), ns)
+        torch.manual_seed(0)
+        runner = ns["build"](MODELS["gpt"][0], adamw, MODELS["gpt"][1])
+        info = load_checkpoint(runner, os.environ["CKPT_TEST_SRC"], plan_json=plan.to_json())
+        save_checkpoint(runner, os.environ["CKPT_TEST_DST"], step=info.step, plan_json=plan.to_json())
+        torch.save({"step": info.step, "same_plan": info.same_plan}, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.mark.slow

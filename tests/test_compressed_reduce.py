@@ -10,9 +10,7 @@ a ring all-reduce of fp32 would move.
 
 from __future__ import annotations
 
-import datetime
 import functools
-import gc
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ import torch.distributed as dist
 
 from runtime.comm.collectives import Collectives
 from runtime.compression.compressed_reduce import CompressedReduce
+from ranks import gloo_group
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +33,7 @@ def _x(rank: int, n: int) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, store_path):
         out: dict = {}
         for bits in (8, 4):
             coll = Collectives()
@@ -51,10 +47,6 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
                 x = _x(rank, 300) * 1e-3 + 0.37
                 out[(bits, "steps", feedback)] = torch.stack([red.reduce(x, key="w") for _ in range(STEPS)])
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

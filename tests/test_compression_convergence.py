@@ -13,37 +13,24 @@ control must end measurably further from the baseline than int8.
 
 from __future__ import annotations
 
-import datetime
-import gc
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from examples.training import adamw as _adamw_default
 from examples.training import gpt_loss, gpt_tiny_seeded
 from runtime.comm.collectives import Collectives
 from runtime.compression.compressed_reduce import CompressedReduce
 from runtime.engines.data_parallel import DataParallel
+from ranks import data_parallel_steps, gloo_group, pattern_batches
 
 pytestmark = pytest.mark.slow
 
 WORLD, STEPS, BATCH, SEQ, SEEDS = 4, 40, 8, 32, (0, 1, 2)
 POWERSGD_WARMUP = 10
 MODES = ("none", "bf16", "int8", "int4", "powersgd", "sign")
-
-
-def _batches(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    # a learnable stream: each sequence repeats a short random pattern, so the loss falls quickly
-    out = []
-    for _ in range(STEPS):
-        pattern = torch.randint(0, 1024, (BATCH, 4), generator=g)
-        tokens = pattern.repeat(1, SEQ // 4 + 1)[:, :SEQ + 1]
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
 
 
 def _train(rank: int, mode: str, seed: int) -> list[float]:
@@ -55,42 +42,19 @@ def _train(rank: int, mode: str, seed: int) -> list[float]:
     if mode == "sign":  # the negative control: 1-bit scaled sign, no error feedback
         engine.reducer._parts["flat"] = CompressedReduce(dist.group.WORLD, coll, bits=1, feedback=False)
     opt = torch.optim.AdamW(engine.optimizer_params(), lr=3e-3)  # fast enough to learn the patterns in STEPS
-    rows = BATCH // WORLD
-    losses = []
-    for x, y in _batches(seed):
-        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-        loss = gpt_loss(engine.module(x), y)
-        loss.backward()
-        engine.finish_gradients()
-        opt.step()
-        engine.after_step()
-        engine.zero_grad()
-        opt.zero_grad(set_to_none=True)
-        t = loss.detach().reshape(1)
-        coll.all_reduce(t, op="avg")
-        losses.append(t.item())
-    return losses
+    return data_parallel_steps(engine, opt, coll, gpt_loss, pattern_batches(seed, STEPS, BATCH, SEQ))
 
 
-def _worker(rank: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=180))
-    try:
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    with gloo_group(rank, world, store_path, timeout_s=180):
         out = {(mode, seed): _train(rank, mode, seed) for seed in SEEDS for mode in MODES}
         if rank == 0:
-            torch.save(out, Path(out_dir) / "losses.pt")
-        dist.barrier()
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
+            torch.save(out, Path(out_dir) / "rank0.pt")
 
 
 @pytest.fixture(scope="module")
-def losses(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("conv")
-    mp.start_processes(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, start_method="spawn")
-    return torch.load(tmp / "losses.pt")
+def losses(spawned):
+    return spawned(_worker, WORLD)[0]
 
 
 def _final(losses, mode: str, seed: int) -> float:

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import gc
 import functools
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from examples.gpt import gpt_tiny
@@ -29,6 +26,7 @@ from runtime.comm.collectives import Collectives
 from runtime.engines.data_parallel import DataParallel
 from runtime.engines.flat import FlatLayout, bucket, default_units, resolve_units
 from runtime.engines.mixed_precision import LossScaler, policy
+from ranks import gloo_group
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -228,29 +226,14 @@ def _run_torch(run: Run, rank: int, world: int) -> dict:
     return {"losses": losses, "state": state if rank == 0 else None}
 
 
-def _worker(rank: int, world: int, store_path: str, out_path: str, runs: list[Run]) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    with gloo_group(rank, world, store_path):
         results = {}
-        for run in runs:
+        for run in _world_runs(world):
             go = _run_torch if isinstance(run.stage, str) else _run_ours
             results[run] = go(run, rank, world)
         if rank == 0:
-            torch.save(results, out_path)
-        dist.barrier()  # nobody tears Gloo down while a peer is still in its last collective
-    finally:
-        gc.collect()  # frees c10d objects held in cycles while the group still exists (else rare exit aborts)
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, runs: list[Run], tmp: Path) -> dict:
-    out = tmp / f"results_{world}.pt"
-    mp.start_processes(_worker, args=(world, str(tmp / "store"), str(out), runs), nprocs=world,
-                       start_method="spawn")
-    return torch.load(out, weights_only=False)
+            torch.save(results, Path(out_dir) / "rank0.pt")
 
 
 # ---- the runs -----------------------------------------------------------------------------------
@@ -278,17 +261,14 @@ MIXED = [Run(s, "adamw", precision="bf16-mixed", data="fixed", steps=6) for s in
         [Run(s, "adamw", precision="fp16-mixed", data="fixed", steps=6) for s in (0, 3)]
 
 
+def _world_runs(world: int) -> list[Run]:
+    """What one spawned world of `world` ranks runs, in one process group."""
+    return _equivalence_runs() + list(ORACLES.values()) + (MIXED if world == 2 else SUBGROUP_RUNS)
+
+
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    cache: dict[int, dict] = {}
-
-    def get(world: int) -> dict:
-        if world not in cache:
-            runs = _equivalence_runs() + list(ORACLES.values()) + (MIXED if world == 2 else SUBGROUP_RUNS)
-            cache[world] = _spawn(world, runs, tmp_path_factory.mktemp(f"dp{world}"))
-        return cache[world]
-
-    return get
+def worlds(spawned):
+    return lambda world: spawned(_worker, world)[0]
 
 
 def _assert_state_close(got: dict, want: dict, rtol=RTOL, atol=ATOL) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,20 +26,15 @@ import pytest
 import torch
 
 from examples import gpt
-from examples.training import adamw
+from examples.training import adamw, gpt_tiny_seeded, train_one_process
 from runtime.checkpoint import latest_checkpoint, load_full_state_dict
 from runtime.run import default_loss
+from ranks import free_port
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, BATCH = "examples.gpt:gpt_tiny", 12  # 12 samples: dp 2, 3 and 4 all divide it
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -49,9 +43,9 @@ def _env() -> dict[str, str]:
 
 def _elastic(nproc: int, save: Path, steps: int, *extra: str, max_restarts: int = 0, popen: bool = False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "--rdzv-conf", "last_call_timeout=1",
-           "--max-restarts", str(max_restarts), "-m", "partitioner.elastic", MODEL, "--save-dir", str(save),
-           "--save-every", "2", "--steps", str(steps), "--global-batch-size", str(BATCH),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf",
+           "last_call_timeout=1", "--max-restarts", str(max_restarts), "-m", "partitioner.elastic", MODEL,
+           "--save-dir", str(save), "--save-every", "2", "--steps", str(steps), "--global-batch-size", str(BATCH),
            "--optimizer", "examples.training:adamw", "--timeout-s", "60", *extra]
     if popen:
         return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -62,16 +56,9 @@ def _elastic(nproc: int, save: Path, steps: int, *extra: str, max_restarts: int 
 
 
 def _reference(steps: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = gpt.gpt_tiny()
-    data_model = gpt.gpt_tiny()
-    opt = adamw(model.parameters())
-    for step in range(steps):
-        x, y = gpt.example_batch(data_model, BATCH, seed=step)
-        default_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.state_dict()
+    data_model = gpt.gpt_tiny()  # only its config shapes the batches
+    batches = [gpt.example_batch(data_model, BATCH, seed=step) for step in range(steps)]
+    return train_one_process(gpt_tiny_seeded, adamw, default_loss, batches).model.state_dict()
 
 
 def _assert_close(got: dict, want: dict) -> None:
@@ -156,7 +143,7 @@ def test_survivor_names_the_dead_rank_and_exits(tmp_path):
     plan = compile(model, "local:2", example_inputs=(x,), global_batch_size=BATCH, precision="fp32", dp=2,
                    zero_stage=0)
     plan.write_programs(tmp_path / "plan")
-    port = _port()
+    port = free_port()
     procs = []
     for r in range(2):
         env = dict(_env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",

@@ -18,15 +18,12 @@ tests compare in this process:
 from __future__ import annotations
 
 import copy
-import datetime
-import gc
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from examples.training import gpt_loss, gpt_tiny_seeded
 from runtime.comm.collectives import Collectives
@@ -34,10 +31,11 @@ from runtime.engines.data_parallel import DataParallel
 from runtime.compression.grad_compression import GradientReducer
 from runtime.comm.groups import make_group_among, make_node_groups
 from runtime.compression.quantized_gather import quantized_all_gather
+from ranks import data_parallel_steps, gloo_group, pattern_batches
 
 pytestmark = pytest.mark.slow
 
-WORLD, BATCH, SEQ = 4, 8, 32
+WORLD = 4
 NODE_OF = (0, 0, 1, 1)
 HIER = (("none", "none"), ("none", "bf16"), ("none", "int8"), ("none", "int4"), ("bf16", "int8"),
         ("int8", "int8"), ("int8", "none"), ("none", "powersgd"))
@@ -59,34 +57,6 @@ def _bucket(rank: int, seed: int) -> torch.Tensor:
         else:
             parts.append(torch.randn(shape, generator=g))
     return torch.cat(parts) * (1 + rank)
-
-
-def _batches(seed: int, steps: int):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        pattern = torch.randint(0, 1024, (BATCH, 4), generator=g)
-        tokens = pattern.repeat(1, SEQ // 4 + 1)[:, :SEQ + 1]
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
-
-
-def _steps(rank, engine, opt, coll, batches) -> list[float]:
-    rows = BATCH // WORLD
-    losses = []
-    for x, y in batches:
-        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-        loss = gpt_loss(engine.module(x), y)
-        loss.backward()
-        engine.finish_gradients()
-        opt.step()
-        engine.after_step()
-        engine.zero_grad()
-        opt.zero_grad(set_to_none=True)
-        t = loss.detach().reshape(1)
-        coll.all_reduce(t, op="avg")
-        losses.append(t.item())
-    return losses
 
 
 def _engine(model, rank, zero, compression, node_of=None, **kw):
@@ -116,7 +86,7 @@ def _zero(rank: int, out: dict) -> None:
     for zero in (2, 3):
         for comp in ("none", "bf16", "int8"):
             engine, opt, coll = _engine(gpt_tiny_seeded(), rank, zero, comp)
-            losses = _steps(rank, engine, opt, coll, _batches(0, 40))
+            losses = data_parallel_steps(engine, opt, coll, gpt_loss, pattern_batches(0, 40))
             out[("zero", zero, comp)] = (losses, dict(coll.bytes))
 
 
@@ -134,23 +104,23 @@ def _warmup(rank: int, out: dict) -> None:
     for comp, warm in (("none", 0), ("int8", 2)):
         engine, opt, coll = _engine(gpt_tiny_seeded(), rank, 0, comp, compression_warmup=warm)
         snaps = []
-        for b in _batches(1, 3):
-            _steps(rank, engine, opt, coll, [b])
+        for b in pattern_batches(1, 3):
+            data_parallel_steps(engine, opt, coll, gpt_loss, [b])
             snaps.append(_params(engine))
         out[("warmup", comp)] = (snaps, coll.counts["all_to_all"])
 
 
 def _resume(rank: int, out: dict) -> None:
-    batches = _batches(2, 6)
+    batches = pattern_batches(2, 6)
     for i, (comp, zero, node_of) in enumerate(RESUME):
         engine, opt, coll = _engine(gpt_tiny_seeded(), rank, zero, comp, node_of)
-        _steps(rank, engine, opt, coll, batches[:3])
+        data_parallel_steps(engine, opt, coll, gpt_loss, batches[:3])
         # through a file, as a checkpoint holds it: tensors only, loadable without unpickling objects
         path = Path(out["tmp"]) / f"compression{i}_rank{rank}.pt"
         torch.save(engine.compression_state_dict(), path)
         saved = (_params(engine), copy.deepcopy(opt.state_dict()), torch.load(path, weights_only=True))
         assert all(torch.is_tensor(v) for v in saved[2].values())
-        ref = _steps(rank, engine, opt, coll, batches[3:]), _params(engine)
+        ref = data_parallel_steps(engine, opt, coll, gpt_loss, batches[3:]), _params(engine)
         runs = {}
         for load_residuals in (True, False):
             model = gpt_tiny_seeded()
@@ -159,7 +129,7 @@ def _resume(rank: int, out: dict) -> None:
             opt.load_state_dict(saved[1])
             if load_residuals:
                 engine.load_compression_state_dict(saved[2])
-            runs[load_residuals] = _steps(rank, engine, opt, coll, batches[3:]), _params(engine)
+            runs[load_residuals] = data_parallel_steps(engine, opt, coll, gpt_loss, batches[3:]), _params(engine)
         out[("resume", i)] = (ref, runs[True], runs[False], len(saved[2]))
 
 
@@ -197,26 +167,17 @@ def _refusals(rank: int, out: dict) -> None:
     out["refusals"] = errors
 
 
-def _worker(rank: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=180))
-    try:
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    with gloo_group(rank, world, store_path, timeout_s=180):
         out: dict = {"tmp": out_dir}
         for scenario in (_hierarchical, _weights, _refusals, _world_change, _warmup, _resume, _zero):
             scenario(rank, out)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gc")
-    mp.start_processes(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, start_method="spawn")
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+def ranks(spawned):
+    return spawned(_worker, WORLD)
 
 
 # error of one hierarchical reduction relative to the largest input element (module docstring of

@@ -25,15 +25,10 @@ from runtime.launch.env import (
     is_loopback,
 )
 from runtime.launch.rendezvous import attempt_prefix, rendezvous_store
+from ranks import free_port, gloo_group, spawn
 
 TIMEOUT = timedelta(seconds=20)
 ANY4, ANY6, LOOPBACK4 = "0.0.0.0", "::", "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening(port: int) -> set[str]:
@@ -56,7 +51,7 @@ def listening(port: int) -> set[str]:
 
 def _env(rank: int = 0, world: int = 1, addr: str = LOOPBACK4, port: int | None = None) -> DistEnv:
     return DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world, master_addr=addr,
-                   master_port=port or _free_port(), launcher="none")
+                   master_port=port or free_port(), launcher="none")
 
 
 # ---- the defaults ---------------------------------------------------------------------------------------
@@ -93,7 +88,7 @@ def test_c10d_tcpstore_alone_listens_on_every_interface():
     """The measured fact behind runtime.launch.rendezvous: TCPStore(host="127.0.0.1", is_master=True) listens on [::]
     (every interface, IPv4 too on a dual-stack host). If this starts failing, torch binds the host it is given
     and the listening-socket workaround could go."""
-    port = _free_port()
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=TIMEOUT)
     try:
         assert listening(port) & {ANY4, ANY6}, listening(port)
@@ -149,26 +144,20 @@ def test_a_port_in_use_is_a_launch_error():
             rendezvous_store(_env(port=s.getsockname()[1]), TIMEOUT, environ={})
 
 
-def _all_reduce_worker(rank: int, world: int, port: int, out: str) -> None:
+def _all_reduce_worker(rank: int, world: int, _store_path: str, out_dir: str, port: int) -> None:
+    # the group meets through the rendezvous's TCP store on `port`, not a FileStore
     env = _env(rank=rank, world=world, port=port)
-    dist.init_process_group("gloo", store=rendezvous_store(env, TIMEOUT, environ={}), rank=rank, world_size=world,
-                            timeout=TIMEOUT)
-    try:
+    with gloo_group(rank, world, rendezvous_store(env, TIMEOUT, environ={}), timeout_s=TIMEOUT.total_seconds()):
         t = torch.tensor([rank + 1.0])
         dist.all_reduce(t)
         if rank == 0:
-            Path(out).write_text(f"{t.item()} {sorted(listening(port))}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+            torch.save(f"{t.item()} {sorted(listening(port))}", Path(out_dir) / "rank0.pt")
 
 
 @pytest.mark.slow
 def test_a_process_group_over_the_loopback_store(tmp_path):
-    port, out = _free_port(), tmp_path / "out.txt"
-    torch.multiprocessing.start_processes(_all_reduce_worker, args=(2, port, str(out)), nprocs=2,
-                                          start_method="spawn")
-    assert out.read_text() == "3.0 ['127.0.0.1']"
+    port = free_port()
+    assert spawn(_all_reduce_worker, 2, tmp_path, port)[0] == "3.0 ['127.0.0.1']"
 
 
 # ---- the commands the CLI prints --------------------------------------------------------------------------

@@ -13,10 +13,8 @@ runtime may not).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import faulthandler
 import functools
-import gc
 import time
 import types
 from pathlib import Path
@@ -24,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -37,6 +34,8 @@ from runtime.pipeline.executor import (
     parse_action,
     split_sequential,
 )
+from examples.training import train_one_process
+from ranks import gloo_group, init_gloo, spawn
 
 D, CLASSES, BATCH, M, STEPS = 16, 5, 8, 4, 2
 SGD = {"lr": 0.1, "momentum": 0.9}
@@ -71,16 +70,8 @@ def _shape(stage: int, microbatch: int):
 @functools.cache
 def _reference() -> dict:
     torch.set_num_threads(1)
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), **SGD)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, model, _ = train_one_process(_model, functools.partial(torch.optim.SGD, **SGD), F.cross_entropy,
+                                         [_batch(step) for step in range(STEPS)])
     return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
@@ -229,15 +220,11 @@ def _run_torch(run: Run, rank: int, pp: int) -> dict:
     return {"losses": losses, "state": parts[rank].state_dict()}
 
 
-def _worker(rank: int, world: int, store_path: str, out_path: str, runs: list[Run]) -> None:
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     faulthandler.enable()   # a Gloo abort (SIGABRT) then shows the Python stack
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, store_path, timeout_s=60):
         results = {}
-        for run in runs:
+        for run in RUNS[world]:
             got = (_run_torch if run.engine == "torch" else _run_ours)(run, rank, world)
             gathered = [None] * world
             dist.all_gather_object(gathered, got)  # test plumbing, outside the counting shim
@@ -247,20 +234,7 @@ def _worker(rank: int, world: int, store_path: str, out_path: str, runs: list[Ru
                 "ranks": gathered,
             }
         if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        # Collect reference cycles while the group lives: without this about 1 in 30 processes
-        # aborted at interpreter exit ("terminate called without an active exception", after
-        # destroy_process_group and every result saved); with it 0 in 60.
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, runs: list[Run], tmp: Path) -> dict:
-    out = tmp / f"results_{world}.pt"
-    mp.start_processes(_worker, args=(world, str(tmp / "store"), str(out), runs), nprocs=world,
-                       start_method="spawn")
-    return torch.load(out, weights_only=False)
+            torch.save(results, Path(out_dir) / "rank0.pt")
 
 
 RUNS = {
@@ -278,20 +252,8 @@ def _run_id(case) -> str:
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    cache: dict[int, dict | Exception] = {}
-
-    def get(world: int) -> dict:
-        if world not in cache:   # a failed world fails every test that reads it, not just the first
-            try:
-                cache[world] = _spawn(world, RUNS[world], tmp_path_factory.mktemp(f"pp{world}"))
-            except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-                cache[world] = e
-        if isinstance(cache[world], Exception):
-            raise cache[world]
-        return cache[world]
-
-    return get
+def worlds(spawned):
+    return lambda world: spawned(_worker, world)[0]
 
 
 @pytest.mark.slow
@@ -318,10 +280,8 @@ def test_trains_like_torch_pipelining(worlds, kind):
 TIMEOUT_S = 10
 
 
-def _deadlock_worker(rank: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+def _deadlock_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    init_gloo(rank, world, store_path, timeout_s=TIMEOUT_S)
     schedule = build_schedule("1f1b", pp=2, num_microbatches=M)
     actions = list(schedule.ranks[rank])
     if rank == 0:   # hand-broken: 0B0 waits for stage 1's gradient before 0SEND_F0 feeds stage 1
@@ -339,18 +299,17 @@ def _deadlock_worker(rank: int, store_path: str, out_dir: str) -> None:
         ex.run(list(x.chunk(M)), list(y.chunk(M)))
     except PipelineError as e:
         message = str(e)
-    Path(out_dir, f"rank{rank}.txt").write_text(f"{time.monotonic() - start}\n{message}")
+    torch.save((time.monotonic() - start, message), Path(out_dir) / f"rank{rank}.pt")
     # the group is dead after a timeout (TORCH-NOTES): exit without a collective teardown
 
 
 @pytest.mark.slow
 def test_deadlocking_list_fails_with_a_clear_error(tmp_path):
     start = time.monotonic()
-    mp.start_processes(_deadlock_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    results = spawn(_deadlock_worker, 2, tmp_path)
     assert time.monotonic() - start < 6 * TIMEOUT_S
     for rank, at in ((0, "action 2 (0B0), waiting for action 1 (0RECV_B0), failed waiting on stage 1 (rank 1)"),
                      (1, "action 1 (1F0), waiting for action 0 (1RECV_F0), failed waiting on stage 0 (rank 0)")):
-        elapsed, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        elapsed, message = results[rank]
         assert at in message and "deadlock" in message, message
-        assert TIMEOUT_S - 1 < float(elapsed) < 3 * TIMEOUT_S
+        assert TIMEOUT_S - 1 < elapsed < 3 * TIMEOUT_S

@@ -12,7 +12,7 @@ from cost_models.comm import CommModel
 from cost_models.compression import all_reduce_time, wire_bytes
 from cost_models.powersgd import low_rank
 from examples import gpt as gpt_mod
-from partitioner import DeclarationError, OpGraph, Plan, Topology, compile, trace
+from partitioner import DeclarationError, Plan, Topology, compile, trace
 from partitioner.cli.common import compression_arg as _compression_arg
 
 GB = 512  # global batch of gpt3_1_3b (seq 2048), as GPT-3 XL was trained (Brown et al. 2020, table 2.1)
@@ -21,21 +21,13 @@ PIN_NAMES = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "int
 
 
 @pytest.fixture(scope="module")
-def xl() -> OpGraph:
-    with torch.device("meta"):
-        model = gpt_mod.gpt3_1_3b()
-    idx = torch.empty(1, 2048, dtype=torch.long, device="meta")
-    return trace(model, (idx, idx))
+def fast_plan(gpt3_xl) -> Plan:
+    return compile(gpt3_xl, "4x8xH100-80GB", global_batch_size=GB)
 
 
 @pytest.fixture(scope="module")
-def fast_plan(xl) -> Plan:
-    return compile(xl, "4x8xH100-80GB", global_batch_size=GB)
-
-
-@pytest.fixture(scope="module")
-def slow_plan(xl) -> Plan:
-    return compile(xl, SLOW, global_batch_size=GB)
+def slow_plan(gpt3_xl) -> Plan:
+    return compile(gpt3_xl, SLOW, global_batch_size=GB)
 
 
 def same_config(plan: Plan) -> dict:
@@ -48,36 +40,36 @@ def test_fast_interconnect_compresses_nothing(fast_plan):
     assert "  compression  none" in str(fast_plan)
 
 
-def test_slow_inter_node_links_compress_the_inter_node_reduction(xl, slow_plan):
+def test_slow_inter_node_links_compress_the_inter_node_reduction(gpt3_xl, slow_plan):
     assert slow_plan.dp > 1 and slow_plan.zero_stage in (0, 1)
     assert slow_plan.compression["inter_node"] in ("int8", "int4", "powersgd")
     assert slow_plan.compression["intra_node"] == "none"  # NVLink is not the bottleneck of the pipelined reduction
-    plain = compile(xl, SLOW, global_batch_size=GB, compression="none", **same_config(slow_plan))
+    plain = compile(gpt3_xl, SLOW, global_batch_size=GB, compression="none", **same_config(slow_plan))
     assert plain.compression == {"intra_node": "none", "inter_node": "none"}
     assert slow_plan.predicted.step_time_s < plain.predicted.step_time_s
     assert slow_plan.predicted.compression_saving_s == pytest.approx(
         plain.predicted.step_time_s - slow_plan.predicted.step_time_s, rel=1e-9)
     # and it beats the best uncompressed plan, whatever its configuration
-    assert slow_plan.predicted.step_time_s < compile(xl, SLOW, global_batch_size=GB,
+    assert slow_plan.predicted.step_time_s < compile(gpt3_xl, SLOW, global_batch_size=GB,
                                                      compression="none").predicted.step_time_s
     line = next(x for x in str(slow_plan).splitlines() if x.strip().startswith("compression"))
     assert f"inter_node {slow_plan.compression['inter_node']} (saves" in line and "intra_node" not in line
 
 
-def test_pins_are_honoured_string_and_dict(xl, slow_plan):
+def test_pins_are_honoured_string_and_dict(gpt3_xl, slow_plan):
     pins = same_config(slow_plan)
-    everywhere = compile(xl, SLOW, global_batch_size=GB, compression="int8", **pins)
+    everywhere = compile(gpt3_xl, SLOW, global_batch_size=GB, compression="int8", **pins)
     assert everywhere.compression == {"intra_node": "int8", "inter_node": "int8"}
     assert everywhere.declarations["compression"] == {"intra_node": "int8", "inter_node": "int8"}
-    per_level = compile(xl, SLOW, global_batch_size=GB, compression={"inter_node": "bf16"}, **pins)
+    per_level = compile(gpt3_xl, SLOW, global_batch_size=GB, compression={"inter_node": "bf16"}, **pins)
     assert per_level.compression == {"intra_node": "none", "inter_node": "bf16"}
     # intra_node pinned, inter_node still the planner's
-    free_inter = compile(xl, SLOW, global_batch_size=GB, compression={"intra_node": "none"}, **pins)
+    free_inter = compile(gpt3_xl, SLOW, global_batch_size=GB, compression={"intra_node": "none"}, **pins)
     assert free_inter.compression == slow_plan.compression
 
 
-def test_a_pinned_compressor_is_honoured_whatever_the_zero_stage(xl):
-    plan = compile(xl, "4x8xH100-80GB", global_batch_size=GB, compression="int8")
+def test_a_pinned_compressor_is_honoured_whatever_the_zero_stage(gpt3_xl):
+    plan = compile(gpt3_xl, "4x8xH100-80GB", global_batch_size=GB, compression="int8")
     assert plan.compression == {"intra_node": "int8", "inter_node": "int8"}
     assert all(a.compression == plan.compression for a in plan.alternatives if a.config.dp > 1)
 
@@ -88,33 +80,33 @@ def test_a_pinned_compressor_is_honoured_whatever_the_zero_stage(xl):
     ({"rack": "int8"}, r"compression: unknown link level\(s\) 'rack'; the levels are 'intra_node', 'inter_node'"),
     (8, r"compression=8: must be None .* or a dict link level -> name"),
 ])
-def test_bad_compression_is_refused_naming_the_field(xl, value, match):
+def test_bad_compression_is_refused_naming_the_field(gpt3_xl, value, match):
     with pytest.raises(DeclarationError, match=match):
-        compile(xl, SLOW, global_batch_size=GB, compression=value)
+        compile(gpt3_xl, SLOW, global_batch_size=GB, compression=value)
 
 
-def test_compressors_the_runtime_cannot_run_with_the_pins_are_refused(xl):
+def test_compressors_the_runtime_cannot_run_with_the_pins_are_refused(gpt3_xl):
     for z in (2, 3):
         with pytest.raises(DeclarationError, match=rf"with zero_stage={z}: PowerSGD \(inter_node\) runs on the "
                                                    r"DDP/ZeRO-1 gradient all-reduce only.* pin zero_stage=0 or 1"):
-            compile(xl, SLOW, global_batch_size=GB, compression={"inter_node": "powersgd"}, zero_stage=z)
+            compile(gpt3_xl, SLOW, global_batch_size=GB, compression={"inter_node": "powersgd"}, zero_stage=z)
     # across both levels PowerSGD runs only as (intra none, inter powersgd)
     with pytest.raises(DeclarationError, match=r"runs PowerSGD only across nodes.*pin compression=\{'inter_node': "
                                                r"'powersgd'\} \(e\.g\. dp32 .*crosses intra_node and inter_node\)"):
-        compile(xl, SLOW, global_batch_size=GB, compression="powersgd", dp=32)
+        compile(gpt3_xl, SLOW, global_batch_size=GB, compression="powersgd", dp=32)
     with pytest.raises(DeclarationError, match=r"with dp=1: there is no data-parallel gradient reduction"):
-        compile(xl, SLOW, global_batch_size=GB, compression={"inter_node": "int4"}, dp=1)
+        compile(gpt3_xl, SLOW, global_batch_size=GB, compression={"inter_node": "int4"}, dp=1)
 
 
-def test_without_data_parallel_traffic_nothing_is_compressed(xl):
+def test_without_data_parallel_traffic_nothing_is_compressed(gpt3_xl):
     # Decision: a pinned compressor applies where data-parallel gradient traffic crosses its level; a plan
     # whose group does not cross it records "none" there (the pin stays in plan.declarations). Only an
     # explicit contradiction (dp=1 or zero_stage >= 2 pinned with a compressor) is refused.
-    one_node = compile(xl, "8xH100-80GB", global_batch_size=GB, compression={"inter_node": "int8"})
+    one_node = compile(gpt3_xl, "8xH100-80GB", global_batch_size=GB, compression={"inter_node": "int8"})
     assert one_node.compression == {"intra_node": "none", "inter_node": "none"} or one_node.dp == 1
     assert one_node.declarations["compression"] == {"inter_node": "int8"}
     assert "pinned inter_node int8: no data-parallel gradient reduction crosses that level" in str(one_node)
-    no_dp = compile(xl, "4x8xH100-80GB", global_batch_size=GB, tp=8, pp=4)
+    no_dp = compile(gpt3_xl, "4x8xH100-80GB", global_batch_size=GB, tp=8, pp=4)
     assert no_dp.dp == 1 and no_dp.compression == {"intra_node": "none", "inter_node": "none"}
 
 
@@ -162,10 +154,10 @@ def test_cli_flag_parses_names_and_levels():
 VERY_SLOW = Topology(nodes=4, devices_per_node=8, device="H100-80GB", inter_node_GBps=0.125)  # 1 Gb/s between nodes
 
 
-def test_a_very_slow_inter_node_link_makes_ddp_compress_hard(xl):
-    plan = compile(xl, VERY_SLOW, global_batch_size=GB, zero_stage=0)
+def test_a_very_slow_inter_node_link_makes_ddp_compress_hard(gpt3_xl):
+    plan = compile(gpt3_xl, VERY_SLOW, global_batch_size=GB, zero_stage=0)
     assert plan.compression["intra_node"] == "none" and plan.compression["inter_node"] in ("powersgd", "int4")
-    plain = compile(xl, VERY_SLOW, global_batch_size=GB, compression="none", **same_config(plan))
+    plain = compile(gpt3_xl, VERY_SLOW, global_batch_size=GB, compression="none", **same_config(plan))
     assert plan.predicted.step_time_s < plain.predicted.step_time_s / 2  # a real gain: the plain one waits on 1 Gb/s
     assert plan.predicted.compression_saving_s > 1.0
 

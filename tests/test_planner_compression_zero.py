@@ -15,19 +15,10 @@ from cost_models.compression import (
 )
 from examples import gpt as gpt_mod
 from partitioner import DeclarationError, OpGraph, Topology, compile, trace
+from test_planner_compression import GB, SLOW
 
-GB = 512
-SLOW = Topology(nodes=4, devices_per_node=8, device="H100-80GB", inter_node_GBps=1.25)  # 10 Gb/s between nodes
 ONE_PER_NODE = Topology(nodes=4, devices_per_node=1, device="H100-80GB", inter_node_GBps=1.25)
 INT8 = 1 + 4 / 256
-
-
-@pytest.fixture(scope="module")
-def xl() -> OpGraph:
-    with torch.device("meta"):
-        model = gpt_mod.gpt3_1_3b()
-    idx = torch.empty(1, 2048, dtype=torch.long, device="meta")
-    return trace(model, (idx, idx))
 
 
 @pytest.fixture(scope="module")
@@ -69,32 +60,32 @@ def test_zero3_int8_gathers_int8_weights_where_bf16_leaves_them(tiny):
     assert int8 < bf16
 
 
-def test_the_planner_compresses_zero2_gradients_where_it_pays(xl):
-    plan = compile(xl, ONE_PER_NODE, global_batch_size=GB, zero_stage=2)
+def test_the_planner_compresses_zero2_gradients_where_it_pays(gpt3_xl):
+    plan = compile(gpt3_xl, ONE_PER_NODE, global_batch_size=GB, zero_stage=2)
     assert plan.compression["inter_node"] in ("bf16", "int8", "int4") and plan.compression["intra_node"] == "none"
     pins = {k: getattr(plan.config, k) for k in ("dp", "tp", "pp", "zero_stage", "microbatch_size", "recompute")}
-    plain = compile(xl, ONE_PER_NODE, global_batch_size=GB, compression="none", **pins)
+    plain = compile(gpt3_xl, ONE_PER_NODE, global_batch_size=GB, compression="none", **pins)
     assert plan.predicted.step_time_s < plain.predicted.step_time_s
     assert plan.predicted.compression_saving_s == pytest.approx(
         plain.predicted.step_time_s - plan.predicted.step_time_s, rel=1e-9)
     assert "data-parallel gradient reduce-scatter)" in str(plan)
 
 
-def test_the_planner_quantizes_zero3_weights_only_when_pinned(xl):
-    free = compile(xl, SLOW, global_batch_size=GB, zero_stage=3)
+def test_the_planner_quantizes_zero3_weights_only_when_pinned(gpt3_xl):
+    free = compile(gpt3_xl, SLOW, global_batch_size=GB, zero_stage=3)
     assert all(c in ("none", "bf16") for c in free.compression.values())
     assert all(c in ("none", "bf16") for a in free.alternatives for c in a.compression.values())
-    pinned = compile(xl, SLOW, global_batch_size=GB, zero_stage=3, dp=32, compression={"inter_node": "int8"})
+    pinned = compile(gpt3_xl, SLOW, global_batch_size=GB, zero_stage=3, dp=32, compression={"inter_node": "int8"})
     # a group crossing both levels reduce-scatters flat: the pinned compressor on both
     assert pinned.compression == {"intra_node": "int8", "inter_node": "int8"}
     assert "data-parallel gradient reduce-scatter and int8 parameter all-gathers" in str(pinned)
 
 
 @pytest.mark.parametrize("zero", [2, 3])
-def test_zero_2_3_across_both_levels_need_one_compressor(xl, zero):
+def test_zero_2_3_across_both_levels_need_one_compressor(gpt3_xl, zero):
     with pytest.raises(DeclarationError, match=rf"ZeRO-{zero} reduce-scatters flat over the group, which crosses "
                                                r"both link levels: one compressor for both.*\(e\.g\. dp32"):
-        compile(xl, SLOW, global_batch_size=GB, zero_stage=zero, dp=32,
+        compile(gpt3_xl, SLOW, global_batch_size=GB, zero_stage=zero, dp=32,
                 compression={"intra_node": "none", "inter_node": "int8"})
 
 

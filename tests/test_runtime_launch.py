@@ -17,10 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from examples.training import train_one_process
 from runtime.launch.env import LaunchError
 from runtime.comm.groups import group_ranks
 from runtime.launch.local import launch_local
 from runtime.run import main as run_main
+from ranks import free_port
 
 # ---- a model, an optimizer and a loss the workers import by reference ---------------------
 
@@ -53,15 +55,7 @@ def batches(n=3, size=8):
 def one_process(batches):
     """The truth: the same seed and data in one process."""
     torch.manual_seed(0)
-    model = tiny_model()
-    opt = sgd(model.parameters())
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = mse(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, model, _ = train_one_process(tiny_model, sgd, mse, batches)
     return losses, model.state_dict()
 
 
@@ -386,14 +380,6 @@ def test_run_says_how_to_write_missing_programs(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(LaunchError, match=r"rank_1.py does not exist.*plan.write_programs\(DIR\)"):
         run_main([str(plan), "--model", f"{tmp_path}/toy.py:model"])
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -13,9 +13,7 @@ same world) at rtol 1e-5, atol 1e-6.
 
 from __future__ import annotations
 
-import datetime
 import functools
-import gc
 import math
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from runtime.pipeline.tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from ranks import gloo_group
 
 RTOL, ATOL = 1e-5, 1e-6
 CFG = GPTConfig(n_embd=16, n_head=4, block_size=8, vocab_size=32, n_layer=1, dropout=0.0)
@@ -201,11 +200,7 @@ def _run_dtensor(rank: int, world: int) -> dict:
 
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, store_path):
         group, coll = dist.group.WORLD, Collectives()
         results = {"mlp": _run_mlp(rank, world, group, coll),
                    "attn": _run_attention(rank, world, group, coll),
@@ -213,10 +208,6 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
                    "seq": _run_sequence(rank, world, group, coll),
                    "dtensor": _run_dtensor(rank, world)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()  # nobody tears Gloo down while a peer is still in its last collective
-    finally:
-        gc.collect()  # frees c10d objects held in cycles while the group still exists (else rare exit aborts)
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -2,46 +2,34 @@
 
 from __future__ import annotations
 
-import gc
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from examples import gpt as gpt_mod
 from examples import training
 from partitioner import compile, trace
+from ranks import free_port, group_teardown, spawn
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, programs: str, batches, out_file: str) -> None:
-    # What torchrun sets; Trainer initialises the process group from it.
+def _worker(rank: int, world: int, _store_path: str, out_dir: str, port: int, programs: str, batches) -> None:
+    # What torchrun sets; Trainer initialises the process group from it (not through the FileStore path spawn passes).
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from runtime import Trainer
 
     trainer = Trainer(programs, training.gpt_tiny_seeded, training.sgd, training.gpt_loss, timeout_s=60)
-    losses = [trainer.step(b) for b in batches]
-    x = batches[0][0]
-    logits = trainer.predict(x[:2])[0]
-    state = trainer.state_dict()
-    import torch.distributed as dist
-
-    if rank == 0:
-        torch.save({"losses": losses, "state": state, "logits": logits}, out_file)
-    dist.barrier()  # nobody tears Gloo down while a peer is still in its last collective
-    gc.collect()  # frees c10d objects held in cycles while the group still exists (else rare exit aborts)
-    dist.destroy_process_group()
+    with group_teardown():
+        losses = [trainer.step(b) for b in batches]
+        x = batches[0][0]
+        logits = trainer.predict(x[:2])[0]
+        state = trainer.state_dict()
+        if rank == 0:
+            torch.save({"losses": losses, "state": state, "logits": logits}, f"{out_dir}/rank0.pt")
 
 
 def test_trainer_in_a_users_loop_trains_like_one_process(tmp_path):
@@ -50,10 +38,7 @@ def test_trainer_in_a_users_loop_trains_like_one_process(tmp_path):
     plan = compile(g, "local:2", global_batch_size=8, pp=1, tp=1, zero_stage=1, precision="fp32")
     programs = str(plan.write_programs(tmp_path / "programs"))
     batches = [gpt_mod.example_batch(model, 8, seq_len=32, seed=s) for s in range(3)]
-    out_file = str(tmp_path / "out.pt")
-    mp.start_processes(_worker, args=(2, _free_port(), programs, batches, out_file), nprocs=2, join=True,
-                       start_method="spawn")
-    got = torch.load(out_file, weights_only=True)
+    got = spawn(_worker, 2, tmp_path, free_port(), programs, batches)[0]
 
     losses, ref, _ = training.train_one_process(training.gpt_tiny_seeded, training.sgd, training.gpt_loss, batches)
     assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
