@@ -52,8 +52,10 @@ def saturating_efficiency(flops: float, *, eff_max: float, half_flops: float) ->
 
 _FRACTIONS = (  # fields that are a fraction in (0, 1]
     "matmul_eff_max", "conv_eff_max", "attention_eff_max", "vector_eff",
-    "mem_eff", "same_device_bw_eff", "intra_node_bw_eff", "inter_node_bw_eff", "compress_mem_eff",
+    "mem_eff", "compress_mem_eff",
 )
+# Not numbers: checked by their own rules in __post_init__.
+_STRUCTURED = ("source", "matmul_eff_by_dtype", "probe")
 
 # Per device preset: the fields whose literature default does not hold there.
 _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -95,7 +97,9 @@ class Calibration:
           Graphs", 2019).
 
     Communication (comm.CommModel), per link level:
-      *_bw_eff: achieved fraction of the link's bytes/s for large messages.
+      *_bw_eff: achieved bytes/s for large messages over the link's (a ratio > 0;
+          a fraction of a datasheet link, but `partitioner probe` may find a link faster than
+          a preset's estimate, e.g. the CPU preset's loopback, and then says so with > 1).
           Intra-node: nccl-tests all_reduce busbw on DGX A100 is about
           230-240 GB/s of 300 GB/s NVLink3 per direction = 0.78. Inter-node:
           NCCL over InfiniBand reaches about 85-90 % of line rate per NIC, 0.85.
@@ -166,6 +170,16 @@ class Calibration:
           GPU's time is lost); on a CPU shared by more processes than cores an
           idle rank yields its core to busy peers, so less is lost; fitted.
 
+    Measured by `partitioner probe` (partitioner/probe/):
+      matmul_eff_by_dtype: per dtype ("fp32", "bf16", ...), the plateau of that dtype's
+          measured matmul curve as a fraction of its peak (x device_speed); overrides
+          matmul_eff_max for that dtype, and scales conv/attention alike. JSON: an object.
+      probe: what the probe measured and fitted (matmul curves, memory bandwidth, the fixed
+          per-process memory, alpha-beta per collective, level and group size), kept as
+          evidence beside the factors derived from it; never read by a cost formula, and
+          left out of equality and hashing (two calibrations with the same factors predict
+          the same). None when no probe ran.
+
     source: where the numbers come from (free text, e.g. "autotune 2x8xA100
         2025-01-01"); the defaults say "literature defaults".
     """
@@ -199,15 +213,16 @@ class Calibration:
     memory_overhead_bytes: float = 0.0
     pipeline_idle_cost: float = 1.0
 
+    matmul_eff_by_dtype: tuple[tuple[str, float], ...] = ()
+    probe: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+
     source: str = "literature defaults"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "source":
-                if not isinstance(value, str):
-                    raise PartitionerError(
-                        f"Calibration.source must be a string, got {value!r}")
+            if f.name in _STRUCTURED:
+                self._check_structured(f.name, value)
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or abs(value) > 1e308 or not math.isfinite(value):  # 10**400 would overflow isfinite
@@ -225,6 +240,8 @@ class Calibration:
                 raise PartitionerError(
                     f"Calibration.dp_overlap = {value} must lie in [0, 1] "
                     f"(0 = no overlap, 1 = fully hidden)")
+            if f.name.endswith("_bw_eff") and value <= 0:
+                raise PartitionerError(f"Calibration.{f.name} = {value} must be > 0 (achieved / link bytes/s)")
             if f.name == "device_speed" and value <= 0:
                 raise PartitionerError(f"Calibration.device_speed = {value} must be > 0")
             if f.name == "gemm_half_flops" and value <= 0:
@@ -233,6 +250,36 @@ class Calibration:
             if value < 0:
                 raise PartitionerError(
                     f"Calibration.{f.name} = {value} must be >= 0")
+
+    def _check_structured(self, name: str, value: Any) -> None:
+        if name == "source" and not isinstance(value, str):
+            raise PartitionerError(f"Calibration.source must be a string, got {value!r}")
+        if name == "probe" and value is not None and not isinstance(value, dict):
+            raise PartitionerError(f"Calibration.probe must be a JSON object (what `partitioner probe` wrote) or "
+                                   f"null, got {type(value).__name__}")
+        if name == "matmul_eff_by_dtype":
+            pairs = value.items() if isinstance(value, Mapping) else value
+            try:
+                pairs = tuple((str(k), v) for k, v in pairs)
+            except (TypeError, ValueError):
+                raise PartitionerError(f"Calibration.matmul_eff_by_dtype must map dtype -> fraction, e.g. "
+                                       f'{{"fp32": 0.6}}, got {value!r}') from None
+            for k, v in pairs:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                    raise PartitionerError(f"Calibration.matmul_eff_by_dtype[{k!r}] = {v!r} is a fraction of the "
+                                           "dtype's peak and must lie in (0, 1]")
+            object.__setattr__(self, name, tuple(sorted(pairs)))  # a dict from JSON -> hashable, ordered pairs
+
+    def plateau(self, op_class: str, dtype: str) -> float:
+        """The efficiency plateau of a tensor-core class ("matmul", "conv", "attention") at `dtype`: the
+        class's own, scaled by the probe's measured matmul plateau of that dtype where there is one.
+
+        >>> round(Calibration(matmul_eff_by_dtype={"fp32": 0.375}).plateau("conv", "fp32"), 6)  # 0.7 * 0.375 / 0.75
+        0.35
+        """
+        own = {"matmul": self.matmul_eff_max, "conv": self.conv_eff_max, "attention": self.attention_eff_max}[op_class]
+        measured = dict(self.matmul_eff_by_dtype).get(dtype)
+        return own if measured is None else min(1.0, own * measured / self.matmul_eff_max)
 
     @classmethod
     def for_device(cls, device_name: str) -> "Calibration":
@@ -246,7 +293,9 @@ class Calibration:
     # --- serialisation ------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """All fields as a plain dict (JSON-ready)."""
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["matmul_eff_by_dtype"] = dict(self.matmul_eff_by_dtype)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Calibration":

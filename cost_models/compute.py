@@ -73,7 +73,8 @@ class RooflineCompute:
 
     Compute efficiency per op class, as a fraction of `peak_flops(op_class)`:
       matmul / conv / attention: saturating_efficiency(F, eff_max=<class>_eff_max,
-          half_flops=gemm_half_flops) -- small GEMMs cannot fill the GPU;
+          half_flops=gemm_half_flops) -- small GEMMs cannot fill the GPU; a measured
+          plateau for the dtype (`partitioner probe`) scales it (Calibration.plateau);
       elementwise / reduction / embedding / other: vector_eff of the device's
           fp32 peak (CUDA cores, not tensor cores; the dtype's peak on a device
           without an fp32 entry); these are bandwidth bound anyway.
@@ -111,9 +112,8 @@ class RooflineCompute:
         """Fraction of `peak_flops` an op of class `op_class` and `flops` FLOP reaches."""
         c = self.calibration
         if op_class in _TENSOR_CORE_CLASSES:
-            eff_max = {"matmul": c.matmul_eff_max, "conv": c.conv_eff_max,
-                       "attention": c.attention_eff_max}[op_class]
-            return saturating_efficiency(flops, eff_max=eff_max, half_flops=c.gemm_half_flops)
+            # the probe's measured curve of this dtype where there is one (Calibration.plateau)
+            return saturating_efficiency(flops, eff_max=c.plateau(op_class, self.dtype), half_flops=c.gemm_half_flops)
         if op_class in OP_CLASSES:
             return c.vector_eff
         raise PartitionerError(f"op_class={op_class!r} is not one of {list(OP_CLASSES)}")
