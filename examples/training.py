@@ -65,12 +65,16 @@ def hf_gpt2_seeded():
     return transformers.GPT2LMHeadModel(cfg)
 
 
+# eps 1e-6, not torch's 1e-8: some gradients here are exactly zero in exact arithmetic (a
+# key bias cannot change a softmax), and with eps 1e-8 Adam turns the rounding noise of the
+# gradient reduction into full lr-sized steps, so no two reduction orders agree to 1e-5 (torch's
+# own DDP differs from one process by 1.1e-5 after 4 steps). With 1e-6 the noise step is at most
+# lr * noise / eps (tests/ranks.py adam_atol).
+ADAMW_LR, ADAMW_EPS = 5e-4, 1e-6
+
+
 def adamw(params) -> torch.optim.Optimizer:
-    # eps 1e-6, not torch's 1e-8: some gradients here are exactly zero in exact arithmetic (a
-    # key bias cannot change a softmax), and with eps 1e-8 Adam turns the rounding noise of the
-    # gradient reduction into full lr-sized steps, so no two reduction orders agree to 1e-5 (torch's
-    # own DDP differs from one process by 1.1e-5 after 4 steps). With 1e-6 they agree to 7e-7.
-    return torch.optim.AdamW(params, lr=5e-4, eps=1e-6, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=ADAMW_LR, eps=ADAMW_EPS, weight_decay=0.1)
 
 
 def sgd(params) -> torch.optim.Optimizer:
