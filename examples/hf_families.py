@@ -10,6 +10,10 @@ what a plan must not get wrong:
 - a dense first layer before MoE layers (DeepSeek-V3, `first_k_dense_replace=1`);
 - constants created inside forward, lifted by torch.export (Falcon with multi-query attention).
 
+`ALIBI_FAMILIES` adds the families whose attention adds a bias per head (ALiBi) made inside forward: under
+tensor parallelism each rank must read its own heads' part of it (MPT; BLOOM, whose heads are merged into
+the batch dim around `baddbmm`).
+
 `FAMILIES` maps a short name to its builder; `hf_loss` (examples.training) is their loss.
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FAMILIES", "qwen3_seeded", "qwen3_moe_seeded", "gemma3_seeded", "gpt_oss_seeded", "deepseek_v3_seeded",
-           "falcon_seeded"]
+           "falcon_seeded", "ALIBI_FAMILIES", "mpt_seeded", "bloom_seeded"]
 
 _COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, max_position_embeddings=64, use_cache=False,
                bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -90,3 +94,24 @@ def falcon_seeded():
 
 FAMILIES = {"qwen3": qwen3_seeded, "qwen3_moe": qwen3_moe_seeded, "gemma3": gemma3_seeded,
             "gpt_oss": gpt_oss_seeded, "deepseek_v3": deepseek_v3_seeded, "falcon": falcon_seeded}
+
+
+def mpt_seeded():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MptConfig(vocab_size=512, d_model=64, n_heads=4, n_layers=4, max_seq_len=64,
+                                 expansion_ratio=4, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.MptForCausalLM(cfg)
+
+
+def bloom_seeded():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(vocab_size=512, hidden_size=64, n_layer=4, n_head=4, use_cache=False,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.BloomForCausalLM(cfg)
+
+
+ALIBI_FAMILIES = {"mpt": mpt_seeded, "bloom": bloom_seeded}

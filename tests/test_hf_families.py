@@ -4,7 +4,7 @@ The families of examples/hf_families.py, each built from a small config (no
 download): per-head q/k norms on head-sharded activations (Qwen3, Qwen3-MoE,
 Gemma3), alternating sliding-window and full attention (Gemma3, GPT-OSS), a
 dense layer before MoE layers (DeepSeek-V3), constants made inside forward
-(Falcon). Each model is traced once *on the meta device* (the 175B-on-a-laptop
+(Falcon); an ALiBi bias per head made inside forward (MPT, BLOOM: tensor plans). Each model is traced once *on the meta device* (the 175B-on-a-laptop
 flow; Falcon on CPU, see ON_CPU) and every plan is compiled from that trace; the programs run on real
 Gloo processes for 2 steps of SGD with momentum, compared with one process
 (losses and every parameter, fp32).
@@ -17,9 +17,10 @@ import functools
 import pytest
 import torch
 
-from examples.hf_families import FAMILIES
+from examples.hf_families import ALIBI_FAMILIES, FAMILIES
 from examples.training import hf_loss, sgd, train_one_process
 from partitioner import compile, trace
+from partitioner.planner.tensor_split import find_splits
 from runtime import launch_local
 from ranks import assert_trains_like
 
@@ -47,19 +48,22 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 ON_CPU = {"falcon", "qwen3_moe", "gpt_oss", "deepseek_v3"}
 
 
+BUILDERS = {**FAMILIES, **ALIBI_FAMILIES}
+
+
 @functools.cache
 def meta_graph(family: str):
     """The trace plans are compiled from: on the meta device, but for the families in ON_CPU."""
     if family in ON_CPU:
-        return trace(FAMILIES[family](), (torch.randint(0, VOCAB, (2, SEQ)),))
+        return trace(BUILDERS[family](), (torch.randint(0, VOCAB, (2, SEQ)),))
     with torch.device("meta"):
-        model = FAMILIES[family]()
+        model = BUILDERS[family]()
     return trace(model, (torch.randint(0, VOCAB, (2, SEQ), device="meta"),))
 
 
 @functools.cache
 def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    trained = train_one_process(FAMILIES[family], sgd, hf_loss, batches())
+    trained = train_one_process(BUILDERS[family], sgd, hf_loss, batches())
     return trained.losses, trained.model.state_dict()
 
 
@@ -103,6 +107,24 @@ def test_generated_code_names_no_trace_device_and_carries_forward_made_constants
                 global_batch_size=BATCH, precision="fp32", pp=2, dp=1, tp=1)
 
 
+def test_an_alibi_bias_per_head_is_read_by_heads_under_tensor_parallelism():
+    """MPT's attention mask carries the ALiBi bias of every head (b, nh, s, s): it needs no gradient, so each
+    tensor rank reads its own heads' chunk of it and the attention is split by heads (not kept whole)."""
+    splits = find_splits(meta_graph("mpt"))
+    assert splits.placement("transformer.blocks.0.attn.Wqkv.weight").role == "column"
+    assert len(splits.chunks) == 4 and all(d == 1 for _, _, d in splits.chunks)  # one mask per block, heads dim
+    plan = compile(meta_graph("mpt"), "local:2", global_batch_size=BATCH, precision="fp32", pp=1, dp=1, tp=2,
+                   microbatch_size=2)
+    assert "tp_chunk(" in plan.program(0).source
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_name", ["tp2", "dp2-tp2-pp2-zero1"])
+@pytest.mark.parametrize("family", list(ALIBI_FAMILIES))
+def test_alibi_family_trains_like_one_process(family, plan_name):
+    test_family_trains_like_one_process(family, plan_name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plan_name", list(PLANS))
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -111,7 +133,7 @@ def test_family_trains_like_one_process(family, plan_name):
     plan = compile(meta_graph(family), f"local:{pp * dp * tp}", global_batch_size=BATCH, precision="fp32", pp=pp,
                    dp=dp, tp=tp, zero_stage=zero, schedule=schedule, interleave=interleave, microbatch_size=2)
     assert (plan.pp, plan.dp, plan.tp, plan.zero_stage) == (pp, dp, tp, zero)
-    out = launch_local(plan, FAMILIES[family], sgd, hf_loss, batches(), timeout_s=180)
+    out = launch_local(plan, BUILDERS[family], sgd, hf_loss, batches(), timeout_s=180)
     want_losses, want = reference(family)
     assert sorted(out.state_dict) == sorted(want)
     assert_trains_like(out, want_losses, want)

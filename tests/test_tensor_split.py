@@ -252,15 +252,38 @@ class LayerNormBetween(nn.Module):
 
 
 class ResidualBetween(nn.Module):
-    """a -> (+ a replicated tensor spanning the features) -> b: the add breaks the pair."""
+    """a -> (+ a replicated tensor spanning the features, which needs a gradient) -> b: the add breaks the pair."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        h = torch.tanh(x * self.w)  # (B, d), replicated, a function of a parameter
+        return self.b(self.a(h) + h).sum()
+
+
+class BiasBetween(nn.Module):
+    """a -> (+ a replicated tensor spanning the features that needs no gradient) -> b: each rank adds its chunk."""
 
     def __init__(self, d=32):
         super().__init__()
         self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
 
     def forward(self, x):
-        h = torch.tanh(x)  # (B, d), replicated
-        return self.b(self.a(h) + h).sum()
+        bias = torch.tanh(x).detach()  # (B, d), replicated, made from data alone
+        return self.b(torch.relu(self.a(x)) + bias).sum()
+
+
+def test_a_replicated_operand_that_needs_no_gradient_is_read_by_chunk():
+    g = trace(BiasBetween(), (torch.randn(4, 32),))
+    sp = find_splits(g)
+    got = specs(sp)
+    assert got["a.weight"] == ("S(0)", "column", 1) and got["b.weight"] == ("S(1)", "row", 1)
+    (node, operand, dim), = sp.chunks
+    assert g.node(node).op == "add" and g.node(operand).op in ("tanh", "detach", "alias") and dim == 1
+    assert TensorSplits.from_json(sp.to_json()) == sp
 
 
 class SoftmaxBetween(nn.Module):

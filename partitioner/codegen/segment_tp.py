@@ -15,6 +15,9 @@ Used by `partitioner.codegen.segments` while it copies a segment's nodes:
   -> split at 768/tp);
 - a model output that is split (vocab-parallel logits) is gathered by
   `tp_gather`;
+- a replicated operand that needs no gradient and spans the split dim (an
+  ALiBi bias or a mask with a heads dim) is read by `tp_chunk`: this rank's
+  chunk along that dim, no communication;
 - a replicated parameter read by an op on a split activation (a per-head
   q/k norm's weight, a scale broadcast over heads) is read through
   `tp_copy`: each rank's gradient for it is only its own heads' share, and
@@ -65,10 +68,14 @@ def tp_gather(x, dim, tp):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
+def tp_chunk(x, dim, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
 # Tests switch this off to check that plan.verify catches the partial gradients it prevents.
 SUM_REPLICATED_GRADS = True
 
-RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather")
+RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather", "tp_chunk")
 
 
 def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -82,7 +89,8 @@ def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 class TensorParallelRewrite:
-    """Mixed into the segment builder, which provides graph, env, value(), src, placements, dims, tp, tp_arg."""
+    """Mixed into the segment builder, which provides graph, env, value(), src, placements, dims, chunks, tp,
+    tp_arg and operand_chunks (the tp_chunk made per value and dim)."""
 
     def _role(self, n: fx.Node) -> str | None:
         w = n.args[MATMULS[n.target][1]] if n.target in MATMULS else \
@@ -148,6 +156,19 @@ class TensorParallelRewrite:
                     self.param_copies[old] = self.graph.create_node("call_function", tp_copy, (old, self.tp_arg),
                                                                     name=f"{old.name}_f")
             new.replace_input_with(old, self.param_copies[old])
+
+    def chunk_replicated_operands(self, n: fx.Node, new: fx.Node) -> None:
+        """Read this rank's chunk of each replicated operand the splits name for `n` (see the module docstring)."""
+        if self.tp == 1:
+            return
+        for operand, dim in self.chunks.get(n.name, ()):
+            old = next(a for a in n.all_input_nodes if a.name == operand)
+            v = self.value(old)
+            if (v, dim) not in self.operand_chunks:  # one per value, dim and segment, before its first use
+                with self.graph.inserting_before(new):
+                    self.operand_chunks[v, dim] = self.graph.create_node("call_function", tp_chunk,
+                                                                         (v, dim, self.tp_arg), name=f"{v.name}_chunk")
+            new.replace_input_with(v, self.operand_chunks[v, dim])
 
     def _replicated_parameter_value(self, a: fx.Node) -> bool:
         """Whether `a` is a replicated parameter, or computed from such parameters (and shapes) alone."""

@@ -132,15 +132,17 @@ class _Builder(TensorParallelRewrite):
     """Copies one segment's nodes into a fresh graph, recomputing shape-only values from its input."""
 
     def __init__(self, src: _Source, name: str, *, carried: fx.Node | None, block: int | None,
-                 placements: dict[str, Any], dims: dict[str, int], tp: int):
+                 placements: dict[str, Any], dims: dict[str, int], chunks: dict[str, list[tuple[str, int]]],
+                 tp: int):
         self.src, self.name, self.carried, self.block = src, name, carried, block
-        self.placements, self.dims, self.tp = placements, dims, tp
+        self.placements, self.dims, self.chunks, self.tp = placements, dims, chunks, tp
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
         self.params: dict[str, str] = {}
         self.buffers: dict[str, str] = {}
         self.copies: dict[fx.Node, fx.Node] = {}  # tp_copy per activation (one f per region input)
         self.param_copies: dict[fx.Node, fx.Node] = {}  # tp_copy per replicated parameter used on split values
+        self.operand_chunks: dict[tuple[fx.Node, int], fx.Node] = {}  # tp_chunk per replicated operand and dim
         self.tp_arg = self.graph.placeholder("tp")
         if carried is None:
             self.input_names = tuple(n.name for n in src.inputs)
@@ -290,6 +292,7 @@ class _Builder(TensorParallelRewrite):
                 new.args = (new.args[0], self.dtype, *new.args[2:])
         self.resize(n, new)
         self.sum_replicated_grads(n, new)
+        self.chunk_replicated_operands(n, new)
         self.env[n] = new
 
     def _to_param_dtype(self, n: fx.Node) -> bool:
@@ -384,12 +387,15 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
     src = _Source(ep, g)
     placements = {p.param: p for p in splits.placements} if splits is not None else {}
     dims = dict(splits.shard_dims) if splits is not None else {}
+    chunks: dict[str, list[tuple[str, int]]] = {}
+    for node, operand, dim in (splits.chunks if splits is not None else ()):
+        chunks.setdefault(node, []).append((operand, dim))
     if tp > 1 and splits is None:
         raise SegmentError("tp > 1 needs the tensor splits (partitioner.planner.tensor_split.find_splits)")
     spec = pytree.treespec_dumps(ep.call_spec.out_spec)
     flat_out = src.output.args[0]
     blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
-    kw = dict(placements=placements, dims=dims, tp=tp)
+    kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp)
 
     def run(b: _Builder, members: list[fx.Node]) -> None:
         members = sorted(members, key=_order(src))

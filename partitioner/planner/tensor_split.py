@@ -17,7 +17,10 @@ rank can run them on its slice alone:
   `silu(gate) * up`, rotary `q*cos + rotate_half(q)*sin`): per element;
   one split and one replicated is shard-local only if the replicated one
   broadcasts along the split dim (a causal mask (1, 1, s, s), rotary
-  cos/sin (1, 1, s, hs)); one that spans it (a residual) breaks the pattern;
+  cos/sin (1, 1, s, hs)), or needs no gradient: then each rank reads its
+  own chunk of it along the split dim (an ALiBi bias or a mask with a heads
+  dim, (b, nh, s, s): `tp_chunk`, no communication); one that spans it and
+  needs a gradient (a residual) breaks the pattern;
 - views, reshapes, transposes, slices, split/getitem, cat, expand that keep
   the split dim whole: they only rename dims. Reshaping features F into
   (nh, hs) moves the split onto the head dim (F/tp features are nh/tp whole
@@ -158,6 +161,9 @@ class TensorSplits:
     divisors: (what, n) pairs tp must divide (heads, kv heads, ffn width, vocab).
     shard_dims: (node, dim) for every sharded node: the dim of its output that is
         split, which the code generator divides by tp in views and splits.
+    chunks: (node, operand, dim): a replicated operand of a sharded node that spans the
+        split dim and needs no gradient (an attention bias with a heads dim); the node reads
+        this rank's chunk of it along the operand's dim `dim`.
     """
 
     placements: tuple[Placement, ...]
@@ -165,6 +171,7 @@ class TensorSplits:
     collectives: tuple[TPCollective, ...]
     divisors: tuple[tuple[str, int], ...]
     shard_dims: tuple[tuple[str, int], ...] = ()
+    chunks: tuple[tuple[str, str, int], ...] = ()
 
     def valid_tp(self, candidates: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> tuple[int, ...]:
         """The degrees among `candidates` that divide every divisor."""
@@ -198,7 +205,8 @@ class TensorSplits:
                 "sharded_nodes": sorted(self.sharded_nodes),
                 "collectives": [{**dataclasses.asdict(c), "bytes": c.bytes.to_json()} for c in self.collectives],
                 "divisors": [list(d) for d in self.divisors],
-                "shard_dims": [list(d) for d in self.shard_dims]}
+                "shard_dims": [list(d) for d in self.shard_dims],
+                "chunks": [list(c) for c in self.chunks]}
 
     @staticmethod
     def from_json(data: dict) -> TensorSplits:
@@ -207,7 +215,8 @@ class TensorSplits:
                             collectives=tuple(TPCollective(**{**c, "bytes": Poly.from_json(c["bytes"])})
                                               for c in data["collectives"]),
                             divisors=tuple((str(k), int(n)) for k, n in data["divisors"]),
-                            shard_dims=tuple((str(k), int(d)) for k, d in data.get("shard_dims", ())))
+                            shard_dims=tuple((str(k), int(d)) for k, d in data.get("shard_dims", ())),
+                            chunks=tuple((str(n), str(x), int(d)) for n, x, d in data.get("chunks", ())))
 
 
 # ---------------------------------------------------------------- one pass
@@ -251,6 +260,7 @@ class _Step(NamedTuple):
     fused: int = 0  # a split cut the split dim into this many chunks
     sink: bool = False  # a cross entropy over the split classes
     attention: bool = False
+    chunks: tuple[tuple[str, int], ...] = ()  # replicated operands read by chunk: (operand, its dim)
 
 
 @dataclasses.dataclass
@@ -264,6 +274,7 @@ class _Region:
     splits: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     row_units: list[int] = dataclasses.field(default_factory=list)
     fused: dict[str, int] = dataclasses.field(default_factory=dict)
+    chunks: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
     attention: bool = False
     failure: str | None = None
 
@@ -319,6 +330,7 @@ def _rule(ctx: _Context, n: OpNode, state: dict[str, _Shard]) -> _Step | str:
             od = x
         if op in _EXPANDS and osh[od] != ish[d]:
             return "expands the split dim"
+        chunks = []
         for i in ins:
             if i in state:
                 continue
@@ -328,8 +340,12 @@ def _rule(ctx: _Context, n: OpNode, state: dict[str, _Shard]) -> _Step | str:
             if sh is None:
                 return f"combines it with {i}, a model input that is not split"
             if not _broadcasts(sh, r, od):
-                return f"combines it with {i}, which is not split but spans the split dim"
-        return _step_with_params(ctx, n, od)
+                k = _chunk_dim(ctx, i, osh, od)
+                if k is None:
+                    return f"combines it with {i}, which is not split but spans the split dim"
+                chunks.append((i, k))
+        step = _step_with_params(ctx, n, od)
+        return step._replace(chunks=tuple(chunks)) if chunks and isinstance(step, _Step) else step
     if op in _TRANSPOSES:
         od = _permute_dim(op, ish, osh, d)
         return "moves the split dim where shapes cannot tell" if od is None else _Step(dim=od)
@@ -359,13 +375,17 @@ def _rule(ctx: _Context, n: OpNode, state: dict[str, _Shard]) -> _Step | str:
             return "indexes the split dim"
         return _Step(dim=d, cap=_const(osh[d]) or 0)
     if op == "scaled_dot_product_attention":
+        chunks = []
         for i in n.inputs:
             sh = ctx.shape(i)
             if i in state and state[i].dim != len(sh) - 3:
                 return "attends with the split dim not the head dim"
             if i not in state and (i in n.inputs[:3] or sh is None or not _broadcasts(sh, r, r - 3)):
-                return f"attends with {i}, which is not split by heads"
-        return _Step(dim=r - 3, attention=True)
+                k = None if i in n.inputs[:3] else _chunk_dim(ctx, i, osh, r - 3)
+                if k is None:
+                    return f"attends with {i}, which is not split by heads"
+                chunks.append((i, k))  # a mask or bias per head, (b, nh, s, s): each rank reads its heads
+        return _Step(dim=r - 3, attention=True, chunks=tuple(chunks))
     if op in _BATCHED_MM and not n.params:
         od = None
         for i in n.inputs:
@@ -395,6 +415,17 @@ def _rule(ctx: _Context, n: OpNode, state: dict[str, _Shard]) -> _Step | str:
             return _Step(sink=True)
         return "takes a cross entropy with the split dim not the class dim"
     return f"is not known to act independently per split feature ({op})"
+
+
+def _chunk_dim(ctx: _Context, i: str, osh: tuple[Poly, ...], od: int) -> int | None:
+    """The dim of replicated operand `i` aligned with output split dim `od`, when each rank may read its own
+    chunk of it there: `i` needs no gradient (so the chunk's backward has nothing to gather) and spans the
+    split dim with its full extent. None otherwise."""
+    sh, node = ctx.shape(i), ctx.node.get(i)
+    if sh is None or node is None or node.requires_grad:
+        return None
+    k = od - (len(osh) - len(sh))
+    return k if k >= 0 and sh[k] == osh[od] else None
 
 
 def _step_with_params(ctx: _Context, n: OpNode, od: int) -> _Step | str:
@@ -429,7 +460,7 @@ def _propagate(ctx: _Context, forbidden: dict[str, str], no_vocab: dict[str, str
         for i in rest:
             parent[i] = root
             a, b = regions[root], regions[i]
-            for f in ("producers", "rows", "sinks", "nodes", "splits", "row_units"):
+            for f in ("producers", "rows", "sinks", "nodes", "splits", "row_units", "chunks"):
                 getattr(a, f).extend(getattr(b, f))
             a.fused.update(b.fused)
             a.attention |= b.attention
@@ -490,6 +521,7 @@ def _propagate(ctx: _Context, forbidden: dict[str, str], no_vocab: dict[str, str
             for p in producers:
                 reg.fused[p] = step.fused
         reg.attention |= step.attention
+        reg.chunks.extend((n.name, i, k) for i, k in step.chunks)
         state[n.name] = _Shard(root, step.dim, units, producers)
 
     for name, s in state.items():
@@ -553,7 +585,8 @@ def find_splits(g: OpGraph) -> TensorSplits:
                         sharded_nodes=frozenset(x for reg in res.regions for x in reg.nodes),
                         collectives=_collectives(ctx, res), divisors=_divisors(ctx, res),
                         shard_dims=tuple(sorted((x, res.state[x].dim) for reg in res.regions for x in reg.nodes
-                                               if x in res.state)))
+                                               if x in res.state)),
+                        chunks=tuple(c for reg in res.regions for c in reg.chunks))
 
 
 def _conflicts(ctx: _Context, res: _Pass,

@@ -80,6 +80,7 @@ __all__ = [
     "tp_vocab_embedding",
     "tp_cross_entropy",
     "tp_gather",
+    "tp_chunk",
     "unshard_parameter",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
@@ -435,6 +436,31 @@ class _GatherOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.chunk(ctx.world, ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+class _ChunkOperand(torch.autograd.Function):
+    """This rank's chunk along dim forward; the gradient all-gathered backward (Megatron's scatter to the
+    model-parallel region). Generated code uses it on operands that need no gradient (a bias or mask with a
+    heads dim), where the backward never runs; it is right for any replicated input all the same."""
+
+    @staticmethod
+    def forward(ctx, x, dim, tp):
+        ctx.dim, ctx.tp = dim, tp
+        return x.chunk(tp.world, dim)[tp.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad.contiguous(), ctx.dim, ctx.tp.group, ctx.tp.collectives), None, None
+
+
+def tp_chunk(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
+    """A replicated tensor that spans the split dim of the values it meets (an attention bias per head),
+    cut to this rank's part along `dim`."""
+    dim %= x.dim()
+    if x.shape[dim] % tp.world:
+        raise ValueError(f"tp_chunk: dim {dim} of a {tuple(x.shape)} tensor does not divide over {tp.world} "
+                         "tensor ranks; the plan's divisors should have refused this tp")
+    return _ChunkOperand.apply(x, dim, tp)
 
 
 def tp_gather(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
