@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("partitioner.planner",),
     ("partitioner.codegen", "partitioner.show"),
     ("partitioner.compile",),
-    ("partitioner.tune",),
+    ("partitioner.tune", "partitioner.probe"),  # both measure with the runtime and produce cost_models data
     ("partitioner.elastic",),
     ("partitioner.cli",),
     ("partitioner.__main__", "partitioner"),

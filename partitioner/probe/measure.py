@@ -1,0 +1,215 @@
+"""What one rank of the probe measures, with the default process group up: the rank's device (matmul FLOP/s
+by dtype and size, a per-op overhead, a stream copy's bandwidth, the fixed memory of the process) and its share
+of the collectives (every group of `sweep.groups_by_level` at once, through the runtime's collectives shim,
+the calls the generated programs make).
+
+Every rank measures its device at the same time as the others (a barrier first): on a CPU shared by the ranks,
+the contention training sees. A collective's time is the slowest participant's (a MAX all-reduce over the
+world after each run, untimed): the same number on every rank, so every rank stops a size sweep at the same
+point. Returns plain lists and dicts (JSON-ready) for derive.py.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from partitioner.probe.sweep import Sweep
+from runtime.comm.collectives import Collectives
+
+__all__ = ["measure_rank", "fixed_process_bytes"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def measure_rank(sweep: Sweep, groups: dict[str, dict[int, list[list[int]]]], device: torch.device) -> dict[str, Any]:
+    """This rank's measurements (see the module docstring); every rank of the world must call it."""
+    fixed = fixed_process_bytes(device)  # before the probe allocates anything of its own
+    dist.barrier()
+    out: dict[str, Any] = {"rank": dist.get_rank(), "device": str(device), "fixed_process_bytes": fixed,
+                           "matmul": _matmuls(sweep, device), "op_overhead_s": _op_overhead(device),
+                           "stream": _stream(sweep, device), "elementwise": _elementwise(sweep, device),
+                           "overlap": _overlap(sweep, device), "collectives": []}
+    comm = Collectives()
+    for level, by_size in groups.items():
+        for p, members in by_size.items():
+            made = [dist.new_group(g) for g in members]  # every rank creates every group, in one order
+            mine = next(((g, h) for g, h in zip(members, made) if dist.get_rank() in g), None)
+            for op in sweep.collectives:
+                if op == "p2p" and p != 2:  # a send is between two ranks: the pairs say all there is
+                    continue
+                for nbytes, seconds in _sweep_op(op, sweep, mine, p, comm, device):
+                    out["collectives"].append({"op": op, "level": level, "p": p, "ranks": members[0],
+                                               "bytes": nbytes, "seconds": seconds})
+    return out
+
+
+def fixed_process_bytes(device: torch.device) -> int:
+    """Memory a process holds before its model: torch, the process group, the device context.
+
+    CPU: the resident set (Linux /proc/self/statm; the peak RSS elsewhere). CUDA: the device memory in use that
+    torch's allocator does not hold (CUDA context, NCCL buffers), total - free - reserved."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total - free - torch.cuda.memory_reserved(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device, repeats: int, window_s: float = 0.05) -> float:
+    """Seconds per call of fn: the median over `repeats` windows of calls back to back, each at least `window_s`
+    long, after one untimed call. A window, not a single call: where ranks share cores, a lone call may run
+    while its peers wait and look twice as fast as training, where all ranks compute at once."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0, calls = time.perf_counter(), 0
+        while True:
+            fn()
+            calls += 1
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            if elapsed >= window_s:
+                break
+        times.append(elapsed / calls)
+    return statistics.median(times)
+
+
+def _calls(fn: Callable[[], Any], device: torch.device, n: int) -> float:
+    """Mean seconds of n calls back to back after one untimed (for calls that hold collectives)."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def _matmuls(sweep: Sweep, device: torch.device) -> list[dict[str, Any]]:
+    out = []
+    for name in sweep.dtypes:
+        dtype = _DTYPES[name]
+        for n in sweep.matmul_sizes:
+            a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+            dist.barrier()  # every rank at once
+            s = _time(lambda: a @ b, device, sweep.repeats)
+            out.append({"dtype": name, "n": n, "flops": 2.0 * n ** 3, "seconds": s})
+            if _slowest(s) > sweep.max_op_s:  # agreed by every rank: the next size would be 8x slower
+                break
+    return out
+
+
+def _op_overhead(device: torch.device) -> float:
+    """Seconds per op that does almost nothing: the dispatch / launch cost every op of a step pays."""
+    x = torch.zeros(8, device=device)
+    return _time(lambda: [x.add(1.0) for _ in range(100)], device, 3) / 100
+
+
+def _stream(sweep: Sweep, device: torch.device) -> dict[str, float]:
+    """A copy of `stream_bytes`: it reads and writes them (STREAM's copy kernel counts 2x)."""
+    src = torch.ones(sweep.stream_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dist.barrier()
+    s = _time(lambda: dst.copy_(src), device, sweep.repeats)
+    return {"bytes": 2.0 * sweep.stream_bytes, "seconds": s}
+
+
+def _elementwise(sweep: Sweep, device: torch.device) -> dict[str, float]:
+    """Bytes/s of the memory-bound ops a training step is made of (an add, a product, GELU, softmax, each
+    counted as its input and output bytes), summed: torch's kernels, slower than a copy where they compute
+    a transcendental per element, are what the cost model's memory-bound ops run."""
+    n = sweep.elementwise_bytes // 4
+    x, y = torch.randn(n // 256, 256, device=device), torch.randn(n // 256, 256, device=device)
+    ops = [(lambda: x + y, 3), (lambda: x * y, 3), (lambda: torch.nn.functional.gelu(x), 2),
+           (lambda: torch.softmax(x, -1), 2)]
+    dist.barrier()
+    seconds = sum(_time(fn, device, sweep.repeats) for fn, _ in ops)
+    return {"bytes": float(sum(k for _, k in ops) * 4 * n), "seconds": seconds}
+
+
+def _overlap(sweep: Sweep, device: torch.device) -> dict[str, float]:
+    """How much of an all-reduce over the world hides behind compute: the matmuls alone, the all-reduce alone,
+    then the all-reduce started asynchronously before the matmuls and waited for after them. Where ranks share
+    cores, the collective's own CPU work competes with the compute and little hides."""
+    a = torch.randn(256, 256, device=device)
+    buf = torch.ones(sweep.overlap_bytes // 4, device=device)
+    compute = lambda: [a @ a for _ in range(8)]
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    # a fixed number of calls, not windows: every rank must issue the same collectives
+    dist.barrier()
+    t_compute = _calls(compute, device, sweep.repeats)
+    dist.barrier()
+    t_comm = _calls(lambda: dist.all_reduce(buf), device, sweep.repeats)
+    dist.barrier()
+    t_both = _calls(both, device, sweep.repeats)
+    return {"compute_s": t_compute, "comm_s": t_comm, "both_s": t_both}
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _sweep_op(op: str, sweep: Sweep, mine, p: int, comm: Collectives, device: torch.device):
+    """(bytes, seconds) per message size of `op` on every group of size p at once; ranks in no group wait."""
+    for nbytes in sweep.message_bytes:
+        n = max(p, nbytes // 4 // p * p)  # fp32 elements, a multiple of p (equal shards)
+        run = _op(op, n, mine, p, comm, device) if mine is not None else (lambda: None)
+        times = []
+        for k in range(sweep.repeats + 1):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            if k:  # the first run is a warm-up (first use of a group sets up its connections)
+                times.append(_slowest(time.perf_counter() - t0))
+            else:
+                _slowest(0.0)
+        s = statistics.median(times)
+        yield 4 * n, s
+        if s > sweep.max_op_s:
+            return
+
+
+def _op(op: str, n: int, mine, p: int, comm: Collectives, device: torch.device) -> Callable[[], Any]:
+    ranks, group = mine
+    full = torch.ones(n, device=device)
+    shard = torch.ones(n // p, device=device)
+    if op == "all_reduce":
+        return lambda: comm.all_reduce(full, group)
+    if op == "all_gather":
+        return lambda: comm.all_gather(full, shard, group)
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter(shard, full, group)
+    if op == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: comm.all_to_all(out, full, group)
+    # p2p (groups of two): the first sends n elements to the second, as one pipeline stage to the next
+    me = ranks.index(dist.get_rank())
+    peer = ranks[1 - me]
+    if me == 0:
+        return lambda: comm.send(full, peer, tag=7).wait()
+    return lambda: comm.recv(full, peer, tag=7).wait()
