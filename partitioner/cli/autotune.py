@@ -30,6 +30,7 @@ def autotune_command(args: argparse.Namespace) -> int:
         emit(args, res.to_dict())
         return EXIT_OK
     print(format_trials(res.trials))
+    print(res.fit_report())
     print(f"\nbest: {plan.config} (predicted {plan.predicted.step_time_s:.3f} s/step)"
           + (f"; plan written to {args.output}" if args.output else "")
           + f"; calibration in {res.calibration_path}")

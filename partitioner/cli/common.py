@@ -43,6 +43,8 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         out["compression"] = compression_arg(args.compression)
     if args.compression_warmup:
         out["compression_warmup"] = args.compression_warmup
+    if args.calibration is not None:
+        out["calibration"] = args.calibration
     return out
 
 

@@ -7,11 +7,12 @@ import argparse
 from cost_models.choices import OPTIMIZERS, PRECISIONS, RECOMPUTE_POLICIES, SCHEDULES
 from partitioner.cli.autotune import autotune_command
 from partitioner.cli.compile import compile_command, show_command
+from partitioner.cli.probe import probe_command
 from partitioner.cli.reshard import reshard_command
 from partitioner.cli.run import run_command
 from partitioner.cli.trace import trace_command
 
-USAGE = """The `partitioner` command line (also `python -m partitioner`): trace, compile, show, run, autotune, reshard.
+USAGE = """The `partitioner` command line (also `python -m partitioner`): trace, compile, show, run, autotune, reshard, probe.
 
     partitioner trace examples/gpt.py:gpt_small                  # per-block cost table
     partitioner compile examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o plan.json
@@ -22,6 +23,7 @@ USAGE = """The `partitioner` command line (also `python -m partitioner`): trace,
     partitioner autotune examples/gpt.py:gpt_tiny --topology local:4 --global-batch-size 8 -o best.json
     partitioner autotune examples/gpt.py:gpt_small --topology 2x8xH100-80GB --global-batch-size 64 --launcher srun
     partitioner reshard ckpt/ --to plan_b.json -o ckpt_b/           # a checkpoint for another plan, offline
+    partitioner probe --topology local:4 -o local4.calibration.json  # measure this machine (<= 60 s)
 
 Every subcommand takes --json: exactly one JSON document on stdout (progress
 and info on stderr), nothing on stdout when it fails. Errors are one line on
@@ -62,6 +64,9 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression-warmup", type=int, default=0, metavar="K",
                    help="the first K steps reduce uncompressed (default 0)")
     p.add_argument("--max-memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="the cost models' factors: a JSON from `partitioner probe` or autotune's --calibration-out "
+                        "(default: the device's literature defaults)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one JSON document on stdout, nothing else there")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback on errors")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{trace,compile,show,run,autotune}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{trace,compile,show,run,autotune,reshard,probe}")
 
     def command(name: str, help: str, description: str, *examples: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=description, parents=[common], formatter_class=raw,
@@ -202,4 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--to", required=True, metavar="PLAN", help="plan B's JSON (compile -o)")
     rs.add_argument("-o", "--output", required=True, help="the new checkpoint directory (must not exist or be empty)")
     rs.set_defaults(func=reshard_command)
+
+    pr = command("probe", "measure this machine's compute, memory and links into a calibration",
+                 "Measure the machine TOPOLOGY runs on in about a minute: matmul FLOP/s by dtype and size, memory "
+                 "bandwidth, the fixed memory of a process, and all-reduce / all-gather / reduce-scatter / all-to-all "
+                 "/ send bandwidth and latency per link level and group size (alpha-beta fits); write the cost "
+                 "models' factors fitted to them, with the measurements, as one calibration JSON. local:N spawns N "
+                 "ranks here; on a cluster, run it under torchrun or srun (one process per device).",
+                 "partitioner probe --topology local:4 -o local4.calibration.json",
+                 "partitioner compile examples/gpt.py:gpt_small --topology local:4 --global-batch-size 8 "
+                 "--calibration local4.calibration.json",
+                 "torchrun --nproc-per-node 8 -m partitioner probe --topology 8xH100-80GB -o h100.calibration.json",
+                 "srun -N 2 --ntasks-per-node 8 python -m partitioner probe --topology 2x8xH100-80GB -o cal.json")
+    pr.add_argument("--topology", required=True, help='e.g. "local:4", or the cluster\'s, "2x8xH100-80GB"')
+    pr.add_argument("-o", "--output", default=None, help="write the calibration JSON here")
+    pr.add_argument("--quick", action="store_true", help="a few seconds' sweep: fewer sizes, fp32 only")
+    pr.add_argument("--timeout-s", type=float, default=300.0, help="how long the ranks may take (default 300)")
+    pr.set_defaults(func=probe_command)
     return p

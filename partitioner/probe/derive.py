@@ -119,7 +119,9 @@ def _fit_links(topo: Topology, cal: Calibration, lines: list[dict[str, Any]]) ->
         return [m.p2p(pt["bytes"], *ln["ranks"]) if ln["op"] == "p2p" else
                 getattr(m, ln["op"])(pt["bytes"], ln["ranks"]) for ln, pt in points]
 
-    # many points per factor and no prior: the sweep is the truth about the links
-    res = fit_step_times(predict, [pt["seconds"] for _, pt in points], cal, factors=factors, prior_sigma=None,
+    # Start the extra latencies off their floor: the fit works on log factors, and a factor at 1e-8 s moves no
+    # time enough for its effect to be seen. Many points per factor and no prior: the sweep is the truth.
+    seeded = dataclasses.replace(cal, **{f"{lvl}_extra_latency_s": 1e-5 for lvl in levels})
+    res = fit_step_times(predict, [pt["seconds"] for _, pt in points], seeded, factors=factors, prior_sigma=None,
                          max_free=len(factors), max_iter=40, source=cal.source)
     return res.calibration

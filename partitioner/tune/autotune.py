@@ -28,7 +28,10 @@ The loop:
    and hangs are recorded with their reason and the tuner goes on (either
    launcher stops every rank of a failed or timed-out trial);
 3. fit the calibration to the successful trials (cost_models/fit.py: least
-   squares on log step times; linear least squares on memory);
+   squares on log step times, freeing only the factors the trials identify,
+   at most one fewer than the trials, pulled toward the starting calibration,
+   e.g. `partitioner probe`'s; linear least squares on memory), and report
+   the leave-one-out error beside the in-sample one (`AutotuneResult.fit_report`);
 4. compile again with it; its leaders not yet measured are tried next; stop
    when the measured best is the calibrated model's best, or after
    `max_rounds`.
@@ -80,7 +83,7 @@ from typing import Any, TextIO
 
 from cost_models.calibration import Calibration
 from cost_models.errors import DeclarationError, PartitionerError
-from cost_models.fit import MEMORY_FACTORS, fit_memory, fit_step_times
+from cost_models.fit import MEMORY_FACTORS, fit_memory, fit_step_times, leave_one_out
 from cost_models.topology import Topology
 from partitioner.compile import PlanInfeasibleError, compile
 from partitioner.planner.plan import MemoryBreakdown, ParallelConfig, Plan
@@ -148,6 +151,18 @@ class AutotuneResult:
     rounds: int
     fit_rms_before: float | None  # sqrt(mean(log(predicted / measured)^2)) over the ok trials
     fit_rms_after: float | None
+    # sqrt(mean(log(predicted / measured)^2)) of each ok trial predicted by a fit to the others: the error to
+    # expect on a configuration the fit has not seen (cost_models.fit.leave_one_out)
+    fit_rms_loo: float | None = None
+    fitted: tuple[str, ...] = ()  # the factors the trials identified and the fit moved
+
+    def fit_report(self) -> str:
+        """One line: the fit's in-sample and held-out errors, and what it moved."""
+        if self.fit_rms_after is None:
+            return "fit: fewer than 2 successful trials, calibration unchanged"
+        n = sum(t.status == "ok" for t in self.trials)
+        return (f"fit over {n} trials: rms log error {self.fit_rms_before:.3f} -> {self.fit_rms_after:.3f} in sample, "
+                f"{self.fit_rms_loo:.3f} leave-one-out; factors fitted: {', '.join(self.fitted) or 'none'}")
 
     @property
     def best(self) -> Trial:
@@ -157,7 +172,8 @@ class AutotuneResult:
         return {"best": self.best.to_dict(), "plan_config": str(self.plan.config), "rounds": self.rounds,
                 "calibration_path": str(self.calibration_path), "db": str(self.db_path),
                 "calibration": self.calibration.to_dict(), "fit_rms_log_error_before": self.fit_rms_before,
-                "fit_rms_log_error_after": self.fit_rms_after, "trials": [t.to_dict() for t in self.trials]}
+                "fit_rms_log_error_after": self.fit_rms_after, "fit_rms_log_error_loo": self.fit_rms_loo,
+                "fitted": list(self.fitted), "trials": [t.to_dict() for t in self.trials]}
 
 
 def format_trials(trials: Sequence[Trial]) -> str:
@@ -347,20 +363,23 @@ class _Tuner:
     # -- the loop --------------------------------------------------------------------
     def run(self, cal: Calibration, *, trials: int, candidates, max_rounds: int, cal_path: Path,
             fit_iterations: int) -> AutotuneResult:
+        start = cal  # the prior of every fit: a probe's calibration, or the device's defaults
         first = self.first_round(cal, trials, candidates)
         self.say(f"autotune: {self.g.model_name} on {self.topo}, {len(first)} trials, database {self.store.path}")
         for i, (config, comp) in enumerate(first):
             self.measure(config, comp, cal, index=i + 1, total=len(first), round_=0)
-        fit_before = fit_after = None
+        fit_before = fit_after = fit_loo = None
+        fitted: tuple[str, ...] = ()
         rounds = 0
         for rounds in range(1, max_rounds + 1):
             ok = self.ok()
             if len(ok) < 2:
                 break
-            cal, fit_before, fit_after = self.fit(cal, ok, fit_iterations)
+            cal, fit_before, fit_after, fit_loo, fitted = self.fit(start, ok, fit_iterations)
             best = min(ok, key=lambda t: t.measured_step_s)
             new = [(c, comp) for c, comp in self.ranked(cal, 2)[:2] if self.key(c, comp) not in self.done]
-            self.say(f"round {rounds}: calibrated (rms log error {fit_before:.3f} -> {fit_after:.3f}); measured best "
+            self.say(f"round {rounds}: calibrated (rms log error {fit_before:.3f} -> {fit_after:.3f} in sample, "
+                     f"{fit_loo:.3f} leave-one-out; fitted {', '.join(fitted) or 'nothing'}); measured best "
                      f"{best.config} {best.measured_step_s * 1e3:.1f} ms; new leaders to try: {len(new)}")
             if not new:  # the calibrated model's leaders are measured: the measured best stands
                 break
@@ -368,7 +387,8 @@ class _Tuner:
                 self.measure(config, comp, cal, index=i + 1, total=len(new), round_=rounds)
         ok = self.ok()
         if len(ok) >= 2 and rounds and any(t.round == rounds for t in ok):
-            cal, fit_before, fit_after = self.fit(cal, ok, fit_iterations)  # include the last round's trials
+            # include the last round's trials
+            cal, fit_before, fit_after, fit_loo, fitted = self.fit(start, ok, fit_iterations)
         if not ok:
             reasons = "; ".join(f"{t.config}: {t.status} ({t.error.splitlines()[0] if t.error else ''})"
                                 for t in self.done.values())
@@ -382,7 +402,7 @@ class _Tuner:
                  f"{cal_path}")
         return AutotuneResult(plan=plan, trials=final, calibration=cal, calibration_path=cal_path,
                               db_path=self.store.path, rounds=rounds, fit_rms_before=fit_before,
-                              fit_rms_after=fit_after)
+                              fit_rms_after=fit_after, fit_rms_loo=fit_loo, fitted=fitted)
 
     def first_round(self, cal: Calibration, trials: int, candidates) -> list[tuple[ParallelConfig, dict[str, str]]]:
         if candidates is not None:
@@ -470,11 +490,21 @@ class _Tuner:
         self.say(f"\r{head}: {_summary(trial)}")
         return trial
 
-    def fit(self, cal: Calibration, ok: list[Trial], iterations: int) -> tuple[Calibration, float, float]:
+    def fit(self, cal: Calibration, ok: list[Trial],
+            iterations: int) -> tuple[Calibration, float, float, float, tuple[str, ...]]:
+        """The calibration refitted to `ok` (regularised toward `cal`: a probe's, or the last round's), its
+        rms log errors before and after in sample and leave-one-out, and the factors it moved."""
         measured = [t.measured_step_s for t in ok]
-        result = fit_step_times(lambda c: [self.compile_pinned(t.config, t.compression, c, bounds=t.stage_bounds).predicted.step_time_s
-                                           for t in ok], measured, cal, max_iter=iterations,
+
+        def predict_one(c: Calibration, i: int) -> float:
+            t = ok[i]
+            return self.compile_pinned(t.config, t.compression, c, bounds=t.stage_bounds).predicted.step_time_s
+
+        result = fit_step_times(lambda c: [predict_one(c, i) for i in range(len(ok))], measured, cal,
+                                max_iter=iterations,
                                 source=f"autotune {self.topo} {time.strftime('%Y-%m-%d')} ({len(ok)} trials)")
+        held_out = leave_one_out(predict_one, measured, cal, max_iter=min(iterations, 15))
+        loo = math.sqrt(sum(e * e for e in held_out) / len(held_out))
         # each factor's term by difference: every memory factor scales its bytes linearly
         zero = dataclasses.replace(result.calibration, **dict.fromkeys(MEMORY_FACTORS, 0.0))
         meas, fixed, terms = [], [], {f: [] for f in MEMORY_FACTORS[:-1]}
@@ -488,7 +518,7 @@ class _Tuner:
                                                      bounds=t.stage_bounds))
                 terms[f] += [m.total - b for m, b in zip(one, base)]
         return fit_memory(meas, fixed, terms, result.calibration), result.rms_log_error_before, \
-            result.rms_log_error_after
+            result.rms_log_error_after, loo, result.fitted
 
     def calibrated(self, t: Trial, cal: Calibration) -> Trial:
         if t.status != "ok":
