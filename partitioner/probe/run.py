@@ -10,8 +10,10 @@ Where the ranks come from:
 >>> import tempfile, pathlib
 >>> out = pathlib.Path(tempfile.mkdtemp()) / "cal.json"
 >>> cal = probe("local:2", out=out, sweep=Sweep.quick())
->>> cal.source.startswith("partitioner probe local:2"), sorted(cal.probe)[:3], out.exists()
-(True, ['collectives', 'devices', 'fixed_process_bytes'], True)
+>>> cal.source.startswith("partitioner probe local:2"), out.exists(), Calibration.load(out) == cal
+(True, True, True)
+>>> sorted(cal.probe)   # the evidence beside the factors
+['collectives', 'devices', 'elementwise_bytes_per_s', 'fixed_process_bytes', 'matmul', 'memory_bytes_per_s', 'op_overhead_s', 'overlap', 'ranks']
 """
 
 from __future__ import annotations
