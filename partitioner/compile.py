@@ -101,8 +101,9 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
-            async_sgd: dict[str, int] | None = None, stage_bounds: Sequence[int] | None = None,
-            verify: bool = False, declarations: Declarations | None = None) -> Plan:
+            async_sgd: dict[str, int] | None = None, rewrite_attention: bool = True,
+            stage_bounds: Sequence[int] | None = None, verify: bool = False,
+            declarations: Declarations | None = None) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
 
     `compression` pins the compressor of the data-parallel gradient reduction
@@ -127,6 +128,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     is refused otherwise, saying why. The cost model charges its parameter
     all-reduce (1/k per step, or hidden behind compute); the hand baselines
     stay synchronous, so explain() shows what it gains.
+
+    `rewrite_attention` (default True) traces eager attention (a matmul of q and k^T, a scale, an
+    additive bias or mask such as ALiBi or causal, softmax, dropout, a matmul with v) as one
+    `scaled_dot_product_attention` where that is the same math (partitioner.tracer.attention): the plan
+    costs a fused kernel's time and O(s) memory, and every program runs it (data-parallel and async SGD
+    programs then run the generated model code, not the module's forward). False keeps the traced ops.
 
     `stage_bounds` pins the pipeline cut, as graph node indices (`plan.stage_bounds` of an earlier
     plan): where each stage starts, then one past the last node. Autotune uses it to cost the plan it
@@ -165,7 +172,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     pins = dict(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp, pp=pp,
                 zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
                 recompute=recompute, max_memory_fraction=max_memory_fraction, compression=compression,
-                async_sgd=async_sgd, clip_grad_norm=clip_grad_norm, compression_warmup=compression_warmup)
+                async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
+                compression_warmup=compression_warmup)
     if declarations is not None:
         if not isinstance(declarations, Declarations):
             raise DeclarationError(f"declarations={declarations!r}: pass a partitioner.Declarations, or the "
@@ -182,13 +190,20 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                                   alternatives=alternatives, stage_bounds=stage_bounds, device=topo.device.name)
     if verify:
         _check_verifiable(model)
+    rewrite = decl.rewrite_attention
     if isinstance(model, OpGraph):
         g = model
+        if g.attention_rewrites and not rewrite:
+            raise DeclarationError("rewrite_attention=False: trace the model with trace(..., rewrite_attention=False) "
+                                   "(this OpGraph's attention was rewritten to scaled_dot_product_attention), or "
+                                   "compile the module")
     else:
         if example_inputs is None and not example_kwargs:
             raise DeclarationError("example_inputs: required to trace the model, e.g. example_inputs=(tokens,); "
                                    "or pass an OpGraph from partitioner.tracer.trace")
-        g = trace(model, example_inputs or (), example_kwargs)
+        g = trace(model, example_inputs or (), example_kwargs, rewrite_attention=rewrite)
+        if g.attention_rewrites and not _runs_code(g):  # no program can run the rewritten code: cost what runs
+            g = trace(model, example_inputs or (), example_kwargs, rewrite_attention=False)
     plan = plan_graph(g, topo, decl, opts)
     if verify:
         _verify(plan, model, example_inputs, example_kwargs)
@@ -417,7 +432,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 compression=dict(zip(LEVELS, best.compression)),
                 compression_warmup=decl.compression_warmup if best.compression != ("none", "none") else 0,
                 rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
-                block_kinds=_block_kinds(g), block_container=g.block_container if _block_kinds(g) else None,
+                attention_rewrites=g.attention_rewrites, block_kinds=_block_kinds(g), block_container=g.block_container if _block_kinds(g) else None,
                 **_model_code(g, splits, cand))
 
 
@@ -444,9 +459,20 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> tuple[str, st
     return "", ""
 
 
+def _runs_code(g: OpGraph) -> bool:
+    """Whether programs can run `g` as generated code (its exported graph cuts into prefix, blocks, suffix)."""
+    try:
+        extract(g.graph_module, g, tp=1)
+    except SegmentError:
+        return False
+    return True
+
+
 def _model_code(g: OpGraph, splits, cand: ParallelConfig) -> dict:
-    """The prefix/block/suffix code that pipeline and tensor-parallel programs run (none for DP plans)."""
-    if cand.pp == 1 and cand.tp == 1:
+    """The prefix/block/suffix code that pipeline and tensor-parallel programs run; data-parallel and async
+    SGD programs run it too when the graph's attention was rewritten (the module's own forward would run
+    it eagerly)."""
+    if cand.pp == 1 and cand.tp == 1 and not g.attention_rewrites:
         return {}
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         how = "traced with torch.fx" if g.graph_module is not None else "given as an OpGraph without its graph"

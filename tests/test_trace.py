@@ -19,7 +19,6 @@ from examples import mlp as mlp_mod
 from partitioner import OpGraph, PartitionerError, TraceError, trace
 
 
-
 def unique_params(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
@@ -157,8 +156,10 @@ def test_costs_are_functions_of_batch_and_sequence():
     # Traced at (2, 64) and (6, 32), the same polynomials come out.
     assert [n.cost for n in g2.nodes] == [n.cost for n in g6.nodes]
     assert g2.flops(batch_size=8, seq_len=100) == g6.flops(batch_size=8, seq_len=100)
-    attn = next(n for n in g2.nodes if n.op == "matmul")
-    assert attn.cost.forward_flops(b=3, s=50) == 2 * 3 * 4 * 50 * 50 * 64  # q @ k^T: B*nh*T*T*hs MACs
+    # the eager attention, traced as one fused op (partitioner.tracer.attention): q @ k^T and probs @ v, B*nh*T*T*hs
+    # MACs each, and the softmax's 5 FLOPs per score
+    attn = next(n for n in g2.nodes if n.op == "scaled_dot_product_attention")
+    assert attn.cost.forward_flops(b=3, s=50) == 2 * 3 * 4 * 50 * 50 * (64 + 64) + 5 * 3 * 4 * 50 * 50
     assert g2.forward_flops(batch_size=1) == g2.forward_flops(batch_size=1, seq_len=64)
 
 

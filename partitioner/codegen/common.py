@@ -16,8 +16,9 @@ from cost_models.placements import sharded_dim
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
-__all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "dp_compression", "literal", "mesh_lines",
-           "params_table", "program_header", "ranks_text", "recompute_lines", "reduce_scatter_impl"]
+__all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "dp_compression", "literal",
+           "mesh_lines", "model_code_lines", "params_table", "program_header", "ranks_text", "recompute_lines",
+           "reduce_scatter_impl"]
 
 ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
@@ -198,3 +199,65 @@ MESH = {ml.mesh}
 PARAMS = (
 {params_table(plan)},
 )'''
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCodeLines:
+    """The model's code in a data-parallel or async SGD program: imports (torch's, then the runtime's), the
+    module-level text (functions, argument tables, `make_stage`) and the build() lines that run it."""
+
+    imports: str = ""
+    runtime_import: str = ""
+    text: str = ""
+    run: str = ""
+
+
+def model_code_lines(plan: "Plan") -> ModelCodeLines:
+    """The lines that make a data-parallel or async SGD program (pp = tp = 1) run the plan's model code: a
+    plan carries code for them when its attention was rewritten to a fused kernel, which the module's own
+    forward would not run (partitioner.tracer.attention). All empty otherwise: the module runs as it is."""
+    code = plan.code
+    if code is None:
+        return ModelCodeLines()
+    segs = [code.prefix, *code.templates] + ([code.suffix] if code.suffix is not None else [])
+    functions = "\n\n".join(s.source.rstrip() for s in segs)
+    args = "\n".join(f"{s.name.upper()}_ARGS = {literal(tuple(s.params) + tuple(s.buffers))}" for s in segs)
+    fn_table = ", ".join(f"{s.name!r}: {s.name}" for s in segs)
+    block_args = f"({', '.join(t.name.upper() + '_ARGS' for t in code.templates)},)" if code.block is not None else "()"
+    kinds = f"BLOCK_KINDS = {literal(code.block_kinds)}" if code.block_kinds else \
+        "BLOCK_KINDS = ()  # every block runs `block`"
+    n = code.num_blocks
+    text = f'''
+inf, nan = float("inf"), float("nan")
+
+# ---- the model's code: prefix, block template, suffix (cut from the exported graph). The module's own
+# forward is not run: its {plan.attention_rewrites} eager attention(s) run as one fused scaled_dot_product_attention
+# each, as the plan's time and memory assume (partitioner.tracer.attention). Beside each value, its shape.
+
+{functions}
+
+
+{args}
+{kinds}
+OUTPUT_SPEC = {code.output_spec!r}
+# One stage: the prefix, {f"blocks 0..{n - 1}" if n > 1 else f"{n} block(s)"} of {code.stack or "the model"},
+# the suffix.
+STAGES = {{0: (0, {n}, True, True)}}
+
+
+def make_stage(model, tp):
+    """`model` running the code above (the whole model on this rank); `plan.verify` calls it too."""
+    return StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
+                      block_inputs={tuple(t.model_inputs for t in code.templates)!r}, block_kinds=BLOCK_KINDS,
+                      suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
+                      block_args={block_args}, suffix_args={"SUFFIX_ARGS" if code.suffix is not None else "()"},
+                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp,
+                      recompute={plan.config.recompute!r})
+
+'''
+    recompute = plan.config.recompute
+    run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix"
+           + (f"\n    # (each block recomputed in backward: recompute={recompute})" if recompute != "none" else "")
+           + ".\n    make_stage(model, None).run_as_model()\n")
+    return ModelCodeLines(imports="import torch\nfrom torch import device\n\n",
+                          runtime_import="from runtime.pipeline.stage import StageModel\n", text=text, run=run)

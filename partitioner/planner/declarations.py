@@ -54,6 +54,10 @@ class Declarations:
     # {"every": k} (local SGD) or {"staleness": s} (from `async_sgd_pin`); None: synchronous training.
     # Never chosen by the planner: it changes the training math, so it is used only when pinned.
     async_sgd: dict[str, int] | None = None
+    # Eager attention (q k^T, mask, softmax, dropout, @ v) rewritten to one scaled_dot_product_attention where
+    # that is the same math (partitioner.tracer.attention): costed, and run by every program, as a fused
+    # kernel. False keeps the traced ops (and their s x s memory).
+    rewrite_attention: bool = True
     # What the program does besides the plan's choices (recorded in the plan, not searched)
     clip_grad_norm: float | None = None
     compression_warmup: int = 0  # first steps that reduce uncompressed
@@ -79,6 +83,10 @@ class Declarations:
                                  or not 0 < clip <= 1e308):  # not inf, NaN or beyond float
             raise DeclarationError(f"clip_grad_norm={clip!r}: must be a finite number > 0 (e.g. 1.0), or None "
                                    "for no clipping")
+        rewrite = values.get("rewrite_attention", True)
+        if not isinstance(rewrite, bool):
+            raise DeclarationError(f"rewrite_attention={rewrite!r}: must be True (eager attention runs as one fused "
+                                   "scaled_dot_product_attention where that is exact) or False (as traced)")
         warmup = values.get("compression_warmup", 0)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise DeclarationError(f"compression_warmup={warmup!r}: the number of first steps that reduce "
@@ -95,6 +103,8 @@ class Declarations:
             out["compression"] = dict(self.compression)
         if self.async_sgd:
             out["async_sgd"] = dict(self.async_sgd)
+        if not self.rewrite_attention:
+            out["rewrite_attention"] = False
         return out
 
 

@@ -275,6 +275,9 @@ class Plan:
     # {"staleness": s}, every step's update is averaged asynchronously and applied s steps later
     # (runtime.engines.async_sgd). None: synchronous training
     async_sgd: dict[str, int] | None = None
+    # eager attentions the tracer rewrote to one fused scaled_dot_product_attention each
+    # (partitioner.tracer.attention): costed so, and run so by every program of the plan; 0: none
+    attention_rewrites: int = 0
 
     # ---- the configuration, by name ---------------------------------------
     dp = property(lambda self: self.config.dp)

@@ -143,6 +143,11 @@ def _async_sgd(p: Plan) -> str:
                                  "counted as hidden behind the next step's compute"))
 
 
+def _attention(p: Plan) -> str:
+    return (f"{_plural(p.attention_rewrites, 'eager attention')} rewritten to fused scaled_dot_product_attention "
+            "(O(s) memory per row; rewrite_attention=False keeps the traced ops)")
+
+
 def _every(k: int) -> str:
     """1 -> 'every step', 4 -> 'every 4th step', 22 -> 'every 22nd step'."""
     if k == 1:
@@ -260,6 +265,7 @@ def format_plan(p: Plan) -> str:
             ("recompute", f"{c.recompute}: {_RECOMPUTE[c.recompute]}"),
             ("compression", compression_text(p)),
             *([("async sgd", _async_sgd(p))] if p.async_sgd else []),
+            *([("attention", _attention(p))] if p.attention_rewrites else []),
             ("predicted", (f"{_ms(pr.step_time_s)} ms/step, {human(pr.tokens_per_s)} tokens/s, "
                           f"{pr.model_tflops_per_device:.1f} TFLOP/s per device, MFU {100 * pr.mfu:.1f} %")),
             ("memory", (f"peak {_gib(pr.peak_memory_bytes)} of {_gib(cap)} per rank "

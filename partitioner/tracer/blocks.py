@@ -156,6 +156,9 @@ class Costed:
     module_path: str
     module_type: str
     block: int | None
+    # the node's number arguments: blocks that differ only in one (a scale folded into a fused attention,
+    # partitioner.tracer.attention) compute different things and are not copies of one another
+    scalars: tuple = ()
 
 
 def expand(nodes: list[Costed], stack: LayerStack, repeat: Repeat = Repeat()) -> list[Costed]:
@@ -201,7 +204,7 @@ def expand(nodes: list[Costed], stack: LayerStack, repeat: Repeat = Repeat()) ->
     wiring: list[list[tuple[str, object]]] = []
     for a, c in zip(seg1, seg2):
         same = (a.op == c.op and a.target == c.target and a.output == c.output
-                and a.cost.forward_flops == c.cost.forward_flops
+                and a.scalars == c.scalars and a.cost.forward_flops == c.cost.forward_flops
                 and _shift(a.module_path, P, b1, b2, p) == c.module_path and len(a.inputs) == len(c.inputs)
                 and tuple(_shift(x, P, b1, b2, p) for x in a.params) == c.params)
         if not same:

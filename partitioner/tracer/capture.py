@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from cost_models.errors import TraceError
+from partitioner.tracer.attention import rewrite_attention as rewrite_attention_in
 from partitioner.tracer.symbolic import B, S
 
 __all__ = ["RawSpec", "RawArg", "RawNode", "Capture", "capture"]
@@ -71,6 +72,7 @@ class Capture:
     method: Method
     batch_symbolic: bool
     graph_module: Any
+    attention_rewrites: int = 0  # eager attentions rewritten to scaled_dot_product_attention (attention.py)
 
 
 # ---------------------------------------------------------------- helpers
@@ -164,7 +166,7 @@ def trace_error(model: torch.nn.Module, method: str, exc: BaseException, *, othe
 # ---------------------------------------------------------------- export
 
 
-def _capture_export(model, args, kwargs, dynamic_seq: bool) -> Capture:
+def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = False) -> Capture:
     from torch.export import Dim
 
     def spec_of(x):
@@ -175,6 +177,8 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool) -> Capture:
     dyn_kwargs = {k: spec_of(v) for k, v in kwargs.items()}
     dynamic_shapes = {**{p: d for p, d in zip(_positional_names(model, len(args)), dyn_args)}, **dyn_kwargs}
     ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes)
+    # before anything reads the graph, so costs and generated code see the same (fused) attention
+    rewrites = rewrite_attention_in(ep.graph_module) if rewrite else 0
     sig = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
     kinds = torch.export.graph_signature.InputKind
 
@@ -217,7 +221,7 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool) -> Capture:
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)
     return Capture(nodes=tuple(nodes), inputs=tuple(inputs), method="export",
-                   batch_symbolic=batch_symbolic, graph_module=ep)
+                   batch_symbolic=batch_symbolic, graph_module=ep, attention_rewrites=rewrites)
 
 
 def _positional_names(model: torch.nn.Module, n: int) -> list[str]:
@@ -385,8 +389,10 @@ def _module_scalars(mod: torch.nn.Module) -> tuple[Any, ...]:
 
 def capture(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], *,
             method: Literal["auto", "export", "fx"] = "auto", dynamic_seq: bool = True,
-            leaf_modules: tuple[type, ...] = ()) -> Capture:
-    """Capture `model(*args, **kwargs)`; "auto" tries export, then fx."""
+            leaf_modules: tuple[type, ...] = (), rewrite_attention: bool = False) -> Capture:
+    """Capture `model(*args, **kwargs)`; "auto" tries export, then fx. `rewrite_attention` rewrites eager
+    attention in an exported graph to scaled_dot_product_attention (partitioner.tracer.attention); an fx
+    graph, whose code no program runs, keeps it as traced."""
     order = {"auto": ("export", "fx"), "export": ("export",), "fx": ("fx",)}.get(method)
     if order is None:
         raise TraceError(f"method={method!r}: must be 'auto', 'export' or 'fx'")
@@ -396,7 +402,7 @@ def capture(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
     for m in order:
         try:
             if m == "export":
-                return _capture_export(model, args, kwargs, dynamic_seq)
+                return _capture_export(model, args, kwargs, dynamic_seq, rewrite_attention)
             return _capture_fx(model, args, kwargs, dynamic_seq, leaf_modules)
         except (KeyboardInterrupt, MemoryError):
             raise

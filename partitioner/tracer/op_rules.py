@@ -163,8 +163,16 @@ def op_cost(node: RawNode, arg_rg: list[bool]) -> SymCost:
         scores = rows * k[-2]  # B*H*L*S
         mm = 2 * scores * (q[-1] + v[-1])
         # Flash/efficient kernels keep q, k, v, the output and a logsumexp per row, not the L x S matrix.
-        return cost("attention", mm + 5 * scores, 2 * mm + 5 * scores if out_rg else 0, [0, 1, 2],
-                    saves_output=True, extra=rows * 4)
+        # A float attn_mask is kept as it is (counted once where several calls share it); a boolean one
+        # is first turned into a float one in q's dtype, made (and kept) by each call.
+        saved, extra = [0, 1, 2], rows * 4
+        mask = args[3] if len(args) > 3 else None
+        if mask is not None and mask.spec is not None and mask.spec.dtype == torch.bool:
+            extra = extra + _numel(mask) * args[0].spec.itemsize
+        elif mask is not None:
+            saved.append(3)
+        return cost("attention", mm + 5 * scores, 2 * mm + 5 * scores if out_rg else 0, saved,
+                    saves_output=True, extra=extra)
 
     if op == "embedding":
         w_i = 0 if args[0].spec.dtype.is_floating_point else 1

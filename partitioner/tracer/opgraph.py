@@ -28,6 +28,7 @@ import operator
 from typing import Any, Iterable, Literal
 
 from cost_models.errors import TraceError
+from partitioner.tracer.attention import SDPA_NAME
 from partitioner.tracer.opgraph_table import format_table
 from partitioner.tracer.symbolic import Poly
 
@@ -207,6 +208,12 @@ class OpGraph:
     def activation_bytes(self, batch_size: int | None = None, seq_len: int | None = None) -> float:
         """Bytes kept for backward (no recompute) at the traced dtype."""
         return self._sum("activation_bytes", batch_size, seq_len)
+
+    @property
+    def attention_rewrites(self) -> int:
+        """Eager attentions the tracer rewrote to scaled_dot_product_attention (partitioner.tracer.attention),
+        counted over every block."""
+        return sum(1 for n in self.nodes if n.op == "scaled_dot_product_attention" and n.name.startswith(SDPA_NAME))
 
     # ---- structure --------------------------------------------------------
     def node(self, name: str) -> OpNode:

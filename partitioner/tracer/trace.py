@@ -41,7 +41,7 @@ __all__ = ["trace"]
 
 def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), example_kwargs: dict[str, Any] | None = None,
           *, method: Literal["auto", "export", "fx"] = "auto", expand_repeated: bool = True,
-          dynamic_seq: bool = True, leaf_modules: Sequence[type] = ()) -> OpGraph:
+          dynamic_seq: bool = True, leaf_modules: Sequence[type] = (), rewrite_attention: bool = True) -> OpGraph:
     """Trace `model(*example_inputs, **example_kwargs)` into an OpGraph.
 
     Batch is dimension 0 of every tensor input; for integer token inputs
@@ -50,7 +50,12 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     a uniform layer stack, or three periods of one whose kinds of block repeat,
     and copies them (much faster for deep models; the result equals a full
     trace). `leaf_modules` keeps modules of those
-    classes whole (fx only). Works with a model on the meta device.
+    classes whole (fx only). `rewrite_attention` replaces eager attention
+    (q k^T, scale, additive mask, softmax, dropout, @ v) by one
+    scaled_dot_product_attention where that is the same math
+    (partitioner.tracer.attention): the graph is costed, and its code runs,
+    as a fused kernel; False keeps the traced ops. Works with a model on
+    the meta device.
 
     >>> from examples.gpt import gpt_small, example_inputs
     >>> model = gpt_small()
@@ -76,15 +81,15 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
 
     stack = find_layer_stack(model)
     leaf = tuple(leaf_modules)
+    kw = dict(method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf, rewrite_attention=rewrite_attention)
     costed, cap, expanded_from, kinds = None, None, None, None
     if expand_repeated and stack is not None and not stack.shared and stack.size > TRACED_BLOCKS:
         try:
-            costed, cap, kinds, expanded_from = _expanded(model, stack, args, kwargs, seq, method=method,
-                                                          dynamic_seq=dynamic_seq, leaf_modules=leaf)
+            costed, cap, kinds, expanded_from = _expanded(model, stack, args, kwargs, seq, **kw)
         except (TraceError, NotRepeating):
             costed = None  # the model does not repeat, or its forward needs every block: trace all of it
     if costed is None:
-        cap = _capture(model, args, kwargs, method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf)
+        cap = _capture(model, args, kwargs, **kw)
         costed = _cost(cap, model, stack, seq)
         kinds = _full_trace_kinds(cap, model, stack)
     unknown = sorted({n.op for n in costed if not known_op(n.op)})
@@ -233,7 +238,7 @@ def _cost(cap: Capture, model: nn.Module, stack: LayerStack | None, seq: int | N
             inputs=tuple(a.ref for a in n.args if a.kind in ("node", "input")),
             params=tuple(dict.fromkeys(a.ref for a in n.args if a.kind == "param")),
             output=_spec(n.outputs[0], seq), cost=cost, requires_grad=rg[n.name],
-            module_path=n.module_path, module_type=n.module_type,
+            module_path=n.module_path, module_type=n.module_type, scalars=n.scalars,
             block=block_index(n.module_path, stack.path) if stack is not None else None))
     return out
 

@@ -165,6 +165,15 @@ class StageModel:
             return pytree.tree_unflatten(flat, self.out_spec)
         return x
 
+    def run_as_model(self) -> None:
+        """Make the module's forward take the model's own inputs and run its one stage (the whole model): a
+        data-parallel program whose model runs the generated code (eager attention rewritten to a fused
+        kernel) rather than its own forward, under an engine that calls it as the module."""
+        if len(self.stages) != 1 or not all(pre and suf for _, _, pre, suf in self.stages.values()):
+            raise ValueError(f"run_as_model needs one stage holding the whole model, not stages {self.stages}")
+        stage = next(iter(self.stages))
+        self.module.forward = lambda *args, **kwargs: self._stage(None, kwargs if kwargs else args, stage)
+
     def stage_callable(self, s: int) -> Callable:
         """What the pipeline executor runs for virtual stage s, as stage(x, model inputs): the root
         module's call, so the data-parallel engine's hooks fire."""

@@ -122,7 +122,7 @@ def verify_skip_reason(plan: Any, *, max_elements: float = MAX_VERIFY_ELEMENTS) 
         f = plan_facts(plan)
     except (AttributeError, KeyError, TypeError):
         return "the plan has no configuration and mesh to verify"
-    if f.pp == 1 and f.tp == 1:
+    if not f.has_code:
         return "pp = tp = 1: the programs hold no model code"
     n = num_parameters(plan)
     if n is None:
@@ -162,7 +162,7 @@ def verify_plan(plan: Any, model_fn: Callable[[], nn.Module], inputs: Any = None
     """
     start = time.perf_counter()
     facts = plan_facts(plan)
-    if facts.pp == 1 and facts.tp == 1:
+    if not facts.has_code:
         return VerifyReport(checked=False, note="pp = tp = 1: the programs hold no model code, they run the module "
                                                 "itself (data parallelism only)")
     threads = torch.get_num_threads()

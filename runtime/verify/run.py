@@ -52,14 +52,19 @@ class Facts:
     microbatch_size: int
     seq_len: int | None
     ranks: tuple[tuple[int, int, int], ...]  # (rank, pp, tp) of replica 0's ranks
+    # the programs run generated model code: always with pp or tp > 1; with pp = tp = 1 when the plan's
+    # attention was rewritten to a fused kernel (else they run the module itself)
+    has_code: bool = True
 
 
 def plan_facts(plan: Any) -> Facts:
     get = (lambda o, k: o[k]) if isinstance(plan, Mapping) else getattr
     c, mesh = get(plan, "config"), get(plan, "mesh")
     ranks = tuple(sorted((get(m, "rank"), get(m, "pp"), get(m, "tp")) for m in mesh if get(m, "dp") == 0))
-    return Facts(pp=get(c, "pp"), tp=get(c, "tp"), dp=get(c, "dp"), microbatch_size=get(c, "microbatch_size"),
-                  seq_len=get(plan, "seq_len"), ranks=ranks)
+    code = plan.get("code") if isinstance(plan, Mapping) else getattr(plan, "code", None)
+    pp, tp = get(c, "pp"), get(c, "tp")
+    return Facts(pp=pp, tp=tp, dp=get(c, "dp"), microbatch_size=get(c, "microbatch_size"),
+                  seq_len=get(plan, "seq_len"), ranks=ranks, has_code=code is not None or pp > 1 or tp > 1)
 
 
 # ---- dropout off -----------------------------------------------------------------------------

@@ -1,0 +1,304 @@
+"""Eager attention, found by its dataflow in an exported graph and rewritten to one fused op.
+
+Hugging Face's eager attention (and nanoGPT's manual one) run as separate ATen ops:
+
+    scores = q @ k^T  (matmul, bmm, or baddbmm(bias, q, k^T, alpha=scale))
+    scores = scores * scale + bias / masked_fill(mask, -inf) / where(mask, scores, -inf)   (any order, optional)
+    probs  = softmax(scores, -1)  (casts before and after allowed)
+    probs  = dropout(probs, p)    (optional)
+    out    = probs @ v
+
+which keeps the s x s scores, the probabilities and the dropout mask for backward. `rewrite_attention`
+replaces each such chain by `aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, scale=...)`:
+the same math (softmax(q k^T * scale + mask) v), computed by a kernel that keeps O(s) per row. The
+mask is the chain's additive terms gathered into one tensor in their broadcast shape (a boolean keep-mask
+when the only term is a masked_fill / where with a value that removes the position); it is computed
+inside the region and saved by the fused kernel, so the cost rule counts it.
+
+Nothing is matched by module or model name. A chain whose intermediate values are read elsewhere (the
+attention probabilities returned as an output), whose softmax runs over another dim, or whose bias is
+not additive is left as traced. A 3-d layout (BLOOM's (b*h, s, d) baddbmm, viewed to (b, h, s, s) for
+the mask) is lifted to the 4-d layout the mask lives in, so the fused op sees heads as a dim (tensor
+parallelism splits it).
+
+The graph is the tracer's own fresh ExportedProgram, rewritten in place before anything reads it:
+the user's module is never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["rewrite_attention", "SDPA_NAME"]
+
+_aten = torch.ops.aten
+SDPA_NAME = "attention_sdpa"  # rewritten nodes are named so; the OpGraph counts them
+_SCORES = {_aten.matmul.default, _aten.bmm.default, _aten.baddbmm.default}
+_CASTS = {_aten.to.dtype, _aten._to_copy.default, _aten.to.dtype_layout}
+_VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
+_SOFTMAX = {_aten.softmax.int, _aten._softmax.default}
+_ASSERT = {_aten._assert_tensor_metadata.default}
+# a masked value at or below this removes its position from the softmax in fp32, bf16 and fp16 alike
+# (exp(-1e4) underflows to 0); HF fills with torch.finfo(dtype).min, nanoGPT with -inf
+_MASKED = -1e4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Match:
+    """One eager attention: the nodes it spans and what the fused op needs."""
+
+    scores: fx.Node  # the q @ k^T node
+    unflatten: fx.Node | None  # a (b*h, l, s) -> (b, h, l, s) view of the scores before the softmax
+    # ("add", t, factor) | ("fill", m, v) | ("keep", m, v), each with whether it is in the 3-d layout
+    terms: tuple[tuple[str, Any, Any, bool], ...]
+    scale: float
+    dropout_p: float
+    out: fx.Node  # the probs @ v node
+    region: tuple[fx.Node, ...]  # every node replaced, in graph order
+
+
+def rewrite_attention(gm: fx.GraphModule) -> int:
+    """Rewrite every exact eager attention of `gm`'s graph to scaled_dot_product_attention, in place;
+    returns how many were rewritten."""
+    count = 0
+    erased: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _SCORES and node not in erased:
+            m = _match(node)
+            if m is not None and _rewrite(gm.graph, m, erased):
+                count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _users(n: fx.Node) -> list[fx.Node]:
+    return [u for u in n.users if u.target not in _ASSERT]
+
+
+def _rank(n: Any) -> int:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v.dim() if isinstance(v, torch.Tensor) else -1
+
+
+def _shape(n: fx.Node) -> tuple[str, ...]:
+    return tuple(str(d) for d in n.meta["val"].shape)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _match(scores: fx.Node) -> _Match | None:
+    """Follow `scores` forward to a softmax and a matmul with v; None when the chain is not eager attention."""
+    if scores.target is _aten.baddbmm.default:
+        bias, q, kt = scores.args[:3]
+        beta, alpha = scores.kwargs.get("beta", 1), scores.kwargs.get("alpha", 1)
+        if len(scores.args) > 3 or not _number(beta) or not _number(alpha):
+            return None
+        terms: list[tuple[str, Any, Any, bool]] = [("add", bias, beta, True)] if beta != 0 else []
+        scale = float(alpha)
+    else:
+        q, kt = scores.args[:2]
+        terms, scale = [], 1.0
+    if _rank(q) not in (3, 4) or _rank(q) != _rank(kt) or _rank(scores) != _rank(q):
+        return None
+    region = [scores]
+    cur, unflatten = scores, None
+    while True:  # scores -> softmax: scale, additive terms, casts, one unflattening view
+        users = _users(cur)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        rest = [a for a in (*u.args, *u.kwargs.values()) if a is not cur]
+        if u.target in (_aten.mul.Tensor, _aten.div.Tensor) and len(u.args) == 2 and not u.kwargs and \
+                len(rest) == 1 and _number(rest[0]) and (u.target is _aten.mul.Tensor or u.args[0] is cur):
+            c = rest[0] if u.target is _aten.mul.Tensor else 1.0 / rest[0]
+            if c <= 0:
+                return None
+            scale *= c
+            terms = [(kind, a, b * c if kind == "add" else b, flat) for kind, a, b, flat in terms]
+        elif u.target is _aten.add.Tensor and len(u.args) == 2 and u.kwargs.get("alpha", 1) == 1:
+            other = rest[0]
+            if isinstance(other, fx.Node):
+                terms.append(("add", other, 1.0, unflatten is None))
+            elif not _number(other):  # a number added to every score cannot change the softmax
+                return None
+        elif u.target is _aten.masked_fill.Scalar and u.args[0] is cur and _number(u.args[2]) and \
+                u.args[2] <= _MASKED:
+            terms.append(("fill", u.args[1], u.args[2], unflatten is None))
+        elif u.target is _aten.where.ScalarOther and u.args[1] is cur and _number(u.args[2]) and \
+                u.args[2] <= _MASKED:
+            terms.append(("keep", u.args[0], u.args[2], unflatten is None))
+        elif u.target in _CASTS and u.args[0] is cur and _float_cast(u):
+            pass
+        elif u.target in _VIEWS and unflatten is None and _rank(cur) == 3 and _rank(u) == 4 and \
+                _shape(u)[-2:] == _shape(cur)[-2:] and -1 not in list(u.args[1])[:-2]:
+            unflatten = u
+        elif u.target in _SOFTMAX and u.args[0] is cur and u.args[1] in (-1, _rank(cur) - 1):
+            region.append(u)
+            cur = u
+            break
+        else:
+            return None
+        region.append(u)
+        cur = u
+    dropout_p = 0.0
+    flattened = False
+    while True:  # softmax -> probs @ v: casts, one dropout, the view back to the scores' layout
+        users = _users(cur)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        if u.target in _CASTS and u.args[0] is cur and _float_cast(u):
+            pass
+        elif u.target is _aten.dropout.default and u.args[0] is cur and dropout_p == 0.0:
+            p, train = u.args[1], u.args[2] if len(u.args) > 2 else u.kwargs.get("train", True)
+            dropout_p = float(p) if train else 0.0
+        elif u.target in _VIEWS and unflatten is not None and not flattened and _rank(u) == 3:
+            flattened = True
+        elif u.target in (_aten.matmul.default, _aten.bmm.default) and u.args[0] is cur and u.args[1] is not cur:
+            if (unflatten is not None) != flattened or _rank(u.args[1]) != _rank(scores):
+                return None
+            region.append(u)
+            return _Match(scores=scores, unflatten=unflatten, terms=tuple(terms), scale=scale,
+                          dropout_p=dropout_p, out=u, region=tuple(region))
+        else:
+            return None
+        region.append(u)
+        cur = u
+
+
+def _float_cast(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+class _Emit:
+    """Adds nodes before the attention's output, with fake values, in the region's module scope."""
+
+    def __init__(self, graph: fx.Graph, m: _Match):
+        self.graph, self.m = graph, m
+        self.meta = {k: m.out.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack")
+                     if k in m.out.meta}
+        self.fake = m.out.meta["val"].fake_mode if hasattr(m.out.meta["val"], "fake_mode") else None
+
+    def __call__(self, target: Any, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_before(self.m.out):
+            node = self.graph.create_node("call_function", target, args, kwargs, name=name)
+        val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+        real_args = torch.utils._pytree.tree_map(val, (args, kwargs))
+        if self.fake is not None:
+            with self.fake:
+                node.meta["val"] = target(*real_args[0], **real_args[1])
+        else:
+            node.meta["val"] = target(*real_args[0], **real_args[1])
+        node.meta.update(self.meta)
+        return node
+
+    def size(self, n: fx.Node, dim: int) -> Any:
+        """n.shape[dim] as an int, or read at run time where it is symbolic."""
+        d = n.meta["val"].shape[dim]
+        return int(d) if not isinstance(d, torch.SymInt) else self(_aten.sym_size.int, (n, dim))
+
+
+def _lift(emit: _Emit, n: fx.Node, lead: list[Any], lead_shape: tuple[str, ...]) -> fx.Node | None:
+    """A (b*h, x, y) operand in the 4-d (b, h, x, y) layout: the tensor it was flattened from when there
+    is one, else a reshape; None when its first dim neither matches the flattened one nor broadcasts."""
+    if n.target in _VIEWS and _rank(n.args[0]) == 4 and _shape(n.args[0])[:-2] == lead_shape and \
+            _shape(n.args[0])[-2:] == _shape(n)[-2:]:
+        return n.args[0]
+    first = _shape(n)[0]
+    if first == "1":
+        lead = [1] * len(lead)
+    elif first != str(emit.m.scores.meta["val"].shape[0]):
+        return None
+    return emit(_aten.reshape.default, (n, [*lead, emit.size(n, -2), emit.size(n, -1)]))
+
+
+def _rewrite(graph: fx.Graph, m: _Match, erased: set[fx.Node]) -> bool:
+    emit = _Emit(graph, m)
+    if m.scores.target is _aten.baddbmm.default:
+        q, kt = m.scores.args[1:3]
+    else:
+        q, kt = m.scores.args[:2]
+    v = m.out.args[1]
+    terms = list(m.terms)
+    # k itself when k^T transposes the last two dims of it (else k^T transposed back, below)
+    k = kt.args[0] if kt.target is _aten.transpose.int and _rank(kt) > 1 and \
+        sorted(d % _rank(kt) for d in kt.args[1:3]) == [_rank(kt) - 2, _rank(kt) - 1] else None
+    if m.unflatten is not None:  # lift q, k^T, v and the 3-d terms to the 4-d layout of the mask
+        lead = list(m.unflatten.args[1])[:-2]
+        lead_shape = _shape(m.unflatten)[:-2]
+        lifted = [_lift(emit, x, lead, lead_shape) for x in (q, kt if k is None else k, v)]
+        for i, (kind, a, b, flat) in enumerate(terms):
+            if flat:
+                a = _lift(emit, a, lead, lead_shape) if _rank(a) == 3 else None
+                lifted.append(a)
+                terms[i] = (kind, a, b, False)
+        if any(x is None for x in lifted):
+            return False  # leaves the dead reshapes, which nothing reads
+        q, v = lifted[0], lifted[2]
+        kt, k = (lifted[1], None) if k is None else (kt, lifted[1])
+    if k is None:
+        k = emit(_aten.transpose.int, (kt, -2, -1))
+    dtype = q.meta["val"].dtype
+    mask = _mask(emit, terms, dtype)
+    out = emit(_aten.scaled_dot_product_attention.default, (q, k, v),
+               {"attn_mask": mask, "dropout_p": m.dropout_p, "scale": m.scale}, name=SDPA_NAME)
+    if m.unflatten is not None:
+        back = [u for u in m.out.users if u.target in _VIEWS and _shape(u) == _shape(out)]
+        if len(m.out.users) == 1 and back:
+            back[0].replace_all_uses_with(out)
+        else:
+            out = emit(_aten.reshape.default, (out, [-1, emit.size(out, -2), emit.size(out, -1)]))
+    m.out.replace_all_uses_with(out)
+    _erase(graph, m.region, erased)
+    return True
+
+
+def _mask(emit: _Emit, terms: list[tuple[str, Any, Any, bool]], dtype: torch.dtype) -> fx.Node | None:
+    """The additive float mask of the terms (a boolean keep-mask for a single removal)."""
+    if len(terms) == 1 and terms[0][0] in ("fill", "keep"):
+        kind, cond, _, _ = terms[0]
+        return emit(_aten.logical_not.default, (cond,)) if kind == "fill" else cond
+    mask = None
+    for kind, a, b, _ in terms:
+        if kind == "add":
+            t = a if b == 1 else emit(_aten.mul.Tensor, (a, b))
+            mask = t if mask is None else emit(_aten.add.Tensor, (mask, t))
+        elif kind == "fill":  # removed where a holds
+            mask = emit(_aten.where.Scalar, (a, b, 0.0)) if mask is None else \
+                emit(_aten.where.ScalarSelf, (a, b, mask))
+        else:  # kept where a holds
+            mask = emit(_aten.where.Scalar, (a, 0.0, b)) if mask is None else \
+                emit(_aten.where.ScalarOther, (a, mask, b))
+    # the fused op takes a bool, fp32 or the queries' dtype of mask (an fp32 mask beside bf16 queries
+    # under mixed precision too): no copy of it per call unless it has another dtype
+    if mask is None or mask.meta["val"].dtype in (torch.float32, dtype):
+        return mask
+    return emit(_aten.to.dtype, (mask, dtype))
+
+
+def _erase(graph: fx.Graph, region: tuple[fx.Node, ...], erased: set[fx.Node]) -> None:
+    """Remove the replaced nodes, their assertions, and views of q, k, v nothing reads any more."""
+    todo = list(reversed(region))
+    while todo:
+        n = todo.pop(0)
+        if n in erased:
+            continue
+        for u in [u for u in n.users if u.target in _ASSERT]:
+            graph.erase_node(u)
+            erased.add(u)
+        if n.users:
+            continue
+        inputs = [a for a in n.all_input_nodes if a.op == "call_function"]
+        graph.erase_node(n)
+        erased.add(n)
+        todo += [a for a in inputs if a.target in _VIEWS | {_aten.transpose.int} and not _users(a)]
