@@ -175,3 +175,12 @@ def test_the_regularised_fit_does_not_interpolate_three_points():
     prior_only = fit_step_times(_predict, measured, Calibration(), factors=factors, max_free=4)
     assert prior_only.rms_log_error_after > 1e-3  # more factors than points: the prior keeps it off the points
     assert select_factors(np.zeros((3, 4)), 3) == []
+
+
+def test_a_cluster_topology_outside_a_launcher_is_refused_with_the_command_to_run(monkeypatch):
+    from partitioner.probe import probe
+
+    for k in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(PartitionerError, match="torchrun --nnodes 2 --nproc-per-node 8"):
+        probe("2x8xH100-80GB")
