@@ -51,9 +51,14 @@ rows as columns is vocab-parallel: each rank looks up its rows, zeros the
 rest, and the output is all-reduced. A matmul whose split output reaches a
 cross entropy as the class dim is a vocab-parallel LM head: logits stay
 split over the vocab, and the parallel cross entropy all-reduces three
-per-token fp32 numbers (max logit, sum of exp, target logit). A tied
-embedding / LM head is one parameter, S(0) in both uses; uses that need
-different splits of one parameter replicate it.
+per-token fp32 numbers (max logit, sum of exp, target logit). A matmul
+that widens (output features >= input features, as vocab >= hidden) whose
+split output is a model output itself (logits returned, the loss computed
+outside the model) is a gathered LM head: column-parallel, its output
+all-gathered over the tensor group for the caller (Megatron's
+`gather_output`), when the vocab divides by every degree the rest of the
+model allows. A tied embedding / LM head is one parameter, S(0) in both
+uses; uses that need different splits of one parameter replicate it.
 
 Limitations, from what an OpGraph records (shapes, not an op's dim
 arguments): softmax is assumed over the last dim; a permute between equal
@@ -113,6 +118,8 @@ from partitioner.tracer.symbolic import Poly
 
 __all__ = ["Placement", "TPCollective", "TensorSplits", "find_splits"]
 
+TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # the tensor degrees the planner considers
+
 Role = Literal["column", "row", "vocab_embedding", "vocab_head", "replicated"]
 
 
@@ -146,7 +153,7 @@ class TPCollective:
 
     node: str
     phase: Literal["forward", "backward"]
-    kind: Literal["all_reduce"]
+    kind: Literal["all_reduce", "all_gather"]
     bytes: Poly
     what: str = ""
 
@@ -173,7 +180,7 @@ class TensorSplits:
     shard_dims: tuple[tuple[str, int], ...] = ()
     chunks: tuple[tuple[str, str, int], ...] = ()
 
-    def valid_tp(self, candidates: Iterable[int] = (1, 2, 4, 8, 16, 32, 64)) -> tuple[int, ...]:
+    def valid_tp(self, candidates: Iterable[int] = TP_CANDIDATES) -> tuple[int, ...]:
         """The degrees among `candidates` that divide every divisor."""
         g = reduce(math.gcd, (n for _, n in self.divisors), 0)
         return tuple(t for t in candidates if g == 0 or g % t == 0)
@@ -275,6 +282,7 @@ class _Region:
     row_units: list[int] = dataclasses.field(default_factory=list)
     fused: dict[str, int] = dataclasses.field(default_factory=dict)
     chunks: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    outputs: list[str] = dataclasses.field(default_factory=list)  # split nodes that are model outputs
     attention: bool = False
     failure: str | None = None
 
@@ -460,7 +468,7 @@ def _propagate(ctx: _Context, forbidden: dict[str, str], no_vocab: dict[str, str
         for i in rest:
             parent[i] = root
             a, b = regions[root], regions[i]
-            for f in ("producers", "rows", "sinks", "nodes", "splits", "row_units", "chunks"):
+            for f in ("producers", "rows", "sinks", "nodes", "splits", "row_units", "chunks", "outputs"):
                 getattr(a, f).extend(getattr(b, f))
             a.fused.update(b.fused)
             a.attention |= b.attention
@@ -527,17 +535,31 @@ def _propagate(ctx: _Context, forbidden: dict[str, str], no_vocab: dict[str, str
     for name, s in state.items():
         n = ctx.node[name]
         if not ctx.consumers[name] and n.op != "getitem":
-            reg = regions[find(s.region)]
-            if reg.failure is None:
-                reg.failure = (f"its output reaches the model output at {name} with no matmul contracting over "
-                               f"it (a split output would have to be gathered)")
+            regions[find(s.region)].outputs.append(name)
     roots = [regions[i] for i in sorted({find(i) for i in range(len(regions))})]
     for reg in roots:
+        if reg.failure is None and reg.outputs and (reg.rows or reg.sinks or not _gathered_head(ctx, reg)):
+            reg.failure = (f"its output reaches the model output at {reg.outputs[0]} with no matmul contracting "
+                           f"over it (a split output would have to be gathered)")
         if reg.failure is None and reg.rows and reg.sinks:
             reg.failure = "its split output reaches both a row-parallel matmul and a cross entropy"
-        if reg.failure is None and not reg.rows and not reg.sinks:
+        if reg.failure is None and not reg.rows and not reg.sinks and not reg.outputs:
             reg.failure = "no matmul contracts over its split output (no row-parallel partner)"
     return _Pass(state, roots, vocab, emb_reason)
+
+
+def _gathered_head(ctx: _Context, reg: _Region) -> bool:
+    """Whether a region ending at model outputs is an LM head worth gathering: outputs made after every block
+    (logits, not a block's value), by matmuls that widen (the gathered output is then cheaper than keeping the
+    weight whole on every rank: b*s*V bytes moved against V*h parameters, their gradients and optimizer state)."""
+    if any(ctx.node[o].block is not None for o in reg.outputs):
+        return False
+    for a in reg.producers:
+        w = ctx.weighted[a]
+        shape = ctx.pshape[w.weight]
+        if shape[w.out_dim] < shape[1 - w.out_dim]:
+            return False
+    return True
 
 
 def _embedding_reason(ctx: _Context, n: OpNode) -> str:
@@ -572,6 +594,7 @@ def find_splits(g: OpGraph) -> TensorSplits:
     no_vocab: dict[str, str] = {}  # embeddings kept whole -> why
     while True:
         res = _propagate(ctx, forbidden, no_vocab)
+        _check_gathered_vocab(ctx, res)
         uses = _uses(ctx, res, forbidden)
         new = {p: reg.failure for reg in res.regions if reg.failure for p in reg.producers}
         shared, new_vocab = _conflicts(ctx, res, uses)
@@ -587,6 +610,25 @@ def find_splits(g: OpGraph) -> TensorSplits:
                         shard_dims=tuple(sorted((x, res.state[x].dim) for reg in res.regions for x in reg.nodes
                                                if x in res.state)),
                         chunks=tuple(c for reg in res.regions for c in reg.chunks))
+
+
+def _check_gathered_vocab(ctx: _Context, res: _Pass) -> None:
+    """A gathered LM head must not narrow the tensor degrees the rest of the model allows: its vocab must divide
+    by the gcd of the other divisors (heads, ffn widths), else the head stays whole (with why)."""
+    heads = [reg for reg in res.regions if reg.failure is None and reg.outputs]
+    if not heads:
+        return
+    rest = [reg for reg in res.regions if reg.failure is None and not reg.outputs]
+    g = reduce(math.gcd, (n for _, n in _divisors(ctx, res._replace(regions=rest, vocab_embeddings={}))), 0)
+    allowed = [t for t in TP_CANDIDATES if g == 0 or g % t == 0]
+    for reg in heads:
+        for a in reg.producers:
+            w = ctx.weighted[a]
+            vocab = ctx.pshape[w.weight][w.out_dim]
+            if any(vocab % t for t in allowed):
+                reg.failure = (f"its output reaches the model output at {reg.outputs[0]}, and gathering it splits "
+                               f"the vocab {vocab} over tp, which the other splits allow up to {max(allowed)}: pad "
+                               f"the vocabulary to a multiple of {max(allowed)} to split it")
 
 
 def _conflicts(ctx: _Context, res: _Pass,
@@ -641,6 +683,13 @@ def _want(ctx: _Context, res: _Pass, n: OpNode, w: _Weighted | None, p: str,
           col: _Region | None, row: _Region | None, forbidden: dict[str, str], k: int) -> Placement:
     if w is not None and col is not None and col.failure is None:
         wspec, fused = str(Shard(w.out_dim)), col.fused.get(n.name, 1)
+        if col.outputs:
+            if p != w.weight:
+                return Placement(param=p, spec=str(Shard(0)), role="vocab_head",
+                                 reason="bias of the gathered LM head: split with the vocab")
+            return Placement(param=p, spec=wspec, role="vocab_head",
+                             reason="column-parallel LM head: logits split over the vocab, all-gathered for the "
+                                    "model output (the loss is computed outside the model)")
         if col.sinks:
             if p != w.weight:
                 return Placement(param=p, spec=str(Shard(0)), role="vocab_head",
@@ -734,6 +783,9 @@ def _collectives(ctx: _Context, res: _Pass) -> tuple[TPCollective, ...]:
         for b in reg.rows:
             out.append((pos[b], TPCollective(node=b, phase="forward", kind="all_reduce",
                                              bytes=_nbytes(ctx.node[b]), what="row-parallel output (g)")))
+        for o in reg.outputs:
+            out.append((pos[o], TPCollective(node=o, phase="forward", kind="all_gather", bytes=_nbytes(ctx.node[o]),
+                                             what="split model output gathered (logits)")))
         for c in reg.sinks:
             logits = ctx.shape(ctx.node[c].inputs[0])
             tokens = _prod(x for i, x in enumerate(logits) if i != (1 if len(logits) >= 2 else 0))
@@ -760,7 +812,7 @@ def _divisors(ctx: _Context, res: _Pass) -> tuple[tuple[str, int], ...]:
     """What tp must divide: per region its heads (and smaller kv head counts) or its ffn width; each vocab."""
     out: dict[str, int] = {}
     for reg in res.regions:
-        if reg.sinks:
+        if reg.sinks or reg.outputs:
             for a in reg.producers:
                 w = ctx.weighted[a]
                 out[f"vocab of {w.weight}"] = ctx.pshape[w.weight][w.out_dim]

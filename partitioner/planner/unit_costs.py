@@ -222,7 +222,7 @@ class CostContext:
             collective_f = 0.0
             if tp > 1:
                 for coll in self._collectives.get(n.name, ()):
-                    t = self.comm.all_reduce(coll.bytes(mb, s) * sc, tp_ranks)
+                    t = getattr(self.comm, coll.kind)(coll.bytes(mb, s) * sc, tp_ranks)
                     if coll.phase == "forward":
                         collective_f += t
                     else:
