@@ -42,7 +42,7 @@ __all__ = [
     "Algorithm", "ring_all_reduce", "tree_all_reduce", "ring_reduce_scatter",
     "ring_all_gather", "pairwise_all_to_all", "ring_broadcast", "tree_broadcast",
     "p2p_time", "hierarchical_all_reduce", "hierarchical_reduce_scatter",
-    "hierarchical_all_gather", "calibrated_link", "CommModel",
+    "hierarchical_all_gather", "nccl_ring_latency", "calibrated_link", "CommModel",
 ]
 
 Algorithm = Literal["ring", "tree", "hierarchical", "auto"]
@@ -150,18 +150,47 @@ def hierarchical_all_reduce(nbytes: float, nodes: int, per_node: int,
             + ring_all_gather(nbytes, per_node, intra))
 
 
+def nccl_ring_latency(nodes: int, per_node: int, intra: LinkSpec, inter: LinkSpec) -> float:
+    """Latency of one NCCL ring all-gather or reduce-scatter over `nodes` x `per_node` ranks (s).
+
+    NCCL runs these two collectives as rings only (src/graph/tuning.cc skips every other
+    algorithm for them), each channel's ring passing through every rank of the group, so
+    its latency model charges nsteps - nInterSteps intra-node steps and nInterSteps
+    inter-node ones, with nsteps = p - 1 and nInterSteps = N - 1:
+
+        (N k - N) alpha_intra + (N - 1) alpha_inter
+
+    A two-phase algorithm would take only (k - 1) + (N - 1) steps; at thousands of ranks
+    the ring's N (k - 1) intra-node steps are most of the latency (1536 ranks on 192
+    nodes of 8: 1344 of 1535 steps).
+    """
+    return (nodes * per_node - nodes) * intra.latency_s + (nodes - 1) * inter.latency_s
+
+
+def _two_level_bytes_time(nbytes: float, nodes: int, per_node: int, intra: LinkSpec, inter: LinkSpec) -> float:
+    """Bandwidth term of a reduce-scatter (or all-gather) in the node then across nodes:
+    (k-1)/k n/B_intra + (N-1)/N (n/k)/B_inter, each device driving its own NIC (see above)."""
+    return ((per_node - 1) / per_node * nbytes / intra.bytes_per_s
+            + (nodes - 1) / nodes * nbytes / per_node / inter.bytes_per_s)
+
+
 def hierarchical_reduce_scatter(nbytes: float, nodes: int, per_node: int,
                                 intra: LinkSpec, inter: LinkSpec) -> float:
-    """RS_ring(n, k, intra) + RS_ring(n/k, N, inter): each rank ends with n/(kN)."""
-    return (ring_reduce_scatter(nbytes, per_node, intra)
-            + ring_reduce_scatter(nbytes / per_node, nodes, inter))
+    """Bytes of RS_ring(n, k, intra) + RS_ring(n/k, N, inter), each rank ending with n/(kN); the
+    latency of the ring NCCL runs (`nccl_ring_latency`).
+
+    The bytes are those of NCCL's multi-node ring too (one ring per local rank, each leaving
+    the node through its own NIC: n/k per NIC), counted as if the two levels took turns.
+    """
+    if _empty(nbytes, nodes * per_node):
+        return 0.0
+    return _two_level_bytes_time(nbytes, nodes, per_node, intra, inter) + nccl_ring_latency(nodes, per_node, intra, inter)
 
 
 def hierarchical_all_gather(nbytes: float, nodes: int, per_node: int,
                             intra: LinkSpec, inter: LinkSpec) -> float:
-    """AG_ring(n/k, N, inter) + AG_ring(n, k, intra): the reverse of the reduce-scatter."""
-    return (ring_all_gather(nbytes / per_node, nodes, inter)
-            + ring_all_gather(nbytes, per_node, intra))
+    """The reverse of `hierarchical_reduce_scatter`, at the same cost: AG_ring(n/k, N, inter) + AG_ring(n, k, intra)."""
+    return hierarchical_reduce_scatter(nbytes, nodes, per_node, intra, inter)
 
 
 def calibrated_link(link: LinkSpec, calibration: Calibration) -> LinkSpec:

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from cost_models.calibration import Calibration
-from cost_models.comm import (CommModel, calibrated_link, hierarchical_all_gather,
-                              hierarchical_all_reduce, hierarchical_reduce_scatter,
-                              p2p_time, pairwise_all_to_all, ring_all_gather,
-                              ring_all_reduce, ring_broadcast, ring_reduce_scatter,
-                              tree_all_reduce, tree_broadcast)
+from cost_models.comm import (
+    CommModel,
+    calibrated_link,
+    hierarchical_all_gather,
+    hierarchical_all_reduce,
+    hierarchical_reduce_scatter,
+    nccl_ring_latency,
+    p2p_time,
+    pairwise_all_to_all,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_broadcast,
+    ring_reduce_scatter,
+    tree_all_reduce,
+    tree_broadcast,
+)
 from cost_models.errors import PartitionerError
 from cost_models.specs import LinkLevel, LinkSpec
 
@@ -93,6 +103,19 @@ def test_hierarchical_reduce_scatter_and_all_gather():
     expected = 7 / 8 * 1 * GB / (300 * GB) + 2.5e-3
     assert hierarchical_reduce_scatter(1 * GB, 2, 8, NV, IB) == pytest.approx(expected)
     assert hierarchical_all_gather(1 * GB, 2, 8, NV, IB) == pytest.approx(expected)
+
+
+def test_nccl_ring_latency_counts_every_rank_of_the_ring():
+    # NCCL's model (src/graph/tuning.cc): (p - 1 - (N - 1)) intra-node steps + (N - 1) inter-node steps
+    nv = LinkSpec(level=LinkLevel.INTRA_NODE, bytes_per_s=300 * GB, latency_s=5e-6)
+    ib = LinkSpec(level=LinkLevel.INTER_NODE, bytes_per_s=25 * GB, latency_s=10e-6)
+    assert nccl_ring_latency(192, 8, nv, ib) == pytest.approx(1344 * 5e-6 + 191 * 10e-6)
+    assert nccl_ring_latency(1, 8, nv, ib) == pytest.approx(7 * 5e-6)  # one node: the intra-node ring
+    assert nccl_ring_latency(4, 1, nv, ib) == pytest.approx(3 * 10e-6)  # one rank per node: the flat ring
+    # a gather of 8 KB over 1536 ranks is all latency, ~8.6 ms: not the (k-1) + (N-1) = 198 steps of two phases
+    t = hierarchical_all_gather(8e3, 192, 8, nv, ib)
+    assert t == pytest.approx(1344 * 5e-6 + 191 * 10e-6, rel=1e-3) and t > 4 * (7 * 5e-6 + 191 * 10e-6)
+    assert hierarchical_reduce_scatter(8e3, 192, 8, nv, ib) == t
 
 
 def test_calibrated_link():
