@@ -5,8 +5,9 @@ Conventions (all presets):
   the dense one, next to tensor-core numbers; we halve those).
 - Memory is the marketed size read as GiB: "80GB" -> 80 * 2**30 bytes,
   because nvidia-smi reports an A100-80GB as 81920 MiB. (H100 reports
-  81559 MiB and H200 143771 MiB, slightly less; the CUDA context takes
-  ~0.5 GiB more, so the memory model keeps a safety margin anyway.)
+  81559 MiB and H200 143771 MiB, slightly less; compile()'s memory cap keeps
+  a margin.) What every process holds before its tensors (CUDA context, NCCL
+  buffers) is `process_bytes` and `comm_buffer_bytes`, below.
 - Bandwidths are bytes/s with 1e9 per GB, per GPU, per direction: NVLink
   "600 GB/s" on a datasheet is the bidirectional total, 300e9 each way;
   a NIC's Gb/s is divided by 8.
@@ -38,6 +39,21 @@ _GH100_FLOPS = {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989
 # TFLOPS dense (312/624/624 with sparsity). No fp8 on Ampere.
 _GA100_FLOPS = {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}
 
+# Fixed device memory of a GPU process (DeviceSpec.process_bytes, comm_buffer_bytes):
+# - The CUDA context and the kernels torch loads: a process that had only run
+#   `torch.randn(1).cuda()` held 723 MiB (nvidia-smi; "What is the reason for pytorch's GPU
+#   memory floor", discuss.pytorch.org/t/73021: "the first CUDA call creates the CUDA context,
+#   which uses the memory on the device"). Lazy module loading (CUDA 11.7+) loads fewer kernels
+#   up front; `partitioner probe` measures this machine's figure (fixed_process_bytes).
+# - NCCL's buffers, per communicator: one receive connection per channel of a ring, each with a
+#   buffer per protocol, NCCL src/init.cc defaults: DEFAULT_BUFFSIZE (Simple) 4 MiB,
+#   DEFAULT_LL128_BUFFSIZE 120 x 640 x 8 x 8 B, DEFAULT_LL_BUFFSIZE 8 x 512 x 8 x 16 B; at most
+#   MAXCHANNELS = 32 channels (src/include/device.h), taken as the count: an upper bound.
+_CUDA_PROCESS_BYTES = 723 * 2**20
+_NCCL_CONNECTION_BYTES = 4 * 2**20 + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+_NCCL_COMMUNICATOR_BYTES = 32 * _NCCL_CONNECTION_BYTES
+_GPU_FIXED = {"process_bytes": _CUDA_PROCESS_BYTES, "comm_buffer_bytes": _NCCL_COMMUNICATOR_BYTES}
+
 _DEVICES = (
     DeviceSpec(
         name="V100-32GB",
@@ -48,6 +64,7 @@ _DEVICES = (
         hbm_bytes_per_s=900e9,            # datasheet: 900 GB/s
         nvlink_bytes_per_s=150e9,         # datasheet: NVLink 300 GB/s bidirectional
         nic_bytes_per_s=12.5e9,           # typical 100 Gb/s EDR InfiniBand per GPU
+        **_GPU_FIXED,
         source="NVIDIA V100 Tensor Core GPU datasheet (SXM2); NIC typical EDR",
     ),
     DeviceSpec(
@@ -57,6 +74,7 @@ _DEVICES = (
         hbm_bytes_per_s=1555e9,           # datasheet: 1,555 GB/s
         nvlink_bytes_per_s=300e9,         # datasheet: NVLink 600 GB/s bidirectional
         nic_bytes_per_s=25e9,             # DGX A100 datasheet: 200 Gb/s HDR per GPU
+        **_GPU_FIXED,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB); DGX A100 datasheet",
     ),
     DeviceSpec(
@@ -66,6 +84,7 @@ _DEVICES = (
         hbm_bytes_per_s=2039e9,           # datasheet, SXM: 2,039 GB/s
         nvlink_bytes_per_s=300e9,         # datasheet: NVLink 600 GB/s bidirectional
         nic_bytes_per_s=25e9,             # DGX A100 datasheet: 200 Gb/s HDR per GPU
+        **_GPU_FIXED,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 datasheet",
     ),
     DeviceSpec(
@@ -75,6 +94,7 @@ _DEVICES = (
         hbm_bytes_per_s=3.35e12,          # datasheet, SXM: 3.35 TB/s
         nvlink_bytes_per_s=450e9,         # datasheet: NVLink 900 GB/s bidirectional
         nic_bytes_per_s=50e9,             # DGX H100 datasheet: 400 Gb/s NDR per GPU
+        **_GPU_FIXED,
         source="NVIDIA H100 datasheet and architecture whitepaper (SXM5); DGX H100 datasheet",
     ),
     DeviceSpec(
@@ -84,6 +104,7 @@ _DEVICES = (
         hbm_bytes_per_s=4.8e12,           # datasheet, SXM: 4.8 TB/s
         nvlink_bytes_per_s=450e9,         # datasheet: NVLink 900 GB/s bidirectional
         nic_bytes_per_s=50e9,             # DGX H200 datasheet: 400 Gb/s NDR per GPU
+        **_GPU_FIXED,
         source="NVIDIA H200 datasheet (SXM); dense peaks as H100 SXM5 whitepaper",
     ),
     DeviceSpec(

@@ -21,7 +21,7 @@ __all__ = [
     "PRECISIONS", "OPTIMIZERS", "ZERO_STAGES", "RECOMPUTE_POLICIES", "SCHEDULES",
     "DDP_BUCKET_BYTES", "SELECTIVE_KEEPS", "ModelStateBytes", "model_state_bytes",
     "transformer_activation_bytes", "inflight_microbatches", "chunk_inflight",
-    "TemporaryBytes", "temporary_buffer_bytes",
+    "TemporaryBytes", "temporary_buffer_bytes", "process_fixed_bytes",
 ]
 
 OPTIMIZERS = ("adam", "sgd", "sgd-momentum")  # the optimizer state a parameter carries (see _BYTES)
@@ -133,6 +133,24 @@ def transformer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
         return 2 * sbh / (t if sequence_parallel else 1)
     rest = 34 / t if sequence_parallel else 10 + 24 / t
     return sbh * (rest + (attention if recompute == "none" else 0.0))
+
+
+# --- fixed per process -------------------------------------------------------
+def process_fixed_bytes(*, process_bytes: float, comm_buffer_bytes: float, communicators: int) -> float:
+    """Device memory a rank holds however small its model: the process's own (driver context,
+    loaded kernels) plus one set of collective-library buffers per communicator it uses.
+
+    The device preset gives both (cost_models.devices: CUDA context, NCCL's per-channel
+    buffers); a rank of a dp x tp x pp mesh talks in one group per dimension larger than 1.
+
+    >>> process_fixed_bytes(process_bytes=723 * 2**20, comm_buffer_bytes=294 * 2**20, communicators=2) / 2**20
+    1311.0
+    """
+    for k, v in {"process_bytes": process_bytes, "comm_buffer_bytes": comm_buffer_bytes,
+                 "communicators": communicators}.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise PartitionerError(f"{k}={v!r} must be a number >= 0")
+    return float(process_bytes + communicators * comm_buffer_bytes)
 
 
 # --- pipeline schedules -------------------------------------------------------

@@ -82,6 +82,11 @@ class DeviceSpec:
     nic_bytes_per_s: typical inter-node NIC bandwidth per device per direction.
     nvlink_latency_s: typical one-way latency of the intra-node link.
     nic_latency_s: typical one-way latency of the inter-node link.
+    process_bytes: device memory every process holds outside its tensors (the driver's
+        context and the kernels the framework loads), which its allocator never sees.
+    comm_buffer_bytes: device memory one communicator of the device's collective library
+        holds for as long as it lives (NCCL's per-channel receive buffers); 0 where the
+        library allocates per call (Gloo on CPU).
     source: where the numbers come from (datasheet, measurement).
 
     >>> DeviceSpec(name="toy", peak_flops={"float32": 1e12}, memory_bytes=2**30,
@@ -98,6 +103,8 @@ class DeviceSpec:
     nic_bytes_per_s: float
     nvlink_latency_s: float = 5e-6
     nic_latency_s: float = 10e-6
+    process_bytes: int = 0
+    comm_buffer_bytes: int = 0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -126,6 +133,13 @@ class DeviceSpec:
                               ("nic_bytes_per_s", False), ("nvlink_latency_s", False),
                               ("nic_latency_s", False)):
             object.__setattr__(self, field, _number(owner, field, getattr(self, field), minimum=0, strict=strict))
+        for field in ("process_bytes", "comm_buffer_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TopologyError(f"{owner} {field}={getattr(self, field)!r}: must be an int >= 0 (bytes)")
+            object.__setattr__(self, field, value)
         if not isinstance(self.source, str):
             raise TopologyError(f"{owner} source={self.source!r}: must be a string")
 

@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 
 from cost_models.errors import PartitionerError
-from cost_models.memory import (DDP_BUCKET_BYTES, ModelStateBytes, chunk_inflight, inflight_microbatches,
-                                model_state_bytes, temporary_buffer_bytes,
-                                transformer_activation_bytes)
+from cost_models.memory import (
+    DDP_BUCKET_BYTES,
+    ModelStateBytes,
+    chunk_inflight,
+    inflight_microbatches,
+    model_state_bytes,
+    process_fixed_bytes,
+    temporary_buffer_bytes,
+    transformer_activation_bytes,
+)
 
 GB = 1e9
 
@@ -166,3 +173,31 @@ def test_temporary_buffers_bad_input():
         temporary_buffer_bytes(vocab=-1)
     with pytest.raises(PartitionerError, match="zero_stage=5"):
         temporary_buffer_bytes(zero_stage=5)
+
+
+# --- fixed per process ----------------------------------------------------------
+def test_process_fixed_bytes_is_the_context_plus_a_communicator_per_group():
+    assert process_fixed_bytes(process_bytes=100, comm_buffer_bytes=10, communicators=3) == 130
+    assert process_fixed_bytes(process_bytes=100, comm_buffer_bytes=10, communicators=0) == 100
+    with pytest.raises(PartitionerError, match="communicators"):
+        process_fixed_bytes(process_bytes=100, comm_buffer_bytes=10, communicators=-1)
+
+
+def test_gpu_presets_carry_the_cuda_context_and_nccl_buffers():
+    from cost_models.devices import get_device
+    a100, cpu = get_device("A100-80GB"), get_device("CPU")
+    # NCCL src/init.cc: Simple 4 MiB + LL128 120*640*8*8 B + LL 8*512*8*16 B per connection, 32 channels
+    assert a100.comm_buffer_bytes == 32 * (4 * 2**20 + 4_915_200 + 524_288)
+    assert a100.process_bytes == 723 * 2**20  # a process after torch.randn(1).cuda() (see devices.py)
+    assert cpu.process_bytes == cpu.comm_buffer_bytes == 0  # Gloo on CPU: per-call buffers, RSS not budgeted
+
+
+def test_plan_memory_counts_the_fixed_process_memory(meta_gpt_graph):
+    from cost_models.devices import get_device
+    from partitioner import compile
+    g = meta_gpt_graph
+    one = compile(g, "1x4xA100-80GB", global_batch_size=8, dp=4, zero_stage=0)
+    two = compile(g, "1x4xA100-80GB", global_batch_size=8, dp=2, tp=2, zero_stage=0)
+    a100 = get_device("A100-80GB")
+    assert one.predicted.memory.buffers >= a100.process_bytes + a100.comm_buffer_bytes  # one group: dp
+    assert two.predicted.memory.buffers >= a100.process_bytes + 2 * a100.comm_buffer_bytes  # dp and tp

@@ -8,7 +8,7 @@ k) gets
     mem_k  = model state at rest (ZeRO) + the most of the moments of a backward (the loss's,
              a block's, the end's, a compressed reduction's): activations x in-flight microbatches,
              gradients formed, reductions in flight, ZeRO-3's gathered parameters, a compressor's
-             error feedback and working set (StageEvaluator._peak_memory)
+             error feedback and working set, the process's fixed memory (StageEvaluator._peak_memory)
 
 A stage takes the compression with the least exposed time among those whose
 buffers fit in memory.
@@ -59,6 +59,7 @@ from cost_models.memory import (
     chunk_inflight,
     inflight_microbatches,
     model_state_bytes,
+    process_fixed_bytes,
 )
 from cost_models.mesh import Mesh
 from cost_models.powersgd import LowRank
@@ -118,6 +119,9 @@ class StageEvaluator:
         self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size)  # per unit boundary
         self._param_bytes = 4 if ctx.precision == "fp32" else 2  # parameters gathered in the compute dtype
         self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
+        dev = ctx.topo.device  # the context and the collective buffers of each group this rank talks in
+        self._fixed = process_fixed_bytes(process_bytes=dev.process_bytes, comm_buffer_bytes=dev.comm_buffer_bytes,
+                                          communicators=sum(d > 1 for d in (cand.dp, cand.tp, cand.pp)))
         self.total_c = arr.total_c
         self._rest, self._shared_in_block = arr.rest, arr.shared_in_block
         self._sync_memo: dict[float, float] = {}
@@ -150,7 +154,7 @@ class StageEvaluator:
         avg = self._par[-1] / S
         state = model_state_bytes(avg, precision=ctx.precision, optimizer=ctx.optimizer,
                                   zero_stage=c.zero_stage, dp=c.dp).total
-        if state * v > ctx.memory_cap:
+        if state * v + self._fixed > ctx.memory_cap:
             return math.inf
         tail = avg / (c.dp if c.zero_stage >= 1 else 1) * _OPTIM_BYTES_PER_PARAM / self._hbm
         if c.zero_stage in (1, 2) and c.dp > 1:
@@ -252,6 +256,8 @@ class StageEvaluator:
           moment (counted with the gradients), and its working set (a buffer) for the largest bucket
           or unit while one runs: a fourth moment at the end of the backward, and in the block moment
           too where the stage reduces several buckets or units.
+        - The process's fixed memory (the device's context and a collective library's buffers per
+          group the rank talks in, cost_models.memory.process_fixed_bytes) with the buffers, unscaled.
         The moment is chosen on the uncalibrated bytes, so each calibration factor scales its terms
         linearly (cost_models.fit.fit_memory).
         """
@@ -318,7 +324,7 @@ class StageEvaluator:
                                (rest_grads + g) * cal.grad_mem_scale,
                                own.optimizer + whole.optimizer,
                                a * cal.activation_mem_scale + loss * cal.loss_mem_scale,
-                               b * cal.buffer_mem_scale + cal.memory_overhead_bytes)
+                               b * cal.buffer_mem_scale + cal.memory_overhead_bytes + self._fixed)
 
         return lambda option: at_peak(self._reduction_mem[option])
 
@@ -343,7 +349,7 @@ class StageEvaluator:
         flat = (1 if s is None else 2 * s + 1) * params * 4 if self.cand.dp > 1 else 0.0
         return StageMemory(state.params, state.grads * cal.grad_mem_scale, state.optimizer,
                            acts * cal.activation_mem_scale + loss * cal.loss_mem_scale,
-                           flat * cal.buffer_mem_scale + cal.memory_overhead_bytes)
+                           flat * cal.buffer_mem_scale + cal.memory_overhead_bytes + self._fixed)
 
     def _param_gather(self, params: float) -> float:
         """The ZeRO-1/2 all-gather of a stage's updated parameters over its data-parallel group, in the
@@ -386,9 +392,10 @@ class StageEvaluator:
         DDP/ZeRO-1 all-reduce behind the last backward; ZeRO-2/3 reduce-scatter
         every microbatch (runtime.engines.data_parallel: no_sync only defers stages 0
         and 1), each behind its backward; ZeRO-3 gathers and reduce-scatters
-        per unit (block), so a stage of `units` issues that many of each, its
-        2m parameter gathers per unit behind the m forwards and backwards; the ZeRO-1/2 parameter all-gather after the optimizer step
-        is exposed. The stage takes the compression with the least exposed time
+        per unit (block), so a stage of `units` issues that many of each per
+        microbatch, the forward's gathers behind its forward, the backward's
+        gathers and reduce-scatters together behind its backward (`_zero3_exposed`);
+        the ZeRO-1/2 parameter all-gather after the optimizer step is exposed. The stage takes the compression with the least exposed time
         of those that fit in memory (StageEvaluator.stage); the search checks
         that all stages agree (search.py).
         """
@@ -403,15 +410,33 @@ class StageEvaluator:
             n = max(1, units) if z == 3 else 1
             gather = self._param_gather(params) if z in (1, 2) else 0.0  # the updated parameters', in the compute dtype
             for option in self.options:
-                wire, kernel = (n * x for x in self._reduction(params / n, option, lr))
-                t = per_step * (max(0.0, wire - overlap * b) + kernel)
                 if z == 3:
-                    g_wire, g_kernel = (n * x for x in self._gather(params / n, group_compressor(option)))
-                    t += max(0.0, 2 * m * g_wire - overlap * m * (f + b)) + 2 * m * g_kernel
-                exposed[option] = t + gather
+                    exposed[option] = m * self._zero3_exposed(params / n, n, f, b, option)
+                    continue
+                wire, kernel = self._reduction(params, option, lr)
+                exposed[option] = per_step * (max(0.0, wire - overlap * b) + kernel) + gather
         shard = params / (cand.dp if z >= 1 else 1)
         optim = shard * _OPTIM_BYTES_PER_PARAM / self._hbm
         return exposed, optim
+
+    def _zero3_exposed(self, unit_params: float, n: int, f: float, b: float, option: tuple[str, str]) -> float:
+        """Exposed seconds of one microbatch's ZeRO-3 traffic: n units of `unit_params` each, gathered
+        for the forward and again for the backward, their gradients reduce-scattered in the backward.
+
+        The collectives of a group queue on one link (one NCCL communicator runs them in order), so
+        what a phase sends hides behind that phase's compute once: the forward's n gathers behind
+        f, the backward's n gathers and n reduce-scatters together behind b, each up to dp_overlap
+        of it (the ZeRO paper's 3 transfers of the parameters per step, 1.5x DDP's volume, where
+        a pass of data parallelism's all-reduce is 2). Not each behind the whole backward, as if
+        the link carried a gather and a reduce-scatter at once. Kernel time (int8 codes) never
+        hides.
+        """
+        overlap = self.ctx.cal.dp_overlap
+        g_wire, g_kernel = self._gather(unit_params, group_compressor(option))
+        r_wire, r_kernel = self._reduction(unit_params, option, None)
+        forward = max(0.0, n * g_wire - overlap * f)
+        backward = max(0.0, n * (g_wire + r_wire) - overlap * b)
+        return forward + backward + n * (2 * g_kernel + r_kernel)
 
     def _async_sync(self, params: float, f: float, b: float) -> float:
         """Exposed seconds per step of async SGD's parameter averaging (an fp32 all-reduce of the stage's
