@@ -52,6 +52,11 @@ def compare(what: str, got: torch.Tensor | None, want: torch.Tensor | None, rtol
         return Diff(what=what, ok=False, max_abs=math.inf, max_rel=math.inf,
                     note=f"shape {tuple(got.shape)} != the module's {tuple(want.shape)}")
     got, want = got.detach().float(), want.detach().float()
+    # An element's rounding error follows the magnitude of the terms summed into it, not its own value (a
+    # logit near 0 is a sum of terms of the tensor's scale): elements are held to rtol of the tensor's rms as
+    # well as of themselves. Generated code may compute in another order than the module (a fused attention
+    # for an eager one), so atol alone would fail sound code on elements that cancel.
+    atol = max(atol, rtol * float(want.square().mean().sqrt())) if want.numel() else atol
     ok = bool(torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True).all())
     d = (got - want).abs()
     d = torch.where(torch.isnan(got) & torch.isnan(want), torch.zeros_like(d), d)
