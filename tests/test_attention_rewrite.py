@@ -179,11 +179,20 @@ def test_rewritten_programs_verify(family, pp, tp):
 
 def test_a_data_parallel_plan_runs_the_rewritten_code():
     """The module's own forward would run its eager attention: a data-parallel plan whose costs assume the
-    fused kernel runs the generated code instead, and plan.verify checks it."""
+    fused kernel runs the generated code instead, and plan.verify checks it. A batch without the traced inputs
+    runs the module's own forward, saying so."""
     plan = compile(graph("bloom"), "local:2", global_batch_size=8, precision="fp32", pp=1, tp=1, dp=2)
     src = plan.program(0).source
     assert "make_stage(model, None).run_as_model()" in src and "scaled_dot_product_attention" in src
     assert plan.verify(functools.partial(bloom, 4)).checked
+    ns = plan.program(0).namespace()
+    model, x = bloom(4), tokens(seed=3)
+    want = bloom(4)(x).logits
+    ns["make_stage"](model, None).run_as_model()
+    torch.testing.assert_close(model(x).logits, want, rtol=1e-5, atol=1e-5)  # the code
+    with pytest.warns(RuntimeWarning, match="the model runs its own forward"):
+        eager = model(x, None).logits  # not the traced inputs (past_key_values=None too): the module's own forward
+    torch.testing.assert_close(eager, want, rtol=1e-5, atol=1e-5)
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -191,10 +200,13 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp,dp,tp,zero", [(1, 2, 1, 3), (1, 1, 2, 0), (2, 1, 1, 0)])
-def test_rewritten_bloom_trains_like_one_process(pp, dp, tp, zero):
+@pytest.mark.parametrize("pp,dp,tp,zero,recompute", [(1, 2, 1, 3, "none"), (1, 2, 1, 3, "full"), (1, 2, 1, 1, "selective"),
+                                                     (1, 1, 2, 0, "none"), (2, 1, 1, 0, "none")])
+def test_rewritten_bloom_trains_like_one_process(pp, dp, tp, zero, recompute):
+    """Data-parallel plans run the rewritten code (recomputed by the engine, ZeRO-3 gathering per block), tensor
+    and pipeline plans their stage code."""
     plan = compile(graph("bloom"), f"local:{pp * dp * tp}", global_batch_size=BATCH, precision="fp32", pp=pp, dp=dp,
-                   tp=tp, zero_stage=zero, microbatch_size=2)
+                   tp=tp, zero_stage=zero, microbatch_size=2, recompute=recompute)
     model_fn = functools.partial(bloom, 4)
     out = launch_local(plan, model_fn, sgd, hf_loss, batches(), timeout_s=180)
     trained = train_one_process(model_fn, sgd, hf_loss, batches())

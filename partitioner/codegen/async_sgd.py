@@ -46,8 +46,8 @@ def async_program_source(plan: Plan, rank: int, program_hash: str) -> str:
     first = me.dp * per
     what = "\n".join(f"    # {line}" for line in async_what(plan.async_sgd))
     every = plan.async_sgd.get("every")
-    code = model_code_lines(plan)  # the model's own forward, or the generated code (StageModel recomputes)
-    recompute = "" if code.text else recompute_lines(plan, "recompute_blocks(model, ")
+    code = model_code_lines(plan)  # the model's own forward, or the generated code
+    recompute = recompute_lines(plan, "recompute_blocks(model, ")
     recompute_import = "from runtime.engines.recompute import recompute_blocks\n" if recompute else ""
     ml = mesh_lines(plan)
     group_imports = ", ".join(sorted({*ml.imports, "make_groups"} - {"nodes_of"}))

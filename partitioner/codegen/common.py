@@ -251,13 +251,11 @@ def make_stage(model, tp):
                       block_inputs={tuple(t.model_inputs for t in code.templates)!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={block_args}, suffix_args={"SUFFIX_ARGS" if code.suffix is not None else "()"},
-                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp,
-                      recompute={plan.config.recompute!r})
+                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp)
 
 '''
-    recompute = plan.config.recompute
-    run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix"
-           + (f"\n    # (each block recomputed in backward: recompute={recompute})" if recompute != "none" else "")
-           + ".\n    make_stage(model, None).run_as_model()\n")
+    run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"
+           "    # (a batch without the traced inputs runs the module's own forward instead, with a warning).\n"
+           "    make_stage(model, None).run_as_model()\n")
     return ModelCodeLines(imports="import torch\nfrom torch import device\n\n",
                           runtime_import="from runtime.pipeline.stage import StageModel\n", text=text, run=run)

@@ -58,8 +58,8 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
     ml = mesh_lines(plan)
     names = {*ml.imports, "make_groups", *(("group_ranks", "make_node_groups") if comp.setup else ())}
     group_imports = ", ".join(sorted(names))
-    code = model_code_lines(plan)  # the model's own forward, or the generated code (StageModel recomputes)
-    recompute = "" if code.text else recompute_lines(plan, "engine.checkpoint_blocks(")
+    code = model_code_lines(plan)  # the model's own forward, or the generated code
+    recompute = recompute_lines(plan, "engine.checkpoint_blocks(")
 
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size}.
 

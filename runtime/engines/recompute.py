@@ -89,7 +89,7 @@ def recompute_blocks(model: torch.nn.Module, names: Sequence[str], mode: str,
         return
     for name in names:
         mod = model.get_submodule(name)
-        if "forward" in vars(mod):
+        if "forward" in vars(mod) and not getattr(vars(mod)["forward"], "recomputable", False):
             raise ValueError(f"recompute_blocks: {name!r} already has its own forward (recomputed twice, or "
                              "patched by the caller); wrap each block once")
         mod.forward = functools.partial(run_recomputed, mode, functools.partial(_rerun, before, mod, mod.forward))

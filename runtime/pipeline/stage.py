@@ -24,6 +24,7 @@ averaged over the replicas by `PipelineRunner` (Megatron's embedding group).
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -116,7 +117,10 @@ class StageModel:
         if container is not None:
             for i in blocks:
                 container[i].forward = functools.partial(self._block, i)
+                container[i].forward.recomputable = True  # runtime.engines.recompute may wrap it once
         model.forward = self._stage
+        # run_as_model only: the module runs its own forward, blocks included (the batch is not the traced one)
+        self.eager = False
 
     # ---- what the generated functions read --------------------------------------------------
     def _get(self, name: str) -> torch.Tensor:
@@ -133,7 +137,10 @@ class StageModel:
     def kind(self, i: int) -> int:
         return self.block_kinds[i] if self.block_kinds else 0
 
-    def _block(self, i: int, x: torch.Tensor, **model_inputs: Any) -> torch.Tensor:
+    def _block(self, i: int, x: torch.Tensor, *args: Any, **model_inputs: Any) -> torch.Tensor:
+        if self.eager:  # called by the module's own forward, with its own arguments
+            block = self.module.get_submodule(self.stack)[i]
+            return type(block).forward(block, x, *args, **model_inputs)
         k = self.kind(i)
         fn = self.functions["block" if k == 0 else f"block_{k}"]
         return run_recomputed(self.recompute, fn, self.tp, x, **model_inputs, **self._args(self.block_args[k], i))
@@ -168,11 +175,30 @@ class StageModel:
     def run_as_model(self) -> None:
         """Make the module's forward take the model's own inputs and run its one stage (the whole model): a
         data-parallel program whose model runs the generated code (eager attention rewritten to a fused
-        kernel) rather than its own forward, under an engine that calls it as the module."""
+        kernel) rather than its own forward, under an engine that calls it as the module.
+
+        The code computes what the module computed for the traced inputs. A batch with other inputs (a model
+        traced with its targets, trained without: its forward takes them as optional) runs the module's own
+        forward from then on, with a warning: the same training, but its attention runs as written, not as
+        the plan costed it."""
         if len(self.stages) != 1 or not all(pre and suf for _, _, pre, suf in self.stages.values()):
             raise ValueError(f"run_as_model needs one stage holding the whole model, not stages {self.stages}")
         stage = next(iter(self.stages))
-        self.module.forward = lambda *args, **kwargs: self._stage(None, kwargs if kwargs else args, stage)
+        own = type(self.module).forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            given = tuple(kwargs) if kwargs else len(args)
+            if not self.eager and given not in (len(self.input_names), tuple(self.input_names)):
+                warnings.warn(f"the batch gives {given if kwargs else f'{given} input(s)'}, but the plan's code was "
+                              f"traced with {', '.join(self.input_names)}: the model runs its own forward, so its "
+                              "eager attention does not run fused as the plan's time and memory assume; trace "
+                              "with the inputs the training passes", RuntimeWarning, stacklevel=2)
+                self.eager = True
+            if self.eager:
+                return own(self.module, *args, **kwargs)
+            return self._stage(None, kwargs if kwargs else args, stage)
+
+        self.module.forward = forward
 
     def stage_callable(self, s: int) -> Callable:
         """What the pipeline executor runs for virtual stage s, as stage(x, model inputs): the root

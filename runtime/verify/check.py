@@ -145,6 +145,19 @@ def _rows(x: Any, n: int) -> Any:
     return pytree.tree_map(lambda v: v[:n] if isinstance(v, torch.Tensor) and v.dim() > 0 else v, x)
 
 
+def _traced_inputs(plan: Any, inputs: Any) -> bool:
+    """Whether `inputs` (None: made to fit) are what the plan's code was traced with: a data-parallel program
+    runs its code only then (runtime.pipeline.stage.StageModel.run_as_model), the module's forward otherwise."""
+    if inputs is None:
+        return True
+    code = plan.get("code") if isinstance(plan, Mapping) else getattr(plan, "code", None)
+    prefix = code["prefix"] if isinstance(code, Mapping) else code.prefix
+    names = tuple(prefix["inputs"] if isinstance(prefix, Mapping) else prefix.inputs)
+    if isinstance(inputs, Mapping):
+        return tuple(inputs) == names
+    return (len(inputs) if isinstance(inputs, (tuple, list)) else 1) == len(names)
+
+
 # ---- the entry point -----------------------------------------------------------------------
 
 
@@ -162,6 +175,9 @@ def verify_plan(plan: Any, model_fn: Callable[[], nn.Module], inputs: Any = None
     """
     start = time.perf_counter()
     facts = plan_facts(plan)
+    if facts.pp == 1 and facts.tp == 1 and facts.has_code and not _traced_inputs(plan, inputs):
+        return VerifyReport(checked=False, note="pp = tp = 1 and the batch is not the inputs the code was traced "
+                                                "with: the programs run the module's own forward (data parallelism)")
     if not facts.has_code:
         return VerifyReport(checked=False, note="pp = tp = 1: the programs hold no model code, they run the module "
                                                 "itself (data parallelism only)")
