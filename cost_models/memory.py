@@ -75,6 +75,7 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
+@functools.lru_cache(maxsize=8192)  # the planner asks for the same stage sizes hundreds of thousands of times
 def model_state_bytes(num_params: float, *, precision: str, optimizer: str,
                       zero_stage: int, dp: int) -> ModelStateBytes:
     """Model state of one rank holding `num_params` parameters (before ZeRO).
