@@ -256,6 +256,8 @@ def _rewrite(graph: fx.Graph, m: _Match, erased: set[fx.Node]) -> bool:
         back = [u for u in m.out.users if u.target in _VIEWS and _shape(u) == _shape(out)]
         if len(m.out.users) == 1 and back:
             back[0].replace_all_uses_with(out)
+            graph.erase_node(back[0])  # left reading the fused output, it would look like a model output
+            erased.add(back[0])
         else:
             out = emit(_aten.reshape.default, (out, [-1, emit.size(out, -2), emit.size(out, -1)]))
     m.out.replace_all_uses_with(out)
