@@ -130,6 +130,39 @@ def select_factors(J: np.ndarray, limit: int, *, tol: float = 1e-3) -> list[int]
     return chosen
 
 
+_RESELECT = 3  # rounds of choosing the free factors and fitting them
+
+
+def _levenberg_marquardt(residual: Callable[[np.ndarray], np.ndarray],
+                         jacobian: Callable[[np.ndarray, np.ndarray], np.ndarray], z: np.ndarray, zs: np.ndarray,
+                         lo: np.ndarray, hi: np.ndarray, w: float, max_iter: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Minimise |residual(z)|^2 + w^2 |z - zs|^2 within [lo, hi]: (z, its residual, iterations)."""
+    r = residual(z)
+
+    def augmented(r_: np.ndarray, z_: np.ndarray) -> np.ndarray:
+        return np.concatenate([r_, w * (z_ - zs)])
+
+    cost, lam, it = float(augmented(r, z) @ augmented(r, z)), 1e-2, 0
+    for it in range(1, max_iter + 1):
+        J = np.vstack([jacobian(z, r), w * np.eye(len(z))])
+        ra = augmented(r, z)
+        A, g = J.T @ J, J.T @ ra
+        improved = False
+        for _ in range(8):
+            step = np.linalg.solve(A + lam * (np.diag(np.diag(A)) + 1e-9 * np.eye(len(A))), -g)
+            z_new = np.clip(z + step, lo, hi)
+            r_new = residual(z_new)
+            c_new = float(augmented(r_new, z_new) @ augmented(r_new, z_new))
+            if c_new < cost:
+                improved = cost - c_new > 1e-10 * max(cost, 1e-12)
+                z, r, cost, lam = z_new, r_new, c_new, max(lam / 3, 1e-6)
+                break
+            lam *= 4
+        if not improved:
+            break
+    return z, r, it
+
+
 def fit_step_times(predict: Callable[[Calibration], Sequence[float]], measured: Sequence[float],
                    start: Calibration, *, factors: Sequence[str] = tuple(TIME_FACTORS), max_iter: int = 30,
                    source: str = "autotune", prior_sigma: float | None = 0.5, noise: float = 0.05,
@@ -167,34 +200,25 @@ def fit_step_times(predict: Callable[[Calibration], Sequence[float]], measured: 
     r = residual(z0[every], every)
     before = float(np.sqrt(np.mean(r ** 2))) if len(y) else 0.0
     limit = max(1, len(y) - 1) if max_free is None else max_free
-    free = sorted(select_factors(jacobian(z0, r, every), limit)) if len(y) else []
     w = 0.0 if prior_sigma is None else noise / prior_sigma
-    z, zs, lo_f, hi_f = z0[free], z0[free], lo[free], hi[free]
-
-    def augmented(r_: np.ndarray, z_: np.ndarray) -> np.ndarray:
-        return np.concatenate([r_, w * (z_ - zs)])
-
-    cost, lam, it = float(augmented(r, z) @ augmented(r, z)), 1e-2, 0
-    for it in range(1, max_iter + 1):
-        if not free:
+    z_all, free, it = z0.copy(), [], 0
+    # The factors the trials identify are chosen where the fit stands, again after each fit: at the start a
+    # slow device can hide what launches and links cost, which the trials show once compute is fitted. The
+    # free set only grows, to at most `limit` factors.
+    for _ in range(_RESELECT):
+        if not len(y):
             break
-        J = np.vstack([jacobian(z, r, free), w * np.eye(len(free))])
-        ra = augmented(r, z)
-        A, g = J.T @ J, J.T @ ra
-        improved = False
-        for _ in range(8):
-            step = np.linalg.solve(A + lam * (np.diag(np.diag(A)) + 1e-9 * np.eye(len(A))), -g)
-            z_new = np.clip(z + step, lo_f, hi_f)
-            r_new = residual(z_new, free)
-            c_new = float(augmented(r_new, z_new) @ augmented(r_new, z_new))
-            if c_new < cost:
-                improved = cost - c_new > 1e-10 * max(cost, 1e-12)
-                z, r, cost, lam = z_new, r_new, c_new, max(lam / 3, 1e-6)
-                break
-            lam *= 4
-        if not improved:
+        r_all = residual(z_all, every)
+        more = [j for j in select_factors(jacobian(z_all, r_all, every), limit) if j not in free]
+        if not more or len(free) >= limit:
             break
+        free = sorted(free + more[:limit - len(free)])
+        z, r, n = _levenberg_marquardt(lambda z_: residual(z_, free), lambda z_, r_: jacobian(z_, r_, free),
+                                       z_all[free], z0[free], lo[free], hi[free], w, max_iter)
+        z_all[free], it = z, it + n
+    z = z_all[free]
     cal = dataclasses.replace(cal_at(z, free), source=source)
+    r = residual(z, free) if free else r
     after = float(np.sqrt(np.mean(r ** 2))) if len(y) else 0.0
     return FitResult(calibration=cal, rms_log_error_before=before, rms_log_error_after=after,
                      fitted=tuple(names[j] for j in free), iterations=it)
