@@ -683,20 +683,14 @@ def _want(ctx: _Context, res: _Pass, n: OpNode, w: _Weighted | None, p: str,
           col: _Region | None, row: _Region | None, forbidden: dict[str, str], k: int) -> Placement:
     if w is not None and col is not None and col.failure is None:
         wspec, fused = str(Shard(w.out_dim)), col.fused.get(n.name, 1)
-        if col.outputs:
-            if p != w.weight:
-                return Placement(param=p, spec=str(Shard(0)), role="vocab_head",
-                                 reason="bias of the gathered LM head: split with the vocab")
-            return Placement(param=p, spec=wspec, role="vocab_head",
-                             reason="column-parallel LM head: logits split over the vocab, all-gathered for the "
-                                    "model output (the loss is computed outside the model)")
-        if col.sinks:
+        if col.sinks or col.outputs:
             if p != w.weight:
                 return Placement(param=p, spec=str(Shard(0)), role="vocab_head",
                                  reason="bias of the vocab-parallel LM head: split with the vocab")
+            where = ("into a parallel cross entropy, never gathered" if col.sinks else
+                     "and all-gathered for the model output (the loss is computed outside the model)")
             return Placement(param=p, spec=wspec, role="vocab_head",
-                             reason="vocab-parallel LM head: logits split over the vocab into a parallel "
-                                    "cross entropy, never gathered")
+                             reason=f"vocab-parallel LM head: logits split over the vocab {where}")
         if p != w.weight:
             return Placement(param=p, spec=str(Shard(0)), role="column", fused=fused,
                              reason="bias of a column-parallel linear: split with its output features")
