@@ -279,7 +279,7 @@ def autotune(model: str | Callable, topology: Topology | str | dict, *, example_
         data = lambda step: module.example_batch(built, global_batch_size, seed=step)
     from partitioner.tracer.trace import trace
 
-    g = trace(built, tuple(example_inputs))
+    g = trace(built, tuple(example_inputs), rewrite_attention=compile_kwargs.get("rewrite_attention", True))
     out = _stream(progress)
     cal = Calibration.load(calibration) if isinstance(calibration, (str, Path)) else \
         (calibration or Calibration.for_device(topo.device.name))

@@ -68,6 +68,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from cost_models.errors import PartitionerError
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.launch.env import LaunchError
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
@@ -269,7 +270,14 @@ def _verify(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any, source
     if verify_skip_reason(plan):
         return
     inputs, targets = first_microbatch(plan, batch)
-    verify_plan(plan, model_fn, inputs, loss_fn, targets=targets, sources=sources)
+    try:
+        verify_plan(plan, model_fn, inputs, loss_fn, targets=targets, sources=sources)
+    except PartitionerError:
+        raise
+    except Exception as e:  # the user's model or loss failed on the first microbatch: as a rank's failure would
+        raise LaunchError(f"the model or loss raised {type(e).__name__}: {e} while plan.verify ran the first "
+                          "microbatch (in this process, before any rank started); fix the model, or pass "
+                          "verify=False to find it in the ranks instead") from e
 
 
 def _written_by(manifest: Mapping[str, Any], sources: Mapping[int, str]) -> bool:
