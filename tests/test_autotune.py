@@ -179,7 +179,10 @@ def test_failing_candidates_are_recorded_and_the_tuner_goes_on(tmp_path):
     res = autotune(fragile_tiny, _small_memory_local2(), example_inputs=(torch.zeros(4, 128, dtype=torch.long),),
                    data=lambda step: gpt.example_batch(gpt.gpt_tiny(), 8, seed=step), global_batch_size=8,
                    candidates=cands, steps=1, warmup=0, db=tmp_path / "tune.sqlite", precision="fp32",
-                   max_rounds=1, progress=False, timeout_s=60)
+                   max_rounds=1, progress=False, timeout_s=60,
+                   # the module's own forward, where its failures live (they depend on the batch size, which the
+                   # generated code of a rewritten attention, traced at one size, would not reproduce)
+                   rewrite_attention=False)
     status = {t.config.microbatch_size: t for t in res.trials}
     assert status[4].status == "ok" and status[4].measured_step_s > 0
     assert status[2].status == "oom" and "OutOfMemoryError" in status[2].error

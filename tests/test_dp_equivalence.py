@@ -65,7 +65,7 @@ def test_recomputing_plans_train_like_one_process_and_hold_less(tiny_graph, zero
     """A data-parallel plan that recomputes checkpoints its blocks (ZeRO-3: the recomputation re-installs the
     gathered unit): the same training as one process, and less held at the step's peak than without."""
     batches = gpt_batches(training.gpt_tiny_seeded(), n=3)
-    peaks = {}
+    peaks, saved = {}, {}
     for r in ("none", recompute):
         plan = compile(tiny_graph, "local:2", global_batch_size=GB, pp=1, tp=1, zero_stage=zero, microbatch_size=4,
                        recompute=r, precision="fp32")
@@ -73,14 +73,15 @@ def test_recomputing_plans_train_like_one_process_and_hold_less(tiny_graph, zero
         out = launch_local(plan, training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches, probe_step=1,
                            timeout_s=120)
         check_equal(out, *reference(training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches))
-        peaks[r] = max(out.peak_step_bytes)
+        peaks[r], saved[r] = max(out.peak_step_bytes), plan.predicted.memory.activations
     # ZeRO-2's peak on this model is the end of the backward (the bucket being reduce-scattered), after the
-    # activations are gone: recomputation cannot lower it there, and must not raise it. Selective keeps the
-    # matrix products' outputs: less saved than full (about 6 % of the peak here against 10 % and more)
+    # activations are gone: recomputation cannot lower it there, and must not raise it. Elsewhere the peak
+    # falls by at least half the activations the plan says recomputation frees (measured: about 80 % of it;
+    # full frees ~1 MB here, selective ~0.3 MB, the attention being fused)
     if zero == 2:
         assert peaks[recompute] <= peaks["none"], peaks
     else:
-        assert peaks[recompute] < (0.9 if recompute == "full" else 0.97) * peaks["none"], peaks
+        assert peaks["none"] - peaks[recompute] >= 0.5 * (saved["none"] - saved[recompute]) > 0, (peaks, saved)
 
 
 def test_async_replicas_recompute_too(tiny_graph):
