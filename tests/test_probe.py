@@ -59,8 +59,9 @@ def _transfers(rank: int, world: int, store: str, out: str) -> None:
         torch.save({k: statistics.median(v[1:]) for k, v in times.items()}, Path(out) / f"rank{rank}.pt")
 
 
-@pytest.mark.slow
-def test_probe_fits_bandwidths_that_independent_transfers_agree_with(tmp_path, capsys):
+def _disagreements(tmp_path: Path, capsys) -> tuple[list[str], Calibration]:
+    """Probe local:2, time transfers independently, and say where the two disagree by more than 3x."""
+    tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "local2.json"
     assert main(["probe", "--topology", "local:2", "--quick", "-o", str(path)]) == 0
     assert "all_reduce" in capsys.readouterr().out
@@ -69,16 +70,31 @@ def test_probe_fits_bandwidths_that_independent_transfers_agree_with(tmp_path, c
     assert set(lines) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
     walls = spawn(_transfers, 2, tmp_path)
     model = CommModel(Topology.parse("local:2"), cal)
+    bad = []
     for op in ("all_reduce", "p2p"):
         wall = max(w[op] for w in walls)  # the slowest rank's, as the probe times a collective
         line = lines[op]
         fitted = line["alpha_s"] + N_BYTES / line["algbw_bytes_per_s"]
-        # a shared, noisy machine: within a factor of 3 either way (the fits are off by 10x when wrong)
-        assert 1 / 3 < fitted / wall < 3, f"{op}: alpha-beta fit {fitted * 1e3:.2f} ms vs measured {wall * 1e3:.2f} ms"
+        if not 1 / 3 < fitted / wall < 3:
+            bad.append(f"{op}: alpha-beta fit {fitted * 1e3:.2f} ms vs measured {wall * 1e3:.2f} ms")
     # The level's factors serve every collective (comm.py has one bandwidth per link level), so they are checked
     # on the all-reduce only: Gloo's send moves bytes several times faster than its all-reduce here.
     modelled, wall = model.all_reduce(N_BYTES, [0, 1]), max(w["all_reduce"] for w in walls)
-    assert 1 / 3 < modelled / wall < 3, f"calibrated CommModel {modelled * 1e3:.2f} ms vs measured {wall * 1e3:.2f} ms"
+    if not 1 / 3 < modelled / wall < 3:
+        bad.append(f"calibrated CommModel {modelled * 1e3:.2f} ms vs measured {wall * 1e3:.2f} ms")
+    return bad, cal
+
+
+@pytest.mark.slow
+def test_probe_fits_bandwidths_that_independent_transfers_agree_with(tmp_path, capsys):
+    """Within a factor of 3 either way (a wrong fit is off by 10x): on a shared, noisy machine the probe and the
+    transfers run at different moments, so a disagreement is measured again, up to three times in all; a wrong
+    fit disagrees every time."""
+    for attempt in range(3):
+        bad, cal = _disagreements(tmp_path / str(attempt), capsys)
+        if not bad:
+            break
+    assert not bad, "; ".join(bad)
     ev = cal.probe
     assert ev["ranks"] == 2 and ev["fixed_process_bytes"] > 50 * 2 ** 20  # torch and a process group
     assert ev["matmul"]["fp32"]["plateau_flops_per_s"] > 1e8 and cal.device_speed > 0
