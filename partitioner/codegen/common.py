@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import pprint
 import textwrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cost_models.errors import PartitionerError
 from cost_models.mesh import Mesh
@@ -16,9 +16,9 @@ from cost_models.placements import sharded_dim
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
-__all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "dp_compression", "literal",
-           "mesh_lines", "model_code_lines", "params_table", "program_header", "ranks_text", "recompute_lines",
-           "reduce_scatter_impl"]
+__all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "SegmentTables",
+           "dp_compression", "literal", "mesh_lines", "model_code_lines", "params_table", "program_header", "ranks_text",
+           "recompute_lines", "reduce_scatter_impl", "segment_tables"]
 
 ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
@@ -201,6 +201,34 @@ PARAMS = (
 )'''
 
 
+class SegmentTables(NamedTuple):
+    """The model code's parts as a program writes them: the segment functions, their argument tables, and
+    what `make_stage` passes StageModel about them."""
+
+    functions: str  # prefix, block template(s), suffix: the generated functions
+    args: str  # PREFIX_ARGS = (...) lines: each function's parameters and buffers
+    fn_table: str  # 'prefix': prefix, 'block': block, ...
+    block_args: str  # (BLOCK_ARGS, BLOCK_1_ARGS,) or ()
+    block_inputs: tuple  # the model inputs each block template reads
+    kinds_line: str  # BLOCK_KINDS = ... with why
+    suffix_args: str  # SUFFIX_ARGS or ()
+
+
+def segment_tables(code: Any) -> SegmentTables:
+    """The parts of `code` (a plan's ModelCode) that every program running it writes the same way."""
+    segs = [code.prefix, *code.templates] + ([code.suffix] if code.suffix is not None else [])
+    return SegmentTables(
+        functions="\n\n".join(s.source.rstrip() for s in segs),
+        args="\n".join(f"{s.name.upper()}_ARGS = {literal(tuple(s.params) + tuple(s.buffers))}" for s in segs),
+        fn_table=", ".join(f"{s.name!r}: {s.name}" for s in segs),
+        block_args=f"({', '.join(t.name.upper() + '_ARGS' for t in code.templates)},)" if code.block is not None else "()",
+        block_inputs=tuple(t.model_inputs for t in code.templates),
+        kinds_line=(f"# The blocks are not all alike: kind of each block (kind 0 runs `block`, kind k `block_k`).\n"
+                    f"BLOCK_KINDS = {literal(code.block_kinds)}" if code.block_kinds else
+                    "BLOCK_KINDS = ()  # every block runs `block`"),
+        suffix_args="SUFFIX_ARGS" if code.suffix is not None else "()")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelCodeLines:
     """The model's code in a data-parallel or async SGD program: imports (torch's, then the runtime's), the
@@ -219,13 +247,7 @@ def model_code_lines(plan: "Plan") -> ModelCodeLines:
     code = plan.code
     if code is None:
         return ModelCodeLines()
-    segs = [code.prefix, *code.templates] + ([code.suffix] if code.suffix is not None else [])
-    functions = "\n\n".join(s.source.rstrip() for s in segs)
-    args = "\n".join(f"{s.name.upper()}_ARGS = {literal(tuple(s.params) + tuple(s.buffers))}" for s in segs)
-    fn_table = ", ".join(f"{s.name!r}: {s.name}" for s in segs)
-    block_args = f"({', '.join(t.name.upper() + '_ARGS' for t in code.templates)},)" if code.block is not None else "()"
-    kinds = f"BLOCK_KINDS = {literal(code.block_kinds)}" if code.block_kinds else \
-        "BLOCK_KINDS = ()  # every block runs `block`"
+    t = segment_tables(code)
     n = code.num_blocks
     text = f'''
 inf, nan = float("inf"), float("nan")
@@ -234,11 +256,11 @@ inf, nan = float("inf"), float("nan")
 # forward is not run: its {plan.attention_rewrites} eager attention(s) run as one fused scaled_dot_product_attention
 # each, as the plan's time and memory assume (partitioner.tracer.attention). Beside each value, its shape.
 
-{functions}
+{t.functions}
 
 
-{args}
-{kinds}
+{t.args}
+{t.kinds_line}
 OUTPUT_SPEC = {code.output_spec!r}
 # One stage: the prefix, {f"blocks 0..{n - 1}" if n > 1 else f"{n} block(s)"} of {code.stack or "the model"},
 # the suffix.
@@ -247,10 +269,10 @@ STAGES = {{0: (0, {n}, True, True)}}
 
 def make_stage(model, tp):
     """`model` running the code above (the whole model on this rank); `plan.verify` calls it too."""
-    return StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
-                      block_inputs={tuple(t.model_inputs for t in code.templates)!r}, block_kinds=BLOCK_KINDS,
+    return StageModel(model, functions={{{t.fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
+                      block_inputs={t.block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
-                      block_args={block_args}, suffix_args={"SUFFIX_ARGS" if code.suffix is not None else "()"},
+                      block_args={t.block_args}, suffix_args={t.suffix_args},
                       output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp)
 
 '''

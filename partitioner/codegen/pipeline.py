@@ -24,6 +24,7 @@ from partitioner.codegen.common import (
     program_header,
     ranks_text,
     reduce_scatter_impl,
+    segment_tables,
     slice_text,
 )
 from runtime.comm.groups import stage_peers  # the rule the program will use
@@ -134,16 +135,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     place_lines = "\n".join(f"    {n!r}: {v!r},  # {by_param[n].role}: "
                             f"{slice_text(by_param[n].shape, v[0], v[1], c.tp, me.tp)}"
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
-    segs = [code.prefix, *code.templates] + ([code.suffix] if code.suffix is not None else [])
-    functions = "\n\n".join(s.source.rstrip() for s in segs)
-    args = "\n".join(f"{s.name.upper()}_ARGS = {literal(tuple(s.params) + tuple(s.buffers))}" for s in segs)
-    fn_table = ", ".join(f"{s.name!r}: {s.name}" for s in segs)
-    block_args = f"({', '.join(t.name.upper() + '_ARGS' for t in code.templates)},)" if code.block is not None else "()"
-    block_inputs = tuple(t.model_inputs for t in code.templates)
-    kinds_line = (f"# The blocks are not all alike: kind of each block (kind 0 runs `block`, kind k `block_k`).\n"
-                  f"BLOCK_KINDS = {literal(code.block_kinds)}" if code.block_kinds else
-                  "BLOCK_KINDS = ()  # every block runs `block`")
-    suffix_args = "SUFFIX_ARGS" if code.suffix is not None else "()"
+    functions, args, fn_table, block_args, block_inputs, kinds_line, suffix_args = segment_tables(code)
     mixed = plan.precision != "fp32"
     comp = dp_compression(plan, dp_ranks)
     ml = mesh_lines(plan)
