@@ -13,8 +13,10 @@ exactly (rms 0) by factors that then mispredict the next configuration. So the
 fit generalises in two ways (`select_factors`, the prior rows of the residual):
   * it frees only the factors the trials identify: greedily, the factor whose
     effect on the trials' log times is largest and least like the already
-    chosen ones' (Gram-Schmidt with pivoting on the Jacobian at the start), at
-    most `max_free` of them, by default one fewer than the trials (so a fit
+    chosen ones' (Gram-Schmidt with pivoting on the Jacobian), chosen again where
+    the fit stands after each round (at the start a slow device can hide what
+    the links cost), at most `max_free` of them in all, by default one fewer
+    than the trials (so a fit
     always leaves a residual that says how well the model explains them);
     factors the measurements do not move (no trial crosses a node, none
     pipelines) or move only as a chosen factor does keep their values;
@@ -208,7 +210,7 @@ def fit_step_times(predict: Callable[[Calibration], Sequence[float]], measured: 
     for _ in range(_RESELECT):
         if not len(y):
             break
-        r_all = residual(z_all, every)
+        r_all = residual(z_all, every) if free else r  # r: the start's residual, before any round
         more = [j for j in select_factors(jacobian(z_all, r_all, every), limit) if j not in free]
         if not more or len(free) >= limit:
             break
@@ -216,9 +218,7 @@ def fit_step_times(predict: Callable[[Calibration], Sequence[float]], measured: 
         z, r, n = _levenberg_marquardt(lambda z_: residual(z_, free), lambda z_, r_: jacobian(z_, r_, free),
                                        z_all[free], z0[free], lo[free], hi[free], w, max_iter)
         z_all[free], it = z, it + n
-    z = z_all[free]
-    cal = dataclasses.replace(cal_at(z, free), source=source)
-    r = residual(z, free) if free else r
+    cal = dataclasses.replace(cal_at(z_all[free], free), source=source)
     after = float(np.sqrt(np.mean(r ** 2))) if len(y) else 0.0
     return FitResult(calibration=cal, rms_log_error_before=before, rms_log_error_after=after,
                      fitted=tuple(names[j] for j in free), iterations=it)

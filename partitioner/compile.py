@@ -432,7 +432,8 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 compression=dict(zip(LEVELS, best.compression)),
                 compression_warmup=decl.compression_warmup if best.compression != ("none", "none") else 0,
                 rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
-                attention_rewrites=g.attention_rewrites, block_kinds=_block_kinds(g), block_container=g.block_container if _block_kinds(g) else None,
+                attention_rewrites=g.attention_rewrites, block_kinds=_block_kinds(g),
+                block_container=g.block_container if _block_kinds(g) else None,
                 **_model_code(g, splits, cand))
 
 

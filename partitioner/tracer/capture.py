@@ -72,7 +72,6 @@ class Capture:
     method: Method
     batch_symbolic: bool
     graph_module: Any
-    attention_rewrites: int = 0  # eager attentions rewritten to scaled_dot_product_attention (attention.py)
 
 
 # ---------------------------------------------------------------- helpers
@@ -178,7 +177,8 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
     dynamic_shapes = {**{p: d for p, d in zip(_positional_names(model, len(args)), dyn_args)}, **dyn_kwargs}
     ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes)
     # before anything reads the graph, so costs and generated code see the same (fused) attention
-    rewrites = rewrite_attention_in(ep.graph_module) if rewrite else 0
+    if rewrite:
+        rewrite_attention_in(ep.graph_module)  # OpGraph.attention_rewrites counts what it did
     sig = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
     kinds = torch.export.graph_signature.InputKind
 
@@ -221,7 +221,7 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)
     return Capture(nodes=tuple(nodes), inputs=tuple(inputs), method="export",
-                   batch_symbolic=batch_symbolic, graph_module=ep, attention_rewrites=rewrites)
+                   batch_symbolic=batch_symbolic, graph_module=ep)
 
 
 def _positional_names(model: torch.nn.Module, n: int) -> list[str]:

@@ -492,7 +492,7 @@ class _Tuner:
 
     def fit(self, cal: Calibration, ok: list[Trial],
             iterations: int) -> tuple[Calibration, float, float, float, tuple[str, ...]]:
-        """The calibration refitted to `ok` (regularised toward `cal`: a probe's, or the last round's), its
+        """The calibration refitted to `ok` (regularised toward `cal`, the start: a probe's or the defaults), its
         rms log errors before and after in sample and leave-one-out, and the factors it moved."""
         measured = [t.measured_step_s for t in ok]
 
