@@ -14,10 +14,10 @@ import os
 
 import pytest
 import torch
+import transformers
 
 from partitioner import compile
 
-transformers = pytest.importorskip("transformers")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
