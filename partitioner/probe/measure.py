@@ -110,7 +110,7 @@ def _matmuls(sweep: Sweep, device: torch.device) -> list[dict[str, Any]]:
             dist.barrier()  # every rank at once
             s = _time(lambda: a @ b, device, sweep.repeats)
             out.append({"dtype": name, "n": n, "flops": 2.0 * n ** 3, "seconds": s})
-            if _slowest(s) > sweep.max_op_s:  # agreed by every rank: the next size would be 8x slower
+            if _slowest(s, device) > sweep.max_op_s:  # agreed by every rank: the next size would be 8x slower
                 break
     return out
 
@@ -166,8 +166,8 @@ def _overlap(sweep: Sweep, device: torch.device) -> dict[str, float]:
     return {"compute_s": t_compute, "comm_s": t_comm, "both_s": t_both}
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+def _slowest(seconds: float, device: torch.device) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)  # NCCL reduces only device tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
@@ -185,9 +185,9 @@ def _sweep_op(op: str, sweep: Sweep, mine, p: int, comm: Collectives, device: to
             run()
             _sync(device)
             if k:  # the first run is a warm-up (first use of a group sets up its connections)
-                times.append(_slowest(time.perf_counter() - t0))
+                times.append(_slowest(time.perf_counter() - t0, device))
             else:
-                _slowest(0.0)
+                _slowest(0.0, device)
         s = statistics.median(times)
         yield 4 * n, s
         if s > sweep.max_op_s:

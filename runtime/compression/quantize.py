@@ -135,7 +135,10 @@ def quantize(
             torch.add(x, residual, out=y[:n])
     yb = y.view(nblocks, block)  # (nblocks, block)
     lo, hi = torch.aminmax(yb, dim=1) if n else (y.new_zeros(0), y.new_zeros(0))  # (nblocks,)
-    scales = torch.maximum(hi.abs(), lo.abs()) / q  # absmax / qmax (never -0.0)
+    absmax = torch.maximum(hi.abs(), lo.abs())
+    # divided by a tensor, not the Python int: CUDA divides a tensor by a scalar as a multiplication by its
+    # reciprocal (one ulp off IEEE division, and off the Triton kernel); never -0.0
+    scales = absmax / torch.full_like(absmax, q)
     div = torch.where(scales > 0, scales, torch.ones_like(scales))
     v = torch.div(yb, div[:, None]).clamp_(-q, q)  # (nblocks, block)
     if stochastic:

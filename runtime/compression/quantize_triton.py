@@ -55,8 +55,10 @@ def _quantize_kernel(
     y = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         y = y + tl.load(r_ptr + offs, mask=mask, other=0.0)
-    scale = tl.max(tl.abs(y), axis=0) / QMAX
-    v = y / tl.where(scale > 0, scale, 1.0)
+    # div_rn: Triton's `/` compiles to an approximate division on CUDA (div.full.f32, up to 2 ulp), which would
+    # break bit-equality with the torch reference (IEEE division); the interpreter divides exactly either way
+    scale = tl.div_rn(tl.max(tl.abs(y), axis=0), tl.full((), QMAX, tl.float32))
+    v = tl.div_rn(y, tl.broadcast_to(tl.where(scale > 0, scale, 1.0), y.shape))
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     if STOCHASTIC:
         v = tl.floor(v + tl.rand(seed, offs))
