@@ -7,7 +7,8 @@
   algorithm bandwidth, and busbw = B x nccl-tests' bus factor (PERFORMANCE.md: 2(p-1)/p for all-reduce,
   (p-1)/p for all-gather, reduce-scatter and all-to-all, 1 for a send).
 * The factors: device_speed, matmul_eff_by_dtype, mem_eff and gemm_half_flops from the curves and the
-  elementwise ops' bytes/s against the device preset's peaks; launch_overhead_s the per-op overhead; dp_overlap
+  elementwise ops' bytes/s against the device preset's peaks; attention_eff_max from the fused attention's
+  rate (FLOP as the tracer counts them); launch_overhead_s the per-op overhead; dp_overlap
   the share of an all-reduce that hid behind matmuls; then per link level its bw_eff and
   extra latency, and collective_base_latency_s, fitted by cost_models.fit to every measured collective as
   cost_models.comm.CommModel prices it, so the planner's own formulas reproduce the sweep.
@@ -83,7 +84,29 @@ def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "memory_bytes_per_s": stream, "elementwise_bytes_per_s": elementwise,
             "overlap": {**ov, "hidden_fraction": min(1.0, max(0.0, (ov["compute_s"] + ov["comm_s"] - ov["both_s"])
                                                               / ov["comm_s"]))},
-            "matmul": curves, "collectives": lines}
+            "matmul": curves, "attention": _attention_summary(records), "collectives": lines}
+
+
+def _attention_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    att = [r["attention"] for r in records if r.get("attention")]
+    if not att:
+        return None
+    return {"dtype": att[0]["dtype"], "shape": att[0]["shape"], "flops": att[0]["flops"],
+            "flops_per_s": statistics.median(a["flops"] / a["seconds"] for a in att)}
+
+
+def _attention_eff_max(cal: Calibration, dev, attention: dict[str, Any] | None) -> float:
+    """attention_eff_max such that the cost model prices the probe's attention at its measured rate: the
+    saturating curve's F / (F + F_half) undone, and Calibration.plateau's scaling by the dtype's measured matmul
+    plateau undone (it multiplies attention_eff_max by matmul_eff_by_dtype[dtype] / matmul_eff_max)."""
+    if not attention or attention["dtype"] not in dev.peak_flops:
+        return cal.attention_eff_max
+    f = attention["flops"]
+    eff = attention["flops_per_s"] / (dev.peak_flops[attention["dtype"]] * cal.device_speed)
+    plateau = eff * (f + cal.gemm_half_flops) / f
+    measured = dict(cal.matmul_eff_by_dtype).get(attention["dtype"])
+    own = plateau * cal.matmul_eff_max / measured if measured else plateau
+    return min(1.0, max(1e-4, own))
 
 
 def derive_calibration(topo: Topology, evidence: dict[str, Any], *, source: str) -> Calibration:
@@ -103,6 +126,7 @@ def derive_calibration(topo: Topology, evidence: dict[str, Any], *, source: str)
         matmul_eff_by_dtype=tuple((d, r / speed) for d, r in zip(curves, ratios)),
         gemm_half_flops=min(hi, max(lo, statistics.median(half))) if half else start.gemm_half_flops,
         launch_overhead_s=evidence["op_overhead_s"], probe=evidence, source=source)
+    cal = dataclasses.replace(cal, attention_eff_max=_attention_eff_max(cal, dev, evidence.get("attention")))
     return _fit_links(topo, cal, evidence["collectives"])
 
 

@@ -34,7 +34,8 @@ def measure_rank(sweep: Sweep, groups: dict[str, dict[int, list[list[int]]]], de
     out: dict[str, Any] = {"rank": dist.get_rank(), "device": str(device), "fixed_process_bytes": fixed,
                            "matmul": _matmuls(sweep, device), "op_overhead_s": _op_overhead(device),
                            "stream": _stream(sweep, device), "elementwise": _elementwise(sweep, device),
-                           "overlap": _overlap(sweep, device), "collectives": []}
+                           "overlap": _overlap(sweep, device), "attention": _attention(sweep, device),
+                           "collectives": []}
     comm = Collectives()
     for level, by_size in groups.items():
         for p, members in by_size.items():
@@ -141,6 +142,27 @@ def _elementwise(sweep: Sweep, device: torch.device) -> dict[str, float]:
     dist.barrier()
     seconds = sum(_time(fn, device, sweep.repeats) for fn, _ in ops)
     return {"bytes": float(sum(k for _, k in ops) * 4 * n), "seconds": seconds}
+
+
+def _attention(sweep: Sweep, device: torch.device) -> dict[str, Any]:
+    """Fused attention forward and backward (SDPA, causal, the device's 16-bit dtype; fp32 on a CPU), with the
+    FLOP the tracer's rule for `scaled_dot_product_attention` counts (tracer/op_rules.py: the full L x S
+    products, fwd 4 B H L S d + 5 B H L S, bwd twice the products + 5 B H L S): the rate the cost model's
+    attention ops run at, whichever kernel torch picks here (FlashAttention-2 reaches about 35 % of an H100's
+    peak, Shah et al. 2024, "FlashAttention-3", and 50-73 % of an A100's)."""
+    b, h, seq, d = sweep.attention_shape
+    name = "bf16" if device.type == "cuda" else "fp32"
+    q, k, v = (torch.randn(b, h, seq, d, device=device, dtype=_DTYPES[name], requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, seq, d, device=device, dtype=_DTYPES[name])
+
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    scores = b * h * seq * seq
+    flops = 3 * (4 * scores * d) + 10 * scores
+    dist.barrier()
+    return {"dtype": name, "shape": [b, h, seq, d], "flops": float(flops), "seconds": _time(step, device, sweep.repeats)}
 
 
 def _overlap(sweep: Sweep, device: torch.device) -> dict[str, float]:

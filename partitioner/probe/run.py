@@ -13,7 +13,7 @@ Where the ranks come from:
 >>> cal.source.startswith("partitioner probe local:2"), out.exists(), Calibration.load(out) == cal
 (True, True, True)
 >>> sorted(cal.probe)   # the evidence beside the factors
-['collectives', 'devices', 'elementwise_bytes_per_s', 'fixed_process_bytes', 'matmul', 'memory_bytes_per_s', 'op_overhead_s', 'overlap', 'ranks']
+['attention', 'collectives', 'devices', 'elementwise_bytes_per_s', 'fixed_process_bytes', 'matmul', 'memory_bytes_per_s', 'op_overhead_s', 'overlap', 'ranks']
 """
 
 from __future__ import annotations

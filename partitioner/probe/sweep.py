@@ -29,7 +29,9 @@ class Sweep:
     message_bytes: the collectives' full buffers (nccl-tests' sizes, 4 KiB to 16 MiB by 4x; a cluster run may
         pass larger). matmul_sizes: n of the n x n x n products per dtype. stream_bytes: the buffer the memory
         bandwidth copy moves; elementwise_bytes:
-        the operands of the memory-bound ops timed; overlap_bytes: the all-reduce hidden behind matmuls. repeats: timed runs per point (the median is kept), after one untimed.
+        the operands of the memory-bound ops timed; overlap_bytes: the all-reduce hidden behind matmuls;
+        attention_shape: (batch, heads, sequence, head dim) of the fused attention timed. repeats: timed runs per
+        point (the median is kept), after one untimed.
     max_op_s: a point slower than this ends its size sweep (the larger sizes would only cost time), so the
         probe stays within about a minute on a slow machine.
     """
@@ -40,6 +42,7 @@ class Sweep:
     stream_bytes: int = 32 * 2 ** 20
     elementwise_bytes: int = 4 * 2 ** 20
     overlap_bytes: int = 4 * 2 ** 20
+    attention_shape: tuple[int, int, int, int] = (1, 8, 1024, 64)
     repeats: int = 5
     max_op_s: float = 0.3
     collectives: tuple[str, ...] = COLLECTIVES
@@ -55,14 +58,16 @@ class Sweep:
     def quick(cls) -> "Sweep":
         """A few seconds' sweep (tests; a first look)."""
         return cls(message_bytes=(4096, 65536, 1048576), matmul_sizes=(64, 256), dtypes=("fp32",),
-                   stream_bytes=8 * 2 ** 20, elementwise_bytes=2 ** 20, overlap_bytes=2 ** 20, repeats=3)
+                   stream_bytes=8 * 2 ** 20, elementwise_bytes=2 ** 20, overlap_bytes=2 ** 20,
+                   attention_shape=(1, 4, 256, 64), repeats=3)
 
     @classmethod
     def for_gpu(cls) -> "Sweep":
         """nccl-tests-like sizes up to 256 MiB and matmuls up to 8192: a GPU is far from its plateau at 1024."""
         return cls(message_bytes=tuple(4096 * 4 ** k for k in range(10)),
                    matmul_sizes=(256, 512, 1024, 2048, 4096, 8192), dtypes=("fp32", "bf16", "fp16"),
-                   stream_bytes=2 ** 30, elementwise_bytes=2 ** 28, overlap_bytes=2 ** 26, repeats=5)
+                   stream_bytes=2 ** 30, elementwise_bytes=2 ** 28, overlap_bytes=2 ** 26,
+                   attention_shape=(2, 16, 4096, 128), repeats=5)
 
 
 def groups_by_level(topo: Topology) -> dict[str, dict[int, list[list[int]]]]:
