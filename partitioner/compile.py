@@ -70,6 +70,7 @@ from partitioner.planner.search import Scored, SearchResult, enumerate_candidate
 from partitioner.planner.simulate import simulate
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
+from partitioner.tracer.experts import experts_text
 from partitioner.planner.unit_costs import CostContext, units_of
 from partitioner.tracer.opgraph import OpGraph
 from partitioner.tracer.trace import trace
@@ -432,7 +433,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 compression=dict(zip(LEVELS, best.compression)),
                 compression_warmup=decl.compression_warmup if best.compression != ("none", "none") else 0,
                 rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
-                attention_rewrites=g.attention_rewrites, block_kinds=_block_kinds(g),
+                attention_rewrites=g.attention_rewrites, experts=experts_text(g), block_kinds=_block_kinds(g),
                 block_container=g.block_container if _block_kinds(g) else None,
                 **_model_code(g, splits, cand))
 

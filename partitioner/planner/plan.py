@@ -278,6 +278,8 @@ class Plan:
     # eager attentions the tracer rewrote to one fused scaled_dot_product_attention each
     # (partitioner.tracer.attention): costed so, and run so by every program of the plan; 0: none
     attention_rewrites: int = 0
+    # the mixture-of-experts layers the tracer found (partitioner.tracer.experts), in words; "" for a dense model
+    experts: str = ""
 
     # ---- the configuration, by name ---------------------------------------
     dp = property(lambda self: self.config.dp)

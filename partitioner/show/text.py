@@ -148,6 +148,11 @@ def _attention(p: Plan) -> str:
             "(O(s) memory per row; rewrite_attention=False keeps the traced ops)")
 
 
+def _experts(p: Plan) -> str:
+    return (f"{p.experts}. Planned like every other parameter (replicated over data parallelism, sharded by ZeRO, "
+            "split by tp); expert parallelism is not planned yet")
+
+
 def _every(k: int) -> str:
     """1 -> 'every step', 4 -> 'every 4th step', 22 -> 'every 22nd step'."""
     if k == 1:
@@ -266,6 +271,7 @@ def format_plan(p: Plan) -> str:
             ("compression", compression_text(p)),
             *([("async sgd", _async_sgd(p))] if p.async_sgd else []),
             *([("attention", _attention(p))] if p.attention_rewrites else []),
+            *([("experts", _experts(p))] if p.experts else []),
             ("predicted", (f"{_ms(pr.step_time_s)} ms/step, {human(pr.tokens_per_s)} tokens/s, "
                           f"{pr.model_tflops_per_device:.1f} TFLOP/s per device, MFU {100 * pr.mfu:.1f} %")),
             ("memory", (f"peak {_gib(pr.peak_memory_bytes)} of {_gib(cap)} per rank "

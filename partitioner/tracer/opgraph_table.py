@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from partitioner.tracer.experts import experts_text
+
 if TYPE_CHECKING:
     from partitioner.tracer.opgraph import OpGraph
 
@@ -31,6 +33,9 @@ def format_table(g: "OpGraph", *, batch_size: int | None, seq_len: int | None, p
              f"{len(g.blocks)} blocks, traced by {g.method}"
              + (f" ({g.expanded_from} blocks traced, the rest copied)" if g.expanded_from else "")
              + f"; costs at batch {b}" + (f", seq {s}" if g.traced_seq_len else ""))
+    moe = experts_text(g)
+    if moe:
+        title += f"\nexperts: {moe}"
     if per == "node":
         header = ["node", "op", "module", "shape", "fwd FLOPs", "bwd FLOPs", "params", "act bytes"]
         rows = [[n.name, n.op, n.module_path or "-", str(n.output) if n.output else "-",

@@ -18,7 +18,7 @@ from typing import Mapping
 
 import sympy
 
-__all__ = ["Poly", "B", "S", "to_poly"]
+__all__ = ["Poly", "B", "S", "DataDependentSize", "to_poly"]
 
 B = sympy.Symbol("b", positive=True, integer=True)
 S = sympy.Symbol("s", positive=True, integer=True)
@@ -85,6 +85,14 @@ class Poly:
         return Poly.from_terms({(int(i), int(j)): float(c) for i, j, c in data})
 
 
+class DataDependentSize(ValueError):
+    """A size that depends on the tensor values (export's unbacked symbols u0, u1, ...), not on b and s."""
+
+    def __init__(self, symbols: list[str]) -> None:
+        super().__init__(", ".join(symbols))
+        self.symbols = symbols
+
+
 def to_poly(expr: "sympy.Expr | int | float", *, s_value: int) -> Poly:
     """Lower a sympy expression in B and S to a Poly.
 
@@ -96,6 +104,9 @@ def to_poly(expr: "sympy.Expr | int | float", *, s_value: int) -> Poly:
     expr = sympy.sympify(expr)
     if expr.is_number:
         return Poly.const(float(expr))
+    unknown = expr.free_symbols - {B, S}
+    if unknown:  # an unbacked size (torch.where, nonzero, a boolean mask): no polynomial in b and s
+        raise DataDependentSize(sorted(str(u) for u in unknown))
     try:
         p = sympy.Poly(expr, B, S)
     except sympy.PolynomialError:

@@ -34,7 +34,7 @@ from partitioner.tracer.blocks import (
 from partitioner.tracer.capture import Capture, RawSpec, capture
 from partitioner.tracer.op_rules import known_op, op_cost
 from partitioner.tracer.opgraph import Block, OpCost, OpGraph, OpNode, ParamSpec, TensorSpec
-from partitioner.tracer.symbolic import S, to_poly
+from partitioner.tracer.symbolic import DataDependentSize, S, to_poly
 
 __all__ = ["trace"]
 
@@ -226,21 +226,31 @@ def _cost(cap: Capture, model: nn.Module, stack: LayerStack | None, seq: int | N
     s_value = seq or 1
     out: list[Costed] = []
     for n in cap.nodes:
-        c = sym[n.name]
-        act = extra[n.name] + (n.outputs[0].numel() * n.outputs[0].itemsize if n.name in kept else 0)
-        cost = OpCost(forward_flops=to_poly(c.forward_flops, s_value=s_value),
-                      backward_flops=to_poly(c.backward_flops, s_value=s_value),
-                      bytes_read=to_poly(c.bytes_read, s_value=s_value),
-                      bytes_written=to_poly(c.bytes_written, s_value=s_value),
-                      activation_bytes=to_poly(act, s_value=s_value), op_class=c.op_class)
-        out.append(Costed(
-            name=n.name, op=n.op, target=n.target,
-            inputs=tuple(a.ref for a in n.args if a.kind in ("node", "input")),
-            params=tuple(dict.fromkeys(a.ref for a in n.args if a.kind == "param")),
-            output=_spec(n.outputs[0], seq), cost=cost, requires_grad=rg[n.name],
-            module_path=n.module_path, module_type=n.module_type, scalars=n.scalars,
-            block=block_index(n.module_path, stack.path) if stack is not None else None))
+        try:
+            out.append(_costed(n, sym[n.name], extra[n.name], n.name in kept, rg, s_value, seq, stack))
+        except DataDependentSize as e:
+            raise TraceError(
+                f"{n.name} ({n.op}{' in ' + n.module_path if n.module_path else ''}): its size depends on the values "
+                f"of the data ({', '.join(e.symbols)}: torch.where, nonzero or a boolean mask select how many "
+                "elements), so its cost cannot be written in batch and sequence length; route with fixed-size ops "
+                "(top-k over a capacity, one_hot, sort + grouped matmul as Hugging Face's MoE classes do)") from None
     return out
+
+
+def _costed(n, c, extra_bytes, kept: bool, rg, s_value: int, seq: int | None, stack: LayerStack | None) -> Costed:
+    act = extra_bytes + (n.outputs[0].numel() * n.outputs[0].itemsize if kept else 0)
+    cost = OpCost(forward_flops=to_poly(c.forward_flops, s_value=s_value),
+                  backward_flops=to_poly(c.backward_flops, s_value=s_value),
+                  bytes_read=to_poly(c.bytes_read, s_value=s_value),
+                  bytes_written=to_poly(c.bytes_written, s_value=s_value),
+                  activation_bytes=to_poly(act, s_value=s_value), op_class=c.op_class)
+    return Costed(
+        name=n.name, op=n.op, target=n.target,
+        inputs=tuple(a.ref for a in n.args if a.kind in ("node", "input")),
+        params=tuple(dict.fromkeys(a.ref for a in n.args if a.kind == "param")),
+        output=_spec(n.outputs[0], seq), cost=cost, requires_grad=rg[n.name],
+        module_path=n.module_path, module_type=n.module_type, scalars=n.scalars,
+        block=block_index(n.module_path, stack.path) if stack is not None else None)
 
 
 def _assemble(costed: list[Costed], cap: Capture, model: nn.Module, stack: LayerStack | None,
