@@ -62,6 +62,15 @@ _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     # The CPU runtime quantizes with the torch reference (runtime.compression.quantize), not a fused kernel:
     # ~1.7 GB/s of fp32 per pass measured on this project's machine, of its 20 GB/s "HBM" (devices.py).
     "CPU": {"compress_mem_eff": 0.085},  # 1.7e9 / 20e9
+    # Measured by `partitioner probe` on one H100 80GB HBM3 (SXM) with torch 2.11 (docs/benchmarks.md, "On a lent
+    # H100"): large GEMMs at 73 % (bf16), 69 % (fp16), 77 % (fp32) of the datasheet peaks; torch's elementwise
+    # kernels at 82 % of HBM; fused causal attention (SDPA, 2 x 16 heads x 4096 x 128, fwd+bwd) at 690 TFLOP/s
+    # as the tracer counts attention (the full L x S products), which attention_eff_max = 0.73 reproduces.
+    "H100-80GB": {"matmul_eff_by_dtype": {"bf16": 0.73, "fp16": 0.69, "fp32": 0.77}, "mem_eff": 0.82,
+                  "attention_eff_max": 0.73},
+    # the same GH100 chip at the same clocks (devices.py): its tensor cores as measured on the H100; HBM3e
+    # unmeasured, so mem_eff stays the literature's
+    "H200-141GB": {"matmul_eff_by_dtype": {"bf16": 0.73, "fp16": 0.69, "fp32": 0.77}, "attention_eff_max": 0.73},
 }
 
 
