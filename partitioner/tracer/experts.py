@@ -98,11 +98,12 @@ def find_experts(g: "OpGraph") -> tuple[MoELayer, ...]:
                 out.extend(param_of(i))
         return tuple(dict.fromkeys(out))
 
-    def descendants(start: str) -> set[str]:
+    def descendants(start: str, keep) -> set[str]:
+        """Nodes that depend on `start` through nodes `keep` accepts (the walk stops where it leaves them)."""
         seen, stack = set(), [start]
         while stack:
             for u in users[stack.pop()]:
-                if u not in seen:
+                if u not in seen and keep(nodes[u]):
                     seen.add(u)
                     stack.append(u)
         return seen
@@ -119,8 +120,8 @@ def find_experts(g: "OpGraph") -> tuple[MoELayer, ...]:
         # the layer is the module that holds the router: its owner's parent ("...mlp" for "...mlp.gate.weight");
         # what the choice reaches outside it (the residual stream, later layers) is not this layer's
         scope = weight.rsplit(".", 2)[0] if weight.count(".") >= 2 else ""
-        reach = {x for x in descendants(t.name) if nodes[x].block == t.block
-                 and (not scope or nodes[x].module_path == scope or nodes[x].module_path.startswith(scope + "."))}
+        reach = descendants(t.name, lambda n: n.block == t.block and (
+            not scope or n.module_path == scope or n.module_path.startswith(scope + ".")))
         router_owner = weight.rsplit(".", 1)[0]
         mine = lambda p: p == weight or p.startswith(router_owner + ".")  # noqa: E731  the router's own (its bias)
         expert_params = [p for x in sorted(reach, key=order.__getitem__) for p in param_of(x) if not mine(p)]
