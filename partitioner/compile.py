@@ -25,6 +25,7 @@ from cost_models.calibration import Calibration
 from cost_models.compression import (
     GATHER_CODE_BYTES,
     LEVELS,
+    REDUCE_BYTES_OF_PRECISION,
     group_compressor,
     traffic_levels,
     wire_bytes,
@@ -558,7 +559,7 @@ def _dp_traffic(ctx: CostContext, cand: ParallelConfig, ranks: tuple[int, ...], 
         return {levels[0]: (p - 1) / p * nbytes}
 
     def w(c: str) -> float:
-        return wire_bytes(c, low_rank=lr)
+        return wire_bytes(c, low_rank=lr, reduce_bytes=REDUCE_BYTES_OF_PRECISION[ctx.precision])
 
     parts: list[dict[str, float]] = []
     if z <= 1:
