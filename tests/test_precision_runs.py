@@ -209,11 +209,15 @@ def test_distributed_optimizer_is_zero_1_and_trains_like_one_process():
                        adam_steps=STEPS)
 
 
-def test_a_pure_bf16_plan_runs_its_generated_programs():
-    """The compiled plan's programs (not the engine alone) run pure bf16, as the one process does."""
+@pytest.mark.parametrize("mesh", [dict(dp=2, zero_stage=1), dict(pp=2), dict(tp=2)], ids=["zero1", "pp2", "tp2"])
+def test_a_pure_bf16_plan_runs_its_generated_programs(mesh):
+    """The compiled plan's programs (not the engine alone) run pure bf16, as the one process does: data
+    parallel, and pipeline and tensor parallel (their stages step through the same engine, bf16 activations
+    and gradients between ranks). Measured on a 4-layer GPT: about half of the parameters' bound (tp2: 0.55)."""
     model = training.gpt_tiny_seeded()
-    graph = trace(model, example_batch(model, 2, seq_len=32))
-    plan = compile(graph, "local:2", global_batch_size=8, precision="bf16", zero_stage=1, pp=1, tp=1)
+    graph = trace(model, (example_batch(model, 2, seq_len=32)[0],))
+    plan = compile(graph, "local:2", global_batch_size=8, precision="bf16", microbatch_size=2,
+                   **{"dp": 1, "pp": 1, "tp": 1, **mesh})
     assert "precision='bf16'" in plan.program(0).source
     batches = [example_batch(model, 8, seq_len=32, seed=s) for s in range(STEPS)]
     out = launch_local(plan, training.gpt_tiny_seeded, _adamw, training.gpt_loss, batches, timeout_s=120)
