@@ -230,3 +230,20 @@ def test_a_pure_bf16_plan_runs_its_generated_programs(mesh):
     for k, w in ref.model.named_parameters():
         w = w.detach().float()
         assert ((out.state_dict[k] - w).abs() <= STEPS * (2 * LR + 2**-7 * w.abs())).all(), k
+
+
+def test_pure_bf16_resumes_from_a_checkpoint_exactly(tmp_path):
+    """Checkpoints hold fp32 boxes (runtime.checkpoint): bf16 parameters and AdamW state go there and back
+    exactly, and the state is recreated in the parameters' dtype, so two steps, a save and two more are the
+    four steps of one run, bit for bit."""
+    model = training.gpt_tiny_seeded()
+    graph = trace(model, (example_batch(model, 2, seq_len=32)[0],))
+    plan = compile(graph, "local:2", global_batch_size=8, precision="bf16", microbatch_size=2, dp=2, zero_stage=1)
+    batches = [example_batch(model, 8, seq_len=32, seed=s) for s in range(4)]
+    run = functools.partial(launch_local, plan, training.gpt_tiny_seeded, _adamw, training.gpt_loss, timeout_s=120)
+    whole = run(batches)
+    first = run(batches[:2], save_dir=tmp_path, save_every=2)
+    rest = run(batches, resume_from=tmp_path)
+    assert first.losses + rest.losses == whole.losses
+    for k, v in whole.state_dict.items():
+        assert torch.equal(rest.state_dict[k], v), k
