@@ -96,6 +96,9 @@ def model_state_bytes(num_params: float, *, precision: str, optimizer: str,
     pure bf16 Adam: 8P, 4P + 4P/N_d, 2P + 6P/N_d, 8P/N_d.
     The gradient reduction's dtype (grad_reduce_dtype) changes bytes on the
     wire, not these: gradients accumulate in the same buffers either way.
+    These are the papers' formulas; the planner (partitioner.planner.stage_costs)
+    charges on top what the runtime's engine holds beyond them: the mixed
+    precisions' gradients accumulated in fp32 (4 B, not 2) at stages 0-2.
 
     >>> s = model_state_bytes(7.5e9, precision="bf16-mixed", optimizer="adam",
     ...                       zero_stage=1, dp=64)

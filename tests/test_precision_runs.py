@@ -126,6 +126,19 @@ def _bf16_reduction(stage: int, rank: int, world: int) -> dict:
     return {"halves": halves, "reduced": reduced}
 
 
+def _mixed_held(stage: int, rank: int, world: int) -> dict:
+    """What bf16-mixed holds after a step (before zero_grad), by DataParallel.held_bytes."""
+    dp = DataParallel(_model(), group=None, ranks=tuple(range(world)), zero_stage=stage, collectives=Collectives(),
+                      precision="bf16-mixed")
+    opt = _adamw(dp.optimizer_params())
+    x, y = BATCHES[0]
+    _loss(dp.module, x[:2], y[:2]).backward()
+    dp.finish_gradients()
+    opt.step()
+    dp.after_step()
+    return dp.held_bytes(opt)
+
+
 @torch.no_grad()
 def _broadcast_state(model: torch.nn.Module) -> dict:
     """Rank 0's parameters (the engine broadcasts them; every rank here builds the same seeded model anyway)."""
@@ -140,6 +153,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     with gloo_group(rank, world, store_path):
         results = {("pure", s): _pure_bf16(s, rank, world) for s in (0, 1, 2, 3)}
         results.update({("reduce", s): _bf16_reduction(s, rank, world) for s in (0, 2)})
+        results.update({("mixed-held", s): _mixed_held(s, rank, world) for s in (0, 1, 2, 3)})
         if rank == 0:
             torch.save(results, Path(out_dir) / "rank0.pt")
 
@@ -172,6 +186,19 @@ def test_pure_bf16_holds_what_the_plan_charges(ranks2, stage):
     for k in ("params", "grads", "optimizer"):
         v = getattr(want, k)
         assert abs(held[k] - v) <= 0.1 * v, f"{k}: held {held[k]}, charged {v:.0f}"
+
+
+@pytest.mark.parametrize("stage,per_param", [
+    (0, 2 + 4 + 4 + 8),            # bf16 parameters, fp32 gradient buffers, fp32 master, Adam's m and v
+    (1, 2 + 4 + (4 + 8) / 2),      # the distributed optimizer: master and state sharded (Megatron: 6 + 12/d)
+    (2, 2 + (4 + 4 + 8) / 2),      # + the fp32 gradient shard
+    (3, (4 + 4 + 8) / 2)])         # no bf16 shard at rest: units are gathered from the fp32 master shard
+def test_bf16_mixed_holds_fp32_gradients_as_the_plan_charges(ranks2, stage, per_param):
+    """The mixed recipe's gradients accumulate in fp32 (4 B, not the ZeRO paper's 16-bit 2): what
+    partitioner.planner.stage_costs charges at ZeRO 0-2; ZeRO-3's total is the paper's 16/dp."""
+    held = ranks2["mixed-held", stage]
+    P = sum(p.numel() for p in _model().parameters())
+    assert abs(held["total"] - P * per_param) <= 0.01 * P * per_param, (held, P * per_param)
 
 
 # ---- bf16 gradient reduction ----------------------------------------------------------------------

@@ -73,6 +73,7 @@ __all__ = ["StageCost", "StageEvaluator", "StageMemory"]
 # the parameter, m and v): 7 fp32 tensors, 28 B; pure bf16 steps bf16 parameters with bf16 state, 14 B.
 _OPTIM_BYTES_PER_PARAM = {"bf16": 14}
 _OPTIM_BYTES_FP32 = 28
+_FP32_GRADIENTS = ("bf16-mixed", "fp16-mixed")  # 16-bit compute whose gradients the engine accumulates in fp32
 _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
 
@@ -271,6 +272,12 @@ class StageEvaluator:
         z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
         kw = dict(precision=ctx.precision, optimizer=ctx.optimizer)
         own = model_state_bytes(params - tied, zero_stage=z, dp=cand.dp, **kw)
+        if z < 3 and ctx.precision in _FP32_GRADIENTS:
+            # The engine accumulates the mixed precisions' gradients in fp32 buffers (4 B, where the ZeRO paper's
+            # formula counts a 16-bit gradient's 2: DataParallel.held_bytes measures 18 B per parameter at ZeRO-0,
+            # as Megatron's "bf16 param, fp32 grads"). ZeRO-3 holds no 16-bit shard (it gathers from the fp32
+            # master), which the formula's total of 16/dp already is.
+            own = dataclasses.replace(own, grads=2 * own.grads)
         whole = model_state_bytes(tied, zero_stage=0, dp=1, **kw) if tied else _NO_STATE
         pb, gb = self._param_bytes, self._grad_bytes  # gb: the engine's gradient buffers (fp32; bf16 if pure)
         # runtime.engines.unreplicated: pipeline / tensor-parallel programs at dp = 1 in fp32 (codegen_pipeline)
