@@ -6,7 +6,9 @@ what plan JSON stores and what generated programs pass on (`precision='bf16-mixe
 and compares as itself.
 
 >>> PRECISIONS, SCHEDULES
-(('fp32', 'bf16-mixed', 'fp16-mixed'), ('gpipe', '1f1b', 'interleaved-1f1b'))
+(('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16'), ('gpipe', '1f1b', 'interleaved-1f1b'))
+>>> GRAD_REDUCE_DTYPES, OPTIMIZER_LAYOUTS
+(('fp32', 'bf16'), ('replicated', 'distributed'))
 """
 
 from __future__ import annotations
@@ -14,10 +16,24 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 __all__ = ["Precision", "PRECISIONS", "ScheduleKind", "SCHEDULES", "Recompute", "RECOMPUTE_POLICIES",
-           "OptimizerName", "OPTIMIZERS", "ZERO_STAGES"]
+           "OptimizerName", "OPTIMIZERS", "ZERO_STAGES", "GradReduceDtype", "GRAD_REDUCE_DTYPES",
+           "OptimizerLayout", "OPTIMIZER_LAYOUTS", "LAYOUT_ZERO_STAGE"]
 
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]  # fp32 masters under both mixed precisions
+# fp32 masters under both mixed precisions; "bf16" is pure bf16 (Composer's PURE, FSDP with bf16 parameters):
+# parameters, gradients and optimizer state all in bf16, no masters
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+# The dtype of the data-parallel gradient reduction under a mixed precision (gradients accumulate in fp32
+# either way): fp32 (FSDP2's reduce_dtype=fp32, Megatron's default for bf16) or bf16 (half the bytes)
+GradReduceDtype = Literal["fp32", "bf16"]
+GRAD_REDUCE_DTYPES: tuple[str, ...] = get_args(GradReduceDtype)
+
+# Where the fp32 masters and optimizer state live: on every data-parallel replica, or sharded over them
+# (Megatron's distributed optimizer: ZeRO-1, parameters and gradients replicated)
+OptimizerLayout = Literal["replicated", "distributed"]
+OPTIMIZER_LAYOUTS: tuple[str, ...] = get_args(OptimizerLayout)
+LAYOUT_ZERO_STAGE = {"replicated": 0, "distributed": 1}  # the ZeRO stage each layout is
 
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)

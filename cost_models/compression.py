@@ -4,7 +4,7 @@ A compressor applies per link level ("intra_node", "inter_node") to the
 data-parallel gradient reduction: the all-reduce of DDP and ZeRO-1, the
 reduce-scatter of ZeRO-2/3 (and, at ZeRO-3 with int8/int4, the parameter
 all-gathers). The runtime reduces gradients in fp32 under every precision
-(`runtime.engines.mixed_precision`: reduce_dtype = fp32), so that is the baseline:
+(`runtime.engines.mixed_precision`: master_dtype = fp32; pure bf16: 2 bytes), so that is the baseline:
 
     compressor  bytes per gradient element on the wire (w)   how it reduces
     none        4                                         ring/tree/hierarchical all-reduce of fp32
@@ -104,6 +104,7 @@ from cost_models.powersgd import LowRank, powersgd_kernel_time
 from cost_models.specs import LinkLevel, LinkSpec
 
 __all__ = ["Compressor", "Level", "COMPRESSORS", "IMPLEMENTED", "SEARCHED", "LEVELS", "REDUCE_BYTES",
+           "REDUCE_BYTES_OF_PRECISION",
            "QUANT_BLOCK", "GATHER_CODE_BYTES", "WEIGHT_CODES", "no_compression", "wire_bytes", "kernel_time", "traffic_levels",
            "combinations", "group_compressor", "ReduceTime", "all_reduce_time", "reduce_scatter_time",
            "gather_time"]
@@ -117,7 +118,10 @@ IMPLEMENTED: tuple[str, ...] = COMPRESSORS  # what runtime.engines.data_parallel
 SEARCHED: tuple[str, ...] = ("none", "bf16", "int8", "int4", "powersgd")
 LEVELS: tuple[str, ...] = (LinkLevel.INTRA_NODE.value, LinkLevel.INTER_NODE.value)
 
-REDUCE_BYTES = 4  # gradients are reduced in fp32 (runtime.engines.mixed_precision.Precision.reduce_dtype)
+REDUCE_BYTES = 4  # gradients are reduced in fp32 (runtime.engines.mixed_precision.Precision.master_dtype)
+# ... except under pure bf16, whose gradients are bf16 (grad_reduce_dtype="bf16" under a mixed precision is
+# the "bf16" compressor on every level: partitioner.planner.declarations.reduction_pins)
+REDUCE_BYTES_OF_PRECISION = {"fp32": 4, "bf16-mixed": 4, "fp16-mixed": 4, "bf16": 2}
 QUANT_BLOCK = 256  # elements per fp32 absmax scale (runtime.compression.compressed_reduce.CompressedReduce.block)
 _SCALE_BYTES = 4
 _CODE_BYTES = {"int8": 1.0, "int4": 0.5}
@@ -220,23 +224,24 @@ def group_compressor(compression: Sequence[str]) -> str:
     return next((c for c in compression if c != "none"), "none")
 
 
-def _reduce_phase(numel: float, p: int, link: LinkSpec, name: str) -> float:
+def _reduce_phase(numel: float, p: int, link: LinkSpec, name: str, reduce_bytes: float = REDUCE_BYTES) -> float:
     """Each rank ends with the sum of its 1/p of `numel` elements: (p-1) alpha + (p-1)/p n w / B."""
     if name in _CODE_BYTES:
         return pairwise_all_to_all(numel * wire_bytes(name), p, link)
-    return ring_reduce_scatter(numel * wire_bytes(name), p, link)
+    return ring_reduce_scatter(numel * wire_bytes(name, reduce_bytes=reduce_bytes), p, link)
 
 
-def _gather_phase(numel: float, p: int, link: LinkSpec, name: str) -> float:
+def _gather_phase(numel: float, p: int, link: LinkSpec, name: str, reduce_bytes: float = REDUCE_BYTES) -> float:
     """Every rank ends with all `numel` elements: (p-1) alpha + (p-1)/p n w / B."""
-    return ring_all_gather(numel * wire_bytes(name), p, link)
+    return ring_all_gather(numel * wire_bytes(name, reduce_bytes=reduce_bytes), p, link)
 
 
-def _level_all_reduce(numel: float, p: int, link: LinkSpec, name: str, lr: LowRank | None) -> float:
+def _level_all_reduce(numel: float, p: int, link: LinkSpec, name: str, lr: LowRank | None,
+                      reduce_bytes: float = REDUCE_BYTES) -> float:
     """One level's all-reduce of `numel` gradient elements over p ranks, compressed with `name`."""
     if name == "powersgd":  # P, then Q (with the uncompressed rest): a ring's bytes, two rounds of latency
         return ring_all_reduce(wire_bytes(name, low_rank=lr) * numel, p, link) + 2 * (p - 1) * link.latency_s
-    return _reduce_phase(numel, p, link, name) + _gather_phase(numel, p, link, name)
+    return _reduce_phase(numel, p, link, name, reduce_bytes) + _gather_phase(numel, p, link, name, reduce_bytes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -258,12 +263,13 @@ def _check(levels: tuple[str, ...], used: Mapping[str, str], low_rank: LowRank |
 
 
 def all_reduce_time(numel: float, ranks: Sequence[int], comm: CommModel, compression: Mapping[str, str], *,
-                    low_rank: LowRank | None = None) -> ReduceTime:
-    """All-reduce `numel` fp32 gradient elements over `ranks`, compressed per level (module docstring).
+                    low_rank: LowRank | None = None, reduce_bytes: float = REDUCE_BYTES) -> ReduceTime:
+    """All-reduce `numel` gradient elements over `ranks`, compressed per level (module docstring).
 
     Levels the group does not cross are ignored. `low_rank`: the gradients'
     shapes (powersgd.low_rank), needed for "powersgd"; its mix of shapes is
-    taken for `numel` elements.
+    taken for `numel` elements. `reduce_bytes`: bytes of an uncompressed
+    element, 4 (fp32) but 2 where the gradients are bf16 (pure bf16 training).
     """
     ranks = tuple(ranks)
     levels = traffic_levels(comm, ranks)
@@ -274,7 +280,7 @@ def all_reduce_time(numel: float, ranks: Sequence[int], comm: CommModel, compres
     lr = low_rank.scaled(numel) if low_rank is not None else None
     plain = all(c == "none" for c in used.values())
     if plain and levels != LEVELS:
-        return ReduceTime(wire_s=comm.all_reduce(numel * REDUCE_BYTES, ranks), kernel_s=0.0)
+        return ReduceTime(wire_s=comm.all_reduce(numel * reduce_bytes, ranks), kernel_s=0.0)
     topo, cal = comm.topology, comm.calibration
     link = {lv: calibrated_link(topo.link(lv), cal) for lv in levels}
     nodes, k, _ = _shape(comm, ranks)
@@ -282,26 +288,28 @@ def all_reduce_time(numel: float, ranks: Sequence[int], comm: CommModel, compres
     if levels == LEVELS:
         ci, ce = used["intra_node"], used["inter_node"]
         intra, inter = link["intra_node"], link["inter_node"]
-        t_intra = _level_all_reduce(numel, k, intra, ci, lr)
+        t_intra = _level_all_reduce(numel, k, intra, ci, lr, reduce_bytes)
         # PowerSGD compresses the full matrices in each of the k cross-node groups; the others n/k each
-        t_inter = _level_all_reduce(numel if ce == "powersgd" else numel / k, nodes, inter, ce, lr)
-        buckets = math.ceil(numel * REDUCE_BYTES / DDP_BUCKET_BYTES)
+        t_inter = _level_all_reduce(numel if ce == "powersgd" else numel / k, nodes, inter, ce, lr, reduce_bytes)
+        buckets = math.ceil(numel * reduce_bytes / DDP_BUCKET_BYTES)
         wire = max(t_intra, t_inter) + min(t_intra, t_inter) / buckets + rounds * cal.collective_base_latency_s
         if plain:
-            return ReduceTime(wire_s=min(wire, comm.all_reduce(numel * REDUCE_BYTES, ranks)), kernel_s=0.0)
+            return ReduceTime(wire_s=min(wire, comm.all_reduce(numel * reduce_bytes, ranks)), kernel_s=0.0)
         kernel = (kernel_time(numel, comm) if ci != "none" else 0.0) + (
             powersgd_kernel_time(lr, comm) if ce == "powersgd" else kernel_time(numel / k, comm) if ce != "none"
             else 0.0)
     else:
         (lv, c), = used.items()
-        wire = _level_all_reduce(numel, len(ranks), link[lv], c, lr) + rounds * cal.collective_base_latency_s
+        wire = _level_all_reduce(numel, len(ranks), link[lv], c, lr, reduce_bytes) + rounds * cal.collective_base_latency_s
         kernel = powersgd_kernel_time(lr, comm) if c == "powersgd" else kernel_time(numel, comm) if c != "none" \
             else 0.0
     return ReduceTime(wire_s=wire, kernel_s=kernel)
 
 
-def reduce_scatter_time(numel: float, ranks: Sequence[int], comm: CommModel, compressor: str) -> ReduceTime:
-    """ZeRO-2/3's gradient reduce-scatter of `numel` fp32 elements over `ranks`, flat, with one compressor.
+def reduce_scatter_time(numel: float, ranks: Sequence[int], comm: CommModel, compressor: str, *,
+                        reduce_bytes: float = REDUCE_BYTES) -> ReduceTime:
+    """ZeRO-2/3's gradient reduce-scatter of `numel` elements over `ranks`, flat, with one compressor
+    (`reduce_bytes` per uncompressed element: 4, or 2 for pure bf16's gradients).
 
     none/bf16: `CommModel.reduce_scatter` of n w bytes; int8/int4: the
     all-to-all of codes (the two-phase collective's first phase) and the
@@ -313,7 +321,7 @@ def reduce_scatter_time(numel: float, ranks: Sequence[int], comm: CommModel, com
                          "reduce-scatter")
     if numel <= 0 or len(ranks) <= 1:
         return ReduceTime(wire_s=0.0, kernel_s=0.0)
-    nbytes = numel * wire_bytes(compressor)
+    nbytes = numel * wire_bytes(compressor, reduce_bytes=reduce_bytes)
     wire = comm.all_to_all(nbytes, ranks) if compressor in _CODE_BYTES else comm.reduce_scatter(nbytes, ranks)
     kernel = kernel_time(numel, comm, passes=_REDUCE_SCATTER_PASSES) if compressor != "none" else 0.0
     return ReduceTime(wire_s=wire, kernel_s=kernel)

@@ -36,7 +36,7 @@ OP_CLASSES: tuple[str, ...] = ("matmul", "conv", "attention", "elementwise",
 _TENSOR_CORE_CLASSES = ("matmul", "conv", "attention")
 
 # Training precision (what users declare) -> dtype of the compute kernels.
-_DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+_DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
 assert tuple(_DTYPE_OF_PRECISION) == PRECISIONS
 
 

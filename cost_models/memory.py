@@ -43,6 +43,11 @@ _BYTES_PER_PARAM = {
     **{(mixed, "adam"): (2, 2, 12) for mixed in ("bf16-mixed", "fp16-mixed")},
     **{(mixed, "sgd"): (2, 2, 4) for mixed in ("bf16-mixed", "fp16-mixed")},
     **{(mixed, "sgd-momentum"): (2, 2, 8) for mixed in ("bf16-mixed", "fp16-mixed")},
+    # Pure bf16 (precision "bf16"): no masters; torch.optim keeps its state in the parameters' dtype,
+    # so Adam's m and v are bf16 (2 + 2), SGD-momentum's buffer 2.
+    ("bf16", "adam"): (2, 2, 4),
+    ("bf16", "sgd"): (2, 2, 0),
+    ("bf16", "sgd-momentum"): (2, 2, 2),
 }
 
 # torch DistributedDataParallel's default gradient bucket: bucket_cap_mb=25,
@@ -83,9 +88,17 @@ def model_state_bytes(num_params: float, *, precision: str, optimizer: str,
     Per parameter: (params, grads, optimizer) bytes = (4, 4, 8) fp32 Adam,
     (4, 4, 4) fp32 SGD-momentum, (4, 4, 0) fp32 SGD, (2, 2, 12) mixed Adam
     (ZeRO paper's 2 + 2 + K, K = 12), (2, 2, 8) / (2, 2, 4) mixed SGD with /
-    without momentum. ZeRO stage s divides by dp (= N_d): stage >= 1 the
-    optimizer state, >= 2 the grads, 3 the params. Mixed Adam (Psi = P):
-      stage 0: 16P, 1: 4P + 12P/N_d, 2: 2P + 14P/N_d, 3: 16P/N_d.
+    without momentum, (2, 2, 4) pure bf16 Adam (no masters, bf16 m and v).
+    ZeRO stage s divides by dp (= N_d): stage >= 1 the optimizer state (the
+    masters with it: Megatron's distributed optimizer is stage 1), >= 2 the
+    grads, 3 the params. Mixed Adam (Psi = P):
+      stage 0: 16P, 1: 4P + 12P/N_d, 2: 2P + 14P/N_d, 3: 16P/N_d;
+    pure bf16 Adam: 8P, 4P + 4P/N_d, 2P + 6P/N_d, 8P/N_d.
+    The gradient reduction's dtype (grad_reduce_dtype) changes bytes on the
+    wire, not these: gradients accumulate in the same buffers either way.
+    These are the papers' formulas; the planner (partitioner.planner.stage_costs)
+    charges on top what the runtime's engine holds beyond them: the mixed
+    precisions' gradients accumulated in fp32 (4 B, not 2) at stages 0-2.
 
     >>> s = model_state_bytes(7.5e9, precision="bf16-mixed", optimizer="adam",
     ...                       zero_stage=1, dp=64)

@@ -25,6 +25,7 @@ from cost_models.calibration import Calibration
 from cost_models.compression import (
     GATHER_CODE_BYTES,
     LEVELS,
+    REDUCE_BYTES_OF_PRECISION,
     group_compressor,
     traffic_levels,
     wire_bytes,
@@ -51,6 +52,7 @@ from partitioner.planner.declarations import (
     PlannerOptions,
     check_declarations,
     compression_refusal,
+    reduction_pins,
 )
 from partitioner.planner.plan import (
     PLAN_VERSION,
@@ -103,6 +105,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
             async_sgd: dict[str, int] | None = None, rewrite_attention: bool = True,
+            grad_reduce_dtype: str | None = None, optimizer_layout: str | None = None,
             stage_bounds: Sequence[int] | None = None, verify: bool = False,
             declarations: Declarations | None = None) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
@@ -129,6 +132,14 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     is refused otherwise, saying why. The cost model charges its parameter
     all-reduce (1/k per step, or hidden behind compute); the hand baselines
     stay synchronous, so explain() shows what it gains.
+
+    `precision` is "bf16-mixed" (the default), "fp16-mixed" (16-bit compute, fp32 masters and optimizer
+    state), "fp32", or "bf16": pure bf16 (Composer's PURE), parameters, gradients and optimizer state in bf16,
+    no masters. `grad_reduce_dtype` ("fp32" or "bf16", mixed precisions only) is the dtype the data-parallel
+    gradients are reduced in; they accumulate in fp32 either way ("bf16" is the "bf16" compressor on every
+    link level; None: fp32, the planner free to compress). `optimizer_layout` "distributed" is Megatron's
+    distributed optimizer (masters and optimizer state sharded over dp: ZeRO-1) and pins zero_stage=1;
+    "replicated" pins 0; a contradicting zero_stage is refused.
 
     `rewrite_attention` (default True) traces eager attention (a matmul of q and k^T, a scale, an
     additive bias or mask such as ALiBi or causal, softmax, dropout, a matmul with v) as one
@@ -174,7 +185,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                 zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
                 recompute=recompute, max_memory_fraction=max_memory_fraction, compression=compression,
                 async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
-                compression_warmup=compression_warmup)
+                compression_warmup=compression_warmup, grad_reduce_dtype=grad_reduce_dtype,
+                optimizer_layout=optimizer_layout)
     if declarations is not None:
         if not isinstance(declarations, Declarations):
             raise DeclarationError(f"declarations={declarations!r}: pass a partitioner.Declarations, or the "
@@ -242,9 +254,10 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                            calibration=opts.calibration, granularity=opts.cut_granularity, compression=compression,
                            async_sgd=async_sgd)
 
-    ctx = context(decl.compression, decl.async_sgd)
+    reduction = reduction_pins(decl)  # the compression pins, grad_reduce_dtype's included
+    ctx = context(reduction, decl.async_sgd)
     # what the plan is compared with (runners-up that break a pin, hand baselines) trains synchronously
-    sync_ctx = context(decl.compression) if decl.async_sgd else ctx
+    sync_ctx = context(reduction) if decl.async_sgd else ctx
     allowed = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
                                         num_units=len(ctx.units), valid_tp=valid_tp))
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
@@ -265,7 +278,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     best = result.ranked[0]
     rejected = over_memory_alternatives(best, result.over_memory, ctx.memory_cap)
     if opts.alternatives > 0:
-        free_ctx = context({}) if decl.compression else sync_ctx
+        free_ctx = context({}) if reduction else sync_ctx
         rejected += tuple(x for x in [pinned_out(free_ctx, decl, best, valid_tp=valid_tp, forced=forced)] if x)
     return _assemble(g, topo, decl, splits, ctx, result, rejected=rejected, declared=declared,
                      baselines=hand_baselines(sync_ctx, decl) if opts.alternatives > 0 else ())
@@ -559,7 +572,7 @@ def _dp_traffic(ctx: CostContext, cand: ParallelConfig, ranks: tuple[int, ...], 
         return {levels[0]: (p - 1) / p * nbytes}
 
     def w(c: str) -> float:
-        return wire_bytes(c, low_rank=lr)
+        return wire_bytes(c, low_rank=lr, reduce_bytes=REDUCE_BYTES_OF_PRECISION[ctx.precision])
 
     parts: list[dict[str, float]] = []
     if z <= 1:

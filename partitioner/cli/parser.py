@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cost_models.choices import OPTIMIZERS, PRECISIONS, RECOMPUTE_POLICIES, SCHEDULES
+from cost_models.choices import GRAD_REDUCE_DTYPES, OPTIMIZER_LAYOUTS, OPTIMIZERS, PRECISIONS, RECOMPUTE_POLICIES, SCHEDULES
 from partitioner.cli.autotune import autotune_command
 from partitioner.cli.compile import compile_command, show_command
 from partitioner.cli.probe import probe_command
@@ -54,6 +54,12 @@ def positive(text: str) -> int:
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+    p.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default=None,
+                   help="dtype of the data-parallel gradient reduction under a mixed precision (default: fp32, "
+                        "the planner free to compress)")
+    p.add_argument("--optimizer-layout", choices=OPTIMIZER_LAYOUTS, default=None,
+                   help="distributed: masters and optimizer state sharded over dp (Megatron's distributed "
+                        "optimizer, ZeRO-1); replicated: ZeRO 0 (default: the planner chooses zero_stage)")
     for name in ("dp", "tp", "pp", "zero-stage", "microbatch-size", "interleave"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"pin {name} (default: the planner chooses)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pin the schedule")

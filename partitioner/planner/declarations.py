@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from cost_models.calibration import Calibration
-from cost_models.choices import OPTIMIZERS, PRECISIONS
+from cost_models.choices import GRAD_REDUCE_DTYPES, LAYOUT_ZERO_STAGE, OPTIMIZER_LAYOUTS, OPTIMIZERS, PRECISIONS
 from cost_models.choices import RECOMPUTE_POLICIES as RECOMPUTE
 from cost_models.choices import SCHEDULES
 from cost_models.compression import COMPRESSORS, IMPLEMENTED, LEVELS
@@ -29,6 +29,7 @@ __all__ = [
     "compression_pins",
     "compression_refusal",
     "divisors",
+    "reduction_pins",
 ]
 
 _BLOCK_INDEX = re.compile(r"\.\d+\.")
@@ -39,6 +40,16 @@ class Declarations:
     global_batch_size: int
     precision: str = "bf16-mixed"
     optimizer: str = "adam"
+    # The dtype of the data-parallel gradient reduction under a mixed precision (gradients accumulate in fp32
+    # either way): "fp32" reduces uncompressed, "bf16" runs the "bf16" compressor on every link level (divided
+    # by the group size, summed in bf16, added into the fp32 gradients: `reduction_pins`). None: fp32, and the
+    # planner may still choose a compressor, as without this declaration.
+    grad_reduce_dtype: str | None = None
+    # "replicated" (DDP: masters and optimizer state on every replica) or "distributed" (Megatron's
+    # distributed optimizer: fp32 masters and optimizer state sharded over dp, parameters and gradients
+    # replicated). Not a layout of its own: the ZeRO stage that is (LAYOUT_ZERO_STAGE: 0 and 1), pinned by
+    # it; a contradicting zero_stage is refused. None: the planner chooses zero_stage.
+    optimizer_layout: str | None = None
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
@@ -61,6 +72,11 @@ class Declarations:
     # What the program does besides the plan's choices (recorded in the plan, not searched)
     clip_grad_norm: float | None = None
     compression_warmup: int = 0  # first steps that reduce uncompressed
+
+    def __post_init__(self) -> None:
+        # optimizer_layout pins the ZeRO stage it is (contradictions: check_declarations, which names both)
+        if self.zero_stage is None and self.optimizer_layout in LAYOUT_ZERO_STAGE:
+            object.__setattr__(self, "zero_stage", LAYOUT_ZERO_STAGE[self.optimizer_layout])
 
     @classmethod
     def declare(cls, **values: Any) -> Declarations:
@@ -87,6 +103,9 @@ class Declarations:
         if not isinstance(rewrite, bool):
             raise DeclarationError(f"rewrite_attention={rewrite!r}: must be True (eager attention runs as one fused "
                                    "scaled_dot_product_attention where that is exact) or False (as traced)")
+        layout, zero = values.get("optimizer_layout"), values.get("zero_stage")
+        if layout in LAYOUT_ZERO_STAGE and zero is not None and zero != LAYOUT_ZERO_STAGE[layout]:
+            raise DeclarationError(_layout_contradiction(layout, zero))
         warmup = values.get("compression_warmup", 0)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise DeclarationError(f"compression_warmup={warmup!r}: the number of first steps that reduce "
@@ -97,7 +116,8 @@ class Declarations:
 
     def pinned(self) -> dict[str, Any]:
         """The declarations that pin something, for the plan's record."""
-        names = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
+        names = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute",
+                 "grad_reduce_dtype", "optimizer_layout")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.compression:
             out["compression"] = dict(self.compression)
@@ -170,6 +190,60 @@ def compression_pins(value: Any) -> dict[str, str]:
         if name not in COMPRESSORS:
             raise DeclarationError(f"{where}={name!r}: must be one of {', '.join(map(repr, IMPLEMENTED))}")
     return pins
+
+
+def reduction_pins(d: Declarations) -> dict[str, str]:
+    """The compression pins the search honours: the user's `compression`, or what grad_reduce_dtype says for every
+    link level ("fp32": uncompressed; "bf16": the "bf16" compressor, runtime.compression.grad_compression's
+    divide-by-the-group-size, bf16 sum, fp32 result). check_declarations refuses the two together where they
+    disagree, so at most one of them pins anything.
+
+    >>> reduction_pins(Declarations(global_batch_size=8, grad_reduce_dtype="bf16"))
+    {'intra_node': 'bf16', 'inter_node': 'bf16'}
+    """
+    if d.grad_reduce_dtype is None:
+        return dict(d.compression)
+    return {level: "none" if d.grad_reduce_dtype == "fp32" else "bf16" for level in LEVELS}
+
+
+def _layout_contradiction(layout: str, zero_stage: int) -> str:
+    want = LAYOUT_ZERO_STAGE[layout]
+    what = {"replicated": "keeps the fp32 masters and optimizer state whole on every data-parallel replica (DDP, "
+                          "ZeRO stage 0)",
+            "distributed": "shards the fp32 masters and optimizer state over the data-parallel replicas and keeps "
+                           "parameters and gradients replicated (Megatron's distributed optimizer, ZeRO stage 1)"}
+    return (f"optimizer_layout={layout!r} with zero_stage={zero_stage}: the {layout} layout {what[layout]}, "
+            f"but zero_stage={zero_stage} {'replicates the optimizer state' if zero_stage == 0 else 'shards more'}; "
+            f"pin zero_stage={want}, or drop one of the two")
+
+
+def _check_precision_recipe(d: Declarations) -> None:
+    """grad_reduce_dtype and optimizer_layout against the precision, the ZeRO stage and the compression pins."""
+    _choice("grad_reduce_dtype", d.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+    _choice("optimizer_layout", d.optimizer_layout, OPTIMIZER_LAYOUTS)
+    if d.optimizer_layout is not None and d.zero_stage != LAYOUT_ZERO_STAGE[d.optimizer_layout]:
+        raise DeclarationError(_layout_contradiction(d.optimizer_layout, d.zero_stage))
+    g = d.grad_reduce_dtype
+    if g is None:
+        return
+    if d.precision not in ("bf16-mixed", "fp16-mixed"):
+        held = "fp32" if d.precision == "fp32" else "bf16"
+        fix = ("pin compression='bf16' to send fp32 gradients as bf16" if held == "fp32" else
+               "use precision='bf16-mixed' for fp32 gradients reduced in fp32 or bf16")
+        raise DeclarationError(f"grad_reduce_dtype={g!r} with precision={d.precision!r}: the reduction dtype is a "
+                               f"choice of the mixed precisions (bf16-mixed, fp16-mixed), whose gradients accumulate "
+                               f"in fp32; precision={d.precision!r} holds {held} gradients and reduces them as such; "
+                               f"drop grad_reduce_dtype, or {fix}")
+    want = "none" if g == "fp32" else "bf16"
+    other = {lv: c for lv, c in d.compression.items() if c != want}
+    if other:
+        raise DeclarationError(f"grad_reduce_dtype={g!r} with compression={d.compression}: grad_reduce_dtype says "
+                               f"how every link level reduces gradients ({want!r} there), the compression pin "
+                               f"says {other}; drop one of the two")
+    if g == "bf16" and d.compression_warmup:
+        raise DeclarationError(f"grad_reduce_dtype='bf16' with compression_warmup={d.compression_warmup}: the "
+                               "warm-up would reduce the first steps in fp32; drop compression_warmup, or pin "
+                               "compression='bf16' for a warm-up in fp32")
 
 
 def compression_refusal(pins: dict[str, str], *, zero_stage: int, levels: tuple[str, ...]) -> str:
@@ -307,6 +381,7 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
         raise DeclarationError(f"zero_stage={d.zero_stage}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
     _choice("precision", d.precision, PRECISIONS)
     _choice("optimizer", d.optimizer, OPTIMIZERS)
+    _check_precision_recipe(d)
     _choice("schedule", d.schedule, SCHEDULES)
     _choice("recompute", d.recompute, RECOMPUTE)
     if isinstance(d.max_memory_fraction, bool) or not isinstance(d.max_memory_fraction, (int, float)) \

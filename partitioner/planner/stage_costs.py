@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 from cost_models.compression import (
     LEVELS,
+    REDUCE_BYTES_OF_PRECISION,
     all_reduce_time,
     gather_time,
     group_compressor,
@@ -68,7 +69,11 @@ from partitioner.planner.unit_costs import CostContext
 
 __all__ = ["StageCost", "StageEvaluator", "StageMemory"]
 
-_OPTIM_BYTES_PER_PARAM = 28
+# Bytes the optimizer step moves per parameter it steps (Adam: reads the parameter, gradient, m and v, writes
+# the parameter, m and v): 7 fp32 tensors, 28 B; pure bf16 steps bf16 parameters with bf16 state, 14 B.
+_OPTIM_BYTES_PER_PARAM = {"bf16": 14}
+_OPTIM_BYTES_FP32 = 28
+_FP32_GRADIENTS = ("bf16-mixed", "fp16-mixed")  # 16-bit compute whose gradients the engine accumulates in fp32
 _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
 
@@ -118,6 +123,8 @@ class StageEvaluator:
         self._shared = arr.shared
         self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size)  # per unit boundary
         self._param_bytes = 4 if ctx.precision == "fp32" else 2  # parameters gathered in the compute dtype
+        self._grad_bytes = REDUCE_BYTES_OF_PRECISION[ctx.precision]  # the engine's gradient buffers, reduced as such
+        self._optim_bytes = _OPTIM_BYTES_PER_PARAM.get(ctx.precision, _OPTIM_BYTES_FP32)
         self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
         dev = ctx.topo.device  # the context and the collective buffers of each group this rank talks in
         self._fixed = process_fixed_bytes(process_bytes=dev.process_bytes, comm_buffer_bytes=dev.comm_buffer_bytes,
@@ -156,7 +163,7 @@ class StageEvaluator:
                                   zero_stage=c.zero_stage, dp=c.dp).total
         if state * v + self._fixed > ctx.memory_cap:
             return math.inf
-        tail = avg / (c.dp if c.zero_stage >= 1 else 1) * _OPTIM_BYTES_PER_PARAM / self._hbm
+        tail = avg / (c.dp if c.zero_stage >= 1 else 1) * self._optim_bytes / self._hbm
         if c.zero_stage in (1, 2) and c.dp > 1:
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
         full = (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c / v + tail
@@ -265,17 +272,23 @@ class StageEvaluator:
         z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
         kw = dict(precision=ctx.precision, optimizer=ctx.optimizer)
         own = model_state_bytes(params - tied, zero_stage=z, dp=cand.dp, **kw)
+        if z < 3 and ctx.precision in _FP32_GRADIENTS:
+            # The engine accumulates the mixed precisions' gradients in fp32 buffers (4 B, where the ZeRO paper's
+            # formula counts a 16-bit gradient's 2: DataParallel.held_bytes measures 18 B per parameter at ZeRO-0,
+            # as Megatron's "bf16 param, fp32 grads"). ZeRO-3 holds no 16-bit shard (it gathers from the fp32
+            # master), which the formula's total of 16/dp already is.
+            own = dataclasses.replace(own, grads=2 * own.grads)
         whole = model_state_bytes(tied, zero_stage=0, dp=1, **kw) if tied else _NO_STATE
-        pb, fp32 = self._param_bytes, 4
+        pb, gb = self._param_bytes, self._grad_bytes  # gb: the engine's gradient buffers (fp32; bf16 if pure)
         # runtime.engines.unreplicated: pipeline / tensor-parallel programs at dp = 1 in fp32 (codegen_pipeline)
         flat_grads = z <= 1 and not (cand.dp == 1 and ctx.precision == "fp32" and (cand.pp > 1 or cand.tp > 1))
         rest_grads = own.grads if flat_grads else 0.0  # held through the step
         step_grads = whole.grads + (0.0 if flat_grads else own.grads)  # formed by the first backward
         carried = cand.num_microbatches > inflight
-        grads = (params - tied) * fp32  # what the engine reduces
+        grads = (params - tied) * gb  # what the engine reduces
         # one reduction's fp32 input (ZeRO-2: a bucket; ZeRO-3: a unit, the largest of blocks and the rest)
         block = max(arr.block_par[i:j], default=0.0)
-        reduction = {2: min(grads, DDP_BUCKET_BYTES), 3: max(block, rest) * fp32}.get(z, 0.0)
+        reduction = {2: min(grads, DDP_BUCKET_BYTES), 3: max(block, rest) * gb}.get(z, 0.0)
         several = z == 3 or grads > DDP_BUCKET_BYTES
         before = reduction if carried else 0.0  # the previous microbatch's last reduction, still in flight
         kept = rest * pb if z == 3 else 0.0
@@ -292,7 +305,7 @@ class StageEvaluator:
             moments.append((carry + before, acts, self._loss_kept * inflight + self._loss_work, kept))
         freed = min(arr.unit_act[i:j], default=0.0)
         filling = {2: reduction + (reduction if carried or several else 0.0),
-                   3: max(0.0, min(2, blocks) * block * fp32 - freed) + before}.get(z, 0.0)
+                   3: max(0.0, min(2, blocks) * block * gb - freed) + before}.get(z, 0.0)
         received = 0.0 if last else ctx.boundary_bytes(j - 1, mb)
         moments.append((carry + filling, acts + 2 * max(arr.biggest[i:j], default=0.0), 0.0,
                         kept + gathered + received))
@@ -369,9 +382,11 @@ class StageEvaluator:
         if hit is None:
             ranks, comm = self.dp_ranks(0), self.ctx.comm
             if self.cand.zero_stage <= 1:
-                t = all_reduce_time(params, ranks, comm, dict(zip(LEVELS, compression)), low_rank=lr)
+                t = all_reduce_time(params, ranks, comm, dict(zip(LEVELS, compression)), low_rank=lr,
+                                    reduce_bytes=self._grad_bytes)
             else:
-                t = reduce_scatter_time(params, ranks, comm, group_compressor(compression))
+                t = reduce_scatter_time(params, ranks, comm, group_compressor(compression),
+                                        reduce_bytes=self._grad_bytes)
             hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
         return hit
 
@@ -416,7 +431,7 @@ class StageEvaluator:
                 wire, kernel = self._reduction(params, option, lr)
                 exposed[option] = per_step * (max(0.0, wire - overlap * b) + kernel) + gather
         shard = params / (cand.dp if z >= 1 else 1)
-        optim = shard * _OPTIM_BYTES_PER_PARAM / self._hbm
+        optim = shard * self._optim_bytes / self._hbm
         return exposed, optim
 
     def _zero3_exposed(self, unit_params: float, n: int, f: float, b: float, option: tuple[str, str]) -> float:

@@ -171,6 +171,18 @@ def _zero(p: Plan) -> str:
     return f"stage {c.zero_stage}: {held} sharded over {c.dp} data-parallel replicas"
 
 
+def _recipe(p: Plan) -> str:
+    """The precision and what the user declared of its recipe: 'bf16-mixed, bf16 gradient reduction, distributed
+    optimizer'; 'bf16' is pure bf16."""
+    d = p.declarations
+    out = p.precision + (" (pure)" if p.precision == "bf16" else "")
+    if d.get("grad_reduce_dtype"):
+        out += f", {d['grad_reduce_dtype']} gradient reduction"
+    if d.get("optimizer_layout"):
+        out += f", {d['optimizer_layout']} optimizer"
+    return out
+
+
 def _batch(p: Plan) -> str:
     c = p.config
     out = (f"{p.global_batch_size} samples per step = {_plural(c.dp, 'replica')} x {_plural(c.num_microbatches, 'microbatch')}"
@@ -249,7 +261,7 @@ def _kinds(p: Plan) -> str:
 def format_plan(p: Plan) -> str:
     c, pr = p.config, p.predicted
     lines = _wrap(f"Plan for {p.model_name} on {p.topology_name} ({p.world_size} devices), global batch "
-                  f"{p.global_batch_size}" + (f" x seq {p.seq_len}" if p.seq_len else "") + f", {p.precision}, "
+                  f"{p.global_batch_size}" + (f" x seq {p.seq_len}" if p.seq_len else "") + f", {_recipe(p)}, "
                   f"{p.optimizer}", 2)
     nodes: dict[int, list[int]] = {}
     for m in p.mesh:

@@ -339,7 +339,7 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
     for h in holders:
         st = optimizer.state[h]
         for key in m["optimizer"]["elementwise"]:
-            st[key] = torch.zeros_like(h, dtype=torch.float32 if h.is_floating_point() else h.dtype)
+            st[key] = torch.zeros_like(h)  # torch.optim's state is in its parameter's dtype (bf16 under pure bf16)
         for key, v in m["optimizer"]["scalars"].items():
             st[key] = torch.tensor(v["value"], dtype=getattr(torch, v["dtype"] or "float32")) if v["tensor"] \
                 else v["value"]

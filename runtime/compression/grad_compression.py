@@ -167,8 +167,8 @@ class GradientReducer:
             t = (x / p if op == "avg" else x).to(torch.bfloat16)  # divide first: a 16-bit sum cannot overflow
             self.collectives.all_reduce(t, group, op="sum")
             return t.float()
-        if c == "powersgd":
-            return self._parts[part].reduce(x, key, shapes, op=op)
+        if c == "powersgd":  # its factors and residuals are fp32 whatever the gradients are (pure bf16: bf16)
+            return self._parts[part].reduce(x.float(), key, shapes, op=op)
         return self._parts[part].reduce(x, key, op=op)
 
     def _reduce_scatter(self, c: str, part: str, y: torch.Tensor, key: str, group) -> torch.Tensor:
@@ -198,7 +198,7 @@ class GradientReducer:
         nodes = self.nodes
         if ce == "powersgd":
             self.collectives.all_reduce(x, nodes.intra, op="sum")
-            return self._parts["cross"].reduce(x, key, shapes, op="sum")
+            return self._parts["cross"].reduce(x.float(), key, shapes, op="sum")
         k, n = len(nodes.intra_ranks), x.numel()
         c = math.ceil(n / k)
         y = torch.zeros(k * c)

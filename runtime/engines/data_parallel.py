@@ -145,6 +145,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         self.precision = policy(precision)
         self.scaler = LossScaler() if self.precision.loss_scaling else None
         self._dtype = self.precision.param_dtype
+        self._master = self.precision.master_dtype  # what the optimizer steps and gradients accumulate in
         self._params: dict[str, nn.Parameter] = dict(model.named_parameters())  # first names, registration order
         first = {id(p): n for n, p in self._params.items()}
         self._alias = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
@@ -349,9 +350,9 @@ class DataParallel(GradientBuckets, ShardedUnits):
                 values[n] = self._masters.get(n, p).detach().float().clone()
         else:
             for f in self._flats:
-                full = torch.empty(f.layout.padded_numel, dtype=torch.float32)
+                full = torch.empty(f.layout.padded_numel, dtype=self._master)
                 self.collectives.all_gather(full, f.shard.detach(), self.group)
-                values.update(zip(f.layout.names, f.layout.views(full)))
+                values.update(zip(f.layout.names, f.layout.views(full.float())))
         if self.rank != 0:
             return None
         return {k: values[self._alias[k]] if k in self._alias else self.module.get_buffer(k).detach().clone()
@@ -448,7 +449,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         if self.zero_stage == 3:
             for u in self._units:
                 if not u.reduced:  # unused in this backward: every rank still issues its reduce-scatter
-                    self._reduce(u, torch.zeros(u.flat.layout.padded_numel))
+                    self._reduce(u, torch.zeros(u.flat.layout.padded_numel, dtype=self._master))
                 u.reduced = False
                 self._reshard(u)
             return
@@ -468,7 +469,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         if self.reducer.compressing:
             f.pending.append((None, self.reducer.reduce_scatter_mean(inp, grad_key(f.layout.names)), inp))
             return
-        out = torch.empty(f.layout.shard_numel)
+        out = torch.empty(f.layout.shard_numel, dtype=self._master)
         work = self.collectives.reduce_scatter(out, inp, self.group, op="avg", async_op=True)
         f.pending.append((work, out, inp))
 
@@ -485,6 +486,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         for work, out, _ in f.pending:
             if work is not None:
                 work.wait()
+            out = out.to(f.shard.dtype)  # a compressor's result is fp32; pure bf16 steps bf16 shards
             if f.fresh or f.shard.grad is None:
                 f.shard.grad, f.fresh = out, False
             else:
@@ -510,7 +512,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
             if self._fwd_order:
                 self._fwd_order_prev = self._fwd_order
             self._fwd_order = []
-        if self.precision.mixed:
+        if self.precision.casts_inputs:
             return cast_floating(args, self._dtype), cast_floating(kwargs, self._dtype)
         return None
 

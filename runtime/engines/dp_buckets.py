@@ -46,7 +46,7 @@ class GradientBuckets:
         if self.zero_stage == 0:
             for names in groups:
                 f = FlatTensors(FlatLayout(names=names, shapes=shapes(names), world=1))
-                f.grad = torch.zeros(f.layout.padded_numel)
+                f.grad = torch.zeros(f.layout.padded_numel, dtype=self._master)
                 self._flats.append(f)
                 self._buckets.append(Bucket(names, f, 0, f.layout.numel))
             for n, p in self._params.items():
@@ -58,7 +58,7 @@ class GradientBuckets:
             per_flat = [order] if self.zero_stage == 1 else list(groups)
             for names in per_flat:
                 f = FlatTensors(FlatLayout(names=tuple(names), shapes=shapes(names), world=self.world))
-                master = f.layout.flatten([self._params[n] for n in names], torch.float32)
+                master = f.layout.flatten([self._params[n] for n in names], self._master)
                 f.params = master if not self.precision.mixed else master.to(self._dtype)
                 for n, view in zip(names, f.layout.views(f.params)):
                     self._params[n].data = view
@@ -66,7 +66,7 @@ class GradientBuckets:
                 # fp32: the master slice is a view of the replicated buffer (no second copy)
                 f.shard = nn.Parameter(f.params[lo:hi] if not self.precision.mixed else master[lo:hi].clone())
                 if self.zero_stage == 1:
-                    f.grad = torch.zeros(f.layout.padded_numel)
+                    f.grad = torch.zeros(f.layout.padded_numel, dtype=self._master)
                 self._flats.append(f)
             for names in groups:
                 f = self._flats[0] if self.zero_stage == 1 else self._flats[len(self._buckets)]
@@ -87,13 +87,14 @@ class GradientBuckets:
 
     @torch.no_grad()
     def _on_grad(self, name: str, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: move p.grad (upcast to fp32) into its bucket; launch ready buckets."""
+        """Post-accumulate-grad hook: move p.grad (upcast to fp32; pure bf16: bf16) into its bucket; launch ready
+        buckets."""
         self._begin_backward()
         g, p.grad = p.grad, None
         f, off, numel = self._slot[name]
         b = self._bucket_of[name]
         if self.zero_stage == 2 and f.grad is None:
-            f.grad = torch.zeros(f.layout.padded_numel)
+            f.grad = torch.zeros(f.layout.padded_numel, dtype=self._master)
         self._wait_bucket(b)  # an earlier synced backward's all-reduce of this buffer (linear: safe to add after)
         f.grad[off:off + numel].add_(g.reshape(-1))
         b.dirty = True
@@ -115,7 +116,7 @@ class GradientBuckets:
                 self.reducer.all_reduce_mean_(f.grad[b.lo:b.hi], grad_key(b.names), shapes)
             return
         self._drain_all()  # at most one reduce-scatter in flight
-        inp = f.grad if f.grad is not None else torch.zeros(f.layout.padded_numel)
+        inp = f.grad if f.grad is not None else torch.zeros(f.layout.padded_numel, dtype=self._master)
         f.grad = None
         self._reduce_scatter(f, inp)
 

@@ -1,9 +1,15 @@
-"""Mixed-precision policy for the data-parallel engine: 16-bit compute, fp32 masters.
+"""Precision policy for the data-parallel engine: 16-bit compute, fp32 masters (or none: pure bf16).
 
-The model's parameters are cast to the compute dtype; the optimizer steps fp32
-master copies; gradients are upcast to fp32 *before* they are reduced, so the
-data-parallel average is taken in fp32 (the ZeRO / Megatron recipe, and FSDP2's
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
+Mixed ("bf16-mixed", "fp16-mixed"): the model's parameters are cast to the compute dtype; the
+optimizer steps fp32 master copies; gradients are upcast to fp32 *before* they are reduced, so
+the data-parallel average is taken in fp32 (the ZeRO / Megatron recipe, and FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``). A plan with grad_reduce_dtype="bf16"
+reduces them with the "bf16" compressor (runtime.compression.grad_compression): divided by the group
+size, summed in bf16, accumulated into the fp32 gradients again.
+
+Pure ("bf16", Composer's PURE): parameters, gradients and the optimizer's state all in bf16; no
+masters (``master_dtype`` is the compute dtype), the optimizer steps the bf16 parameters themselves,
+gradients are accumulated and reduced in bf16.
 
 fp16 additionally needs loss scaling (its exponent range is too small for raw
 gradients). `LossScaler` is a dynamic scaler with torch's `GradScaler`
@@ -17,6 +23,8 @@ scaled twice.
 
 >>> policy("bf16-mixed").param_dtype, policy("bf16-mixed").loss_scaling
 (torch.bfloat16, False)
+>>> policy("bf16").master_dtype, policy("bf16").mixed, policy("bf16-mixed").mixed
+(torch.bfloat16, False, True)
 >>> s = LossScaler(); s.scale, s.update(found_inf=True), s.scale
 (32768.0, None, 16384.0)
 """
@@ -43,14 +51,20 @@ class Precision:
     """The user's name for the policy."""
     param_dtype: torch.dtype
     """Dtype the model's parameters are cast to and the forward/backward compute in."""
-    reduce_dtype: torch.dtype = torch.float32
-    """Dtype gradients are reduced in (always fp32: they are upcast before the collective)."""
+    master_dtype: torch.dtype = torch.float32
+    """Dtype of what the optimizer steps and of the gradient buffers gradients accumulate and are reduced in
+    (fp32; the compute dtype under pure bf16, which keeps no masters)."""
     loss_scaling: bool = False
     """Whether gradients are scaled during backward (fp16 only) by a dynamic `LossScaler`."""
 
     @property
     def mixed(self) -> bool:
         """True when the model computes in 16-bit and separate fp32 masters exist."""
+        return self.param_dtype != self.master_dtype
+
+    @property
+    def casts_inputs(self) -> bool:
+        """True when the model computes in a 16-bit dtype, so floating inputs are cast to it."""
         return self.param_dtype != torch.float32
 
 
@@ -58,6 +72,7 @@ _POLICIES = {
     "fp32": Precision(name="fp32", param_dtype=torch.float32),
     "bf16-mixed": Precision(name="bf16-mixed", param_dtype=torch.bfloat16),
     "fp16-mixed": Precision(name="fp16-mixed", param_dtype=torch.float16, loss_scaling=True),
+    "bf16": Precision(name="bf16", param_dtype=torch.bfloat16, master_dtype=torch.bfloat16),
 }
 assert tuple(_POLICIES) == PRECISIONS
 

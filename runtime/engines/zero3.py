@@ -59,7 +59,7 @@ class ShardedUnits:
         self._forward_id = 0
         for i, names in enumerate(units):
             lay = FlatLayout(names=names, shapes=tuple(tuple(self._params[n].shape) for n in names), world=self.world)
-            master = lay.flatten([self._params[n] for n in names], torch.float32)
+            master = lay.flatten([self._params[n] for n in names], self._master)
             lo, hi = lay.shard_range(self.rank)
             full = torch.empty(lay.padded_numel, dtype=self._dtype)
             full.untyped_storage().resize_(0)
@@ -177,10 +177,11 @@ class ShardedUnits:
 
     @torch.no_grad()
     def _after_backward(self, u: Unit, full: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of u's gathered buffer: reduce-scatter its gradient (fp32), free it."""
+        """Post-accumulate-grad hook of u's gathered buffer: reduce-scatter its gradient (fp32; pure bf16: bf16),
+        free it."""
         self._begin_backward()
         g, full.grad = full.grad, None
-        self._reduce(u, g.float())
+        self._reduce(u, g.to(self._master))
         self._reshard(u)
 
     def _reduce(self, u: Unit, g: torch.Tensor) -> None:

@@ -1,0 +1,286 @@
+"""Precision recipes run for real over Gloo (2 spawned ranks), each against one process running the same recipe:
+pure bf16 (runtime.engines.mixed_precision's "bf16"), the bf16 gradient reduction of grad_reduce_dtype="bf16"
+under bf16-mixed, Megatron's distributed optimizer (optimizer_layout="distributed"). Their costs:
+test_precision_recipes.py.
+
+Tolerances, and why:
+
+- Pure bf16 against one process holding the model in bf16 with the same AdamW (its state bf16 too). The two
+  differ only by rounding: each rank's gradient of its half of the batch is rounded to bf16, averaged in bf16,
+  where one process rounds the gradient of the whole batch once. AdamW normalises its step (m / sqrt(v) is
+  about +-1 per element whatever the gradient's size), so a gradient that differs in its last bit moves a
+  parameter by at most 2 lr more per step where the rounding flips the sign of a near-zero gradient, and the
+  step itself lands on the bf16 grid: after k steps a parameter is within k (2 lr + ulp) of the reference,
+  ulp = 2^-7 |p| (bf16 keeps 8 significant bits); measured, a quarter of that bound at most (8e-4). Losses
+  are bf16 (2^-8 relative each: the ranks' mean of two rounded halves against one rounded whole, then
+  parameters that differ as above): within 2^-6 relative (measured 2.3e-3, 2^-8.8, from the first step).
+- The bf16 reduction is checked bit for bit: with 2 ranks the engine's fp32 gradient must be exactly
+  bf16(bf16(g0 / 2) + bf16(g1 / 2)) of the ranks' own fp32 gradients (one rounding of each half, one of the
+  sum), and within 2^-8 of their fp32 mean, relative to the larger half.
+- The distributed optimizer is ZeRO-1: its programs are ZeRO-1's, and in fp32 it trains like one process to
+  the tolerance of every data-parallel equivalence test (ranks.assert_trains_like).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from examples import training
+from examples.gpt import example_batch, gpt_tiny
+from partitioner import compile, trace
+from ranks import assert_trains_like, gloo_group, pattern_batches
+from runtime.comm.collectives import Collectives
+from runtime.engines.data_parallel import DataParallel
+from runtime.launch.local import launch_local
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+LR = training.ADAMW_LR
+BATCHES = [(x.contiguous(), y.contiguous()) for x, y in pattern_batches(seed=3, steps=STEPS, batch=8, seq=16)]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt_tiny(n_layer=2)
+
+
+def _loss(model, x, y) -> torch.Tensor:
+    return model(x, y)[1].float()
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=training.ADAMW_EPS)
+
+
+# ---- one process: the recipes' truth -------------------------------------------------------------
+@functools.cache
+def _pure_bf16_reference() -> dict:
+    model = _model().to(torch.bfloat16)
+    opt = _adamw(model.parameters())
+    losses = []
+    for x, y in BATCHES:
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().float() for k, v in model.named_parameters()}}
+
+
+# ---- the ranks -----------------------------------------------------------------------------------
+def _pure_bf16(stage: int, rank: int, world: int, compression: str = "none") -> dict:
+    coll = Collectives()
+    dp = DataParallel(_model(), group=None, ranks=tuple(range(world)), zero_stage=stage, collectives=coll,
+                      precision="bf16", compression=compression)
+    opt = _adamw(dp.optimizer_params())
+    out = {"losses": [], "dtypes": {p.dtype for p in dp.optimizer_params()}}
+    for x, y in BATCHES:
+        n = x.shape[0] // world
+        loss = _loss(dp.module, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        loss.backward()
+        dp.finish_gradients()
+        opt.step()
+        dp.after_step()
+        out["held"] = dp.held_bytes(opt)
+        dp.zero_grad()
+        t = loss.detach().reshape(1)
+        dist.all_reduce(t)  # test bookkeeping
+        out["losses"].append(t.item() / world)
+    out["state"] = dp.full_state_dict()
+    return out
+
+
+def _bf16_reduction(stage: int, rank: int, world: int) -> dict:
+    """One backward of bf16-mixed reduced with the "bf16" compressor (what grad_reduce_dtype="bf16" runs), the
+    engine's fp32 gradients beside every rank's own fp32 gradient of its rows (a bf16 copy of the broadcast
+    model: the engine's local gradient, before any reduction)."""
+    dp = DataParallel(_model(), group=None, ranks=tuple(range(world)), zero_stage=stage, collectives=Collectives(),
+                      precision="bf16-mixed", compression="bf16")
+    x, y = BATCHES[0]
+    n = x.shape[0] // world
+    rows = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    copy = _model()
+    copy.load_state_dict(_broadcast_state(copy))
+    copy = copy.to(torch.bfloat16)
+    _loss(copy, *rows).backward()
+    local = torch.cat([p.grad.float().flatten() for p in copy.parameters()])
+    halves = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(halves, local)  # test bookkeeping
+    _loss(dp.module, *rows).backward()
+    dp.finish_gradients()
+    if stage == 0:
+        reduced = torch.cat([p.grad.flatten() for p in dp.optimizer_params()])
+    else:  # ZeRO-2: this rank's shard of the flat gradient, in layout order; gather the shards back
+        f = dp._flats[0]
+        full = torch.empty(f.layout.padded_numel)
+        dist.all_gather_into_tensor(full, f.shard.grad)
+        by_name = dict(zip(f.layout.names, f.layout.views(full)))
+        reduced = torch.cat([by_name[k].flatten() for k, _ in copy.named_parameters()])
+    return {"halves": halves, "reduced": reduced}
+
+
+def _mixed_held(stage: int, rank: int, world: int) -> dict:
+    """What bf16-mixed holds after a step (before zero_grad), by DataParallel.held_bytes."""
+    dp = DataParallel(_model(), group=None, ranks=tuple(range(world)), zero_stage=stage, collectives=Collectives(),
+                      precision="bf16-mixed")
+    opt = _adamw(dp.optimizer_params())
+    x, y = BATCHES[0]
+    _loss(dp.module, x[:2], y[:2]).backward()
+    dp.finish_gradients()
+    opt.step()
+    dp.after_step()
+    return dp.held_bytes(opt)
+
+
+@torch.no_grad()
+def _broadcast_state(model: torch.nn.Module) -> dict:
+    """Rank 0's parameters (the engine broadcasts them; every rank here builds the same seeded model anyway)."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for v in state.values():
+        dist.broadcast(v, 0)
+    return state
+
+
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    with gloo_group(rank, world, store_path):
+        results = {("pure", s): _pure_bf16(s, rank, world) for s in (0, 1, 2, 3)}
+        results.update({("reduce", s): _bf16_reduction(s, rank, world) for s in (0, 2)})
+        results.update({("mixed-held", s): _mixed_held(s, rank, world) for s in (0, 1, 2, 3)})
+        results.update({("pure", s, c): _pure_bf16(s, rank, world, c) for s, c in ((0, "powersgd"), (2, "int8"))})
+        if rank == 0:
+            torch.save(results, Path(out_dir) / "rank0.pt")
+
+
+@pytest.fixture(scope="module")
+def ranks2(spawned):
+    return spawned(_worker, 2)[0]
+
+
+# ---- pure bf16 -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_pure_bf16_trains_like_one_bf16_process(ranks2, stage):
+    got, want = ranks2["pure", stage], _pure_bf16_reference()
+    assert got["dtypes"] == {torch.bfloat16}  # no fp32 masters: the optimizer steps bf16
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=2**-6, atol=0)
+    for k, w in want["state"].items():
+        bound = STEPS * (2 * LR + 2**-7 * w.abs())
+        diff = (got["state"][k] - w).abs()
+        assert (diff <= bound).all(), f"{k}: {diff.max().item():.3g} past {STEPS} x (2 lr + ulp)"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_pure_bf16_holds_what_the_plan_charges(ranks2, stage):
+    """2 + 2 + 4 bytes per parameter (AdamW's m and v in bf16), sharded as ZeRO says (cost_models.memory)."""
+    from cost_models.memory import model_state_bytes
+
+    held = ranks2["pure", stage]["held"]
+    want = model_state_bytes(sum(p.numel() for p in _model().parameters()), precision="bf16", optimizer="adam",
+                             zero_stage=stage, dp=2)
+    for k in ("params", "grads", "optimizer"):
+        v = getattr(want, k)
+        assert abs(held[k] - v) <= 0.1 * v, f"{k}: held {held[k]}, charged {v:.0f}"
+
+
+@pytest.mark.parametrize("stage,per_param", [
+    (0, 2 + 4 + 4 + 8),            # bf16 parameters, fp32 gradient buffers, fp32 master, Adam's m and v
+    (1, 2 + 4 + (4 + 8) / 2),      # the distributed optimizer: master and state sharded (Megatron: 6 + 12/d)
+    (2, 2 + (4 + 4 + 8) / 2),      # + the fp32 gradient shard
+    (3, (4 + 4 + 8) / 2)])         # no bf16 shard at rest: units are gathered from the fp32 master shard
+def test_bf16_mixed_holds_fp32_gradients_as_the_plan_charges(ranks2, stage, per_param):
+    """The mixed recipe's gradients accumulate in fp32 (4 B, not the ZeRO paper's 16-bit 2): what
+    partitioner.planner.stage_costs charges at ZeRO 0-2; ZeRO-3's total is the paper's 16/dp."""
+    held = ranks2["mixed-held", stage]
+    P = sum(p.numel() for p in _model().parameters())
+    assert abs(held["total"] - P * per_param) <= 0.01 * P * per_param, (held, P * per_param)
+
+
+@pytest.mark.parametrize("stage,compression", [(0, "powersgd"), (2, "int8")])
+def test_pure_bf16_gradients_go_through_the_compressors(ranks2, stage, compression):
+    """The planner may compress pure bf16's reduction too (int8 codes of bf16 gradients; PowerSGD factors them
+    in fp32): it runs, and trains as near the uncompressed run as compression allows on 3 steps."""
+    got, plain = ranks2["pure", stage, compression], ranks2["pure", stage]
+    assert got["dtypes"] == {torch.bfloat16}
+    torch.testing.assert_close(got["losses"], plain["losses"], rtol=2**-5, atol=0)
+
+
+# ---- bf16 gradient reduction ----------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [0, 2])
+def test_bf16_reduction_is_one_rounding_of_each_half_and_of_their_sum(ranks2, stage):
+    got = ranks2["reduce", stage]
+    g0, g1 = got["halves"]
+    bf = torch.bfloat16
+    exact = ((g0 / 2).to(bf).float() + (g1 / 2).to(bf).float()).to(bf).float()
+    torch.testing.assert_close(got["reduced"], exact, rtol=0, atol=0)
+    mean = (g0 + g1) / 2
+    assert ((got["reduced"] - mean).abs() <= 2**-8 * torch.maximum(g0.abs(), g1.abs())).all()
+
+
+# ---- the distributed optimizer ----------------------------------------------------------------------
+def test_distributed_optimizer_is_zero_1_and_trains_like_one_process():
+    model = training.gpt_tiny_seeded()
+    graph = trace(model, example_batch(model, 2, seq_len=32))
+    kw = dict(global_batch_size=8, precision="fp32", microbatch_size=2, pp=1, tp=1)
+    plan = compile(graph, "local:2", optimizer_layout="distributed", **kw)
+    zero1 = compile(graph, "local:2", zero_stage=1, **kw)
+    assert plan.config == zero1.config and plan.config.zero_stage == 1
+    assert plan.declarations["optimizer_layout"] == "distributed"
+
+    def body(p, rank: int) -> str:  # but for the plan's hash, which covers the declarations
+        source = p.program(rank).source
+        h = re.search(r"PROGRAM_HASH = '(\w+)'", source).group(1)
+        return source.replace(h, "HASH").replace(h[:12], "HASH")
+
+    assert all(body(plan, r) == body(zero1, r) for r in range(2))
+    batches = [example_batch(model, 8, seq_len=32, seed=s) for s in range(STEPS)]
+    out = launch_local(plan, training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches, timeout_s=120)
+    ref = training.train_one_process(training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches)
+    assert_trains_like(out, ref.losses, {k: v.detach() for k, v in ref.model.named_parameters()},
+                       adam_steps=STEPS)
+
+
+@pytest.mark.parametrize("mesh", [dict(dp=2, zero_stage=1), dict(pp=2), dict(tp=2)], ids=["zero1", "pp2", "tp2"])
+def test_a_pure_bf16_plan_runs_its_generated_programs(mesh):
+    """The compiled plan's programs (not the engine alone) run pure bf16, as the one process does: data
+    parallel, and pipeline and tensor parallel (their stages step through the same engine, bf16 activations
+    and gradients between ranks). Measured on a 4-layer GPT: about half of the parameters' bound (tp2: 0.55)."""
+    model = training.gpt_tiny_seeded()
+    graph = trace(model, (example_batch(model, 2, seq_len=32)[0],))
+    plan = compile(graph, "local:2", global_batch_size=8, precision="bf16", microbatch_size=2,
+                   **{"dp": 1, "pp": 1, "tp": 1, **mesh})
+    assert "precision='bf16'" in plan.program(0).source
+    batches = [example_batch(model, 8, seq_len=32, seed=s) for s in range(STEPS)]
+    out = launch_local(plan, training.gpt_tiny_seeded, _adamw, training.gpt_loss, batches, timeout_s=120)
+
+    def bf16_model():
+        return training.gpt_tiny_seeded().to(torch.bfloat16)
+
+    ref = training.train_one_process(bf16_model, _adamw, training.gpt_loss, batches)
+    torch.testing.assert_close(out.losses, ref.losses, rtol=2**-6, atol=0)
+    for k, w in ref.model.named_parameters():
+        w = w.detach().float()
+        assert ((out.state_dict[k] - w).abs() <= STEPS * (2 * LR + 2**-7 * w.abs())).all(), k
+
+
+def test_pure_bf16_resumes_from_a_checkpoint_exactly(tmp_path):
+    """Checkpoints hold fp32 boxes (runtime.checkpoint): bf16 parameters and AdamW state go there and back
+    exactly, and the state is recreated in the parameters' dtype, so two steps, a save and two more are the
+    four steps of one run, bit for bit."""
+    model = training.gpt_tiny_seeded()
+    graph = trace(model, (example_batch(model, 2, seq_len=32)[0],))
+    plan = compile(graph, "local:2", global_batch_size=8, precision="bf16", microbatch_size=2, dp=2, zero_stage=1)
+    batches = [example_batch(model, 8, seq_len=32, seed=s) for s in range(4)]
+    run = functools.partial(launch_local, plan, training.gpt_tiny_seeded, _adamw, training.gpt_loss, timeout_s=120)
+    whole = run(batches)
+    first = run(batches[:2], save_dir=tmp_path, save_every=2)
+    rest = run(batches, resume_from=tmp_path)
+    assert first.losses + rest.losses == whole.losses
+    for k, v in whole.state_dict.items():
+        assert torch.equal(rest.state_dict[k], v), k
