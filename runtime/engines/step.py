@@ -19,9 +19,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+# cost_models imports nothing of the project, so the runtime may share its base error and the action grammar
+# (one direction holds).
 from cost_models.actions import Action, Op
-
-# cost_models imports nothing of the project, so the runtime may share its base error (one direction holds).
 from cost_models.errors import PartitionerError
 from runtime.comm.collectives import Collectives
 from runtime.pipeline.executor import PipelineExecutor
