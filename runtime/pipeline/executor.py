@@ -1,4 +1,5 @@
-"""The pipeline executor: runs one pipeline rank's instruction list.
+"""The pipeline executor: runs one rank's instruction list (a pipeline rank's; a data-parallel rank's is
+one stage's, run by `runtime.engines.step.StepRunner`).
 
 A schedule (GPipe, 1F1B, interleaved 1F1B) arrives as data: this rank's
 ordered actions, each with `.op`, `.stage`, `.microbatch` (the planner's
