@@ -1,8 +1,15 @@
 """The pipeline action vocabulary: what the planner writes into a schedule and the runtime executes.
 
 One instruction of a pipeline rank is an `Action`: an `Op`, the virtual stage it belongs to and the
-microbatch (none for the once-per-stage GRAD_SYNC and OPTIM). Its text form is torch's `_Action`
-spelling, `<stage><op><microbatch>`: `2F0`, `3SEND_B12`, `0GRAD_SYNC`; `Action.parse` reads it back.
+microbatch (none for the once-per-stage GRAD_SYNC, OPTIM, UNSHARD and RESHARD). Its text form is torch's
+`_Action` spelling, `<stage><op><microbatch>`: `2F0`, `3SEND_B12`, `0GRAD_SYNC`, `1UNSHARD`;
+`Action.parse` reads it back.
+
+The data-parallel collectives are actions too (torch's pipelining lowers FSDP the same way, into
+UNSHARD / RESHARD / REDUCE_GRAD): GRAD_SYNC is torch's REDUCE_GRAD, the gradient reduction over the
+replicas completing; UNSHARD all-gathers parameters from their shards (ZeRO-1/2: the updated shards
+after OPTIM; ZeRO-3: the first unit of the next forward, prefetched); RESHARD frees gathered ZeRO-3
+parameters. `partitioner.planner.schedule.add_unshard_reshard` places them.
 `partitioner.planner.schedule` builds lists of them; `runtime.pipeline.executor` runs the same lists
 (`Action.of` accepts the text, an Action, or any object with .op/.stage/.microbatch).
 
@@ -21,7 +28,7 @@ from typing import Any
 
 from cost_models.errors import PartitionerError
 
-__all__ = ["Op", "Action", "COMPUTE_OPS", "P2P_OPS", "STAGE_OPS", "PEER", "GRAMMAR"]
+__all__ = ["Op", "Action", "COMPUTE_OPS", "P2P_OPS", "STAGE_OPS", "DP_OPS", "PEER", "GRAMMAR"]
 
 
 class Op(str, enum.Enum):
@@ -33,8 +40,10 @@ class Op(str, enum.Enum):
     RECV_F = "RECV_F"        # receive this stage's input activation from stage - 1
     SEND_B = "SEND_B"        # send the gradient of this stage's input to stage - 1
     RECV_B = "RECV_B"        # receive the gradient of this stage's output from stage + 1
-    GRAD_SYNC = "GRAD_SYNC"  # data-parallel reduction of this stage's gradients
+    GRAD_SYNC = "GRAD_SYNC"  # data-parallel reduction of this stage's gradients completes (torch's REDUCE_GRAD)
     OPTIM = "OPTIM"          # optimizer step of this stage's parameters
+    UNSHARD = "UNSHARD"      # all-gather parameters from their data-parallel shards
+    RESHARD = "RESHARD"      # free gathered parameters (ZeRO-3), no communication
 
     def __str__(self) -> str:
         return self.value
@@ -42,7 +51,8 @@ class Op(str, enum.Enum):
 
 COMPUTE_OPS = frozenset({Op.F, Op.B})
 P2P_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
-STAGE_OPS = frozenset({Op.GRAD_SYNC, Op.OPTIM})   # once per stage, no microbatch
+STAGE_OPS = frozenset({Op.GRAD_SYNC, Op.OPTIM, Op.UNSHARD, Op.RESHARD})   # once per stage, no microbatch
+DP_OPS = frozenset({Op.UNSHARD, Op.RESHARD})   # added by the data-parallel lowering; optional in a schedule
 
 # a send or receive -> (the op at the other end, the other end's stage minus this one's)
 PEER = {"SEND_F": ("RECV_F", 1), "RECV_F": ("SEND_F", -1), "SEND_B": ("RECV_B", -1), "RECV_B": ("SEND_B", 1)}
@@ -51,8 +61,8 @@ _OP_ALTERNATIVES = "|".join(sorted((op.value for op in Op), key=len, reverse=Tru
 _RE = re.compile(rf"(\d+)({_OP_ALTERNATIVES})(\d*)")
 GRAMMAR = (
     "<stage><op><microbatch> with op one of F, B, SEND_F, RECV_F, SEND_B, RECV_B "
-    "(e.g. '2F0', '3SEND_B12'), or <stage><op> with op GRAD_SYNC or OPTIM "
-    "(e.g. '2GRAD_SYNC', '0OPTIM')")
+    "(e.g. '2F0', '3SEND_B12'), or <stage><op> with op GRAD_SYNC, OPTIM, UNSHARD or RESHARD "
+    "(e.g. '2GRAD_SYNC', '0OPTIM', '1UNSHARD')")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,7 +75,8 @@ class Action:
         microbatch 0 to stage 3; `3RECV_F0` is stage 3 receiving it;
         `3SEND_B0` sends stage 3's input gradient to stage 2; `2RECV_B0`
         receives it.
-    microbatch: the microbatch index; None exactly for GRAD_SYNC and OPTIM.
+    microbatch: the microbatch index; None exactly for the stage ops (GRAD_SYNC, OPTIM, UNSHARD,
+        RESHARD).
 
     >>> str(Action(op=Op.SEND_F, stage=2, microbatch=0))
     '2SEND_F0'

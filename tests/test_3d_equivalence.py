@@ -86,6 +86,9 @@ CASES = [
     ("gpt", 2, 1, 2, "1f1b", 1, 0),
     ("gpt", 2, 2, 2, "1f1b", 1, 1),
     ("gpt", 2, 2, 1, "1f1b", 1, 3),
+    # DDP's bucket all-reduces launched by the rank's last B; ZeRO-2's UNSHARD once for two virtual stages
+    ("gpt", 2, 2, 1, "1f1b", 1, 0),
+    ("gpt", 2, 2, 1, "interleaved-1f1b", 2, 2),
     ("hf", 2, 1, 1, "gpipe", 1, 0),
     ("hf", 2, 1, 1, "1f1b", 1, 0),
     ("hf", 2, 1, 1, "interleaved-1f1b", 2, 0),

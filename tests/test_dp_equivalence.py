@@ -60,6 +60,24 @@ def test_example_gpt_trains_like_one_process(tiny_graph, zero, world, opt, mb):
     assert len(out.step_times_s) == STEPS and all(t > 0 for t in out.step_times_s)
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_programs_from_before_the_zero_actions_still_train_like_one_process(tiny_graph, zero):
+    """A program generated before UNSHARD / RESHARD were actions passes no ACTIONS: its runner takes the old
+    list (forwards and backwards, GRAD_SYNC, OPTIM) and runs the engine's whole after_step inside OPTIM, with
+    a DeprecationWarning; without it ZeRO-1's replicated parameters would never see the update."""
+    plan = compile(tiny_graph, "local:2", global_batch_size=GB, pp=1, tp=1, zero_stage=zero, microbatch_size=2,
+                   precision="fp32")
+    old = {}
+    for r in range(2):
+        source = plan.program(r).source
+        assert "0UNSHARD" in source and ", actions=ACTIONS)" in source
+        old[r] = source.replace(", actions=ACTIONS)", ")")
+    batches = gpt_batches(training.gpt_tiny_seeded(), n=3)
+    out = launch_local(plan, training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches, programs=old,
+                       timeout_s=120)
+    check_equal(out, *reference(training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches))
+
+
 @pytest.mark.parametrize("zero,recompute", [(0, "full"), (1, "selective"), (2, "full"), (3, "full"), (3, "selective")])
 def test_recomputing_plans_train_like_one_process_and_hold_less(tiny_graph, zero, recompute):
     """A data-parallel plan that recomputes checkpoints its blocks (ZeRO-3: the recomputation re-installs the

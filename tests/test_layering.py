@@ -25,6 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cost_models",),
     ("runtime.comm",),
     ("runtime.compression",),
+    # the interpreter of action lists (cost_models.actions): pipeline runners and the data-parallel step drive it
+    ("runtime.pipeline.executor",),
     ("runtime.engines",),
     ("runtime.pipeline",),
     ("runtime.checkpoint",),

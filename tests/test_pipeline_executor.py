@@ -136,6 +136,35 @@ def test_refuses_bad_instruction_lists():
         ex.run([torch.zeros(2, D)] * M, None)
 
 
+def test_the_list_places_every_data_parallel_action():
+    """The executor runs UNSHARD, GRAD_SYNC, RESHARD and OPTIM where the list puts them, and only the rank's last
+    B runs outside no_sync (the one that launches the gradient reductions)."""
+    import contextlib
+
+    from partitioner.planner.schedule import add_unshard_reshard
+
+    seen = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        seen.append("no_sync")
+        yield
+
+    def stage(x):
+        seen.append("F")
+        return model(x)
+
+    model = _model()
+    actions = add_unshard_reshard(build_schedule("1f1b", pp=1, num_microbatches=3), zero_stage=3).ranks[0]
+    assert " ".join(map(str, actions)) == "0UNSHARD 0F0 0B0 0F1 0B1 0F2 0B2 0GRAD_SYNC 0RESHARD 0OPTIM"
+    ex = PipelineExecutor(actions=actions, stages={0: stage}, num_stages=1, stage_to_rank=lambda s: 0,
+                          collectives=None, loss_fn=F.cross_entropy, num_microbatches=3, no_sync=no_sync,
+                          **{name: functools.partial(lambda n, s: seen.append(f"{s}{n}"), name.upper())
+                             for name in ("grad_sync", "optim", "unshard", "reshard")})
+    ex.run([torch.randn(2, D) for _ in range(3)], [torch.randint(0, CLASSES, (2,)) for _ in range(3)])
+    assert seen == ["0UNSHARD", "F", "no_sync", "F", "no_sync", "F", "0GRAD_SYNC", "0RESHARD", "0OPTIM"]
+
+
 def test_two_virtual_stages_on_one_rank_train_like_one_process():
     """pp=1, interleave=2: stages hand activations and gradients over in memory, no messages."""
     schedule = build_schedule("interleaved-1f1b", pp=1, num_microbatches=M, interleave=2)

@@ -6,16 +6,19 @@ import json
 
 import pytest
 
+from cost_models.actions import STAGE_OPS
 from cost_models.memory import SCHEDULES, inflight_microbatches
 from partitioner.planner.schedule import (
     SCHEDULE_KINDS,
     Action,
     Op,
     Schedule,
+    add_unshard_reshard,
     build_schedule,
     peak_inflight,
     validate,
 )
+from partitioner.planner.simulate import Durations, simulate
 
 
 def _grid():
@@ -47,7 +50,7 @@ def _with_rank_list(schedule: Schedule, rank: int, actions: list[Action]) -> Sch
 # --- compact strings ----------------------------------------------------------
 @pytest.mark.parametrize("op", list(Op))
 def test_action_round_trip_every_op(op):
-    mb = None if op in (Op.GRAD_SYNC, Op.OPTIM) else 13
+    mb = None if op in STAGE_OPS else 13
     a = Action(op=op, stage=12, microbatch=mb)
     assert str(a) == f"12{op.value}{'' if mb is None else 13}"
     assert Action.parse(str(a)) == a
@@ -343,3 +346,48 @@ def test_error_listing_is_windowed_for_long_lists():
     msg = str(e.value)
     assert "add 0SEND_F40 after 0F40" in msg and "earlier actions" in msg and "later actions" in msg
     assert len(msg.splitlines()) < 40
+
+
+# --- the data-parallel collectives as actions (code generation's last lowering) ---------------------------
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("kind,pp,m,v", [("gpipe", 2, 3, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2),
+                                         ("1f1b", 1, 3, 1)])
+def test_unshard_reshard_lowering_is_valid_round_trips_and_costs_nothing(zero_stage, kind, pp, m, v):
+    base = build_schedule(kind, pp=pp, num_microbatches=m, interleave=v)
+    s = add_unshard_reshard(base, zero_stage=zero_stage)
+    validate(s)
+    assert Schedule.parse(str(s)) == s and Schedule.from_json(s.to_json()) == s
+    for r, actions in enumerate(s.ranks):
+        ops = [a.op for a in actions]
+        assert [a for a in actions if a.op not in (Op.UNSHARD, Op.RESHARD)] == list(base.ranks[r])
+        if zero_stage in (1, 2):   # the updated shards gathered after the rank's last optimizer step
+            assert ops.count(Op.UNSHARD) == 1 and ops[-2:] == [Op.OPTIM, Op.UNSHARD] and Op.RESHARD not in ops
+        elif zero_stage == 3:      # the first unit prefetched before anything; freed after the last reduction
+            assert ops[0] is Op.UNSHARD and ops.count(Op.RESHARD) == 1
+            assert ops[ops.index(Op.RESHARD) - 1] is Op.GRAD_SYNC and Op.GRAD_SYNC not in ops[ops.index(Op.RESHARD):]
+        else:
+            assert actions == base.ranks[r]
+    d = Durations.uniform(base.num_stages, forward=1.0, backward=2.5, p2p=0.25, grad_sync=1.5, optim=0.5,
+                          overlap=0.5)
+    assert simulate(s, d).step_time_s == simulate(base, d).step_time_s
+
+
+def test_unshard_reshard_example_and_refusals():
+    s = add_unshard_reshard(build_schedule("1f1b", pp=1, num_microbatches=2), zero_stage=3)
+    assert str(s).splitlines()[1] == "rank 0: 0UNSHARD 0F0 0B0 0F1 0B1 0GRAD_SYNC 0RESHARD 0OPTIM"
+    with pytest.raises(ValueError, match="lower it once"):
+        add_unshard_reshard(s, zero_stage=3)
+    with pytest.raises(ValueError, match="zero_stage=4"):
+        add_unshard_reshard(build_schedule("gpipe", pp=1, num_microbatches=1), zero_stage=4)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda r: r[:1] + [Action.parse("0UNSHARD")] + r[1:], "0UNSHARD falls inside stage 0's step"),
+    (lambda r: [Action.parse("0RESHARD")] + r, "0RESHARD comes before stage 0's last backward"),
+    (lambda r: r + [Action.parse("0UNSHARD"), Action.parse("0UNSHARD")], "0UNSHARD appears twice"),
+])
+def test_validate_places_unshard_and_reshard(edit, message):
+    s = build_schedule("gpipe", pp=2, num_microbatches=1)
+    with pytest.raises(ValueError, match=message) as e:
+        validate(_with_rank_list(s, 0, edit(list(s.ranks[0]))))
+    assert "<-- ERROR HERE" in str(e.value)

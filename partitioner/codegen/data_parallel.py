@@ -17,6 +17,7 @@ from partitioner.codegen.common import (
     recompute_lines,
     reduce_scatter_impl,
 )
+from partitioner.codegen.instructions import instruction_lines
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -80,6 +81,8 @@ UNITS = (
 {units},
 )
 
+{instruction_lines(plan, 0)}
+
 
 def build(model_fn, optimizer_fn, loss_fn):
     groups = make_groups(RANK, MESH)
@@ -101,12 +104,11 @@ def build(model_fn, optimizer_fn, loss_fn):
 {recompute}    optimizer = optimizer_fn(engine.optimizer_params())
 
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as
-    # {c.num_microbatches} microbatch(es) of {c.microbatch_size}; gradients accumulate without
-    # communication until the last microbatch, then the reduction above completes.
+    # {c.num_microbatches} microbatch(es) of {c.microbatch_size}, run by ACTIONS above.
     return runtime.engines.step.StepRunner(
         engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, dp_group=groups.dp,
         dp_rank={me.dp}, dp_size={c.dp}, microbatch_size={c.microbatch_size}, num_microbatches={c.num_microbatches},
-        clip_grad_norm={plan.clip_grad_norm!r}, program_hash=PROGRAM_HASH)
+        clip_grad_norm={plan.clip_grad_norm!r}, program_hash=PROGRAM_HASH, actions=ACTIONS)
 '''
     return source
 
@@ -116,14 +118,15 @@ def build(model_fn, optimizer_fn, loss_fn):
 def expected_collectives(plan: "Plan") -> dict[str, int]:
     """The collectives one training step of a data-parallel program issues, by op.
 
-    The plan's instruction lists hold one GRAD_SYNC per stage per step; the
-    data-parallel engine realises it as (B = gradient buckets, cut by
+    The program's instruction list holds one GRAD_SYNC per step (and, at ZeRO
+    >= 1, an UNSHARD; at ZeRO-3 a RESHARD, which frees without communicating);
+    the data-parallel engine realises them as (B = gradient buckets, cut by
     `runtime.engines.flat.bucket` over parameters in reverse registration order;
     U = ZeRO-3 units, the blocks plus the parameters outside them; m =
     microbatches):
       DDP      B all-reduces
-      ZeRO-1   B all-reduces, then 1 all-gather of the updated flat buffer
-      ZeRO-2   m*B reduce-scatters (every microbatch), B all-gathers
+      ZeRO-1   B all-reduces, then 1 all-gather of the updated flat buffer (UNSHARD)
+      ZeRO-2   m*B reduce-scatters (every microbatch), B all-gathers (UNSHARD)
       ZeRO-3   m*U reduce-scatters; m*(2U - 1) all-gathers: U in forward, U - 1 in
                backward (the unit outside the blocks stays gathered until its backward)
     plus one all-reduce of the reported loss, and one of the squared norm when

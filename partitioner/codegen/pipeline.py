@@ -27,6 +27,7 @@ from partitioner.codegen.common import (
     segment_tables,
     slice_text,
 )
+from partitioner.codegen.instructions import instruction_lines
 from runtime.comm.groups import stage_peers  # the rule the program will use
 
 if TYPE_CHECKING:
@@ -126,7 +127,6 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     units = [u for u in units if u] + ([rest] if rest else [])
     unit_modules += [""] if rest else []  # prefix/suffix parameters: gathered by the root's (the stage's) forward
     impl, why_impl = reduce_scatter_impl(plan)
-    actions = " ".join(str(a) for a in sched.ranks[me.pp])
     stage_lines = "\n".join(
         f"    {s}: ({a}, {b}, {pre}, {suf}),  # "
         + ", ".join((["prefix"] if pre else []) + ([f"blocks {a}..{b - 1}" if b > a + 1 else f"block {a}"] if b > a else []) + (["suffix"] if suf else []))
@@ -191,8 +191,7 @@ STAGES = {{
 }}
 # Global rank of every virtual stage in this replica and tensor slice: the peers of SEND/RECV.
 STAGE_RANKS = {literal(stage_ranks)}
-# This rank's instruction list: {c.num_microbatches} microbatches of {c.microbatch_size} per step.
-ACTIONS = {literal(actions)}.split()
+{instruction_lines(plan, me.pp)}
 
 # Tensor parallelism over {c.tp} rank(s): this rank's sharded parameters -> (spec, fused chunks), with
 # the slice of the full tensor this rank holds (tensor slice {me.tp}); the others it holds are whole.

@@ -28,7 +28,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     return runtime.engines.step.StepRunner(
         engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, dp_group=groups.dp,
         dp_rank=1, dp_size=4, microbatch_size=8, num_microbatches=1,
-        clip_grad_norm=None, program_hash=PROGRAM_HASH)
+        clip_grad_norm=None, program_hash=PROGRAM_HASH, actions=ACTIONS)
 <BLANKLINE>
 """
 

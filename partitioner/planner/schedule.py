@@ -14,7 +14,10 @@ schedule kind, then `_add_p2p` (a RECV right before the compute that needs
 it, a SEND right after the compute that produces it), then
 `_add_grad_sync` (after a stage's last backward), then `_add_optim` (at the
 end of the list). Sends are assumed non-blocking (isend), receives blocking;
-`validate` checks that no receive waits forever.
+`validate` checks that no receive waits forever. Code generation lowers one
+step further with `add_unshard_reshard`: the ZeRO parameter all-gathers and
+frees as UNSHARD / RESHARD actions (torch's `_add_unshard_reshard`), so a
+rank's program lists every data-parallel collective it issues.
 
 >>> s = build_schedule("1f1b", pp=2, num_microbatches=2)
 >>> print(s)
@@ -36,13 +39,13 @@ import re
 from collections.abc import Callable
 from typing import NoReturn
 
-from cost_models.actions import PEER, Action, Op
+from cost_models.actions import DP_OPS, PEER, Action, Op
 from cost_models.choices import SCHEDULES, ScheduleKind
 from cost_models.errors import DeclarationError, PartitionerError
 
 __all__ = [
     "Op", "Action", "Schedule", "ScheduleKind", "SCHEDULE_KINDS",
-    "build_schedule", "validate", "peak_inflight",
+    "build_schedule", "add_unshard_reshard", "validate", "peak_inflight",
 ]
 
 SCHEDULE_KINDS = SCHEDULES
@@ -329,6 +332,52 @@ def _add_optim(actions: list[Action]) -> list[Action]:
     return actions + [Action(op=Op.OPTIM, stage=a.stage) for a in actions if a.op is Op.GRAD_SYNC]
 
 
+def add_unshard_reshard(schedule: Schedule, *, zero_stage: int) -> Schedule:
+    """The lists with the ZeRO parameter collectives as actions, as the runtime runs them.
+
+    One data-parallel engine serves all of a pipeline rank's virtual stages,
+    so each rank gets each action once, named after the stage where it falls:
+      ZeRO-1/2: UNSHARD at the end, after the last OPTIM: the updated
+          parameter shards all-gathered into the replicated parameters the
+          next forward reads.
+      ZeRO-3: UNSHARD first, before any receive: the first unit of the
+          forward is all-gathered (prefetched) while the rank waits for its
+          input; the other units are gathered inside F and B, one ahead,
+          as each module needs them (FSDP's hooks, as in torch's pipelining,
+          whose UNSHARD also gathers the root only). RESHARD right after the
+          rank's last GRAD_SYNC frees any unit still gathered.
+      DDP (zero_stage 0): nothing to add; GRAD_SYNC is the whole of it.
+    The gradient reductions themselves stay GRAD_SYNC (torch's REDUCE_GRAD):
+    the rank's last B launches them bucket by bucket as its gradients fill
+    (the overlap with backward), and GRAD_SYNC waits for them.
+
+    >>> s = build_schedule("1f1b", pp=2, num_microbatches=2)
+    >>> print(add_unshard_reshard(s, zero_stage=3))
+    schedule kind=1f1b pp=2 num_microbatches=2 interleave=1
+    rank 0: 0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0GRAD_SYNC 0RESHARD 0OPTIM
+    rank 1: 1UNSHARD 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1GRAD_SYNC 1RESHARD 1OPTIM
+    >>> " ".join(map(str, add_unshard_reshard(s, zero_stage=1).ranks[0][-3:]))
+    '0GRAD_SYNC 0OPTIM 0UNSHARD'
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise DeclarationError(f"zero_stage={zero_stage!r} must be 0 (DDP), 1, 2 or 3")
+    if any(a.op in DP_OPS for actions in schedule.ranks for a in actions):
+        raise PartitionerError("this schedule already holds UNSHARD / RESHARD actions: lower it once")
+    ranks = []
+    for actions in schedule.ranks:
+        out = list(actions)
+        if zero_stage in (1, 2):
+            last = next(a for a in reversed(out) if a.op is Op.OPTIM)
+            out.append(Action(op=Op.UNSHARD, stage=last.stage))
+        elif zero_stage == 3:
+            first = next(a for a in out if a.op is Op.F)
+            i = max(i for i, a in enumerate(out) if a.op is Op.GRAD_SYNC)
+            out.insert(i + 1, Action(op=Op.RESHARD, stage=out[i].stage))
+            out.insert(0, Action(op=Op.UNSHARD, stage=first.stage))
+        ranks.append(tuple(out))
+    return dataclasses.replace(schedule, ranks=tuple(ranks))
+
+
 # --- checking ---------------------------------------------------------------
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
     """Per virtual stage, the most microbatches whose forward is done and
@@ -361,7 +410,9 @@ def validate(schedule: Schedule) -> None:
     SEND_F after the F and a matching RECV_F before the consumer's F on the
     other rank), likewise gradients backwards; no send or receive without
     its peer, none between stages on the same rank; one GRAD_SYNC per stage
-    after its last B, one OPTIM per stage after its GRAD_SYNC; and, running
+    after its last B, one OPTIM per stage after its GRAD_SYNC; at most one
+    UNSHARD per stage, before its first F or after its OPTIM, and at most one
+    RESHARD, after its last B; and, running
     the lists with non-blocking sends and blocking receives, no deadlock.
     The message shows the rank's list with the failing action marked
     `<-- ERROR HERE`.
@@ -416,6 +467,14 @@ def validate(schedule: Schedule) -> None:
             fail(*anchor(s), f"no {s}OPTIM: add it after {s}GRAD_SYNC")
         if optim[1] < sync[1]:
             fail(*optim, f"{s}OPTIM comes before {s}GRAD_SYNC; the step would use unreduced gradients")
+        first_f = min(where[("F", s, mb)][1] for mb in range(m))
+        unshard, reshard = where.get(("UNSHARD", s, None)), where.get(("RESHARD", s, None))
+        if unshard is not None and first_f < unshard[1] < optim[1]:
+            fail(*unshard, f"{s}UNSHARD falls inside stage {s}'s step: put it before its first forward "
+                           f"(ZeRO-3's prefetch) or after {s}OPTIM (ZeRO-1/2's gather of the updated shards)")
+        if reshard is not None and reshard[1] < last_b:
+            fail(*reshard, f"{s}RESHARD comes before stage {s}'s last backward, which still needs the "
+                           f"parameters; put it after {schedule.ranks[reshard[0]][last_b]}")
 
     for key, (r, i) in where.items():
         if key[0] in PEER:

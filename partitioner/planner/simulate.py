@@ -27,6 +27,11 @@ Model (the same lists the runtime executes, run with these rules):
     B and the stage's OPTIM (the rule of thumb
     max(0, grad_sync - overlap * remaining backward compute) with the
     later compute counted fully, since it runs on another stream).
+  - UNSHARD and RESHARD (the ZeRO parameter gathers and frees that code
+    generation adds, `schedule.add_unshard_reshard`) take no time here: the
+    durations already charge them where they run, OPTIM's `optim` holding
+    ZeRO-1/2's all-gather of the updated shards and `forward` / `backward`
+    ZeRO-3's gathers, so a lowered list predicts the step its plan does.
   - The step ends when the last action (compute, transfer or collective)
     of any rank ends.
 
@@ -119,8 +124,8 @@ class Event:
     """One action as it ran: on `rank`, from `start` to `end` (seconds).
 
     kind: compute (F, B), p2p (a SEND spans the transfer, a RECV the wait),
-    collective (GRAD_SYNC, on the communication stream), optim (OPTIM, from
-    the end of the wait for its GRAD_SYNC).
+    collective (GRAD_SYNC, on the communication stream; UNSHARD and RESHARD,
+    instants), optim (OPTIM, from the end of the wait for its GRAD_SYNC).
     """
 
     rank: int
@@ -175,8 +180,8 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
     fwd, bwd, p2p, sync, opt = (durations.forward, durations.backward, durations.p2p,
                                 durations.grad_sync, durations.optim)
     overlap = durations.overlap
-    F, B, SEND_F, RECV_F, SEND_B, RECV_B, GRAD_SYNC = (Op.F, Op.B, Op.SEND_F, Op.RECV_F, Op.SEND_B,
-                                                       Op.RECV_B, Op.GRAD_SYNC)
+    F, B, SEND_F, RECV_F, SEND_B, RECV_B, GRAD_SYNC, OPTIM = (Op.F, Op.B, Op.SEND_F, Op.RECV_F, Op.SEND_B,
+                                                              Op.RECV_B, Op.GRAD_SYNC, Op.OPTIM)
 
     now = [0.0] * R                  # each rank's compute-stream time
     comm_free = [0.0] * R            # when each rank's communication stream is idle
@@ -223,7 +228,9 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
                 start = max(issue, comm_free[r])
                 comm_free[r] = sync_end[s] = start + sync[s]
                 out.append(Event(rank=r, action=str(a), start=start, end=sync_end[s], kind="collective"))
-            else:  # OPTIM
+            elif op is not OPTIM:  # UNSHARD, RESHARD: charged by the actions around them (docstring)
+                out.append(Event(rank=r, action=str(a), start=t, end=t, kind="collective"))
+            else:
                 start = max(t, sync_end.get(s, t))
                 out.append(Event(rank=r, action=str(a), start=start, end=start + opt[s], kind="optim"))
                 t = start + opt[s]

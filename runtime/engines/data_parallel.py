@@ -314,19 +314,42 @@ class DataParallel(GradientBuckets, ShardedUnits):
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """After optimizer.step(): ZeRO-1/2 all-gather the shards into the replicated parameters;
-        mixed-precision DDP copies the masters into the 16-bit parameters; ZeRO-3 only releases a
-        unit left gathered (none in a normal step)."""
+        """After optimizer.step(), for a caller that runs no instruction list: `copy_masters`, then
+        ZeRO-1/2's `unshard` (the updated shards all-gathered) or ZeRO-3's `reshard`. A generated
+        program runs these as its OPTIM, UNSHARD and RESHARD actions instead."""
+        self.copy_masters()
+        if self.zero_stage in (1, 2):
+            self.unshard()
+        elif self.zero_stage == 3:
+            self.reshard()
+
+    @torch.no_grad()
+    def copy_masters(self) -> None:
+        """After optimizer.step(): mixed-precision DDP copies the fp32 masters into the 16-bit parameters
+        (local; at ZeRO >= 1 the shards reach the parameters through `unshard`)."""
         if self.zero_stage == 0 and self.precision.mixed:
             for n, m in self._masters.items():
                 self._params[n].copy_(m)
-        elif self.zero_stage in (1, 2):
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        """The UNSHARD action. ZeRO-1/2: all-gather the shards the optimizer updated into the replicated
+        parameters (synchronous: the next forward reads them). ZeRO-3: start the all-gather of the unit
+        the forward uses first (in the last forward's order), so it overlaps what precedes that forward
+        (a pipeline rank's wait for its input); the others are gathered as the forward reaches them.
+        DDP: nothing."""
+        if self.zero_stage in (1, 2):
             for f in self._flats:
                 inp = f.shard.detach().to(self._dtype, copy=True)  # the fp32 shard views the output
                 self.collectives.all_gather(f.params, inp, self.group)
         elif self.zero_stage == 3:
-            for u in self._units:
-                self._reshard(u)
+            self._prefetch_first()
+
+    def reshard(self) -> None:
+        """The RESHARD action (ZeRO-3): free every unit still gathered (none after a normal backward, which
+        frees each unit once its gradient is reduced; a unit prefetched and never used, say). No communication."""
+        for u in self._units:
+            self._reshard(u)
 
     def zero_grad(self) -> None:
         """Drop gradients (waits for any reduction still in flight, so ranks stay in step)."""

@@ -1,25 +1,33 @@
 """One training step of a data-parallel rank: slice, microbatch, reduce, update.
 
-The generated program builds a `StepRunner` with the plan's numbers; the
-runner takes this replica's rows of the global batch, runs them as
-microbatches with gradient accumulation (communication only after the
-last), lets the data-parallel engine finish the reduction, clips, steps the
-optimizer and reports the global mean loss. Together these equal one
-process training on the whole batch with a mean loss.
+The generated program builds a `StepRunner` with the plan's numbers and its
+instruction list, one stage's (`0F0 0B0 0F1 0B1 0GRAD_SYNC 0OPTIM 0UNSHARD`
+for ZeRO-1 over 2 microbatches); the runner takes this replica's rows of the
+global batch and runs the list on them with the pipeline executor: the
+microbatches' gradients accumulate without communication until the last B,
+which launches the engine's reductions, GRAD_SYNC waits for them, OPTIM
+clips and steps the optimizer, UNSHARD / RESHARD gather and free the ZeRO
+parameters; the step reports the global mean loss. Together these equal
+one process training on the whole batch with a mean loss.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-# cost_models imports nothing of the project, so the runtime may share its base error (one direction holds).
+# cost_models imports nothing of the project, so the runtime may share its base error and the action grammar
+# (one direction holds).
+from cost_models.actions import Action, Op
 from cost_models.errors import PartitionerError
 from runtime.comm.collectives import Collectives
+from runtime.pipeline.executor import PipelineExecutor
 
-__all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "PeakHeld"]
+__all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "PeakHeld",
+           "implicit_after_step"]
 
 
 class ModelMismatchError(PartitionerError):
@@ -66,11 +74,14 @@ class StepRunner:
 
     engine: a runtime.engines.data_parallel.DataParallel; optimizer steps
     engine.optimizer_params(); loss_fn(model_output, targets) -> mean loss.
+    actions: the step's instruction list, one stage's (module docstring); None, as in programs
+    generated before the lists held UNSHARD / RESHARD: forwards and backwards in microbatch order,
+    GRAD_SYNC, OPTIM, and the engine's after_step inside OPTIM.
     """
 
     def __init__(self, *, engine, optimizer: torch.optim.Optimizer, loss_fn: Callable, collectives: Collectives,
                  dp_group, dp_rank: int, dp_size: int, microbatch_size: int, num_microbatches: int,
-                 clip_grad_norm: float | None, program_hash: str):
+                 clip_grad_norm: float | None, program_hash: str, actions: Sequence[str] | None = None):
         self.engine, self.optimizer, self.loss_fn = engine, optimizer, loss_fn
         self.collectives, self.dp_group = collectives, dp_group
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -78,32 +89,35 @@ class StepRunner:
         self.clip_grad_norm, self.program_hash = clip_grad_norm, program_hash
         self.last_grad_norm: float | None = None
         self._peak = PeakHeld()
+        m = num_microbatches
+        if actions is None:
+            actions = [f"0{op}{i}" for i in range(m) for op in "FB"] + ["0GRAD_SYNC", "0OPTIM"]
+        self.executor = PipelineExecutor(
+            actions=actions, stages={0: engine.module}, num_stages=1, stage_to_rank=lambda s: 0, collectives=None,
+            loss_fn=loss_fn, num_microbatches=m, grad_sync=lambda s: engine.finish_gradients(), optim=self._optim,
+            unshard=lambda s: engine.unshard(), reshard=lambda s: engine.reshard(), no_sync=engine.no_sync)
+        self._after_optim = implicit_after_step(engine, self.executor.actions)
 
     def step(self, batch: tuple[Any, Any]) -> float:
-        m = self.num_microbatches
-        total = torch.zeros((), dtype=torch.float64)
-        for i, (x, y) in enumerate(replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                                        microbatch_size=self.microbatch_size,
-                                                        num_microbatches=m)):
-            ctx = self.engine.no_sync() if i < m - 1 else _nothing()
-            with ctx:
-                loss = self.loss_fn(_call(self.engine.module, x), y)
-                (loss / m).backward()
-            total += loss.detach().double()
-        self.engine.finish_gradients()
+        pairs = replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                     microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches)
+        # this replica's mean over its microbatches (the executor sums loss / m)
+        loss = self.executor.run([x for x, _ in pairs], [y for _, y in pairs])
+        # The global loss: the mean over replicas of each replica's mean over its microbatches.
+        mean = torch.tensor([loss], dtype=torch.float32)
+        if self.dp_size > 1:
+            self.collectives.all_reduce(mean, self.dp_group, op="avg")
+        return float(mean.item())
+
+    def _optim(self, s: int) -> None:
         if self.clip_grad_norm is not None:
             self.last_grad_norm = self.engine.clip_grad_norm_(self.clip_grad_norm)
         self.optimizer.step()
         # The peak of model state: gradients still held, optimizer state just created or updated.
         self._peak.note(self.engine.held_bytes(self.optimizer))
-        self.engine.after_step()
+        self._after_optim()
         self.engine.zero_grad()
         self.optimizer.zero_grad(set_to_none=True)
-        # The global loss: the mean over replicas of each replica's mean over its microbatches.
-        mean = (total / m).to(torch.float32).reshape(1)
-        if self.dp_size > 1:
-            self.collectives.all_reduce(mean, self.dp_group, op="avg")
-        return float(mean.item())
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
@@ -135,6 +149,21 @@ def replica_microbatches(batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, 
              _rows(targets, a + i * microbatch_size, a + (i + 1) * microbatch_size)) for i in range(num_microbatches)]
 
 
+def implicit_after_step(engine, actions: Sequence[Action]) -> Callable[[], None]:
+    """What OPTIM runs on the engine after the optimizer step: `copy_masters` (local) when the list carries
+    the engine's parameter collectives as UNSHARD / RESHARD actions; the whole `after_step`, with a warning,
+    for a list from before they were actions (an old generated program), which would otherwise leave ZeRO-1/2's
+    replicated parameters stale."""
+    needed = {1: Op.UNSHARD, 2: Op.UNSHARD, 3: Op.RESHARD}.get(getattr(engine, "zero_stage", 0))
+    if needed is None or any(Action.of(a).op is needed for a in actions):
+        return engine.copy_masters
+    warnings.warn(f"this instruction list has no {needed.value} action, which ZeRO-{engine.zero_stage} needs after "
+                  "the optimizer step: the engine runs it inside OPTIM, as programs generated before the ZeRO "
+                  "collectives were actions did; regenerate the program (plan.write_programs) to list it",
+                  DeprecationWarning, stacklevel=3)
+    return engine.after_step
+
+
 class PeakHeld:
     """The largest params + grads + optimizer bytes a runner has held, with its breakdown."""
 
@@ -157,11 +186,3 @@ def _batch_size(x: Any) -> int:
     if isinstance(x, dict) and x:
         return _batch_size(next(iter(x.values())))
     raise ValueError(f"cannot tell the batch size of {type(x).__name__}: pass tensors with the batch in dim 0")
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

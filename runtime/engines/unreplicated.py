@@ -54,6 +54,15 @@ class Unreplicated:
     def after_step(self) -> None:
         pass
 
+    def copy_masters(self) -> None:
+        pass  # fp32: the parameters are what the optimizer steps
+
+    def unshard(self) -> None:
+        pass  # nothing is sharded
+
+    def reshard(self) -> None:
+        pass
+
     def zero_grad(self) -> None:
         for p in self._params.values():
             p.grad = None

@@ -112,6 +112,13 @@ class ShardedUnits:
         if not async_op:
             u.work, u.gather_inp = None, None
 
+    def _prefetch_first(self) -> None:
+        """Start gathering the unit the next forward uses first (the last forward's order; before any, the
+        declared one): its pre-hook then waits for it instead of gathering it, so no collective is added."""
+        order = self._fwd_order or self._fwd_order_prev
+        if order and self._units[order[0]].state == _FREE:
+            self._gather(self._units[order[0]], async_op=True)
+
     def _wait_gather(self, u: Unit) -> None:
         if u.state == _GATHERING:
             u.work.wait()

@@ -1,4 +1,5 @@
-"""The pipeline executor: runs one pipeline rank's instruction list.
+"""The pipeline executor: runs one rank's instruction list (a pipeline rank's; a data-parallel rank's is
+one stage's, run by `runtime.engines.step.StepRunner`).
 
 A schedule (GPipe, 1F1B, interleaved 1F1B) arrives as data: this rank's
 ordered actions, each with `.op`, `.stage`, `.microbatch` (the planner's
@@ -15,7 +16,21 @@ both, so what the planner writes is what this parses. Semantics, as in
   sRECV_F i  post the receive of stage s's input from stage s - 1
   sSEND_B i  send the gradient of stage s's input to stage s - 1 (non-blocking)
   sRECV_B i  post the receive of the gradient of stage s's output from s + 1
-  sGRAD_SYNC / sOPTIM: call `grad_sync(s)` / `optim(s)`
+  sGRAD_SYNC  finish the data-parallel reduction of stage s's gradients: `grad_sync(s)`, which waits
+             for the bucket reductions the rank's last B launched (below) and runs the rest
+  sOPTIM     the optimizer step of stage s: `optim(s)`
+  sUNSHARD   all-gather parameters from their shards: `unshard(s)` (ZeRO-1/2 after OPTIM: the
+             updated shards; ZeRO-3 before the first F: the first unit, prefetched)
+  sRESHARD   free gathered parameters (ZeRO-3): `reshard(s)`
+
+Where the gradient reductions start. Overlapping them with the backward
+means launching each bucket from inside autograd, as its gradients fill; so
+the executor runs every B under `no_sync()` (gradients accumulate locally,
+nothing is sent) except the rank's last B, which launches the reductions,
+and the GRAD_SYNC after it is where the executor waits for them to
+complete. The list shows both ends: the last B and the GRAD_SYNC. (ZeRO-2/3
+reduce-scatter in every B regardless, one in flight at a time; ZeRO-3 also
+gathers each unit inside F and B, one ahead, as its modules run.)
 
 Receives are posted at their RECV and waited right before the compute that
 needs them; sends keep their tensor and Work handle until completed (all are
@@ -50,6 +65,7 @@ True
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import itertools
 from collections.abc import Callable, Sequence
@@ -138,8 +154,12 @@ class PipelineExecutor:
     loss_fn: loss_fn(last stage's output, target) -> scalar loss of one microbatch.
     num_microbatches: m; each microbatch's loss is divided by m.
     group: the process group of the messages (None: the world); ranks are global.
-    grad_sync, optim: called with the stage index at GRAD_SYNC / OPTIM. The
-        executor never zeroes gradients: `optim` (or the caller) does.
+    grad_sync, optim, unshard, reshard: called with the stage index at
+        GRAD_SYNC / OPTIM / UNSHARD / RESHARD. The executor never zeroes
+        gradients: `optim` (or the caller) does.
+    no_sync: a context manager factory (the data-parallel engine's
+        `no_sync`); every B but the rank's last runs under it, so only the
+        last launches gradient reductions (the module docstring).
     activation_shape: (stage, microbatch) -> (shape, dtype) of the stage's
         received input; None: a header message precedes each activation.
     timeout: how long a receive may wait before PipelineError (None: the
@@ -152,14 +172,19 @@ class PipelineExecutor:
     def __init__(self, *, actions: Sequence[Any], stages: dict[int, Callable], num_stages: int,
                  stage_to_rank: Callable[[int], int], collectives, loss_fn: Callable,
                  num_microbatches: int, group=None, grad_sync: Callable[[int], None] | None = None,
-                 optim: Callable[[int], None] | None = None,
+                 optim: Callable[[int], None] | None = None, unshard: Callable[[int], None] | None = None,
+                 reshard: Callable[[int], None] | None = None,
+                 no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
                  activation_shape: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]] | None = None,
                  timeout: datetime.timedelta | None = None, feed_inputs: bool = False):
         self.actions = tuple(parse_action(a) for a in actions)
         self.stages, self.num_stages, self.m = dict(stages), num_stages, num_microbatches
         self.stage_to_rank, self.collectives, self.loss_fn, self.group = stage_to_rank, collectives, loss_fn, group
         self.grad_sync, self.optim, self.activation_shape, self.timeout = grad_sync, optim, activation_shape, timeout
+        self.unshard, self.reshard, self.no_sync = unshard, reshard, no_sync
         self.feed_inputs = feed_inputs
+        # the one backward that launches the gradient reductions: the rank's last
+        self._syncing_b = max((i for i, a in enumerate(self.actions) if a.op == "B"), default=-1)
         self._check()
         self._reset()
 
@@ -344,7 +369,10 @@ class PipelineExecutor:
         if a.op == "F":
             self._forward(a, step, microbatches_in)
         elif a.op == "B":
-            return self._backward(a, step, targets)
+            if self.no_sync is None or step == self._syncing_b:
+                return self._backward(a, step, targets)
+            with self.no_sync():
+                return self._backward(a, step, targets)
         elif a.op in ("RECV_F", "RECV_B"):
             self._post_recv(a, step)
         elif a.op == "SEND_F":
@@ -355,6 +383,10 @@ class PipelineExecutor:
             self.grad_sync(a.stage)
         elif a.op == "OPTIM" and self.optim is not None:
             self.optim(a.stage)
+        elif a.op == "UNSHARD" and self.unshard is not None:
+            self.unshard(a.stage)
+        elif a.op == "RESHARD" and self.reshard is not None:
+            self.reshard(a.stage)
         return None
 
     # ---- the step ---------------------------------------------------------------------------------

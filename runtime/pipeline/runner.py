@@ -2,14 +2,16 @@
 
 The generated program builds a `PipelineRunner` from the plan's numbers.
 A step takes this replica's rows of the global batch, cuts them into
-microbatches and runs this rank's instruction list (`PipelineExecutor`)
-under the data-parallel engine's `no_sync` (gradients accumulate over the
-microbatches, as in Megatron's pipeline). At the rank's last GRAD_SYNC the
-engine reduces over the replicas and the tied parameters (embedding and LM
+microbatches and runs this rank's instruction list (`PipelineExecutor`).
+Gradients accumulate over the microbatches without communication (the
+engine's `no_sync`, as in Megatron's pipeline) until the rank's last B,
+which launches the data-parallel reductions bucket by bucket; at the rank's
+last GRAD_SYNC they complete, and the tied parameters (embedding and LM
 head on the first and last stage) are summed over their holders; at its
 last OPTIM the gradients are clipped by the global norm over every shard of
-every stage and slice, and the optimizer steps. The reported loss is the
-last stage's mean over microbatches, averaged over replicas, on every rank.
+every stage and slice, and the optimizer steps; UNSHARD and RESHARD are the
+engine's ZeRO parameter gathers and frees. The reported loss is the last
+stage's mean over microbatches, averaged over replicas, on every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from cost_models.placements import REPLICATED, is_sharded
 from runtime.comm.collectives import Collectives
-from runtime.engines.step import PeakHeld, replica_microbatches
+from runtime.engines.step import PeakHeld, implicit_after_step, replica_microbatches
 from runtime.pipeline.executor import PipelineExecutor
 from runtime.pipeline.stage import StageModel
 from runtime.pipeline.tensor_parallel import unshard_parameter
@@ -53,7 +55,9 @@ class PipelineRunner:
             actions=actions, stages={s: stage.stage_callable(s) for s in mine}, num_stages=num_stages,
             stage_to_rank=lambda s: stage_ranks[s], collectives=collectives, loss_fn=loss_fn,
             num_microbatches=num_microbatches, group=None, grad_sync=self._grad_sync, optim=self._optim,
+            unshard=lambda s: engine.unshard(), reshard=lambda s: engine.reshard(), no_sync=engine.no_sync,
             feed_inputs=True, activation_shape=self._activation_shape if hidden_shape is not None else None)
+        self._after_optim = implicit_after_step(engine, self.executor.actions)
         self.hidden_shape, self.hidden_dtype = hidden_shape, hidden_dtype or torch.float32
         self._xs: list[Any] = []
         self.last_grad_norm: float | None = None
@@ -66,8 +70,7 @@ class PipelineRunner:
         xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
         self._synced = self._stepped = 0
         self._xs = xs
-        with self.engine.no_sync():
-            loss = self.executor.run(xs, ys if self.num_stages - 1 in self.stage.stages else None)
+        loss = self.executor.run(xs, ys if self.num_stages - 1 in self.stage.stages else None)
         mean = torch.tensor([0.0 if loss is None else float(loss)])
         if self.groups.pp is not None:  # only the last stage knows the loss
             self.collectives.all_reduce(mean, self.groups.pp, op="sum")
@@ -102,7 +105,7 @@ class PipelineRunner:
             self.last_grad_norm = self._clip(self.clip_grad_norm)
         self.optimizer.step()
         self._peak.note(self.held_bytes_now())
-        self.engine.after_step()
+        self._after_optim()
         self.engine.zero_grad()
         for p in self.stage.tied.values():
             p.grad = None
