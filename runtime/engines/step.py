@@ -18,6 +18,7 @@ from torch import nn
 # cost_models imports nothing of the project, so the runtime may share its base error (one direction holds).
 from cost_models.errors import PartitionerError
 from runtime.comm.collectives import Collectives
+from runtime.device import place, rank_device
 
 __all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "PeakHeld"]
 
@@ -81,10 +82,11 @@ class StepRunner:
 
     def step(self, batch: tuple[Any, Any]) -> float:
         m = self.num_microbatches
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=rank_device())
         for i, (x, y) in enumerate(replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                                         microbatch_size=self.microbatch_size,
                                                         num_microbatches=m)):
+            x, y = place((x, y))  # only this replica's rows travel to the device
             ctx = self.engine.no_sync() if i < m - 1 else _nothing()
             with ctx:
                 loss = self.loss_fn(_call(self.engine.module, x), y)
@@ -108,10 +110,11 @@ class StepRunner:
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """Inference under the plan: this replica's forward on `inputs` (no slicing, no gradients)."""
-        return _call(self.engine.module, inputs)
+        return _call(self.engine.module, place(inputs))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return self.engine.full_state_dict()
+        full = self.engine.full_state_dict()  # host copies: what a launcher saves or returns
+        return None if full is None else {k: v.cpu() for k, v in full.items()}
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state at this rank's peak so far."""
