@@ -34,19 +34,24 @@ import torch.distributed as dist
 
 from cost_models.compression import QUANT_BLOCK
 from runtime.comm.collectives import Collectives
-from runtime.device import rank_device
 from runtime.compression.quantize import Quantized
 from runtime.compression.quantize import dequantize as _dequantize
 from runtime.compression.quantize import quantize as _quantize
 from runtime.compression.quantized_gather import gather_quantized
+from runtime.device import rank_device
 
 __all__ = ["CompressedReduce"]
 
 
 def quantize(y: torch.Tensor, *, bits: int, block: int, residual: torch.Tensor | None):
-    """runtime.compression.quantize's blockwise absmax codes; bits=1: each block's sign times its mean |y| (signSGD-like,
+    """runtime.compression.quantize's blockwise absmax codes (on CUDA tensors its Triton kernel,
+    runtime.compression.quantize_triton: the torch ops are for CPU, where Triton only interprets); bits=1: each block's sign times its mean |y| (signSGD-like,
     one int8 per element here: a control for tests, not a compressor the planner offers)."""
     if bits != 1:
+        if y.is_cuda and block & (block - 1) == 0:  # the fused kernel, bit for bit the torch reference
+            from runtime.compression.quantize_triton import quantize_triton
+
+            return quantize_triton(y, bits=bits, block=block, residual=residual)
         return _quantize(y, bits=bits, block=block, residual=residual)
     v = y if residual is None else y + residual
     blocks = v.view(-1, block)
@@ -57,6 +62,10 @@ def quantize(y: torch.Tensor, *, bits: int, block: int, residual: torch.Tensor |
 
 def dequantize(q: Quantized) -> torch.Tensor:
     if q.bits != 1:
+        if q.scales.is_cuda and q.block & (q.block - 1) == 0:
+            from runtime.compression.quantize_triton import dequantize_triton
+
+            return dequantize_triton(q)
         return _dequantize(q)
     return (q.codes.view(-1, q.block).float() * q.scales.unsqueeze(1)).reshape(-1)
 

@@ -54,7 +54,8 @@ def check_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise DeviceError(f"device {device!r} is not a device name ({exc}): pass cpu, cuda or cuda:N") from None
+        raise DeviceError(f"device {device!r} is not a device name ({str(exc).split(' device type')[0]}): pass cpu, "
+                          "cuda or cuda:N") from None
     if dev.type == "cpu":
         return torch.device("cpu")
     if dev.type != "cuda":
