@@ -77,7 +77,8 @@ from runtime.launch.env import LaunchError, choose_device
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
 from runtime.launch.program_check import check_same_program
 
-__all__ = ["LaunchResult", "launch_local", "check_world_size", "check_local_device", "check_sendable", "check_model", "stop_processes"]
+__all__ = ["LaunchResult", "launch_local", "check_world_size", "check_local_device", "check_sendable", "check_model",
+           "stop_processes"]
 
 _GRACE_S = 5.0  # on top of timeout_s before a silent rank is declared hung
 _PH_SPAWNED, _PH_START, _PH_BUILD, _PH_STEP0 = -1, 0, 1, 2  # phases; _PH_STEP0 + k: k steps done
