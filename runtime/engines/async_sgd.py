@@ -276,10 +276,11 @@ class AsyncSGDRunner:
         """Undo after_load(): become the replica replica_state() saved (same plan, same replica)."""
         for i, f in enumerate(self._flats):
             f.scatter(sd[f"param/{i}"])
-        if self.mode == "staleness":
-            self._agreed = [sd[f"agreed/{i}"].clone() for i in range(len(self._flats))]
-            self._pending = [_InFlight(delta=[sd[f"pending/{j}/delta/{i}"].clone() for i in range(len(self._flats))],
-                                       reduced=[sd[f"pending/{j}/reduced/{i}"].clone()
+        if self.mode == "staleness":  # a checkpoint is read into host memory: back onto the parameters' device
+            self._agreed = [place(sd[f"agreed/{i}"]).clone() for i in range(len(self._flats))]
+            self._pending = [_InFlight(delta=[place(sd[f"pending/{j}/delta/{i}"]).clone()
+                                              for i in range(len(self._flats))],
+                                       reduced=[place(sd[f"pending/{j}/reduced/{i}"]).clone()
                                                 for i in range(len(self._flats))], work=[])
                              for j in range(int(sd["pending"]))]
         self.steps = int(sd["steps"])
