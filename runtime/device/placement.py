@@ -14,16 +14,16 @@ device(type='cpu')
 >>> x, y = place((torch.ones(2, 3), {"t": torch.zeros(2)}))
 >>> x.device, y["t"].device
 (device(type='cpu'), device(type='cpu'))
->>> check_device("cuda:7") if not torch.cuda.is_available() else None
+>>> check_device("cuda:99")
 Traceback (most recent call last):
 ...
-runtime.device.placement.DeviceError: device cuda:7 was asked for, but this machine has no CUDA ...
+runtime.device.placement.DeviceError: device cuda:99 was asked for, but this machine has ...
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -60,12 +60,12 @@ def check_device(device: str | torch.device) -> torch.device:
         return torch.device("cpu")
     if dev.type != "cuda":
         raise DeviceError(f"device {device!r}: the runtime trains on cpu (Gloo) or cuda (NCCL), not {dev.type}")
+    index = 0 if dev.index is None else dev.index
     if not torch.cuda.is_available():
-        raise DeviceError(f"device {dev} was asked for, but this machine has no CUDA (torch {torch.__version__}, "
+        raise DeviceError(f"device cuda:{index} was asked for, but this machine has no CUDA (torch {torch.__version__}, "
                           f"torch.cuda.is_available() is False): run on a GPU node with a CUDA build of torch, "
                           "or pass --device cpu (Gloo)")
     count = torch.cuda.device_count()
-    index = 0 if dev.index is None else dev.index
     if index >= count:
         raise DeviceError(f"device cuda:{index} was asked for, but this machine has {count} GPU(s) "
                           f"(cuda:0..cuda:{count - 1}): start at most {count} processes per node, or set "
@@ -128,7 +128,7 @@ def place(x: Any, device: torch.device | None = None) -> Any:
         return type(x)(*(place(v, dev) for v in x))
     if isinstance(x, (tuple, list)):
         return type(x)(place(v, dev) for v in x)
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):  # a dict, or a mapping such as Hugging Face's BatchEncoding: as a dict
         return {k: place(v, dev) for k, v in x.items()}
     return x
 
