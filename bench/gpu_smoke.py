@@ -57,7 +57,7 @@ def gpt_cpu() -> gpt.GPT:
 
 def gpt_cuda() -> gpt.GPT:
     torch.manual_seed(0)
-    return gpt.GPT(gpt.GPTConfig(n_layer=8, n_head=16, n_embd=1024, block_size=SEQ["cuda"], vocab_size=VOCAB["cuda"]))
+    return gpt.GPT(gpt.GPTConfig(n_layer=6, n_head=12, n_embd=768, block_size=SEQ["cuda"], vocab_size=VOCAB["cuda"]))
 
 
 def llama_cpu():
@@ -65,7 +65,7 @@ def llama_cpu():
 
 
 def llama_cuda():
-    return _llama(hidden=1024, layers=8, heads=16, kv=8, vocab=VOCAB["cuda"])
+    return _llama(hidden=768, layers=6, heads=12, kv=4, vocab=VOCAB["cuda"])
 
 
 def _llama(*, hidden: int, layers: int, heads: int, kv: int, vocab: int):
