@@ -72,6 +72,8 @@ CASES = [  # id, model, pins
     ("tp2-llama", "llama", dict(tp=2, microbatch_size=4)),
     ("3d-pp2-dp2-zero3", "gpt", dict(pp=2, dp=2, zero_stage=3, microbatch_size=2)),
     ("int8", "gpt", dict(dp=2, zero_stage=0, compression="int8")),
+    ("zero3-int8", "gpt", dict(dp=2, zero_stage=3, compression="int8")),  # int8 weight gathers too
+    ("powersgd", "gpt", dict(dp=2, zero_stage=0, compression="powersgd")),
 ]
 
 
