@@ -22,7 +22,9 @@ tracks placement itself instead:
 
 What the rules rest on was measured on an H100 (docs/torch-notes.md#mixing-devices-on-cuda). Not seen: a
 factory that names `device="cpu"` outright counts as placed on a CPU run (name the device of the tensors it
-goes with instead); and indexing with a host index tensor, legal on CUDA, is refused here.
+goes with instead); `.to(device)` to where a tensor already is runs no op at all, so on CPU it marks
+nothing (move with `runtime.device.place`, which marks what it moves); and indexing with a host index
+tensor, legal on CUDA, is refused here.
 
 The error names the ATen op, the unplaced tensor and the innermost line of
 project or generated-program code (a rank's `rank_R.py` line included)::
