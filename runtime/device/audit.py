@@ -22,9 +22,9 @@ tracks placement itself instead:
 
 What the rules rest on was measured on an H100 (docs/torch-notes.md#mixing-devices-on-cuda). Not seen: a
 factory that names `device="cpu"` outright counts as placed on a CPU run (name the device of the tensors it
-goes with instead); `.to(device)` to where a tensor already is runs no op at all, so on CPU it marks
-nothing (move with `runtime.device.place`, which marks what it moves); and indexing with a host index
-tensor, legal on CUDA, is refused here.
+goes with instead); and `.to(device)` to where a tensor already is runs no op at all, so on CPU it marks
+nothing (move with `runtime.device.place`, which marks what it moves). Index tensors of `x[idx]` and
+`index_put_` may stay on the host, as CUDA allows.
 
 The error names the ATen op, the unplaced tensor and the innermost line of
 project or generated-program code (a rank's `rank_R.py` line included)::
@@ -68,6 +68,9 @@ _CROSS_DEVICE = {"aten::copy_", "aten::_to_copy", "aten::_copy_from", "aten::_co
                  "aten::lift_fresh", "aten::set_"}
 
 
+# Ops whose index tensors may stay on the host beside CUDA data (measured: `cuda_tensor[cpu_index]` works; a
+# Python list index becomes such a tensor, as in Hugging Face Falcon's `fused_qkv[..., [-2], :]`).
+_HOST_INDICES = frozenset({"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
 _OBJECT_COLLECTIVES = frozenset({"gather_object", "all_gather_object", "broadcast_object_list", "scatter_object_list",
                                  "send_object_list", "recv_object_list"})
 
@@ -137,6 +140,8 @@ class _DispatchLevel(TorchDispatchMode):
     def _check(self, func, schema, args, kwargs) -> None:
         collective = schema.name.startswith("c10d::")
         written = _written(schema, args, kwargs)
+        if schema.name in _HOST_INDICES:  # (self, indices, ...): the indices may be host tensors
+            args = (args[0], *args[2:])
         inputs = [(t, id(t) in written) for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.device.type != "meta"]
         if not inputs:
