@@ -44,6 +44,7 @@ the process exits with status 3 instead of hanging until the timeout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -62,7 +63,9 @@ from runtime.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from runtime.launch.env import DistEnv, LaunchError, backend, discover
+from runtime.device import placing_on, set_rank_device
+from runtime.device.audit import audit_requested, device_audit
+from runtime.launch.env import DistEnv, LaunchError, choose_device, discover
 from runtime.launch.heartbeat import Heartbeat, PeerLost
 from runtime.launch.loading import load_callable, load_object
 from runtime.launch.measure import RankReporter, measure_step
@@ -96,6 +99,7 @@ def _failure_status(exc: BaseException) -> str:
 
 
 def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) -> int:
+    name, device = choose_device(args.device, env.local_rank)  # a device this process cannot use: stop here
     _check_probe(args)
     plan = _read_plan(Path(args.plan))
     if env.world_size != plan["world_size"]:
@@ -126,12 +130,17 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
     resume = _resume_path(args)
     plan_text = Path(args.plan).read_text()
 
-    _init(env, timedelta(seconds=args.timeout_s))
+    set_rank_device(device)
+    _init(env, timedelta(seconds=args.timeout_s), name)
     heartbeat = Heartbeat(env)
     finished = False
+    audit = contextlib.ExitStack()  # the device audit, when asked for: over build, steps and saving
     try:
         if not args.no_verify and not _written_by(resume, program):
-            _verify_first_start(plan, program.parent, env, model_fn, loss_fn, data_fn, heartbeat)
+            with placing_on("cpu"):  # plan.verify compares with the module in this process, on the host
+                _verify_first_start(plan, program.parent, env, model_fn, loss_fn, data_fn, heartbeat)
+        if args.device_audit or audit_requested():
+            audit.enter_context(device_audit())
         ns: dict[str, Any] = {"__name__": f"rank_{env.rank}", "__file__": str(program)}
         exec(compile(program.read_text(), str(program), "exec"), ns)
         if not callable(ns.get("build")):
@@ -174,6 +183,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
         # breaks the others' connections mid-teardown: their processes abort ("terminate called
         # without an active exception"), failing a job that trained correctly. So after the barrier
         # the entry point leaves without c10d teardown (os._exit below), as launch_local's workers do.
+        audit.close()
         dist.barrier()
         finished = True
         if report is not None:
@@ -183,6 +193,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
             report.fail(_failure_status(exc), exc)
         raise
     finally:
+        audit.close()
         heartbeat.close()
         if not finished and not heartbeat.lost:  # with a peer lost, teardown could wait on it
             dist.destroy_process_group()
@@ -289,12 +300,9 @@ def _example_data(model_spec: str, batch_size: int | None) -> Callable:
     return data
 
 
-def _init(env: DistEnv, timeout: timedelta) -> None:
+def _init(env: DistEnv, timeout: timedelta, name: str) -> None:
     import torch.distributed as dist
 
-    name = backend()
-    if name == "nccl":
-        torch.cuda.set_device(env.local_rank)
     # not init_method="tcp://...": rank 0's store would listen on every interface (runtime.launch.rendezvous);
     # under torchrun every rank joins the agent's store, as tcp:// did (TORCHELASTIC_USE_AGENT_STORE)
     dist.init_process_group(name, store=rendezvous_store(env, timeout), rank=env.rank, world_size=env.world_size,
@@ -324,6 +332,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--programs", help="directory of rank_{r}.py (default: the plan's directory)")
     p.add_argument("--save", help="write the trained parameters (rank 0) to this file")
     p.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
+    p.add_argument("--device", help="cpu (Gloo), cuda (cuda:LOCAL_RANK, NCCL) or cuda:N; default: cuda where "
+                                    "CUDA is, else cpu. A device this machine lacks stops the job at start-up")
+    p.add_argument("--device-audit", action="store_true",
+                   help="fail on any op that mixes the rank's device with a tensor never put there, naming the op "
+                        "and the line (runtime.device.audit; also PARTITIONER_DEVICE_AUDIT=1): for tests, slow"),
     p.add_argument("--save-dir", help="write sharded checkpoints here (with --save-every)")
     p.add_argument("--save-every", type=int, help="checkpoint after every N-th step")
     p.add_argument("--keep-last", type=int, help="keep only the newest N checkpoints")

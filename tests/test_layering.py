@@ -23,6 +23,7 @@ PACKAGES = ("cost_models", "runtime", "partitioner")
 # Two rooms on the same level (a tuple) are siblings: neither imports the other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cost_models",),
+    ("runtime.device",),  # the rank's device: where everything above puts its tensors
     ("runtime.comm",),
     ("runtime.compression",),
     # the interpreter of action lists (cost_models.actions): pipeline runners and the data-parallel step drive it

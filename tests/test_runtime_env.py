@@ -108,3 +108,52 @@ def test_backend_on_this_machine():
     import torch
 
     assert backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+# ---- the rank's device (runtime.device, issue 19) ------------------------------------------------------------
+
+
+def test_the_device_is_cpu_over_gloo_by_default_and_cuda_local_rank_over_nccl():
+    import torch
+
+    from runtime.launch.env import choose_device
+
+    assert choose_device("cpu", local_rank=3) == ("gloo", torch.device("cpu"))
+    if torch.cuda.is_available():
+        assert choose_device(None, local_rank=0) == ("nccl", torch.device("cuda", 0))
+    else:
+        assert choose_device(None, local_rank=5) == ("gloo", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("asked,match", [
+    ("mps", "the runtime trains on cpu .Gloo. or cuda .NCCL., not mps"),
+    ("gpu:0", "is not a device name"),
+])
+def test_a_device_the_runtime_cannot_train_on_is_refused_by_name(asked, match):
+    from runtime.launch.env import choose_device
+
+    with pytest.raises(LaunchError, match=match):
+        choose_device(asked, local_rank=0)
+
+
+def test_runtime_run_asked_for_cuda_without_cuda_stops_at_start_up_with_one_line(tmp_path):
+    """Before the plan is read or a process group is joined: one line on stderr, exit status 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+           "LOCAL_WORLD_SIZE": "2"}
+    proc = subprocess.run([sys.executable, "-m", "runtime.run", str(tmp_path / "plan.json"), "--model",
+                           "examples/gpt.py:gpt_tiny", "--device", "cuda"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert lines == [lines[0]] and lines[0].startswith("runtime.run: error: device cuda:1 was asked for, but this "
+                                                       "machine has no CUDA"), proc.stderr

@@ -38,14 +38,20 @@ from runtime.compression.quantize import Quantized
 from runtime.compression.quantize import dequantize as _dequantize
 from runtime.compression.quantize import quantize as _quantize
 from runtime.compression.quantized_gather import gather_quantized
+from runtime.device import rank_device
 
 __all__ = ["CompressedReduce"]
 
 
 def quantize(y: torch.Tensor, *, bits: int, block: int, residual: torch.Tensor | None):
-    """runtime.compression.quantize's blockwise absmax codes; bits=1: each block's sign times its mean |y| (signSGD-like,
+    """runtime.compression.quantize's blockwise absmax codes (on CUDA tensors its Triton kernel,
+    runtime.compression.quantize_triton: the torch ops are for CPU, where Triton only interprets); bits=1: each block's sign times its mean |y| (signSGD-like,
     one int8 per element here: a control for tests, not a compressor the planner offers)."""
     if bits != 1:
+        if y.is_cuda and block & (block - 1) == 0:  # the fused kernel, bit for bit the torch reference
+            from runtime.compression.quantize_triton import quantize_triton
+
+            return quantize_triton(y, bits=bits, block=block, residual=residual)
         return _quantize(y, bits=bits, block=block, residual=residual)
     v = y if residual is None else y + residual
     blocks = v.view(-1, block)
@@ -56,6 +62,10 @@ def quantize(y: torch.Tensor, *, bits: int, block: int, residual: torch.Tensor |
 
 def dequantize(q: Quantized) -> torch.Tensor:
     if q.bits != 1:
+        if q.scales.is_cuda and q.block & (q.block - 1) == 0:
+            from runtime.compression.quantize_triton import dequantize_triton
+
+            return dequantize_triton(q)
         return _dequantize(q)
     return (q.codes.view(-1, q.block).float() * q.scales.unsqueeze(1)).reshape(-1)
 
@@ -88,7 +98,7 @@ class CompressedReduce:
             log.warning("compressed reduce: residual of %r was for %d elements, now %d (world size or shard "
                         "changed): dropped, this step is sent without it", key, r.numel(), numel)
             r = None
-        return torch.zeros(numel) if r is None else r
+        return torch.zeros(numel, device=rank_device()) if r is None else r
 
     @torch.no_grad()
     def reduce(self, x: torch.Tensor, key: str, *, op: str = "sum") -> torch.Tensor:
@@ -96,7 +106,7 @@ class CompressedReduce:
         p = dist.get_world_size(self.group)
         n = x.numel()
         chunk = max(1, math.ceil(n / (p * self.block))) * self.block
-        y = torch.zeros(p * chunk)
+        y = torch.zeros(p * chunk, device=x.device)
         y[:n] = x.detach().reshape(-1).float()
         mine = self.reduce_scatter(y, key)
         del y  # a full fp32 copy: not held through phase 2, which allocates the gathered result
@@ -116,7 +126,7 @@ class CompressedReduce:
         c = y.numel() // p
         chunk = max(1, math.ceil(c / self.block)) * self.block
         if chunk != c:
-            padded = torch.zeros(p, chunk)
+            padded = torch.zeros(p, chunk, device=y.device)
             padded[:, :c] = y.detach().reshape(p, c)
             y = padded.view(-1)
         q, r1 = quantize(y.detach().reshape(-1).float(), bits=self.bits, block=self.block,
@@ -127,7 +137,7 @@ class CompressedReduce:
         codes, scales = torch.empty_like(q.codes), torch.empty_like(q.scales)
         self.collectives.all_to_all(codes, q.codes, self.group)
         self.collectives.all_to_all(scales, q.scales, self.group)
-        mine = torch.zeros(chunk)
+        mine = torch.zeros(chunk, device=codes.device)
         for i in range(p):  # rank order: the same sum on every owner, whatever arrived first
             mine += dequantize(Quantized(codes=codes[i * per_codes:(i + 1) * per_codes],
                                          scales=scales[i * per_scales:(i + 1) * per_scales],
@@ -141,12 +151,12 @@ class CompressedReduce:
         p, me = dist.get_world_size(self.group), dist.get_rank(self.group)
         c = mine.numel()
         chunk = max(1, math.ceil(c / self.block)) * self.block
-        y = torch.zeros(chunk)
+        y = torch.zeros(chunk, device=mine.device)
         y[:c] = mine.reshape(-1)
         q2, r2 = quantize(y, bits=self.bits, block=self.block, residual=self._residual(f"{key}@{me}", 2, chunk))
         if r2 is not None:
             self.residuals[(f"{key}@{me}", 2)] = r2
-        out = torch.empty(p * c)
+        out = torch.empty(p * c, device=mine.device)
         gather_quantized(out, q2, self.group, self.collectives, shard=c, decode=dequantize)
         return out
 
@@ -155,7 +165,8 @@ class CompressedReduce:
         return {f"{phase}/{key}": r.clone() for (key, phase), r in self.residuals.items()}
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.residuals = {(name[2:], int(name[0])): r.clone().float() for name, r in sd.items()}
+        # a checkpoint is read into host memory: the residuals go back to the rank's device
+        self.residuals = {(name[2:], int(name[0])): r.float().to(rank_device(), copy=True) for name, r in sd.items()}
 
     def bound(self, xs: list[torch.Tensor]) -> torch.Tensor:
         """Per-element error bound of one reduction without residuals, from every rank's input."""
@@ -165,13 +176,13 @@ class CompressedReduce:
         qmax = 127 if self.bits == 8 else 7
 
         def half_scales(v: torch.Tensor) -> torch.Tensor:
-            y = torch.zeros(p * chunk)
+            y = torch.zeros(p * chunk, device=v.device)
             y[:v.numel()] = v.reshape(-1)
             s = y.view(-1, self.block).abs().amax(dim=1) / qmax / 2
             return s.repeat_interleave(self.block)
 
         phase1 = sum(half_scales(v.float()) for v in xs)
-        total = torch.zeros(p * chunk)
+        total = torch.zeros(p * chunk, device=xs[0].device)
         total[:n] = sum(v.reshape(-1).double() for v in xs).float()
         # the owner re-quantizes its sum, which is off by at most phase1: its block absmax is bounded by that
         phase2 = (total.view(-1, self.block).abs().amax(dim=1, keepdim=True)

@@ -151,7 +151,7 @@ class GradientReducer:
         """This rank's shard (1/world of inp) of the group's mean of inp (ZeRO-2/3)."""
         p = self.world
         if not self.compressing:
-            out = torch.empty(inp.numel() // p)
+            out = torch.empty(inp.numel() // p, device=inp.device)
             self.collectives.reduce_scatter(out, inp, self.group, op="avg")
             return out
         return self._reduce_scatter(self.flat, "flat", inp / p, key, self.group)
@@ -174,11 +174,11 @@ class GradientReducer:
     def _reduce_scatter(self, c: str, part: str, y: torch.Tensor, key: str, group) -> torch.Tensor:
         p = dist.get_world_size(group)
         if c == "none":
-            out = torch.empty(y.numel() // p)
+            out = torch.empty(y.numel() // p, device=y.device)
             self.collectives.reduce_scatter(out, y, group, op="sum")
             return out
         if c == "bf16":
-            out = torch.empty(y.numel() // p, dtype=torch.bfloat16)
+            out = torch.empty(y.numel() // p, dtype=torch.bfloat16, device=y.device)
             self.collectives.reduce_scatter(out, y.to(torch.bfloat16), group, op="sum")
             return out.float()
         return self._parts[part].reduce_scatter(y, key)
@@ -188,7 +188,7 @@ class GradientReducer:
         if c in _BITS:
             return self._parts[part].all_gather(mine, key)
         dtype = torch.bfloat16 if c == "bf16" else torch.float32
-        out = torch.empty(p * mine.numel(), dtype=dtype)
+        out = torch.empty(p * mine.numel(), dtype=dtype, device=mine.device)
         self.collectives.all_gather(out, mine.to(dtype), group)
         return out.float()
 
@@ -201,7 +201,7 @@ class GradientReducer:
             return self._parts["cross"].reduce(x.float(), key, shapes, op="sum")
         k, n = len(nodes.intra_ranks), x.numel()
         c = math.ceil(n / k)
-        y = torch.zeros(k * c)
+        y = torch.zeros(k * c, device=x.device)
         y[:n] = x.reshape(-1)
         mine = self._reduce_scatter(ci, "intra", y, key, nodes.intra)
         mine = self._all_reduce(ce, "cross", mine, key, None, nodes.cross, op="sum")

@@ -75,6 +75,7 @@ import torch.distributed as dist
 
 from cost_models.powersgd import POWERSGD_RANK
 from runtime.comm.collectives import Collectives
+from runtime.device import place
 
 __all__ = ["PowerSGD"]
 
@@ -143,7 +144,7 @@ def _initial_q(seed: int, key: str, g: _Group, device: torch.device) -> torch.Te
     digest = hashlib.blake2b(repr((seed, key, (g.n, g.m))).encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
     q = torch.randn(g.m, g.r, generator=gen)  # (m, r)
-    return q.expand(g.batch, g.m, g.r).contiguous().to(device)  # (B, m, r)
+    return place(q.expand(g.batch, g.m, g.r).contiguous(), device)  # (B, m, r)
 
 
 def _check_shapes(x: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
@@ -309,8 +310,8 @@ class PowerSGD:
                            residuals=[torch.zeros(g.batch, g.n, g.m, device=device) for g in lay.groups]
                            if self.feedback else [])
             self.state[key] = st
-        st.qs = [q.to(device) for q in st.qs]
-        st.residuals = [e.to(device) for e in st.residuals]
+        st.qs = [place(q, device) for q in st.qs]  # a checkpoint's state is read into host memory
+        st.residuals = [place(e, device) for e in st.residuals]
         return st
 
     def residual(self, key: str) -> torch.Tensor:

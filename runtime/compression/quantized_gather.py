@@ -73,8 +73,8 @@ def gather_quantized(out: torch.Tensor, q: Quantized, group, collectives: Collec
     p = dist.get_world_size(group)
     if out.numel() != p * shard:
         raise ValueError(f"quantized all-gather: out has {out.numel()} elements, expected world {p} x shard {shard}")
-    codes = torch.empty(p * q.codes.numel(), dtype=q.codes.dtype)
-    scales = torch.empty(p * q.scales.numel(), dtype=torch.float32)
+    codes = torch.empty(p * q.codes.numel(), dtype=q.codes.dtype, device=q.codes.device)
+    scales = torch.empty(p * q.scales.numel(), dtype=torch.float32, device=q.scales.device)
     works = [collectives.all_gather(codes, q.codes, group, async_op=async_op),
              collectives.all_gather(scales, q.scales, group, async_op=async_op)]
     h = QuantizedGather(out, works, codes, scales, q, world=p, shard=shard, decode=decode)
@@ -89,7 +89,7 @@ def quantized_all_gather(out: torch.Tensor, shard: torch.Tensor, group, collecti
     """Gather every rank's `shard` (fp32, equal sizes) into `out` (world * shard elements, any float
     dtype), quantized on the wire. Returns the handle to wait on when async_op, else None (done)."""
     n = shard.numel()
-    y = torch.zeros(max(1, math.ceil(n / block)) * block)
+    y = torch.zeros(max(1, math.ceil(n / block)) * block, device=shard.device)
     y[:n] = shard.detach().reshape(-1).float()
     q, _ = quantize(y, bits=bits, block=block)
     return gather_quantized(out, q, group, collectives, shard=n, async_op=async_op)

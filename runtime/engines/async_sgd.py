@@ -75,6 +75,7 @@ from typing import Any
 import torch
 
 from runtime.comm.collectives import Collectives
+from runtime.device import place, rank_device
 from runtime.engines.step import PeakHeld, _call, replica_microbatches
 from runtime.engines.unreplicated import Unreplicated
 
@@ -165,9 +166,10 @@ class AsyncSGDRunner:
     # ---- training ----------------------------------------------------------------------------
     def step(self, batch: tuple[Any, Any]) -> float:
         m = self.num_microbatches
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=rank_device())
         for x, y in replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                          microbatch_size=self.microbatch_size, num_microbatches=m):
+            x, y = place((x, y))  # only this replica's rows travel to the device
             loss = self.loss_fn(_call(self.engine.module, x), y)
             (loss / m).backward()  # local gradients only: nothing is reduced
             total += loss.detach().double()
@@ -274,10 +276,11 @@ class AsyncSGDRunner:
         """Undo after_load(): become the replica replica_state() saved (same plan, same replica)."""
         for i, f in enumerate(self._flats):
             f.scatter(sd[f"param/{i}"])
-        if self.mode == "staleness":
-            self._agreed = [sd[f"agreed/{i}"].clone() for i in range(len(self._flats))]
-            self._pending = [_InFlight(delta=[sd[f"pending/{j}/delta/{i}"].clone() for i in range(len(self._flats))],
-                                       reduced=[sd[f"pending/{j}/reduced/{i}"].clone()
+        if self.mode == "staleness":  # a checkpoint is read into host memory: back onto the parameters' device
+            self._agreed = [place(sd[f"agreed/{i}"]).clone() for i in range(len(self._flats))]
+            self._pending = [_InFlight(delta=[place(sd[f"pending/{j}/delta/{i}"]).clone()
+                                              for i in range(len(self._flats))],
+                                       reduced=[place(sd[f"pending/{j}/reduced/{i}"]).clone()
                                                 for i in range(len(self._flats))], work=[])
                              for j in range(int(sd["pending"]))]
         self.steps = int(sd["steps"])
@@ -310,7 +313,7 @@ class AsyncSGDRunner:
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """This replica's forward on `inputs` (its own parameters; call sync_now() first for the average)."""
-        return _call(self.engine.module, inputs)
+        return _call(self.engine.module, place(inputs))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -328,7 +331,7 @@ class AsyncSGDRunner:
         for name, p in module.named_parameters(remove_duplicate=False):  # tied names share one parameter
             if id(p) in mean:
                 out[name] = mean[id(p)]
-        return out
+        return {k: v.cpu() for k, v in out.items()}  # host copies: what a launcher saves or returns
 
     def held_bytes_now(self) -> dict[str, int]:
         held = self.engine.held_bytes(self.optimizer)

@@ -94,6 +94,7 @@ from cost_models.powersgd import POWERSGD_RANK
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import NodeGroups
 from runtime.compression.grad_compression import GradientReducer
+from runtime.device import place_module, rank_device
 from runtime.engines.dp_buckets import Bucket, GradientBuckets
 from runtime.engines.flat import FlatLayout, FlatTensors, grad_key, resolve_units
 from runtime.engines.mixed_precision import (
@@ -136,7 +137,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
             raise ValueError(f"ranks={tuple(ranks)} does not describe the group: it has {self.world} ranks "
                              f"and this process (global rank {dist.get_rank()}) is its rank {self.rank}; pass the "
                              f"group's global ranks in group order")
-        self.module, self.group, self.ranks = model, group, tuple(ranks)
+        self.module, self.group, self.ranks = place_module(model), group, tuple(ranks)  # before the broadcast
         self.reducer = GradientReducer(group, collectives, compression=compression, nodes=nodes,
                                        zero_stage=zero_stage, warmup_steps=compression_warmup,
                                        powersgd_rank=powersgd_rank)
@@ -270,7 +271,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
         # float64 squares: a ZeRO-1 shard is one long vector, and fp32 summation over
         # 10^5+ elements drifts by ~1e-5 relative
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=rank_device())
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
         if self.zero_stage > 0:  # each rank holds a slice: sum the squares (DDP's grads are replicated)
@@ -288,7 +289,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         For a global norm over more axes than dp (pipeline stages, tensor shards): ZeRO >= 1 ranks
         hold disjoint slices, so the caller sums this over dp; DDP replicas hold the same values.
         `weight` lets a caller count a parameter replicated over the tensor group once (1/tp)."""
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=rank_device())
         if self.zero_stage == 0:
             for n, p in self._params.items():
                 g = (self._masters[n] if self.precision.mixed else p).grad
@@ -373,7 +374,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
                 values[n] = self._masters.get(n, p).detach().float().clone()
         else:
             for f in self._flats:
-                full = torch.empty(f.layout.padded_numel, dtype=self._master)
+                full = torch.empty(f.layout.padded_numel, dtype=self._master, device=f.shard.device)
                 self.collectives.all_gather(full, f.shard.detach(), self.group)
                 values.update(zip(f.layout.names, f.layout.views(full.float())))
         if self.rank != 0:
@@ -472,7 +473,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         if self.zero_stage == 3:
             for u in self._units:
                 if not u.reduced:  # unused in this backward: every rank still issues its reduce-scatter
-                    self._reduce(u, torch.zeros(u.flat.layout.padded_numel, dtype=self._master))
+                    self._reduce(u, torch.zeros(u.flat.layout.padded_numel, dtype=self._master, device=rank_device()))
                 u.reduced = False
                 self._reshard(u)
             return
@@ -492,7 +493,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         if self.reducer.compressing:
             f.pending.append((None, self.reducer.reduce_scatter_mean(inp, grad_key(f.layout.names)), inp))
             return
-        out = torch.empty(f.layout.shard_numel, dtype=self._master)
+        out = torch.empty(f.layout.shard_numel, dtype=self._master, device=inp.device)
         work = self.collectives.reduce_scatter(out, inp, self.group, op="avg", async_op=True)
         f.pending.append((work, out, inp))
 
@@ -548,7 +549,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
     @torch.no_grad()
     def _unscale(self) -> None:
         params = [p for p in self.optimizer_params() if p.grad is not None]
-        found = torch.zeros(())
+        found = torch.zeros((), device=rank_device())
         for p in params:
             p.grad.mul_(1.0 / self.scaler.scale)
             found = torch.maximum(found, (~torch.isfinite(p.grad)).any().float())

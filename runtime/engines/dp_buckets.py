@@ -16,6 +16,7 @@ import functools
 import torch
 import torch.nn as nn
 
+from runtime.device import rank_device
 from runtime.engines.flat import FlatLayout, FlatTensors, bucket, grad_key
 
 __all__ = ["GradientBuckets"]
@@ -46,7 +47,7 @@ class GradientBuckets:
         if self.zero_stage == 0:
             for names in groups:
                 f = FlatTensors(FlatLayout(names=names, shapes=shapes(names), world=1))
-                f.grad = torch.zeros(f.layout.padded_numel, dtype=self._master)
+                f.grad = torch.zeros(f.layout.padded_numel, dtype=self._master, device=rank_device())
                 self._flats.append(f)
                 self._buckets.append(Bucket(names, f, 0, f.layout.numel))
             for n, p in self._params.items():
@@ -66,7 +67,7 @@ class GradientBuckets:
                 # fp32: the master slice is a view of the replicated buffer (no second copy)
                 f.shard = nn.Parameter(f.params[lo:hi] if not self.precision.mixed else master[lo:hi].clone())
                 if self.zero_stage == 1:
-                    f.grad = torch.zeros(f.layout.padded_numel, dtype=self._master)
+                    f.grad = torch.zeros(f.layout.padded_numel, dtype=self._master, device=rank_device())
                 self._flats.append(f)
             for names in groups:
                 f = self._flats[0] if self.zero_stage == 1 else self._flats[len(self._buckets)]
@@ -94,7 +95,7 @@ class GradientBuckets:
         f, off, numel = self._slot[name]
         b = self._bucket_of[name]
         if self.zero_stage == 2 and f.grad is None:
-            f.grad = torch.zeros(f.layout.padded_numel, dtype=self._master)
+            f.grad = torch.zeros(f.layout.padded_numel, dtype=self._master, device=rank_device())
         self._wait_bucket(b)  # an earlier synced backward's all-reduce of this buffer (linear: safe to add after)
         f.grad[off:off + numel].add_(g.reshape(-1))
         b.dirty = True
@@ -116,7 +117,8 @@ class GradientBuckets:
                 self.reducer.all_reduce_mean_(f.grad[b.lo:b.hi], grad_key(b.names), shapes)
             return
         self._drain_all()  # at most one reduce-scatter in flight
-        inp = f.grad if f.grad is not None else torch.zeros(f.layout.padded_numel, dtype=self._master)
+        inp = f.grad if f.grad is not None else torch.zeros(f.layout.padded_numel, dtype=self._master,
+                                                            device=rank_device())
         f.grad = None
         self._reduce_scatter(f, inp)
 

@@ -103,7 +103,7 @@ class FlatLayout:
 
     def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """A new padded buffer holding `tensors` (one per name) end to end, padding zero."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype)
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=tensors[0].device if tensors else None)
         for view, t in zip(self.views(flat), tensors):
             view.copy_(t.detach())
         return flat

@@ -24,6 +24,7 @@ from torch import nn
 from cost_models.actions import Action, Op
 from cost_models.errors import PartitionerError
 from runtime.comm.collectives import Collectives
+from runtime.device import place, rank_device
 from runtime.pipeline.executor import PipelineExecutor
 
 __all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "PeakHeld",
@@ -99,12 +100,13 @@ class StepRunner:
         self._after_optim = implicit_after_step(engine, self.executor.actions)
 
     def step(self, batch: tuple[Any, Any]) -> float:
-        pairs = replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                     microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches)
+        pairs = [place(pair) for pair in  # only this replica's rows travel to the device
+                 replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                      microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches)]
         # this replica's mean over its microbatches (the executor sums loss / m)
         loss = self.executor.run([x for x, _ in pairs], [y for _, y in pairs])
         # The global loss: the mean over replicas of each replica's mean over its microbatches.
-        mean = torch.tensor([loss], dtype=torch.float32)
+        mean = torch.tensor([loss], dtype=torch.float32, device=rank_device())  # NCCL reduces device tensors
         if self.dp_size > 1:
             self.collectives.all_reduce(mean, self.dp_group, op="avg")
         return float(mean.item())
@@ -122,10 +124,11 @@ class StepRunner:
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """Inference under the plan: this replica's forward on `inputs` (no slicing, no gradients)."""
-        return _call(self.engine.module, inputs)
+        return _call(self.engine.module, place(inputs))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return self.engine.full_state_dict()
+        full = self.engine.full_state_dict()  # host copies: what a launcher saves or returns
+        return None if full is None else {k: v.cpu() for k, v in full.items()}
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state at this rank's peak so far."""

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from runtime.device import place_module, rank_device
+
 __all__ = ["Unreplicated"]
 
 
@@ -24,7 +26,7 @@ class Unreplicated:
     zero_stage = 0
 
     def __init__(self, model: nn.Module):
-        self.module = model
+        self.module = place_module(model)  # a no-op after StageModel placed it; a model run as it is needs it
         self._params = dict(model.named_parameters())
 
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -39,7 +41,7 @@ class Unreplicated:
 
     @torch.no_grad()
     def grad_square_sum(self, weight: Callable[[str], float]) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=rank_device())
         for n, p in self._params.items():
             if p.grad is not None:
                 sq += weight(n) * torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2

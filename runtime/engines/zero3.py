@@ -61,7 +61,7 @@ class ShardedUnits:
             lay = FlatLayout(names=names, shapes=tuple(tuple(self._params[n].shape) for n in names), world=self.world)
             master = lay.flatten([self._params[n] for n in names], self._master)
             lo, hi = lay.shard_range(self.rank)
-            full = torch.empty(lay.padded_numel, dtype=self._dtype)
+            full = torch.empty(lay.padded_numel, dtype=self._dtype, device=master.device)
             full.untyped_storage().resize_(0)
             full.requires_grad_(True)
             f = FlatTensors(lay, params=full, shard=nn.Parameter(master[lo:hi].clone()))

@@ -35,7 +35,7 @@ from typing import Literal
 # cost_models imports nothing of the project, so the runtime may share its base error (one direction holds).
 from cost_models.errors import PartitionerError
 
-__all__ = ["DistEnv", "LaunchError", "Launcher", "backend", "discover", "expand_nodelist", "check_bind_address",
+__all__ = ["DistEnv", "LaunchError", "Launcher", "backend", "choose_device", "discover", "expand_nodelist", "check_bind_address",
            "is_loopback", "DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "ALLOW_EXTERNAL_BIND"]
 
 Launcher = Literal["torchrun", "mpirun", "slurm", "none"]
@@ -158,6 +158,31 @@ def backend() -> str:
     import torch
 
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def choose_device(requested: str | None, local_rank: int) -> tuple[str, "torch.device"]:
+    """(c10d backend, device) of this rank: one device per rank, which every tensor it trains with lives on.
+
+    requested: None picks the machine's (cuda:LOCAL_RANK over NCCL where CUDA is, else cpu over Gloo);
+    "cuda" means cuda:LOCAL_RANK; "cuda:N" and "cpu" are taken as they are. A device this process cannot
+    use raises LaunchError now, at start-up, not inside NCCL at step 1.
+
+    >>> choose_device("cpu", local_rank=3)
+    ('gloo', device(type='cpu'))
+    """
+    import torch
+
+    from runtime.device import DeviceError, check_device
+
+    if requested is None:
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        requested = f"cuda:{local_rank}"
+    try:
+        dev = check_device(requested)
+    except DeviceError as exc:
+        raise LaunchError(str(exc)) from None
+    return ("nccl" if dev.type == "cuda" else "gloo"), dev
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -47,6 +47,7 @@ environment at launch time, set in each worker.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -70,11 +71,14 @@ import torch.multiprocessing as mp
 
 from cost_models.errors import PartitionerError
 from runtime.checkpoint import load_checkpoint, save_checkpoint
-from runtime.launch.env import LaunchError
+from runtime.device import check_device, set_rank_device
+from runtime.device.audit import audit_requested, device_audit
+from runtime.launch.env import LaunchError, choose_device
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
 from runtime.launch.program_check import check_same_program
 
-__all__ = ["LaunchResult", "launch_local", "check_world_size", "check_sendable", "check_model", "stop_processes"]
+__all__ = ["LaunchResult", "launch_local", "check_world_size", "check_local_device", "check_sendable", "check_model",
+           "stop_processes"]
 
 _GRACE_S = 5.0  # on top of timeout_s before a silent rank is declared hung
 _PH_SPAWNED, _PH_START, _PH_BUILD, _PH_STEP0 = -1, 0, 1, 2  # phases; _PH_STEP0 + k: k steps done
@@ -118,7 +122,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
                  programs: Mapping[int, str] | None = None, probe_step: int | None = None,
                  memory_limit_bytes: float | None = None, save_dir: str | os.PathLike | None = None,
                  save_every: int | None = None, keep_last: int | None = None,
-                 resume_from: str | os.PathLike | None = None, verify: bool = True) -> LaunchResult:
+                 resume_from: str | os.PathLike | None = None, verify: bool = True, device: str = "cpu",
+                 device_audit: bool | None = None) -> LaunchResult:
     """Spawn one process per rank, run each rank's program on `batches` (global batches), gather the results.
 
     plan: the Plan (or anything with world_size, placements and program(rank)).
@@ -139,10 +144,16 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         differ). On a first start, and on a resume from a checkpoint another plan wrote (not one these programs
         wrote: they were verified when that run started), for pipeline / tensor-parallel plans of at most
         runtime.verify.check.MAX_VERIFY_ELEMENTS parameter elements; verify=False skips it.
+    device: "cpu" (Gloo, the default) or "cuda" (rank r on cuda:r, NCCL; one GPU per rank): where each rank
+        builds its share of the model, moves its batches and keeps its state (runtime.device).
+    device_audit: run every rank under runtime.device.audit (fail on any op mixing the rank's device with a
+        tensor never placed there, naming the op and the line); None: as PARTITIONER_DEVICE_AUDIT says.
     Raises LaunchError for a bad setup or any failed rank (naming it, with its traceback).
     """
     world = plan.world_size if world_size is None else world_size
     check_world_size(plan, world)
+    check_local_device(device, world)
+    audit = audit_requested() if device_audit is None else bool(device_audit)
     for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("loss_fn", loss_fn)):
         check_sendable(name, fn)
     check_model(plan, model_fn)
@@ -185,7 +196,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
                    model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn, probe_step=probe_step,
                    memory_limit_bytes=memory_limit_bytes, save_dir=None if save_dir is None else str(save_dir),
                    save_every=save_every, keep_last=keep_last,
-                   resume_from=None if resume_from is None else str(resume_from), plan_json=plan_json)
+                   resume_from=None if resume_from is None else str(resume_from), plan_json=plan_json,
+                   device=device, device_audit=audit)
         for r in range(world):
             p = ctx.Process(target=_worker, args=(job, r, progress, phase), name=f"runtime-rank{r}")
             p.start()
@@ -207,6 +219,19 @@ def check_world_size(plan: Any, world_size: int) -> None:
         raise LaunchError(f"plan is for {plan.world_size} ranks, launched on {world_size}: the plan's mesh fixes "
                           f"the number of processes; launch {plan.world_size} processes or recompile the plan "
                           f"for a topology of {world_size} devices")
+
+
+def check_local_device(device: str, world_size: int) -> None:
+    """launch_local's device: cpu, or cuda with a GPU for every rank (rank r on cuda:r)."""
+    if device not in ("cpu", "cuda"):
+        raise LaunchError(f"device={device!r}: launch_local runs every rank on cpu (Gloo) or on cuda (rank r on "
+                          "cuda:r, NCCL); pass one of those")
+    if device == "cuda":
+        try:
+            check_device(f"cuda:{world_size - 1}")
+        except PartitionerError as exc:
+            raise LaunchError(f"launch_local(device='cuda') with {world_size} ranks needs {world_size} GPUs: "
+                              f"{exc}") from None
 
 
 def check_sendable(name: str, fn: Any) -> None:
@@ -325,6 +350,8 @@ class _Job:
     keep_last: int | None = None
     resume_from: str | None = None
     plan_json: str | None = None
+    device: str = "cpu"
+    device_audit: bool = False
     environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -339,13 +366,18 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
     os.environ.update(job.environ)
     _exit_with_parent(job.parent_pid)
     d = Path(job.dir)
+    audit = contextlib.ExitStack()  # the device audit, when asked for: from build to the last state gathered
     try:
         torch.set_num_threads(1)  # a few ranks share a few cores
         timeout = timedelta(seconds=job.timeout_s)
         # A FileStore in the temp dir: no port to find or to expose.
         store = dist.FileStore(str(d / "store"), job.world_size)
         store.set_timeout(timeout)
-        dist.init_process_group("gloo", rank=rank, world_size=job.world_size, store=store, timeout=timeout)
+        name, dev = choose_device(job.device, local_rank=rank)  # one machine: the local rank is the rank
+        set_rank_device(dev)
+        dist.init_process_group(name, rank=rank, world_size=job.world_size, store=store, timeout=timeout)
+        if job.device_audit:
+            audit.enter_context(device_audit())
         mark(_PH_START)
         path = d / f"rank_{rank}.py"
         ns: dict[str, Any] = {"__name__": f"rank_{rank}", "__file__": str(path)}
@@ -378,6 +410,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
                                                  extra={"data_position": done}, keep_last=job.keep_last)))
         mark(_PH_STEP0 + len(batches))
         state = runner.full_state_dict()
+        audit.close()
         result = {"losses": losses, "step_times_s": times, "state_dict": state,
                   "held_bytes": {k: int(v) for k, v in runner.held_bytes().items()},
                   "counts": {k: int(v) for k, v in runner.collectives.counts.items()},

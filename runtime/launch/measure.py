@@ -52,7 +52,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from runtime.launch.memory_probe import PeakMemory
+from runtime.device import rank_device, synchronize
+from runtime.launch.memory_probe import CudaPeakMemory, PeakMemory
 
 __all__ = ["RankReport", "RankReporter", "StepMeasure", "measure_step", "read_reports", "report_path",
            "state_bytes", "write_atomic"]
@@ -74,11 +75,17 @@ def state_bytes(held: Mapping[str, int]) -> int:
 
 def measure_step(runner: Any, batch: Any, *, probe: bool = False, limit_bytes: float | None = None) -> StepMeasure:
     """Run `runner.step(batch)` once, timed; with `probe`, under the memory probe (see the module docstring)."""
+    # A GPU step returns once its kernels are queued (the loss's .item() waits for the last stage only):
+    # the clock is read after the device is done, and started after earlier work is.
+    synchronize()
     t0 = time.perf_counter()
     if not probe:
         loss = runner.step(batch)
+        synchronize()
         return StepMeasure(loss, time.perf_counter() - t0, None)
-    with PeakMemory(limit_bytes=limit_bytes) as pm:  # it counts what is held on entry itself
+    dev = rank_device()
+    pm = CudaPeakMemory(dev, limit_bytes=limit_bytes) if dev.type == "cuda" else PeakMemory(limit_bytes=limit_bytes)
+    with pm:  # the CPU probe counts what is held on entry itself; CUDA's allocator knows it
         loss = runner.step(batch)
     return StepMeasure(loss, time.perf_counter() - t0, pm.peak_bytes)
 

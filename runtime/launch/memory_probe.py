@@ -182,3 +182,32 @@ class PeakMemory(TorchDispatchMode):
     def _free_entry(self, key: int) -> None:
         self._entry.pop(key, None)
         self.current -= self._held.pop(key, 0)
+
+
+class CudaPeakMemory:
+    """The probe on a GPU: the caching allocator's own peak over the block (`torch.cuda.max_memory_allocated`,
+    and `max_memory_reserved` beside it), with what was allocated on entry, since the CPU probe's walk would
+    count host storages and miss the device's. With `limit_bytes`, the allocator is capped to that share of
+    the device for the block (`set_per_process_memory_fraction`), so going past it raises
+    torch.OutOfMemoryError as a smaller device would."""
+
+    def __init__(self, device: torch.device, *, limit_bytes: float | None = None):
+        self.device, self.limit_bytes = device, limit_bytes
+        self.peak_bytes = 0
+        self.reserved_bytes = 0
+
+    def __enter__(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        if self.limit_bytes is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / total), self.device)
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize(self.device)
+        if self.limit_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        self.reserved_bytes = torch.cuda.max_memory_reserved(self.device)
+        return False

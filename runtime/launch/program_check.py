@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.comm.collectives import Collectives
+from runtime.device import place
 from runtime.launch.env import LaunchError
 
 __all__ = ["ProgramMismatchError", "check_same_program"]
@@ -28,11 +29,11 @@ class ProgramMismatchError(LaunchError):
 def check_same_program(program_hash: str, group=None) -> None:
     """Collective: raise ProgramMismatchError on every rank unless all ranks pass the same hash."""
     raw = program_hash.encode()[:_WIDTH].ljust(_WIDTH, b" ")
-    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    mine = place(torch.frombuffer(bytearray(raw), dtype=torch.uint8))  # NCCL gathers device tensors only
     world = dist.get_world_size(group)
-    out = torch.empty(world * _WIDTH, dtype=torch.uint8)
+    out = torch.empty(world * _WIDTH, dtype=torch.uint8, device=mine.device)
     Collectives().all_gather(out, mine, group)
-    hashes = [bytes(out[r * _WIDTH:(r + 1) * _WIDTH].tolist()).decode(errors="replace").strip() for r in range(world)]
+    hashes = [bytes(out[r * _WIDTH:(r + 1) * _WIDTH].cpu().tolist()).decode(errors="replace").strip() for r in range(world)]
     if len(set(hashes)) > 1:
         by: dict[str, list[int]] = {}
         for r, h in enumerate(hashes):

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from runtime.launch.env import LaunchError, backend, discover
+from runtime.device import set_rank_device
+from runtime.launch.env import LaunchError, choose_device, discover
 from runtime.launch.rendezvous import rendezvous_store
 
 __all__ = ["Trainer", "program_source"]
@@ -42,11 +43,16 @@ def program_source(plan: Any, rank: int) -> tuple[str, int]:
 
 class Trainer:
     def __init__(self, plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable, *,
-                 timeout_s: float = 600):
+                 timeout_s: float = 600, device: str | None = None):
+        env = discover()
+        if device is None and dist.is_initialized():  # the caller's group decides: NCCL works on GPUs only
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        name, dev = choose_device(device, env.local_rank)
+        set_rank_device(dev)
         if not dist.is_initialized():
-            env, timeout = discover(), datetime.timedelta(seconds=timeout_s)
+            timeout = datetime.timedelta(seconds=timeout_s)
             # not init_method="tcp://...": rank 0's store would listen on every interface (runtime.launch.rendezvous)
-            dist.init_process_group(backend(), store=rendezvous_store(env, timeout), rank=env.rank,
+            dist.init_process_group(name, store=rendezvous_store(env, timeout), rank=env.rank,
                                     world_size=env.world_size, timeout=timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
         source, plan_world = program_source(plan, rank)

@@ -75,6 +75,7 @@ import torch
 from torch import nn
 
 from cost_models.actions import Action
+from runtime.device import rank_device
 
 __all__ = ["PipelineError", "PipelineExecutor", "message_tag", "parse_action", "split_sequential"]
 
@@ -258,13 +259,13 @@ class PipelineExecutor:
             if self.activation_shape is not None:
                 shape, dtype = self.activation_shape(s, i)
             else:
-                header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+                header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=rank_device())
                 tag = message_tag(s - 1, i, _HEADER, self.num_stages)
                 self._wait(self.collectives.recv(header, self.stage_to_rank(s - 1), tag=tag, group=self.group),
                            step, s - 1)
                 ndim = int(header[1])
                 shape, dtype = tuple(header[2:2 + ndim].tolist()), _DTYPES[int(header[0])]
-            buf = torch.empty(shape, dtype=dtype)
+            buf = torch.empty(shape, dtype=dtype, device=rank_device())  # where the activation's reader runs
             tag, peer = message_tag(s - 1, i, _ACTIVATION, self.num_stages), s - 1
         else:  # RECV_B: the gradient of this stage's output, shaped like it
             out = self._outputs.get((s, i))
@@ -351,9 +352,9 @@ class PipelineExecutor:
             if out.dim() > _MAX_DIMS or out.dtype not in _DTYPES:
                 raise TypeError(f"stage {s}'s output ({out.dtype}, {out.dim()} dims) does not fit the "
                                 f"shape header: pass activation_shape=")
-            header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)   # dtype code, ndim, dims
+            header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=out.device)  # dtype code, ndim, dims
             header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
-            header[2:2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
+            header[2:2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64, device=out.device)
             self._send(header, step, s + 1, message_tag(s, i, _HEADER, self.num_stages))
         self._send(out, step, s + 1, message_tag(s, i, _ACTIVATION, self.num_stages))
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from cost_models.placements import REPLICATED, is_sharded
 from runtime.comm.collectives import Collectives
+from runtime.device import place, rank_device
 from runtime.engines.step import PeakHeld, implicit_after_step, replica_microbatches
 from runtime.pipeline.executor import PipelineExecutor
 from runtime.pipeline.stage import StageModel
@@ -67,11 +68,12 @@ class PipelineRunner:
     def step(self, batch: tuple[Any, Any]) -> float:
         pairs = replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                      microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches)
+        pairs = place(pairs)  # only this replica's rows travel to the device
         xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
         self._synced = self._stepped = 0
         self._xs = xs
         loss = self.executor.run(xs, ys if self.num_stages - 1 in self.stage.stages else None)
-        mean = torch.tensor([0.0 if loss is None else float(loss)])
+        mean = torch.tensor([0.0 if loss is None else float(loss)], device=rank_device())
         if self.groups.pp is not None:  # only the last stage knows the loss
             self.collectives.all_reduce(mean, self.groups.pp, op="sum")
         if self.dp_size > 1:
@@ -144,9 +146,9 @@ class PipelineRunner:
         """Collective over the world: the full model's parameters and buffers on global rank 0."""
         mine = self.engine.full_state_dict()
         if mine is not None:
-            mine = dict(mine)
+            mine = {k: v.cpu() for k, v in mine.items()}  # gathered as objects: host copies, on any backend
             for n, p in self.stage.tied.items():
-                mine[n] = p.detach().float().clone()
+                mine[n] = p.detach().float().cpu().clone()
         parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(None if mine is None else (mine, self.placements), parts, dst=0)
         if dist.get_rank() != 0:

@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_models.placements import REPLICATED, is_sharded
+from runtime.device import place, place_module
 from runtime.engines.recompute import run_recomputed
 from runtime.pipeline.tensor_parallel import shard_parameter
 
@@ -119,6 +120,10 @@ class StageModel:
                 container[i].forward = functools.partial(self._block, i)
                 container[i].forward.recomputable = True  # runtime.engines.recompute may wrap it once
         model.forward = self._stage
+        # What this rank keeps, on its device: after pruning and slicing, so no GPU holds the full model.
+        place_module(model)
+        for p in self.tied.values():
+            p.data = place(p.data)
         # run_as_model only: the module runs its own forward, blocks included (the batch is not the traced one)
         self.eager = False
 
