@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_models.placements import REPLICATED, is_sharded
-from runtime.device import place, place_module
+from runtime.device import place, place_module, rank_device
 from runtime.engines.recompute import run_recomputed
 from runtime.pipeline.tensor_parallel import shard_parameter
 
@@ -162,6 +162,17 @@ class StageModel:
         return dict(zip(self.input_names, values))
 
     def _stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
+        if self.cast is None:
+            return self._run_stage(x, inputs, _stage)
+        # Mixed precision: the traced code lost the model's casts that were no-ops at trace time (HF's rotary
+        # tables and norms `.to(x.dtype)` when x was fp32 as the parameters), so a table computed in fp32
+        # meets 16-bit activations (SDPA refuses q/k in fp32 beside a bf16 v; a linear a fp32 input beside
+        # its bf16 weight). Autocast to the compute dtype puts matmuls and attention in it, as the model's
+        # own casts did; elementwise ops keep their inputs' dtype (fp32 where the model upcast on purpose).
+        with torch.autocast(device_type=rank_device().type, dtype=self.cast):
+            return self._run_stage(x, inputs, _stage)
+
+    def _run_stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
         a, b, pre, suf = self.stages[_stage]
         named = self.named_inputs(inputs)
         if pre:
