@@ -43,7 +43,7 @@ assert tuple(_DTYPE_OF_PRECISION) == PRECISIONS
 def dtype_for(precision: str) -> str:
     """The dtype whose peak FLOP/s the compute kernels run at.
 
-    "fp32" -> "fp32", "bf16-mixed" -> "bf16", "fp16-mixed" -> "fp16".
+    "fp32" -> "fp32", "bf16-mixed" -> "bf16", "fp16-mixed" -> "fp16", "bf16" (pure) -> "bf16".
     fp32 matmuls may run on TF32 tensor cores when the user enables
     `torch.backends.cuda.matmul.allow_tf32` (off by default since torch
     1.12); say so with `RooflineCompute(..., tf32_matmuls=True)`.

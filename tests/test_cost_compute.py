@@ -153,8 +153,9 @@ def test_dtype_for():
     assert dtype_for("fp32") == "fp32"
     assert dtype_for("bf16-mixed") == "bf16"
     assert dtype_for("fp16-mixed") == "fp16"
-    with pytest.raises(PartitionerError, match=r"precision='bf16'.*bf16-mixed"):
-        dtype_for("bf16")
+    assert dtype_for("bf16") == "bf16"  # pure bf16 (parameters, gradients and state in bf16) computes in bf16 too
+    with pytest.raises(PartitionerError, match=r"precision='bfloat16'.*bf16-mixed"):
+        dtype_for("bfloat16")
 
 
 # --- fp32 and TF32 -----------------------------------------------------------------
