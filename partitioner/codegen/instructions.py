@@ -26,12 +26,11 @@ def _collectives(plan: Plan) -> list[str]:
     if c.dp == 1:
         return ["No replicas (dp = 1): GRAD_SYNC reduces nothing over data parallelism."]
     over = f"the {c.dp} replicas"
+    all_reduce = (f"GRAD_SYNC waits for the gradient all-reduces over {over} that the last B launched bucket by "
+                  "bucket as its gradients filled (every earlier B accumulates without communicating).")
     lines = {
-        0: [f"GRAD_SYNC waits for the gradient all-reduces over {over} that the last B launched bucket by "
-            "bucket as its gradients filled (every earlier B accumulates without communicating)."],
-        1: [f"GRAD_SYNC waits for the gradient all-reduces over {over} that the last B launched bucket by "
-            "bucket as its gradients filled (every earlier B accumulates without communicating).",
-            "UNSHARD all-gathers the updated flat-buffer slices into the replicated parameters."],
+        0: [all_reduce],
+        1: [all_reduce, "UNSHARD all-gathers the updated flat-buffer slices into the replicated parameters."],
         2: [f"Every B reduce-scatters its gradient buckets over {over} (one in flight); GRAD_SYNC waits for "
             "the last.",
             "UNSHARD all-gathers the updated bucket slices into the replicated parameters."],

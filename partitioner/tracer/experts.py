@@ -35,15 +35,16 @@ import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Literal
 
+from partitioner.tracer.op_rules import ROUTING_OPS
+
 if TYPE_CHECKING:
     from partitioner.tracer.opgraph import OpGraph, OpNode
 
 __all__ = ["MoELayer", "find_experts", "experts_text"]
 
-# ops that move tokens to or from their experts by the router's choice
-_DISPATCH_OPS = frozenset({"sort", "argsort", "histc", "bincount", "one_hot", "index", "index_select", "gather",
-                           "scatter", "scatter_add", "index_put", "index_add", "nonzero", "where", "masked_select",
-                           "cumsum"})
+# ops that move tokens to or from their experts by the router's choice: those the cost rules price as routing,
+# and the gathers, selections and counts around them
+_DISPATCH_OPS = ROUTING_OPS | {"index", "index_select", "gather", "nonzero", "where", "masked_select", "cumsum"}
 _LINEAR_OPS = frozenset({"linear", "matmul", "mm"})
 
 
@@ -128,8 +129,7 @@ def find_experts(g: "OpGraph") -> tuple[MoELayer, ...]:
         experts, style = _experts(params, list(dict.fromkeys(expert_params)), num_experts)
         if not experts:
             continue
-        # the routing top-k is the last one of this router whose choice reaches the experts
-        # top-k's over the E scores (not a capacity's top-k over tokens): the router's
+        # the routing top-k: the last of this router's top-k's over the E scores (not a capacity's over tokens)
         topks = [x for x in reach if nodes[x].op == "topk" and nodes[x].inputs and nodes[x].inputs[0] in nodes
                  and nodes[nodes[x].inputs[0]].output is not None
                  and _static(nodes[nodes[x].inputs[0]].output.shape[-1]) == num_experts] + [t.name]

@@ -89,7 +89,7 @@ _OPAQUE = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast"})
 # Face's fallback for it
 _GROUPED_MM_OPS = frozenset({"grouped_mm", "_grouped_mm", "grouped_mm_fallback"})
 # moving tokens to and from their experts: memory-bound, about one operation per element touched
-_ROUTING_OPS = frozenset("sort argsort histc bincount index_put index_add scatter scatter_add one_hot".split())
+ROUTING_OPS = frozenset("sort argsort histc bincount index_put index_add scatter scatter_add one_hot".split())
 _REDUCTIONS = {"sum": "none", "mean": "none", "amax": "input", "amin": "input", "max": "input", "min": "input",
                "var": "input", "std": "input", "norm": "input", "logsumexp": "input", "cumsum": "none",
                "argmax": "none", "argmin": "none", "topk": "input", "any": "none", "all": "none",
@@ -101,7 +101,7 @@ _POOL = {"max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "
 def known_op(op: str) -> bool:
     return (op in VIEW_OPS or op in _COPY_OPS or op in _CREATION_OPS or op in _MATMUL_OPS or op in _CONV_OPS
             or op in _NORM_FLOPS or op in _EW or op in _REDUCTIONS or op in _POOL or op in _OPAQUE
-            or op in _GROUPED_MM_OPS or op in _ROUTING_OPS
+            or op in _GROUPED_MM_OPS or op in ROUTING_OPS
             or op in {"linear", "conv1d_hf", "embedding", "scaled_dot_product_attention", "softmax",
                       "log_softmax", "cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd",
                       "dropout", "native_dropout", "feature_dropout"})
@@ -159,7 +159,7 @@ def op_cost(node: RawNode, arg_rg: list[bool]) -> SymCost:
         bwd = (mm if arg_rg[0] else 0) + (mm if arg_rg[1] else 0)
         return cost("matmul", mm, bwd, ([0] if arg_rg[1] else []) + ([1] if arg_rg[0] else []))
 
-    if op in _ROUTING_OPS:
+    if op in ROUTING_OPS:
         touched = sum((_numel(a) for a in args), ZERO)
         ints = [i for i, a in enumerate(args) if a.spec is not None and not a.spec.dtype.is_floating_point]
         return cost("other", touched, touched if out_rg else 0, ints if out_rg else [])
