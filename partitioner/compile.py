@@ -100,7 +100,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             precision: str = "bf16-mixed", optimizer: str = "adam", dp: int | None = None, tp: int | None = None,
             pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
-            max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
+            sp: bool | None = None, max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
@@ -183,7 +183,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     topo = Topology.coerce(topology)
     pins = dict(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp, pp=pp,
                 zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
-                recompute=recompute, max_memory_fraction=max_memory_fraction, compression=compression,
+                recompute=recompute, sp=sp, max_memory_fraction=max_memory_fraction, compression=compression,
                 async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
                 compression_warmup=compression_warmup, grad_reduce_dtype=grad_reduce_dtype,
                 optimizer_layout=optimizer_layout)
@@ -259,7 +259,11 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     # what the plan is compared with (runners-up that break a pin, hand baselines) trains synchronously
     sync_ctx = context(reduction) if decl.async_sgd else ctx
     allowed = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
-                                        num_units=len(ctx.units), valid_tp=valid_tp))
+                                        num_units=len(ctx.units), valid_tp=valid_tp,
+                                        sp_allows=lambda t, mb: _sp_allows(splits, g, t, mb),
+                                        sp_dominates=lambda t, mb, rc: _sp_dominates(ctx, t, mb, rc)))
+    if decl.sp and not allowed:
+        _refuse_sp(splits, g, decl)
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
     if allowed and not cands:
         _refuse_compression(ctx, allowed, decl)
@@ -282,6 +286,30 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
         rejected += tuple(x for x in [pinned_out(free_ctx, decl, best, valid_tp=valid_tp, forced=forced)] if x)
     return _assemble(g, topo, decl, splits, ctx, result, rejected=rejected, declared=declared,
                      baselines=hand_baselines(sync_ctx, decl) if opts.alternatives > 0 else ())
+
+
+def _sp_allows(splits: TensorSplits, g: OpGraph, tp: int, mb: int) -> bool:
+    seq = splits.sequence
+    return bool(seq.scatters) and not seq.divides(tp, mb, g.traced_seq_len or 1)
+
+
+def _sp_dominates(ctx: CostContext, tp: int, mb: int, recompute: str) -> bool:
+    """Whether sequence parallelism takes no longer per unit than its absence at this setting: it never holds
+    more (activations, hidden state sent between stages), so the twin without it cannot be better."""
+    return ctx.unit_arrays(tp, mb, recompute, True).total_c <= ctx.unit_arrays(tp, mb, recompute, False).total_c
+
+
+def _refuse_sp(splits: TensorSplits, g: OpGraph, decl: Declarations) -> None:
+    """sp=True and no configuration can run it: say why."""
+    seq = splits.sequence
+    if not seq.scatters:
+        raise DeclarationError("sp=True: this model has no tensor-parallel all-reduce to turn into a reduce-scatter "
+                               "(no row-parallel matmul or vocab-parallel embedding), so there is nothing to run on "
+                               "1/tp of the tokens; pin sp=False")
+    tp = decl.tp or 2
+    why = seq.divides(tp, decl.microbatch_size or 1, g.traced_seq_len or 1)
+    raise DeclarationError(why or f"sp=True: no configuration the declarations {decl.pinned()} allow runs sequence "
+                                  "parallelism (it needs tp > 1); relax tp or drop sp")
 
 
 def _check_verifiable(model: Any) -> None:
@@ -494,7 +522,7 @@ def _model_code(g: OpGraph, splits, cand: ParallelConfig) -> dict:
         return {"code_note": f"the model was {how}; programs for pp/tp plans are generated from torch.export's "
                              "graph: compile the nn.Module (trace method 'export')"}
     try:
-        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp)}
+        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp, sp=cand.sp)}
     except SegmentError as e:
         return {"code_note": str(e)}
 

@@ -53,23 +53,26 @@ def reference(model_fn, loss_fn, data) -> tuple[list[float], dict[str, torch.Ten
 
 
 def plan_for(name: str, *, pp: int, dp: int, tp: int, schedule: str = "1f1b", interleave: int = 1, zero: int = 0,
-             mb: int = 2, recompute: str = "none", on: str = "cpu"):
-    """The plan, compiled from the model built on `on` ("meta": the 175B-on-a-laptop flow, nothing allocated)."""
+             mb: int = 2, recompute: str = "none", on: str = "cpu", sp: bool = False):
+    """The plan, compiled from the model built on `on` ("meta": the 175B-on-a-laptop flow, nothing allocated);
+    without sequence parallelism unless `sp` (its own cases below)."""
     model_fn, _ = MODELS[name]
     with torch.device(on):
         model = model_fn()
     return compile(model, f"local:{pp * dp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ), device=on),),
                    global_batch_size=BATCH, precision="fp32", pp=pp, dp=dp, tp=tp, schedule=schedule,
-                   interleave=interleave, zero_stage=zero, microbatch_size=mb, recompute=recompute)
+                   interleave=interleave, zero_stage=zero, microbatch_size=mb, recompute=recompute,
+                   sp=sp if tp > 1 else None)
 
 
-def assert_same_training(plan, name: str, steps: int = STEPS):
+def assert_same_training(plan, name: str, steps: int = STEPS, optimizer=adamw):
     model_fn, loss_fn = MODELS[name]
     data = batches(steps, padding=name == "llama")
-    out = launch_local(plan, model_fn, adamw, loss_fn, data, timeout_s=180)
-    want_losses, want = reference(model_fn, loss_fn, data)
+    out = launch_local(plan, model_fn, optimizer, loss_fn, data, timeout_s=180)
+    trained = train_one_process(model_fn, optimizer, loss_fn, data)
+    want_losses, want = trained.losses, trained.model.state_dict()
     assert sorted(out.state_dict) == sorted(want)
-    assert_trains_like(out, want_losses, want, adam_steps=steps)
+    assert_trains_like(out, want_losses, want, adam_steps=steps if optimizer is adamw else 0)
     return out
 
 
@@ -125,6 +128,25 @@ def test_trains_like_one_process(name, pp, dp, tp, schedule, interleave, zero, o
             assert (counts.get("send", 0), counts.get("recv", 0)) == (STEPS * sends, STEPS * recvs), m
 
 
+SP_CASES = [
+    # model, pp, dp, tp, zero, optimizer: Megatron sequence parallelism in the tensor group
+    ("gpt", 1, 1, 2, 0, "sgd"),    # vocab-parallel embedding reduce-scattered, position embedding cut by tokens
+    ("gpt", 1, 1, 4, 0, "adamw"),
+    ("gpt", 2, 2, 2, 1, "adamw"),  # the hidden state sent between stages is this rank's tokens
+    ("hf", 1, 1, 2, 0, "sgd"),     # Conv1D's flattened rows: tokens gathered where a view merges them
+    ("llama", 1, 1, 2, 0, "sgd"),  # RMSNorm, rotary positions on the gathered tokens, untied vocab head
+    ("llama", 2, 1, 2, 0, "adamw"),
+]
+
+
+@pytest.mark.parametrize("name,pp,dp,tp,zero,opt", SP_CASES,
+                         ids=[f"{c[0]}-pp{c[1]}-dp{c[2]}-tp{c[3]}-zero{c[4]}-{c[5]}" for c in SP_CASES])
+def test_sequence_parallel_trains_like_one_process(name, pp, dp, tp, zero, opt):
+    plan = plan_for(name, pp=pp, dp=dp, tp=tp, zero=zero, sp=True, on="meta" if pp > 1 else "cpu")
+    assert plan.config.sp and plan.code.sp_dim is not None
+    assert_same_training(plan, name, optimizer={"sgd": sgd, "adamw": adamw}[opt])
+
+
 @pytest.mark.parametrize("on", ["cpu", "meta"])
 @pytest.mark.parametrize("name,pp,dp,tp,zero,recompute", [
     ("gpt", 2, 1, 2, 0, "selective"), ("gpt", 2, 1, 2, 0, "full"), ("hf", 2, 2, 1, 3, "selective"),
@@ -149,7 +171,8 @@ def test_every_plan_compile_makes_runs_and_trains_like_one_process():
         plan = compile(model, "local:8", example_inputs=(example[0].to("meta"),), global_batch_size=BATCH,
                        precision="fp32",
                        dp=c.dp, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage, microbatch_size=c.microbatch_size,
-                       schedule=c.schedule, interleave=c.interleave, recompute=c.recompute)
+                       schedule=c.schedule, interleave=c.interleave, recompute=c.recompute,
+                       sp=c.sp if c.tp > 1 else None)
         assert plan.config == c
         assert_same_training(plan, "gpt", steps=2)
 

@@ -265,8 +265,9 @@ def test_plan_carries_mesh_placements_schedule_and_prediction(small):
     assert pr.peak_memory_bytes == pytest.approx(pr.memory.total)
     assert 0 < pr.mfu < 1 and pr.bytes_per_link["intra_node"] > 0
     text = str(plan)
-    assert "dp2 tp2 pp2" in text and "c_fc.weight" in text and "S(1)" in text and "runners-up" in text
-    assert "Why dp2 tp2 pp2" in plan.explain()
+    assert str(plan.config).startswith("dp2 tp2") and " pp2 " in str(plan.config)  # tp2+sp where it pays
+    assert str(plan.config) in text and "c_fc.weight" in text and "S(1)" in text and "runners-up" in text
+    assert f"Why {plan.config}" in plan.explain()
 
 
 def test_node_granularity_cuts_inside_blocks():

@@ -31,8 +31,9 @@ from runtime.verify.local_collectives import LocalCollectiveError, LocalCollecti
 from runtime.verify.check import VerifyError, verify_plan, verify_skip_reason
 
 MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "hf": (hf_gpt2_4l_seeded, hf_loss), "llama": (hf_llama_seeded, hf_loss)}
-CONFIGS = {"tp2": {"pp": 1, "tp": 2}, "pp2": {"pp": 2, "tp": 1}, "pp2tp2": {"pp": 2, "tp": 2},
-           "pp2x2": {"pp": 2, "tp": 1, "schedule": "interleaved-1f1b", "interleave": 2}}
+CONFIGS = {"tp2": {"pp": 1, "tp": 2, "sp": False}, "pp2": {"pp": 2, "tp": 1}, "pp2tp2": {"pp": 2, "tp": 2, "sp": False},
+           "pp2x2": {"pp": 2, "tp": 1, "schedule": "interleaved-1f1b", "interleave": 2},
+           "tp2sp": {"pp": 1, "tp": 2, "sp": True}, "pp2tp2sp": {"pp": 2, "tp": 2, "sp": True}}
 VOCAB, SEQ, BATCH = 512, 16, 8
 
 
@@ -126,6 +127,31 @@ def test_a_dropped_row_parallel_reduce_is_caught_in_its_block(name, old, new, bl
         plan.verify(MODELS[name][0], (x,), MODELS[name][1], targets=y, sources=edited(plan, old, new, pp_rank=1))
     first = str(err.value).splitlines()[0]  # the line the CLI shows
     assert f"first in the forward of block {block} " in first and f"at sub-module {sub} " in first, first
+
+
+def test_a_dropped_sequence_parallel_reduce_scatter_is_caught_in_its_block():
+    """Under sequence parallelism the row-parallel partial sums are reduce-scattered over the tokens; a program
+    that slices its own partial sums instead computes a wrong sum."""
+    plan = plan_for("gpt", "pp2tp2sp")
+    x, y = microbatch()
+    sources = edited(plan, "scattered = sp_scatter(linear_default, 1, tp)", "scattered = tp_chunk(linear_default, 1, tp)",
+                     pp_rank=1)
+    with pytest.raises(VerifyError) as err:
+        plan.verify(gpt_4l_seeded, (x,), gpt_loss, targets=y, sources=sources)
+    first = str(err.value).splitlines()[0]
+    assert "first in the forward of block transformer.h.2 " in first and "at sub-module attn.c_proj " in first, first
+
+
+def test_a_layer_norm_weight_on_a_token_slice_needs_its_gradient_summed():
+    """Under sequence parallelism ln_1 sees 1/tp of the tokens: without f on its weight, each slice keeps only
+    its own tokens' share of the gradient."""
+    plan = plan_for("gpt", "pp2tp2sp")
+    sources = edited(plan, "ln_1_weight_f = tp_copy(ln_1_weight, tp)", "ln_1_weight_f = ln_1_weight", pp_rank=1)
+    with pytest.raises(VerifyError) as err:
+        plan.verify(gpt_4l_seeded, sources=sources)
+    msg = str(err.value)
+    assert "first in the backward of block transformer.h.2 " in msg.splitlines()[0], msg
+    assert "transformer.h.2.ln_1.weight" in msg, msg
 
 
 def test_a_parameter_read_in_place_of_another_is_caught_with_its_gradient():

@@ -176,8 +176,8 @@ from runtime.engines.data_parallel import DataParallel
 from runtime.engines.unreplicated import Unreplicated
 from runtime.pipeline.runner import PipelineRunner
 from runtime.pipeline.stage import StageModel, state_keys
-from runtime.pipeline.tensor_parallel import (TPContext, tp_chunk, tp_copy, tp_cross_entropy, tp_gather,
-                                              tp_reduce, tp_vocab_embedding)
+from runtime.pipeline.tensor_parallel import (TPContext, sp_gather, sp_scatter, sp_vocab_embedding, tp_chunk,
+                                              tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding)
 
 inf, nan = float("inf"), float("nan")
 

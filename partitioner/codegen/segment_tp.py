@@ -31,6 +31,7 @@ graph and the generated program imports the real ones.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -72,10 +73,23 @@ def tp_chunk(x, dim, tp):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
+def sp_gather(x, dim, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def sp_scatter(x, dim, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def sp_vocab_embedding(weight, ids, dim, tp, padding_idx=-1):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
 # Tests switch this off to check that plan.verify catches the partial gradients it prevents.
 SUM_REPLICATED_GRADS = True
 
-RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather", "tp_chunk")
+RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather", "tp_chunk",
+                     "sp_gather", "sp_scatter", "sp_vocab_embedding")
 
 
 def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -90,7 +104,8 @@ def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 class TensorParallelRewrite:
     """Mixed into the segment builder, which provides graph, env, value(), src, placements, dims, chunks, tp,
-    tp_arg and operand_chunks (the tp_chunk made per value and dim)."""
+    tp_arg and operand_chunks (the tp_chunk made per value and dim); under sequence parallelism also seq_dims,
+    scatters, seq_gathers and seq_gathered (the gather made per value and kind), all empty without it."""
 
     def _role(self, n: fx.Node) -> str | None:
         w = n.args[MATMULS[n.target][1]] if n.target in MATMULS else \
@@ -113,7 +128,10 @@ class TensorParallelRewrite:
             a = MATMULS[n.target][0]
             act = self.value(n.args[a])
             if act not in self.copies:
-                self.copies[act] = self.graph.create_node("call_function", tp_copy, (act, self.tp_arg), name="f")
+                d = self._seq_gather_dim(n, n.args[a])
+                self.copies[act] = self.graph.create_node("call_function", tp_copy, (act, self.tp_arg), name="f") \
+                    if d is None else \
+                    self.graph.create_node("call_function", sp_gather, (act, d, self.tp_arg), name="gathered")
             new = self.graph.node_copy(n, self.value)
             new.args = tuple(self.copies[act] if i == a else x for i, x in enumerate(new.args))
             self.env[n] = new
@@ -124,18 +142,23 @@ class TensorParallelRewrite:
             op = _aten.mm.default if n.target is _aten.addmm.default else n.target
             partial = self.graph.call_function(op, (x, weight))
             partial.meta = dict(n.meta)  # the partial sums have the full output's shape
-            out = self.graph.create_node("call_function", tp_reduce, (partial, self.tp_arg), name="g")
+            d = self.scatters.get(n.name)
+            out = self.graph.create_node("call_function", tp_reduce, (partial, self.tp_arg), name="g") if d is None \
+                else self.graph.create_node("call_function", sp_scatter, (partial, d, self.tp_arg), name="scattered")
             bias = n.args[b] if b is not None and len(n.args) > b else None
-            if bias is not None:
-                out = self.graph.call_function(_aten.add.Tensor, (out, self.value(bias)))
+            if bias is not None:  # on 1/tp of the tokens under sequence parallelism: its gradient summed by f
+                bias = self.value(bias) if d is None else self._param_f(self.value(bias))
+                out = self.graph.call_function(_aten.add.Tensor, (out, bias))
             out.meta = dict(n.meta)
             self.env[n] = out
             return True
         if role == "vocab_embedding" and n.target is _aten.embedding.default:
             pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
-            self.env[n] = self.graph.create_node("call_function", tp_vocab_embedding,
-                                                 (self.value(n.args[0]), self.value(n.args[1]), self.tp_arg, pad),
-                                                 name=n.name)
+            d = self.scatters.get(n.name)
+            w, ids = self.value(n.args[0]), self.value(n.args[1])
+            self.env[n] = self.graph.create_node("call_function", tp_vocab_embedding, (w, ids, self.tp_arg, pad),
+                                                 name=n.name) if d is None else \
+                self.graph.create_node("call_function", sp_vocab_embedding, (w, ids, d, self.tp_arg, pad), name=n.name)
             self.env[n].meta = dict(n.meta)
             return True
         return False
@@ -145,17 +168,42 @@ class TensorParallelRewrite:
         the parameter itself, or a value computed from replicated parameters alone (Gemma's `1 + weight`)."""
         if self.tp == 1 or not SUM_REPLICATED_GRADS:
             return
-        if n.name not in self.dims and not any(a.name in self.dims for a in n.all_input_nodes):
+        if n.name not in self.dims and n.name not in self.seq_dims and \
+                not any(a.name in self.dims for a in n.all_input_nodes):
             return
+        chunked = {x for x, _ in self.chunks.get(n.name, ())}  # read by chunk: its gradient is gathered whole
         for a in n.all_input_nodes:
-            if a.name in self.dims or not self._replicated_parameter_value(a):
+            if a.name in self.dims or a.name in self.seq_dims or a.name in chunked or \
+                    not self._replicated_parameter_value(a):
                 continue
             old = self.value(a)
-            if old not in self.param_copies:  # one f per value and segment, placed before its first use
+            with self.graph.inserting_before(new):
+                new.replace_input_with(old, self._param_f(old))
+
+    def _param_f(self, old: fx.Node) -> fx.Node:
+        """f on a replicated parameter's value: one per value and segment, made before its first use."""
+        if old not in self.param_copies:
+            self.param_copies[old] = self.graph.create_node("call_function", tp_copy, (old, self.tp_arg),
+                                                            name=f"{old.name}_f")
+        return self.param_copies[old]
+
+    def _seq_gather_dim(self, n: fx.Node, operand: fx.Node) -> int | None:
+        """The token dim along which `n` reads `operand` all-gathered for a tensor-split reader, if it does."""
+        return next((d for x, d, kind in self.seq_gathers.get(n.name, ()) if x == operand.name and kind == "tp"), None)
+
+    def gather_sequence(self, n: fx.Node, new: fx.Node) -> None:
+        """Read each token-split operand the sequence splits name for `n` all-gathered (partitioner.planner.
+        sequence_split): sp_gather for a tensor-split reader, tp_gather (the gradient's slice back) for a
+        replicated one. One gather per value, kind and segment, before its first use."""
+        for operand, dim, kind in self.seq_gathers.get(n.name, ()):
+            old = next(a for a in n.all_input_nodes if a.name == operand)
+            v = self.value(old)
+            if (v, kind) not in self.seq_gathered:
+                fn = sp_gather if kind == "tp" else tp_gather
                 with self.graph.inserting_before(new):
-                    self.param_copies[old] = self.graph.create_node("call_function", tp_copy, (old, self.tp_arg),
-                                                                    name=f"{old.name}_f")
-            new.replace_input_with(old, self.param_copies[old])
+                    self.seq_gathered[v, kind] = self.graph.create_node("call_function", fn, (v, dim, self.tp_arg),
+                                                                        name=f"{v.name}_gathered")
+            new.replace_input_with(v, self.seq_gathered[v, kind])
 
     def chunk_replicated_operands(self, n: fx.Node, new: fx.Node) -> None:
         """Read this rank's chunk of each replicated operand the splits name for `n` (see the module docstring)."""
@@ -184,7 +232,15 @@ class TensorParallelRewrite:
         """Divide the split dim's size by tp in a copied view, reshape, expand or split of a split tensor."""
         if self.tp == 1:
             return
-        if n.target in _SIZED and n.name in self.dims:
+        if n.target in _SIZED and n.name in self.seq_dims:  # a token-split view: sizes from the input's are whole
+            d, sizes = self.seq_dims[n.name], list(new.args[1])
+            if isinstance(sizes[d], fx.Node):
+                with self.graph.inserting_before(new):
+                    sizes[d] = self.graph.call_function(operator.floordiv, (sizes[d], self.tp))
+            elif sizes[d] != -1:
+                sizes[d] //= self.tp
+            new.args = (new.args[0], sizes, *new.args[2:])
+        elif n.target in _SIZED and n.name in self.dims:
             d, sizes = self.dims[n.name], list(new.args[1])
             if isinstance(sizes[d], int) and sizes[d] != -1:
                 sizes[d] //= self.tp
@@ -214,7 +270,7 @@ class TensorParallelRewrite:
         if not isinstance(x, fx.Node):
             return x
         v = self.value(x)
-        if self.tp > 1 and x.name in self.dims:
-            v = self.graph.create_node("call_function", tp_gather, (v, self.dims[x.name], self.tp_arg),
-                                       name=f"{x.name}_full")
+        d = self.dims.get(x.name, self.seq_dims.get(x.name))
+        if self.tp > 1 and d is not None:
+            v = self.graph.create_node("call_function", tp_gather, (v, d, self.tp_arg), name=f"{x.name}_full")
         return v

@@ -47,7 +47,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, unmangle
+from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, tp_chunk, unmangle
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.block_kinds import mutates
 from partitioner.tracer.blocks import block_index
@@ -133,9 +133,13 @@ class _Builder(TensorParallelRewrite):
 
     def __init__(self, src: _Source, name: str, *, carried: fx.Node | None, block: int | None,
                  placements: dict[str, Any], dims: dict[str, int], chunks: dict[str, list[tuple[str, int]]],
-                 tp: int):
+                 tp: int, seq_dims: dict[str, int], scatters: dict[str, int],
+                 seq_gathers: dict[str, list[tuple[str, int, str]]]):
         self.src, self.name, self.carried, self.block = src, name, carried, block
         self.placements, self.dims, self.chunks, self.tp = placements, dims, chunks, tp
+        self.seq_dims, self.scatters, self.seq_gathers = seq_dims, scatters, seq_gathers
+        self.cut_dim: int | None = None  # under sequence parallelism: the token dim the carried input is split on
+        self.seq_gathered: dict[tuple[fx.Node, str], fx.Node] = {}  # sp_gather / tp_gather per value and kind
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
         self.params: dict[str, str] = {}
@@ -205,6 +209,8 @@ class _Builder(TensorParallelRewrite):
                                    f"{self.carried.name} of shape {tuple(shape)} does not carry")
             self.env[n] = self.graph.call_function(_aten.sym_size.int, (self.env[self.carried], dims[0]))
             self.env[n].meta = dict(n.meta)
+            if self.cut_dim == dims[0]:  # the input holds 1/tp of the tokens: the whole size
+                self.env[n] = self.graph.call_function(operator.mul, (self.env[n], self.tp))
             return self.env[n]
         self.env[n] = self._copy_plain(n)
         return self.env[n]
@@ -293,6 +299,7 @@ class _Builder(TensorParallelRewrite):
         self.resize(n, new)
         self.sum_replicated_grads(n, new)
         self.chunk_replicated_operands(n, new)
+        self.gather_sequence(n, new)
         self.env[n] = new
 
     def _to_param_dtype(self, n: fx.Node) -> bool:
@@ -336,10 +343,12 @@ class _Builder(TensorParallelRewrite):
                 if getattr(node.target, "__name__", "") in _SAME_SHAPE and isinstance(x, fx.Node) and x.name in out:
                     out[node.name] = out[x.name]
                 continue
-            split = self.dims.get(node.name) if self.tp > 1 else None
+            split = self.dims.get(node.name, self.seq_dims.get(node.name)) if self.tp > 1 else None
             dims = [_SYMBOL.sub(lambda m: sizes.get(m.group(0), m.group(0)), str(d)) for d in val.shape]
             if split is not None and dims[split].isdigit():
                 dims[split] = str(int(dims[split]) // self.tp)
+            elif split is not None:  # a token dim of a traced size: this rank's share of it
+                dims[split] = f"{dims[split]}/{self.tp}"
             out[node.name] = f"{_DTYPE_SHORT.get(val.dtype, str(val.dtype).removeprefix('torch.'))}[{', '.join(dims)}]"
         return out
 
@@ -380,8 +389,9 @@ def _check_globals(globs: dict[str, Any], name: str) -> None:
                            "the graph holds a non-ATen call")
 
 
-def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
-    """Cut `ep` (the ExportedProgram `trace` captured for OpGraph `g`) into prefix, block, suffix code."""
+def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = False) -> ModelCode:
+    """Cut `ep` (the ExportedProgram `trace` captured for OpGraph `g`) into prefix, block, suffix code;
+    `sp`: with Megatron sequence parallelism in the tensor group (tp > 1)."""
     import torch.utils._pytree as pytree
 
     src = _Source(ep, g)
@@ -392,10 +402,19 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
         chunks.setdefault(node, []).append((operand, dim))
     if tp > 1 and splits is None:
         raise SegmentError("tp > 1 needs the tensor splits (partitioner.planner.tensor_split.find_splits)")
+    sp = sp and tp > 1
+    seq = splits.sequence if sp else None
+    seq_gathers: dict[str, list[tuple[str, int, str]]] = {}
+    for node, operand, dim, kind in (seq.gathers if seq else ()):
+        seq_gathers.setdefault(node, []).append((operand, dim, kind))
+    for node, operand, dim in (seq.chunks if seq else ()):
+        chunks.setdefault(node, []).append((operand, dim))
     spec = pytree.treespec_dumps(ep.call_spec.out_spec)
     flat_out = src.output.args[0]
     blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
-    kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp)
+    kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp,
+              seq_dims=dict(seq.dims) if seq else {}, scatters=dict(seq.scatters) if seq else {},
+              seq_gathers=seq_gathers)
 
     def run(b: _Builder, members: list[fx.Node]) -> None:
         members = sorted(members, key=_order(src))
@@ -419,7 +438,14 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
     hidden = next(iter(outs))
     b = _Builder(src, "prefix", carried=None, block=None, **kw)
     run(b, pre)
-    prefix = b.finish(b.value(hidden))
+    first_in = src.crossing(src.members(blocks[1] if len(blocks) > 1 else blocks[0]))[0]
+    cut_dim = _sequence_cut_dim(kw["seq_dims"], first_in) if seq else None
+    out = b.value(hidden)
+    if cut_dim is not None and hidden.name not in kw["seq_dims"]:
+        # the blocks take 1/tp of the tokens at every cut; the prefix's hidden state, whole when no
+        # all-reduce made it (a replicated embedding), hands on this rank's slice
+        out = b.graph.create_node("call_function", tp_chunk, (out, cut_dim, b.tp_arg), name=f"{hidden.name}_slice")
+    prefix = b.finish(out)
 
     # one template per kind of block (partitioner.tracer.block_kinds): its second traced block when there is
     # one (the tracer may lower the first block differently), else its first
@@ -439,7 +465,11 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
                                f"{sorted(o.name for o in outs)} across its boundary; a pipeline cut passes exactly "
                                "one tensor")
         (x_in,), (x_out,) = reads, outs
+        if seq and (kw["seq_dims"].get(x_in.name) != cut_dim or kw["seq_dims"].get(x_out.name) != cut_dim):
+            raise SegmentError(f"sequence parallelism: block {t} of {src.stack} takes {x_in.name} and hands on "
+                               f"{x_out.name}, not both split along the same token dim; pin sp=False")
         b = _Builder(src, "block" if k == 0 else f"block_{k}", carried=x_in, block=t, **kw)
+        b.cut_dim = cut_dim
         run(b, members)
         templates.append(b.finish(b.value(x_out)))
         cuts += [x_in, x_out]
@@ -454,11 +484,26 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1) -> ModelCode:
         raise SegmentError(f"the suffix reads {sorted(r.name for r in reads - {last_out})} besides the last block's "
                            "output; a pipeline cut passes exactly one tensor")
     b = _Builder(src, "suffix", carried=last_out, block=None, **kw)
+    b.cut_dim = cut_dim
     run(b, suf)
     suffix = b.finish(tuple(b.output(x) for x in flat_out))
+    hidden_shape = _hidden_shape(src, *cuts)
+    if hidden_shape is not None and cut_dim is not None:  # each rank sends and receives its 1/tp of the tokens
+        d = hidden_shape[cut_dim]
+        hidden_shape = (*hidden_shape[:cut_dim], d // tp if isinstance(d, int) else (*d, tp),
+                        *hidden_shape[cut_dim + 1:])
     return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
-                     prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec,
-                     hidden_shape=_hidden_shape(src, *cuts), other_blocks=tuple(templates[1:]), block_kinds=kinds)
+                     prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec, sp_dim=cut_dim,
+                     hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds)
+
+
+def _sequence_cut_dim(seq_dims: dict[str, int], block_inputs: set[fx.Node]) -> int:
+    """The token dim of the hidden state at every cut under sequence parallelism."""
+    (x,) = block_inputs if len(block_inputs) == 1 else (None,)
+    if x is None or x.name not in seq_dims:
+        raise SegmentError("sequence parallelism: the blocks' input is not split along the tokens (no row-parallel "
+                           "matmul or vocab-parallel embedding ahead of it); pin sp=False")
+    return seq_dims[x.name]
 
 
 def _hidden_shape(src: _Source, *values: fx.Node) -> tuple[int | tuple[str, int], ...] | None:

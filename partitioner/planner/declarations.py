@@ -58,6 +58,10 @@ class Declarations:
     schedule: str | None = None
     interleave: int | None = None
     recompute: str | None = None
+    # Megatron sequence parallelism in each tensor group (partitioner.planner.sequence_split): True needs tp > 1,
+    # False keeps the ops between tensor-split regions whole; None: on wherever tp > 1 and the model allows it
+    # (Megatron-LM, torchtitan and NeMo turn it on with tensor parallelism).
+    sp: bool | None = None
     max_memory_fraction: float = 0.9
     # link level -> compressor of the data-parallel gradient reduction, for the levels pinned
     # (from `compression_pins`); levels absent are the planner's choice
@@ -106,6 +110,13 @@ class Declarations:
         layout, zero = values.get("optimizer_layout"), values.get("zero_stage")
         if layout in LAYOUT_ZERO_STAGE and zero is not None and zero != LAYOUT_ZERO_STAGE[layout]:
             raise DeclarationError(_layout_contradiction(layout, zero))
+        sp = values.get("sp")
+        if sp is not None and not isinstance(sp, bool):
+            raise DeclarationError(f"sp={sp!r}: must be True (sequence parallelism in every tensor group), False, or "
+                                   "None (the planner's choice: on wherever tp > 1 allows it)")
+        if sp and values.get("tp") == 1:
+            raise DeclarationError("sp=True with tp=1: sequence parallelism splits the tokens over the tensor group, "
+                                   "so it needs tp > 1; pin tp=2 or more, or drop sp")
         warmup = values.get("compression_warmup", 0)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise DeclarationError(f"compression_warmup={warmup!r}: the number of first steps that reduce "
@@ -117,7 +128,7 @@ class Declarations:
     def pinned(self) -> dict[str, Any]:
         """The declarations that pin something, for the plan's record."""
         names = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute",
-                 "grad_reduce_dtype", "optimizer_layout")
+                 "sp", "grad_reduce_dtype", "optimizer_layout")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.compression:
             out["compression"] = dict(self.compression)

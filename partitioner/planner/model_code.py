@@ -52,11 +52,16 @@ class ModelCode:
     output_spec: str  # torch.utils._pytree.treespec_dumps of the model's output structure
     # the hidden state's shape at every cut: an int, or (model input, dim) for a traced size, so a
     # receiving stage knows its buffer without a shape message; None when blocks change it
-    hidden_shape: tuple[int | tuple[str, int], ...] | None = None
+    # (model input, dim, k): that size divided by k (the tokens split over the tensor group under sequence
+    # parallelism)
+    hidden_shape: tuple[int | tuple[str, int] | tuple[str, int, int], ...] | None = None
     # a stack whose blocks are not all alike (partitioner.tracer.block_kinds): the templates of kinds 1, 2, ...
     # (functions block_1, block_2, ...) and the kind of every block; () when all are kind 0
     other_blocks: tuple[Segment, ...] = ()
     block_kinds: tuple[int, ...] = ()
+    # Megatron sequence parallelism (partitioner.planner.sequence_split): the code runs the ops between tensor-split
+    # regions on 1/tp of the tokens, and every cut carries this rank's slice along this dim; None without it
+    sp_dim: int | None = None
 
     @property
     def templates(self) -> tuple[Segment, ...]:

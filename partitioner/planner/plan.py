@@ -65,6 +65,8 @@ class ParallelConfig:
     microbatch_size x num_microbatches per data-parallel rank = global batch / dp.
     schedule/interleave: the pipeline schedule and virtual stages per rank.
     recompute: activation recomputation policy.
+    sp: Megatron sequence parallelism inside each tensor group (tp > 1 only): the ops between the
+        tensor-split regions run on 1/tp of the tokens (partitioner.planner.sequence_split).
     """
 
     dp: int
@@ -76,10 +78,11 @@ class ParallelConfig:
     schedule: ScheduleKind
     interleave: int
     recompute: Recompute
+    sp: bool = False
 
     def __str__(self) -> str:
         sched = self.schedule + (f"x{self.interleave}" if self.interleave > 1 else "")
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero_stage} "
+        return (f"dp{self.dp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} zero{self.zero_stage} "
                 f"mb{self.microbatch_size}x{self.num_microbatches} {sched} recompute={self.recompute}")
 
 

@@ -1,7 +1,7 @@
 """The search: every configuration the declarations allow, best first, exactly.
 
-Enumerates (tp, pp, dp, microbatch, schedule, interleave, ZeRO stage,
-recompute), orders them by a lower bound on step time, and runs the exact
+Enumerates (tp, pp, dp, microbatch, schedule, interleave, sequence
+parallelism, ZeRO stage, recompute), orders them by a lower bound on step time, and runs the exact
 stage cut (cut.py) on each until the bound exceeds the k-th best step time
 found: branch and bound, so the k best are exact under the cost model while
 most candidates are never cut. Ties go to the simpler configuration (fewer
@@ -24,8 +24,9 @@ configuration exists and how far it is from fitting.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from partitioner.planner.cut import Cut, cut_stages, evaluate_cut, step_time
 from partitioner.planner.declarations import MAX_MICROBATCHES, Declarations, divisors
@@ -46,7 +47,7 @@ _OVER_MEMORY_TRIES_PER_SHAPE = 4
 
 def simplicity(c: ParallelConfig) -> tuple:
     return (c.pp, c.tp, c.zero_stage, _RECOMPUTE_ORDER[c.recompute], _SCHEDULE_ORDER[c.schedule], c.interleave,
-            -c.microbatch_size)
+            c.sp, -c.microbatch_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,10 +67,20 @@ class SearchResult:
 
 
 def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: int, num_units: int,
-                         valid_tp: tuple[int, ...]) -> Iterator[ParallelConfig]:
-    """Every configuration the declarations allow (not yet checked for memory)."""
+                         valid_tp: tuple[int, ...], sp_allows: Callable[[int, int], bool] = lambda tp, mb: False,
+                         sp_dominates: Callable[[int, int, str], bool] = lambda tp, mb, rc: False
+                         ) -> Iterator[ParallelConfig]:
+    """Every configuration the declarations allow (not yet checked for memory).
+
+    `sp_allows(tp, microbatch)`: whether the model can run sequence parallelism there. Unpinned, both are
+    candidates where it can: it divides the activations between the tensor-split regions by tp, but issues
+    more collectives, whose latency outweighs the saving on small layers. Where `sp_dominates(tp, microbatch,
+    recompute)` (no slower per unit, and never more memory), only sp is: the twin without it cannot win.
+    """
     gb = d.global_batch_size
     tps = [d.tp] if d.tp is not None else [t for t in valid_tp if world_size % t == 0 and t <= devices_per_node]
+    if d.sp:
+        tps = [t for t in tps if t > 1]
     for tp in tps:
         for pp in ([d.pp] if d.pp is not None else divisors(world_size // tp)):
             if pp > num_units or (world_size // tp) % pp:
@@ -84,13 +95,17 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                 if per_replica % mb or per_replica // mb > MAX_MICROBATCHES:  # a schedule too long to list
                     continue
                 m = per_replica // mb
+                can = tp > 1 and d.sp is not False and sp_allows(tp, mb)
+                if d.sp and not can:
+                    continue
                 for sched, v in _schedules(d, pp, m, num_units):
                     zeros = [d.zero_stage] if d.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
                     recomputes = [d.recompute] if d.recompute is not None else ["none", "selective", "full"]
-                    for z in zeros:
-                        for rc in recomputes:
+                    for z, rc in itertools.product(zeros, recomputes):
+                        sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]
+                        for sp in sps:
                             yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=z, microbatch_size=mb,
-                                            num_microbatches=m, schedule=sched, interleave=v, recompute=rc)
+                                                 num_microbatches=m, schedule=sched, interleave=v, recompute=rc, sp=sp)
 
 
 def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[str, int]]:

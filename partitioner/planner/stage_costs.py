@@ -116,12 +116,12 @@ class StageEvaluator:
         self.options = (compression,) if compression is not None else ctx.compression_options(cand)
         assert self.options, f"{cand} cannot honour the pinned compression {ctx.compression_pins}: filter it out"
         self.num_stages = cand.pp * cand.interleave
-        arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute)
+        arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute, cand.sp)
         self.arrays = arr
         self.unit_costs = arr.costs
         self._f, self._b, self._act, self._par, self._work = arr.f, arr.b, arr.act, arr.par, arr.work
         self._shared = arr.shared
-        self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size)  # per unit boundary
+        self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size, cand.tp if cand.sp else 1)  # per unit boundary
         self._param_bytes = 4 if ctx.precision == "fp32" else 2  # parameters gathered in the compute dtype
         self._grad_bytes = REDUCE_BYTES_OF_PRECISION[ctx.precision]  # the engine's gradient buffers, reduced as such
         self._optim_bytes = _OPTIM_BYTES_PER_PARAM.get(ctx.precision, _OPTIM_BYTES_FP32)
@@ -306,7 +306,7 @@ class StageEvaluator:
         freed = min(arr.unit_act[i:j], default=0.0)
         filling = {2: reduction + (reduction if carried or several else 0.0),
                    3: max(0.0, min(2, blocks) * block * gb - freed) + before}.get(z, 0.0)
-        received = 0.0 if last else ctx.boundary_bytes(j - 1, mb)
+        received = 0.0 if last else ctx.boundary_bytes(j - 1, mb, self.cand.tp if self.cand.sp else 1)
         moments.append((carry + filling, acts + 2 * max(arr.biggest[i:j], default=0.0), 0.0,
                         kept + gathered + received))
         # without an engine (Unreplicated) the parameter's .grad is the gradient, already in step_grads

@@ -35,14 +35,17 @@ from cost_models.placements import is_sharded
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
 from partitioner.planner.plan import ParallelConfig
-from partitioner.planner.tensor_split import TensorSplits
+from partitioner.planner.tensor_split import TPCollective, TensorSplits
 from partitioner.tracer.opgraph import OpGraph
 from partitioner.tracer.symbolic import Poly
 
 __all__ = ["CostContext", "UnitArrays", "UnitCost", "units_of"]
 
 _S = Poly.from_terms({(0, 1): 1.0})  # a dimension of the sequence's length
-_SAVED_OPS = frozenset(SELECTIVE_KEEPS)  # what selective recomputation keeps, as the runtime's policy does
+_SAVED_OPS = frozenset(SELECTIVE_KEEPS)
+# Under sequence parallelism a column-parallel matmul keeps only this rank's tokens of its input for backward
+# and all-gathers them again there, overlapped with its input-gradient matmul (half its backward)
+_REGATHER = "sequence parallel: input all-gathered again for backward, behind the input-gradient matmul"  # what selective recomputation keeps, as the runtime's policy does
 
 
 def units_of(g: OpGraph, granularity: str = "block") -> tuple[tuple[int, int], ...]:
@@ -96,6 +99,9 @@ class CostContext:
         self._collectives: dict[str, list] = {}
         for c in splits.collectives:
             self._collectives.setdefault(c.node, []).append(c)
+        self._seq = splits.sequence.nodes
+        self._coll_id = {id(c): i for i, c in enumerate(splits.collectives)}
+        self._sp_collectives = self._sequence_collectives(g, splits)
         # Units with the same nodes, costs and splits (copied blocks) share one id, so their
         # costs are evaluated once per setting and memo keys stay small.
         ids: dict[tuple, int] = {}
@@ -113,9 +119,47 @@ class CostContext:
     # ---- static structure ------------------------------------------------
     def _unit_key(self, a: int, b: int) -> tuple:
         nodes = self.g.nodes[a:b]
-        return tuple((n.cost, n.name in self.splits.sharded_nodes,
+        return tuple((n.cost, n.name in self.splits.sharded_nodes, n.name in self._seq,
                       tuple((c.phase, c.bytes) for c in self._collectives.get(n.name, ())),
+                      tuple((c.phase, c.kind, c.bytes) for c in self._sp_collectives[1].get(n.name, ())),
                       n.output.nbytes(1, 1) if n.output else 0) for n in nodes)
+
+    @staticmethod
+    def _sequence_collectives(g: OpGraph, splits: TensorSplits) -> tuple[frozenset[int], dict[str, list[TPCollective]]]:
+        """Under sequence parallelism (partitioner.planner.sequence_split): the tensor collectives it replaces
+        (their ids in splits.collectives) and what it runs instead, per node. A reduce-scatter where a
+        row-parallel (or vocab embedding) output was all-reduced, its all-gather in backward; an all-gather before
+        each tensor-split reader, and in backward a reduce-scatter of its gradient and the same all-gather again
+        (the reader keeps only this rank's tokens for backward, Megatron's choice, so the activations are 1/tp);
+        the gradients of replicated parameters applied to 1/tp of the tokens summed."""
+        seq = splits.sequence
+        out: dict[str, list[TPCollective]] = {}
+        nbytes = {n.name: n.output.nbytes_poly() for n in g.nodes if n.output is not None}
+        needs_grad = {n.name: n.requires_grad for n in g.nodes}
+
+        def add(node: str, phase: str, kind: str, b: Poly, what: str) -> None:
+            out.setdefault(node, []).append(TPCollective(node=node, phase=phase, kind=kind, bytes=b, what=what))
+
+        scattered = {n for n, _ in seq.scatters}
+        gathered_by_tp = {n for n, _, _, k in seq.gathers if k == "tp"}
+        for n, _ in seq.scatters:
+            add(n, "forward", "reduce_scatter", nbytes[n], "sequence parallel: output reduce-scattered over tokens")
+            add(n, "backward", "all_gather", nbytes[n], "sequence parallel: its gradient all-gathered")
+        for n, x, _, kind in seq.gathers:
+            add(n, "forward", "all_gather", nbytes[x], f"sequence parallel: {x} all-gathered over tokens")
+            if kind == "tp" and needs_grad.get(x, False):
+                add(n, "backward", "reduce_scatter", nbytes[x], "sequence parallel: input gradient reduce-scattered")
+                add(n, "backward", "all_gather", nbytes[x], _REGATHER)
+        for n, x, _ in seq.chunks:
+            if needs_grad.get(x, False):
+                add(n, "backward", "all_gather", nbytes[x], f"sequence parallel: gradient of {x} all-gathered")
+        for n, b in seq.param_grads:
+            add(n, "backward", "all_reduce", Poly.const(b), "sequence parallel: replicated parameter gradient")
+        replaced = frozenset(i for i, c in enumerate(splits.collectives)
+                             if (c.node in scattered and c.phase == "forward" and c.kind == "all_reduce"
+                                 and c.what in ("row-parallel output (g)", "vocab-parallel embedding output"))
+                             or (c.node in gathered_by_tp and c.what == "column input gradient (f)"))
+        return replaced, out
 
     def _boundary_bytes(self) -> list[Poly]:
         """Bytes crossing each unit boundary: outputs made before it and read after it."""
@@ -172,16 +216,18 @@ class CostContext:
             hit = self._low_rank[tp] = (prefix, shared)
         return hit
 
-    def boundary_bytes(self, u: int, mb: int) -> float:
-        """Activation bytes sent from unit u to unit u + 1 for one microbatch."""
-        return self._boundary[u](mb, self.seq) * self.scale
+    def boundary_bytes(self, u: int, mb: int, split: int = 1) -> float:
+        """Activation bytes sent from unit u to unit u + 1 for one microbatch; `split`: the tensor degree under
+        sequence parallelism, which cuts the hidden state at every cut over the tensor group."""
+        return self._boundary[u](mb, self.seq) * self.scale / split
 
     # ---- per unit ----------------------------------------------------------
-    def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str) -> UnitCost:
-        key = (self._keys[u], tp, mb, recompute)
+    def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str, sp: bool = False) -> UnitCost:
+        sp = sp and tp > 1
+        key = (self._keys[u], tp, mb, recompute, sp)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute)
+            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp)
         params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
         return dataclasses.replace(hit, params=params)
 
@@ -194,7 +240,7 @@ class CostContext:
         return any(spec is not None and len(spec.shape) >= 2 and all(d == _S for d in spec.shape[-2:])
                    for spec in specs)
 
-    def _eval_unit(self, u: int, tp: int, mb: int, recompute: str) -> UnitCost:
+    def _eval_unit(self, u: int, tp: int, mb: int, recompute: str, sp: bool = False) -> UnitCost:
         a, b = self.units[u]
         s, sc = self.seq, self.scale
         tp_ranks = Mesh(1, 1, tp).tp_ranks()  # every tensor group sits alike: consecutive ranks
@@ -209,7 +255,7 @@ class CostContext:
         for i in range(a, b):
             n = self.g.nodes[i]
             c = n.cost
-            d = tp if (tp > 1 and n.name in self.splits.sharded_nodes) else 1
+            d = tp if (tp > 1 and (n.name in self.splits.sharded_nodes or (sp and n.name in self._seq))) else 1
             if n.output is not None and n.output.dtype.startswith(("float", "bfloat")) and \
                     (n.block is not None or not self.g.blocks):  # the prefix's and suffix's are the loss's moment
                 biggest = max(biggest, n.output.nbytes(mb, s) * sc / d)
@@ -221,10 +267,16 @@ class CostContext:
             kept = c.activation_bytes(mb, s) * sc / d
             collective_f = 0.0
             if tp > 1:
-                for coll in self._collectives.get(n.name, ()):
+                colls = self._collectives.get(n.name, ())
+                if sp:
+                    colls = [c for c in colls if self._coll_id[id(c)] not in self._sp_collectives[0]] + \
+                        self._sp_collectives[1].get(n.name, [])
+                for coll in colls:
                     t = getattr(self.comm, coll.kind)(coll.bytes(mb, s) * sc, tp_ranks)
                     if coll.phase == "forward":
                         collective_f += t
+                    elif coll.what == _REGATHER:  # issued before the input-gradient matmul, as Megatron does
+                        bwd += max(0.0, t - tb / 2)
                     else:
                         bwd += t
             if n.block is None:
@@ -252,11 +304,11 @@ class CostContext:
         return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
                         largest_output=biggest)
 
-    def unit_arrays(self, tp: int, mb: int, recompute: str) -> UnitArrays:
-        key = (tp, mb, recompute)
+    def unit_arrays(self, tp: int, mb: int, recompute: str, sp: bool = False) -> UnitArrays:
+        key = (tp, mb, recompute, sp and tp > 1)
         hit = self._arrays.get(key)
         if hit is None:
-            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute) for u in range(len(self.units))]
+            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp) for u in range(len(self.units))]
             owners: dict[str, list[tuple[int, float]]] = {}
             in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
             largest = [0.0] * len(self.units)
@@ -280,7 +332,7 @@ class CostContext:
                 max_unit_c=max(x.forward_s + x.backward_s for x in uc))
         return hit
 
-    def p2p_times(self, pp: int, stride: int, mb: int) -> tuple[float, ...]:
+    def p2p_times(self, pp: int, stride: int, mb: int, split: int = 1) -> tuple[float, ...]:
         """Time to send one microbatch's activations across each unit boundary.
 
         Pipeline neighbours sit dp*tp ranks apart in the mesh; every adjacent
@@ -288,10 +340,10 @@ class CostContext:
         """
         if pp == 1:
             return tuple(0.0 for _ in range(len(self.units) - 1))
-        key = (stride, mb)
+        key = (stride, mb, split)
         hit = self._p2p.get(key)
         if hit is None:
-            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb), 0, stride)
+            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb, split), 0, stride)
                                          for u in range(len(self.units) - 1))
         return hit
 

@@ -258,6 +258,11 @@ def _kinds(p: Plan) -> str:
             + "; ".join(f"kind {k} = {ranges_text(v)}" for k, v in sorted(by_kind.items())))
 
 
+def _sequence(p: Plan) -> str:
+    return (f"sp: the ops between tensor-split regions (norms, dropouts, residual adds) run on 1/{p.tp} of the tokens; "
+            "row-parallel outputs reduce-scattered, column-parallel inputs all-gathered")
+
+
 def format_plan(p: Plan) -> str:
     c, pr = p.config, p.predicted
     lines = _wrap(f"Plan for {p.model_name} on {p.topology_name} ({p.world_size} devices), global batch "
@@ -280,6 +285,7 @@ def format_plan(p: Plan) -> str:
             ("schedule", _schedule(p)),
             *([("blocks", _kinds(p))] if p.block_kinds else []),
             ("recompute", f"{c.recompute}: {_RECOMPUTE[c.recompute]}"),
+            *([("sequence", _sequence(p))] if c.sp else []),
             ("compression", compression_text(p)),
             *([("async sgd", _async_sgd(p))] if p.async_sgd else []),
             *([("attention", _attention(p))] if p.attention_rewrites else []),
@@ -350,6 +356,13 @@ def explain_plan(p: Plan) -> str:
                    f"{sum(1 for x in p.placements if x.role == 'column')} column, "
                    f"{sum(1 for x in p.placements if x.role == 'row')} row, "
                    f"{sum(1 for x in p.placements if x.role.startswith('vocab'))} vocab-parallel parameters.")
+    if c.sp:
+        out.append(f"- sequence parallelism in each tensor group: {_sequence(p)}; the same bytes as the all-reduces "
+                   "it replaces, the activations between the tensor-split regions divided by "
+                   f"{c.tp}{' (declared)' if 'sp' in p.declarations else ''}.")
+    elif c.tp > 1 and p.declarations.get("sp") is False:
+        out.append("- no sequence parallelism, as declared (sp=False): the layer norms, dropouts and residual adds "
+                   f"run on every token in each of the {c.tp} tensor ranks.")
     if c.dp > 1:
         out.append(f"- {c.dp} data-parallel replicas with ZeRO stage {c.zero_stage}; exposed communication "
                    f"{_ms(pr.exposed_comm_s)} ms per step; gradient compression: {compression_text(p)}.")

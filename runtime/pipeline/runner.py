@@ -42,7 +42,7 @@ class PipelineRunner:
                  microbatch_size: int, num_microbatches: int, clip_grad_norm: float | None,
                  placements: Mapping[str, tuple[str, int]], full_keys: Sequence[tuple[str, str]],
                  mesh: Sequence[tuple[int, int, int, int]], program_hash: str,
-                 hidden_shape: Sequence[int | tuple[str, int]] | None = None, hidden_dtype: torch.dtype | None = None):
+                 hidden_shape: Sequence[int | tuple[str, int] | tuple[str, int, int]] | None = None, hidden_dtype: torch.dtype | None = None):
         self.stage, self.engine, self.optimizer, self.loss_fn = stage, engine, optimizer, loss_fn
         self.collectives, self.groups, self.tie_group, self.tie_first = collectives, groups, tie_group, tie_first
         self.dp_rank, self.dp_size, self.tp_size = dp_rank, dp_size, tp_size
@@ -83,7 +83,9 @@ class PipelineRunner:
     def _activation_shape(self, s: int, i: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The hidden state's shape on microbatch i, from its inputs' sizes: no shape message needed."""
         named = self.stage.named_inputs(self._xs[i])
-        shape = tuple(d if isinstance(d, int) else named[d[0]].shape[d[1]] for d in self.hidden_shape)
+        # (input, dim, k): the tokens split k ways under sequence parallelism
+        shape = tuple(d if isinstance(d, int) else named[d[0]].shape[d[1]] // (d[2] if len(d) > 2 else 1)
+                      for d in self.hidden_shape)
         return shape, self.hidden_dtype
 
     def _grad_sync(self, s: int) -> None:

@@ -74,6 +74,9 @@ __all__ = [
     "reduce_from_tp",
     "scatter_to_tp",
     "shard_parameter",
+    "sp_gather",
+    "sp_scatter",
+    "sp_vocab_embedding",
     "TPContext",
     "tp_copy",
     "tp_reduce",
@@ -115,7 +118,7 @@ def _all_gather(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Te
     front = x.movedim(dim, 0).contiguous()                        # (n, ...)
     out = front.new_empty((p * front.shape[0], *front.shape[1:]))  # (p*n, ...)
     coll.all_gather(out, front, group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # generated code views it as the traced (contiguous) tensor
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Tensor:
@@ -129,7 +132,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, coll: Collectives) -> torc
     front = x.movedim(dim, 0).contiguous()                          # (p*n, ...)
     out = front.new_empty((front.shape[0] // p, *front.shape[1:]))  # (n, ...)
     coll.reduce_scatter(out, front, group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -275,13 +278,18 @@ def vocab_parallel_embedding(ids: torch.Tensor, local_weight: torch.Tensor, voca
     vocab_start + local_weight.shape[0] - 1. Looks up the ids it holds, zeros the rows of the
     rest and all-reduces (g), so every rank gets the full lookup. (B, T) -> (B, T, h).
     padding_idx (a global id, as nn.Embedding's): its row gets no gradient, on the rank holding it."""
+    return reduce_from_tp(_local_lookup(ids, local_weight, vocab_start, padding_idx), group, collectives)
+
+
+def _local_lookup(ids: torch.Tensor, local_weight: torch.Tensor, vocab_start: int,
+                  padding_idx: int | None) -> torch.Tensor:
+    """This rank's rows of the lookup, zeros for the ids it does not hold: (B, T) -> (B, T, h) partial sums."""
     vocab_end = vocab_start + local_weight.shape[0]
     outside = (ids < vocab_start) | (ids >= vocab_end)           # (B, T)
     local_ids = (ids - vocab_start).masked_fill(outside, 0)
     pad = padding_idx - vocab_start if padding_idx is not None and vocab_start <= padding_idx < vocab_end else None
     out = F.embedding(local_ids, local_weight, padding_idx=pad)  # (B, T, h)
-    out = out.masked_fill(outside.unsqueeze(-1), 0.0)            # also zeros the gradient to row 0
-    return reduce_from_tp(out, group, collectives)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)           # also zeros the gradient to row 0
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -422,6 +430,26 @@ def tp_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, ignore_i
     """aten.cross_entropy_loss (mean) over logits split by vocabulary (see `vocab_parallel_cross_entropy`)."""
     return vocab_parallel_cross_entropy(local_logits, targets, tp.rank * local_logits.shape[-1], tp.group,
                                         tp.collectives, ignore_index=ignore_index)
+
+
+def sp_gather(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
+    """Sequence parallelism: a token-split value all-gathered along `dim` for a tensor-split reader (a
+    column-parallel matmul replaces f by it); the gradient, a partial sum on each rank, reduce-scattered."""
+    return gather_from_tp(x, dim, tp.group, tp.collectives)
+
+
+def sp_scatter(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
+    """Sequence parallelism: a row-parallel matmul's partial sums reduce-scattered along the token dim `dim`
+    (instead of g's all-reduce); this rank keeps its slice of the tokens."""
+    return scatter_to_tp(x, dim, tp.group, tp.collectives)
+
+
+def sp_vocab_embedding(local_weight: torch.Tensor, ids: torch.Tensor, dim: int, tp: TPContext,
+                       padding_idx: int = -1) -> torch.Tensor:
+    """`tp_vocab_embedding` whose output is reduce-scattered along the token dim `dim` (sequence parallelism)
+    instead of all-reduced."""
+    local = _local_lookup(ids, local_weight, tp.rank * local_weight.shape[0], None if padding_idx < 0 else padding_idx)
+    return scatter_to_tp(local, dim, tp.group, tp.collectives)
 
 
 class _GatherOutput(torch.autograd.Function):

@@ -202,15 +202,21 @@ def _order(stack: str | None, n: int) -> list[Any]:
     return ["prefix", *range(n), "suffix"] if stack is not None else ["suffix"]
 
 
+def _piece(st: Setup, x: torch.Tensor | None, t: int) -> torch.Tensor | None:
+    """Slice t's part of a hidden state at a cut: all of it, or under sequence parallelism its tokens."""
+    d = st.facts.cut_dim
+    return x if x is None or d is None else x.chunk(st.facts.tp, d)[t]
+
+
 def _gen_forward(st: Setup, stack: str | None, n: int, ref: dict[str, Any], t: int) -> dict[str, Any]:
     """Slice t's stages with every block fed the module's input, the generated functions' values traced by name."""
     rc: _Cuts = ref["cuts"]
-    feed = {i: rc.input(i) for i in range(n)}
+    feed = {i: _piece(st, rc.input(i), t) for i in range(n)}
     state = _State()
     mine = [rk for (_, tt), rk in sorted(st.ranks.items()) if tt == t and stack is not None]
     cuts = _Cuts([_Cut(_blocks_of(rk.stage.module, stack),
                        sorted(i for a, b, _, _ in rk.stage.stages.values() for i in range(a, b)), n, state, feed,
-                       rc.input("suffix")) for rk in mine])
+                       _piece(st, rc.input("suffix"), t)) for rk in mine])
     traced: dict[Any, dict[str, torch.Tensor]] = {}
 
     def local(frame, event, arg):
@@ -233,7 +239,7 @@ def _gen_forward(st: Setup, stack: str | None, n: int, ref: dict[str, Any], t: i
         for s in range(st.num_stages):
             a, b, _, _ = st.stage_of(s, t).stages[s]
             # the module's hidden state where the stage starts (a block's pre-hook swaps it in anyway)
-            src = None if s == 0 else x if stack is None else rc.input(a) if b > a else rc.input("suffix")
+            src = None if s == 0 else x if stack is None else _piece(st, rc.input(a) if b > a else rc.input("suffix"), t)
             x = st.stage_of(s, t).stage_callable(s)(None if src is None else src.detach().clone().requires_grad_(),
                                                    st.inputs)
     finally:
@@ -250,8 +256,8 @@ def _isolate(st: Setup, stack: str | None) -> tuple[str, str]:
     seg_grads: dict[Any, tuple[dict[str, torch.Tensor | None], list[Diff]]] = {}
     in_grads: dict[Any, list[torch.Tensor | None]] = {}
     for seg in _order(stack, n)[::-1]:
-        in_grads[seg] = on_slices(st, lambda t, seg=seg: _backward(fwd[t]["cuts"], seg, n, fwd[t]["loss"],
-                                                                   ref["in_grads"]))
+        in_grads[seg] = on_slices(st, lambda t, seg=seg: _backward(
+            fwd[t]["cuts"], seg, n, fwd[t]["loss"], {k: _piece(st, g, t) for k, g in ref["in_grads"].items()}))
         seg_grads[seg] = gathered_grads(st, names)
         zero_grads(st)
     for seg in _order(stack, n):
@@ -291,8 +297,8 @@ def _segment_verdict(st: Setup, stack: str | None, seg: Any, ref: dict[str, Any]
                         enumerate(zip(got, want))]
             forward.append(compare(f"loss (tensor slice {t})", f["loss"], ref["loss"], **tol))
         else:
-            forward.append(compare(f"output (tensor slice {t})", f["cuts"].output(seg), ref["cuts"].output(seg),
-                                   **tol))
+            forward.append(compare(f"output (tensor slice {t})", f["cuts"].output(seg),
+                                   _piece(st, ref["cuts"].output(seg), t), **tol))
     forward = [d for d in forward if not d.ok]
     ref_grads = ref["grads"][seg]
     params = [compare(f"gradient of {name}", g, ref_grads.get(name), **tol)
@@ -300,7 +306,7 @@ def _segment_verdict(st: Setup, stack: str | None, seg: Any, ref: dict[str, Any]
     params = [d for d in params if not d.ok] + [d for d in disagree if not d.ok]
     want_in = ref["in_grads"].get(seg)
     inputs = [d for t, g in enumerate(in_grads)
-              for d in [compare(f"gradient of its input (tensor slice {t})", g, want_in, **tol)]
+              for d in [compare(f"gradient of its input (tensor slice {t})", g, _piece(st, want_in, t), **tol)]
               if not d.ok and want_in is not None]
     if not (forward or params or inputs):
         return None

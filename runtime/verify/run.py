@@ -55,6 +55,8 @@ class Facts:
     # the programs run generated model code: always with pp or tp > 1; with pp = tp = 1 when the plan's
     # attention was rewritten to a fused kernel (else they run the module itself)
     has_code: bool = True
+    # under sequence parallelism: the dim of the hidden state every cut splits over the tensor slices
+    cut_dim: int | None = None
 
 
 def plan_facts(plan: Any) -> Facts:
@@ -63,8 +65,10 @@ def plan_facts(plan: Any) -> Facts:
     ranks = tuple(sorted((get(m, "rank"), get(m, "pp"), get(m, "tp")) for m in mesh if get(m, "dp") == 0))
     code = plan.get("code") if isinstance(plan, Mapping) else getattr(plan, "code", None)
     pp, tp = get(c, "pp"), get(c, "tp")
+    cut_dim = None if code is None else code.get("sp_dim") if isinstance(code, Mapping) else code.sp_dim
     return Facts(pp=pp, tp=tp, dp=get(c, "dp"), microbatch_size=get(c, "microbatch_size"),
-                  seq_len=get(plan, "seq_len"), ranks=ranks, has_code=code is not None or pp > 1 or tp > 1)
+                 seq_len=get(plan, "seq_len"), ranks=ranks, has_code=code is not None or pp > 1 or tp > 1,
+                 cut_dim=cut_dim)
 
 
 # ---- dropout off -----------------------------------------------------------------------------
