@@ -5,9 +5,8 @@
 
 Runs, each on the same (B, H, S, D), causal, fp32, timing forward plus backward of attention alone:
 - `sdpa`: one process, F.scaled_dot_product_attention on the full sequence, as many threads as the cp
-  run has ranks (the same cores), with the default CPU kernel (flash) and with the math backend (plain
-  matmuls and softmax, the kind of body `runtime.context.ring_attention` computes its blocks with, so the
-  ratio against it is the ring's own cost, not the kernel's);
+  run has ranks (the same cores), with the default CPU kernel (flash, which ring attention's blocks and
+  Ulysses also use) and with the math backend (plain matmuls and softmax, the ring's body off CPU);
 - `ring cp2`, `ulysses cp2`: runtime.context on 2 spawned Gloo ranks, one thread each;
 - `torch cp2`: torch.distributed.tensor.experimental.context_parallel on the same shapes, if it runs on
   Gloo/CPU in this torch; if not, one line saying why.

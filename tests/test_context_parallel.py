@@ -1,7 +1,9 @@
 """Context parallelism (runtime.context): the load-balanced split, ring attention and Ulysses against SDPA.
 
 - the split: shard/unshard round-trip, positions, the errors; the ring's block plan gives every rank the
-  same work at every step and covers exactly the causal (query, key) pairs (no processes);
+  same work at every step and covers exactly the causal (query, key) pairs; the ring's algebra in one
+  process, on both block bodies (CPU flash and matmuls): blocks merged by log-sum-exp give SDPA's output,
+  their backward shares from the final out and lse sum to its gradients (no processes);
 - real Gloo worlds of 2 and 4 ranks (slow): the output and dq, dk, dv of ring attention and Ulysses, causal
   and not, with and without GQA, match `F.scaled_dot_product_attention` on the full sequence in one
   process (fp32, 1e-5), and the counting shim saw the ring's sends and Ulysses' all-to-alls, in number and
@@ -179,3 +181,51 @@ def test_errors_on_a_group_name_the_fix(spawned, world):
         assert f"3 query heads do not divide by cp={world}" in r["errors"]["ulysses_heads"]
         assert "or use ring_attention" in r["errors"]["ulysses_heads"]
         assert f"not divisible by 2 * cp = {2 * world}" in r["errors"]["odd_shard"]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-flash", "matmuls"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_blocks_merged_by_lse_and_their_backward_shares_sum_to_sdpa(fused, causal):
+    """The ring's algebra in one process, on both block bodies: a load-balanced cp=3 split of S=192 (blocks of
+    64, past the flash kernel's tiles, sliced as views), every (query shard, key shard) block merged by the
+    online softmax gives SDPA's output, and the blocks' backward shares from the final out and lse sum to
+    SDPA's dq, dk, dv."""
+    from runtime.context.ring_attention import block_backward, block_forward
+
+    cp, seq = 3, 192
+    g = torch.Generator().manual_seed(1)
+    q, k, v, grad = (torch.randn(1, 2, seq, 16, generator=g) for _ in range(4))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    want = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+    want.backward(grad)
+    scale = 16 ** -0.5
+    shard = [[shard_sequence(t, 2, r, cp) for r in range(cp)] for t in (q, k, v, grad)]
+    outs, lses, plans = [], [], {}
+    for r in range(cp):
+        out = torch.zeros_like(shard[0][r])
+        lse = torch.full(out.shape[:3], float("-inf"))
+        for src in range(cp):
+            plan = _block_plan(positions(seq, r, cp), positions(seq, src, cp)) if causal else \
+                (slice(None), slice(None), None)
+            if plan is None:
+                continue
+            plans[r, src] = rows, cols, mask = plan
+            o_b, l_b = block_forward(shard[0][r][:, :, rows], shard[1][src][:, :, cols], shard[2][src][:, :, cols],
+                                     scale, mask, fused=fused)
+            new = torch.logaddexp(lse[:, :, rows], l_b)
+            out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - new).exp().unsqueeze(-1)
+                               + o_b * (l_b - new).exp().unsqueeze(-1))
+            lse[:, :, rows] = new
+        outs.append(out)
+        lses.append(lse)
+    torch.testing.assert_close(unshard_sequence(outs, 2), want.detach(), rtol=1e-5, atol=1e-5)
+    dq, dk, dv = ([torch.zeros_like(s) for s in shard[0]] for _ in range(3))
+    for (r, src), (rows, cols, mask) in plans.items():
+        a, b, c = block_backward(shard[3][r][:, :, rows], shard[0][r][:, :, rows], shard[1][src][:, :, cols],
+                                 shard[2][src][:, :, cols], outs[r][:, :, rows], lses[r][:, :, rows], scale, mask,
+                                 fused=fused)
+        dq[r][:, :, rows] += a
+        dk[src][:, :, cols] += b
+        dv[src][:, :, cols] += c
+    for name, got, ref in (("dq", dq, qr.grad), ("dk", dk, kr.grad), ("dv", dv, vr.grad)):
+        torch.testing.assert_close(unshard_sequence(got, 2), ref, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -27,9 +27,11 @@ Point to point: Gloo runs isend/irecv (docs: TORCH-NOTES "Collectives over Gloo"
 `Collectives.send/recv`, so the shim counts the ring's traffic: per call, cp - 1 sends of a k/v block
 forward, cp - 1 of k/v plus cp of dk/dv backward. Gloo matches messages by (source, tag) only, so each
 step and direction has its own tag (`_tag`), every receive names its peer, and every rank posts in the
-same order. The block computation is plain fp32 matmuls (the probabilities of one (S/cp)^2 block at a
-time): on a GPU a fused kernel that returns the log-sum-exp (flash attention's) is the faster body for
-the same ring.
+same order. A block is computed in fp32 by a kernel that returns its log-sum-exp and whose backward
+takes the final one (`block_forward`, `block_backward`): on CPU torch's flash kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu`, private, so looked up with a fallback), elsewhere
+plain matmuls holding one (S/cp)^2 block of probabilities at a time; on a GPU the CUDA flash kernel's
+pair would be the body for the same ring.
 
 GQA (fewer k/v heads than q heads, H % H_kv == 0): the blocks travel with H_kv heads, each q head uses
 k/v head h // (H / H_kv) as SDPA's `enable_gqa`, and dk/dv are summed back over each group.
@@ -109,6 +111,45 @@ def _scores(q, k, scale, mask):
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
+def _fused(q: torch.Tensor) -> bool:
+    # torch's CPU flash kernel returns the log-sum-exp and takes it back in its backward: the fused body
+    # for a block (SDPA forward+backward, B=1 H=8 S=1024 D=64, 2 threads: flash 27 ms, matmuls 92 ms;
+    # bench/long_context.py). Elsewhere, the matmuls.
+    return q.device.type == "cpu" and _CPU_FLASH is not None
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _additive(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The CPU flash kernel takes a mask in the query's dtype, added to the scores."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def block_forward(q, k, v, scale: float, mask: torch.Tensor | None, *, fused: bool | None = None):
+    """(out, lse) of fp32 q (B, H, m, D) over k, v (B, H, n, D) where mask (m, n) holds (None: all):
+    out (B, H, m, D) normalised within the block, lse (B, H, m). Every row must see a key."""
+    if _fused(q) if fused is None else fused:
+        return _CPU_FLASH(q, k, v, 0.0, False, attn_mask=_additive(mask), scale=scale)
+    s = _scores(q, k, scale, mask)                                   # (B, H, m, n)
+    lse = torch.logsumexp(s, -1)                                     # (B, H, m)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def block_backward(do, q, k, v, out, lse, scale: float, mask: torch.Tensor | None, *, fused: bool | None = None):
+    """(dq, dk, dv) of one block, given the rows' final out and lse over the whole sequence (fp32):
+    p = exp(s - lse) are then the true probabilities, and the blocks' shares sum to the gradient."""
+    if _fused(q) if fused is None else fused:
+        return _CPU_FLASH_BACKWARD(do, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask), scale=scale)
+    p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))   # (B, H, m, n)
+    dv = torch.matmul(p.transpose(-2, -1), do)
+    ds = p * (torch.matmul(do, v.transpose(-2, -1)) - (do * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
+
+
 def _repeat(kv: torch.Tensor, groups: int) -> torch.Tensor:
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
@@ -165,9 +206,7 @@ class _RingAttention(torch.autograd.Function):
             if plan is not None:
                 rows, cols, mask = plan
                 kb, vb = (_repeat(_take(t, cols), groups) for t in kv)
-                s = _scores(_take(qf, rows), kb, scale, mask)             # (B, H, m, n)
-                lse_b = torch.logsumexp(s, -1)                           # (B, H, m): finite, every row sees a key
-                out_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), vb)
+                out_b, lse_b = block_forward(_take(qf, rows), kb, vb, scale, mask)   # (B, H, m, D), (B, H, m)
                 lse_old, out_old = _take(lse.unsqueeze(-1), rows).squeeze(-1), _take(out, rows)
                 lse_new = torch.logaddexp(lse_old, lse_b)
                 merged = (out_old * torch.exp(lse_old - lse_new).unsqueeze(-1)
@@ -188,8 +227,7 @@ class _RingAttention(torch.autograd.Function):
         groups = q.shape[1] // k.shape[1]
         seq = q.shape[2] * ring.cp
         q_pos = positions(seq, ring.rank, ring.cp) if ctx.causal else None
-        qf, do = q.float(), grad_out.float()
-        delta = (do * out.float()).sum(-1, keepdim=True)                   # (B, H, S/cp, 1)
+        qf, do, outf = q.float(), grad_out.float().contiguous(), out.float()
         kv = torch.stack([k, v]).float()                                  # (2, B, H_kv, S/cp, D)
         dq = torch.zeros_like(qf)
         dkv, dkv_works = None, []                                         # the accumulator that travels
@@ -203,12 +241,9 @@ class _RingAttention(torch.autograd.Function):
             if plan is not None:
                 rows, cols, mask = plan
                 kb, vb = (_repeat(_take(t, cols), groups) for t in kv)
-                qb, dob = _take(qf, rows), _take(do, rows)
-                p = torch.exp(_scores(qb, kb, ctx.scale, mask) - _take(lse.unsqueeze(-1), rows))  # (B, H, m, n)
-                dv = torch.matmul(p.transpose(-2, -1), dob)
-                ds = p * (torch.matmul(dob, vb.transpose(-2, -1)) - _take(delta, rows))
-                dq[:, :, rows] += torch.matmul(ds, kb) * ctx.scale
-                dk = torch.matmul(ds.transpose(-2, -1), qb) * ctx.scale
+                dq_b, dk, dv = block_backward(_take(do, rows), _take(qf, rows), kb, vb, _take(outf, rows),
+                                              _take(lse.unsqueeze(-1), rows).squeeze(-1), ctx.scale, mask)
+                dq[:, :, rows] += dq_b
                 mine[0][:, :, cols] = _fold(dk, groups)
                 mine[1][:, :, cols] = _fold(dv, groups)
             # src's accumulator comes from rank r - 1, which held the block one step earlier
