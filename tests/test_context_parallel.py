@@ -5,8 +5,8 @@
   process, on both block bodies (CPU flash and matmuls): blocks merged by log-sum-exp give SDPA's output,
   their backward shares from the final out and lse sum to its gradients (no processes);
 - real Gloo worlds of 2 and 4 ranks (slow): the output and dq, dk, dv of ring attention and Ulysses, causal
-  and not, with and without GQA, match `F.scaled_dot_product_attention` on the full sequence in one
-  process (fp32, 1e-5), and the counting shim saw the ring's sends and Ulysses' all-to-alls, in number and
+  and not, with and without GQA, and on cp subgroups of a world of 4, match
+  `F.scaled_dot_product_attention` on the full sequence in one process (fp32, 1e-5), and the counting shim saw the ring's sends and Ulysses' all-to-alls, in number and
   bytes;
 - group None is plain SDPA; the errors name the fix.
 """
@@ -134,6 +134,14 @@ def _worker(rank, world, store_path, out_dir):
             out.backward(grad)
             results[kernel, causal, h_kv] = {"grads": (out.detach(), q.grad, k.grad, v.grad),
                                              "counts": dict(coll.counts), "bytes": dict(coll.bytes)}
+        if world == 4:  # cp groups {0, 2} and {1, 3}: group ranks differ from global ranks
+            groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            pair, cp_rank = groups[rank % 2], rank // 2
+            for kernel in KERNELS:
+                q, k, v, grad = (shard_sequence(t, 2, cp_rank, 2) for t in _inputs(2))
+                q, k, v = (t.requires_grad_() for t in (q, k, v))
+                KERNELS[kernel](q, k, v, pair, Collectives()).backward(grad)
+                results["subgroup", kernel] = (None, q.grad, k.grad, v.grad)
         errors = {}
         q, k, v, _ = _inputs(H)
         try:                                                  # H = 4 heads, cp = 4: fine; 3 heads over cp = 2 or 4
@@ -157,6 +165,18 @@ def test_context_parallel_attention_matches_sdpa_on_the_full_sequence(spawned, w
     got = [unshard_sequence([r[kernel, causal, h_kv]["grads"][i] for r in ranks], 2) for i in range(4)]
     for name, g, want in zip(("out", "dq", "dk", "dv"), got, _reference(causal, h_kv)):
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_cp_subgroup_whose_ranks_are_not_the_global_ranks(spawned, kernel):
+    """World 4 as two cp groups {0, 2} and {1, 3}: the ring's peers are named by global rank."""
+    ranks = spawned(_worker, 4)
+    want = _reference(True, 2)
+    for members in ([0, 2], [1, 3]):
+        for i, name in ((1, "dq"), (2, "dk"), (3, "dv")):
+            got = unshard_sequence([ranks[m]["subgroup", kernel][i] for m in members], 2)
+            torch.testing.assert_close(got, want[i], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.slow
