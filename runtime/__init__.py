@@ -6,6 +6,7 @@ Read by stage of a step, bottom up:
 - `engines/`: one training step on a rank: data parallel (DDP, ZeRO-1/2/3), async SGD, mixed precision,
   recompute;
 - `pipeline/`: pipeline stages, the schedule executor, tensor-parallel slices of stage code;
+- `context/`: context parallelism: the load-balanced sequence split, ring and Ulysses attention;
 - `checkpoint/`: sharded checkpoints any plan of the model can load;
 - `verify/`: a plan's programs against the module, in one process;
 - `launch/`: local processes, torchrun / mpirun / SLURM, rendezvous, measurement, `Trainer`;
