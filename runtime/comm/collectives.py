@@ -8,7 +8,7 @@ and (c) each call is counted, so tests compare the collectives a step issues
 with the plan's instruction lists.
 
 `Collectives.counts` maps an op name ("all_reduce", "reduce_scatter",
-"all_gather", "all_to_all", "broadcast", "send", "recv", "barrier") to calls made;
+"all_gather", "all_to_all" (even, or uneven with split sizes), "broadcast", "send", "recv", "barrier") to calls made;
 `Collectives.bytes` to bytes passed (the full buffer of a collective, the
 tensor of a send or receive).
 """
@@ -100,6 +100,24 @@ class Collectives:
             f"all_to_all: {tuple(inp.shape)} -> {tuple(out.shape)} with {p} ranks: equal chunks, equal shapes"
         self._count("all_to_all", inp)
         return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], group=None, *, async_op: bool = False):
+        """Uneven all-to-all along dim 0: rows input_split_sizes[j] of inp go to rank j, and out's
+        output_split_sizes[i] rows came from rank i (expert parallelism's token dispatch). Counted as an
+        "all_to_all", its bytes those this rank sends."""
+        p = dist.get_world_size(group)
+        if len(input_split_sizes) != p or len(output_split_sizes) != p:
+            raise ValueError(f"all_to_all_single: {len(input_split_sizes)} input and {len(output_split_sizes)} output "
+                             f"split sizes for a group of {p} ranks: give one size per rank")
+        if sum(input_split_sizes) != inp.shape[0] or sum(output_split_sizes) != out.shape[0]:
+            raise ValueError(f"all_to_all_single: input splits {list(input_split_sizes)} (sum "
+                             f"{sum(input_split_sizes)}) for {inp.shape[0]} rows, output splits "
+                             f"{list(output_split_sizes)} (sum {sum(output_split_sizes)}) for {out.shape[0]} rows: "
+                             f"the splits must sum to the rows of their tensor")
+        self._count("all_to_all", inp)
+        return dist.all_to_all_single(out, inp, output_split_sizes=list(output_split_sizes),
+                                      input_split_sizes=list(input_split_sizes), group=group, async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, src: int, group=None, *, async_op: bool = False):
         """`src` is a global rank."""
