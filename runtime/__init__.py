@@ -7,6 +7,7 @@ Read by stage of a step, bottom up:
   recompute;
 - `pipeline/`: pipeline stages, the schedule executor, tensor-parallel slices of stage code;
 - `context/`: context parallelism: the load-balanced sequence split, ring and Ulysses attention;
+- `experts/`: expert parallelism: token routing, the all-to-all MoE layer, the router's balancing loss;
 - `checkpoint/`: sharded checkpoints any plan of the model can load;
 - `verify/`: a plan's programs against the module, in one process;
 - `launch/`: local processes, torchrun / mpirun / SLURM, rendezvous, measurement, `Trainer`;

@@ -1,0 +1,77 @@
+"""A rank's experts run on its received tokens, grouped by expert: one matmul chain per local expert.
+
+`ep_moe` calls `local_experts_fn(tokens, counts)` with tokens (N, H) sorted by local expert and counts
+(E_local,) summing to N (rows counts[0] go to the rank's first expert, and so on); it returns (N, H_out),
+row for row. Two bodies:
+
+- `batched_experts(gate_up_proj, down_proj)`: expert weights batched `[E_local, ...]` as Hugging Face's
+  MoE classes keep them (Mixtral, Qwen3-MoE, DeepSeek-V3: `gate_up_proj` (E, 2I, H) with the gate rows
+  first, `down_proj` (E, H, I)); each expert computes down(act(gate(x)) * up(x)), SiLU by default;
+- `module_experts(modules)`: a list of expert nn.Modules (a ModuleList of MLPs), each called on its rows.
+
+An expert that receives no tokens runs on zero rows: its output is empty and its weights' gradient zero,
+as in one process, and every rank still takes part in the collectives around it.
+
+>>> E, I, H = 2, 3, 4
+>>> gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+>>> fn = batched_experts(gate_up, down)
+>>> fn(torch.randn(5, H), torch.tensor([2, 3])).shape     # 2 rows to expert 0, 3 to expert 1
+torch.Size([5, 4])
+>>> fn(torch.randn(0, H), torch.tensor([0, 0])).shape     # nothing routed here
+torch.Size([0, 4])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LocalExpertsFn", "batched_experts", "module_experts"]
+
+# tokens (N, H) sorted by local expert, counts (E_local,) -> outputs (N, H_out)
+LocalExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _splits(tokens: torch.Tensor, counts: torch.Tensor, n_experts: int) -> list[torch.Tensor]:
+    sizes = [int(c) for c in counts.tolist()]
+    if len(sizes) != n_experts or sum(sizes) != tokens.shape[0]:
+        raise ValueError(f"counts {sizes} for {n_experts} local experts and {tokens.shape[0]} tokens: give one "
+                         f"count per local expert, summing to the tokens' rows")
+    return list(torch.split(tokens, sizes))
+
+
+def batched_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                    act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> LocalExpertsFn:
+    """This rank's experts from batched weights: gate_up_proj (E_local, 2I, H), down_proj (E_local, H, I).
+
+    Pass the rank's slice of the full `[E, ...]` parameters (experts `dispatch.local_experts(rank, ep, E)`),
+    or leaves of those shapes that the rank owns; gradients flow into whichever is passed."""
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3 or gate_up_proj.shape[0] != down_proj.shape[0] \
+            or gate_up_proj.shape[1] != 2 * down_proj.shape[2] or gate_up_proj.shape[2] != down_proj.shape[1]:
+        raise ValueError(f"batched experts take gate_up_proj (E, 2I, H) and down_proj (E, H, I); got "
+                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}: pass Hugging Face's "
+                         f"experts.gate_up_proj and experts.down_proj (sliced to this rank's experts on dim 0)")
+
+    def run(tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(_splits(tokens, counts, gate_up_proj.shape[0])):
+            gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)   # (n_e, I) each
+            outs.append(F.linear(act(gate) * up, down_proj[e]))            # (n_e, H)
+        return torch.cat(outs)                                             # (N, H)
+
+    return run
+
+
+def module_experts(modules: Sequence[nn.Module]) -> LocalExpertsFn:
+    """This rank's experts as modules (its slice of a ModuleList of identical MLPs), each on its own rows."""
+    modules = list(modules)
+    if not modules:
+        raise ValueError("module_experts got no modules: pass this rank's experts (E / ep of them, at least one)")
+
+    def run(tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(rows) for m, rows in zip(modules, _splits(tokens, counts, len(modules)))])
+
+    return run
