@@ -55,7 +55,7 @@ def load_balancing_loss(router_logits: torch.Tensor | Sequence[torch.Tensor], nu
         sums.append(torch.cat([counts, probs.sum(0), rows]))                        # (2E + 1,)
     total = reduce_from_tp(torch.stack(sums).sum(0), group, collectives)            # (2E + 1,) global sums
     n = total[-1]
-    if float(n) == 0:
+    if float(n.detach()) == 0:
         raise ValueError("load_balancing_loss over no tokens at all: no rank of the group passed a router row")
     tokens_per_expert = total[:num_experts] / n                                     # f_e
     prob_per_expert = total[num_experts:2 * num_experts] / n                       # P_e

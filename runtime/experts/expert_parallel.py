@@ -112,5 +112,5 @@ def ep_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, l
         done = local_experts_fn(received[by_expert.order], by_expert.expert_counts)     # (N, H_out)
         out = all_to_all_splits(done[by_expert.inverse], in_splits, out_splits, group, collectives)  # (T*k, H_out)
 
-    pairs = out[routing.inverse].view(t, k, -1)                           # (T, k, H_out) token, choice order
+    pairs = out[routing.inverse].view(t, k, out.shape[-1])                        # (T, k, H_out) token, choice order
     return (pairs * topk_weight.to(pairs.dtype).unsqueeze(-1)).sum(1)     # (T, H_out)
