@@ -9,10 +9,12 @@
   ranks that receive no token, a rank with no tokens at all), for batched `[E, ...]` and module experts, and
   on ep subgroups {0, 2} and {1, 3} of a world of 4;
   the counting shim sees 3 all-to-alls forward and 2 backward, with the bytes each rank sent;
-- Hugging Face's Qwen3-MoE and Mixtral sparse MoE blocks (small configs): their router on each rank's tokens
-  and their expert weights divided over the ranks give the block's output and the gradients of its input,
-  router and experts, with the router's load-balancing loss summed over ranks equal to
-  `load_balancing_loss_func` on all tokens (value and gradient).
+- the router's load-balancing loss from each rank's logits (one rank with none), on 2 and 4 ranks, equals
+  Hugging Face's `load_balancing_loss_func` on every token in one process, value and gradient, after one
+  all-reduce;
+- Hugging Face's Qwen3-MoE and Mixtral sparse MoE blocks (small configs) on 2 ranks: their router on each
+  rank's tokens and their expert weights divided over the ranks give the block's output and the gradients
+  of its input, router and experts, the load-balancing loss included in the loss.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from runtime.experts import (batched_experts, ep_moe, experts_per_rank, load_bal
 
 E, K, H, I = 4, 2, 8, 6
 WORLDS = (2, 4)
+# Each rank of a Hugging Face world imports transformers' modeling code (about 4 s of CPU a process): the
+# block is compared on 2 ranks, and 4-rank expert parallelism is covered by the dense comparison
+HF_WORLDS = (2,)
 CASES = [(routing, body) for routing in ("random", "skewed") for body in ("batched", "modules")]
 FAMILIES = ("qwen3_moe", "mixtral")
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -207,6 +212,7 @@ def _worker(rank, world, store_path, out_dir):
     with gloo_group(rank, world, store_path):
         result = {case: _run_case(rank, world, *case) for case in CASES}
         result["split_errors"] = _split_errors(world)
+        result["aux"] = _aux_rank(rank, world)
         if world == 4:  # ep=2 inside each of the subgroups {0, 2} and {1, 3}, as beside a data-parallel axis
             groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
             result["subgroup"] = _run_case(rank // 2, 2, "random", "batched", groups[rank % 2])
@@ -358,7 +364,7 @@ def _hf_worker(rank, world, store_path, out_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", HF_WORLDS)
 def test_ep_matches_a_hugging_face_moe_block(spawned, world, family):
     """Output, input gradient, router gradient (summed over ranks: each has its tokens' share) and each
     rank's slice of the batched expert gradients equal the HF block's on all tokens in one process; the
@@ -380,12 +386,44 @@ def test_ep_matches_a_hugging_face_moe_block(spawned, world, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("world", WORLDS)
-def test_the_load_balancing_loss_summed_over_ranks_is_hugging_faces(spawned, world, family):
+@pytest.mark.parametrize("world", HF_WORLDS)
+def test_the_hugging_face_blocks_load_balancing_loss_summed_over_ranks(spawned, world, family):
     ranks = [r[family] for r in spawned(_hf_worker, world)]
     ref = _hf_reference(family)
     for r in ranks:
         torch.testing.assert_close(r["aux"], ref["aux"], **TOL)
+
+
+def _router_logits(world: int) -> list[torch.Tensor]:
+    """Per rank: two layers' router logits (T, E) for the skewed case's token counts (the last rank: none)."""
+    g = torch.Generator().manual_seed(6)
+    return [torch.randn(2, p[0].shape[0], E, generator=g) for p in _tokens("skewed", world)]
+
+
+def _aux_rank(rank: int, world: int) -> dict:
+    logits = _router_logits(world)[rank].requires_grad_()                 # (layers, T, E)
+    coll = Collectives()
+    aux = load_balancing_loss(list(logits), E, K, dist.group.WORLD, coll)
+    (grad,) = torch.autograd.grad(aux, logits)
+    return dict(aux=aux.detach(), grad=grad, counts=dict(coll.counts))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_load_balancing_loss_summed_over_ranks_is_hugging_faces(spawned, world):
+    """Each rank's logits (one rank has none): the loss on every rank and the gradient of each rank's logits
+    equal `load_balancing_loss_func` on every token in one process, after one all-reduce."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    ranks = [r["aux"] for r in spawned(_worker, world)]
+    parts = [p.requires_grad_() for p in _router_logits(world)]
+    full = torch.cat(parts, dim=1)                                      # (layers, all tokens, E)
+    theirs = load_balancing_loss_func(tuple(full), E, K)
+    grads = torch.autograd.grad(theirs, parts)
+    for r, want in zip(ranks, grads):
+        torch.testing.assert_close(r["aux"], theirs.detach(), **TOL)
+        torch.testing.assert_close(r["grad"], want, **TOL)
+        assert r["counts"] == {"all_reduce": 1}
 
 
 def test_the_load_balancing_loss_of_one_rank_is_hugging_faces():

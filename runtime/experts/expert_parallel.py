@@ -21,7 +21,15 @@ Per call the counting shim sees 3 all-to-alls forward (counts, dispatch, combine
 Every rank of the group must call `ep_moe` (even with no tokens: T = 0) and backpropagate through its
 output, in the same order as the others: the collectives pair up by order, not by name.
 
-A group of None (or of one rank) runs every expert locally with no collective.
+A group of None (or of one rank) runs every expert locally with no collective:
+
+>>> from runtime.experts.grouped_experts import module_experts
+>>> experts = [lambda t, s=s: t * s for s in (1.0, 10.0, 100.0)]      # expert e multiplies by 10^e
+>>> x = torch.tensor([[1.0], [2.0]])                                   # T=2 tokens, H=1
+>>> topk_idx, topk_weight = torch.tensor([[0, 2], [1, 0]]), torch.tensor([[0.5, 0.5], [1.0, 0.0]])
+>>> ep_moe(x, topk_idx, topk_weight, module_experts(experts), 3, None, Collectives())   # 0.5*1 + 0.5*100, 1*20
+tensor([[50.5000],
+        [20.0000]])
 """
 
 from __future__ import annotations

@@ -65,8 +65,9 @@ def batched_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
     return run
 
 
-def module_experts(modules: Sequence[nn.Module]) -> LocalExpertsFn:
-    """This rank's experts as modules (its slice of a ModuleList of identical MLPs), each on its own rows."""
+def module_experts(modules: Sequence[nn.Module | Callable[[torch.Tensor], torch.Tensor]]) -> LocalExpertsFn:
+    """This rank's experts as modules (its slice of a ModuleList of identical MLPs), or any callables from
+    (n, H) rows to (n, H_out), each on its own rows."""
     modules = list(modules)
     if not modules:
         raise ValueError("module_experts got no modules: pass this rank's experts (E / ep of them, at least one)")
