@@ -133,6 +133,7 @@ SP_CASES = [
     ("gpt", 1, 1, 2, 0, "sgd"),    # vocab-parallel embedding reduce-scattered, position embedding cut by tokens
     ("gpt", 1, 1, 4, 0, "adamw"),
     ("gpt", 2, 2, 2, 1, "adamw"),  # the hidden state sent between stages is this rank's tokens
+    ("gpt", 1, 2, 2, 3, "sgd"),    # ZeRO-3's gathered parameters under token-split layer norms
     ("hf", 1, 1, 2, 0, "sgd"),     # Conv1D's flattened rows: tokens gathered where a view merges them
     ("llama", 1, 1, 2, 0, "sgd"),  # RMSNorm, rotary positions on the gathered tokens, untied vocab head
     ("llama", 2, 1, 2, 0, "adamw"),
@@ -145,6 +146,15 @@ def test_sequence_parallel_trains_like_one_process(name, pp, dp, tp, zero, opt):
     plan = plan_for(name, pp=pp, dp=dp, tp=tp, zero=zero, sp=True, on="meta" if pp > 1 else "cpu")
     assert plan.config.sp and plan.code.sp_dim is not None
     assert_same_training(plan, name, optimizer={"sgd": sgd, "adamw": adamw}[opt])
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_sequence_parallel_recomputes_its_gathers_like_one_process(recompute):
+    """Recomputation re-runs the token gathers in backward, under the saved-tensor hooks that keep them as
+    shards: every rank issues the same collectives in the same order."""
+    plan = plan_for("gpt", pp=2, dp=1, tp=2, recompute=recompute, sp=True)
+    assert plan.config.sp and plan.config.recompute == recompute
+    assert_same_training(plan, "gpt", optimizer=sgd)
 
 
 @pytest.mark.parametrize("on", ["cpu", "meta"])

@@ -155,3 +155,20 @@ def test_rotary_family_trains_under_bf16_mixed(plan_name):
     out = launch_local(plan, BUILDERS["qwen3"], sgd, hf_loss, batches(), timeout_s=180)
     want_losses, _ = reference("qwen3")
     assert out.losses == pytest.approx(want_losses, rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_rotary_family_trains_with_sequence_parallelism(precision):
+    """Qwen3 (per-head q/k norms, rotary tables from a no_grad region) under tp2 with sequence parallelism: the
+    RMSNorms between the regions see half the tokens, the rotary positions apply to the gathered ones. fp32 as
+    one process; bf16-mixed (its autocast and the shards kept for backward) within the bf16 tolerance above."""
+    plan = compile(meta_graph("qwen3"), "local:2", global_batch_size=BATCH, precision=precision, tp=2, sp=True,
+                   microbatch_size=2)
+    assert plan.config.sp
+    out = launch_local(plan, BUILDERS["qwen3"], sgd, hf_loss, batches(), timeout_s=180)
+    want_losses, want = reference("qwen3")
+    if precision == "fp32":
+        assert_trains_like(out, want_losses, want)
+    else:
+        assert out.losses == pytest.approx(want_losses, rel=1e-3)

@@ -25,11 +25,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cost_models",),
     ("runtime.device",),  # the rank's device: where everything above puts its tensors
     ("runtime.comm",),
-    ("runtime.compression",),
+    ("runtime.compression", "runtime.context"),  # gradient compression; context parallelism's attention
     # the interpreter of action lists (cost_models.actions): pipeline runners and the data-parallel step drive it
     ("runtime.pipeline.executor",),
     ("runtime.engines",),
     ("runtime.pipeline",),
+    ("runtime.experts",),  # expert parallelism's MoE layer (its load-balancing loss all-reduces as Megatron's g)
     ("runtime.checkpoint",),
     ("runtime.verify",),
     ("runtime.launch",),

@@ -15,7 +15,7 @@ import pytest
 from partitioner.compile import compile
 from partitioner.loading import load_model
 from partitioner.tracer.trace import trace
-from partitioner.tracer.cache import load_trace, save_trace, source_key
+from partitioner.tracer.cache import _FORMAT, load_trace, save_trace, source_key
 
 SPEC = "examples/gpt.py:gpt_tiny"
 
@@ -66,7 +66,7 @@ def test_a_damaged_entry_is_a_miss_not_an_error(cached):
         assert load_trace(d, key) is None
     (d / "opgraph.json").write_text("{")
     assert load_trace(d, key) is None
-    (d / "opgraph.json").write_text(json.dumps({"format": 1, "key": key, "graph": {"nodes": 3}}))
+    (d / "opgraph.json").write_text(json.dumps({"format": _FORMAT, "key": key, "graph": {"nodes": 3}}))
     with pytest.warns(UserWarning):
         assert load_trace(d, key) is None
     assert load_trace(d.parent / "nothing-here", key) is None

@@ -264,7 +264,8 @@ class CostContext:
             tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
             bflops = c.backward_flops(mb, s) / d
             tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
-            kept = c.activation_bytes(mb, s) * sc / d
+            fixed = c.fixed_activation_bytes(mb, s)  # masks and indices: the same size at any precision
+            kept = ((c.activation_bytes(mb, s) - fixed) * sc + fixed) / d
             collective_f = 0.0
             if tp > 1:
                 colls = self._collectives.get(n.name, ())
@@ -284,9 +285,10 @@ class CostContext:
             else:
                 if i == a or prev.block != n.block:  # a block starts: what is its input
                     if i == a:
-                        ins = self._boundary[u - 1](mb, s) * sc if u > 0 else 0.0
+                        ins = self._boundary[u - 1](mb, s) * sc / (tp if sp else 1) if u > 0 else 0.0
                     else:
-                        ins = prev.output.nbytes(mb, s) * sc if prev.output is not None else 0.0
+                        ins = prev.output.nbytes(mb, s) * sc / (tp if sp and prev.name in self._seq else 1) \
+                            if prev.output is not None else 0.0
                     block_input = (block_input or 0.0) + ins
                 block_f += tf + collective_f
                 if n.op in _SAVED_OPS and n.output is not None and not self._touches_scores(n):

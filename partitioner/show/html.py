@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from partitioner.show.text import blocks_text, compression_text, ranges_text
+from partitioner.show.text import blocks_text, compression_text, ranges_text, sequence_text
 from partitioner.show.timeline import Timeline, build_timeline, event_style, stage_color
 from partitioner.tracer.opgraph_table import human
 
@@ -82,6 +82,7 @@ def _summary(plan: Plan) -> str:
                             f"{pr.model_tflops_per_device:.1f} TFLOP/s per device, MFU {100 * pr.mfu:.1f} %")),
             ("peak memory", (f"{_size(pr.peak_memory_bytes)} of {_size(pr.memory_capacity_bytes)} per device "
                              f"({100 * frac:.3g} %)")),
+            *([("sequence", sequence_text(plan))] if c.sp else []),
             ("compression", compression_text(plan)),
             ("search", f"{plan.candidates_evaluated} of {plan.search_space} configurations evaluated exactly"),
             ("declared", ", ".join(f"{k}={v}" for k, v in plan.declarations.items()) or "nothing pinned")]

@@ -26,7 +26,7 @@ from partitioner.tracer.opgraph_table import human
 if TYPE_CHECKING:
     from partitioner.planner.plan import Alternative, Baseline, Plan
 
-__all__ = ["explain_plan", "format_plan", "blocks_text", "compression_text", "ranges_text"]
+__all__ = ["explain_plan", "format_plan", "blocks_text", "compression_text", "ranges_text", "sequence_text"]
 
 WIDTH = 120
 GiB, MiB = 2**30, 2**20
@@ -258,7 +258,7 @@ def _kinds(p: Plan) -> str:
             + "; ".join(f"kind {k} = {ranges_text(v)}" for k, v in sorted(by_kind.items())))
 
 
-def _sequence(p: Plan) -> str:
+def sequence_text(p: Plan) -> str:
     return (f"sp: the ops between tensor-split regions (norms, dropouts, residual adds) run on 1/{p.tp} of the tokens; "
             "row-parallel outputs reduce-scattered, column-parallel inputs all-gathered")
 
@@ -285,7 +285,7 @@ def format_plan(p: Plan) -> str:
             ("schedule", _schedule(p)),
             *([("blocks", _kinds(p))] if p.block_kinds else []),
             ("recompute", f"{c.recompute}: {_RECOMPUTE[c.recompute]}"),
-            *([("sequence", _sequence(p))] if c.sp else []),
+            *([("sequence", sequence_text(p))] if c.sp else []),
             ("compression", compression_text(p)),
             *([("async sgd", _async_sgd(p))] if p.async_sgd else []),
             *([("attention", _attention(p))] if p.attention_rewrites else []),
@@ -357,9 +357,11 @@ def explain_plan(p: Plan) -> str:
                    f"{sum(1 for x in p.placements if x.role == 'row')} row, "
                    f"{sum(1 for x in p.placements if x.role.startswith('vocab'))} vocab-parallel parameters.")
     if c.sp:
-        out.append(f"- sequence parallelism in each tensor group: {_sequence(p)}; the same bytes as the all-reduces "
-                   "it replaces, the activations between the tensor-split regions divided by "
-                   f"{c.tp}{' (declared)' if 'sp' in p.declarations else ''}.")
+        why = "as declared" if "sp" in p.declarations else "the planner's choice: no slower than without it"
+        out.append(f"- sequence parallelism in each tensor group ({why}): the ops between the tensor-split regions "
+                   f"run on 1/{c.tp} of the tokens, row-parallel outputs reduce-scattered and column-parallel inputs "
+                   "all-gathered: the bytes of the all-reduces it replaces, those activations divided by "
+                   f"{c.tp}.")
     elif c.tp > 1 and p.declarations.get("sp") is False:
         out.append("- no sequence parallelism, as declared (sp=False): the layer norms, dropouts and residual adds "
                    f"run on every token in each of the {c.tp} tensor ranks.")

@@ -38,7 +38,7 @@ from partitioner.tracer.symbolic import Poly
 
 __all__ = ["load_trace", "save_trace", "source_key"]
 
-_FORMAT = 1
+_FORMAT = 2  # 2: OpCost.fixed_activation_bytes
 _GRAPH, _ARCHIVE = "opgraph.json", "graph.pt2"
 
 
@@ -110,7 +110,8 @@ def _spec_from_json(d: dict | None) -> TensorSpec | None:
     return TensorSpec(shape=tuple(Poly.from_json(x) for x in d["shape"]), dtype=d["dtype"], itemsize=d["itemsize"])
 
 
-_COST_POLYS = ("forward_flops", "backward_flops", "bytes_read", "bytes_written", "activation_bytes")
+_COST_POLYS = ("forward_flops", "backward_flops", "bytes_read", "bytes_written", "activation_bytes",
+               "fixed_activation_bytes")
 
 
 def _node_to_json(n: OpNode) -> dict:

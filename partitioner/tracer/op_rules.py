@@ -43,6 +43,7 @@ class SymCost:
     saves_output: bool
     extra_saved_bytes: sympy.Expr  # masks, statistics, inputs that are not nodes
     is_view: bool
+    extra_fixed_bytes: sympy.Expr = sympy.Integer(0)  # the part of extra_saved_bytes that is boolean masks
 
 
 ZERO = sympy.Integer(0)
@@ -124,10 +125,11 @@ def op_cost(node: RawNode, arg_rg: list[bool]) -> SymCost:
     written = sum((o.numel() * o.itemsize for o in node.outputs), ZERO)
     op = node.op
 
-    def cost(op_class, fwd, bwd=ZERO, saved=(), saves_output=False, extra=ZERO, view=False, r=read, w=written):
+    def cost(op_class, fwd, bwd=ZERO, saved=(), saves_output=False, extra=ZERO, view=False, r=read, w=written,
+             fixed=ZERO):
         return SymCost(op_class=op_class, forward_flops=sympy.sympify(fwd), backward_flops=sympy.sympify(bwd),
                        bytes_read=r, bytes_written=w, saved_args=tuple(saved), saves_output=saves_output,
-                       extra_saved_bytes=sympy.sympify(extra), is_view=view)
+                       extra_saved_bytes=sympy.sympify(extra), is_view=view, extra_fixed_bytes=sympy.sympify(fixed))
 
     if op in VIEW_OPS or (op in {"dropout", "feature_dropout", "alias"} and _dropout_p(node) == 0.0):
         return cost("other", ZERO, view=True, r=ZERO, w=ZERO)
@@ -216,7 +218,7 @@ def op_cost(node: RawNode, arg_rg: list[bool]) -> SymCost:
 
     if op in ("dropout", "native_dropout", "feature_dropout"):
         # keeps a 1-byte mask per element (Korthikanti et al. 2022 count it so)
-        return cost("elementwise", 2 * out_numel, out_numel if out_rg else 0, extra=out_numel)
+        return cost("elementwise", 2 * out_numel, out_numel if out_rg else 0, extra=out_numel, fixed=out_numel)
 
     if op in _EW:
         per, saves = _EW[op]

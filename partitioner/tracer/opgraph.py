@@ -76,6 +76,8 @@ class OpCost:
         view, so a tensor is counted once), plus internal state such as
         dropout masks.
     op_class: the compute model's class of the op.
+    fixed_activation_bytes: the part of activation_bytes that is boolean masks and integer indices,
+        whose size does not follow the compute precision (a 16-bit run halves only the rest).
     """
 
     forward_flops: Poly
@@ -84,6 +86,7 @@ class OpCost:
     bytes_written: Poly
     activation_bytes: Poly
     op_class: OpClass
+    fixed_activation_bytes: Poly = Poly()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -201,6 +201,7 @@ def _cost(cap: Capture, model: nn.Module, stack: LayerStack | None, seq: int | N
     sym = {}
     kept: set[str] = set()
     extra: dict[str, Any] = {}
+    fixed: dict[str, Any] = {}  # the masks and indices among extra
     for n in cap.nodes:
         arg_rg = [rg_param.get(a.ref, False) if a.kind == "param" else rg.get(a.ref, False) if a.kind == "node" else False
                   for a in n.args]
@@ -212,22 +213,25 @@ def _cost(cap: Capture, model: nn.Module, stack: LayerStack | None, seq: int | N
             base[n.name] = base.get(src.ref, src.ref) if src is not None else None
         else:
             base[n.name] = n.name
-        ex = c.extra_saved_bytes
+        ex, fx_ = c.extra_saved_bytes, c.extra_fixed_bytes
         for i in c.saved_args:
             a = n.args[i]
             if a.kind == "node" and base.get(a.ref):
                 kept.add(base[a.ref])
             elif a.kind == "input" and a.spec is not None:
                 ex = ex + a.spec.numel() * a.spec.itemsize
+                if not a.spec.dtype.is_floating_point:
+                    fx_ = fx_ + a.spec.numel() * a.spec.itemsize
         if c.saves_output and base[n.name]:
             kept.add(base[n.name])
-        extra[n.name] = ex
+        extra[n.name], fixed[n.name] = ex, fx_
 
     s_value = seq or 1
     out: list[Costed] = []
     for n in cap.nodes:
         try:
-            out.append(_costed(n, sym[n.name], extra[n.name], n.name in kept, rg, s_value, seq, stack))
+            out.append(_costed(n, sym[n.name], extra[n.name], fixed[n.name], n.name in kept, rg, s_value, seq,
+                               stack))
         except DataDependentSize as e:
             raise TraceError(
                 f"{n.name} ({n.op}{' in ' + n.module_path if n.module_path else ''}): its size depends on the values "
@@ -237,13 +241,17 @@ def _cost(cap: Capture, model: nn.Module, stack: LayerStack | None, seq: int | N
     return out
 
 
-def _costed(n, c, extra_bytes, kept: bool, rg, s_value: int, seq: int | None, stack: LayerStack | None) -> Costed:
-    act = extra_bytes + (n.outputs[0].numel() * n.outputs[0].itemsize if kept else 0)
+def _costed(n, c, extra_bytes, fixed_bytes, kept: bool, rg, s_value: int, seq: int | None,
+            stack: LayerStack | None) -> Costed:
+    out_bytes = n.outputs[0].numel() * n.outputs[0].itemsize if kept else 0
+    act = extra_bytes + out_bytes
+    fixed_bytes = fixed_bytes + (0 if n.outputs[0].dtype.is_floating_point else out_bytes)
     cost = OpCost(forward_flops=to_poly(c.forward_flops, s_value=s_value),
                   backward_flops=to_poly(c.backward_flops, s_value=s_value),
                   bytes_read=to_poly(c.bytes_read, s_value=s_value),
                   bytes_written=to_poly(c.bytes_written, s_value=s_value),
-                  activation_bytes=to_poly(act, s_value=s_value), op_class=c.op_class)
+                  activation_bytes=to_poly(act, s_value=s_value), op_class=c.op_class,
+                  fixed_activation_bytes=to_poly(fixed_bytes, s_value=s_value))
     return Costed(
         name=n.name, op=n.op, target=n.target,
         inputs=tuple(a.ref for a in n.args if a.kind in ("node", "input")),

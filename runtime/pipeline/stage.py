@@ -35,7 +35,7 @@ from torch import nn
 from cost_models.placements import REPLICATED, is_sharded
 from runtime.device import place, place_module, rank_device
 from runtime.engines.recompute import run_recomputed
-from runtime.pipeline.tensor_parallel import shard_parameter
+from runtime.pipeline.tensor_parallel import keep_token_shards, shard_parameter
 
 __all__ = ["StageModel", "StageSpec"]
 
@@ -162,6 +162,12 @@ class StageModel:
         return dict(zip(self.input_names, values))
 
     def _stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
+        if self.tp is not None and self.tp.world > 1:  # sequence parallelism keeps its gathered inputs as shards
+            with keep_token_shards():
+                return self._cast_stage(x, inputs, _stage)
+        return self._cast_stage(x, inputs, _stage)
+
+    def _cast_stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
         if self.cast is None:
             return self._run_stage(x, inputs, _stage)
         # Mixed precision: the traced code lost the model's casts that were no-ops at trace time (HF's rotary

@@ -55,12 +55,13 @@ True
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from cost_models.placements import REPLICATED, sharded_dim
 from runtime.comm.collectives import Collectives
@@ -70,6 +71,7 @@ __all__ = [
     "RowParallelLinear",
     "copy_to_tp",
     "gather_from_tp",
+    "keep_token_shards",
     "parse_spec",
     "reduce_from_tp",
     "scatter_to_tp",
@@ -434,8 +436,53 @@ def tp_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, ignore_i
 
 def sp_gather(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
     """Sequence parallelism: a token-split value all-gathered along `dim` for a tensor-split reader (a
-    column-parallel matmul replaces f by it); the gradient, a partial sum on each rank, reduce-scattered."""
-    return gather_from_tp(x, dim, tp.group, tp.collectives)
+    column-parallel matmul replaces f by it); the gradient, a partial sum on each rank, reduce-scattered.
+
+    What its readers save for backward of it (the matmul's input, or a view of it) is kept as this rank's
+    tokens and all-gathered again when backward needs it (`keep_token_shards`), as Megatron-LM does: the
+    activations of a sequence-parallel layer are then all 1/tp."""
+    full = gather_from_tp(x, dim, tp.group, tp.collectives)
+    if _REGATHER_ON and _world(tp.group) > 1:
+        _GATHERED[full] = (x.detach(), dim, tp)
+    return full
+
+
+class _Regather(NamedTuple):
+    shard: torch.Tensor
+    dim: int
+    tp: TPContext
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+# tensors sp_gather made -> (the shard it gathered, dim, tp), for as long as they live
+_GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_REGATHER_ON = True  # tests switch it off to measure what keeping the whole tokens costs
+
+
+def _pack(t: torch.Tensor) -> Any:
+    base = t if t in _GATHERED else t._base if t._base is not None and t._base in _GATHERED else None
+    if base is None:
+        return t
+    shard, dim, tp = _GATHERED[base]
+    return _Regather(shard, dim, tp, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+
+def _unpack(p: Any) -> torch.Tensor:
+    if not isinstance(p, _Regather):
+        return p
+    # the gather is contiguous, as the first one was: the saved view is the same window of it
+    full = _all_gather(p.shard, p.dim, p.tp.group, p.tp.collectives)
+    return full.as_strided(p.size, p.stride, p.offset)
+
+
+def keep_token_shards() -> torch.autograd.graph.saved_tensors_hooks:
+    """The context a sequence-parallel stage's forward runs in: tensors that sp_gather made (and views of
+    them) are saved for backward as this rank's tokens only and all-gathered again when unpacked. Every rank
+    of the tensor group unpacks the same saved tensors in the same order (one graph), so the gathers pair up.
+    Under autocast a matmul saves its input's cast copy, not the gathered tensor: that copy is kept whole."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
 def sp_scatter(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Megatron sequence parallelism in the planner: what the token split covers, what it costs, what it refuses.
+
+The runtime side (programs that train like one process) is in test_3d_equivalence.py, the memory
+the ranks hold in test_memory_prediction.py, the faults plan.verify names in test_verify.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cost_models.errors import DeclarationError
+from cost_models.topology import Topology
+from examples.gpt import example_batch, gpt3_175b, gpt_small, gpt_tiny
+from partitioner import compile, trace
+from partitioner.planner.tensor_split import find_splits
+from partitioner.planner.unit_costs import CostContext
+
+S, B, H, A, T = 2048, 1, 12288, 96, 8  # GPT-3 175B at Korthikanti et al.'s tensor degree
+
+
+@pytest.fixture(scope="module")
+def small_graph():
+    m = gpt_small()
+    return trace(m, example_batch(m, 2))
+
+
+def test_the_token_split_runs_from_each_row_output_to_the_next_column_input(small_graph):
+    seq = find_splits(small_graph).sequence
+    rows = {n.name for n in small_graph.nodes if n.op == "linear"} & {n for n, _ in seq.scatters}
+    assert len(rows) == 2 * len(small_graph.blocks)  # attention and MLP output of every block
+    assert {d for _, d in seq.dims} == {1}  # (b, s, h): the tokens are dim 1
+    norms = [n.name for n in small_graph.nodes if n.op == "layer_norm"]
+    assert set(norms) <= seq.nodes  # every layer norm, the final one included, sees 1/tp of the tokens
+    assert all(kind == "tp" for *_, kind in seq.gathers)  # only column-parallel matmuls gather
+    assert [str(e) for e in seq.extents] == ["s"]
+
+
+def _layer_activations(*, sp: bool, rewrite_attention: bool) -> float:
+    """Bytes one GPT-3 175B layer keeps per microbatch under tp 8 (bf16 mixed, no recomputation)."""
+    with torch.device("meta"):
+        model = gpt3_175b(n_layer=4, dropout=0.1)  # Korthikanti et al. count dropout masks
+    idx = torch.empty(B, S, dtype=torch.long, device="meta")
+    g = trace(model, (idx, idx), rewrite_attention=rewrite_attention)
+    ctx = CostContext(g, Topology.parse("8x8xA100-80GB"), find_splits(g), precision="bf16-mixed", optimizer="adam",
+                      seq_len=S, memory_cap=72e9)
+    return ctx.unit_cost(2, tp=T, mb=B, recompute="none", sp=sp).activation_bytes  # a middle block
+
+
+def test_layer_activations_follow_korthikanti_et_al():
+    """Section 4.2.2, the traced eager attention (its s x s scores kept): s b h (10 + 24/t + 5 a s / (h t)) bytes
+    per layer without sequence parallelism, s b h (34/t + 5 a s / (h t)) with it."""
+    without = S * B * H * (10 + 24 / T + 5 * A * S / (H * T))
+    with_sp = S * B * H * (34 / T + 5 * A * S / (H * T))
+    assert _layer_activations(sp=False, rewrite_attention=False) == pytest.approx(without, rel=0.05)
+    assert _layer_activations(sp=True, rewrite_attention=False) == pytest.approx(with_sp, rel=0.05)
+    # a fused attention keeps O(s) per row, as the paper's selective recomputation does: s b h 34/t
+    assert _layer_activations(sp=True, rewrite_attention=True) == pytest.approx(S * B * H * 34 / T, rel=0.08)
+
+
+def test_gpt3_175b_at_the_published_configuration_fits():
+    """Korthikanti et al. Table 3: t8 p8 on 64 A100-80GB, microbatch 1, interleaved, selective recomputation."""
+    with torch.device("meta"):
+        model = gpt3_175b()
+    idx = torch.empty(1, S, dtype=torch.long, device="meta")
+    plan = compile(model, "8x8xA100-80GB", example_inputs=(idx, idx), global_batch_size=64, tp=8, pp=8,
+                   microbatch_size=1, schedule="interleaved-1f1b", recompute="selective", sp=True, alternatives=0)
+    assert plan.config.sp and "sp: the ops between tensor-split regions" in str(plan)
+    assert plan.predicted.peak_memory_bytes < 80e9 * 0.9
+    assert "sequence parallelism in each tensor group (as declared)" in plan.explain()
+
+
+def test_declarations_that_cannot_hold_are_refused():
+    m = gpt_tiny()
+    x = example_batch(m, 2)
+    with pytest.raises(DeclarationError, match="sp=True with tp=1: .* needs tp > 1"):
+        compile(m, "local:2", example_inputs=x, global_batch_size=4, tp=1, sp=True)
+    with pytest.raises(DeclarationError, match="sp=.yes.: must be True"):
+        compile(m, "local:2", example_inputs=x, global_batch_size=4, sp="yes")
+    odd = (x[0][:, :15].contiguous(), x[1][:, :15].contiguous())  # 15 tokens do not split over 2 ranks
+    with pytest.raises(DeclarationError, match="does not divide it: pick a sequence length that tp divides"):
+        compile(m, "local:2", example_inputs=odd, global_batch_size=4, tp=2, sp=True)
+
+
+def test_sp_false_keeps_the_all_reduces(small_graph):
+    plan = compile(small_graph, "local:2", global_batch_size=4, tp=2, sp=False, precision="fp32")
+    assert not plan.config.sp and plan.code.sp_dim is None
+    src = plan.code.block.source
+    assert "tp_reduce" in src and "sp_scatter" not in src
+    assert "no sequence parallelism, as declared" in plan.explain()
