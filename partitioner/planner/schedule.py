@@ -137,7 +137,7 @@ class Schedule:
         if header is None:
             raise PartitionerError(
                 f"cannot parse schedule header {lines[0] if lines else ''!r}: expected "
-                "'schedule kind=<gpipe|1f1b|interleaved-1f1b> pp=<int> num_microbatches=<int> "
+                f"'schedule kind=<{'|'.join(SCHEDULE_KINDS)}> pp=<int> num_microbatches=<int> "
                 "interleave=<int>' as the first line")
         kind, pp, m, v = header.group(1), *map(int, header.groups()[1:])
         ranks = []
@@ -178,7 +178,7 @@ class Schedule:
 # --- building ---------------------------------------------------------------
 def build_schedule(kind: ScheduleKind, *, pp: int, num_microbatches: int,
                    interleave: int = 1) -> Schedule:
-    """The instruction lists of a GPipe, 1F1B or interleaved-1F1B step.
+    """The instruction lists of a GPipe, 1F1B, interleaved-1F1B or ZB-H1 step.
 
       gpipe: each rank runs all m forwards, then all m backwards, in
           microbatch order (torch's `ScheduleGPipe`).
@@ -192,6 +192,14 @@ def build_schedule(kind: ScheduleKind, *, pp: int, num_microbatches: int,
           through one stage, then the next; rank r warms up with
           min((pp - r - 1) * 2 + (interleave - 1) * pp, m * interleave)
           forwards, then alternates, then drains. Needs m % pp == 0.
+      zb-h1: ZB-H1 of Qi et al. 2023 ("Zero Bubble Pipeline Parallelism",
+          section 3.1), torch's `ScheduleInterleavedZeroBubble` with one
+          stage per rank: 1F1B with every backward split into I (input
+          gradient, sent upstream at once) and W (weight gradients). Rank r
+          runs its first r W's late, each after a later I, and the rest at
+          the end, where 1F1B's cool-down idles: W's fill the bubble. Each
+          rank holds at most pp microbatches, rank 0's 1F1B peak (the max
+          over ranks is 1F1B's; rank r holds pp rather than pp - r).
 
     >>> s = build_schedule("interleaved-1f1b", pp=2, num_microbatches=2, interleave=2)
     >>> print(s.table())
@@ -231,7 +239,7 @@ def build_schedule(kind: ScheduleKind, *, pp: int, num_microbatches: int,
             f"forward_backward_pipelining_with_interleaving), so num_microbatches must be a "
             f"multiple of {pp}; got {m}. Use num_microbatches={nearest}, or schedule='1f1b'")
     order = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order,
-             "interleaved-1f1b": _interleaved_order}[kind]
+             "interleaved-1f1b": _interleaved_order, "zb-h1": _zb_h1_order}[kind]
     num_stages = pp * interleave
     ranks = []
     for r in range(pp):
@@ -271,6 +279,23 @@ def _one_f_one_b_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
     return order
 
 
+def _zb_h1_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
+    # torch's _get_1f1b_rank_ops(enable_zero_bubble=True, num_1f1b_microbatches=rank) with one local
+    # stage: after the k-th I, the oldest pending W once k >= rank; the W's left run at the end
+    warmup = min(pp - rank - 1, m)
+    order = [Action(op=Op.F, stage=rank, microbatch=i) for i in range(warmup)]
+    pending = collections.deque()
+    for k in range(m):
+        if warmup + k < m:
+            order.append(Action(op=Op.F, stage=rank, microbatch=warmup + k))
+        order.append(Action(op=Op.I, stage=rank, microbatch=k))
+        pending.append(k)
+        if k >= rank:
+            order.append(Action(op=Op.W, stage=rank, microbatch=pending.popleft()))
+    order += [Action(op=Op.W, stage=rank, microbatch=i) for i in pending]
+    return order
+
+
 def _interleaved_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
     # Megatron-LM: the k-th forward (backward) of a rank runs chunk
     # (k mod pp*v) // pp (reversed for backward) on microbatch
@@ -298,6 +323,9 @@ def _add_p2p(order: list[Action], *, rank: int, pp: int, num_stages: int) -> lis
     out = []
     for a in order:
         s, mb = a.stage, a.microbatch
+        if a.op is Op.W:   # weight gradients stay on the rank
+            out.append(a)
+            continue
         src, dst = (s - 1, s + 1) if a.op is Op.F else (s + 1, s - 1)
         recv, send = (Op.RECV_F, Op.SEND_F) if a.op is Op.F else (Op.RECV_B, Op.SEND_B)
         if remote(src):
@@ -309,10 +337,10 @@ def _add_p2p(order: list[Action], *, rank: int, pp: int, num_stages: int) -> lis
 
 
 def _add_grad_sync(actions: list[Action]) -> list[Action]:
-    """GRAD_SYNC of a stage right after its last backward (and that
-    backward's SEND_B, so the gradient the previous stage waits for leaves
-    first)."""
-    last_b = {a.stage: i for i, a in enumerate(actions) if a.op is Op.B}
+    """GRAD_SYNC of a stage right after its last backward B or W, the last
+    action that adds to its weight gradients (and after that B's SEND_B, so
+    the gradient the previous stage waits for leaves first)."""
+    last_b = {a.stage: i for i, a in enumerate(actions) if a.op in _GRAD_DONE}
     after = {}
     for stage, i in last_b.items():
         nxt = actions[i + 1] if i + 1 < len(actions) else None
@@ -383,11 +411,14 @@ def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
     """Per virtual stage, the most microbatches whose forward is done and
     backward not yet: the activations that stage holds at its peak.
 
-    GPipe: m. 1F1B: min(m, pp - stage). Read off the program order (one
-    stage's actions all run on one rank, in order), so no timing is needed.
+    GPipe: m. 1F1B: min(m, pp - stage). ZB-H1: min(m, pp), the
+    activations kept until W. Read off the program order (one stage's
+    actions all run on one rank, in order), so no timing is needed.
 
     >>> peak_inflight(build_schedule("1f1b", pp=4, num_microbatches=8))
     (4, 3, 2, 1)
+    >>> peak_inflight(build_schedule("zb-h1", pp=4, num_microbatches=8))
+    (4, 4, 4, 4)
     """
     live = [0] * schedule.num_stages
     peak = [0] * schedule.num_stages
@@ -396,7 +427,7 @@ def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
             if a.op is Op.F:
                 live[a.stage] += 1
                 peak[a.stage] = max(peak[a.stage], live[a.stage])
-            elif a.op is Op.B:
+            elif a.op in _GRAD_DONE:
                 live[a.stage] -= 1
     return tuple(peak)
 
@@ -405,12 +436,13 @@ def validate(schedule: Schedule) -> None:
     """Raise PartitionerError (a ValueError) unless `schedule` is runnable.
 
     Checks: every action's stage lives on its rank; every (stage,
-    microbatch) has exactly one F and one B, B after F; the forward input of
+    microbatch) has exactly one F and either one B or one I and one W,
+    F before B (or I) and I before W; the forward input of
     stage v + 1 comes after stage v's forward (program order on one rank, or
     SEND_F after the F and a matching RECV_F before the consumer's F on the
-    other rank), likewise gradients backwards; no send or receive without
+    other rank), likewise gradients backwards (B or I); no send or receive without
     its peer, none between stages on the same rank; one GRAD_SYNC per stage
-    after its last B, one OPTIM per stage after its GRAD_SYNC; at most one
+    after its last B or W, one OPTIM per stage after its GRAD_SYNC; at most one
     UNSHARD per stage, before its first F or after its OPTIM, and at most one
     RESHARD, after its last B; and, running
     the lists with non-blocking sends and blocking receives, no deadlock.
@@ -444,19 +476,37 @@ def validate(schedule: Schedule) -> None:
                 fail(r, i, f"{a} appears twice on rank {r} (first at step {where[key][1]})")
             where[key] = (r, i)
 
+    def input_grad(s: int, mb: int) -> _Key:   # the backward that yields the input gradient: B or I
+        return ("B", s, mb) if ("B", s, mb) in where else ("I", s, mb)
+
+    def grads_done(s: int, mb: int) -> _Key:   # the backward that completes the weight gradients: B or W
+        return ("B", s, mb) if ("B", s, mb) in where else ("W", s, mb)
+
     for s in range(S):
         for mb in range(m):
             f, b = where.get(("F", s, mb)), where.get(("B", s, mb))
+            i, w = where.get(("I", s, mb)), where.get(("W", s, mb))
             if f is None:
                 fail(*anchor(s), f"no {s}F{mb}: every stage runs the forward of every microbatch once")
-            if b is None:
-                fail(*anchor(s), f"no {s}B{mb}: every stage runs the backward of every microbatch once")
-            if b[1] < f[1]:
-                fail(*b, f"{s}B{mb} comes before its forward {s}F{mb}")
+            if b is not None and (i or w):
+                fail(*(i or w), f"{s}B{mb} is the whole backward of microbatch {mb}, so it cannot also be split "
+                                f"into {s}I{mb} / {s}W{mb}: keep either the B or the I and W")
+            if b is None and i is None and w is None:
+                fail(*anchor(s), f"no {s}B{mb} (or {s}I{mb} and {s}W{mb}): every stage runs the backward of every "
+                                 f"microbatch once")
+            if b is None and i is None:
+                fail(*w, f"{s}W{mb} has no {s}I{mb}: a split backward runs the input gradient I, then W")
+            if b is None and w is None:
+                fail(*i, f"{s}I{mb} has no {s}W{mb}: without it stage {s}'s weight gradients miss microbatch {mb}")
+            first = b or i
+            if first[1] < f[1]:
+                fail(*first, f"{_text(input_grad(s, mb))} comes before its forward {s}F{mb}")
+            if w is not None and w[1] < i[1]:
+                fail(*w, f"{s}W{mb} comes before {s}I{mb}: W reuses the gradients I computes, so put it after")
             if s + 1 < S:
                 _check_edge(schedule, where, fail, ("F", s, mb), ("F", s + 1, mb))
-                _check_edge(schedule, where, fail, ("B", s + 1, mb), ("B", s, mb))
-        last_b = max(where[("B", s, mb)][1] for mb in range(m))
+                _check_edge(schedule, where, fail, input_grad(s + 1, mb), input_grad(s, mb))
+        last_b = max(where[grads_done(s, mb)][1] for mb in range(m))
         sync, optim = where.get(("GRAD_SYNC", s, None)), where.get(("OPTIM", s, None))
         if sync is None:
             fail(*anchor(s), f"no {s}GRAD_SYNC: add it after stage {s}'s last backward")
@@ -491,7 +541,8 @@ def validate(schedule: Schedule) -> None:
 # int hash far faster than Actions (Enum's __hash__ is Python code), and
 # schedules reach 10^5 actions.
 _Key = tuple[str, int, "int | None"]
-_LINK = {"F": ("SEND_F", "RECV_F"), "B": ("SEND_B", "RECV_B")}
+_LINK = {"F": ("SEND_F", "RECV_F"), "B": ("SEND_B", "RECV_B"), "I": ("SEND_B", "RECV_B")}
+_GRAD_DONE = frozenset({Op.B, Op.W})   # the actions after which a microbatch's weight gradients are complete
 
 
 def _key(a: Action) -> _Key:
