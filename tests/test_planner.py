@@ -161,6 +161,7 @@ def test_stages_balance_time_and_carry_embedding_and_head(gpt3_175b):
     dict(zero_stage=3),
     dict(pp=2, schedule="gpipe", microbatch_size=2),
     dict(pp=2, schedule="interleaved-1f1b", interleave=2),
+    dict(pp=2, schedule="zb-h1", dp=2, zero_stage=1),
     dict(recompute="full", tp=4),
     dict(dp=8),
 ])
@@ -180,7 +181,9 @@ def test_pinned_declarations_are_honoured(small, pins):
     (dict(dp=4, microbatch_size=3), r"global_batch_size=32 is not divisible by dp\(4\) \* microbatch_size\(3\) = 12; "
                                     r"valid global batch sizes near it: 24, 36"),
     (dict(zero_stage=4), r"zero_stage=4: must be 0 \(DDP\), 1, 2 or 3"),
-    (dict(schedule="zigzag"), r"schedule='zigzag': must be one of 'gpipe', '1f1b', 'interleaved-1f1b'"),
+    (dict(schedule="zigzag"), r"schedule='zigzag': must be one of 'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'"),
+    (dict(schedule="zb-h1", zero_stage=3), r"schedule='zb-h1' with zero_stage=3: .*use zero_stage 0, 1 or 2"),
+    (dict(schedule="zb-h1", recompute="selective"), r"schedule='zb-h1' with recompute='selective': .*'full' or"),
     (dict(interleave=2, schedule="1f1b"), r"interleave=2 needs schedule='interleaved-1f1b'"),
     (dict(precision="fp8"), r"precision='fp8': must be one of"),
     (dict(max_memory_fraction=1.5), r"max_memory_fraction=1.5: must be in \(0, 1\]"),

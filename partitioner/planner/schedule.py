@@ -503,9 +503,11 @@ def validate(schedule: Schedule) -> None:
                 fail(*first, f"{_text(input_grad(s, mb))} comes before its forward {s}F{mb}")
             if w is not None and w[1] < i[1]:
                 fail(*w, f"{s}W{mb} comes before {s}I{mb}: W reuses the gradients I computes, so put it after")
-            if s + 1 < S:
-                _check_edge(schedule, where, fail, ("F", s, mb), ("F", s + 1, mb))
-                _check_edge(schedule, where, fail, input_grad(s + 1, mb), input_grad(s, mb))
+    for s in range(S - 1):   # every stage has its computes now: check what flows between them
+        for mb in range(m):
+            _check_edge(schedule, where, fail, ("F", s, mb), ("F", s + 1, mb))
+            _check_edge(schedule, where, fail, input_grad(s + 1, mb), input_grad(s, mb))
+    for s in range(S):
         last_b = max(where[grads_done(s, mb)][1] for mb in range(m))
         sync, optim = where.get(("GRAD_SYNC", s, None)), where.get(("OPTIM", s, None))
         if sync is None:
