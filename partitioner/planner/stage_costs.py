@@ -321,6 +321,13 @@ class StageEvaluator:
         gathered = min(2, blocks) * block * pb if z == 3 else 0.0  # the block and the one prefetched
         act1 = self._act[j] - self._act[i]  # one microbatch's
         acts = act1 * inflight + max(self._work[i:j], default=0.0)
+        if cand.schedule == "zb-h1" and k > 0:
+            # between a microbatch's I and its W the stage also keeps the gradients into its weights' matmuls
+            # (runtime.pipeline.split_backward); rank r runs W r I's late, so r + 1 microbatches at once, right
+            # after an I. Stage 0 has no input gradient: its I computes nothing and its W the whole backward.
+            # On the last stage the LM head's is the logits' gradient, where I freed the loss's kept output.
+            held = arr.wgrad[j] - arr.wgrad[i] - (self._loss_kept if last else 0.0)
+            acts += min(k % cand.pp + 1, cand.num_microbatches) * max(0.0, held)
         big, twice = self._largest_param(i, j)
 
         # (grads, activations, loss, buffers) beyond the state at rest, per moment
