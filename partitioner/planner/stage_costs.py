@@ -108,21 +108,25 @@ class StageCost:
         return sum(self.memory)
 
 
-def sum_weight(schedule: str, pp: int, v: int, weight_share: float) -> float:
+def sum_weight(schedule: str, pp: int, v: int, m: int, weight_share: float) -> float:
     """The coefficient of sum_k c_k in the step time T = (m v - 1) max_k c_k + sum_weight * sum_k c_k + tail.
 
     1 / v for GPipe, 1F1B and interleaved 1F1B (the fill and drain pass every stage once, in chunks of
     1 / v). ZB-H1 (Qi et al. 2023, section 3.1) shortens 1F1B's bubble from (pp - 1)(F + B) to
-    (pp - 1)(F + B - 2 W) (their F + I - W, with I = B - W): the drain's W's fill it. With W a share rho
-    of each stage's c = F + B (`weight_share`, from the graph's weight-gradient FLOPs), uniform stages
-    give T = m c + (pp - 1)(1 - 2 rho) c, i.e. a coefficient (1 + (pp - 1) max(0, 1 - 2 rho)) / pp.
-    The simulator times the exact lists; this closed form lets the cut search stay exact and fast.
+    (pp - 1)(F + B - 2 W) (their F + I - W, with I = B - W) when m >= pp: the drain's W's fill it. With
+    fewer microbatches fewer W's are left to fill it: the simulated saving over 1F1B on uniform stages is
+    W (pp - 2 + min(m, pp)) (pp - 1 W's at m = 1: only the last stage's first W overlaps). With W a share
+    rho of each stage's c = F + B (`weight_share`, from the graph's weight-gradient FLOPs), that is a
+    coefficient 1 - rho (pp - 2 + min(m, pp)) / pp. The simulator times the exact lists; this closed form
+    lets the cut search stay exact and fast.
 
-    >>> sum_weight("1f1b", 4, 1, 0.3), round(sum_weight("zb-h1", 4, 1, 1 / 3), 4)   # 1F1B, then a third
-    (1.0, 0.5)
+    >>> sum_weight("1f1b", 4, 1, 8, 0.3)
+    1.0
+    >>> round(sum_weight("zb-h1", 4, 1, 8, 1 / 3), 4), sum_weight("zb-h1", 4, 1, 1, 1 / 3)  # bubble a third; m=1
+    (0.5, 0.75)
     """
     if schedule == "zb-h1":
-        return (1 + (pp - 1) * max(0.0, 1 - 2 * weight_share)) / pp
+        return max(1 / pp, 1 - weight_share * (pp - 2 + min(m, pp)) / pp)
     return 1 / v
 
 
@@ -148,7 +152,7 @@ class StageEvaluator:
         self._fixed = process_fixed_bytes(process_bytes=dev.process_bytes, comm_buffer_bytes=dev.comm_buffer_bytes,
                                           communicators=sum(d > 1 for d in (cand.dp, cand.tp, cand.pp)))
         self.total_c = arr.total_c
-        self.sum_weight = sum_weight(cand.schedule, cand.pp, cand.interleave,
+        self.sum_weight = sum_weight(cand.schedule, cand.pp, cand.interleave, cand.num_microbatches,
                                      arr.total_w / arr.total_c if arr.total_c > 0 else 0.0)
         self._rest, self._shared_in_block = arr.rest, arr.shared_in_block
         self._sync_memo: dict[float, float] = {}
