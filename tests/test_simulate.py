@@ -240,3 +240,16 @@ def test_bad_weight_grad(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Durations(forward=(1.0, 1.0), backward=(2.0, 2.0), p2p=(0.0,), grad_sync=(0.0, 0.0), optim=(0.0, 0.0),
                   **kwargs)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("w", [0.5, 1.0])
+def test_the_cut_searchs_closed_form_is_the_simulated_zb_h1_step(pp, m, w):
+    """stage_costs.sum_weight: T = (m - 1) c + sum_weight * pp * c on uniform stages, as simulated."""
+    from partitioner.planner.stage_costs import sum_weight
+    f, b = 1.0, 2.0
+    c = f + b
+    d = Durations.uniform(pp, forward=f, backward=b, weight_grad=w)
+    simulated = simulate(build_schedule("zb-h1", pp=pp, num_microbatches=m), d).step_time_s
+    assert (m - 1) * c + sum_weight("zb-h1", pp, 1, m, w / c) * pp * c == pytest.approx(simulated)
