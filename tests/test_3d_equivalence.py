@@ -109,6 +109,9 @@ CASES = [
     # HF Llama: vocab-parallel (untied) embedding, rotary tables from a no_grad region, grouped-query attention
     ("llama", 1, 1, 2, "1f1b", 1, 0),
     ("llama", 2, 1, 2, "1f1b", 1, 0),
+    ("hf", 2, 1, 1, "zb-h1", 1, 0),
+    ("llama", 2, 1, 1, "zb-h1", 1, 0),
+    ("llama", 2, 2, 1, "zb-h1", 1, 1),
 ]
 
 
