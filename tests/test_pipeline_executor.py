@@ -224,7 +224,7 @@ def test_a_weight_gradient_before_its_input_gradient_is_refused():
 # ---- tier (c): spawned Gloo worlds ----------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Run:
-    kind: str            # "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"
+    kind: str            # "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"
     interleave: int = 1
     engine: str = "ours"  # or "torch": torch.distributed.pipelining on the same split
     shapes: str = "given"  # "given": activation_shape=; "header": shape header messages
@@ -240,7 +240,7 @@ def _run_ours(run: Run, rank: int, pp: int) -> dict:
     synced = []
     coll = Collectives()
     actions = [str(a) for a in schedule.ranks[rank]] if run.strings else schedule.ranks[rank]
-    ex = PipelineExecutor(actions=actions, stages=stages, num_stages=S, stage_to_rank=lambda s: s % pp,
+    ex = PipelineExecutor(actions=actions, stages=stages, num_stages=S, stage_to_rank=schedule.rank_of,
                           collectives=coll, loss_fn=F.cross_entropy, num_microbatches=M,
                           grad_sync=synced.append, optim=lambda s: (opts[s].step(), opts[s].zero_grad()),
                           activation_shape=_shape if run.shapes == "given" else None)
@@ -266,11 +266,32 @@ def _run_torch(run: Run, rank: int, pp: int) -> dict:
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
-    parts = split_sequential(_model(), BOUNDS[pp])
-    stage = PipelineStage(parts[rank], rank, pp, device=torch.device("cpu"))
+    S = pp * run.interleave
+    parts = split_sequential(_model(), BOUNDS[S])
     order = None
+    if run.kind == "zb-v":   # two stages per rank, in a V: rank r holds r and 2 pp - 1 - r
+        mine = (rank, S - 1 - rank)
+        stages = [PipelineStage(parts[s], s, S, device=torch.device("cpu")) for s in mine]
+        sched = ScheduleZBVZeroBubble(stages, n_microbatches=M, loss_fn=F.cross_entropy)
+        order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
+        opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], **SGD)
+        losses = []
+        for step in range(STEPS):
+            x, y = _batch(step)
+            mb_losses = []
+            if rank == 0:  # the first and the last stage
+                sched.step(x, target=y, losses=mb_losses)
+            else:
+                sched.step()
+            opt.step()
+            opt.zero_grad()
+            losses.append(sum(l.item() for l in mb_losses) / M if rank == 0 else None)
+        return {"losses": losses, "state": {k: v for s in mine for k, v in parts[s].state_dict().items()},
+                "order": order}
+    stage = PipelineStage(parts[rank], rank, pp, device=torch.device("cpu"))
     if run.kind == "zb-h1":  # torch's zero-bubble schedule with one stage per rank is ZB-H1
         sched = ScheduleInterleavedZeroBubble([stage], n_microbatches=M, loss_fn=F.cross_entropy)
         order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
@@ -315,7 +336,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 RUNS = {
     2: [Run("gpipe"), Run("1f1b", strings=True), Run("interleaved-1f1b", interleave=2),
         Run("1f1b", shapes="header"), Run("zb-h1", strings=True), Run("gpipe", engine="torch"),
-        Run("1f1b", engine="torch"), Run("zb-h1", engine="torch")],
+        Run("1f1b", engine="torch"), Run("zb-h1", engine="torch"), Run("zb-v", interleave=2),
+        Run("zb-v", interleave=2, engine="torch")],
     4: [Run("gpipe", shapes="header"), Run("1f1b"), Run("zb-h1"), Run("zb-h1", engine="torch")],
 }
 CASES = [(w, r) for w, runs in RUNS.items() for r in runs if r.engine == "ours"]
@@ -341,7 +363,8 @@ def test_trains_like_one_process(worlds, case):
     _assert_state_close(got["state"], want["state"])
     for rank, r in enumerate(got["ranks"]):
         assert r["counts_ok"], f"rank {rank}: sends/receives {r['counts']} != instruction lists {r['expected']}"
-        assert sorted(r["synced"]) == sorted(list(range(rank, world * run.interleave, world)) * STEPS)
+        mine = build_schedule(run.kind, pp=world, num_microbatches=M, interleave=run.interleave).stages_of(rank)
+        assert sorted(r["synced"]) == sorted(list(mine) * STEPS)
 
 
 @pytest.mark.slow
@@ -402,3 +425,15 @@ def test_deadlocking_list_fails_with_a_clear_error(tmp_path):
         elapsed, message = results[rank]
         assert at in message and "deadlock" in message, message
         assert TIMEOUT_S - 1 < elapsed < 3 * TIMEOUT_S
+
+
+@pytest.mark.slow
+def test_zb_v_is_torchs_zbv_order_and_loss(worlds):
+    """torch's ScheduleZBVZeroBubble: two stages per rank in a V, the same per-rank compute order as our
+    zb-v lists, and the same losses and parameters (stage 0 and the loss's stage both on rank 0)."""
+    ours, oracle = worlds(2)[Run("zb-v", interleave=2)], worlds(2)[Run("zb-v", interleave=2, engine="torch")]
+    schedule = build_schedule("zb-v", pp=2, num_microbatches=M, interleave=2)
+    computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
+    assert oracle["orders"] == computes
+    torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
+    _assert_state_close(ours["state"], oracle["state"])

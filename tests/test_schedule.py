@@ -127,7 +127,8 @@ def test_schedule_parse_errors():
 
 
 def test_kinds_match_the_memory_model():
-    assert SCHEDULE_KINDS == SCHEDULES
+    # zb-v: lists, validation, simulation and the runtime only; not a declared choice yet
+    assert SCHEDULE_KINDS == SCHEDULES + ("zb-v",)
 
 
 # --- exact orders ---------------------------------------------------------------
@@ -268,7 +269,8 @@ def test_rank_peak_matches_memory_model(kind, pp, m, v):
 
 # --- bad arguments --------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(kind="zb-v", pp=2, num_microbatches=4), "unknown schedule kind='zb-v'.*gpipe"),
+    (dict(kind="zigzag", pp=2, num_microbatches=4), "unknown schedule kind='zigzag'.*gpipe.*zb-h1.*zb-v"),
+    (dict(kind="zb-v", pp=2, num_microbatches=4), "zb-v' places exactly 2 stages per rank.*interleave=2"),
     (dict(kind="1f1b", pp=0, num_microbatches=4), "pp=0 must be an int >= 1"),
     (dict(kind="1f1b", pp=2, num_microbatches=0), "num_microbatches=0 must be an int >= 1"),
     (dict(kind="gpipe", pp=2, num_microbatches=2.0), "num_microbatches=2.0"),
@@ -459,3 +461,33 @@ def test_zb_h1_lowers_the_data_parallel_actions(zero_stage):
     s = add_unshard_reshard(build_schedule("zb-h1", pp=4, num_microbatches=8), zero_stage=zero_stage)
     validate(s)
     assert Schedule.parse(str(s)) == s
+
+
+# --- zero bubble: ZB-V ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+def test_zb_v_is_valid_round_trips_and_is_torchs_order(pp, m):
+    """Two stages per rank in a V (rank r: r and 2 pp - 1 - r); the compute order of torch's
+    ScheduleZBVZeroBubble._calculate_single_rank_operations, which needs no process group."""
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    s = build_schedule("zb-v", pp=pp, num_microbatches=m, interleave=2)
+    validate(s)
+    assert Schedule.parse(str(s)) == s and Schedule.from_json(s.to_json()) == s
+    for r in range(pp):
+        assert s.stages_of(r) == tuple(sorted((r, 2 * pp - 1 - r)))
+        assert {a.stage for a in s.ranks[r]} == set(s.stages_of(r))
+        theirs = ScheduleZBVZeroBubble._calculate_single_rank_operations(
+            types.SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp), r)
+        assert [str(a) for a in s.ranks[r] if a.op in (Op.F, Op.I, Op.W)] == [str(a) for a in theirs if a is not None]
+    # the turn of the V (stages pp - 1 and pp) and both ends (0 and the loss's 2 pp - 1) stay on one rank
+    actions = {str(a) for r in s.ranks for a in r}
+    assert not any(f"{pp - 1}SEND_F{i}" in actions or f"{pp}SEND_B{i}" in actions for i in range(m))
+    assert s.rank_of(0) == s.rank_of(2 * pp - 1) == 0
+
+
+def test_zb_v_placement_is_checked():
+    s = build_schedule("zb-v", pp=2, num_microbatches=2, interleave=2)
+    with pytest.raises(ValueError, match="2F0 runs on rank 0, but stage 2 lives on rank 1 \\(its V\\)"):
+        validate(_with_rank_list(s, 0, [Action.parse("2F0")] + list(s.ranks[0])))

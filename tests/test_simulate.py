@@ -253,3 +253,19 @@ def test_the_cut_searchs_closed_form_is_the_simulated_zb_h1_step(pp, m, w):
     d = Durations.uniform(pp, forward=f, backward=b, weight_grad=w)
     simulated = simulate(build_schedule("zb-h1", pp=pp, num_microbatches=m), d).step_time_s
     assert (m - 1) * c + sum_weight("zb-h1", pp, 1, m, w / c) * pp * c == pytest.approx(simulated)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 8), (4, 8), (4, 16), (8, 16)])
+def test_zb_v_halves_zb_h1s_bubble_at_about_its_memory(pp, m):
+    """ZB-V (Qi et al. 2023, section 6) on the same model: half a stage per virtual stage, T_F = T_I = T_W.
+    Its bubble is about half ZB-H1's and a fifth of 1F1B's; each rank holds 2 pp + 1 half-stage
+    microbatches at its peak, pp + 1/2 stages' worth against 1F1B's pp."""
+    one_stage = Durations.uniform(pp, forward=1.0, backward=2.0, weight_grad=1.0)
+    half = Durations.uniform(2 * pp, forward=0.5, backward=1.0, weight_grad=0.5)
+    zbv = build_schedule("zb-v", pp=pp, num_microbatches=m, interleave=2)
+    bubble = {k: simulate(build_schedule(k, pp=pp, num_microbatches=m), one_stage).bubble_fraction
+              for k in ("1f1b", "zb-h1")}
+    v = simulate(zbv, half).bubble_fraction
+    assert v <= 0.55 * bubble["zb-h1"] and v <= 0.25 * bubble["1f1b"]
+    per_rank = [sum(peak_inflight(zbv)[s] for s in zbv.stages_of(r)) for r in range(pp)]
+    assert max(per_rank) == 2 * pp + 1
