@@ -4,8 +4,9 @@ The generated program builds a `PipelineRunner` from the plan's numbers.
 A step takes this replica's rows of the global batch, cuts them into
 microbatches and runs this rank's instruction list (`PipelineExecutor`).
 Gradients accumulate over the microbatches without communication (the
-engine's `no_sync`, as in Megatron's pipeline) until the rank's last B,
-which launches the data-parallel reductions bucket by bucket; at the rank's
+engine's `no_sync`, as in Megatron's pipeline) until the rank's last B
+(under a zero-bubble schedule its last W, which adds the last weight
+gradients), which launches the data-parallel reductions bucket by bucket; at the rank's
 last GRAD_SYNC they complete, and the tied parameters (embedding and LM
 head on the first and last stage) are summed over their holders; at its
 last OPTIM the gradients are clipped by the global norm over every shard of
