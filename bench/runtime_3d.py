@@ -11,6 +11,7 @@ Benchmark script, not a test: figures are printed, never asserted. Usage (from a
 Rows (the name is what ``--rows`` takes):
 
     pp2-gpipe pp2-1f1b pp4-gpipe pp4-1f1b   pipeline, dp = tp = 1, 4 microbatches of 2
+    pp2-zb-h1 pp4-zb-h1                     the same, zero bubble (torch: ScheduleInterleavedZeroBubble, one stage per rank)
     tp2                                     tensor parallel, pp = dp = 1, one microbatch of 8
 
 Pipeline rows. Model: the benchmark model of docs/torch-notes.md,
@@ -105,7 +106,7 @@ class Row:
     """One comparison: a compiled plan and torch's implementation of the same parallelism."""
 
     name: str
-    schedule: str  # "gpipe" or "1f1b"; the tp row runs one microbatch, whose schedule is moot
+    schedule: str  # "gpipe", "1f1b" or "zb-h1"; the tp row runs one microbatch, whose schedule is moot
     pp: int
     tp: int
 
@@ -117,7 +118,8 @@ class Row:
     def torch_name(self) -> str:
         if self.tp > 1:
             return "DTensor parallelize_module (Colwise q/k/v/gate/up, Rowwise o/down)"
-        return {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[self.schedule] + " + PipelineStage"
+        return {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                "zb-h1": "ScheduleInterleavedZeroBubble"}[self.schedule] + " + PipelineStage"
 
 
 ROWS = {r.name: r for r in (
@@ -125,6 +127,8 @@ ROWS = {r.name: r for r in (
     Row(name="pp2-1f1b", schedule="1f1b", pp=2, tp=1),
     Row(name="pp4-gpipe", schedule="gpipe", pp=4, tp=1),
     Row(name="pp4-1f1b", schedule="1f1b", pp=4, tp=1),
+    Row(name="pp2-zb-h1", schedule="zb-h1", pp=2, tp=1),
+    Row(name="pp4-zb-h1", schedule="zb-h1", pp=4, tp=1),
     Row(name="tp2", schedule="1f1b", pp=1, tp=2),
 )}
 
@@ -185,15 +189,24 @@ def _torch_pipeline(row: Row, rank: int, batches: list, stage_blocks: list, same
     """One pipeline rank: (losses or None per step, step times). Losses on the last stage (every rank if same_work)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+    )
 
     from examples.training import adamw, gpt_small_seeded
 
     pp, first, last = row.pp, rank == 0, rank == row.pp - 1
     module = _gpt_stage(gpt_small_seeded(), tuple(stage_blocks[rank]))
     stage = PipelineStage(module, rank, pp, device=torch.device("cpu"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[row.schedule]
-    schedule = cls(stage, n_microbatches=GLOBAL_BATCH // MICROBATCH, loss_fn=_logits_loss)
+    if row.schedule == "zb-h1":  # torch's zero-bubble schedule with one stage per rank is ZB-H1
+        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=GLOBAL_BATCH // MICROBATCH,
+                                                 loss_fn=_logits_loss)
+    else:
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[row.schedule]
+        schedule = cls(stage, n_microbatches=GLOBAL_BATCH // MICROBATCH, loss_fn=_logits_loss)
     optimizer = adamw(module.parameters())
     tie_group = dist.new_group([0, pp - 1]) if same_work else None  # every rank calls new_group
     tied = module.wte.weight if first else module.lm_head.weight if last else None

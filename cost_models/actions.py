@@ -3,7 +3,9 @@
 One instruction of a pipeline rank is an `Action`: an `Op`, the virtual stage it belongs to and the
 microbatch (none for the once-per-stage GRAD_SYNC, OPTIM, UNSHARD and RESHARD). Its text form is torch's
 `_Action` spelling, `<stage><op><microbatch>`: `2F0`, `3SEND_B12`, `0GRAD_SYNC`, `1UNSHARD`;
-`Action.parse` reads it back.
+`Action.parse` reads it back. A backward is either one `B` (input and weight gradients together) or,
+in the zero-bubble schedules, split as torch splits it: `I` (the input gradient, which the previous
+stage waits for) and a later `W` (the weight gradients, which nobody waits for, so they fill bubbles).
 
 The data-parallel collectives are actions too (torch's pipelining lowers FSDP the same way, into
 UNSHARD / RESHARD / REDUCE_GRAD): GRAD_SYNC is torch's REDUCE_GRAD, the gradient reduction over the
@@ -36,6 +38,8 @@ class Op(str, enum.Enum):
 
     F = "F"                  # forward of one microbatch through one stage
     B = "B"                  # full backward (input and weight gradients)
+    I = "I"                  # input-gradient half of a split backward (torch's BACKWARD_INPUT): feeds SEND_B
+    W = "W"                  # weight-gradient half (torch's BACKWARD_WEIGHT): after its I, frees the microbatch
     SEND_F = "SEND_F"        # send this stage's output activation to stage + 1
     RECV_F = "RECV_F"        # receive this stage's input activation from stage - 1
     SEND_B = "SEND_B"        # send the gradient of this stage's input to stage - 1
@@ -49,7 +53,7 @@ class Op(str, enum.Enum):
         return self.value
 
 
-COMPUTE_OPS = frozenset({Op.F, Op.B})
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W})
 P2P_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 STAGE_OPS = frozenset({Op.GRAD_SYNC, Op.OPTIM, Op.UNSHARD, Op.RESHARD})   # once per stage, no microbatch
 DP_OPS = frozenset({Op.UNSHARD, Op.RESHARD})   # added by the data-parallel lowering; optional in a schedule
@@ -60,8 +64,8 @@ PEER = {"SEND_F": ("RECV_F", 1), "RECV_F": ("SEND_F", -1), "SEND_B": ("RECV_B", 
 _OP_ALTERNATIVES = "|".join(sorted((op.value for op in Op), key=len, reverse=True))
 _RE = re.compile(rf"(\d+)({_OP_ALTERNATIVES})(\d*)")
 GRAMMAR = (
-    "<stage><op><microbatch> with op one of F, B, SEND_F, RECV_F, SEND_B, RECV_B "
-    "(e.g. '2F0', '3SEND_B12'), or <stage><op> with op GRAD_SYNC, OPTIM, UNSHARD or RESHARD "
+    "<stage><op><microbatch> with op one of F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B "
+    "(e.g. '2F0', '1I3', '1W3', '3SEND_B12'), or <stage><op> with op GRAD_SYNC, OPTIM, UNSHARD or RESHARD "
     "(e.g. '2GRAD_SYNC', '0OPTIM', '1UNSHARD')")
 
 

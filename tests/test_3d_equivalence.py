@@ -92,6 +92,14 @@ CASES = [
     # DDP's bucket all-reduces launched by the rank's last B; ZeRO-2's UNSHARD once for two virtual stages
     ("gpt", 2, 2, 1, "1f1b", 1, 0),
     ("gpt", 2, 2, 1, "interleaved-1f1b", 2, 2),
+    # ZB-H1: backward split into I and W; the last W launches the DDP buckets' all-reduces; tp's
+    # collectives in I; the tied embedding / LM head's gradient complete after the last W
+    ("gpt", 2, 1, 1, "zb-h1", 1, 0),
+    ("gpt", 4, 1, 1, "zb-h1", 1, 0),
+    ("gpt", 2, 2, 1, "zb-h1", 1, 0),
+    ("gpt", 2, 2, 1, "zb-h1", 1, 1),
+    ("gpt", 2, 2, 1, "zb-h1", 1, 2),
+    ("gpt", 2, 1, 2, "zb-h1", 1, 0),
     ("hf", 2, 1, 1, "gpipe", 1, 0),
     ("hf", 2, 1, 1, "1f1b", 1, 0),
     ("hf", 2, 1, 1, "interleaved-1f1b", 2, 0),
@@ -105,6 +113,9 @@ CASES = [
     # HF Llama: vocab-parallel (untied) embedding, rotary tables from a no_grad region, grouped-query attention
     ("llama", 1, 1, 2, "1f1b", 1, 0),
     ("llama", 2, 1, 2, "1f1b", 1, 0),
+    ("hf", 2, 1, 1, "zb-h1", 1, 0),
+    ("llama", 2, 1, 1, "zb-h1", 1, 0),
+    ("llama", 2, 2, 1, "zb-h1", 1, 1),
 ]
 
 

@@ -140,7 +140,7 @@ def test_interleaved_per_chunk_counts_are_the_schedules(pp, v):
 
 
 @pytest.mark.parametrize("args,match", [
-    (("zb-h1", 4, 0, 8, 1), r"schedule='zb-h1'.*'gpipe', '1f1b', 'interleaved-1f1b'"),
+    (("zigzag", 4, 0, 8, 1), r"schedule='zigzag'.*'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'"),
     (("1f1b", 4, 4, 8, 1), r"stage=4.*0\.\.3"),
     (("1f1b", 4, 0, 8, 2), r"interleave=2 applies only"),
     (("interleaved-1f1b", 4, 0, 8, 1), r"interleave >= 2"),

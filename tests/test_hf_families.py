@@ -32,6 +32,7 @@ PLANS = {  # name: (pp, dp, tp, zero, schedule, interleave)
     "pp2-1f1b": (2, 1, 1, 0, "1f1b", 1),
     "dp2-tp2-pp2-zero1": (2, 2, 2, 1, "1f1b", 1),
     "pp2-interleaved": (2, 1, 1, 0, "interleaved-1f1b", 2),  # 4 virtual stages of one block each
+    "pp2-zb-h1": (2, 1, 1, 0, "zb-h1", 1),  # the backward split into I and W (experts' routing in I)
 }
 
 

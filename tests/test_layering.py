@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runtime.device",),  # the rank's device: where everything above puts its tensors
     ("runtime.comm",),
     ("runtime.compression", "runtime.context"),  # gradient compression; context parallelism's attention
+    ("runtime.pipeline.split_backward",),  # a backward split into input and weight gradients (zero bubble)
     # the interpreter of action lists (cost_models.actions): pipeline runners and the data-parallel step drive it
     ("runtime.pipeline.executor",),
     ("runtime.engines",),

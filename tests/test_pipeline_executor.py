@@ -12,6 +12,7 @@ runtime may not).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import functools
@@ -186,10 +187,44 @@ def test_two_virtual_stages_on_one_rank_train_like_one_process():
     assert held == [(1, [(0, M - 1)]), (0, [])] * STEPS and ex.held() == []
 
 
+def test_split_backward_on_one_rank_trains_like_one_process():
+    """zb-h1 at pp=1: every backward split into I and W, the weight gradients those of the full backward,
+    the W the one that launches the gradient reductions (the last W runs outside no_sync)."""
+    schedule = build_schedule("zb-h1", pp=1, num_microbatches=M)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    seen = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        seen.append("no_sync")
+        yield
+
+    ex = PipelineExecutor(actions=schedule.ranks[0], stages={0: model}, num_stages=1, stage_to_rank=lambda s: 0,
+                          collectives=None, loss_fn=F.cross_entropy, num_microbatches=M, no_sync=no_sync,
+                          optim=lambda s: (opt.step(), opt.zero_grad()))
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        losses.append(ex.run(list(x.chunk(M)), list(y.chunk(M))))
+    want = _reference()
+    torch.testing.assert_close(losses, want["losses"], rtol=RTOL, atol=ATOL)
+    _assert_state_close(model.state_dict(), want["state"])
+    assert seen == ["no_sync"] * (2 * M - 1) * STEPS   # every I and W but the last W
+
+
+def test_a_weight_gradient_before_its_input_gradient_is_refused():
+    ex = PipelineExecutor(actions=["0F0", "0W0", "0I0", "0GRAD_SYNC", "0OPTIM"], stages={0: _model()},
+                          num_stages=1, stage_to_rank=lambda s: 0, collectives=None, loss_fn=F.cross_entropy,
+                          num_microbatches=1)
+    with pytest.raises(PipelineError, match="0W0.*put the I first"):
+        ex.run([torch.randn(2, D)], [torch.randint(0, CLASSES, (2,))])
+
+
 # ---- tier (c): spawned Gloo worlds ----------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Run:
-    kind: str            # "gpipe", "1f1b", "interleaved-1f1b"
+    kind: str            # "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"
     interleave: int = 1
     engine: str = "ours"  # or "torch": torch.distributed.pipelining on the same split
     shapes: str = "given"  # "given": activation_shape=; "header": shape header messages
@@ -205,7 +240,7 @@ def _run_ours(run: Run, rank: int, pp: int) -> dict:
     synced = []
     coll = Collectives()
     actions = [str(a) for a in schedule.ranks[rank]] if run.strings else schedule.ranks[rank]
-    ex = PipelineExecutor(actions=actions, stages=stages, num_stages=S, stage_to_rank=lambda s: s % pp,
+    ex = PipelineExecutor(actions=actions, stages=stages, num_stages=S, stage_to_rank=schedule.rank_of,
                           collectives=coll, loss_fn=F.cross_entropy, num_microbatches=M,
                           grad_sync=synced.append, optim=lambda s: (opts[s].step(), opts[s].zero_grad()),
                           activation_shape=_shape if run.shapes == "given" else None)
@@ -226,12 +261,43 @@ def _run_ours(run: Run, rank: int, pp: int) -> dict:
 
 
 def _run_torch(run: Run, rank: int, pp: int) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
-    parts = split_sequential(_model(), BOUNDS[pp])
+    S = pp * run.interleave
+    parts = split_sequential(_model(), BOUNDS[S])
+    order = None
+    if run.kind == "zb-v":   # two stages per rank, in a V: rank r holds r and 2 pp - 1 - r
+        mine = (rank, S - 1 - rank)
+        stages = [PipelineStage(parts[s], s, S, device=torch.device("cpu")) for s in mine]
+        sched = ScheduleZBVZeroBubble(stages, n_microbatches=M, loss_fn=F.cross_entropy)
+        order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
+        opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], **SGD)
+        losses = []
+        for step in range(STEPS):
+            x, y = _batch(step)
+            mb_losses = []
+            if rank == 0:  # the first and the last stage
+                sched.step(x, target=y, losses=mb_losses)
+            else:
+                sched.step()
+            opt.step()
+            opt.zero_grad()
+            losses.append(sum(l.item() for l in mb_losses) / M if rank == 0 else None)
+        return {"losses": losses, "state": {k: v for s in mine for k, v in parts[s].state_dict().items()},
+                "order": order}
     stage = PipelineStage(parts[rank], rank, pp, device=torch.device("cpu"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.kind]
-    sched = cls(stage, n_microbatches=M, loss_fn=F.cross_entropy)
+    if run.kind == "zb-h1":  # torch's zero-bubble schedule with one stage per rank is ZB-H1
+        sched = ScheduleInterleavedZeroBubble([stage], n_microbatches=M, loss_fn=F.cross_entropy)
+        order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
+    else:
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.kind]
+        sched = cls(stage, n_microbatches=M, loss_fn=F.cross_entropy)
     opt = torch.optim.SGD(parts[rank].parameters(), **SGD)
     losses = []
     for step in range(STEPS):
@@ -246,7 +312,7 @@ def _run_torch(run: Run, rank: int, pp: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(sum(l.item() for l in mb_losses) / M if rank == pp - 1 else None)
-    return {"losses": losses, "state": parts[rank].state_dict()}
+    return {"losses": losses, "state": parts[rank].state_dict(), "order": order}
 
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
@@ -261,6 +327,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
                 "losses": next(g["losses"] for g in gathered if g["losses"][0] is not None),
                 "state": {k: v for g in gathered for k, v in g["state"].items()},
                 "ranks": gathered,
+                "orders": [g.get("order") for g in gathered],
             }
         if rank == 0:
             torch.save(results, Path(out_dir) / "rank0.pt")
@@ -268,8 +335,10 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
 RUNS = {
     2: [Run("gpipe"), Run("1f1b", strings=True), Run("interleaved-1f1b", interleave=2),
-        Run("1f1b", shapes="header"), Run("gpipe", engine="torch"), Run("1f1b", engine="torch")],
-    4: [Run("gpipe", shapes="header"), Run("1f1b")],
+        Run("1f1b", shapes="header"), Run("zb-h1", strings=True), Run("gpipe", engine="torch"),
+        Run("1f1b", engine="torch"), Run("zb-h1", engine="torch"), Run("zb-v", interleave=2),
+        Run("zb-v", interleave=2, engine="torch")],
+    4: [Run("gpipe", shapes="header"), Run("1f1b"), Run("zb-h1"), Run("zb-h1", engine="torch")],
 }
 CASES = [(w, r) for w, runs in RUNS.items() for r in runs if r.engine == "ours"]
 
@@ -294,13 +363,27 @@ def test_trains_like_one_process(worlds, case):
     _assert_state_close(got["state"], want["state"])
     for rank, r in enumerate(got["ranks"]):
         assert r["counts_ok"], f"rank {rank}: sends/receives {r['counts']} != instruction lists {r['expected']}"
-        assert sorted(r["synced"]) == sorted(list(range(rank, world * run.interleave, world)) * STEPS)
+        mine = build_schedule(run.kind, pp=world, num_microbatches=M, interleave=run.interleave).stages_of(rank)
+        assert sorted(r["synced"]) == sorted(list(mine) * STEPS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
 def test_trains_like_torch_pipelining(worlds, kind):
-    ours, oracle = worlds(2)[Run(kind, strings=kind == "1f1b")], worlds(2)[Run(kind, engine="torch")]
+    ours, oracle = worlds(2)[Run(kind, strings=kind != "gpipe")], worlds(2)[Run(kind, engine="torch")]
+    torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
+    _assert_state_close(ours["state"], oracle["state"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_zb_h1_is_torchs_zero_bubble_order_and_loss(worlds, world):
+    """torch's ScheduleInterleavedZeroBubble with one stage per rank: the same compute order per rank as
+    our zb-h1 lists, and the same losses and parameters."""
+    ours, oracle = worlds(world)[Run("zb-h1", strings=world == 2)], worlds(world)[Run("zb-h1", engine="torch")]
+    schedule = build_schedule("zb-h1", pp=world, num_microbatches=M)
+    computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
+    assert oracle["orders"] == computes
     torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
     _assert_state_close(ours["state"], oracle["state"])
 
@@ -342,3 +425,15 @@ def test_deadlocking_list_fails_with_a_clear_error(tmp_path):
         elapsed, message = results[rank]
         assert at in message and "deadlock" in message, message
         assert TIMEOUT_S - 1 < elapsed < 3 * TIMEOUT_S
+
+
+@pytest.mark.slow
+def test_zb_v_is_torchs_zbv_order_and_loss(worlds):
+    """torch's ScheduleZBVZeroBubble: two stages per rank in a V, the same per-rank compute order as our
+    zb-v lists, and the same losses and parameters (stage 0 and the loss's stage both on rank 0)."""
+    ours, oracle = worlds(2)[Run("zb-v", interleave=2)], worlds(2)[Run("zb-v", interleave=2, engine="torch")]
+    schedule = build_schedule("zb-v", pp=2, num_microbatches=M, interleave=2)
+    computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
+    assert oracle["orders"] == computes
+    torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
+    _assert_state_close(ours["state"], oracle["state"])

@@ -80,7 +80,7 @@ def test_text_fits_the_width_and_names_each_decision(small):
         assert len(line) <= WIDTH, line
     for key in ("config", "mesh", "zero", "batch", "schedule", "recompute", "compression", "predicted", "memory"):
         assert any(line.startswith(f"  {key} ") for line in text.splitlines()), key
-    assert "stage 3: parameters, gradients and optimizer state sharded over 2 data-parallel replicas" in text
+    assert "stage 0: each of the 2 data-parallel replicas holds full parameters, gradients and optimizer state" in text
     assert "32 samples per step = 2 replicas x 1 microbatch of 16" in text
     assert "node 0: ranks 0-3; node 1: ranks 4-7" in text
     assert "of device" in text and "peak" in text  # memory per pipeline rank against capacity

@@ -11,11 +11,13 @@ import pytest
 from partitioner import compile
 from partitioner.show.timeline import LANES, build_timeline
 
-PLANS = {  # name -> (topology, pins): a plain and an interleaved pipeline, and pure data parallelism
+PLANS = {  # name -> (topology, pins): a plain, an interleaved and a zero-bubble pipeline, and pure data parallelism
     "1f1b": ("2x4xA100-80GB", {"global_batch_size": 64, "pp": 2, "tp": 2, "dp": 2, "microbatch_size": 4,
                                "schedule": "1f1b"}),
     "interleaved": ("2x4xA100-80GB", {"global_batch_size": 32, "pp": 2, "tp": 2, "microbatch_size": 2,
                                       "schedule": "interleaved-1f1b", "interleave": 2}),
+    "zb-h1": ("2x4xA100-80GB", {"global_batch_size": 64, "pp": 2, "tp": 2, "dp": 2, "microbatch_size": 4,
+                                "schedule": "zb-h1"}),
     "ddp": ("local:4", {"global_batch_size": 16, "dp": 4, "zero_stage": 0}),
     "zero3": ("local:4", {"global_batch_size": 16, "dp": 4, "zero_stage": 3}),
 }
@@ -46,7 +48,7 @@ def test_events_are_ordered_and_disjoint_within_each_lane(plan):
 def test_one_forward_and_one_backward_per_microbatch_and_stage(plan):
     events = x_events(plan.timeline())
     stages = plan.pp * plan.interleave
-    for op in "FB":
+    for op in ("F", "I", "W") if plan.schedule == "zb-h1" else ("F", "B"):   # zb-h1: the backward split
         done = [(e["args"]["stage"], e["args"]["microbatch"]) for e in events
                 if e["cat"] == "compute" and e["name"].startswith(op)]
         assert len(done) == plan.num_microbatches * stages
@@ -55,7 +57,7 @@ def test_one_forward_and_one_backward_per_microbatch_and_stage(plan):
 
 def test_names_say_what_runs(plan):
     names = {e["name"] for e in x_events(plan.timeline())}
-    assert {"F0", "B0", "optim"} <= names
+    assert {"F0", "B0", "optim"} <= names or (plan.schedule == "zb-h1" and {"F0", "I0", "W0", "optim"} <= names)
     if plan.pp > 1:
         assert {"send F0", "send B0"} <= names
     else:

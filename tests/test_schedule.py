@@ -127,7 +127,8 @@ def test_schedule_parse_errors():
 
 
 def test_kinds_match_the_memory_model():
-    assert SCHEDULE_KINDS == SCHEDULES
+    # zb-v: lists, validation, simulation and the runtime only; not a declared choice yet
+    assert SCHEDULE_KINDS == SCHEDULES + ("zb-v",)
 
 
 # --- exact orders ---------------------------------------------------------------
@@ -268,7 +269,8 @@ def test_rank_peak_matches_memory_model(kind, pp, m, v):
 
 # --- bad arguments --------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(kind="zb-v", pp=2, num_microbatches=4), "unknown schedule kind='zb-v'.*gpipe"),
+    (dict(kind="zigzag", pp=2, num_microbatches=4), "unknown schedule kind='zigzag'.*gpipe.*zb-h1.*zb-v"),
+    (dict(kind="zb-v", pp=2, num_microbatches=4), "zb-v' places exactly 2 stages per rank.*interleave=2"),
     (dict(kind="1f1b", pp=0, num_microbatches=4), "pp=0 must be an int >= 1"),
     (dict(kind="1f1b", pp=2, num_microbatches=0), "num_microbatches=0 must be an int >= 1"),
     (dict(kind="gpipe", pp=2, num_microbatches=2.0), "num_microbatches=2.0"),
@@ -391,3 +393,101 @@ def test_validate_places_unshard_and_reshard(edit, message):
     with pytest.raises(ValueError, match=message) as e:
         validate(_with_rank_list(s, 0, edit(list(s.ranks[0]))))
     assert "<-- ERROR HERE" in str(e.value)
+
+
+# --- zero bubble: ZB-H1 -------------------------------------------------------------------------------
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+def test_zb_h1_is_valid_round_trips_and_holds_what_1f1b_holds_at_its_peak(pp, m):
+    s = build_schedule("zb-h1", pp=pp, num_microbatches=m)
+    validate(s)
+    assert Schedule.parse(str(s)) == s and Schedule.from_json(s.to_json()) == s
+    every = sorted((st, mb) for st in range(pp) for mb in range(m))
+    for op in (Op.F, Op.I, Op.W):
+        assert sorted((a.stage, a.microbatch) for r in s.ranks for a in r if a.op is op) == every
+    assert not any(a.op is Op.B for r in s.ranks for a in r)
+    # activations live until W: every rank holds min(m, pp), the most any 1F1B rank holds (rank 0)
+    assert peak_inflight(s) == (min(m, pp),) * pp
+    assert max(peak_inflight(s)) == max(peak_inflight(build_schedule("1f1b", pp=pp, num_microbatches=m)))
+    for r, actions in enumerate(s.ranks):   # the gradient reduction waits for the last W, not the last I
+        ops = [a.op for a in actions]
+        assert ops[-3:] == [Op.W, Op.GRAD_SYNC, Op.OPTIM]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
+def test_zb_h1_computes_in_torchs_zero_bubble_order(pp, m):
+    """torch's ScheduleInterleavedZeroBubble with one stage per rank builds its lists with this function."""
+    from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops
+    s = build_schedule("zb-h1", pp=pp, num_microbatches=m)
+    for r in range(pp):
+        warmup = min(pp - 1 - r, m)
+        theirs = _get_1f1b_rank_ops(1, pp, warmup, m - warmup, warmup, r, lambda step, r=r: r,
+                                    lambda step, r=r: r, num_1f1b_microbatches=r, enable_zero_bubble=True)
+        ours = [str(a) for a in s.ranks[r] if a.op in (Op.F, Op.I, Op.W)]
+        assert ours == [str(a) for a in theirs if a is not None]
+
+
+def test_zb_h1_example():
+    s = build_schedule("zb-h1", pp=2, num_microbatches=3)
+    assert str(s) == (
+        "schedule kind=zb-h1 pp=2 num_microbatches=3 interleave=1\n"
+        "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0I0 0W0 0F2 0SEND_F2 0RECV_B1 0I1 0W1 0RECV_B2 0I2 0W2 "
+        "0GRAD_SYNC 0OPTIM\n"
+        "rank 1: 1RECV_F0 1F0 1I0 1SEND_B0 1RECV_F1 1F1 1I1 1SEND_B1 1W0 1RECV_F2 1F2 1I2 1SEND_B2 1W1 1W2 "
+        "1GRAD_SYNC 1OPTIM")
+    with pytest.raises(ValueError, match="interleave must be 1"):
+        build_schedule("zb-h1", pp=2, num_microbatches=4, interleave=2)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda r: [a for a in r if str(a) != "1W0"], "1I0 has no 1W0"),
+    (lambda r: [a for a in r if str(a) != "1I0"], "1W0 has no 1I0"),
+    (lambda r: [Action.parse("1W0") if str(a) == "1I0" else Action.parse("1I0") if str(a) == "1W0" else a
+                for a in r], "1W0 comes before 1I0"),
+    (lambda r: r[:-2] + [Action.parse("1B0")] + r[-2:], "1B0 is the whole backward of microbatch 0"),
+    (lambda r: r[:-3] + [r[-2], r[-3], r[-1]], "1GRAD_SYNC comes before stage 1's last backward 1W1"),
+])
+def test_validate_checks_split_backwards(edit, message):
+    s = build_schedule("zb-h1", pp=2, num_microbatches=2)
+    r1 = [a for a in s.ranks[1]]
+    with pytest.raises(ValueError, match=message) as e:
+        validate(_with_rank_list(s, 1, edit(r1)))
+    assert "<-- ERROR HERE" in str(e.value)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_zb_h1_lowers_the_data_parallel_actions(zero_stage):
+    s = add_unshard_reshard(build_schedule("zb-h1", pp=4, num_microbatches=8), zero_stage=zero_stage)
+    validate(s)
+    assert Schedule.parse(str(s)) == s
+
+
+# --- zero bubble: ZB-V ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+def test_zb_v_is_valid_round_trips_and_is_torchs_order(pp, m):
+    """Two stages per rank in a V (rank r: r and 2 pp - 1 - r); the compute order of torch's
+    ScheduleZBVZeroBubble._calculate_single_rank_operations, which needs no process group."""
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    s = build_schedule("zb-v", pp=pp, num_microbatches=m, interleave=2)
+    validate(s)
+    assert Schedule.parse(str(s)) == s and Schedule.from_json(s.to_json()) == s
+    for r in range(pp):
+        assert s.stages_of(r) == tuple(sorted((r, 2 * pp - 1 - r)))
+        assert {a.stage for a in s.ranks[r]} == set(s.stages_of(r))
+        theirs = ScheduleZBVZeroBubble._calculate_single_rank_operations(
+            types.SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp), r)
+        assert [str(a) for a in s.ranks[r] if a.op in (Op.F, Op.I, Op.W)] == [str(a) for a in theirs if a is not None]
+    # the turn of the V (stages pp - 1 and pp) and both ends (0 and the loss's 2 pp - 1) stay on one rank
+    actions = {str(a) for r in s.ranks for a in r}
+    assert not any(f"{pp - 1}SEND_F{i}" in actions or f"{pp}SEND_B{i}" in actions for i in range(m))
+    assert s.rank_of(0) == s.rank_of(2 * pp - 1) == 0
+
+
+def test_zb_v_placement_is_checked():
+    s = build_schedule("zb-v", pp=2, num_microbatches=2, interleave=2)
+    with pytest.raises(ValueError, match="2F0 runs on rank 0, but stage 2 lives on rank 1 \\(its V\\)"):
+        validate(_with_rank_list(s, 0, [Action.parse("2F0")] + list(s.ranks[0])))

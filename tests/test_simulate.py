@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from partitioner.planner.schedule import Action, Op, Schedule, build_schedule
+from partitioner.planner.schedule import Action, Op, Schedule, build_schedule, peak_inflight
 from partitioner.planner.simulate import Durations, simulate
 
 
@@ -200,3 +200,72 @@ def test_large_interleaved_case_runs():
     r = simulate(s, _uniform(s, forward=1.0, backward=2.0))
     assert r.step_time_s == m * v * 3.0 + (pp - 1) * 3.0
     assert len(r.events) == sum(len(actions) for actions in s.ranks)
+
+
+# --- zero bubble: ZB-H1 -------------------------------------------------------------------------------
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (2, 16), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16)])
+def test_zb_h1_bubble_is_a_third_of_1f1bs_at_equal_peak_memory(pp, m):
+    """Qi et al. 2023, section 3.1: with T_F = T_I = T_W (backward twice the forward, W half of it), 1F1B idles
+    (pp - 1)(F + B) = 3 (pp - 1) F per rank and ZB-H1 (pp - 1)(F + I - W) = (pp - 1) F: a third (m >= pp:
+    with fewer microbatches fewer W's are left to fill the drain)."""
+    d = Durations.uniform(pp, forward=1.0, backward=2.0)   # weight_grad unset: half of the backward
+    one, zb = (build_schedule(k, pp=pp, num_microbatches=m) for k in ("1f1b", "zb-h1"))
+    t1, tz = simulate(one, d).step_time_s, simulate(zb, d).step_time_s
+    assert (t1 - 3 * m, tz - 3 * m) == (3 * (pp - 1), pp - 1)
+    assert simulate(zb, d).bubble_fraction < simulate(one, d).bubble_fraction
+    assert max(peak_inflight(zb)) == max(peak_inflight(one))
+
+
+def test_zb_h1_with_no_weight_gradient_time_is_1f1b():
+    for pp, m in ((2, 4), (4, 8)):
+        d = Durations.uniform(pp, forward=1.0, backward=2.0, p2p=0.1, weight_grad=0.0)
+        assert simulate(build_schedule("zb-h1", pp=pp, num_microbatches=m), d).step_time_s == pytest.approx(
+            simulate(build_schedule("1f1b", pp=pp, num_microbatches=m), d).step_time_s)
+
+
+def test_split_backward_events_and_grad_sync_after_the_last_w():
+    s = build_schedule("zb-h1", pp=2, num_microbatches=2)
+    d = Durations.uniform(2, forward=1.0, backward=3.0, weight_grad=1.0, grad_sync=0.5, overlap=1.0)
+    ev = {(e.rank, e.action): e for e in simulate(s, d).events}
+    assert ev[(1, "1I0")].duration == 2.0 and ev[(1, "1W0")].duration == 1.0
+    # the reduction overlaps the last W (overlap * W), not the backward that preceded it
+    assert ev[(1, "1GRAD_SYNC")].start == ev[(1, "1W1")].end - 1.0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(weight_grad=(1.0,)), "weight_grad has 1 entries but backward 2"),
+    (dict(weight_grad=(1.0, 3.0)), r"weight_grad\[1\]=3.0 exceeds backward\[1\]=2.0"),
+])
+def test_bad_weight_grad(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Durations(forward=(1.0, 1.0), backward=(2.0, 2.0), p2p=(0.0,), grad_sync=(0.0, 0.0), optim=(0.0, 0.0),
+                  **kwargs)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("w", [0.5, 1.0])
+def test_the_cut_searchs_closed_form_is_the_simulated_zb_h1_step(pp, m, w):
+    """stage_costs.sum_weight: T = (m - 1) c + sum_weight * pp * c on uniform stages, as simulated."""
+    from partitioner.planner.stage_costs import sum_weight
+    f, b = 1.0, 2.0
+    c = f + b
+    d = Durations.uniform(pp, forward=f, backward=b, weight_grad=w)
+    simulated = simulate(build_schedule("zb-h1", pp=pp, num_microbatches=m), d).step_time_s
+    assert (m - 1) * c + sum_weight("zb-h1", pp, 1, m, w / c) * pp * c == pytest.approx(simulated)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 8), (4, 8), (4, 16), (8, 16)])
+def test_zb_v_halves_zb_h1s_bubble_at_about_its_memory(pp, m):
+    """ZB-V (Qi et al. 2023, section 6) on the same model: half a stage per virtual stage, T_F = T_I = T_W.
+    Its bubble is about half ZB-H1's and a fifth of 1F1B's; each rank holds 2 pp + 1 half-stage
+    microbatches at its peak, pp + 1/2 stages' worth against 1F1B's pp."""
+    one_stage = Durations.uniform(pp, forward=1.0, backward=2.0, weight_grad=1.0)
+    half = Durations.uniform(2 * pp, forward=0.5, backward=1.0, weight_grad=0.5)
+    zbv = build_schedule("zb-v", pp=pp, num_microbatches=m, interleave=2)
+    bubble = {k: simulate(build_schedule(k, pp=pp, num_microbatches=m), one_stage).bubble_fraction
+              for k in ("1f1b", "zb-h1")}
+    v = simulate(zbv, half).bubble_fraction
+    assert v <= 0.55 * bubble["zb-h1"] and v <= 0.25 * bubble["1f1b"]
+    per_rank = [sum(peak_inflight(zbv)[s] for s in zbv.stages_of(r)) for r in range(pp)]
+    assert max(per_rank) == 2 * pp + 1

@@ -60,8 +60,11 @@ def durations(ev: StageEvaluator, cut: Cut) -> Durations:
         sync.append(st.exposed_comm_s)
         optim.append(st.tail_s - st.exposed_comm_s)
     links = tuple(p2p[cut.bounds[k + 1] - 1] for k in range(S - 1))
+    # a split backward's W: the graph's weight-gradient share of the backward (unit_costs.UnitCost.weight_s)
+    arr = ev.arrays
+    share = arr.total_w / arr.total_b if arr.total_b > 0 else 0.0
     return Durations(forward=tuple(fwd), backward=tuple(bwd), p2p=links, grad_sync=tuple(sync), overlap=0.0,
-                     optim=tuple(optim))
+                     optim=tuple(optim), weight_grad=tuple(share * b for b in bwd))
 
 
 def _faster(best: Scored, other: Scored) -> str:

@@ -4,6 +4,8 @@ The step time of a cut (stage_costs.py) is
 
     T = (m*v - 1) * max_k c_k + sum_k c_k / v + max_k tail_k
 
+(ZB-H1: another coefficient of sum_k c_k, stage_costs.sum_weight.)
+
 It is not a plain bottleneck objective, so the dynamic programme keeps, for
 each (stages used, units covered), the Pareto front of
 (max c, max tail, sum c) over the cuts that reach it: every criterion is
@@ -32,9 +34,12 @@ class Cut:
     step_time_s: float
 
 
-def step_time(stages: tuple[StageCost, ...], m: int, v: int, *, idle_cost: float = 1.0) -> float:
+def step_time(stages: tuple[StageCost, ...], m: int, v: int, *, idle_cost: float = 1.0,
+              sum_weight: float | None = None) -> float:
+    """T above; `sum_weight` replaces its 1 / v for the zero-bubble schedules (stage_costs.sum_weight)."""
     max_c = max(s.c for s in stages)
-    t = (m * v - 1) * max_c + sum(s.c for s in stages) / v + max(s.tail_s for s in stages)
+    w = 1 / v if sum_weight is None else sum_weight
+    t = (m * v - 1) * max_c + sum(s.c for s in stages) * w + max(s.tail_s for s in stages)
     return charge_idle(stages, m, v, t, idle_cost)
 
 
@@ -57,7 +62,8 @@ def evaluate_cut(ev: StageEvaluator, bounds: tuple[int, ...]) -> Cut | None:
         return None
     c = ev.cand
     return Cut(bounds=bounds, stages=stages, step_time_s=step_time(stages, c.num_microbatches, c.interleave,
-                                                                    idle_cost=ev.ctx.cal.pipeline_idle_cost))
+                                                                    idle_cost=ev.ctx.cal.pipeline_idle_cost,
+                                                                    sum_weight=ev.sum_weight))
 
 
 def _balanced(ev: StageEvaluator, n: int, S: int) -> Cut | None:
@@ -87,7 +93,7 @@ def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf) -> Cut | None
         bound = math.inf
     slope = m * v - 1
     c_min_total = ev.total_c  # sum of c without p2p; any cut has sum c >= this
-    c_limit = (bound - c_min_total / v) / slope * (1 + 1e-12) if slope > 0 and math.isfinite(bound) else math.inf
+    c_limit = (bound - c_min_total * ev.sum_weight) / slope * (1 + 1e-12) if slope > 0 and math.isfinite(bound) else math.inf
     pre = [ev._f[u] + ev._b[u] for u in range(n + 1)]  # compute without p2p: a lower bound on c
     # front[j]: points (max_c, max_tail, sum_c, bounds) reaching unit j with k stages
     front: dict[int, list[tuple[float, float, float, tuple[int, ...]]]] = {0: [(0.0, 0.0, 0.0, (0,))]}
@@ -114,7 +120,7 @@ def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf) -> Cut | None
             return best if best and best.step_time_s <= incumbent else None
     result = best
     for mc, mt, sc, bnds in front.get(n, []):
-        t = slope * mc + sc / v + mt
+        t = slope * mc + sc * ev.sum_weight + mt
         if result is None or t < result.step_time_s - 1e-15 * t or (abs(t - result.step_time_s) <= 1e-15 * t and bnds < result.bounds):
             cut = evaluate_cut(ev, bnds)
             if cut is not None:

@@ -349,6 +349,9 @@ def _check_async_sgd(d: Declarations, world_size: int) -> None:
 # Bounds that keep the search finite and fast: the divisors of the batch are enumerated, and the schedule
 # lists every microbatch of every rank (their instruction lists grow with the count).
 MAX_GLOBAL_BATCH_SIZE = 2**32
+# Schedules whose backward is split into I and W: the runtime does not run them under ZeRO-3 or selective
+# recompute (why: the DeclarationErrors in check_declarations)
+SPLIT_BACKWARD = frozenset({"zb-h1"})
 MAX_MICROBATCHES = 2**16
 
 
@@ -441,6 +444,16 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
         raise DeclarationError(
             f"interleave={d.interleave} needs schedule='interleaved-1f1b', not {d.schedule!r}; "
             "drop interleave or change the schedule")
+    if d.schedule in SPLIT_BACKWARD and d.zero_stage == 3:
+        raise DeclarationError(
+            f"schedule={d.schedule!r} with zero_stage=3: a split backward keeps each microbatch's graph from its "
+            "I to its W, but ZeRO-3 frees a unit's gathered parameters after each backward, under the graph; "
+            "use zero_stage 0, 1 or 2, or schedule='1f1b'")
+    if d.schedule in SPLIT_BACKWARD and d.recompute == "selective":
+        raise DeclarationError(
+            f"schedule={d.schedule!r} with recompute='selective': a split backward runs autograd twice over each "
+            "block (I, then W), and torch's selective checkpoint allows one backward per region; use "
+            "recompute='full' or 'none', or schedule='1f1b'")
     if d.schedule == "interleaved-1f1b" and d.interleave == 1:
         raise DeclarationError("schedule='interleaved-1f1b' with interleave=1 is plain 1F1B: "
                                "use interleave >= 2 or schedule='1f1b'")

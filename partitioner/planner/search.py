@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from partitioner.planner.cut import Cut, cut_stages, evaluate_cut, step_time
-from partitioner.planner.declarations import MAX_MICROBATCHES, Declarations, divisors
+from partitioner.planner.declarations import MAX_MICROBATCHES, SPLIT_BACKWARD, Declarations, divisors
 from partitioner.planner.plan import ParallelConfig, per_rank_memory
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.unit_costs import CostContext
@@ -37,7 +37,7 @@ from partitioner.planner.unit_costs import CostContext
 __all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
 
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
-_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2}
+_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 3}
 _INTERLEAVES = (2, 3, 4)
 # Balanced cuts tried when looking for faster configurations that do not fit: each costs one stage
 # evaluation per stage, a few ms on 1000 ranks, so a cap keeps the search's time what it was.
@@ -101,6 +101,9 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                 for sched, v in _schedules(d, pp, m, num_units):
                     zeros = [d.zero_stage] if d.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
                     recomputes = [d.recompute] if d.recompute is not None else ["none", "selective", "full"]
+                    if sched in SPLIT_BACKWARD:  # what a split backward does not run with (declarations.py)
+                        zeros = [z for z in zeros if z != 3]
+                        recomputes = [rc for rc in recomputes if rc != "selective"]
                     for z, rc in itertools.product(zeros, recomputes):
                         sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]
                         for sp in sps:
@@ -113,7 +116,7 @@ def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[s
         # One stage: every schedule is gradient accumulation; name it 1F1B.
         return [("1f1b", 1)] if d.schedule in (None, "1f1b", "gpipe") else []
     out = []
-    for sched in ([d.schedule] if d.schedule is not None else ["1f1b", "gpipe", "interleaved-1f1b"]):
+    for sched in ([d.schedule] if d.schedule is not None else ["1f1b", "gpipe", "interleaved-1f1b", "zb-h1"]):
         if sched != "interleaved-1f1b":
             out.append((sched, 1))
             continue
@@ -215,7 +218,8 @@ def _balanced_cut(ev) -> Cut | None:
     bounds = tuple(round(k * n / S) for k in range(S + 1))
     stages = tuple(ev.stage(bounds[k], bounds[k + 1], k) for k in range(S))
     return Cut(bounds=bounds, stages=stages, step_time_s=step_time(stages, ev.cand.num_microbatches, ev.cand.interleave,
-                                                                    idle_cost=ev.ctx.cal.pipeline_idle_cost))
+                                                                    idle_cost=ev.ctx.cal.pipeline_idle_cost,
+                                                                    sum_weight=ev.sum_weight))
 
 
 def rank_peak(cut: Cut, pp: int) -> float:

@@ -3,8 +3,9 @@
 The planner predicts step time with it; its events become a Perfetto trace.
 
 Model (the same lists the runtime executes, run with these rules):
-  - Each rank runs its list in order, one compute action (F, B, OPTIM) at a
-    time on its compute stream.
+  - Each rank runs its list in order, one compute action (F, B, I, W,
+    OPTIM) at a time on its compute stream. A split backward's W takes
+    `weight_grad[v]` of the stage's backward and its I the rest.
   - SEND costs the sender nothing (isend); the data arrives `p2p` later.
     Transfers do not contend with each other.
   - RECV blocks: it completes at max(the rank's time, the send's issue time
@@ -17,7 +18,7 @@ Model (the same lists the runtime executes, run with these rules):
   - `Durations.overlap` adds DDP-style bucketing inside the stage's last
     backward: when GRAD_SYNC follows the stage's last B with no other
     compute between them, the reduction may start `overlap * backward[v]`
-    before that B ends (buckets are reduced as backward fills them):
+    before that B ends (after a last W: `overlap * weight_grad[v]`) (buckets are reduced as backward fills them):
         start = max(end of that B - overlap * backward[v], comm stream free)
     otherwise start = max(issue time, comm stream free). The exposed part
     is what runs past the rank's remaining compute: for the stage a rank
@@ -52,7 +53,12 @@ from typing import Literal
 from cost_models.errors import PartitionerError
 from partitioner.planner.schedule import Op, Schedule, validate
 
-__all__ = ["Durations", "Event", "SimResult", "simulate"]
+__all__ = ["Durations", "Event", "SimResult", "simulate", "WEIGHT_GRAD_SHARE"]
+
+# The weight-gradient share of a backward when none is given. A matmul y = x W^T costs 2 n k m FLOPs
+# forward and twice that backward: dx = dy W and dW = dy^T x, the same size each, so in the
+# matmul-dominated stages of a transformer W is half of the backward (Qi et al. 2023, section 2: T_W = T_B).
+WEIGHT_GRAD_SHARE = 0.5
 
 EventKind = Literal["compute", "p2p", "collective", "optim"]
 
@@ -71,6 +77,9 @@ class Durations:
     overlap: in [0, 1], the fraction of the stage's last backward during
         which its gradient reduction already runs (DDP bucketing); see the
         module docstring for the exact rule.
+    weight_grad: per virtual stage, the part of `backward` a split
+        backward's W takes (its I takes the rest); empty: WEIGHT_GRAD_SHARE
+        of each backward.
     """
 
     forward: tuple[float, ...]
@@ -79,9 +88,10 @@ class Durations:
     grad_sync: tuple[float, ...]
     optim: tuple[float, ...]
     overlap: float = 0.0
+    weight_grad: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "p2p", "grad_sync", "optim"):
+        for name in ("forward", "backward", "p2p", "grad_sync", "optim", "weight_grad"):
             values = getattr(self, name)
             if not isinstance(values, tuple):
                 raise PartitionerError(f"Durations.{name} must be a tuple of seconds, "
@@ -92,10 +102,29 @@ class Durations:
         if not 0.0 <= self.overlap <= 1.0:
             raise PartitionerError(f"Durations.overlap={self.overlap!r} must lie in [0, 1]: the "
                                    f"fraction of the last backward that gradient reduction overlaps")
+        if self.weight_grad and len(self.weight_grad) != len(self.backward):
+            raise PartitionerError(f"Durations.weight_grad has {len(self.weight_grad)} entries but backward "
+                                   f"{len(self.backward)}: give one per virtual stage, or none for "
+                                   f"{WEIGHT_GRAD_SHARE} of each backward")
+        over = [(v, w, b) for v, (w, b) in enumerate(zip(self.weight_grad, self.backward)) if w > b]
+        if over:
+            v, w, b = over[0]
+            raise PartitionerError(f"Durations.weight_grad[{v}]={w!r} exceeds backward[{v}]={b!r}: W is a part "
+                                   f"of the backward, so it takes at most all of it")
+
+    def split_backward(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per stage, (I, W) seconds of a split backward.
+
+        >>> Durations.uniform(2, forward=1.0, backward=2.0).split_backward()
+        ((1.0, 1.0), (1.0, 1.0))
+        """
+        w = self.weight_grad or tuple(WEIGHT_GRAD_SHARE * b for b in self.backward)
+        return tuple(b - x for b, x in zip(self.backward, w)), w
 
     @classmethod
     def uniform(cls, num_stages: int, *, forward: float, backward: float, p2p: float = 0.0,
-                grad_sync: float = 0.0, optim: float = 0.0, overlap: float = 0.0) -> Durations:
+                grad_sync: float = 0.0, optim: float = 0.0, overlap: float = 0.0,
+                weight_grad: float | None = None) -> Durations:
         """The same costs for every stage and boundary.
 
         >>> Durations.uniform(2, forward=1.0, backward=2.0).p2p
@@ -103,7 +132,8 @@ class Durations:
         """
         return cls(forward=(forward,) * num_stages, backward=(backward,) * num_stages,
                    p2p=(p2p,) * (num_stages - 1), grad_sync=(grad_sync,) * num_stages,
-                   optim=(optim,) * num_stages, overlap=overlap)
+                   optim=(optim,) * num_stages, overlap=overlap,
+                   weight_grad=() if weight_grad is None else (weight_grad,) * num_stages)
 
     def check(self, schedule: Schedule) -> None:
         """Raise unless there is one entry per stage (per boundary for p2p)."""
@@ -123,7 +153,7 @@ class Durations:
 class Event:
     """One action as it ran: on `rank`, from `start` to `end` (seconds).
 
-    kind: compute (F, B), p2p (a SEND spans the transfer, a RECV the wait),
+    kind: compute (F, B, I, W), p2p (a SEND spans the transfer, a RECV the wait),
     collective (GRAD_SYNC, on the communication stream; UNSHARD and RESHARD,
     instants), optim (OPTIM, from the end of the wait for its GRAD_SYNC).
     """
@@ -144,7 +174,7 @@ class SimResult:
     """A simulated step.
 
     step_time_s: when the last action of any rank ends (seconds).
-    per_rank_busy_s: per rank, seconds of compute (F, B and OPTIM).
+    per_rank_busy_s: per rank, seconds of compute (F, B, I, W and OPTIM).
     bubble_fraction: 1 - sum(busy) / (ranks * step time).
     events: one per action, rank by rank, each rank's in program order.
     """
@@ -180,14 +210,18 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
     fwd, bwd, p2p, sync, opt = (durations.forward, durations.backward, durations.p2p,
                                 durations.grad_sync, durations.optim)
     overlap = durations.overlap
-    F, B, SEND_F, RECV_F, SEND_B, RECV_B, GRAD_SYNC, OPTIM = (Op.F, Op.B, Op.SEND_F, Op.RECV_F, Op.SEND_B,
-                                                              Op.RECV_B, Op.GRAD_SYNC, Op.OPTIM)
+    cost = {Op.F: fwd, Op.B: bwd}
+    cost[Op.I], cost[Op.W] = durations.split_backward()
+    B, W = Op.B, Op.W
+    SEND_F, RECV_F, SEND_B, RECV_B, GRAD_SYNC, OPTIM = (Op.SEND_F, Op.RECV_F, Op.SEND_B,
+                                                        Op.RECV_B, Op.GRAD_SYNC, Op.OPTIM)
 
     now = [0.0] * R                  # each rank's compute-stream time
     comm_free = [0.0] * R            # when each rank's communication stream is idle
     busy = [0.0] * R
     pc = [0] * R
-    last_b_end: list[tuple[int, float] | None] = [None] * R  # (stage, end) if the last compute was a B
+    # (stage, end, duration) if the last compute completed weight gradients (a B or W)
+    last_b_end: list[tuple[int, float, float] | None] = [None] * R
     sync_end: dict[int, float] = {}  # stage -> end of its GRAD_SYNC
     arrival: dict[tuple[bool, int, int], float] = {}  # (forward?, receiving stage, mb) -> time
     waiting: dict[tuple[bool, int, int], int] = {}    # same key -> the rank blocked on it
@@ -200,12 +234,12 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
         while pc[r] < len(actions):
             a = actions[pc[r]]
             op, s = a.op, a.stage
-            if op is F or op is B:
-                d = fwd[s] if op is F else bwd[s]
+            if op in cost:
+                d = cost[op][s]
                 out.append(Event(rank=r, action=str(a), start=t, end=t + d, kind="compute"))
                 t += d
                 busy[r] += d
-                last_b_end[r] = (s, t) if op is B else None
+                last_b_end[r] = (s, t, d) if op is B or op is W else None
             elif op is RECV_F or op is RECV_B:
                 key = (op is RECV_F, s, a.microbatch)
                 if key not in arrival:
@@ -224,7 +258,7 @@ def simulate(schedule: Schedule, durations: Durations) -> SimResult:
             elif op is GRAD_SYNC:
                 issue = t
                 if last_b_end[r] is not None and last_b_end[r][0] == s:
-                    issue = last_b_end[r][1] - overlap * bwd[s]
+                    issue = last_b_end[r][1] - overlap * last_b_end[r][2]
                 start = max(issue, comm_free[r])
                 comm_free[r] = sync_end[s] = start + sync[s]
                 out.append(Event(rank=r, action=str(a), start=start, end=sync_end[s], kind="collective"))

@@ -65,6 +65,12 @@ class UnitCost:
     working_bytes: float  # recomputation's working set (the unit's full activations), full recompute only
     params: float  # per tensor rank
     largest_output: float = 0.0  # bytes of its blocks' largest floating-point node output, per microbatch and tensor rank
+    # of backward_s, the weight gradients' part (a split backward's W): the matmuls' dW = dy^T x, as many FLOPs
+    # as their forward; other ops' weight gradients (norms, embedding rows) are small and counted with I
+    weight_s: float = 0.0
+    # what a split backward's I keeps for W per microbatch (runtime.pipeline.split_backward): the gradient
+    # flowing into each of those matmuls, the size of its output (bytes per microbatch and tensor rank)
+    weight_grad_bytes: float = 0.0
 
 
 class CostContext:
@@ -244,7 +250,7 @@ class CostContext:
         a, b = self.units[u]
         s, sc = self.seq, self.scale
         tp_ranks = Mesh(1, 1, tp).tp_ranks()  # every tensor group sits alike: consecutive ranks
-        fwd = bwd = act = biggest = 0.0
+        fwd = bwd = act = biggest = wgt = wbytes = 0.0
         # Recomputation (runtime.engines.recompute) runs inside the blocks only, never on the prefix or suffix
         # (the loss's inputs) a unit may also hold: their activations stay, their ops run once.
         # full: a block keeps its input; selective: the outputs of its matrix products and layer
@@ -264,6 +270,9 @@ class CostContext:
             tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
             bflops = c.backward_flops(mb, s) / d
             tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
+            if c.op_class == "matmul" and n.params and bflops:
+                wgt += tb * min(1.0, flops / bflops)
+                wbytes += n.output.nbytes(mb, s) * sc / d if n.output is not None else 0.0
             fixed = c.fixed_activation_bytes(mb, s)  # masks and indices: the same size at any precision
             kept = ((c.activation_bytes(mb, s) - fixed) * sc + fixed) / d
             collective_f = 0.0
@@ -299,12 +308,14 @@ class CostContext:
             prev = n
         if recompute == "selective" and block_input is not None:
             return UnitCost(forward_s=fwd, backward_s=bwd + recomputed_f, activation_bytes=outside + block_input + kept_sel,
-                            working_bytes=max(0.0, act - outside - kept_sel), params=0.0, largest_output=biggest)
+                            working_bytes=max(0.0, act - outside - kept_sel), params=0.0, largest_output=biggest,
+                            weight_s=wgt, weight_grad_bytes=wbytes)
         if recompute == "full" and block_input is not None:
             return UnitCost(forward_s=fwd, backward_s=bwd + block_f, activation_bytes=outside + block_input,
-                            working_bytes=act - outside, params=0.0, largest_output=biggest)
+                            working_bytes=act - outside, params=0.0, largest_output=biggest, weight_s=wgt,
+                            weight_grad_bytes=wbytes)
         return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
-                        largest_output=biggest)
+                        largest_output=biggest, weight_s=wgt, weight_grad_bytes=wbytes)
 
     def unit_arrays(self, tp: int, mb: int, recompute: str, sp: bool = False) -> UnitArrays:
         key = (tp, mb, recompute, sp and tp > 1)
@@ -330,7 +341,8 @@ class CostContext:
                 block_par=tuple(in_block), max_param=tuple(largest), rest=tuple(_prefix([x.params - y for x, y in zip(uc, in_block)])),
                 biggest=tuple(x.largest_output for x in uc), unit_act=tuple(x.activation_bytes for x in uc),
                 blocks=tuple(_prefix([1.0 if x > 0 else 0.0 for x in in_block])),
-                total_c=sum(x.forward_s + x.backward_s for x in uc),
+                total_c=sum(x.forward_s + x.backward_s for x in uc), total_w=sum(x.weight_s for x in uc),
+                total_b=sum(x.backward_s for x in uc), wgrad=tuple(_prefix([x.weight_grad_bytes for x in uc])),
                 max_unit_c=max(x.forward_s + x.backward_s for x in uc))
         return hit
 
@@ -400,6 +412,9 @@ class UnitArrays:
     blocks: tuple[float, ...]  # prefix sums of the units holding a block's parameters
     total_c: float
     max_unit_c: float
+    total_w: float = 0.0  # the weight-gradient part of the backward (UnitCost.weight_s), all units
+    total_b: float = 0.0  # the backward, all units
+    wgrad: tuple[float, ...] = (0.0,)  # prefix sums of UnitCost.weight_grad_bytes
 
 
 def _prefix(xs: Sequence[float]) -> list[float]:

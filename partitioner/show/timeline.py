@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from cost_models.actions import COMPUTE_OPS
 from partitioner.planner.schedule import Action, Op
 from partitioner.planner.simulate import Durations, simulate
 
@@ -132,7 +133,7 @@ def plan_durations(plan: Plan) -> Durations:
 def _name(action: Action, zero_stage: int) -> tuple[str, Lane] | None:
     """What the timeline calls an action and where it draws it; None for receives (their wait is the gap)."""
     op, mb = action.op, action.microbatch
-    if op is Op.F or op is Op.B:
+    if op in COMPUTE_OPS:   # F, B, and a split backward's I and W
         return f"{op.value}{mb}", "compute"
     if op is Op.SEND_F or op is Op.SEND_B:
         return f"send {'F' if op is Op.SEND_F else 'B'}{mb}", "send"

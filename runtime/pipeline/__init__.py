@@ -2,6 +2,8 @@
 
 - `runner.py` (read first): `PipelineRunner`, one step of a pipeline plan on this rank;
 - `executor.py`: runs the schedule's action list (forward, backward, send, receive per microbatch);
+- `split_backward.py`: the zero-bubble schedules' backward in two actions, input gradient (I) then weight
+  gradients (W);
 - `stage.py`: `StageModel`, the generated segment functions of this stage over the rank's slice of the
   model's parameters;
 - `tensor_parallel.py`: the tensor group's collectives inside stage code (Megatron's f and g, the

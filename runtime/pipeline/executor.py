@@ -1,7 +1,7 @@
 """The pipeline executor: runs one rank's instruction list (a pipeline rank's; a data-parallel rank's is
 one stage's, run by `runtime.engines.step.StepRunner`).
 
-A schedule (GPipe, 1F1B, interleaved 1F1B) arrives as data: this rank's
+A schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1) arrives as data: this rank's
 ordered actions, each with `.op`, `.stage`, `.microbatch` (the planner's
 `Action`), or their compact strings ("2SEND_F0"). The runtime never imports
 the planner: both take the grammar from `cost_models.actions`, below them
@@ -12,6 +12,10 @@ both, so what the planner writes is what this parses. Semantics, as in
   sB i       backward: the last stage backprops loss_fn(out, target) / m,
              other stages the received gradient of their output; the input
              gradient is kept for SEND_B; the microbatch's tensors are freed
+  sI i       the input-gradient half of a split backward (zero-bubble schedules): as B, but only the
+             gradient of the input (for SEND_B); what the weight gradients need is kept for W
+  sW i       the weight-gradient half: the parameter gradients B would have added; frees the microbatch
+             (`runtime.pipeline.split_backward`, torch's stage_backward_input / stage_backward_weight)
   sSEND_F i  send stage s's output to stage s + 1 (non-blocking)
   sRECV_F i  post the receive of stage s's input from stage s - 1
   sSEND_B i  send the gradient of stage s's input to stage s - 1 (non-blocking)
@@ -28,7 +32,9 @@ means launching each bucket from inside autograd, as its gradients fill; so
 the executor runs every B under `no_sync()` (gradients accumulate locally,
 nothing is sent) except the rank's last B, which launches the reductions,
 and the GRAD_SYNC after it is where the executor waits for them to
-complete. The list shows both ends: the last B and the GRAD_SYNC. (ZeRO-2/3
+complete. The list shows both ends: the last B and the GRAD_SYNC. In a
+split backward the weight gradients are W's, so the rank's last W launches
+them (an I adds to no parameter gradient, so no_sync or not changes nothing). (ZeRO-2/3
 reduce-scatter in every B regardless, one in flight at a time; ZeRO-3 also
 gathers each unit inside F and B, one ahead, as its modules run.)
 
@@ -76,6 +82,7 @@ from torch import nn
 
 from cost_models.actions import Action
 from runtime.device import rank_device
+from runtime.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 
 __all__ = ["PipelineError", "PipelineExecutor", "message_tag", "parse_action", "split_sequential"]
 
@@ -184,8 +191,9 @@ class PipelineExecutor:
         self.grad_sync, self.optim, self.activation_shape, self.timeout = grad_sync, optim, activation_shape, timeout
         self.unshard, self.reshard, self.no_sync = unshard, reshard, no_sync
         self.feed_inputs = feed_inputs
-        # the one backward that launches the gradient reductions: the rank's last
-        self._syncing_b = max((i for i, a in enumerate(self.actions) if a.op == "B"), default=-1)
+        # the one backward that launches the gradient reductions: the rank's last B or W, the last to add to
+        # the weight gradients
+        self._syncing_b = max((i for i, a in enumerate(self.actions) if a.op in ("B", "W")), default=-1)
         self._check()
         self._reset()
 
@@ -215,12 +223,13 @@ class PipelineExecutor:
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_out: dict[tuple[int, int], torch.Tensor] = {}   # gradient of a stage's output
         self._grad_in: dict[tuple[int, int], torch.Tensor | None] = {}  # gradient of its input, for SEND_B
+        self._pending_w: dict[tuple[int, int], PendingWeightGrad] = {}   # after I, what W needs
         self._recvs: dict[tuple[str, int, int], tuple[Any, torch.Tensor, int]] = {}  # (op, s, mb) -> work, buf, step
         self._sends: list[tuple[Any, torch.Tensor, int, int]] = []  # work, tensor kept alive, step, peer stage
 
     def held(self) -> list[tuple[int, int]]:
-        """(stage, microbatch) pairs whose forward state is held, i.e. forward run and backward not yet."""
-        return sorted(self._outputs)
+        """(stage, microbatch) pairs whose forward state is held: forward run and backward (or W) not yet."""
+        return sorted(set(self._outputs) | set(self._pending_w))
 
     # ---- messages ---------------------------------------------------------------------------------
     def _wait(self, work, step: int, peer_stage: int, waiting_step: int | None = None) -> None:
@@ -313,11 +322,13 @@ class PipelineExecutor:
             self._inputs[(s + 1, i)] = out.detach()
 
     def _backward(self, a: Action, step: int, targets) -> torch.Tensor | None:
+        """B, or the I of a split backward (a.op == "I")."""
         s, i = a.stage, a.microbatch
         out, x = self._outputs.pop((s, i), None), self._inputs.pop((s, i), None)
         if out is None:
             raise PipelineError(f"pipeline action {step} ({a}) runs before its forward {s}F{i} on this rank")
         loss = None
+        split = a.op == "I"
         if s == self.num_stages - 1:
             if targets is None:
                 raise ValueError(f"this rank holds the last stage {s}: pass run(targets=[...])")
@@ -325,7 +336,10 @@ class PipelineExecutor:
             # the loss keeps what its backward needs (a cross-entropy its log-softmax, not the logits):
             # holding the output through the backward would keep one more output-sized tensor at the peak
             del out
-            loss.backward()
+            if split:
+                (g,), self._pending_w[(s, i)] = backward_input([loss], [None], [x])
+            else:
+                loss.backward()
         else:
             grad = self._take_recv("RECV_B", s, i, s + 1, step)
             if grad is None:
@@ -333,14 +347,26 @@ class PipelineExecutor:
             if grad is None:
                 raise PipelineError(f"pipeline action {step} ({a}) has no output gradient: add {s}RECV_B{i} "
                                     f"before it, or run {s + 1}B{i} first when stage {s + 1} is on this rank")
-            torch.autograd.backward(out, grad)
+            if split:
+                (g,), self._pending_w[(s, i)] = backward_input([out], [grad], [x])
+            else:
+                torch.autograd.backward(out, grad)
         if s > 0:
-            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            if not split:
+                g = x.grad
+            g = g if g is not None else torch.zeros_like(x)
             if s - 1 in self.stages:
                 self._grad_out[(s - 1, i)] = g
             else:
                 self._grad_in[(s, i)] = g
         return None if loss is None else loss.detach()
+
+    def _backward_weight(self, a: Action, step: int) -> None:
+        pending = self._pending_w.pop((a.stage, a.microbatch), None)
+        if pending is None:
+            raise PipelineError(f"pipeline action {step} ({a}) computes the weight gradients of "
+                                f"{a.stage}I{a.microbatch}, which has not run on this rank: put the I first")
+        backward_weight(pending)
 
     def _send_output(self, a: Action, step: int) -> None:
         s, i = a.stage, a.microbatch
@@ -369,11 +395,17 @@ class PipelineExecutor:
         """Run one action; returns the microbatch loss (already / m) of a last-stage backward."""
         if a.op == "F":
             self._forward(a, step, microbatches_in)
-        elif a.op == "B":
+        elif a.op in ("B", "I"):
             if self.no_sync is None or step == self._syncing_b:
                 return self._backward(a, step, targets)
             with self.no_sync():
                 return self._backward(a, step, targets)
+        elif a.op == "W":
+            if self.no_sync is None or step == self._syncing_b:
+                self._backward_weight(a, step)
+            else:
+                with self.no_sync():
+                    self._backward_weight(a, step)
         elif a.op in ("RECV_F", "RECV_B"):
             self._post_recv(a, step)
         elif a.op == "SEND_F":
@@ -411,11 +443,12 @@ class PipelineExecutor:
                     total = loss if total is None else total + loss
             for work, _, step, peer in self._sends:
                 self._wait(work, step, peer)
-            left = sorted(self._outputs) + sorted(k[1:] for k in self._recvs) + sorted(self._grad_in)
+            left = sorted(self._outputs) + sorted(k[1:] for k in self._recvs) + sorted(self._grad_in) + \
+                sorted(self._pending_w)
             if left:
                 raise PipelineError(f"the instruction list ended with work left for (stage, microbatch) "
-                                    f"{left[:4]}: a forward without backward, a receive nobody used, or "
-                                    f"an input gradient never sent")
+                                    f"{left[:4]}: a forward without backward, a receive nobody used, "
+                                    f"an input gradient never sent, or an I without its W")
         finally:
             self._reset()   # free every activation, also after an error
         return None if total is None else total.item()

@@ -4,8 +4,9 @@ The generated program builds a `PipelineRunner` from the plan's numbers.
 A step takes this replica's rows of the global batch, cuts them into
 microbatches and runs this rank's instruction list (`PipelineExecutor`).
 Gradients accumulate over the microbatches without communication (the
-engine's `no_sync`, as in Megatron's pipeline) until the rank's last B,
-which launches the data-parallel reductions bucket by bucket; at the rank's
+engine's `no_sync`, as in Megatron's pipeline) until the rank's last B
+(under a zero-bubble schedule its last W, which adds the last weight
+gradients), which launches the data-parallel reductions bucket by bucket; at the rank's
 last GRAD_SYNC they complete, and the tied parameters (embedding and LM
 head on the first and last stage) are summed over their holders; at its
 last OPTIM the gradients are clipped by the global norm over every shard of
@@ -58,6 +59,10 @@ class PipelineRunner:
             num_microbatches=num_microbatches, group=None, grad_sync=self._grad_sync, optim=self._optim,
             unshard=lambda s: engine.unshard(), reshard=lambda s: engine.reshard(), no_sync=engine.no_sync,
             feed_inputs=True, activation_shape=self._activation_shape if hidden_shape is not None else None)
+        if engine.zero_stage == 3 and any(a.op in ("I", "W") for a in self.executor.actions):
+            # ZeRO-3 reshards a unit at the end of each backward, and W's graph still reads its gathered views
+            raise ValueError("a split backward (I / W actions: schedule='zb-h1') does not run under ZeRO-3: "
+                             "compile with zero_stage 0, 1 or 2, or schedule='1f1b'")
         self._after_optim = implicit_after_step(engine, self.executor.actions)
         self.hidden_shape, self.hidden_dtype = hidden_shape, hidden_dtype or torch.float32
         self._xs: list[Any] = []
