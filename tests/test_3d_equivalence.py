@@ -159,6 +159,14 @@ def test_sequence_parallel_trains_like_one_process(name, pp, dp, tp, zero, opt):
     assert_same_training(plan, name, optimizer={"sgd": sgd, "adamw": adamw}[opt])
 
 
+def test_sequence_parallel_under_zero_bubble_trains_like_one_process():
+    """zb-h1 runs a block's backward twice (I, then W later): each unpacks the token shards the column matmuls
+    kept and gathers them again, in the same order on every rank of the tensor group."""
+    plan = plan_for("gpt", pp=2, dp=1, tp=2, schedule="zb-h1", sp=True)
+    assert plan.config.sp and plan.config.schedule == "zb-h1"
+    assert_same_training(plan, "gpt", optimizer=sgd)
+
+
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_sequence_parallel_recomputes_its_gathers_like_one_process(recompute):
     """Recomputation re-runs the token gathers in backward, under the saved-tensor hooks that keep them as
