@@ -76,6 +76,17 @@ def _reference() -> dict:
     return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
+def _assert_trains_like_one_process(ex: PipelineExecutor, model: torch.nn.Module) -> None:
+    """STEPS steps of `ex` over M microbatches each: the losses and `model`'s final state those of one process."""
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        losses.append(ex.run(list(x.chunk(M)), list(y.chunk(M))))
+    want = _reference()
+    torch.testing.assert_close(losses, want["losses"], rtol=RTOL, atol=ATOL)
+    _assert_state_close(model.state_dict(), want["state"])
+
+
 def _assert_state_close(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     for k, w in want.items():
@@ -176,13 +187,8 @@ def test_two_virtual_stages_on_one_rank_train_like_one_process():
                           collectives=None, loss_fn=F.cross_entropy, num_microbatches=M,
                           optim=lambda s: (opts[s].step(), opts[s].zero_grad()),
                           grad_sync=lambda s: held.append((s, ex.held())))
-    losses, held = [], []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        losses.append(ex.run(list(x.chunk(M)), list(y.chunk(M))))
-    want = _reference()
-    torch.testing.assert_close(losses, want["losses"], rtol=RTOL, atol=ATOL)
-    _assert_state_close(model.state_dict(), want["state"])
+    held = []
+    _assert_trains_like_one_process(ex, model)
     # activations are freed by their backward: after stage 1's last backward only 0F3's remain
     assert held == [(1, [(0, M - 1)]), (0, [])] * STEPS and ex.held() == []
 
@@ -203,13 +209,7 @@ def test_split_backward_on_one_rank_trains_like_one_process():
     ex = PipelineExecutor(actions=schedule.ranks[0], stages={0: model}, num_stages=1, stage_to_rank=lambda s: 0,
                           collectives=None, loss_fn=F.cross_entropy, num_microbatches=M, no_sync=no_sync,
                           optim=lambda s: (opt.step(), opt.zero_grad()))
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        losses.append(ex.run(list(x.chunk(M)), list(y.chunk(M))))
-    want = _reference()
-    torch.testing.assert_close(losses, want["losses"], rtol=RTOL, atol=ATOL)
-    _assert_state_close(model.state_dict(), want["state"])
+    _assert_trains_like_one_process(ex, model)
     assert seen == ["no_sync"] * (2 * M - 1) * STEPS   # every I and W but the last W
 
 
