@@ -184,11 +184,16 @@ def inflight_microbatches(schedule: str, *, pp: int, stage: int, num_microbatche
           (each 1/v of a stage-microbatch's activations). Stage 0 thus holds
           pp * (1 + (pp - 1) / (pp v)) stage-microbatches' worth, the paper's
           figure.
+      zb-h1 (Qi et al. 2023): 1F1B's order with each weight-gradient pass (W)
+          deferred into the cool-down; a microbatch's activations stay until its
+          W, so every stage holds min(m, pp), 1F1B's first stage's count.
 
     >>> inflight_microbatches("1f1b", pp=4, stage=0, num_microbatches=8)
     4
     >>> inflight_microbatches("interleaved-1f1b", pp=4, stage=0, num_microbatches=8, interleave=2)
     11
+    >>> inflight_microbatches("zb-h1", pp=4, stage=3, num_microbatches=8)
+    4
     """
     _choice("schedule", schedule, SCHEDULES)
     _positive(pp=pp, num_microbatches=num_microbatches, interleave=interleave)
@@ -199,7 +204,7 @@ def inflight_microbatches(schedule: str, *, pp: int, stage: int, num_microbatche
         if interleave != 1:
             raise PartitionerError(f"interleave={interleave} applies only to "
                                    f"schedule='interleaved-1f1b', not {schedule!r}")
-        return m if schedule == "gpipe" else min(m, pp - stage)
+        return m if schedule == "gpipe" else min(m, pp) if schedule == "zb-h1" else min(m, pp - stage)
     if interleave < 2:
         raise PartitionerError("schedule='interleaved-1f1b' needs interleave >= 2 model "
                                "chunks per stage; with 1 chunk use schedule='1f1b'")

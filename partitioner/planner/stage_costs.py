@@ -221,12 +221,7 @@ class StageEvaluator:
         rank = k % cand.pp
         if v > 1:  # this chunk's own count: the rank's first chunks hold more than its last
             inflight = chunk_inflight(pp=cand.pp, stage=rank, num_microbatches=m, interleave=v)[k // cand.pp]
-        elif cand.schedule == "zb-h1":
-            # each rank keeps a microbatch's activations until its W: min(m, pp) on every rank, 1F1B's first
-            # rank's count (schedule.peak_inflight), plus what I keeps for W, the gradients at the weights'
-            # matmuls (about one output-sized tensor each: not charged)
-            inflight = inflight_microbatches("1f1b", pp=cand.pp, stage=0, num_microbatches=m) if cand.pp > 1 else 1
-        else:
+        else:  # zb-h1: what I keeps for W besides (the gradients at the weights' matmuls) is charged below
             inflight = inflight_microbatches(cand.schedule, pp=cand.pp, stage=rank, num_microbatches=m,
                                              interleave=v) if cand.pp > 1 else 1
         exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i)
