@@ -230,6 +230,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
     # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them.
     no_pp, no_tp = _code_limits(g, splits, valid_tp)
+    no_sp = no_tp or _sp_code_limit(g, splits, valid_tp)
     for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp or no_pp)):
         if why and value not in (None, 1):
             raise DeclarationError(f"{axis}={value}: no per-rank program can be generated for this model with "
@@ -260,10 +261,10 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     sync_ctx = context(reduction) if decl.async_sgd else ctx
     allowed = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
                                         num_units=len(ctx.units), valid_tp=valid_tp,
-                                        sp_allows=lambda t, mb: _sp_allows(splits, g, t, mb),
+                                        sp_allows=lambda t, mb: not no_sp and _sp_allows(splits, g, t, mb),
                                         sp_dominates=lambda t, mb, rc: _sp_dominates(ctx, t, mb, rc)))
     if decl.sp and not allowed:
-        _refuse_sp(splits, g, decl)
+        _refuse_sp(splits, g, decl, no_sp)
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
     if allowed and not cands:
         _refuse_compression(ctx, allowed, decl)
@@ -299,9 +300,12 @@ def _sp_dominates(ctx: CostContext, tp: int, mb: int, recompute: str) -> bool:
     return ctx.unit_arrays(tp, mb, recompute, True).total_c <= ctx.unit_arrays(tp, mb, recompute, False).total_c
 
 
-def _refuse_sp(splits: TensorSplits, g: OpGraph, decl: Declarations) -> None:
+def _refuse_sp(splits: TensorSplits, g: OpGraph, decl: Declarations, no_sp: str) -> None:
     """sp=True and no configuration can run it: say why."""
     seq = splits.sequence
+    if no_sp:
+        raise DeclarationError(f"sp=True: no per-rank program can be generated for this model with sequence "
+                               f"parallelism ({no_sp}); pin sp=False")
     if not seq.scatters:
         raise DeclarationError("sp=True: this model has no tensor-parallel all-reduce to turn into a reduce-scatter "
                                "(no row-parallel matmul or vocab-parallel embedding), so there is nothing to run on "
@@ -500,6 +504,18 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> tuple[str, st
     except SegmentError as e:
         return "", str(e)
     return "", ""
+
+
+def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
+    """Why programs with sequence parallelism cannot be generated ("" where they can, or where nothing splits)."""
+    t = next((t for t in valid_tp if t > 1), None)
+    if t is None or not splits.sequence.scatters or not isinstance(g.graph_module, torch.export.ExportedProgram):
+        return ""
+    try:
+        extract(g.graph_module, g, splits=splits, tp=t, sp=True)
+    except SegmentError as e:
+        return str(e)
+    return ""
 
 
 def _runs_code(g: OpGraph) -> bool:

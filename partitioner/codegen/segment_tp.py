@@ -24,6 +24,15 @@ Used by `partitioner.codegen.segments` while it copies a segment's nodes:
   f's backward sums the shares over the tensor group (Megatron does the same
   for the layer norms that see sequence-parallel activations).
 
+Under sequence parallelism (`partitioner.planner.sequence_split`, the plan's sp) the
+ops between the regions run on this rank's tokens: a row-parallel output is
+reduce-scattered over them (`sp_scatter`) instead of all-reduced, a column
+input all-gathered (`sp_gather`) instead of read through f, the vocab-parallel
+embedding reduce-scattered (`sp_vocab_embedding`); a replicated reader that is
+not token-local reads the tokens gathered (`tp_gather`), a replicated operand
+that meets them is read by chunk (`tp_chunk`), and a replicated parameter
+applied to them through f.
+
 The functions named here live in `runtime.pipeline.tensor_parallel`; the planner must
 not import the runtime, so stand-ins with the same names carry them into the
 graph and the generated program imports the real ones.
