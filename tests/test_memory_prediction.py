@@ -93,9 +93,12 @@ def test_last_stage_drops_its_output_before_the_loss_backward():
                                   {"tp": 2, "pp": 2, "dp": 1, "sp": True, "microbatch_size": 4, "model": "gpt_small",
                                    "global_batch_size": 16, "schedule": "1f1b"},
                                   {"tp": 2, "pp": 2, "dp": 1, "sp": False, "microbatch_size": 4, "model": "gpt_small",
-                                   "global_batch_size": 16, "schedule": "1f1b"}],
+                                   "global_batch_size": 16, "schedule": "1f1b"},
+                                  # under autocast the token gathers run in bf16, and that is what is kept as shards
+                                  {"tp": 2, "pp": 2, "dp": 1, "sp": True, "microbatch_size": 4, "model": "gpt_small",
+                                   "global_batch_size": 16, "schedule": "1f1b", "precision": "bf16-mixed"}],
                          ids=["dp2-pp2-zero3", "dp4-zero2", "dp4-zero0-int8", "dp4-zero2-int4", "dp4-zero1-powersgd",
-                              "dp2-pp2-interleaved", "dp2-pp2-zb-h1", "pp2-tp2-sp", "pp2-tp2"])
+                              "dp2-pp2-interleaved", "dp2-pp2-zb-h1", "pp2-tp2-sp", "pp2-tp2", "pp2-tp2-sp-bf16"])
 def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     from examples import gpt
     from partitioner import Topology, compile
@@ -108,7 +111,8 @@ def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     model = model_fn()
     g = trace(model, (gpt.example_batch(model, 2)[0],))
     batch = pins.pop("global_batch_size", 8)
-    plan = compile(g, Topology.parse("local:4"), global_batch_size=batch, precision="fp32", **pins)
+    precision = pins.pop("precision", "fp32")
+    plan = compile(g, Topology.parse("local:4"), global_batch_size=batch, precision=precision, **pins)
     per_stage = plan.rank_memory()
     predicted = [per_stage[m.pp].total for m in sorted(plan.mesh, key=lambda m: m.rank)]
     res = launch_local(plan, model_fn, default_optimizer(plan.optimizer), default_loss,

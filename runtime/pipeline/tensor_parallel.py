@@ -441,6 +441,11 @@ def sp_gather(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
     What its readers save for backward of it (the matmul's input, or a view of it) is kept as this rank's
     tokens and all-gathered again when backward needs it (`keep_token_shards`), as Megatron-LM does: the
     activations of a sequence-parallel layer are then all 1/tp."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        # the readers compute in the autocast dtype: gather in it (half the bytes), and let them save this
+        # tensor rather than a cast copy of it, so that it is what `keep_token_shards` keeps as a shard
+        x = x.to(torch.get_autocast_dtype(device))
     full = gather_from_tp(x, dim, tp.group, tp.collectives)
     if _REGATHER_ON and _world(tp.group) > 1:
         _GATHERED[full] = (x.detach(), dim, tp)
@@ -481,7 +486,7 @@ def keep_token_shards() -> torch.autograd.graph.saved_tensors_hooks:
     """The context a sequence-parallel stage's forward runs in: tensors that sp_gather made (and views of
     them) are saved for backward as this rank's tokens only and all-gathered again when unpacked. Every rank
     of the tensor group unpacks the same saved tensors in the same order (one graph), so the gathers pair up.
-    Under autocast a matmul saves its input's cast copy, not the gathered tensor: that copy is kept whole."""
+    Under autocast sp_gather gathers in the autocast dtype, so its readers save what it made."""
     return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
