@@ -107,7 +107,7 @@ __all__ = ["Compressor", "Level", "COMPRESSORS", "IMPLEMENTED", "SEARCHED", "LEV
            "REDUCE_BYTES_OF_PRECISION",
            "QUANT_BLOCK", "GATHER_CODE_BYTES", "WEIGHT_CODES", "no_compression", "wire_bytes", "kernel_time", "traffic_levels",
            "combinations", "group_compressor", "ReduceTime", "all_reduce_time", "reduce_scatter_time",
-           "gather_time"]
+           "gather_time", "group_shape"]
 
 Compressor = Literal["none", "bf16", "int8", "int4", "powersgd"]
 Level = Literal["intra_node", "inter_node"]
@@ -166,7 +166,7 @@ def kernel_time(numel: float, comm: CommModel, *, passes: int = _ALL_REDUCE_PASS
     return cal.compress_launch_s + passes * REDUCE_BYTES * numel / hbm
 
 
-def _shape(comm: CommModel, ranks: Sequence[int]) -> tuple[int, int, bool]:
+def group_shape(comm: CommModel, ranks: Sequence[int]) -> tuple[int, int, bool]:
     """(nodes spanned, most ranks on one node, same count on every spanned node)."""
     return _group_shape(comm.topology, tuple(ranks))
 
@@ -189,7 +189,7 @@ def traffic_levels(comm: CommModel, ranks: Sequence[int]) -> tuple[str, ...]:
     ranks = tuple(ranks)
     if len(ranks) <= 1:
         return ()
-    nodes, k, uniform = _shape(comm, ranks)
+    nodes, k, uniform = group_shape(comm, ranks)
     if nodes == 1:
         return (LinkLevel.INTRA_NODE.value,)
     if uniform and k > 1:
@@ -283,7 +283,7 @@ def all_reduce_time(numel: float, ranks: Sequence[int], comm: CommModel, compres
         return ReduceTime(wire_s=comm.all_reduce(numel * reduce_bytes, ranks), kernel_s=0.0)
     topo, cal = comm.topology, comm.calibration
     link = {lv: calibrated_link(topo.link(lv), cal) for lv in levels}
-    nodes, k, _ = _shape(comm, ranks)
+    nodes, k, _ = group_shape(comm, ranks)
     rounds = 2 if "powersgd" in used.values() else 1  # collectives in sequence, each paying the base latency
     if levels == LEVELS:
         ci, ce = used["intra_node"], used["inter_node"]

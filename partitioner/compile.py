@@ -14,6 +14,7 @@ byte-identical plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 from collections.abc import Sequence
@@ -262,7 +263,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     allowed = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
                                         num_units=len(ctx.units), valid_tp=valid_tp,
                                         sp_allows=lambda t, mb: not no_sp and _sp_allows(splits, g, t, mb),
-                                        sp_dominates=lambda t, mb, rc: _sp_dominates(ctx, t, mb, rc)))
+                                        sp_dominates=functools.cache(lambda t, mb, rc: _sp_dominates(ctx, t, mb, rc))))
     if decl.sp and not allowed:
         _refuse_sp(splits, g, decl, no_sp)
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
@@ -297,7 +298,7 @@ def _sp_allows(splits: TensorSplits, g: OpGraph, tp: int, mb: int) -> bool:
 def _sp_dominates(ctx: CostContext, tp: int, mb: int, recompute: str) -> bool:
     """Whether sequence parallelism takes no longer per unit than its absence at this setting: it never holds
     more (activations, hidden state sent between stages), so the twin without it cannot be better."""
-    return ctx.unit_arrays(tp, mb, recompute, True).total_c <= ctx.unit_arrays(tp, mb, recompute, False).total_c
+    return ctx.total_unit_time(tp, mb, recompute, True) <= ctx.total_unit_time(tp, mb, recompute, False)
 
 
 def _refuse_sp(splits: TensorSplits, g: OpGraph, decl: Declarations, no_sp: str) -> None:

@@ -51,6 +51,7 @@ from cost_models.compression import (
     all_reduce_time,
     gather_time,
     group_compressor,
+    group_shape,
     reduce_scatter_time,
 )
 from cost_models.compression_memory import ReductionMemory, reduction_memory
@@ -160,7 +161,7 @@ class StageEvaluator:
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
         crossed = ctx.crossed_levels(cand)
-        nodes = ctx.topo.nodes_spanned(self.dp_ranks(0)) if crossed == LEVELS else 1
+        nodes = group_shape(ctx.comm, self.dp_ranks(0))[0] if crossed == LEVELS else 1  # cached per group
         self._reduction_mem = {o: reduction_memory(o, zero_stage=cand.zero_stage, dp=cand.dp, nodes=nodes)
                                for o in self.options}
         # The loss is not in the traced graph, but the last stage runs it on the model's output. Per

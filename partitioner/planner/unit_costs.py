@@ -317,6 +317,11 @@ class CostContext:
         return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
                         largest_output=biggest, weight_s=wgt, weight_grad_bytes=wbytes)
 
+    def total_unit_time(self, tp: int, mb: int, recompute: str, sp: bool = False) -> float:
+        """Forward and backward time of every unit, summed (`unit_arrays(...).total_c` without the arrays)."""
+        return sum(c.forward_s + c.backward_s for c in
+                   (self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp) for u in range(len(self.units))))
+
     def unit_arrays(self, tp: int, mb: int, recompute: str, sp: bool = False) -> UnitArrays:
         key = (tp, mb, recompute, sp and tp > 1)
         hit = self._arrays.get(key)
