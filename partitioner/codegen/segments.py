@@ -438,8 +438,8 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     hidden = next(iter(outs))
     b = _Builder(src, "prefix", carried=None, block=None, **kw)
     run(b, pre)
-    cut_dim = _sequence_cut_dim(kw["seq_dims"], src.crossing(src.members(blocks[1] if len(blocks) > 1 else blocks[0]))[0]) \
-        if seq else None
+    template = blocks[1] if len(blocks) > 1 else blocks[0]
+    cut_dim = _sequence_cut_dim(kw["seq_dims"], src.crossing(src.members(template))[0]) if seq else None
     out = b.value(hidden)
     if cut_dim is not None and hidden.name not in kw["seq_dims"]:
         # the blocks take 1/tp of the tokens at every cut; the prefix's hidden state, whole when no
