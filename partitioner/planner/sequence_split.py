@@ -70,7 +70,6 @@ class SequenceSplits:
         replicated reader: the gradient is this rank's slice).
     chunks: (node, operand, dim): `node` reads this rank's chunk of replicated `operand` along
         `dim` (its gradient all-gathered).
-    outputs: (node, dim): sequence-split model outputs, gathered for the caller ("rep").
     extents: the token dims' extents (Poly in b, s) tp must divide.
     param_grads: (node, param bytes): replicated parameters applied to sequence-split values,
         their gradients summed over the tensor group.
@@ -80,7 +79,6 @@ class SequenceSplits:
     scatters: tuple[tuple[str, int], ...] = ()
     gathers: tuple[tuple[str, str, int, Gather], ...] = ()
     chunks: tuple[tuple[str, str, int], ...] = ()
-    outputs: tuple[tuple[str, int], ...] = ()
     extents: tuple[Poly, ...] = ()
     param_grads: tuple[tuple[str, int], ...] = ()
 
@@ -101,7 +99,7 @@ class SequenceSplits:
     def to_json(self) -> dict:
         return {"dims": [list(d) for d in self.dims], "scatters": [list(d) for d in self.scatters],
                 "gathers": [list(g) for g in self.gathers], "chunks": [list(c) for c in self.chunks],
-                "outputs": [list(o) for o in self.outputs], "extents": [e.to_json() for e in self.extents],
+                "extents": [e.to_json() for e in self.extents],
                 "param_grads": [list(p) for p in self.param_grads]}
 
     @staticmethod
@@ -110,7 +108,6 @@ class SequenceSplits:
                               scatters=tuple((str(n), int(d)) for n, d in data["scatters"]),
                               gathers=tuple((str(n), str(x), int(d), k) for n, x, d, k in data["gathers"]),
                               chunks=tuple((str(n), str(x), int(d)) for n, x, d in data["chunks"]),
-                              outputs=tuple((str(n), int(d)) for n, d in data["outputs"]),
                               extents=tuple(Poly.from_json(e) for e in data["extents"]),
                               param_grads=tuple((str(n), int(b)) for n, b in data["param_grads"]))
 
@@ -191,8 +188,6 @@ def find_sequence_splits(ctx: _Context, sharded: frozenset[str], rows: frozenset
         chunks.extend((n.name, i, k) for i, k in step.chunks)
         param_grads.extend((n.name, pbytes[p]) for p in n.params)
 
-    outputs = tuple((name, s.dim) for name, s in state.items()
-                    if not ctx.consumers[name] and ctx.node[name].op != "getitem")
     return SequenceSplits(dims=tuple(dims), scatters=tuple(scatters), gathers=tuple(gathers.values()),
-                          chunks=tuple(chunks), outputs=outputs, extents=tuple(extents),
+                          chunks=tuple(chunks), extents=tuple(extents),
                           param_grads=tuple(param_grads))

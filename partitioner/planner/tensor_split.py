@@ -531,6 +531,10 @@ def _replicated_reason(ctx: _Context, res: _Pass, n: OpNode, w: _Weighted | None
 
 # The parallel cross entropy all-reduces three fp32 numbers per token (Megatron's
 # vocab_parallel_cross_entropy: the max logit, the sum of exp, the target logit).
+# What the collectives that sequence parallelism replaces are called (unit_costs swaps them by these names)
+WHAT_F = "column input gradient (f)"
+WHAT_G = "row-parallel output (g)"
+WHAT_VOCAB_EMBEDDING = "vocab-parallel embedding output"
 _CE_STATS = ("max logit per token", "sum of exp per token", "target logit per token")
 _CE_STAT_BYTES = 4  # fp32
 
@@ -555,7 +559,7 @@ def _collectives(ctx: _Context, res: _Pass) -> tuple[TPCollective, ...]:
                 continue  # one f per distinct input; none for data that needs no gradient
             seen.add(act)
             out.append((pos[a], TPCollective(node=a, phase="backward", kind="all_reduce",
-                                             bytes=_nbytes(ctx.node[act]), what="column input gradient (f)")))
+                                             bytes=_nbytes(ctx.node[act]), what=WHAT_F)))
         for x in reg.nodes:  # replicated parameters applied to split activations: their gradient is summed
             if x in reg.producers or x in reg.rows:
                 continue
@@ -566,7 +570,7 @@ def _collectives(ctx: _Context, res: _Pass) -> tuple[TPCollective, ...]:
                                                  what=f"gradient of replicated {p} on split activations (f)")))
         for b in reg.rows:
             out.append((pos[b], TPCollective(node=b, phase="forward", kind="all_reduce",
-                                             bytes=_nbytes(ctx.node[b]), what="row-parallel output (g)")))
+                                             bytes=_nbytes(ctx.node[b]), what=WHAT_G)))
         for o in reg.outputs:
             out.append((pos[o], TPCollective(node=o, phase="forward", kind="all_gather", bytes=_nbytes(ctx.node[o]),
                                              what="split model output gathered (logits)")))
@@ -578,7 +582,7 @@ def _collectives(ctx: _Context, res: _Pass) -> tuple[TPCollective, ...]:
                                                  bytes=tokens * _CE_STAT_BYTES, what=f"cross entropy: {what}")))
     for e in res.vocab_embeddings:
         out.append((pos[e], TPCollective(node=e, phase="forward", kind="all_reduce", bytes=_nbytes(ctx.node[e]),
-                                         what="vocab-parallel embedding output")))
+                                         what=WHAT_VOCAB_EMBEDDING)))
     return tuple(c for _, c in sorted(out, key=lambda x: x[0]))
 
 

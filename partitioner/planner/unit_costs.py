@@ -35,17 +35,17 @@ from cost_models.placements import is_sharded
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
 from partitioner.planner.plan import ParallelConfig
-from partitioner.planner.tensor_split import TPCollective, TensorSplits
+from partitioner.planner.tensor_split import WHAT_F, WHAT_G, WHAT_VOCAB_EMBEDDING, TPCollective, TensorSplits
 from partitioner.tracer.opgraph import OpGraph
 from partitioner.tracer.symbolic import Poly
 
 __all__ = ["CostContext", "UnitArrays", "UnitCost", "units_of"]
 
 _S = Poly.from_terms({(0, 1): 1.0})  # a dimension of the sequence's length
-_SAVED_OPS = frozenset(SELECTIVE_KEEPS)
+_SAVED_OPS = frozenset(SELECTIVE_KEEPS)  # what selective recomputation keeps, as the runtime's policy does
 # Under sequence parallelism a column-parallel matmul keeps only this rank's tokens of its input for backward
 # and all-gathers them again there, overlapped with its input-gradient matmul (half its backward)
-_REGATHER = "sequence parallel: input all-gathered again for backward, behind the input-gradient matmul"  # what selective recomputation keeps, as the runtime's policy does
+_REGATHER = "sequence parallel: input all-gathered again for backward, behind the input-gradient matmul"
 
 
 def units_of(g: OpGraph, granularity: str = "block") -> tuple[tuple[int, int], ...]:
@@ -106,8 +106,7 @@ class CostContext:
         for c in splits.collectives:
             self._collectives.setdefault(c.node, []).append(c)
         self._seq = splits.sequence.nodes
-        self._coll_id = {id(c): i for i, c in enumerate(splits.collectives)}
-        self._sp_collectives = self._sequence_collectives(g, splits)
+        self._sp_collectives = self._sequence_collectives(g, splits, self._collectives)
         # Units with the same nodes, costs and splits (copied blocks) share one id, so their
         # costs are evaluated once per setting and memo keys stay small.
         ids: dict[tuple, int] = {}
@@ -127,14 +126,16 @@ class CostContext:
         nodes = self.g.nodes[a:b]
         return tuple((n.cost, n.name in self.splits.sharded_nodes, n.name in self._seq,
                       tuple((c.phase, c.bytes) for c in self._collectives.get(n.name, ())),
-                      tuple((c.phase, c.kind, c.bytes) for c in self._sp_collectives[1].get(n.name, ())),
+                      tuple((c.phase, c.kind, c.bytes) for c in self._sp_collectives.get(n.name, ())),
                       n.output.nbytes(1, 1) if n.output else 0) for n in nodes)
 
     @staticmethod
-    def _sequence_collectives(g: OpGraph, splits: TensorSplits) -> tuple[frozenset[int], dict[str, list[TPCollective]]]:
-        """Under sequence parallelism (partitioner.planner.sequence_split): the tensor collectives it replaces
-        (their ids in splits.collectives) and what it runs instead, per node. A reduce-scatter where a
-        row-parallel (or vocab embedding) output was all-reduced, its all-gather in backward; an all-gather before
+    def _sequence_collectives(g: OpGraph, splits: TensorSplits,
+                              tensor: dict[str, list[TPCollective]]) -> dict[str, list[TPCollective]]:
+        """Per node, the tensor group's collectives under sequence parallelism (partitioner.planner.sequence_split):
+        those of `tensor` (the same per node without it) less the ones it replaces, and what it runs. A
+        reduce-scatter where a row-parallel (or vocab embedding) output was all-reduced, its all-gather in
+        backward; an all-gather before
         each tensor-split reader, and in backward a reduce-scatter of its gradient and the same all-gather again
         (the reader keeps only this rank's tokens for backward, Megatron's choice, so the activations are 1/tp);
         the gradients of replicated parameters applied to 1/tp of the tokens summed."""
@@ -161,11 +162,9 @@ class CostContext:
                 add(n, "backward", "all_gather", nbytes[x], f"sequence parallel: gradient of {x} all-gathered")
         for n, b in seq.param_grads:
             add(n, "backward", "all_reduce", Poly.const(b), "sequence parallel: replicated parameter gradient")
-        replaced = frozenset(i for i, c in enumerate(splits.collectives)
-                             if (c.node in scattered and c.phase == "forward" and c.kind == "all_reduce"
-                                 and c.what in ("row-parallel output (g)", "vocab-parallel embedding output"))
-                             or (c.node in gathered_by_tp and c.what == "column input gradient (f)"))
-        return replaced, out
+        kept = {node: [c for c in cs if not (c.node in scattered and c.what in (WHAT_G, WHAT_VOCAB_EMBEDDING))
+                       and not (c.node in gathered_by_tp and c.what == WHAT_F)] for node, cs in tensor.items()}
+        return {node: kept.get(node, []) + out.get(node, []) for node in {*kept, *out}}
 
     def _boundary_bytes(self) -> list[Poly]:
         """Bytes crossing each unit boundary: outputs made before it and read after it."""
@@ -277,11 +276,7 @@ class CostContext:
             kept = ((c.activation_bytes(mb, s) - fixed) * sc + fixed) / d
             collective_f = 0.0
             if tp > 1:
-                colls = self._collectives.get(n.name, ())
-                if sp:
-                    colls = [c for c in colls if self._coll_id[id(c)] not in self._sp_collectives[0]] + \
-                        self._sp_collectives[1].get(n.name, [])
-                for coll in colls:
+                for coll in (self._sp_collectives if sp else self._collectives).get(n.name, ()):
                     t = getattr(self.comm, coll.kind)(coll.bytes(mb, s) * sc, tp_ranks)
                     if coll.phase == "forward":
                         collective_f += t

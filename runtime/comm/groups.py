@@ -33,7 +33,7 @@ from typing import Any, Literal
 from cost_models.mesh import Mesh
 
 __all__ = ["ProcessGroups", "Axis", "AXES", "NodeGroups", "grid", "nodes_of", "make_groups", "group_ranks",
-           "make_group_among", "make_self_group", "make_node_groups", "node_split", "stage_peers"]
+           "make_group_among", "make_self_group", "make_node_groups", "node_split", "stage_peers", "group_size"]
 
 Axis = Literal["dp", "tp", "pp"]
 AXES: tuple[Axis, ...] = ("dp", "tp", "pp")
@@ -166,6 +166,20 @@ def _coord(m: Any) -> tuple[int, int, int, int]:
         return int(m.rank), int(m.pp), int(m.dp), int(m.tp)
     rank, pp, dp, tp = m[:4]
     return int(rank), int(pp), int(dp), int(tp)
+
+
+def group_size(group) -> int:
+    """Ranks in `group`: 1 for None (this rank alone on an axis, as ProcessGroups holds it; c10d would read
+    None as the world), an in-process group's own count (runtime.verify.local_collectives.LocalGroup, where
+    torch.distributed is not initialised), else c10d's."""
+    if group is None:
+        return 1
+    local = getattr(group, "local_world_size", None)
+    if local is not None:
+        return local
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
 
 
 def make_group_among(rank: int, groups: Sequence[Sequence[int]]):

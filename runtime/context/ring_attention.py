@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from runtime.comm.collectives import Collectives
+from runtime.comm.groups import group_size
 from runtime.context.sequence import check_divisible, positions
 
 __all__ = ["ring_attention"]
@@ -61,8 +62,6 @@ def _tag(kind: int, step: int) -> int:
     return _TAG_BASE + kind * 4096 + step
 
 
-def _world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -268,7 +267,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, col
     H_kv < H), differentiable in q, k and v. `scale` defaults to 1/sqrt(D).
     """
     groups = check_heads(q, k, v)
-    cp = _world(group)
+    cp = group_size(group)
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=groups > 1)
     check_divisible(q.shape[2] * cp, cp)

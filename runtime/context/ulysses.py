@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from runtime.comm.collectives import Collectives
+from runtime.comm.groups import group_size
 from runtime.context.ring_attention import check_heads
 from runtime.context.sequence import check_divisible, positions
 
@@ -81,7 +82,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
     sequence, differentiable in q, k and v. A group of None or of one rank is plain SDPA.
     """
     groups = check_heads(q, k, v)
-    cp = 1 if group is None else dist.get_world_size(group)
+    cp = group_size(group)
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=groups > 1)
     if q.shape[1] % cp:

@@ -35,17 +35,15 @@ tensor([[50.5000],
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from runtime.comm.collectives import Collectives
+from runtime.comm.groups import group_size
 from runtime.experts.dispatch import experts_per_rank, route
 from runtime.experts.grouped_experts import LocalExpertsFn
 
 __all__ = ["all_to_all_splits", "ep_moe"]
 
 
-def _world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
@@ -72,7 +70,7 @@ def all_to_all_splits(x: torch.Tensor, out_splits: list[int], in_splits: list[in
                       collectives: Collectives) -> torch.Tensor:
     """Rows in_splits[j] of x (along dim 0) to rank j; the result holds out_splits[i] rows from rank i.
     Backward: the all-to-all with the splits swapped. Group None: x itself."""
-    if _world(group) == 1:
+    if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group, collectives)
 
@@ -101,7 +99,7 @@ def ep_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, l
     by expert (`runtime.experts.grouped_experts`). Returns (T, H_out) in x's dtype."""
     _check(x, topk_idx, topk_weight)
     t, k = topk_idx.shape
-    ep = _world(group)
+    ep = group_size(group)
     n_local = experts_per_rank(num_experts, ep)
     routing = route(topk_idx, num_experts, ep)
     sent = x[routing.order // k]                                          # (T*k, H) by expert

@@ -58,13 +58,13 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from cost_models.placements import REPLICATED, sharded_dim
 from runtime.comm.collectives import Collectives
+from runtime.comm.groups import group_size
 
 __all__ = [
     "ColumnParallelLinear",
@@ -94,15 +94,6 @@ __all__ = [
 
 # ---------------------------------------------------------------- collectives with their gradients
 
-def _world(group) -> int:
-    if group is None:
-        return 1
-    # an in-process group (runtime.verify.local_collectives.LocalGroup, plan.verify's threads) knows its size;
-    # torch.distributed is not initialised there
-    local = getattr(group, "local_world_size", None)
-    return local if local is not None else dist.get_world_size(group)
-
-
 def _all_reduce(x: torch.Tensor, group, coll: Collectives, op: str = "sum") -> torch.Tensor:
     """A new tensor: the reduction over the group of x (x itself when alone)."""
     if group is None:
@@ -114,7 +105,7 @@ def _all_reduce(x: torch.Tensor, group, coll: Collectives, op: str = "sum") -> t
 
 def _all_gather(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Tensor:
     """Every rank's x concatenated along dim, in group-rank order."""
-    p = _world(group)
+    p = group_size(group)
     if p == 1:
         return x
     front = x.movedim(dim, 0).contiguous()                        # (n, ...)
@@ -125,7 +116,7 @@ def _all_gather(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Te
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Tensor:
     """This rank's 1/p slice along dim of the sum over ranks of x."""
-    p = _world(group)
+    p = group_size(group)
     if p == 1:
         return x
     if x.shape[dim] % p:
@@ -447,7 +438,7 @@ def sp_gather(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
         # tensor rather than a cast copy of it, so that it is what `keep_token_shards` keeps as a shard
         x = x.to(torch.get_autocast_dtype(device))
     full = gather_from_tp(x, dim, tp.group, tp.collectives)
-    if _REGATHER_ON and _world(tp.group) > 1:
+    if _REGATHER_ON and group_size(tp.group) > 1:
         _GATHERED[full] = (x.detach(), dim, tp)
     return full
 

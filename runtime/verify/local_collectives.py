@@ -39,7 +39,7 @@ class LocalCollectiveError(PartitionerError):
 class LocalGroup:
     """The meeting point of `world` threads: each collective is an exchange of one tensor per slice.
 
-    `local_world_size` is what `runtime.pipeline.tensor_parallel._world` asks of a group that is not a c10d one.
+    `local_world_size` is what `runtime.comm.groups.group_size` asks of a group that is not a c10d one.
     """
 
     def __init__(self, world: int, *, timeout_s: float = 120.0):
