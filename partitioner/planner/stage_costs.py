@@ -157,6 +157,8 @@ class StageEvaluator:
                                      arr.total_w / arr.total_c if arr.total_c > 0 else 0.0)
         self._rest, self._shared_in_block = arr.rest, arr.shared_in_block
         self._sync_memo: dict[float, float] = {}
+        self._stage_memo: dict[tuple, StageCost] = {}
+        self._range_code, self._range_pow = ctx.range_codes(arr, self.p2p)
         self._dp_groups = {r: Mesh(cand.pp, cand.dp, cand.tp).dp_ranks(pp=r) for r in range(cand.pp)}
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
@@ -200,7 +202,24 @@ class StageEvaluator:
         return self._dp_groups[pipeline_rank]
 
     def stage(self, i: int, j: int, k: int) -> StageCost:
-        """Units [i, j) as virtual stage k of num_stages."""
+        """Units [i, j) as virtual stage k of num_stages.
+
+        Memoised on what the cost depends on: the range's contents (`CostContext.range_codes`), the p2p time into it,
+        which units of a shared parameter it holds, and k. A pipeline of repeated blocks asks for the same
+        range at many offsets; the cut search asks O(n^2 S) times, of which only O(n S) differ here.
+        PowerSGD's per-range factors are not in the key: with them every call is evaluated.
+        """
+        if self._low_rank is not None:
+            return self._stage(i, j, k)
+        code, power = self._range_code, self._range_pow
+        key = (code[j] - code[i] * power[j - i], self.p2p[i - 1] if i > 0 else None, k,
+               tuple(tuple(size for u, size in users if i <= u < j) for users in self._shared))
+        hit = self._stage_memo.get(key)
+        if hit is None:
+            hit = self._stage_memo[key] = self._stage(i, j, k)
+        return hit
+
+    def _stage(self, i: int, j: int, k: int) -> StageCost:
         ctx, cand = self.ctx, self.cand
         S = self.num_stages
         f = self._f[j] - self._f[i] + (self.p2p[i - 1] if k > 0 else 0.0)

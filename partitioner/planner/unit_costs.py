@@ -115,7 +115,8 @@ class CostContext:
         self._memo: dict[tuple, UnitCost] = {}
         self._outputs = {n.name: n.output for n in g.nodes}
         self._arrays: dict[tuple, UnitArrays] = {}
-        self._p2p: dict[tuple, tuple[float, ...]] = {}
+        self._p2p: dict[tuple | None, tuple[float, ...]] = {}
+        self._codes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._param_local = self._param_sizes()
         self._param_block = {p.name: p.block for p in g.params}
         self._sharded = {pl.param: is_sharded(pl.spec) for pl in splits.placements}
@@ -346,19 +347,41 @@ class CostContext:
                 max_unit_c=max(x.forward_s + x.backward_s for x in uc))
         return hit
 
+    def range_codes(self, arrays: UnitArrays, p2p: tuple[float, ...]) -> tuple[list[int], list[int]]:
+        """Prefix codes of the units' contents, so that units [i, j) have the code
+        `code[j] - code[i] * pow[j - i]`, equal for two ranges exactly when their units cost the same one by one
+        (`StageEvaluator.stage` memoises on it).
+
+        A unit's content is everything a stage's cost reads of it: its UnitCost (equal for the repeated blocks:
+        `unit_cost` memoises per unit shape), its block's and largest parameter, and the p2p time of its output. The codes are the ranges written as numbers in base (distinct contents + 1),
+        digits from 1: exact, with no collision where a hash could have one. `arrays` and `p2p` are this
+        context's memoised objects, so their identities key the codes for its life.
+        """
+        key = (id(arrays), id(p2p))
+        hit = self._codes.get(key)
+        if hit is None:
+            ids: dict[tuple, int] = {}
+            digits = [ids.setdefault((arrays.costs[u], arrays.block_par[u], arrays.max_param[u],
+                                      p2p[u] if u < len(p2p) else None), len(ids) + 1)
+                      for u in range(len(arrays.costs))]
+            base, code, power = len(ids) + 1, [0], [1]
+            for d in digits:
+                code.append(code[-1] * base + d)
+                power.append(power[-1] * base)
+            hit = self._codes[key] = (code, power)
+        return hit
+
     def p2p_times(self, pp: int, stride: int, mb: int, split: int = 1) -> tuple[float, ...]:
         """Time to send one microbatch's activations across each unit boundary.
 
         Pipeline neighbours sit dp*tp ranks apart in the mesh; every adjacent
         pair is equally far, so ranks 0 -> stride stand for all of them.
         """
-        if pp == 1:
-            return tuple(0.0 for _ in range(len(self.units) - 1))
-        key = (stride, mb, split)
+        key = (stride, mb, split) if pp > 1 else None  # one object per key: range_codes keys on its identity
         hit = self._p2p.get(key)
         if hit is None:
-            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb, split), 0, stride)
-                                         for u in range(len(self.units) - 1))
+            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb, split), 0, stride) if pp > 1
+                                         else 0.0 for u in range(len(self.units) - 1))
         return hit
 
     def compression_options(self, cand: ParallelConfig) -> tuple[tuple[str, str], ...]:
