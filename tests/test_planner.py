@@ -99,6 +99,36 @@ def test_search_finds_the_exhaustive_optimum(layers, topo, gb, frac, pins):
     assert found.evaluated <= found.space
 
 
+@pytest.mark.parametrize("pins", [dict(pp=2, dp=2, microbatch_size=1, schedule="1f1b"),
+                                  dict(pp=4, microbatch_size=2, zero_stage=3, recompute="full"),
+                                  dict(pp=2, tp=2, interleave=2, schedule="interleaved-1f1b", microbatch_size=1)])
+def test_memoised_stage_costs_equal_their_evaluation_over_every_range(pins):
+    """StageEvaluator.stage answers repeated ranges from a memo keyed on their contents: every range at every
+    stage index must cost what evaluating it does (the prefix units, the tied embedding and LM head, and the
+    p2p into a range all differ by position)."""
+    g = meta_gpt(6)
+    topology = Topology.parse("2x4xA100-80GB")
+    splits = find_splits(g)
+    decl = Declarations(global_batch_size=16, **pins)
+    ctx = CostContext(g, topology, splits, precision="bf16-mixed", optimizer="adam", seq_len=g.traced_seq_len,
+                      memory_cap=0.9 * topology.device.memory_bytes)
+    valid = splits.valid_tp((1, 2, 4, 8))
+    cand = next(iter(enumerate_candidates(decl, world_size=8, devices_per_node=4, num_units=len(ctx.units),
+                                          valid_tp=valid)))
+    ev = StageEvaluator(ctx, cand)
+    n, asked = len(ctx.units), 0
+    for i, j in itertools.combinations(range(n + 1), 2):
+        for k in range(ev.num_stages):
+            if (i == 0) != (k == 0) or (j == n) != (k == ev.num_stages - 1):
+                continue  # not a stage of any cut
+            memo, direct = ev.stage(i, j, k), ev._stage(i, j, k)
+            assert memo.c == pytest.approx(direct.c, rel=1e-12) and memo.tail_s == pytest.approx(direct.tail_s, rel=1e-12)
+            assert memo.memory == pytest.approx(direct.memory, rel=1e-12) and memo.params == pytest.approx(direct.params)
+            assert (memo.fits, memo.compression) == (direct.fits, direct.compression)
+            asked += 1
+    assert len(ev._stage_memo) < asked  # the repeated blocks share entries
+
+
 def test_memory_cap_is_respected_and_binds(small):
     loose = compile(small, "local:4", global_batch_size=32, max_memory_fraction=0.9)
     cap = loose.predicted.peak_memory_bytes * 0.6 / (8 * GiB)
