@@ -24,7 +24,8 @@ Time of one linear under fp8-mixed (per microbatch, per tensor rank):
   weight_hp_t)` in torchao/float8/float8_linear.py), so activation memory is exactly bf16-mixed's and the
   second cast is paid in time instead. TransformerEngine keeps the fp8 input instead (half of the linear's
   saved input); this model does not assume that.
-- Only `linear` ops: batched matmuls elsewhere (eager attention's scores) stay bf16, as in both libraries.
+- Only `linear` ops: batched matmuls elsewhere (eager attention's scores) stay bf16, as in both libraries;
+  so do Hugging Face GPT-2's `Conv1D` layers (an `addmm`), which torchao's nn.Linear swap leaves alone too.
 
 >>> from cost_models.devices import PRESETS
 >>> gemm_dtype("fp8-mixed", PRESETS["H100-80GB"]), gemm_dtype("fp8-mixed", PRESETS["CPU"])

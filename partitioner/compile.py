@@ -136,8 +136,10 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     stay synchronous, so explain() shows what it gains.
 
     `precision` is "bf16-mixed" (the default), "fp16-mixed" (16-bit compute, fp32 masters and optimizer
-    state), "fp32", or "bf16": pure bf16 (Composer's PURE), parameters, gradients and optimizer state in bf16,
-    no masters. `grad_reduce_dtype` ("fp32" or "bf16", mixed precisions only) is the dtype the data-parallel
+    state), "fp32", "bf16": pure bf16 (Composer's PURE), parameters, gradients and optimizer state in bf16,
+    no masters, or "fp8-mixed": bf16-mixed whose linear layers' GEMMs take float8 operands with per-tensor
+    current scaling (cost_models.fp8, runtime.engines.fp8; refused on a GPU without FP8 tensor cores, emulated
+    on CPU). `grad_reduce_dtype` ("fp32" or "bf16", mixed precisions only) is the dtype the data-parallel
     gradients are reduced in; they accumulate in fp32 either way ("bf16" is the "bf16" compressor on every
     link level; None: fp32, the planner free to compress). `optimizer_layout` "distributed" is Megatron's
     distributed optimizer (masters and optimizer state sharded over dp: ZeRO-1) and pins zero_stage=1;

@@ -1,6 +1,6 @@
 """Precision policy for the data-parallel engine: 16-bit compute, fp32 masters (or none: pure bf16).
 
-Mixed ("bf16-mixed", "fp16-mixed"): the model's parameters are cast to the compute dtype; the
+Mixed ("bf16-mixed", "fp16-mixed", "fp8-mixed"): the model's parameters are cast to the compute dtype; the
 optimizer steps fp32 master copies; gradients are upcast to fp32 *before* they are reduced, so
 the data-parallel average is taken in fp32 (the ZeRO / Megatron recipe, and FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``). A plan with grad_reduce_dtype="bf16"
