@@ -172,7 +172,7 @@ def _zero(p: Plan) -> str:
 
 
 # what fp8-mixed runs (runtime.engines.fp8), in print(plan) and explain()
-FP8_RECIPE = " (linear GEMMs on float8: e4m3 forward, e5m2 output gradients, per-tensor current scaling)"
+FP8_RECIPE = " (fp8 linear GEMMs, per-tensor current scaling)"
 
 def _recipe(p: Plan) -> str:
     """The precision and what the user declared of its recipe: 'bf16-mixed, bf16 gradient reduction, distributed
@@ -375,7 +375,8 @@ def explain_plan(p: Plan) -> str:
         out.append(f"- asynchronous SGD {p.async_sgd}, as declared (the planner never chooses it: it changes the "
                    f"training math): {_async_sgd(p)}. The hand configurations below train synchronously.")
     if p.precision == "fp8-mixed":
-        out.append(f"- fp8-mixed, as declared{FP8_RECIPE}: the linear layers' forward and both backward GEMMs are "
+        out.append(f"- fp8-mixed, as declared{FP8_RECIPE}: the linear layers' forward and both backward GEMMs take "
+                   "e4m3 operands (the output gradient e5m2) and are "
                    "costed at the device's fp8 peak (bf16's where fp8 is emulated, on CPU) plus a memory-bound cast "
                    "of each operand (3 bytes per element, the input and weight cast again in backward); attention, "
                    "norms and the optimizer as bf16-mixed; memory as bf16-mixed (cost_models.fp8).")
