@@ -179,8 +179,11 @@ def _one_process():
 
 
 @pytest.mark.slow
-def test_fp8_dp2_trains_like_one_process():
-    plan, out = _run("local:2", dp=2)
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_fp8_dp2_trains_like_one_process(recompute):
+    """Selective recomputation keeps the fp8 linear's output (one operator: runtime.engines.recompute) and
+    runs the rest again: the same numbers."""
+    plan, out = _run("local:2", dp=2, recompute=recompute)
     assert "fp8_linear(" in plan.program(0).source and "precision='fp8-mixed'" in plan.program(0).source
     ref = _one_process()
     # the same microbatches, scales and codes: only the fp32 order of the gradient sum differs (measured: equal

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["E4M3", "E5M2", "Fp8Linear", "convert_linears", "exact_gemms", "fp8_linear", "quantize"]
+__all__ = ["E4M3", "E5M2", "FP8_LINEAR_OP", "Fp8Linear", "convert_linears", "exact_gemms", "fp8_linear", "quantize"]
 
 E4M3 = torch.float8_e4m3fn  # forward operands: activations and weights
 E5M2 = torch.float8_e5m2  # backward: the output gradient
@@ -87,37 +87,56 @@ def _gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, 
         return ((a.float() / sa) @ (b.float() / sb)).to(out)  # emulated: exact products, fp32 sums
 
 
-class _Fp8Linear(torch.autograd.Function):
-    """y = x @ w.T + b with both GEMM operands in e4m3; backward's GEMMs with the output gradient in e5m2."""
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the linear writes: the autocast dtype inside an autocast region (as F.linear), else x's dtype."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        xq, sx = quantize(x2, E4M3)
-        wq, sw = quantize(w, E4M3)  # (N, K)
-        out = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        y = _gemm(xq, sx, wq.t(), sw, out)  # (M, N)
-        if b is not None:
-            y = y + b.to(y.dtype)
-        ctx.save_for_backward(x, w)  # the high-precision tensors, cast again in backward (torchao's choice)
-        ctx.has_bias = b is not None
-        return y.reshape(*x.shape[:-1], w.shape[0])
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
-        gq, sg = quantize(dy2, E5M2)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            wq, sw = quantize(w, E4M3)
-            dx = _gemm(gq, sg, wq, sw, x.dtype).reshape(x.shape)  # (M, N) @ (N, K)
-        if ctx.needs_input_grad[1]:
-            xq, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3)
-            dw = _gemm(gq.t(), sg, xq, sx, w.dtype)  # (N, M) @ (M, K)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.float().sum(0).to(dy.dtype)
-        return dx, dw, db
+# One operator, not a Python autograd.Function: activation checkpointing's selective policy
+# (runtime.engines.recompute) sees it as one op and keeps its output, as it keeps a linear's, where it would
+# otherwise see (and keep) the emulation's fp32 matmul, or recompute a _scaled_mm.
+@torch.library.custom_op("fp8_gemms::linear", mutates_args=())
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ w.T + b with both GEMM operands in e4m3 (backward: `_linear_backward`)."""
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    xq, sx = quantize(x2, E4M3)
+    wq, sw = quantize(w, E4M3)  # (N, K)
+    y = _gemm(xq, sx, wq.t(), sw, _out_dtype(x))  # (M, N)
+    if b is not None:
+        y = y + b.to(y.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+@_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=_out_dtype(x))
+
+
+def _keep(ctx, inputs, output) -> None:
+    x, w, b = inputs
+    ctx.save_for_backward(x, w)  # the high-precision tensors, cast again in backward (torchao's choice)
+    ctx.has_bias = b is not None
+
+
+def _linear_backward(ctx, dy: torch.Tensor):
+    """Both backward GEMMs with the output gradient in e5m2 and x, w cast to e4m3 again."""
+    x, w = ctx.saved_tensors
+    dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
+    gq, sg = quantize(dy2, E5M2)
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        wq, sw = quantize(w, E4M3)
+        dx = _gemm(gq, sg, wq, sw, x.dtype).reshape(x.shape)  # (M, N) @ (N, K)
+    if ctx.needs_input_grad[1]:
+        xq, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3)
+        dw = _gemm(gq.t(), sg, xq, sx, w.dtype)  # (N, M) @ (M, K)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = dy2.float().sum(0).to(dy.dtype)
+    return dx, dw, db
+
+
+_linear.register_autograd(_linear_backward, setup_context=_keep)
+FP8_LINEAR_OP = torch.ops.fp8_gemms.linear.default  # what dispatch (and a checkpoint policy) sees
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,7 +144,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     plans call it where the traced code called `aten.linear`."""
     if _exact[0] or not x.is_floating_point():
         return F.linear(x, weight, bias)
-    return _Fp8Linear.apply(x, weight, bias)
+    return _linear(x, weight, bias)
 
 
 class Fp8Linear(nn.Linear):
