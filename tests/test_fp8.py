@@ -151,6 +151,16 @@ def test_fp8_costs_the_linears_at_the_fp8_rate_and_holds_bf16_mixed_memory():
     assert "fp8-mixed, as declared" in fp8.explain()
 
 
+def test_an_fp8_plan_goes_through_json(tmp_path):
+    from partitioner import Plan
+
+    plan = compile(_graph()[1], "local:2", global_batch_size=8, precision="fp8-mixed", tp=2, microbatch_size=2)
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back.precision == "fp8-mixed" and back.program(0).source == plan.program(0).source
+    assert "from runtime.engines.fp8 import fp8_linear" in back.program(0).source
+
+
 def test_fp8_is_emulated_on_cpu_at_the_bf16_rate_plus_its_casts():
     pins = dict(global_batch_size=8, dp=2, tp=1, pp=1, zero_stage=0, microbatch_size=2, recompute="none",
                 compression="none")
