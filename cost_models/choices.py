@@ -6,7 +6,7 @@ what plan JSON stores and what generated programs pass on (`precision='bf16-mixe
 and compares as itself.
 
 >>> PRECISIONS, SCHEDULES
-(('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16'), ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'))
+(('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16', 'fp8-mixed'), ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'))
 >>> GRAD_REDUCE_DTYPES, OPTIMIZER_LAYOUTS
 (('fp32', 'bf16'), ('replicated', 'distributed'))
 """
@@ -19,9 +19,10 @@ __all__ = ["Precision", "PRECISIONS", "ScheduleKind", "SCHEDULES", "Recompute", 
            "OptimizerName", "OPTIMIZERS", "ZERO_STAGES", "GradReduceDtype", "GRAD_REDUCE_DTYPES",
            "OptimizerLayout", "OPTIMIZER_LAYOUTS", "LAYOUT_ZERO_STAGE"]
 
-# fp32 masters under both mixed precisions; "bf16" is pure bf16 (Composer's PURE, FSDP with bf16 parameters):
-# parameters, gradients and optimizer state all in bf16, no masters
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
+# fp32 masters under the mixed precisions; "bf16" is pure bf16 (Composer's PURE, FSDP with bf16 parameters):
+# parameters, gradients and optimizer state all in bf16, no masters; "fp8-mixed" is bf16-mixed whose linear
+# layers' GEMMs take float8 operands with per-tensor current scaling (cost_models.fp8, runtime.engines.fp8)
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8-mixed"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 # The dtype of the data-parallel gradient reduction under a mixed precision (gradients accumulate in fp32

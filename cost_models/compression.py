@@ -121,7 +121,7 @@ LEVELS: tuple[str, ...] = (LinkLevel.INTRA_NODE.value, LinkLevel.INTER_NODE.valu
 REDUCE_BYTES = 4  # gradients are reduced in fp32 (runtime.engines.mixed_precision.Precision.master_dtype)
 # ... except under pure bf16, whose gradients are bf16 (grad_reduce_dtype="bf16" under a mixed precision is
 # the "bf16" compressor on every level: partitioner.planner.declarations.reduction_pins)
-REDUCE_BYTES_OF_PRECISION = {"fp32": 4, "bf16-mixed": 4, "fp16-mixed": 4, "bf16": 2}
+REDUCE_BYTES_OF_PRECISION = {"fp32": 4, "bf16-mixed": 4, "fp16-mixed": 4, "bf16": 2, "fp8-mixed": 4}
 QUANT_BLOCK = 256  # elements per fp32 absmax scale (runtime.compression.compressed_reduce.CompressedReduce.block)
 _SCALE_BYTES = 4
 _CODE_BYTES = {"int8": 1.0, "int4": 0.5}

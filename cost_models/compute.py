@@ -36,14 +36,16 @@ OP_CLASSES: tuple[str, ...] = ("matmul", "conv", "attention", "elementwise",
 _TENSOR_CORE_CLASSES = ("matmul", "conv", "attention")
 
 # Training precision (what users declare) -> dtype of the compute kernels.
-_DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
+# fp8-mixed: bf16 for everything but its GEMMs, whose rate cost_models.fp8 picks.
+_DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16", "fp8-mixed": "bf16"}
 assert tuple(_DTYPE_OF_PRECISION) == PRECISIONS
 
 
 def dtype_for(precision: str) -> str:
     """The dtype whose peak FLOP/s the compute kernels run at.
 
-    "fp32" -> "fp32", "bf16-mixed" -> "bf16", "fp16-mixed" -> "fp16", "bf16" (pure) -> "bf16".
+    "fp32" -> "fp32", "bf16-mixed" -> "bf16", "fp16-mixed" -> "fp16", "bf16" (pure) -> "bf16",
+    "fp8-mixed" -> "bf16" (the ops outside its fp8 GEMMs: `cost_models.fp8.gemm_dtype`).
     fp32 matmuls may run on TF32 tensor cores when the user enables
     `torch.backends.cuda.matmul.allow_tf32` (off by default since torch
     1.12); say so with `RooflineCompute(..., tf32_matmuls=True)`.

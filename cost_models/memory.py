@@ -36,13 +36,15 @@ SELECTIVE_KEEPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "layer_n
 # Mixed precision (ZeRO paper, Rajbhandari et al. 2020, section 3.1): 16-bit
 # weights and grads (2 + 2); the optimizer keeps an fp32 master copy (4) plus
 # its fp32 state: Adam m and v (8) -> K = 12; SGD-momentum 4 -> 8; SGD -> 4.
+_MIXED = ("bf16-mixed", "fp16-mixed", "fp8-mixed")
 _BYTES_PER_PARAM = {
     ("fp32", "adam"): (4, 4, 8),
     ("fp32", "sgd"): (4, 4, 0),
     ("fp32", "sgd-momentum"): (4, 4, 4),
-    **{(mixed, "adam"): (2, 2, 12) for mixed in ("bf16-mixed", "fp16-mixed")},
-    **{(mixed, "sgd"): (2, 2, 4) for mixed in ("bf16-mixed", "fp16-mixed")},
-    **{(mixed, "sgd-momentum"): (2, 2, 8) for mixed in ("bf16-mixed", "fp16-mixed")},
+    # fp8-mixed holds what bf16-mixed holds: its fp8 codes live only inside each GEMM (cost_models.fp8).
+    **{(mixed, "adam"): (2, 2, 12) for mixed in _MIXED},
+    **{(mixed, "sgd"): (2, 2, 4) for mixed in _MIXED},
+    **{(mixed, "sgd-momentum"): (2, 2, 8) for mixed in _MIXED},
     # Pure bf16 (precision "bf16"): no masters; torch.optim keeps its state in the parameters' dtype,
     # so Adam's m and v are bf16 (2 + 2), SGD-momentum's buffer 2.
     ("bf16", "adam"): (2, 2, 4),

@@ -33,6 +33,7 @@ from cost_models.compression import (
 )
 from cost_models.compute import dtype_for
 from cost_models.errors import DeclarationError, PartitionerError
+from cost_models.fp8 import FP8_PRECISIONS
 from cost_models.memory import DDP_BUCKET_BYTES
 from cost_models.mesh import Mesh
 from cost_models.placements import REPLICATED
@@ -135,8 +136,10 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     stay synchronous, so explain() shows what it gains.
 
     `precision` is "bf16-mixed" (the default), "fp16-mixed" (16-bit compute, fp32 masters and optimizer
-    state), "fp32", or "bf16": pure bf16 (Composer's PURE), parameters, gradients and optimizer state in bf16,
-    no masters. `grad_reduce_dtype` ("fp32" or "bf16", mixed precisions only) is the dtype the data-parallel
+    state), "fp32", "bf16": pure bf16 (Composer's PURE), parameters, gradients and optimizer state in bf16,
+    no masters, or "fp8-mixed": bf16-mixed whose linear layers' GEMMs take float8 operands with per-tensor
+    current scaling (cost_models.fp8, runtime.engines.fp8; refused on a GPU without FP8 tensor cores, emulated
+    on CPU). `grad_reduce_dtype` ("fp32" or "bf16", mixed precisions only) is the dtype the data-parallel
     gradients are reduced in; they accumulate in fp32 either way ("bf16" is the "bf16" compressor on every
     link level; None: fp32, the planner free to compress). `optimizer_layout` "distributed" is Megatron's
     distributed optimizer (masters and optimizer state sharded over dp: ZeRO-1) and pins zero_stage=1;
@@ -481,7 +484,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
                 attention_rewrites=g.attention_rewrites, experts=experts_text(g), block_kinds=_block_kinds(g),
                 block_container=g.block_container if _block_kinds(g) else None,
-                **_model_code(g, splits, cand))
+                **_model_code(g, splits, cand, fp8=decl.precision in FP8_PRECISIONS))
 
 
 def _block_kinds(g: OpGraph) -> tuple[int, ...]:
@@ -528,7 +531,7 @@ def _runs_code(g: OpGraph) -> bool:
     return True
 
 
-def _model_code(g: OpGraph, splits, cand: ParallelConfig) -> dict:
+def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False) -> dict:
     """The prefix/block/suffix code that pipeline and tensor-parallel programs run; data-parallel and async
     SGD programs run it too when the graph's attention was rewritten (the module's own forward would run
     it eagerly)."""
@@ -539,7 +542,7 @@ def _model_code(g: OpGraph, splits, cand: ParallelConfig) -> dict:
         return {"code_note": f"the model was {how}; programs for pp/tp plans are generated from torch.export's "
                              "graph: compile the nn.Module (trace method 'export')"}
     try:
-        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp, sp=cand.sp)}
+        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp, sp=cand.sp, fp8=fp8)}
     except SegmentError as e:
         return {"code_note": str(e)}
 

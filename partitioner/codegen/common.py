@@ -280,4 +280,13 @@ def make_stage(model, tp):
            "    # (a batch without the traced inputs runs the module's own forward instead, with a warning).\n"
            "    make_stage(model, None).run_as_model()\n")
     return ModelCodeLines(imports="import torch\nfrom torch import device\n\n",
-                          runtime_import="from runtime.pipeline.stage import StageModel\n", text=text, run=run)
+                          runtime_import=fp8_import(plan) + "from runtime.pipeline.stage import StageModel\n",
+                          text=text, run=run)
+
+
+def fp8_import(plan: "Plan") -> str:
+    """The import of the fp8 linear the code of an fp8-mixed plan calls (partitioner.codegen.segments)."""
+    return "from runtime.engines.fp8 import fp8_linear  # fp8-mixed: the linears' GEMMs in float8\n" \
+        if plan.code is not None and any("fp8_linear(" in s.source for s in (plan.code.prefix, *plan.code.templates,
+                                                                            plan.code.suffix) if s is not None) \
+        else ""

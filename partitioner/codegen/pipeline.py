@@ -19,6 +19,7 @@ from partitioner.codegen.common import (
     ZERO_WHAT,
     CodegenError,
     dp_compression,
+    fp8_import,
     literal,
     mesh_lines,
     program_header,
@@ -178,7 +179,7 @@ from runtime.pipeline.runner import PipelineRunner
 from runtime.pipeline.stage import StageModel, state_keys
 from runtime.pipeline.tensor_parallel import (TPContext, sp_gather, sp_scatter, sp_vocab_embedding, tp_chunk,
                                               tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding)
-
+{fp8_import(plan)}
 inf, nan = float("inf"), float("nan")
 
 {program_header(plan, rank, h)}
@@ -209,7 +210,7 @@ UNIT_MODULES = {literal(tuple(unit_modules))}
 
 # ---- the model's code: prefix, block template, suffix (cut from the exported graph{", rewritten for the tensor shards" if c.tp > 1 else ""})
 # Beside each value, its shape on this rank{" (the tensor-split dim divided by tp)" if c.tp > 1 else ""}: sizes that follow an
-# input are named by it (idx.1: dim 1 of idx), and the dtype is the traced one{" (floats run in " + ("bf16" if "bf16" in plan.precision else "fp16") + " under " + plan.precision + ")" if plan.precision != "fp32" else ""}.
+# input are named by it (idx.1: dim 1 of idx), and the dtype is the traced one{" (floats run in " + ("fp16" if plan.precision == "fp16-mixed" else "bf16") + " under " + plan.precision + ")" if plan.precision != "fp32" else ""}.
 
 {functions}
 

@@ -94,11 +94,16 @@ def sp_vocab_embedding(weight, ids, dim, tp, padding_idx=-1):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
+def fp8_linear(x, weight, bias=None):
+    """precision="fp8-mixed": the linear with float8 GEMM operands (runtime.engines.fp8), whatever splits it."""
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
 # Tests switch this off to check that plan.verify catches the partial gradients it prevents.
 SUM_REPLICATED_GRADS = True
 
 RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather", "tp_chunk",
-                     "sp_gather", "sp_scatter", "sp_vocab_embedding")
+                     "sp_gather", "sp_scatter", "sp_vocab_embedding", "fp8_linear")
 
 
 def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -47,7 +47,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, tp_chunk, unmangle
+from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.block_kinds import mutates
 from partitioner.tracer.blocks import block_index
@@ -134,8 +134,9 @@ class _Builder(TensorParallelRewrite):
     def __init__(self, src: _Source, name: str, *, carried: fx.Node | None, block: int | None,
                  placements: dict[str, Any], dims: dict[str, int], chunks: dict[str, list[tuple[str, int]]],
                  tp: int, seq_dims: dict[str, int], scatters: dict[str, int],
-                 seq_gathers: dict[str, list[tuple[str, int, str]]]):
+                 seq_gathers: dict[str, list[tuple[str, int, str]]], fp8: bool = False):
         self.src, self.name, self.carried, self.block = src, name, carried, block
+        self.fp8 = fp8
         self.placements, self.dims, self.chunks, self.tp = placements, dims, chunks, tp
         self.seq_dims, self.scatters, self.seq_gathers = seq_dims, scatters, seq_gathers
         self.cut_dim: int | None = None  # under sequence parallelism: the token dim the carried input is split on
@@ -319,6 +320,10 @@ class _Builder(TensorParallelRewrite):
     def finish(self, outputs: Any) -> Segment:
         self.graph.output(outputs)
         self.graph.eliminate_dead_code()
+        if self.fp8:  # fp8-mixed: the linears' GEMMs take float8 operands (runtime.engines.fp8)
+            for n in self.graph.nodes:
+                if n.target is _aten.linear.default:
+                    n.target = fp8_linear
         code = self.graph.python_code(root_module="self")
         src, globs = unmangle(code.src, dict(code.globals))
         _check_globals(globs, self.name)
@@ -389,9 +394,10 @@ def _check_globals(globs: dict[str, Any], name: str) -> None:
                            "the graph holds a non-ATen call")
 
 
-def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = False) -> ModelCode:
+def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = False, fp8: bool = False) -> ModelCode:
     """Cut `ep` (the ExportedProgram `trace` captured for OpGraph `g`) into prefix, block, suffix code;
-    `sp`: with Megatron sequence parallelism in the tensor group (tp > 1)."""
+    `sp`: with Megatron sequence parallelism in the tensor group (tp > 1); `fp8`: every `aten.linear` (the
+    model's and the tensor-parallel rewrite's) becomes the runtime's `fp8_linear` (precision="fp8-mixed")."""
     import torch.utils._pytree as pytree
 
     src = _Source(ep, g)
@@ -414,7 +420,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
     kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp,
               seq_dims=dict(seq.dims) if seq else {}, scatters=dict(seq.scatters) if seq else {},
-              seq_gathers=seq_gathers)
+              seq_gathers=seq_gathers, fp8=fp8)
 
     def run(b: _Builder, members: list[fx.Node]) -> None:
         members = sorted(members, key=_order(src))

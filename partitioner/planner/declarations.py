@@ -237,12 +237,12 @@ def _check_precision_recipe(d: Declarations) -> None:
     g = d.grad_reduce_dtype
     if g is None:
         return
-    if d.precision not in ("bf16-mixed", "fp16-mixed"):
+    if d.precision not in ("bf16-mixed", "fp16-mixed", "fp8-mixed"):
         held = "fp32" if d.precision == "fp32" else "bf16"
         fix = ("pin compression='bf16' to send fp32 gradients as bf16" if held == "fp32" else
                "use precision='bf16-mixed' for fp32 gradients reduced in fp32 or bf16")
         raise DeclarationError(f"grad_reduce_dtype={g!r} with precision={d.precision!r}: the reduction dtype is a "
-                               f"choice of the mixed precisions (bf16-mixed, fp16-mixed), whose gradients accumulate "
+                               f"choice of the mixed precisions (bf16-mixed, fp16-mixed, fp8-mixed), whose gradients accumulate "
                                f"in fp32; precision={d.precision!r} holds {held} gradients and reduces them as such; "
                                f"drop grad_reduce_dtype, or {fix}")
     want = "none" if g == "fp32" else "bf16"

@@ -74,7 +74,7 @@ __all__ = ["StageCost", "StageEvaluator", "StageMemory"]
 # the parameter, m and v): 7 fp32 tensors, 28 B; pure bf16 steps bf16 parameters with bf16 state, 14 B.
 _OPTIM_BYTES_PER_PARAM = {"bf16": 14}
 _OPTIM_BYTES_FP32 = 28
-_FP32_GRADIENTS = ("bf16-mixed", "fp16-mixed")  # 16-bit compute whose gradients the engine accumulates in fp32
+_FP32_GRADIENTS = ("bf16-mixed", "fp16-mixed", "fp8-mixed")  # 16-bit compute whose gradients the engine accumulates in fp32
 _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
 

@@ -27,6 +27,7 @@ from cost_models.compression import (
     traffic_levels,
 )
 from cost_models.compute import RooflineCompute, dtype_for
+from cost_models.fp8 import FP8_GEMM_OPS, FP8_PRECISIONS, cast_bytes, check_fp8, gemm_dtype
 from cost_models.memory import (
     SELECTIVE_KEEPS,
 )
@@ -93,10 +94,16 @@ class CostContext:
         self.memory_cap = memory_cap
         self.cal = calibration or Calibration.for_device(topo.device.name)
         self.compute = RooflineCompute(device=topo.device, dtype=dtype_for(precision), calibration=self.cal)
+        check_fp8(precision, topo.device, emulated=topo.local or topo.device.name == "CPU")
+        # fp8-mixed: the linears' GEMMs at the fp8 peak (bf16's where fp8 is emulated), plus their casts
+        self.fp8 = precision in FP8_PRECISIONS
+        self.gemm = RooflineCompute(device=topo.device, dtype=gemm_dtype(precision, topo.device),
+                                    calibration=self.cal) if self.fp8 else self.compute
         self.comm = CommModel(topo, self.cal)
         # Activations and traffic were traced at the model's dtype; mixed precision halves float tensors.
         traced = 4 if g.dtype == "float32" else 2 if g.dtype in ("bfloat16", "float16") else 8
         self.scale = (4 if precision == "fp32" else 2) / traced
+        self._traced_itemsize = traced
         self.units = units_of(g, granularity)
         self._unit_of = [0] * len(g.nodes)
         for u, (a, b) in enumerate(self.units):
@@ -125,7 +132,7 @@ class CostContext:
     # ---- static structure ------------------------------------------------
     def _unit_key(self, a: int, b: int) -> tuple:
         nodes = self.g.nodes[a:b]
-        return tuple((n.cost, n.name in self.splits.sharded_nodes, n.name in self._seq,
+        return tuple((n.cost, n.op in FP8_GEMM_OPS, n.name in self.splits.sharded_nodes, n.name in self._seq,
                       tuple((c.phase, c.bytes) for c in self._collectives.get(n.name, ())),
                       tuple((c.phase, c.kind, c.bytes) for c in self._sp_collectives.get(n.name, ())),
                       n.output.nbytes(1, 1) if n.output else 0) for n in nodes)
@@ -246,6 +253,19 @@ class CostContext:
         return any(spec is not None and len(spec.shape) >= 2 and all(d == _S for d in spec.shape[-2:])
                    for spec in specs)
 
+    def _fp8_linear_times(self, n, flops: float, bflops: float, moved: float, d: int, mb: int,
+                          s: int) -> tuple[float, float]:
+        """(forward, backward) seconds of linear `n` under fp8-mixed (cost_models.fp8): its GEMMs at the fp8
+        rate; forward casts x and W, backward the output gradient and x and W again (kept in bf16)."""
+        operands = n.cost.bytes_read(mb, s) / self._traced_itemsize / d  # elements of x, W (and the bias)
+        dy = n.output.numel(mb, s) / d if n.output is not None else 0.0
+        tf = self.gemm.op_time(flops, moved, "matmul") + self.compute.op_time(0.0, cast_bytes(operands), "elementwise")
+        if not bflops:
+            return tf, 0.0
+        tb = self.gemm.op_time(bflops, 2 * moved, "matmul") + \
+            self.compute.op_time(0.0, cast_bytes(dy + operands), "elementwise")
+        return tf, tb
+
     def _eval_unit(self, u: int, tp: int, mb: int, recompute: str, sp: bool = False) -> UnitCost:
         a, b = self.units[u]
         s, sc = self.seq, self.scale
@@ -270,6 +290,8 @@ class CostContext:
             tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
             bflops = c.backward_flops(mb, s) / d
             tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
+            if self.fp8 and n.op in FP8_GEMM_OPS:
+                tf, tb = self._fp8_linear_times(n, flops, bflops, moved, d, mb, s)
             if c.op_class == "matmul" and n.params and bflops:
                 wgt += tb * min(1.0, flops / bflops)
                 wbytes += n.output.nbytes(mb, s) * sc / d if n.output is not None else 0.0

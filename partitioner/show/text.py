@@ -171,11 +171,14 @@ def _zero(p: Plan) -> str:
     return f"stage {c.zero_stage}: {held} sharded over {c.dp} data-parallel replicas"
 
 
+# what fp8-mixed runs (runtime.engines.fp8), in print(plan) and explain()
+FP8_RECIPE = " (fp8 linear GEMMs, per-tensor current scaling)"
+
 def _recipe(p: Plan) -> str:
     """The precision and what the user declared of its recipe: 'bf16-mixed, bf16 gradient reduction, distributed
     optimizer'; 'bf16' is pure bf16."""
     d = p.declarations
-    out = p.precision + (" (pure)" if p.precision == "bf16" else "")
+    out = p.precision + (" (pure)" if p.precision == "bf16" else FP8_RECIPE if p.precision == "fp8-mixed" else "")
     if d.get("grad_reduce_dtype"):
         out += f", {d['grad_reduce_dtype']} gradient reduction"
     if d.get("optimizer_layout"):
@@ -371,6 +374,12 @@ def explain_plan(p: Plan) -> str:
     if p.async_sgd:
         out.append(f"- asynchronous SGD {p.async_sgd}, as declared (the planner never chooses it: it changes the "
                    f"training math): {_async_sgd(p)}. The hand configurations below train synchronously.")
+    if p.precision == "fp8-mixed":
+        out.append(f"- fp8-mixed, as declared{FP8_RECIPE}: the linear layers' forward and both backward GEMMs take "
+                   "e4m3 operands (the output gradient e5m2) and are "
+                   "costed at the device's fp8 peak (bf16's where fp8 is emulated, on CPU) plus a memory-bound cast "
+                   "of each operand (3 bytes per element, the input and weight cast again in backward); attention, "
+                   "norms and the optimizer as bf16-mixed; memory as bf16-mixed (cost_models.fp8).")
     if c.recompute != "none":
         out.append(f"- {c.recompute} activation recomputation: it buys the memory this plan needs.")
     out.append(f"- peak memory {_gib(pr.peak_memory_bytes)}: params {_gib(pr.memory.params)}, grads "

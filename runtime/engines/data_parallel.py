@@ -97,6 +97,7 @@ from runtime.compression.grad_compression import GradientReducer
 from runtime.device import place_module, rank_device
 from runtime.engines.dp_buckets import Bucket, GradientBuckets
 from runtime.engines.flat import FlatLayout, FlatTensors, grad_key, resolve_units
+from runtime.engines.fp8 import convert_linears
 from runtime.engines.mixed_precision import (
     LossScaler,
     PrecisionName,
@@ -144,6 +145,8 @@ class DataParallel(GradientBuckets, ShardedUnits):
         self.compression = self.reducer.compression
         self.zero_stage, self.collectives = zero_stage, collectives
         self.precision = policy(precision)
+        if self.precision.fp8_gemms:
+            convert_linears(model)  # a forward the module runs itself: its linears' GEMMs in fp8 (same parameters)
         self.scaler = LossScaler() if self.precision.loss_scaling else None
         self._dtype = self.precision.param_dtype
         self._master = self.precision.master_dtype  # what the optimizer steps and gradients accumulate in

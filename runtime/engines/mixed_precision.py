@@ -1,11 +1,15 @@
 """Precision policy for the data-parallel engine: 16-bit compute, fp32 masters (or none: pure bf16).
 
-Mixed ("bf16-mixed", "fp16-mixed"): the model's parameters are cast to the compute dtype; the
+Mixed ("bf16-mixed", "fp16-mixed", "fp8-mixed"): the model's parameters are cast to the compute dtype; the
 optimizer steps fp32 master copies; gradients are upcast to fp32 *before* they are reduced, so
 the data-parallel average is taken in fp32 (the ZeRO / Megatron recipe, and FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``). A plan with grad_reduce_dtype="bf16"
 reduces them with the "bf16" compressor (runtime.compression.grad_compression): divided by the group
 size, summed in bf16, accumulated into the fp32 gradients again.
+
+"fp8-mixed" is bf16-mixed whose linear layers run their GEMMs on float8 operands with per-tensor current
+scaling (runtime.engines.fp8): the engine puts an `Fp8Linear` in place of each `nn.Linear` of a model run by
+its own forward; generated code calls `fp8_linear` itself.
 
 Pure ("bf16", Composer's PURE): parameters, gradients and the optimizer's state all in bf16; no
 masters (``master_dtype`` is the compute dtype), the optimizer steps the bf16 parameters themselves,
@@ -56,6 +60,9 @@ class Precision:
     (fp32; the compute dtype under pure bf16, which keeps no masters)."""
     loss_scaling: bool = False
     """Whether gradients are scaled during backward (fp16 only) by a dynamic `LossScaler`."""
+    fp8_gemms: bool = False
+    """Whether the linear layers' GEMMs take float8 operands (fp8-mixed: runtime.engines.fp8); the rest is
+    bf16-mixed."""
 
     @property
     def mixed(self) -> bool:
@@ -73,6 +80,7 @@ _POLICIES = {
     "bf16-mixed": Precision(name="bf16-mixed", param_dtype=torch.bfloat16),
     "fp16-mixed": Precision(name="fp16-mixed", param_dtype=torch.float16, loss_scaling=True),
     "bf16": Precision(name="bf16", param_dtype=torch.bfloat16, master_dtype=torch.bfloat16),
+    "fp8-mixed": Precision(name="fp8-mixed", param_dtype=torch.bfloat16, fp8_gemms=True),
 }
 assert tuple(_POLICIES) == PRECISIONS
 

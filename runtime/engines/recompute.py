@@ -32,6 +32,7 @@ from torch.utils.checkpoint import (
 )
 
 from cost_models.memory import SELECTIVE_KEEPS
+from runtime.engines.fp8 import FP8_LINEAR_OP
 
 __all__ = ["MODES", "recompute_blocks", "run_recomputed"]
 
@@ -39,7 +40,8 @@ MODES = ("none", "selective", "full")
 # cost_models.memory.SELECTIVE_KEEPS names the ops as the traced graph holds them; the checkpoint policy sees
 # them as dispatched, where layer_norm arrives as native_layer_norm.
 _DISPATCHED_AS = {"layer_norm": "native_layer_norm"}
-_SAVED = {getattr(torch.ops.aten, _DISPATCHED_AS.get(name, name)).default for name in SELECTIVE_KEEPS}
+# fp8-mixed's linear is one operator of its own (runtime.engines.fp8): kept like aten.linear
+_SAVED = {getattr(torch.ops.aten, _DISPATCHED_AS.get(name, name)).default for name in SELECTIVE_KEEPS} | {FP8_LINEAR_OP}
 _MATMULS = _SAVED - {torch.ops.aten.native_layer_norm.default}
 
 

@@ -1,0 +1,305 @@
+"""precision="fp8-mixed": the fp8 GEMM's numerics, the planner's acceptance and costs, and plans that train
+like one process over real Gloo ranks.
+
+Bounds, and why:
+
+- The GEMM (runtime.engines.fp8) is checked exactly against its own definition -- dequantized codes
+  multiplied in fp32 -- and against the float GEMM within fp8's rounding: round-to-nearest into a format with
+  m mantissa bits is off by at most 2^-(m+1) relative (e4m3: 2^-4, e5m2: 2^-3), so each product of two
+  rounded operands is within (1 + 2^-4)(1 + r) - 1 of the exact one (r = 2^-4 forward, 2^-3 backward) and
+  the GEMM's error per output element is at most that times sum_k |a_ik| |b_kj| (plus the subnormal floor
+  of the smallest codes, which these normal-sized random tensors never reach: asserted by the bound).
+- dp2 against one process running the same plan recipe (local:1: the same generated code, the global batch in
+  4 microbatches of 2, one engine): every microbatch sees the same tensors, hence the same amax scales and
+  fp8 codes; the runs differ only in the order of the fp32 gradient sum ((g0 + g1) + (g2 + g3) against
+  ((g0 + g1) + g2) + g3), a few fp32 ulps, which can flip a bf16 parameter's rounding and then an fp8 code
+  in the next step. Measured: losses equal, parameters within 5e-10 after 3 steps; asserted: losses to 1e-6
+  relative, parameters to one bf16 ulp (2^-8 relative) + 1e-6, which one bf16-mixed process misses by 24x on
+  the first loss already (so the test tells an fp8 run from a bf16 one).
+- tp2: each tensor rank scales its own shard (current scaling per local tensor; TransformerEngine keeps
+  per-shard weight scales under tensor parallelism too), so its codes differ from one process's: the
+  tolerance is the pure-bf16 tests' (test_precision_runs: a bf16 ulp plus 2 lr per step on parameters, AdamW's
+  normalised step moving a parameter by about lr whatever the gradient; 2^-6 on losses). That bound does
+  not tell fp8 from bf16 (one bf16-mixed process lands as close); the dp2 test and the GEMM's own tests do.
+- pp2: the same codes at the first step (its loss equal), but the tied embedding / LM head gradient is summed
+  over the two stages in another order -- bf16-mixed pp2 is off from its one process by 4e-4 after 3 steps too
+  -- and fp8's amax-dependent codes carry such differences further (1.4e-3): the tp2 tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from cost_models.errors import PartitionerError
+from examples import training
+from examples.gpt import example_batch
+from partitioner import compile, trace
+from runtime.engines.fp8 import E4M3, E5M2, Fp8Linear, convert_linears, exact_gemms, fp8_linear, quantize
+from runtime.launch.local import launch_local
+
+STEPS = 3
+LR = training.ADAMW_LR
+
+
+# ---- the GEMM ---------------------------------------------------------------------------------------------
+def _deq(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q, s = quantize(t, dtype)
+    return q.float() / s
+
+
+def test_scales_are_per_tensor_amax():
+    x = torch.randn(8, 16)
+    q, s = quantize(x, E4M3)
+    assert q.dtype == E4M3 and s.numel() == 1
+    assert torch.equal(s, 448.0 / x.abs().max())
+    assert q.float().abs().max() == 448.0  # the amax element lands on the format's largest value
+    x[3, 5] = 100 * x.abs().max()  # one outlier rescales the whole tensor
+    assert torch.equal(quantize(x, E4M3)[1], 448.0 / x[3, 5].abs())
+    g, sg = quantize(x, E5M2)
+    assert g.dtype == E5M2 and torch.equal(sg, 57344.0 / x.abs().max())
+    zq, zs = quantize(torch.zeros(4), E4M3)
+    assert torch.isfinite(zs) and not zq.float().any()
+
+
+def test_fp8_linear_is_the_gemm_of_its_codes_forward_and_backward():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    y = fp8_linear(x, w, b)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x2, dy2 = x.detach().reshape(-1, 64), dy.reshape(-1, 32)
+    torch.testing.assert_close(y.detach(), (_deq(x2, E4M3) @ _deq(w.detach(), E4M3).T + b.detach()).reshape(3, 5, 32))
+    torch.testing.assert_close(x.grad, (_deq(dy2, E5M2) @ _deq(w.detach(), E4M3)).reshape(3, 5, 64))
+    torch.testing.assert_close(w.grad, _deq(dy2, E5M2).T @ _deq(x2, E4M3))
+    torch.testing.assert_close(b.grad, dy2.sum(0))
+
+
+def test_fp8_linear_is_within_fp8_rounding_of_the_float_gemm():
+    torch.manual_seed(1)
+    x, w = torch.randn(40, 64, requires_grad=True), torch.randn(48, 64, requires_grad=True)
+    y = fp8_linear(x, w)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xa, wa, dya = x.detach().abs(), w.detach().abs(), dy.abs()
+    fwd, bwd = (1 + 2**-4) ** 2 - 1, (1 + 2**-4) * (1 + 2**-3) - 1  # e4m3 x e4m3; e5m2 x e4m3
+    assert ((y.detach() - x.detach() @ w.detach().T).abs() <= fwd * xa @ wa.T + 1e-6).all()
+    assert ((x.grad - dy @ w.detach()).abs() <= bwd * dya @ wa + 1e-6).all()
+    assert ((w.grad - dy.T @ x.detach()).abs() <= bwd * dya.T @ xa + 1e-6).all()
+    # and really quantized: the error is not the float GEMM's rounding
+    assert (y.detach() - x.detach() @ w.detach().T).abs().max() > 1e-3
+
+
+def test_fp8_linear_in_bf16_and_exact_gemms():
+    x, w = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True), torch.randn(16, 32, dtype=torch.bfloat16,
+                                                                                      requires_grad=True)
+    y = fp8_linear(x, w)
+    y.sum().backward()
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    with exact_gemms():  # plan.verify's mode: the plain linear
+        assert torch.equal(fp8_linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_convert_linears_keeps_the_parameters():
+    model = training.gpt_tiny_seeded()
+    before = {k: v for k, v in model.named_parameters()}
+    n = convert_linears(model)
+    assert n == sum(isinstance(m, Fp8Linear) for m in model.modules()) > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert all(p is before[k] for k, p in model.named_parameters())
+
+
+# ---- the planner ---------------------------------------------------------------------------------------------
+@functools.cache
+def _graph():
+    model = training.gpt_tiny_seeded()
+    return model, trace(model, (example_batch(model, 2, seq_len=32)[0],))
+
+
+def test_fp8_is_refused_on_a_device_without_fp8_tensor_cores():
+    with pytest.raises(PartitionerError, match=r"A100-80GB.*has none.*precision='bf16-mixed'"):
+        compile(_graph()[1], "8xA100-80GB", global_batch_size=16, precision="fp8-mixed")
+
+
+@functools.cache
+def _wide_graph():
+    """A GPT wide enough (d = 2048, seq 1024) for its linears to be compute bound on an H100, on meta."""
+    from examples.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(block_size=1024, vocab_size=8192, n_layer=2, n_head=16, n_embd=2048))
+    idx = torch.zeros(1, 1024, dtype=torch.long, device="meta")
+    return trace(model, (idx,))
+
+
+def test_fp8_costs_the_linears_at_the_fp8_rate_and_holds_bf16_mixed_memory():
+    pins = dict(global_batch_size=8, dp=1, tp=1, pp=1, zero_stage=0, microbatch_size=8, recompute="none",
+                compression="none")
+    bf16 = compile(_wide_graph(), "1xH100-80GB", precision="bf16-mixed", **pins)
+    fp8 = compile(_wide_graph(), "1xH100-80GB", precision="fp8-mixed", **pins)
+    assert fp8.predicted.peak_memory_bytes == bf16.predicted.peak_memory_bytes
+    t8, t16 = fp8.predicted.step_time_s, bf16.predicted.step_time_s
+    # the linears are about 3/4 of this model's FLOPs: at twice the rate, less their casts, clearly faster
+    # and never more than 2x
+    assert 0.5 * t16 < t8 < 0.85 * t16, (t8, t16)
+    assert "fp8-mixed (fp8 linear GEMMs, per-tensor current scaling), adam" in " ".join(str(fp8).split())
+    assert "fp8-mixed, as declared" in fp8.explain()
+
+
+def test_an_fp8_plan_goes_through_json(tmp_path):
+    from partitioner import Plan
+
+    plan = compile(_graph()[1], "local:2", global_batch_size=8, precision="fp8-mixed", tp=2, microbatch_size=2)
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back.precision == "fp8-mixed" and back.program(0).source == plan.program(0).source
+    assert "from runtime.engines.fp8 import fp8_linear" in back.program(0).source
+
+
+def test_fp8_is_emulated_on_cpu_at_the_bf16_rate_plus_its_casts():
+    pins = dict(global_batch_size=8, dp=2, tp=1, pp=1, zero_stage=0, microbatch_size=2, recompute="none",
+                compression="none")
+    bf16 = compile(_graph()[1], "local:2", precision="bf16-mixed", **pins)
+    fp8 = compile(_graph()[1], "local:2", precision="fp8-mixed", **pins)
+    assert fp8.predicted.step_time_s > bf16.predicted.step_time_s  # no fp8 units: the casts are pure cost
+    assert fp8.predicted.peak_memory_bytes == bf16.predicted.peak_memory_bytes
+
+
+# ---- plans over Gloo ------------------------------------------------------------------------------------------
+def _batches():
+    model = _graph()[0]
+    return [example_batch(model, 8, seq_len=32, seed=s) for s in range(STEPS)]
+
+
+def _run(topo: str, precision: str = "fp8-mixed", **mesh):
+    plan = compile(_graph()[1], topo, global_batch_size=8, precision=precision, microbatch_size=2,
+                   **{"dp": 1, "pp": 1, "tp": 1, "zero_stage": 0, **mesh})
+    return plan, launch_local(plan, training.gpt_tiny_seeded, training.adamw, training.gpt_loss, _batches(),
+                              timeout_s=120)
+
+
+@functools.cache
+def _one_process():
+    return _run("local:1")[1]
+
+
+def _by_hand(batches, micro: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """fp8-mixed written out in one process, no engine: the module's own forward with its linears swapped for
+    Fp8Linear, bf16 parameters, fp32 masters stepped by AdamW, each global batch as microbatches of `micro`
+    whose bf16 gradients are summed in fp32."""
+    model = training.gpt_tiny_seeded()
+    convert_linears(model)
+    masters = {k: p.detach().clone().requires_grad_() for k, p in model.named_parameters()}
+    model.to(torch.bfloat16)
+    opt = training.adamw(list(masters.values()))
+    losses = []
+    for x, y in batches:
+        n = x.shape[0] // micro
+        acc = {k: torch.zeros_like(m) for k, m in masters.items()}
+        total = 0.0
+        for i in range(n):
+            rows = slice(i * micro, (i + 1) * micro)
+            loss = training.gpt_loss(model(x[rows]), y[rows])
+            (loss / n).backward()
+            total += loss.item() / n
+            for k, p in model.named_parameters():
+                acc[k] += p.grad.float()
+                p.grad = None
+        for k, m in masters.items():
+            m.grad = acc[k]
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(masters[k])
+        losses.append(total)
+    return losses, {k: m.detach() for k, m in masters.items()}
+
+
+@pytest.mark.slow
+def test_one_fp8_process_is_the_recipe_written_by_hand():
+    """The reference the parallel plans are held to is fp8-mixed itself: one process of the plan equals the
+    loop above. The plan runs the fused attention its code was rewritten to, the module eager attention, both
+    in bf16: the pure-bf16 tolerance (measured: losses 2.5e-4 relative, parameters 0.89 of the bound)."""
+    losses, state = _by_hand(_batches())
+    ref = _one_process()
+    torch.testing.assert_close(ref.losses, losses, rtol=2**-6, atol=0)
+    for k, w in state.items():
+        diff = (ref.state_dict[k] - w).abs()
+        assert (diff <= STEPS * (2 * LR + 2**-7 * w.abs())).all(), f"{k}: {diff.max().item():.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_fp8_dp2_trains_like_one_process(recompute):
+    """Selective recomputation keeps the fp8 linear's output (one operator: runtime.engines.recompute) and
+    runs the rest again: the same numbers."""
+    plan, out = _run("local:2", dp=2, recompute=recompute)
+    assert "fp8_linear(" in plan.program(0).source and "precision='fp8-mixed'" in plan.program(0).source
+    ref = _one_process()
+    # the same microbatches, scales and codes: only the fp32 order of the gradient sum differs (measured: equal
+    # losses, parameters within 5e-10)
+    torch.testing.assert_close(out.losses, ref.losses, rtol=1e-6, atol=0)
+    for k, w in ref.state_dict.items():
+        torch.testing.assert_close(out.state_dict[k], w, rtol=2**-8, atol=1e-6, msg=k)
+    # and that tolerance tells fp8 from bf16: one bf16-mixed process is off at the first step (measured 2.4e-5)
+    bf16 = _run("local:1", precision="bf16-mixed")[1]
+    assert abs(bf16.losses[0] - ref.losses[0]) > 10 * 1e-6 * abs(ref.losses[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(tp=2), dict(tp=2, sp=True), dict(pp=2)], ids=["tp2", "tp2+sp", "pp2"])
+def test_fp8_tp_and_pp_train_like_one_process_within_fp8_scaling(mesh):
+    plan, out = _run("local:2", **mesh)
+    assert all("fp8_linear(" in plan.program(r).source for r in range(2))
+    ref = _one_process()
+    torch.testing.assert_close(out.losses, ref.losses, rtol=2**-6, atol=0)  # measured: 7.5e-5 at most
+    for k, w in ref.state_dict.items():
+        bound = STEPS * (2 * LR + 2**-7 * w.abs())  # measured: under 0.9 of it (max abs 2.8e-3)
+        diff = (out.state_dict[k] - w).abs()
+        assert (diff <= bound).all(), f"{k}: {diff.max().item():.3g}"
+
+
+# ---- a model run by its own forward: the engine's Fp8Linear ---------------------------------------------------
+def mlp_seeded() -> nn.Module:
+    from examples.mlp import mlp
+
+    torch.manual_seed(0)
+    return mlp(64, (128, 128), 16)
+
+
+def cross_entropy(output, targets) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output.float(), targets)
+
+
+def _mlp_run(topo: str, precision: str = "fp8-mixed", **mesh):
+    g = trace(mlp_seeded(), (torch.randn(2, 64),))
+    plan = compile(g, topo, global_batch_size=8, precision=precision, microbatch_size=2,
+                   **{"dp": 1, "pp": 1, "tp": 1, "zero_stage": 0, **mesh})
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 64, generator=gen), torch.randint(0, 16, (8,), generator=gen)) for _ in range(STEPS)]
+    return plan, launch_local(plan, mlp_seeded, training.adamw, cross_entropy, batches, timeout_s=120)
+
+
+@pytest.mark.slow
+def test_fp8_zero3_runs_the_modules_own_linears_in_fp8():
+    """No generated code (no attention to rewrite): the engine swaps each nn.Linear for an Fp8Linear; under
+    ZeRO-3 its weight is the gathered view. dp2 equals one process as in the GPT test, and differs from
+    bf16-mixed (the swap took effect)."""
+    plan, out = _mlp_run("local:2", dp=2, zero_stage=3)
+    assert plan.code is None and "precision='fp8-mixed'" in plan.program(0).source
+    ref = _mlp_run("local:1")[1]
+    torch.testing.assert_close(out.losses, ref.losses, rtol=1e-6, atol=0)
+    for k, w in ref.state_dict.items():
+        torch.testing.assert_close(out.state_dict[k], w, rtol=2**-8, atol=1e-6, msg=k)
+    bf16 = _mlp_run("local:1", precision="bf16-mixed")[1]
+    assert abs(bf16.losses[0] - ref.losses[0]) > 10 * 1e-6 * abs(ref.losses[0])
+    # the fp8 codes live only inside each GEMM: what a rank holds is bf16-mixed's ZeRO-3 16 / dp bytes a parameter
+    P = sum(p.numel() for p in mlp_seeded().parameters())
+    for held in out.held_bytes:
+        assert abs(held["total"] - P * 16 / 2) <= 0.01 * P * 16 / 2, (held, P)
