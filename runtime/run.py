@@ -25,7 +25,10 @@ step K (0-based) under the memory probe, `--memory-limit-bytes B` makes that
 step raise torch.OutOfMemoryError past B bytes (as launch_local does), and
 `--report DIR` has each rank keep DIR/rank_R.json up to date with its step
 times, losses, the probed step's peak and the error it stopped with
-(runtime/launch/measure.py).
+(runtime/launch/measure.py). `--trace PATH` writes a Chrome/Perfetto trace of one step
+(`--trace-step K`, default the last): when each action of every rank's instruction list ran
+(runtime.pipeline.action_trace), to set beside the plan's simulated step
+(`partitioner.show.timeline.compare_measured(plan, PATH)`).
 
 Verification: on a first start (and on a resume from a checkpoint that other
 programs wrote, as after an elastic restart under a new plan), rank 0 runs replica 0's
@@ -49,6 +52,7 @@ import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -71,6 +75,7 @@ from runtime.launch.loading import load_callable, load_object
 from runtime.launch.measure import RankReporter, measure_step
 from runtime.launch.program_check import check_same_program
 from runtime.launch.rendezvous import rendezvous_store
+from runtime.pipeline.action_trace import chrome_trace, recording
 from runtime.verify.check import VerifyError
 
 __all__ = ["main", "load_callable", "default_loss", "default_optimizer"]
@@ -161,8 +166,12 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
             batch = data_fn(step, env.rank, env.world_size)
             if report is not None:
                 report.begin(step)
+            traced = args.trace is not None and step == _trace_step(args)
             with heartbeat.naming_dead_ranks(f"step {step + 1}"):
-                m = measure_step(runner, batch, probe=step == args.probe_step, limit_bytes=args.memory_limit_bytes)
+                with _tracing(traced) as log:
+                    m = measure_step(runner, batch, probe=step == args.probe_step, limit_bytes=args.memory_limit_bytes)
+                if traced:
+                    _write_trace(args, plan, env, log, step, m.seconds)
             if report is not None:
                 report.step(m)
             if env.rank == 0:
@@ -198,6 +207,41 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
         if not finished and not heartbeat.lost:  # with a peer lost, teardown could wait on it
             dist.destroy_process_group()
     return 0
+
+
+def _trace_step(args: argparse.Namespace) -> int:
+    return args.steps - 1 if args.trace_step is None else args.trace_step
+
+
+@contextlib.contextmanager
+def _tracing(on: bool):
+    """The step's actions logged (runtime.pipeline.action_trace), from a common origin: every rank reads its
+    clock right after a barrier, so the ranks' logs line up to the barrier's skew."""
+    if not on:
+        yield None
+        return
+    import torch.distributed as dist
+
+    dist.barrier()
+    origin = time.perf_counter()
+    with recording() as entries:
+        yield (origin, entries)
+
+
+def _write_trace(args: argparse.Namespace, plan: dict[str, Any], env: DistEnv, log, step: int, seconds: float) -> None:
+    """Gather every rank's log of the traced step to rank 0, which writes --trace as a Chrome trace."""
+    import torch.distributed as dist
+
+    logs: list = [None] * env.world_size
+    dist.all_gather_object(logs, log)
+    if env.rank != 0:
+        return
+    per_pipeline_rank = env.world_size // int(plan.get("config", {}).get("pp", 1) or 1)
+    trace = chrome_trace(logs, pipeline_rank=lambda r: r // per_pipeline_rank,
+                         other={"step": step, "step_time_us": seconds * 1e6, "config": plan.get("config"),
+                                "model": plan.get("model_name"), "topology": plan.get("topology_name")})
+    Path(args.trace).write_text(json.dumps(trace))
+    print(f"wrote the measured trace of step {step + 1} to {args.trace}", flush=True)
 
 
 def _verify_first_start(plan: dict[str, Any], programs: Path, env: DistEnv, model_fn: Callable, loss_fn: Callable,
@@ -246,6 +290,11 @@ def _check_probe(args: argparse.Namespace) -> None:
                           f"(0-based) of this run's --steps {args.steps}")
     if args.memory_limit_bytes is not None and args.probe_step is None:
         raise LaunchError("--memory-limit-bytes applies to the probed step: pass --probe-step K too")
+    if args.trace_step is not None and args.trace is None:
+        raise LaunchError("--trace-step names the step --trace records: pass --trace PATH too")
+    if args.trace is not None and not 0 <= _trace_step(args) < args.steps:
+        raise LaunchError(f"--trace-step {args.trace_step}: must be one of the steps 0..{args.steps - 1} "
+                          f"(0-based) of this run's --steps {args.steps}")
 
 
 def _resume_path(args: argparse.Namespace) -> Path | None:
@@ -349,6 +398,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true",
                    help="skip checking the programs' model code against the module on rank 0 before step 1 "
                         "(runtime.verify.check; done by default on a first start, for models up to 2e8 parameters)")
+    p.add_argument("--trace", metavar="PATH",
+                   help="write a Chrome/Perfetto trace of one step's actions on every rank (rank 0 writes it; "
+                        "compare it with the plan's: partitioner.show.timeline.compare_measured)")
+    p.add_argument("--trace-step", type=int, metavar="K", help="the step --trace records, 0-based (default: the last)")
     p.add_argument("--report", metavar="DIR",
                    help="each rank keeps DIR/rank_R.json up to date: status, step times, losses, the probed "
                         "step's peak bytes, the error it stopped with (runtime/launch/measure.py)")

@@ -26,7 +26,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runtime.device",),  # the rank's device: where everything above puts its tensors
     ("runtime.comm",),
     ("runtime.compression", "runtime.context"),  # gradient compression; context parallelism's attention
-    ("runtime.pipeline.split_backward",),  # a backward split into input and weight gradients (zero bubble)
+    # a backward split into input and weight gradients (zero bubble); the log of when each action ran
+    ("runtime.pipeline.split_backward", "runtime.pipeline.action_trace"),
     # the interpreter of action lists (cost_models.actions): pipeline runners and the data-parallel step drive it
     ("runtime.pipeline.executor",),
     ("runtime.engines",),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,43 @@ def test_png_without_matplotlib_says_how_to_install_it(meta_gpt_graph, tmp_path,
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import now fails
     with pytest.raises(ImportError, match="pip install matplotlib"):
         plan.timeline(png=tmp_path / "step.png")
+
+
+# ---- the measured step (python -m runtime.run --trace) beside the predicted one -------------------------------
+
+@pytest.mark.slow
+def test_runtime_trace_records_every_action_and_compares_with_the_plan(tmp_path):
+    """Two real ranks run a pp2 x ZeRO-less plan of the example GPT under torchrun; --trace writes every rank's
+    actions of the traced step, in program order and one at a time, which compare_measured sets beside the plan."""
+    import os
+    import subprocess
+
+    from examples.gpt import example_batch, gpt_tiny
+    from partitioner.show.timeline import compare_measured
+
+    model = gpt_tiny()  # traced on its input alone, as `partitioner compile` does: runtime.run gives the targets to the loss
+    plan = compile(model, "local:2", example_batch(model, 2)[:1], global_batch_size=8, pp=2, microbatch_size=2,
+                   schedule="1f1b")
+    plan.write_programs(tmp_path)  # plan.json and rank_{r}.py
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "runtime.run", str(tmp_path / "plan.json"), "--model", "examples/gpt.py:gpt_tiny", "--steps", "2",
+           "--trace", str(tmp_path / "trace.json"), "--no-verify", "--timeout-s", "60"]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "wrote the measured trace of step 2" in proc.stdout
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    by_rank: dict[int, list] = {}
+    for e in x_events(trace):
+        by_rank.setdefault(e["pid"], []).append(e)
+    for r, events in by_rank.items():
+        assert [e["args"]["action"] for e in events] == [str(a) for a in plan.instructions.ranks[r]]
+        for a, b in itertools.pairwise(events):  # one action at a time, in program order
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
+    c = compare_measured(plan, tmp_path / "trace.json")
+    kinds = {(r, kind) for r, kind, *_ in c.rows}
+    assert {(0, "F"), (0, "B"), (1, "F"), (1, "B"), (0, "send"), (0, "optim")} <= kinds
+    assert all(meas > 0 for r, kind, n, pred, meas in c.rows if kind in ("F", "B"))
+    assert c.measured_step_s > 0 and c.predicted_step_s > 0
+    assert "measured / predicted" in str(c)

@@ -44,6 +44,8 @@ __all__ = [
     "TimelineEvent",
     "build_timeline",
     "chrome_trace",
+    "compare_measured",
+    "MeasuredComparison",
     "event_style",
     "plan_durations",
     "stage_color",
@@ -227,3 +229,101 @@ def _write_png(plan: Plan, tl: Timeline, path: Path) -> None:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
+
+
+# ---- the measured step beside the predicted one ------------------------------------------------------------
+_KIND_ORDER = ("F", "I", "W", "B", "send", "dp reduction", "optim")
+
+
+def _kind(name: str) -> str | None:
+    """The kind of an event of either trace, by its name: F/B/I/W, send, dp reduction, optim; None for what the
+    simulated step does not draw (receives, whose wait is inside F or B; ZeRO's UNSHARD / RESHARD)."""
+    if name == "optim":
+        return "optim"
+    if name.startswith("send "):
+        return "send"
+    if name.startswith("dp ") or name == "GRAD_SYNC":
+        return "dp reduction"
+    if name[:1] in ("F", "B", "I", "W") and name[1:].isdigit():
+        return name[0]
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasuredComparison:
+    """Predicted against measured per pipeline rank and kind of action: rows of (pipeline rank, kind, count of
+    the rank's actions of that kind, predicted seconds each, measured seconds each, averaged over the ranks
+    that hold that pipeline rank), and the step times."""
+
+    rows: tuple[tuple[int, str, int, float, float], ...]
+    predicted_step_s: float
+    measured_step_s: float
+
+    def __str__(self) -> str:
+        lines = [f"step: predicted {self.predicted_step_s * 1e3:,.2f} ms, measured {self.measured_step_s * 1e3:,.2f} ms "
+                 f"(measured / predicted {self.measured_step_s / self.predicted_step_s:.2f})"
+                 if self.predicted_step_s > 0 else f"step: measured {self.measured_step_s * 1e3:,.2f} ms",
+                 "pp rank  action        count  predicted ms  measured ms  ratio",
+                 "-------  ------------  -----  ------------  -----------  -----"]
+        for r, kind, n, pred, meas in self.rows:
+            ratio = f"{meas / pred:5.2f}" if pred > 0 else "    -"
+            lines.append(f"{r:<7}  {kind:<12}  {n:>5}  {pred * 1e3:>12.3f}  {meas * 1e3:>11.3f}  {ratio}")
+        return "\n".join(lines)
+
+
+def compare_measured(plan: Plan, measured: dict[str, Any] | str | Path) -> MeasuredComparison:
+    """Set a measured trace (`python -m runtime.run ... --trace PATH`, the dict or its path) beside the plan's
+    simulated step: per pipeline rank and kind of action, the mean duration of each, and the two step times.
+
+    A measured F or B holds the waits for its messages; a measured dp reduction only what the rank's last
+    backward did not already overlap (the reductions start inside it); the simulated ones are the plan's
+    (`plan_durations`). The measured step is the runner's wall time when the trace carries it, else the span of
+    its events.
+
+    >>> from partitioner import compile
+    >>> from examples.mlp import mlp, example_inputs
+    >>> model = mlp()
+    >>> plan = compile(model, "local:2", example_inputs(model), global_batch_size=16, microbatch_size=8, dp=2)
+    >>> measured = {"traceEvents": [
+    ...     {"ph": "X", "name": n, "pid": r, "ts": t, "dur": d, "args": {"pipeline_rank": 0}}
+    ...     for r in (0, 1) for n, t, d in (("F0", 0, 100), ("F1", 100, 100), ("B0", 200, 300), ("B1", 500, 300),
+    ...                                     ("GRAD_SYNC", 800, 50), ("optim", 850, 50))]}
+    >>> c = compare_measured(plan, measured)
+    >>> [(kind, n, round(meas * 1e6)) for _, kind, n, _, meas in c.rows]
+    [('F', 2, 100), ('B', 2, 300), ('dp reduction', 1, 50), ('optim', 1, 50)]
+    >>> round(c.measured_step_s * 1e6)
+    900
+    """
+    trace = json.loads(Path(measured).read_text()) if isinstance(measured, (str, Path)) else measured
+    tl = build_timeline(plan)
+    predicted: dict[tuple[int, str], list[float]] = {}
+    for e in tl.events:
+        kind = _kind(e.name)
+        if kind is not None:
+            predicted.setdefault((e.rank, kind), []).append(e.end_s - e.start_s)
+    got: dict[tuple[int, str], list[float]] = {}
+    per_rank: dict[tuple[int, str], dict[int, int]] = {}
+    start, end = float("inf"), float("-inf")
+    for ev in trace.get("traceEvents", ()):
+        if ev.get("ph") != "X":
+            continue
+        start, end = min(start, ev["ts"]), max(end, ev["ts"] + ev["dur"])
+        kind = _kind(ev["name"])
+        if kind is None:
+            continue
+        key = (int(ev.get("args", {}).get("pipeline_rank", ev["pid"])), kind)
+        got.setdefault(key, []).append(ev["dur"] * 1e-6)
+        counts = per_rank.setdefault(key, {})
+        counts[ev["pid"]] = counts.get(ev["pid"], 0) + 1
+    if not got:
+        raise ValueError("the measured trace has no F, B, send, dp reduction or optim events: write it with "
+                         "`python -m runtime.run PLAN --model ... --trace PATH`")
+    order = {k: i for i, k in enumerate(_KIND_ORDER)}
+    rows = []
+    for key in sorted(set(predicted) | set(got), key=lambda k: (k[0], order[k[1]])):
+        pred, meas = predicted.get(key, []), got.get(key, [])
+        n = max(len(pred), max(per_rank.get(key, {0: 0}).values()))
+        rows.append((key[0], key[1], n, sum(pred) / len(pred) if pred else 0.0, sum(meas) / len(meas) if meas else 0.0))
+    step_us = trace.get("otherData", {}).get("step_time_us")
+    return MeasuredComparison(rows=tuple(rows), predicted_step_s=tl.step_time_s,
+                              measured_step_s=step_us * 1e-6 if step_us else (end - start) * 1e-6)

@@ -74,6 +74,7 @@ import collections
 import contextlib
 import datetime
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,6 +83,7 @@ from torch import nn
 
 from cost_models.actions import Action
 from runtime.device import rank_device
+from runtime.pipeline.action_trace import log_action, recording_now
 from runtime.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 
 __all__ = ["PipelineError", "PipelineExecutor", "message_tag", "parse_action", "split_sequential"]
@@ -437,8 +439,12 @@ class PipelineExecutor:
         self._reset()
         total = None
         try:
+            logged = recording_now()
             for step, a in enumerate(self.actions):
+                start = time.perf_counter() if logged else 0.0
                 loss = self._execute(a, step, microbatches_in, targets)
+                if logged:
+                    log_action(str(a), start, time.perf_counter())
                 if loss is not None:
                     total = loss if total is None else total + loss
             for work, _, step, peer in self._sends:
