@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from partitioner.show.text import blocks_text, compression_text, ranges_text, sequence_text
+from partitioner.show.text import blocks_text, compression_text, context_text, ranges_text, sequence_text
 from partitioner.show.timeline import Timeline, build_timeline, event_style, stage_color
 from partitioner.tracer.opgraph_table import human
 
@@ -83,6 +83,7 @@ def _summary(plan: Plan) -> str:
             ("peak memory", (f"{_size(pr.peak_memory_bytes)} of {_size(pr.memory_capacity_bytes)} per device "
                              f"({100 * frac:.3g} %)")),
             *([("sequence", sequence_text(plan))] if c.sp else []),
+            *([("context", context_text(plan))] if c.cp > 1 else []),
             ("compression", compression_text(plan)),
             ("search", f"{plan.candidates_evaluated} of {plan.search_space} configurations evaluated exactly"),
             ("declared", ", ".join(f"{k}={v}" for k, v in plan.declarations.items()) or "nothing pinned")]
