@@ -24,14 +24,15 @@ Units: seconds and bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from cost_models.comm import CommModel
 from partitioner.planner.declarations import Declarations
 from partitioner.tracer.opgraph import OpGraph
 from partitioner.tracer.symbolic import Poly
 
-__all__ = ["ATTENTION_OP", "LONG_SEQUENCE", "MAX_CP", "all_to_all_time", "attention_heads", "cp_options", "local",
-           "ring_exposed", "ring_step"]
+__all__ = ["ATTENTION_OP", "LONG_SEQUENCE", "MAX_CP", "all_to_all_time", "attention_heads", "cp_options", "kv_blocks",
+           "local", "ring_exposed", "ring_step"]
 
 ATTENTION_OP = "scaled_dot_product_attention"
 # The planner offers cp > 1 unpinned from this sequence length on (and below it only where nothing fits
@@ -53,6 +54,32 @@ def local(p: Poly, b: float, s: float, cp: int) -> float:
         return whole
     fixed = p(b, 0)
     return fixed + (whole - fixed) / cp
+
+
+# Ops that only reshape, select or broadcast a tensor: a k/v that reaches attention through them (grouped-query
+# attention's repeat_kv: unsqueeze, expand, reshape) is sent in its smallest form (the kernel expands it)
+_SHAPE_OPS = frozenset({"view", "reshape", "expand", "slice", "unsqueeze", "squeeze", "transpose", "permute",
+                        "contiguous", "clone", "_unsafe_view", "alias"})
+
+
+def kv_blocks(g: OpGraph) -> dict[str, tuple[Any, Any]]:
+    """Per attention node, the (k, v) TensorSpecs a context-parallel kernel sends: each input followed back
+    through shape-only ops to its smallest form (under grouped-query attention the k/v heads before they are
+    repeated for every query head, runtime.context.ring_attention's GQA blocks)."""
+    by_name = {n.name: n for n in g.nodes}
+
+    def smallest(name: str) -> Any:
+        node, best = by_name.get(name), None
+        while node is not None and node.output is not None:
+            if best is None or node.output.numel(1, 1) < best.numel(1, 1):
+                best = node.output
+            if node.op not in _SHAPE_OPS or not node.inputs:
+                break
+            node = by_name.get(node.inputs[0])
+        return best
+
+    return {n.name: (smallest(n.inputs[1]), smallest(n.inputs[2]))
+            for n in g.nodes if n.op == ATTENTION_OP and len(n.inputs) >= 3}
 
 
 def attention_heads(g: OpGraph) -> tuple[int, int] | None:

@@ -34,7 +34,7 @@ from cost_models.mesh import Mesh
 from cost_models.placements import is_sharded
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
-from partitioner.planner.context_split import ATTENTION_OP, all_to_all_time, local, ring_exposed
+from partitioner.planner.context_split import ATTENTION_OP, all_to_all_time, kv_blocks, local, ring_exposed
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.tensor_split import WHAT_F, WHAT_G, WHAT_VOCAB_EMBEDDING, TPCollective, TensorSplits
 from partitioner.tracer.opgraph import OpGraph
@@ -115,6 +115,7 @@ class CostContext:
         self._boundary = self._boundary_bytes()
         self._memo: dict[tuple, UnitCost] = {}
         self._outputs = {n.name: n.output for n in g.nodes}
+        self._kv = kv_blocks(g)  # per attention node, the k and v a context-parallel kernel sends
         self._arrays: dict[tuple, UnitArrays] = {}
         self._p2p: dict[tuple, tuple[float, ...]] = {}
         self._param_local = self._param_sizes()
@@ -291,11 +292,9 @@ class CostContext:
             kept = ((at(c.activation_bytes) - fixed) * sc + fixed) / d
             collective_f = 0.0
             if cp > 1 and n.op == ATTENTION_OP and len(n.inputs) >= 3:
-                q, k, v = (self._outputs.get(x) for x in n.inputs[:3])
-                sizes = [nbytes(t) * sc / d for t in (q, k, v, n.output) if t is not None]
+                sizes = [nbytes(t) * sc / d for t in self._context_tensors(n, d, cp, cp_kind)]
                 if cp_kind == "ring":
-                    kv = sum(nbytes(t) * sc / d for t in (k, v) if t is not None)
-                    ring_f, ring_b = ring_exposed(kv, tf, tb, self.comm, cp_ranks)
+                    ring_f, ring_b = ring_exposed(sum(sizes), tf, tb, self.comm, cp_ranks)
                     collective_f += ring_f
                     bwd += ring_b
                 else:
@@ -352,13 +351,24 @@ class CostContext:
             if n.op != ATTENTION_OP or len(n.inputs) < 3:
                 continue
             d = tp if tp > 1 and n.name in self.splits.sharded_nodes else 1
-            q, k, v = (self._outputs.get(x) for x in n.inputs[:3])
-            size = lambda t: local(t.nbytes_poly(), mb, self.seq, cp) * self.scale / d if t is not None else 0.0
-            if cp_kind == "ring":
-                kv = size(k) + size(v)
-                out += (cp - 1) * kv + (cp - 1) * 3 * kv + 2 * kv
-            else:
-                out += 2 * (cp - 1) / cp * (size(q) + size(k) + size(v) + size(n.output))
+            sent = sum(local(t.nbytes_poly(), mb, self.seq, cp) * self.scale / d
+                       for t in self._context_tensors(n, d, cp, cp_kind))
+            out += (4 * (cp - 1) + 2) * sent if cp_kind == "ring" else 2 * (cp - 1) / cp * sent
+        return out
+
+    def _context_tensors(self, n, tp_div: int, cp: int, cp_kind: str) -> list:
+        """The tensors (whole-sequence specs, before the rank's share) attention node n sends over its context
+        group: a ring's k and v blocks, unrepeated under grouped-query attention; Ulysses' q, k, v and output,
+        k and v repeated to every query head unless their heads per tensor rank split over cp
+        (runtime.context.ulysses)."""
+        q, k, v = (self._outputs.get(x) for x in n.inputs[:3])
+        k0, v0 = self._kv[n.name]
+        if cp_kind == "ring":
+            return [t for t in (k0, v0) if t is not None]
+        heads = k0.shape[1](1, 1) / tp_div if k0 is not None and len(k0.shape) == 4 else 0
+        if heads and heads % cp == 0:
+            k, v = k0, v0
+        return [t for t in (q, k, v, n.output) if t is not None]
         return out
 
     def total_unit_time(self, tp: int, mb: int, recompute: str, sp: bool = False) -> float:  # at cp = 1
