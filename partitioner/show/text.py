@@ -65,15 +65,16 @@ def _wrap(line: str, indent: int) -> list[str]:
     if len(line) <= WIDTH:
         return [line]
     tokens: list[str] = []
-    for piece in re.split(r"(?<=[;,]) ", line):
+    body = line.lstrip(" ")  # its leading spaces kept as they are, even when the first phrase is split at spaces
+    for piece in re.split(r"(?<=[;,]) ", body):
         tokens += [piece] if indent + len(piece) <= WIDTH else piece.split(" ")
-    lines, cur = [], ""
+    lines, cur = [], line[:len(line) - len(body)]
     for t in tokens:
         if cur.strip() and len(cur) + 1 + len(t) > WIDTH:
             lines.append(cur)
             cur = " " * indent + t
         else:
-            cur = f"{cur} {t}" if cur else t
+            cur = f"{cur} {t}" if cur.strip() else cur + t
     return [*lines, cur]
 
 
