@@ -409,6 +409,8 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
         hints.append("activation recomputation (recompute='full')")
     if decl.microbatch_size not in (None, 1):
         hints.append("a smaller microbatch_size")
+    if decl.cp in (None, 1) and (ctx.g.traced_seq_len or 1) % 4 == 0:
+        hints.append("context parallelism (cp=2 or more: activations per rank divided by cp)")
     if decl.pinned():
         hints.append(f"unpinning {', '.join(decl.pinned())}")
     hints.append("more devices")

@@ -148,7 +148,7 @@ def test_search_picks_cp_where_memory_forces_it(long8k):
     need2 = compile(long8k, topo, cp=2, **kw).predicted.peak_memory_bytes
     assert need2 < need1
     frac = (need1 + need2) / 2 / topo.device.memory_bytes
-    with pytest.raises(PlanInfeasibleError):
+    with pytest.raises(PlanInfeasibleError, match=r"context parallelism \(cp=2 or more"):
         compile(long8k, topo, cp=1, max_memory_fraction=frac, **kw)
     free = compile(long8k, topo, max_memory_fraction=frac, **kw)
     assert free.cp > 1 and free.predicted.peak_memory_bytes <= frac * topo.device.memory_bytes
@@ -168,7 +168,7 @@ def test_long_sequences_search_cp(long8k):
 
 
 # ---- text and programs ------------------------------------------------------------------------------------
-def test_plan_text_names_cp(small):
+def test_plan_text_names_cp(small, tmp_path):
     plan = compile(small, "local:4", global_batch_size=8, cp=2, cp_kind="ring", alternatives=0)
     text = str(plan)
     assert " cp2 " in text.splitlines()[1]
@@ -176,6 +176,8 @@ def test_plan_text_names_cp(small):
     assert "context      cp2: each rank holds 64 of 128 tokens" in text
     assert "context parallelism over 2 ranks (as declared, ring)" in plan.explain()
     assert "gradients reduced over dp x cp" in plan.explain()
+    page = plan.to_html(tmp_path / "plan.html").read_text()
+    assert "context" in page and "cp2: each rank holds 64 of 128 tokens" in page
 
 
 def test_cp_plans_are_not_runnable(small):
