@@ -62,7 +62,7 @@ class SearchResult:
     ranked: tuple[Scored, ...]  # best first
     evaluated: int  # candidates whose stages were cut
     space: int  # candidates enumerated
-    # faster than ranked[0] by a balanced cut but over memory, at most one per mesh shape (tp, pp)
+    # faster than ranked[0] by a balanced cut but over memory, at most one per mesh shape (tp, cp, pp)
     over_memory: tuple[Scored, ...] = ()
 
 
@@ -176,7 +176,7 @@ def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5,
 
 def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, limit: int) -> tuple[Scored, ...]:
     """Up to `limit` configurations whose balanced cut beats ranked[0] but needs more memory per rank than
-    the cap: the fastest found of each mesh shape (tp, pp), the winner's own shape first (it answers "why
+    the cap: the fastest found of each mesh shape (tp, cp, pp), the winner's own shape first (it answers "why
     not less recompute, a lower ZeRO stage"), then others by their compute bound.
 
     The compute bound ignores memory (lower_bound() is infinite once model state does not fit), so it
@@ -184,16 +184,16 @@ def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, l
     cuts are evaluated, _OVER_MEMORY_TRIES_PER_SHAPE per shape.
     """
     best = ranked[0]
-    beat, home = best.cut.step_time_s, (best.cand.tp, best.cand.pp)
+    beat, home = best.cut.step_time_s, (best.cand.tp, best.cand.cp, best.cand.pp)
     seen = {s.cand for s in ranked}
     pending = sorted(((_compute_bound(ev), simple, cand, ev) for _, simple, cand, ev in order if cand not in seen),
-                     key=lambda x: ((x[2].tp, x[2].pp) != home, x[0], x[1]))
-    tries: dict[tuple[int, int], int] = {}
-    found: dict[tuple[int, int], Scored] = {}
+                     key=lambda x: ((x[2].tp, x[2].cp, x[2].pp) != home, x[0], x[1]))
+    tries: dict[tuple[int, int, int], int] = {}
+    found: dict[tuple[int, int, int], Scored] = {}
     for bound, _, cand, ev in pending:
         if bound >= beat:
             continue  # cannot be faster; later ones of another shape still may be
-        shape = (cand.tp, cand.pp)
+        shape = (cand.tp, cand.cp, cand.pp)
         if shape in found or tries.get(shape, 0) >= _OVER_MEMORY_TRIES_PER_SHAPE:
             continue
         if sum(tries.values()) >= _OVER_MEMORY_TRIES or len(found) >= limit:

@@ -266,6 +266,11 @@ def sequence_text(p: Plan) -> str:
             "row-parallel outputs reduce-scattered, column-parallel inputs all-gathered")
 
 
+def _span(p: Plan, ranks: tuple[int, ...]) -> str:
+    nodes = len({p.mesh[r].node for r in ranks})
+    return "inside one node" if nodes == 1 else f"across {nodes} nodes"
+
+
 def context_text(p: Plan) -> str:
     """The context-parallel line: how the sequence is split and what attention sends (cp > 1 only)."""
     c = p.config
@@ -387,8 +392,9 @@ def explain_plan(p: Plan) -> str:
                    f"every sequence, so activations and token-dependent FLOPs per rank are divided by {c.cp}; "
                    + ("each attention passes key/value blocks round the ring, behind its block computations"
                       if c.cp_kind == "ring" else "each attention re-shards heads by 4 all-to-alls each way")
-                   + f"; groups of {c.cp} ranks, {c.tp} apart (inside a node where tp x cp fits); gradients "
-                   f"reduced over dp x cp = {c.replicas} ranks. Costed only: no per-rank program runs cp > 1 yet.")
+                   + f"; groups of {c.cp} ranks, {c.tp} apart, {_span(p, Mesh(c.pp, c.dp, c.tp, c.cp).cp_ranks())}; "
+                   f"gradients reduced over dp x cp = {c.replicas} ranks. Costed only: no per-rank program runs "
+                   "cp > 1 yet.")
     if c.replicas > 1 and c.dp == 1:
         out.append(f"- ZeRO stage {c.zero_stage} over the {c.replicas} context ranks; exposed communication "
                    f"{_ms(pr.exposed_comm_s)} ms per step; gradient compression: {compression_text(p)}.")
