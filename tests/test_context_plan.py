@@ -22,6 +22,7 @@ from partitioner.planner.context_split import LONG_SEQUENCE, ring_exposed
 from partitioner.planner.plan import Plan
 from partitioner.planner.tensor_split import find_splits
 from partitioner.planner.unit_costs import CostContext
+from runtime.comm.groups import group_ranks
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +185,8 @@ def test_cp_plans_are_not_runnable(small):
     plan = compile(small, "local:4", global_batch_size=8, cp=2, alternatives=0)
     with pytest.raises(CodegenError, match="costed but not yet runnable"):
         plan.program(0)
+    with pytest.raises(ValueError, match="costed but not yet runnable"):
+        group_ranks(plan.mesh)  # the runtime refuses the mesh too, rather than forming groups that ignore cp
     with pytest.raises(DeclarationError, match="costed but not yet runnable"):
         compile(gpt_small(), "local:4", example_inputs=example_batch(gpt_small(), 8), global_batch_size=8, cp=2,
                 verify=True)
