@@ -103,7 +103,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             precision: str = "bf16-mixed", optimizer: str = "adam", dp: int | None = None, tp: int | None = None,
             pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
-            sp: bool | None = None, cp: int | None = None, cp_kind: str | None = None, max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
+            sp: bool | None = None, cp: int | None = None, cp_kind: str | None = None,
+            max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
@@ -193,7 +194,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     topo = Topology.coerce(topology)
     pins = dict(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp, pp=pp,
                 zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
-                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, max_memory_fraction=max_memory_fraction, compression=compression,
+                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, max_memory_fraction=max_memory_fraction,
+                compression=compression,
                 async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
                 compression_warmup=compression_warmup, grad_reduce_dtype=grad_reduce_dtype,
                 optimizer_layout=optimizer_layout)

@@ -46,7 +46,8 @@ def long8k():
 # ---- declarations ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("pins, words", [
     (dict(cp=3, topology="local:6"), ["cp=3", "2*cp = 6 equal chunks", "valid cp: 1, 2, 4"]),
-    (dict(cp=8, cp_kind="all-to-all", topology="local:8"), ["all-to-all", "does not divide the query heads (4)", "cp_kind='ring'"]),
+    (dict(cp=8, cp_kind="all-to-all", topology="local:8"),
+     ["all-to-all", "does not divide the query heads (4)", "cp_kind='ring'"]),
     (dict(dp=2, tp=2, cp=2, pp=1), ["dp(2) * cp(2) * tp(2) * pp(1) = 8 != world size 4"]),
     (dict(dp=2, tp=2, pp=1, cp=2), ["!= world size 4"]),
     (dict(cp=0), ["cp=0", "an int >= 1"]),
