@@ -180,6 +180,7 @@ def test_plan_text_names_cp(small, tmp_path):
     assert "gradients reduced over dp x cp" in plan.explain()
     page = plan.to_html(tmp_path / "plan.html").read_text()
     assert "context" in page and "cp2: each rank holds 64 of 128 tokens" in page
+    assert "rank = pp*4 + dp*2 + cp*1 + tp" in page and "d1 c1 t0" in page
 
 
 def test_cp_plans_are_not_runnable(small):

@@ -60,7 +60,7 @@ class PlanMismatchError(PartitionerError):
 class ParallelConfig:
     """One point of the search space.
 
-    dp, tp, pp: data, tensor and pipeline degrees (dp * tp * pp = world size).
+    dp, tp, pp: data, tensor and pipeline degrees (dp * cp * tp * pp = world size, cp below).
     zero_stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters: FSDP).
     microbatch_size x num_microbatches per data-parallel rank = global batch / dp.
     schedule/interleave: the pipeline schedule and virtual stages per rank.
