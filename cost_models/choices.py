@@ -17,7 +17,7 @@ from typing import Literal, get_args
 
 __all__ = ["Precision", "PRECISIONS", "ScheduleKind", "SCHEDULES", "Recompute", "RECOMPUTE_POLICIES",
            "OptimizerName", "OPTIMIZERS", "ZERO_STAGES", "GradReduceDtype", "GRAD_REDUCE_DTYPES",
-           "OptimizerLayout", "OPTIMIZER_LAYOUTS", "LAYOUT_ZERO_STAGE"]
+           "OptimizerLayout", "OPTIMIZER_LAYOUTS", "LAYOUT_ZERO_STAGE", "CpKind", "CP_KINDS"]
 
 # fp32 masters under the mixed precisions; "bf16" is pure bf16 (Composer's PURE, FSDP with bf16 parameters):
 # parameters, gradients and optimizer state all in bf16, no masters; "fp8-mixed" is bf16-mixed whose linear
@@ -47,3 +47,8 @@ OptimizerName = Literal["adam", "adamw", "sgd"]  # what a plan is compiled for (
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 
 ZERO_STAGES = (0, 1, 2, 3)
+
+# How attention sees the whole sequence under context parallelism: key/value blocks passed around the context
+# group (ring attention), or heads re-sharded by all-to-alls (DeepSpeed-Ulysses)
+CpKind = Literal["ring", "all-to-all"]
+CP_KINDS: tuple[str, ...] = get_args(CpKind)

@@ -40,7 +40,9 @@ from cost_models.placements import REPLICATED
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
+from partitioner.codegen.program import not_runnable
 from partitioner.codegen.segments import SegmentError, extract
+from partitioner.planner.context_split import LONG_SEQUENCE, attention_heads, cp_options, local
 from partitioner.planner.comparisons import (
     durations,
     hand_baselines,
@@ -102,7 +104,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             precision: str = "bf16-mixed", optimizer: str = "adam", dp: int | None = None, tp: int | None = None,
             pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
-            sp: bool | None = None, max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
+            sp: bool | None = None, cp: int | None = None, cp_kind: str | None = None,
+            max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
@@ -144,6 +147,13 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     link level; None: fp32, the planner free to compress). `optimizer_layout` "distributed" is Megatron's
     distributed optimizer (masters and optimizer state sharded over dp: ZeRO-1) and pins zero_stage=1;
     "replicated" pins 0; a contradicting zero_stage is refused.
+
+    `cp` splits each sequence over cp ranks for the whole layer (context parallelism; each rank holds 2 of
+    its 2*cp chunks, the causal load balance), `cp_kind` "ring" (ring attention) or "all-to-all"
+    (DeepSpeed-Ulysses); dp * cp * tp * pp is the world size, and gradients are reduced over dp x cp.
+    Unpinned, the planner considers cp > 1 from LONG_SEQUENCE tokens on, or where nothing fits without
+    it (partitioner.planner.context_split). Such plans are costed; their programs cannot be generated yet
+    (`plan.program` refuses them).
 
     `rewrite_attention` (default True) traces eager attention (a matmul of q and k^T, a scale, an
     additive bias or mask such as ALiBi or causal, softmax, dropout, a matmul with v) as one
@@ -187,7 +197,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     topo = Topology.coerce(topology)
     pins = dict(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp, pp=pp,
                 zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
-                recompute=recompute, sp=sp, max_memory_fraction=max_memory_fraction, compression=compression,
+                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, max_memory_fraction=max_memory_fraction,
+                compression=compression,
                 async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
                 compression_warmup=compression_warmup, grad_reduce_dtype=grad_reduce_dtype,
                 optimizer_layout=optimizer_layout)
@@ -207,6 +218,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                                   alternatives=alternatives, stage_bounds=stage_bounds, device=topo.device.name)
     if verify:
         _check_verifiable(model)
+        if decl.cp not in (None, 1):
+            raise DeclarationError(f"verify=True: {not_runnable(decl.cp, decl.cp_kind or 'ring')}")
     rewrite = decl.rewrite_attention
     if isinstance(model, OpGraph):
         g = model
@@ -246,8 +259,10 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
         decl = dataclasses.replace(decl, **forced)
     unit_name = "blocks" if g.blocks and opts.cut_granularity == "block" else "nodes"
     num_units = len(units_of(g, opts.cut_granularity))
+    heads = attention_heads(g)
     check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=num_units,
-                       unit_name=unit_name, valid_tp=valid_tp, tp_divisors=splits.divisors)
+                       unit_name=unit_name, valid_tp=valid_tp, tp_divisors=splits.divisors,
+                       seq_len=g.traced_seq_len, heads=heads)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
     if decl.async_sgd:  # checked above: nothing pinned contradicts these
         forced = {**forced, **ASYNC_SGD_FORCED}
@@ -263,10 +278,19 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     ctx = context(reduction, decl.async_sgd)
     # what the plan is compared with (runners-up that break a pin, hand baselines) trains synchronously
     sync_ctx = context(reduction) if decl.async_sgd else ctx
-    allowed = list(enumerate_candidates(decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node,
-                                        num_units=len(ctx.units), valid_tp=valid_tp,
-                                        sp_allows=lambda t, mb: not no_sp and _sp_allows(splits, g, t, mb),
-                                        sp_dominates=functools.cache(lambda t, mb, rc: _sp_dominates(ctx, t, mb, rc))))
+    seq = g.traced_seq_len or 1
+    sp_dominates = functools.cache(lambda t, mb, rc: _sp_dominates(ctx, t, mb, rc))
+
+    def candidates(search_cp: bool) -> list[ParallelConfig]:
+        return list(enumerate_candidates(
+            decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node, num_units=len(ctx.units),
+            valid_tp=valid_tp, sp_allows=lambda t, mb: not no_sp and _sp_allows(splits, g, t, mb),
+            sp_dominates=sp_dominates,
+            context=lambda t: cp_options(decl, tp=t, world_size=topo.world_size, seq_len=seq, heads=heads,
+                                         search=search_cp)))
+
+    long_sequence = seq >= LONG_SEQUENCE
+    allowed = candidates(long_sequence)
     if decl.sp and not allowed:
         _refuse_sp(splits, g, decl, no_sp)
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
@@ -282,6 +306,13 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                                f"configuration the declarations {decl.pinned()} allow has that many (pp x interleave)")
     result = search(ctx, cands, keep=max(1, opts.alternatives + 1),
                     over_memory=min(opts.alternatives, _OVER_MEMORY_SHOWN), bounds=bounds)
+    if not result.ranked and decl.cp is None and not long_sequence:
+        # nothing fits: context parallelism divides the activations by cp, so it is worth a second search
+        more = [c for c in candidates(True) if c.cp > 1 and ctx.compression_options(c)]
+        if more:
+            cands += more
+            result = search(ctx, more, keep=max(1, opts.alternatives + 1),
+                            over_memory=min(opts.alternatives, _OVER_MEMORY_SHOWN), bounds=bounds)
     if not result.ranked:
         _infeasible(ctx, cands, decl, topo)
     best = result.ranked[0]
@@ -383,6 +414,8 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
         hints.append("activation recomputation (recompute='full')")
     if decl.microbatch_size not in (None, 1):
         hints.append("a smaller microbatch_size")
+    if decl.cp in (None, 1) and (ctx.g.traced_seq_len or 1) % 4 == 0:
+        hints.append("context parallelism (cp=2 or more: activations per rank divided by cp)")
     if decl.pinned():
         hints.append(f"unpinning {', '.join(decl.pinned())}")
     hints.append("more devices")
@@ -393,10 +426,11 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
 
 
 def _mesh(c: ParallelConfig, topo: Topology) -> tuple[MeshCoord, ...]:
-    """Every rank's coordinates, as cost_models.mesh lays them out (tensor groups on consecutive ranks)."""
-    mesh = Mesh(c.pp, c.dp, c.tp)
-    return tuple(MeshCoord(rank=r, pp=pp, dp=dp, tp=tp, node=topo.node_of(r))
-                 for r in range(topo.world_size) for pp, dp, tp in [mesh.coords(r)])
+    """Every rank's coordinates, as cost_models.mesh lays them out (tensor groups on consecutive ranks, context
+    groups next)."""
+    mesh = Mesh(c.pp, c.dp, c.tp, c.cp)
+    return tuple(MeshCoord(rank=r, pp=pp, dp=dp, tp=tp, cp=cp, node=topo.node_of(r))
+                 for r in range(topo.world_size) for pp, dp, tp, cp in [mesh.coords4(r)])
 
 
 def rank_memory(cut: Cut, pp: int) -> dict[int, MemoryBreakdown]:
@@ -408,7 +442,8 @@ def _why(best: Scored, other: Scored) -> str:
     t0, t1 = best.cut.step_time_s, other.cut.step_time_s
     a, b = best.cand, other.cand
     diffs = [f"{k}={getattr(b, k)} vs {getattr(a, k)}" for k in
-             ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
+             ("dp", "cp", "cp_kind", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave",
+              "recompute")
              if getattr(a, k) != getattr(b, k)]
     diffs += [f"{level} compression {y} vs {x}" for level, x, y in zip(LEVELS, best.compression, other.compression)
               if x != y]
@@ -576,26 +611,31 @@ def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cu
              compression: dict[str, str]) -> dict[str, float]:
     """Bytes one rank of the busiest stage sends per step, by link level (ring collectives: 2(p-1)/p of the buffer).
 
-    Tensor-parallel all-reduces, pipeline sends, and the data-parallel traffic of `_dp_traffic`.
+    Tensor-parallel all-reduces, context-parallel attention traffic (CostContext.context_bytes), pipeline
+    sends, and the data-parallel traffic of `_dp_traffic` (over dp x cp ranks).
     """
     out = {LinkLevel.INTRA_NODE.value: 0.0, LinkLevel.INTER_NODE.value: 0.0}
     mb, m, s = cand.microbatch_size, cand.num_microbatches, ctx.seq
     busiest = max(range(len(cut.stages)), key=lambda k: cut.stages[k].params)
     i, j = cut.bounds[busiest], cut.bounds[busiest + 1]
     if cand.tp > 1:
-        level = topo.group_level(Mesh(cand.pp, cand.dp, cand.tp).tp_ranks()).value
-        tp_bytes = sum(c.bytes(mb, s) * ctx.scale for u in range(i, j) for a, b in [ctx.units[u]]
+        level = topo.group_level(Mesh(cand.pp, cand.dp, cand.tp, cand.cp).tp_ranks()).value
+        tp_bytes = sum(local(c.bytes, mb, s, cand.cp) * ctx.scale for u in range(i, j) for a, b in [ctx.units[u]]
                        for n in ctx.g.nodes[a:b] for c in ctx._collectives.get(n.name, ()))
         out[level] = out.get(level, 0.0) + 2 * (cand.tp - 1) / cand.tp * tp_bytes * m
-    if cand.dp > 1:
+    if cand.cp > 1:
+        level = topo.group_level(Mesh(cand.pp, cand.dp, cand.tp, cand.cp).cp_ranks()).value
+        out[level] = out.get(level, 0.0) + m * sum(ctx.context_bytes(u, mb, cand.tp, cand.cp, cand.cp_kind)
+                                                   for u in range(i, j))
+    if cand.replicas > 1:
         dp = _dp_traffic(ctx, cand, ev.dp_ranks(busiest % cand.pp), cut.stages[busiest].params,
                          tuple(compression[lv] for lv in LEVELS), ev.stage_low_rank(i, j))
         every = (ctx.async_sgd or {}).get("every", 1)  # local SGD averages the fp32 parameters every k steps
         for level, nbytes in dp.items():
             out[level] += nbytes / every
     if cand.pp > 1 and busiest < len(cut.stages) - 1:
-        level = topo.link_level(0, cand.dp * cand.tp).value
-        out[level] = out.get(level, 0.0) + 2 * ctx.boundary_bytes(j - 1, mb) * m
+        level = topo.link_level(0, cand.dp * cand.cp * cand.tp).value
+        out[level] = out.get(level, 0.0) + 2 * ctx.boundary_bytes(j - 1, mb, cp=cand.cp) * m
     return {k: v for k, v in out.items() if k != LinkLevel.SAME_DEVICE.value}
 
 

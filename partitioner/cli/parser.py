@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from cost_models.choices import GRAD_REDUCE_DTYPES, OPTIMIZER_LAYOUTS, OPTIMIZERS, PRECISIONS, RECOMPUTE_POLICIES, SCHEDULES
+from cost_models.choices import (
+    CP_KINDS,
+    GRAD_REDUCE_DTYPES,
+    OPTIMIZER_LAYOUTS,
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTE_POLICIES,
+    SCHEDULES,
+)
 from partitioner.cli.autotune import autotune_command
 from partitioner.cli.compile import compile_command, show_command
 from partitioner.cli.probe import probe_command
@@ -62,6 +70,11 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                         "optimizer, ZeRO-1); replicated: ZeRO 0 (default: the planner chooses zero_stage)")
     for name in ("dp", "tp", "pp", "zero-stage", "microbatch-size", "interleave"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"pin {name} (default: the planner chooses)")
+    p.add_argument("--cp", type=int, default=None,
+                   help="pin the context-parallel degree: each sequence split over CP ranks (default: the planner "
+                        "chooses; plans with cp > 1 are costed, not yet runnable)")
+    p.add_argument("--cp-kind", choices=CP_KINDS, default=None,
+                   help="attention under cp > 1: ring (key/value blocks round the group) or all-to-all (Ulysses)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pin the schedule")
     p.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default=None, help="pin recomputation")
     p.add_argument("--compression", default=None, metavar="NAME|LEVEL=NAME,...",

@@ -47,7 +47,7 @@ from partitioner.codegen.pipeline import pipeline_program_source
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
-__all__ = ["RankProgram", "program", "write_programs", "expected_collectives", "CodegenError"]
+__all__ = ["RankProgram", "program", "write_programs", "expected_collectives", "CodegenError", "not_runnable"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,10 +66,20 @@ class RankProgram:
         return ns
 
 
+def not_runnable(cp: int, cp_kind: str) -> str:
+    """Why no program is generated for a context-parallel plan (the runtime's kernels exist, codegen does not)."""
+    return (f"cp={cp} ({cp_kind}): context-parallel plans are costed but not yet runnable: no per-rank program "
+            "splits the inputs over the context group or replaces attention by runtime.context's ring/Ulysses "
+            "kernels yet; compile with cp=1 (e.g. more dp or tp, or recompute='full') to train, or use this plan "
+            "for its predictions only")
+
+
 def program(plan: "Plan", rank: int) -> RankProgram:
     if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
         raise CodegenError(f"rank={rank!r}: the plan has ranks 0..{plan.world_size - 1}")
     c = plan.config
+    if c.cp > 1:
+        raise CodegenError(not_runnable(c.cp, c.cp_kind))
     if c.pp > 1 or c.tp > 1:
         source, h = pipeline_program_source(plan, rank)
         return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)

@@ -16,7 +16,7 @@ from typing import Any
 from cost_models.calibration import Calibration
 from cost_models.choices import GRAD_REDUCE_DTYPES, LAYOUT_ZERO_STAGE, OPTIMIZER_LAYOUTS, OPTIMIZERS, PRECISIONS
 from cost_models.choices import RECOMPUTE_POLICIES as RECOMPUTE
-from cost_models.choices import SCHEDULES
+from cost_models.choices import CP_KINDS, SCHEDULES
 from cost_models.compression import COMPRESSORS, IMPLEMENTED, LEVELS
 from cost_models.errors import DeclarationError
 
@@ -25,6 +25,7 @@ __all__ = [
     "Declarations",
     "PlannerOptions",
     "async_sgd_pin",
+    "check_context",
     "check_declarations",
     "compression_pins",
     "compression_refusal",
@@ -62,6 +63,12 @@ class Declarations:
     # False keeps the ops between tensor-split regions whole; None: on wherever tp > 1 and the model allows it
     # (Megatron-LM, torchtitan and NeMo turn it on with tensor parallelism).
     sp: bool | None = None
+    # Context parallelism (partitioner.planner.context_split): the sequence split over cp ranks for the whole
+    # layer, each rank holding 2 of its 2*cp chunks (the causal load balance); cp_kind "ring" passes key/value
+    # blocks around the context group, "all-to-all" (DeepSpeed-Ulysses) re-shards heads. None: the planner's
+    # choice (cp > 1 only for long sequences or where nothing fits without it; ring unless all-to-all is faster).
+    cp: int | None = None
+    cp_kind: str | None = None
     max_memory_fraction: float = 0.9
     # link level -> compressor of the data-parallel gradient reduction, for the levels pinned
     # (from `compression_pins`); levels absent are the planner's choice
@@ -117,6 +124,16 @@ class Declarations:
         if sp and values.get("tp") == 1:
             raise DeclarationError("sp=True with tp=1: sequence parallelism splits the tokens over the tensor group, "
                                    "so it needs tp > 1; pin tp=2 or more, or drop sp")
+        cp, kind = values.get("cp"), values.get("cp_kind")
+        if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or cp < 1):
+            raise DeclarationError(f"cp={cp!r}: the context-parallel degree, an int >= 1 (e.g. cp=2: the sequence "
+                                   "split over 2 ranks), or None for the planner's choice")
+        if kind is not None and kind not in CP_KINDS:
+            raise DeclarationError(f"cp_kind={kind!r}: must be one of {', '.join(map(repr, CP_KINDS))} (ring "
+                                   "attention, or DeepSpeed-Ulysses' all-to-all), or None for the planner's choice")
+        if kind is not None and cp == 1:
+            raise DeclarationError(f"cp_kind={kind!r} with cp=1: there is no context group to run {kind} attention "
+                                   "over; pin cp=2 or more, or drop cp_kind")
         warmup = values.get("compression_warmup", 0)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise DeclarationError(f"compression_warmup={warmup!r}: the number of first steps that reduce "
@@ -127,8 +144,8 @@ class Declarations:
 
     def pinned(self) -> dict[str, Any]:
         """The declarations that pin something, for the plan's record."""
-        names = ("dp", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute",
-                 "sp", "grad_reduce_dtype", "optimizer_layout")
+        names = ("dp", "tp", "pp", "cp", "cp_kind", "zero_stage", "microbatch_size", "schedule", "interleave",
+                 "recompute", "sp", "grad_reduce_dtype", "optimizer_layout")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.compression:
             out["compression"] = dict(self.compression)
@@ -284,7 +301,7 @@ def compression_refusal(pins: dict[str, str], *, zero_stage: int, levels: tuple[
 
 _ASYNC_KEYS = ("every", "staleness")
 # What a pinned async_sgd implies for the search: replicas of the whole model, each stepping alone.
-ASYNC_SGD_FORCED = {"tp": 1, "pp": 1, "zero_stage": 0}
+ASYNC_SGD_FORCED = {"tp": 1, "pp": 1, "cp": 1, "zero_stage": 0}
 
 
 def async_sgd_pin(value: Any) -> dict[str, int] | None:
@@ -325,6 +342,7 @@ def _check_async_sgd(d: Declarations, world_size: int) -> None:
                                f"allow dp > 1 (leave dp unpinned on more than one device) or {fix}")
     why = {"pp": "a pipeline splits the model over ranks whose stages must step together",
            "tp": "tensor slices of one layer must be updated together",
+           "cp": "the context slices of one sequence hold parts of the same gradient",
            "zero_stage": "ZeRO shards the optimizer state (from stage 1; gradients from 2, parameters at 3) over "
                          "the replicas, so no replica can step alone"}
     for name, ok in ASYNC_SGD_FORCED.items():
@@ -382,8 +400,12 @@ def _choice(name: str, v: Any, valid: tuple) -> None:
 
 
 def check_declarations(d: Declarations, *, world_size: int, topology_name: str, num_units: int,
-                       unit_name: str, valid_tp: tuple[int, ...], tp_divisors: tuple[tuple[str, int], ...]) -> None:
-    """Raise DeclarationError for the first declaration that cannot hold."""
+                       unit_name: str, valid_tp: tuple[int, ...], tp_divisors: tuple[tuple[str, int], ...],
+                       seq_len: int | None = None, heads: tuple[int, int] | None = None) -> None:
+    """Raise DeclarationError for the first declaration that cannot hold.
+
+    seq_len: the traced sequence length; heads: (query heads, key/value heads) of the model's attention,
+    None where it has none (both for the context-parallel checks, `check_context`)."""
     _int("global_batch_size", d.global_batch_size)
     if d.global_batch_size > MAX_GLOBAL_BATCH_SIZE:
         raise DeclarationError(f"global_batch_size={d.global_batch_size}: more samples per step than the planner "
@@ -415,21 +437,27 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
             "or 1, or compress with 'bf16', 'int8' or 'int4'")
     _check_async_sgd(d, world_size)
 
-    # dp * tp * pp must be the world size.
-    pinned = {k: getattr(d, k) for k in ("dp", "tp", "pp") if getattr(d, k) is not None}
+    # dp * cp * tp * pp must be the world size.
+    _int("cp", d.cp)
+    pinned = {k: getattr(d, k) for k in ("dp", "cp", "tp", "pp") if getattr(d, k) is not None}
     prod = 1
     for v in pinned.values():
         prod *= v
-    if len(pinned) == 3 and prod != world_size:
+    full = len(pinned) == 4 or (len(pinned) == 3 and "cp" not in pinned)  # cp unpinned with the rest: 1
+    if full and prod != world_size:
+        shown = " * ".join(f"{k}({v})" for k, v in pinned.items())
+        rest = f"; with cp > 1 the dp left is {world_size * d.dp // prod}" if "cp" not in pinned and \
+            world_size % prod == 0 else ""
         raise DeclarationError(
-            f"dp({d.dp}) * tp({d.tp}) * pp({d.pp}) = {prod} != world size {world_size} of topology "
-            f"{topology_name}; the three degrees must multiply to the number of devices")
+            f"{shown} = {prod} != world size {world_size} of topology {topology_name}; dp * cp * tp * pp must "
+            f"multiply to the number of devices{rest}")
     if pinned and world_size % prod:
         shown = " * ".join(f"{k}({v})" for k, v in pinned.items())
         raise DeclarationError(
             f"{shown} = {prod} does not divide world size {world_size} of topology {topology_name}; "
             f"valid products: {', '.join(map(str, divisors(world_size)))}")
 
+    check_context(d, seq_len=seq_len, heads=heads)
     if d.tp is not None and d.tp not in valid_tp:
         # Blocks repeat: "heads of h.0.attn", "heads of h.1.attn" -> "heads of h.*.attn" once.
         why = list(dict.fromkeys(f"{_BLOCK_INDEX.sub('.*.', what)} ({n})" for what, n in tp_divisors if n % d.tp))
@@ -483,3 +511,36 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
                 f"{d.global_batch_size} (at dp={d.dp or world_size}): more than the {MAX_MICROBATCHES} the schedule "
                 f"lists; pin microbatch_size >= {-(-d.global_batch_size // ((d.dp or world_size) * MAX_MICROBATCHES))}"
                 " or leave it to the planner")
+
+
+def check_context(d: Declarations, *, seq_len: int | None, heads: tuple[int, int] | None) -> None:
+    """A pinned cp the model cannot run: the sequence must split into 2*cp equal chunks (each rank holds chunk
+    r and chunk 2*cp-1-r, runtime.context.sequence), and Ulysses' all-to-all re-shards heads, so the query
+    and key/value heads of each tensor rank must divide by cp.
+
+    >>> check_context(Declarations(global_batch_size=8, cp=3), seq_len=128, heads=(4, 4))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    cost_models.errors.DeclarationError: cp=3: the sequence of 128 tokens does not split into 2*cp = 6 equal ...
+    """
+    if d.cp is None or d.cp == 1:
+        return
+    s = seq_len or 1
+    if s % (2 * d.cp):
+        valid = [c for c in divisors(s) if s % (2 * c) == 0 or c == 1]
+        raise DeclarationError(
+            f"cp={d.cp}: the sequence of {s} tokens does not split into 2*cp = {2 * d.cp} equal chunks (each rank "
+            f"holds 2 of them, the causal load balance); valid cp: {', '.join(map(str, valid[:8]))}; or trace with "
+            f"a sequence length divisible by {2 * d.cp}")
+    if d.cp_kind == "all-to-all":
+        if heads is None:
+            raise DeclarationError(f"cp={d.cp} with cp_kind='all-to-all': the model has no "
+                                   "scaled_dot_product_attention whose heads Ulysses could re-shard; use cp_kind='ring'")
+        t = d.tp or 1
+        bad = [f"{what} heads ({n})" for what, n in zip(("query", "key/value"), heads) if n % (t * d.cp)]
+        if bad:
+            ok = [c for c in divisors(min(heads) // t if min(heads) % t == 0 else 1) if c > 1]
+            raise DeclarationError(
+                f"cp={d.cp} with cp_kind='all-to-all' and tp={t}: Ulysses gives each of the cp ranks 1/cp of a "
+                f"tensor rank's heads, but tp * cp = {t * d.cp} does not divide the {' and '.join(bad)}; use "
+                f"cp_kind='ring'" + (f", or cp in {', '.join(map(str, ok))}" if ok else ""))

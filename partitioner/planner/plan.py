@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cost_models.choices import Precision, Recompute
+from cost_models.choices import CpKind, Precision, Recompute
 from cost_models.compression import Compressor, Level, no_compression
 from cost_models.errors import PartitionerError
 from partitioner.planner.model_code import ModelCode
@@ -60,13 +60,19 @@ class PlanMismatchError(PartitionerError):
 class ParallelConfig:
     """One point of the search space.
 
-    dp, tp, pp: data, tensor and pipeline degrees (dp * tp * pp = world size).
+    dp, tp, pp: data, tensor and pipeline degrees (dp * cp * tp * pp = world size, cp below).
     zero_stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters: FSDP).
     microbatch_size x num_microbatches per data-parallel rank = global batch / dp.
     schedule/interleave: the pipeline schedule and virtual stages per rank.
     recompute: activation recomputation policy.
     sp: Megatron sequence parallelism inside each tensor group (tp > 1 only): the ops between the
         tensor-split regions run on 1/tp of the tokens (partitioner.planner.sequence_split).
+    cp: context parallelism, the sequence split over cp ranks for the whole layer (dp * cp * tp * pp =
+        world size); each rank holds 2 of the sequence's 2*cp chunks (the causal load balance).
+        Gradients are reduced, and ZeRO shards, over dp x cp ranks (`replicas`).
+    cp_kind: how attention sees the whole sequence under cp > 1: "ring" (key/value blocks passed around
+        the context group, runtime.context.ring_attention) or "all-to-all" (DeepSpeed-Ulysses: heads
+        re-sharded, runtime.context.ulysses).
     """
 
     dp: int
@@ -79,22 +85,31 @@ class ParallelConfig:
     interleave: int
     recompute: Recompute
     sp: bool = False
+    cp: int = 1
+    cp_kind: CpKind = "ring"
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that reduce gradients together and share ZeRO's shards: dp x cp (Megatron's)."""
+        return self.dp * self.cp
 
     def __str__(self) -> str:
         sched = self.schedule + (f"x{self.interleave}" if self.interleave > 1 else "")
-        return (f"dp{self.dp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} zero{self.zero_stage} "
+        cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if self.cp_kind == "ring" else "(all-to-all)")
+        return (f"dp{self.dp}{cp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} zero{self.zero_stage} "
                 f"mb{self.microbatch_size}x{self.num_microbatches} {sched} recompute={self.recompute}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshCoord:
-    """Where one rank sits: its pipeline stage, data-parallel replica and tensor slice, and its node."""
+    """Where one rank sits: its pipeline stage, data-parallel replica, context and tensor slices, and its node."""
 
     rank: int
     pp: int
     dp: int
     tp: int
     node: int
+    cp: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -293,6 +308,8 @@ class Plan:
     num_microbatches = property(lambda self: self.config.num_microbatches)
     interleave = property(lambda self: self.config.interleave)
     recompute = property(lambda self: self.config.recompute)
+    cp = property(lambda self: self.config.cp)
+    cp_kind = property(lambda self: self.config.cp_kind)
 
     schedule = property(lambda self: self.config.schedule)  # "gpipe" | "1f1b" | "interleaved-1f1b"
 

@@ -79,12 +79,13 @@ def _check_topology(p: Plan) -> Topology:
 
 def _check_config(p: Plan) -> None:
     c = p.config
-    for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "interleave"):
+    for name in ("dp", "tp", "pp", "cp", "microbatch_size", "num_microbatches", "interleave"):
         _at_least(f"config.{name}", getattr(c, name), 1)
     if c.zero_stage not in (0, 1, 2, 3):
         _fail("config.zero_stage", f"{c.zero_stage!r} is not 0, 1, 2 or 3")
-    if c.dp * c.tp * c.pp != p.world_size:
-        _fail("config", f"dp({c.dp}) * tp({c.tp}) * pp({c.pp}) = {c.dp * c.tp * c.pp} != world_size {p.world_size}")
+    if c.dp * c.cp * c.tp * c.pp != p.world_size:
+        _fail("config", f"dp({c.dp}) * cp({c.cp}) * tp({c.tp}) * pp({c.pp}) = {c.dp * c.cp * c.tp * c.pp} != "
+                        f"world_size {p.world_size}")
     if (c.schedule == "interleaved-1f1b") != (c.interleave > 1):
         _fail("config.interleave", f"interleave={c.interleave} with schedule {c.schedule!r}: interleaved-1f1b "
                                    "runs interleave >= 2 virtual stages per rank, the others exactly 1")
@@ -102,14 +103,14 @@ def _check_mesh(p: Plan, topo: Topology) -> None:
     for r, m in enumerate(p.mesh):
         if m.rank != r:
             _fail(f"mesh[{r}].rank", f"{m.rank!r}: the mesh lists ranks in order 0..{p.world_size - 1}")
-        for axis, size in (("pp", c.pp), ("dp", c.dp), ("tp", c.tp)):
+        for axis, size in (("pp", c.pp), ("dp", c.dp), ("cp", c.cp), ("tp", c.tp)):
             if not 0 <= getattr(m, axis) < size:
                 _fail(f"mesh[{r}].{axis}", f"{getattr(m, axis)!r} is outside 0..{size - 1} (config.{axis}={size})")
         if m.node != topo.node_of(r):
             _fail(f"mesh[{r}].node", f"{m.node!r}, but rank {r} is on node {topo.node_of(r)} of plan.topology")
-        coords.add((m.pp, m.dp, m.tp))
+        coords.add((m.pp, m.dp, m.cp, m.tp))
     if len(coords) != p.world_size:
-        _fail("mesh", "two ranks share a (pp, dp, tp) coordinate: each coordinate belongs to exactly one rank")
+        _fail("mesh", "two ranks share a (pp, dp, cp, tp) coordinate: each coordinate belongs to exactly one rank")
 
 
 def _check_schedule(p: Plan) -> None:

@@ -1,6 +1,6 @@
 """The search: every configuration the declarations allow, best first, exactly.
 
-Enumerates (tp, pp, dp, microbatch, schedule, interleave, sequence
+Enumerates (tp, cp, pp, dp, microbatch, schedule, interleave, sequence
 parallelism, ZeRO stage, recompute), orders them by a lower bound on step time, and runs the exact
 stage cut (cut.py) on each until the bound exceeds the k-th best step time
 found: branch and bound, so the k best are exact under the cost model while
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from partitioner.planner.cut import Cut, cut_stages, evaluate_cut, step_time
 from partitioner.planner.declarations import MAX_MICROBATCHES, SPLIT_BACKWARD, Declarations, divisors
@@ -46,8 +46,8 @@ _OVER_MEMORY_TRIES_PER_SHAPE = 4
 
 
 def simplicity(c: ParallelConfig) -> tuple:
-    return (c.pp, c.tp, c.zero_stage, _RECOMPUTE_ORDER[c.recompute], _SCHEDULE_ORDER[c.schedule], c.interleave,
-            c.sp, -c.microbatch_size)
+    return (c.pp, c.tp, c.cp, c.cp_kind != "ring", c.zero_stage, _RECOMPUTE_ORDER[c.recompute],
+            _SCHEDULE_ORDER[c.schedule], c.interleave, c.sp, -c.microbatch_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,13 +62,14 @@ class SearchResult:
     ranked: tuple[Scored, ...]  # best first
     evaluated: int  # candidates whose stages were cut
     space: int  # candidates enumerated
-    # faster than ranked[0] by a balanced cut but over memory, at most one per mesh shape (tp, pp)
+    # faster than ranked[0] by a balanced cut but over memory, at most one per mesh shape (tp, cp, pp)
     over_memory: tuple[Scored, ...] = ()
 
 
 def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: int, num_units: int,
                          valid_tp: tuple[int, ...], sp_allows: Callable[[int, int], bool] = lambda tp, mb: False,
-                         sp_dominates: Callable[[int, int, str], bool] = lambda tp, mb, rc: False
+                         sp_dominates: Callable[[int, int, str], bool] = lambda tp, mb, rc: False,
+                         context: Callable[[int], Sequence[tuple[int, str]]] = lambda tp: ((1, "ring"),)
                          ) -> Iterator[ParallelConfig]:
     """Every configuration the declarations allow (not yet checked for memory).
 
@@ -76,16 +77,21 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
     candidates where it can: it divides the activations between the tensor-split regions by tp, but issues
     more collectives, whose latency outweighs the saving on small layers. Where `sp_dominates(tp, microbatch,
     recompute)` (no slower per unit, and never more memory), only sp is: the twin without it cannot win.
+
+    `context(tp)`: the (cp, cp_kind) a candidate of tensor degree tp may take
+    (partitioner.planner.context_split.cp_options); dp * cp * tp * pp is the world size.
     """
     gb = d.global_batch_size
     tps = [d.tp] if d.tp is not None else [t for t in valid_tp if world_size % t == 0 and t <= devices_per_node]
     if d.sp:
         tps = [t for t in tps if t > 1]
-    for tp in tps:
-        for pp in ([d.pp] if d.pp is not None else divisors(world_size // tp)):
-            if pp > num_units or (world_size // tp) % pp:
+    for tp, (cp, cp_kind) in ((t, c) for t in tps for c in context(t)):
+        if world_size % (tp * cp):
+            continue
+        for pp in ([d.pp] if d.pp is not None else divisors(world_size // (tp * cp))):
+            if pp > num_units or (world_size // (tp * cp)) % pp:
                 continue
-            dp = world_size // (tp * pp)
+            dp = world_size // (tp * cp * pp)
             if (d.dp is not None and dp != d.dp) or gb % dp:
                 continue
             per_replica = gb // dp
@@ -99,7 +105,7 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                 if d.sp and not can:
                     continue
                 for sched, v in _schedules(d, pp, m, num_units):
-                    zeros = [d.zero_stage] if d.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+                    zeros = [d.zero_stage] if d.zero_stage is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
                     recomputes = [d.recompute] if d.recompute is not None else ["none", "selective", "full"]
                     if sched in SPLIT_BACKWARD:  # what a split backward does not run with (declarations.py)
                         zeros = [z for z in zeros if z != 3]
@@ -108,7 +114,8 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                         sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]
                         for sp in sps:
                             yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=z, microbatch_size=mb,
-                                                 num_microbatches=m, schedule=sched, interleave=v, recompute=rc, sp=sp)
+                                                 num_microbatches=m, schedule=sched, interleave=v, recompute=rc, sp=sp,
+                                                 cp=cp, cp_kind=cp_kind)
 
 
 def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[str, int]]:
@@ -169,7 +176,7 @@ def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5,
 
 def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, limit: int) -> tuple[Scored, ...]:
     """Up to `limit` configurations whose balanced cut beats ranked[0] but needs more memory per rank than
-    the cap: the fastest found of each mesh shape (tp, pp), the winner's own shape first (it answers "why
+    the cap: the fastest found of each mesh shape (tp, cp, pp), the winner's own shape first (it answers "why
     not less recompute, a lower ZeRO stage"), then others by their compute bound.
 
     The compute bound ignores memory (lower_bound() is infinite once model state does not fit), so it
@@ -177,16 +184,16 @@ def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, l
     cuts are evaluated, _OVER_MEMORY_TRIES_PER_SHAPE per shape.
     """
     best = ranked[0]
-    beat, home = best.cut.step_time_s, (best.cand.tp, best.cand.pp)
+    beat, home = best.cut.step_time_s, (best.cand.tp, best.cand.cp, best.cand.pp)
     seen = {s.cand for s in ranked}
     pending = sorted(((_compute_bound(ev), simple, cand, ev) for _, simple, cand, ev in order if cand not in seen),
-                     key=lambda x: ((x[2].tp, x[2].pp) != home, x[0], x[1]))
-    tries: dict[tuple[int, int], int] = {}
-    found: dict[tuple[int, int], Scored] = {}
+                     key=lambda x: ((x[2].tp, x[2].cp, x[2].pp) != home, x[0], x[1]))
+    tries: dict[tuple[int, int, int], int] = {}
+    found: dict[tuple[int, int, int], Scored] = {}
     for bound, _, cand, ev in pending:
         if bound >= beat:
             continue  # cannot be faster; later ones of another shape still may be
-        shape = (cand.tp, cand.pp)
+        shape = (cand.tp, cand.cp, cand.pp)
         if shape in found or tries.get(shape, 0) >= _OVER_MEMORY_TRIES_PER_SHAPE:
             continue
         if sum(tries.values()) >= _OVER_MEMORY_TRIES or len(found) >= limit:

@@ -65,6 +65,7 @@ from cost_models.memory import (
 )
 from cost_models.mesh import Mesh
 from cost_models.powersgd import LowRank
+from partitioner.planner.context_split import local
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.unit_costs import CostContext
 
@@ -139,19 +140,21 @@ class StageEvaluator:
         self.options = (compression,) if compression is not None else ctx.compression_options(cand)
         assert self.options, f"{cand} cannot honour the pinned compression {ctx.compression_pins}: filter it out"
         self.num_stages = cand.pp * cand.interleave
-        arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute, cand.sp)
+        arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute, cand.sp, cand.cp, cand.cp_kind)
         self.arrays = arr
         self.unit_costs = arr.costs
         self._f, self._b, self._act, self._par, self._work = arr.f, arr.b, arr.act, arr.par, arr.work
         self._shared = arr.shared
-        self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.tp, cand.microbatch_size, cand.tp if cand.sp else 1)  # per unit boundary
+        # per unit boundary; pipeline neighbours dp*cp*tp ranks apart, each rank sending its own tokens
+        self.p2p = ctx.p2p_times(cand.pp, cand.dp * cand.cp * cand.tp, cand.microbatch_size,
+                                 cand.tp if cand.sp else 1, cand.cp)
         self._param_bytes = 4 if ctx.precision == "fp32" else 2  # parameters gathered in the compute dtype
         self._grad_bytes = REDUCE_BYTES_OF_PRECISION[ctx.precision]  # the engine's gradient buffers, reduced as such
         self._optim_bytes = _OPTIM_BYTES_PER_PARAM.get(ctx.precision, _OPTIM_BYTES_FP32)
         self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
         dev = ctx.topo.device  # the context and the collective buffers of each group this rank talks in
         self._fixed = process_fixed_bytes(process_bytes=dev.process_bytes, comm_buffer_bytes=dev.comm_buffer_bytes,
-                                          communicators=sum(d > 1 for d in (cand.dp, cand.tp, cand.pp)))
+                                          communicators=sum(d > 1 for d in (cand.replicas, cand.tp, cand.pp, cand.cp)))
         self.total_c = arr.total_c
         self.sum_weight = sum_weight(cand.schedule, cand.pp, cand.interleave, cand.num_microbatches,
                                      arr.total_w / arr.total_c if arr.total_c > 0 else 0.0)
@@ -159,12 +162,13 @@ class StageEvaluator:
         self._sync_memo: dict[float, float] = {}
         self._stage_memo: dict[tuple, StageCost] = {}
         self._range_code, self._range_pow = ctx.range_codes(arr, self.p2p)
-        self._dp_groups = {r: Mesh(cand.pp, cand.dp, cand.tp).dp_ranks(pp=r) for r in range(cand.pp)}
+        # gradients reduced, and ZeRO sharded, over dp x cp ranks (Megatron's data-parallel group with cp)
+        self._dp_groups = {r: Mesh(cand.pp, cand.dp, cand.tp, cand.cp).replica_ranks(pp=r) for r in range(cand.pp)}
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
         crossed = ctx.crossed_levels(cand)
         nodes = group_shape(ctx.comm, self.dp_ranks(0))[0] if crossed == LEVELS else 1  # cached per group
-        self._reduction_mem = {o: reduction_memory(o, zero_stage=cand.zero_stage, dp=cand.dp, nodes=nodes)
+        self._reduction_mem = {o: reduction_memory(o, zero_stage=cand.zero_stage, dp=cand.replicas, nodes=nodes)
                                for o in self.options}
         # The loss is not in the traced graph, but the last stage runs it on the model's output. Per
         # microbatch in flight it keeps one output-sized tensor (the pipeline executor the output
@@ -172,7 +176,9 @@ class StageEvaluator:
         # backward of a cross-entropy then holds two more output-sized tensors at once (the
         # gradients of the log-softmax and of the logits); full size under tensor parallelism, where
         # the loss sees gathered outputs. Measured on the example GPT with runtime.launch.memory_probe.
-        out = ctx.g.nodes[-1].cost.bytes_written(cand.microbatch_size, ctx.seq) * ctx.scale if ctx.g.nodes else 0.0
+        # Under context parallelism each rank's loss sees its own tokens' outputs.
+        out = local(ctx.g.nodes[-1].cost.bytes_written, cand.microbatch_size, ctx.seq, cand.cp) * ctx.scale \
+            if ctx.g.nodes else 0.0
         self._loss_kept, self._loss_work = out, 2 * out
 
     def lower_bound(self) -> float:
@@ -187,11 +193,11 @@ class StageEvaluator:
         S, m, v = self.num_stages, c.num_microbatches, c.interleave
         avg = self._par[-1] / S
         state = model_state_bytes(avg, precision=ctx.precision, optimizer=ctx.optimizer,
-                                  zero_stage=c.zero_stage, dp=c.dp).total
+                                  zero_stage=c.zero_stage, dp=c.replicas).total
         if state * v + self._fixed > ctx.memory_cap:
             return math.inf
-        tail = avg / (c.dp if c.zero_stage >= 1 else 1) * self._optim_bytes / self._hbm
-        if c.zero_stage in (1, 2) and c.dp > 1:
+        tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_bytes / self._hbm
+        if c.zero_stage in (1, 2) and c.replicas > 1:
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
         full = (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c * self.sum_weight + tail
         # with part of the idle time charged, the least the busiest rank works (the average) bounds it
@@ -315,7 +321,7 @@ class StageEvaluator:
         ctx, cand, cal, arr = self.ctx, self.cand, self.ctx.cal, self.arrays
         z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
         kw = dict(precision=ctx.precision, optimizer=ctx.optimizer)
-        own = model_state_bytes(params - tied, zero_stage=z, dp=cand.dp, **kw)
+        own = model_state_bytes(params - tied, zero_stage=z, dp=cand.replicas, **kw)
         if z < 3 and ctx.precision in _FP32_GRADIENTS:
             # The engine accumulates the mixed precisions' gradients in fp32 buffers (4 B, where the ZeRO paper's
             # formula counts a 16-bit gradient's 2: DataParallel.held_bytes measures 18 B per parameter at ZeRO-0,
@@ -325,7 +331,7 @@ class StageEvaluator:
         whole = model_state_bytes(tied, zero_stage=0, dp=1, **kw) if tied else _NO_STATE
         pb, gb = self._param_bytes, self._grad_bytes  # gb: the engine's gradient buffers (fp32; bf16 if pure)
         # runtime.engines.unreplicated: pipeline / tensor-parallel programs at dp = 1 in fp32 (codegen_pipeline)
-        flat_grads = z <= 1 and not (cand.dp == 1 and ctx.precision == "fp32" and (cand.pp > 1 or cand.tp > 1))
+        flat_grads = z <= 1 and not (cand.replicas == 1 and ctx.precision == "fp32" and (cand.pp > 1 or cand.tp > 1))
         rest_grads = own.grads if flat_grads else 0.0  # held through the step
         step_grads = whole.grads + (0.0 if flat_grads else own.grads)  # formed by the first backward
         carried = cand.num_microbatches > inflight
@@ -357,12 +363,13 @@ class StageEvaluator:
         freed = min(arr.unit_act[i:j], default=0.0)
         filling = {2: reduction + (reduction if carried or several else 0.0),
                    3: max(0.0, min(2, blocks) * block * gb - freed) + before}.get(z, 0.0)
-        received = 0.0 if last else ctx.boundary_bytes(j - 1, mb, self.cand.tp if self.cand.sp else 1)
+        received = 0.0 if last else ctx.boundary_bytes(j - 1, mb, self.cand.tp if self.cand.sp else 1, self.cand.cp)
         moments.append((carry + filling, acts + 2 * max(arr.biggest[i:j], default=0.0), 0.0,
                         kept + gathered + received))
         # without an engine (Unreplicated) the parameter's .grad is the gradient, already in step_grads
         parts = (max(big, 2 * twice) + (twice if z < 3 else 0.0)) * pb if (flat_grads or z >= 2) else 0.0
-        ending = {2: reduction * (2 if carried or several else 1) + reduction / cand.dp, 3: 2 * reduction}.get(z, 0.0)
+        ending = {2: reduction * (2 if carried or several else 1) + reduction / cand.replicas,
+                  3: 2 * reduction}.get(z, 0.0)
         moments.append((step_grads + ending + parts, act1 * (inflight - 1), 0.0, kept + gathered))
         bucket = reduction if z >= 2 else min(grads, DDP_BUCKET_BYTES)
         # A compressed reduction runs synchronously in the hook of its bucket's last gradient, which the
@@ -471,7 +478,7 @@ class StageEvaluator:
         exposed = dict.fromkeys(self.options, 0.0)
         if cand.dp > 1 and self.ctx.async_sgd:
             exposed = dict.fromkeys(self.options, self._async_sync(params, f, b))
-        elif cand.dp > 1:
+        elif cand.replicas > 1:
             per_step = m if z >= 2 else 1
             n = max(1, units) if z == 3 else 1
             gather = self._param_gather(params) if z in (1, 2) else 0.0  # the updated parameters', in the compute dtype
@@ -481,7 +488,7 @@ class StageEvaluator:
                     continue
                 wire, kernel = self._reduction(params, option, lr)
                 exposed[option] = per_step * (max(0.0, wire - overlap * b) + kernel) + gather
-        shard = params / (cand.dp if z >= 1 else 1)
+        shard = params / (cand.replicas if z >= 1 else 1)
         optim = shard * self._optim_bytes / self._hbm
         return exposed, optim
 

@@ -35,6 +35,7 @@ from cost_models.mesh import Mesh
 from cost_models.placements import is_sharded
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
+from partitioner.planner.context_split import ATTENTION_OP, all_to_all_time, kv_blocks, local, ring_exposed
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.tensor_split import WHAT_F, WHAT_G, WHAT_VOCAB_EMBEDDING, TPCollective, TensorSplits
 from partitioner.tracer.opgraph import OpGraph
@@ -121,6 +122,7 @@ class CostContext:
         self._boundary = self._boundary_bytes()
         self._memo: dict[tuple, UnitCost] = {}
         self._outputs = {n.name: n.output for n in g.nodes}
+        self._kv = kv_blocks(g)  # per attention node, the k and v a context-parallel kernel sends
         self._arrays: dict[tuple, UnitArrays] = {}
         self._p2p: dict[tuple | None, tuple[float, ...]] = {}
         self._codes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
@@ -229,18 +231,20 @@ class CostContext:
             hit = self._low_rank[tp] = (prefix, shared)
         return hit
 
-    def boundary_bytes(self, u: int, mb: int, split: int = 1) -> float:
+    def boundary_bytes(self, u: int, mb: int, split: int = 1, cp: int = 1) -> float:
         """Activation bytes sent from unit u to unit u + 1 for one microbatch; `split`: the tensor degree under
-        sequence parallelism, which cuts the hidden state at every cut over the tensor group."""
-        return self._boundary[u](mb, self.seq) * self.scale / split
+        sequence parallelism, which cuts the hidden state at every cut over the tensor group; `cp`: the
+        context degree, whose ranks each send their own tokens."""
+        return local(self._boundary[u], mb, self.seq, cp) * self.scale / split
 
     # ---- per unit ----------------------------------------------------------
-    def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str, sp: bool = False) -> UnitCost:
+    def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
+                  cp_kind: str = "ring") -> UnitCost:
         sp = sp and tp > 1
-        key = (self._keys[u], tp, mb, recompute, sp)
+        key = (self._keys[u], tp, mb, recompute, sp, cp, cp_kind if cp > 1 else "ring")
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp)
+            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind)
         params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
         return dataclasses.replace(hit, params=params)
 
@@ -253,12 +257,11 @@ class CostContext:
         return any(spec is not None and len(spec.shape) >= 2 and all(d == _S for d in spec.shape[-2:])
                    for spec in specs)
 
-    def _fp8_linear_times(self, n, flops: float, bflops: float, moved: float, d: int, mb: int,
-                          s: int) -> tuple[float, float]:
-        """(forward, backward) seconds of linear `n` under fp8-mixed (cost_models.fp8): its GEMMs at the fp8
-        rate; forward casts x and W, backward the output gradient and x and W again (kept in bf16)."""
-        operands = n.cost.bytes_read(mb, s) / self._traced_itemsize / d  # elements of x, W (and the bias)
-        dy = n.output.numel(mb, s) / d if n.output is not None else 0.0
+    def _fp8_linear_times(self, flops: float, bflops: float, moved: float, operands: float,
+                          dy: float) -> tuple[float, float]:
+        """(forward, backward) seconds of a linear under fp8-mixed (cost_models.fp8): its GEMMs at the fp8
+        rate; forward casts x and W (`operands` elements, with the bias), backward the output gradient (`dy`
+        elements) and x and W again (kept in bf16). All per rank."""
         tf = self.gemm.op_time(flops, moved, "matmul") + self.compute.op_time(0.0, cast_bytes(operands), "elementwise")
         if not bflops:
             return tf, 0.0
@@ -266,10 +269,22 @@ class CostContext:
             self.compute.op_time(0.0, cast_bytes(dy + operands), "elementwise")
         return tf, tb
 
-    def _eval_unit(self, u: int, tp: int, mb: int, recompute: str, sp: bool = False) -> UnitCost:
+    def _eval_unit(self, u: int, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
+                   cp_kind: str = "ring") -> UnitCost:
+        """One unit's costs on one rank. Under context parallelism (cp > 1) every token-dependent quantity is
+        that rank's share (partitioner.planner.context_split.local), and each attention node pays its ring's
+        exposed transfers or its Ulysses all-to-alls (as a collective: run again where it is recomputed)."""
         a, b = self.units[u]
         s, sc = self.seq, self.scale
         tp_ranks = Mesh(1, 1, tp).tp_ranks()  # every tensor group sits alike: consecutive ranks
+        cp_ranks = Mesh(1, 1, tp, cp).cp_ranks()  # ring neighbours tp ranks apart
+
+        def at(p: Poly) -> float:  # this rank's share of a per-microbatch quantity
+            return p(mb, s) if cp == 1 else local(p, mb, s, cp)
+
+        def nbytes(spec) -> float:
+            return spec.nbytes(mb, s) if cp == 1 else local(spec.nbytes_poly(), mb, s, cp)
+
         fwd = bwd = act = biggest = wgt = wbytes = 0.0
         # Recomputation (runtime.engines.recompute) runs inside the blocks only, never on the prefix or suffix
         # (the loss's inputs) a unit may also hold: their activations stay, their ops run once.
@@ -284,23 +299,35 @@ class CostContext:
             d = tp if (tp > 1 and (n.name in self.splits.sharded_nodes or (sp and n.name in self._seq))) else 1
             if n.output is not None and n.output.dtype.startswith(("float", "bfloat")) and \
                     (n.block is not None or not self.g.blocks):  # the prefix's and suffix's are the loss's moment
-                biggest = max(biggest, n.output.nbytes(mb, s) * sc / d)
-            flops = c.forward_flops(mb, s) / d
-            moved = (c.bytes_read(mb, s) + c.bytes_written(mb, s)) * sc / d
+                biggest = max(biggest, nbytes(n.output) * sc / d)
+            flops = at(c.forward_flops) / d
+            moved = (at(c.bytes_read) + at(c.bytes_written)) * sc / d
             tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
-            bflops = c.backward_flops(mb, s) / d
+            bflops = at(c.backward_flops) / d
             tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
             if self.fp8 and n.op in FP8_GEMM_OPS:
-                tf, tb = self._fp8_linear_times(n, flops, bflops, moved, d, mb, s)
+                operands = at(c.bytes_read) / self._traced_itemsize / d  # elements of x, W (and the bias)
+                dy = nbytes(n.output) / n.output.itemsize / d if n.output is not None else 0.0
+                tf, tb = self._fp8_linear_times(flops, bflops, moved, operands, dy)
             if c.op_class == "matmul" and n.params and bflops:
                 wgt += tb * min(1.0, flops / bflops)
-                wbytes += n.output.nbytes(mb, s) * sc / d if n.output is not None else 0.0
-            fixed = c.fixed_activation_bytes(mb, s)  # masks and indices: the same size at any precision
-            kept = ((c.activation_bytes(mb, s) - fixed) * sc + fixed) / d
+                wbytes += nbytes(n.output) * sc / d if n.output is not None else 0.0
+            fixed = at(c.fixed_activation_bytes)  # masks and indices: the same size at any precision
+            kept = ((at(c.activation_bytes) - fixed) * sc + fixed) / d
             collective_f = 0.0
+            if cp > 1 and n.op == ATTENTION_OP and len(n.inputs) >= 3:
+                sizes = [nbytes(t) * sc / d for t in self._context_tensors(n, d, cp, cp_kind)]
+                if cp_kind == "ring":
+                    ring_f, ring_b = ring_exposed(sum(sizes), tf, tb, self.comm, cp_ranks)
+                    collective_f += ring_f
+                    bwd += ring_b
+                else:
+                    t = all_to_all_time(sizes, self.comm, cp_ranks)
+                    collective_f += t
+                    bwd += t
             if tp > 1:
                 for coll in (self._sp_collectives if sp else self._collectives).get(n.name, ()):
-                    t = getattr(self.comm, coll.kind)(coll.bytes(mb, s) * sc, tp_ranks)
+                    t = getattr(self.comm, coll.kind)(at(coll.bytes) * sc, tp_ranks)
                     if coll.phase == "forward":
                         collective_f += t
                     elif coll.what == _REGATHER:  # issued before the input-gradient matmul, as Megatron does
@@ -312,14 +339,14 @@ class CostContext:
             else:
                 if i == a or prev.block != n.block:  # a block starts: what is its input
                     if i == a:
-                        ins = self._boundary[u - 1](mb, s) * sc / (tp if sp else 1) if u > 0 else 0.0
+                        ins = at(self._boundary[u - 1]) * sc / (tp if sp else 1) if u > 0 else 0.0
                     else:
-                        ins = prev.output.nbytes(mb, s) * sc / (tp if sp and prev.name in self._seq else 1) \
+                        ins = nbytes(prev.output) * sc / (tp if sp and prev.name in self._seq else 1) \
                             if prev.output is not None else 0.0
                     block_input = (block_input or 0.0) + ins
                 block_f += tf + collective_f
                 if n.op in _SAVED_OPS and n.output is not None and not self._touches_scores(n):
-                    kept_sel += n.output.nbytes(mb, s) * sc / d
+                    kept_sel += nbytes(n.output) * sc / d
                 else:  # a collective is not kept either: it runs again with its op
                     recomputed_f += tf + collective_f
             fwd, bwd, act = fwd + tf + collective_f, bwd + tb, act + kept
@@ -335,16 +362,51 @@ class CostContext:
         return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
                         largest_output=biggest, weight_s=wgt, weight_grad_bytes=wbytes)
 
-    def total_unit_time(self, tp: int, mb: int, recompute: str, sp: bool = False) -> float:
+    def context_bytes(self, u: int, mb: int, tp: int, cp: int, cp_kind: str) -> float:
+        """Bytes one rank sends to its context group per microbatch for unit u's attention nodes, forward and
+        backward (partitioner.planner.context_split): a ring's cp - 1 k/v blocks forward, cp - 1 blocks of
+        k/v and dk/dv (fp32, twice a 16-bit k/v) and a last dk/dv backward; Ulysses' eight all-to-alls of q,
+        k, v, output (and gradients), (cp - 1)/cp of each."""
+        if cp == 1:
+            return 0.0
+        a, b = self.units[u]
+        out = 0.0
+        for n in self.g.nodes[a:b]:
+            if n.op != ATTENTION_OP or len(n.inputs) < 3:
+                continue
+            d = tp if tp > 1 and n.name in self.splits.sharded_nodes else 1
+            sent = sum(local(t.nbytes_poly(), mb, self.seq, cp) * self.scale / d
+                       for t in self._context_tensors(n, d, cp, cp_kind))
+            out += (4 * (cp - 1) + 2) * sent if cp_kind == "ring" else 2 * (cp - 1) / cp * sent
+        return out
+
+    def _context_tensors(self, n, tp_div: int, cp: int, cp_kind: str) -> list:
+        """The tensors (whole-sequence specs, before the rank's share) attention node n sends over its context
+        group: a ring's k and v blocks, unrepeated under grouped-query attention; Ulysses' q, k, v and output,
+        k and v repeated to every query head unless their heads per tensor rank split over cp
+        (runtime.context.ulysses)."""
+        q, k, v = (self._outputs.get(x) for x in n.inputs[:3])
+        k0, v0 = self._kv[n.name]
+        if cp_kind == "ring":
+            return [t for t in (k0, v0) if t is not None]
+        heads = k0.shape[1](1, 1) / tp_div if k0 is not None and len(k0.shape) == 4 else 0
+        if heads and heads % cp == 0:
+            k, v = k0, v0
+        return [t for t in (q, k, v, n.output) if t is not None]
+        return out
+
+    def total_unit_time(self, tp: int, mb: int, recompute: str, sp: bool = False) -> float:  # at cp = 1
         """Forward and backward time of every unit, summed (`unit_arrays(...).total_c` without the arrays)."""
         return sum(c.forward_s + c.backward_s for c in
                    (self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp) for u in range(len(self.units))))
 
-    def unit_arrays(self, tp: int, mb: int, recompute: str, sp: bool = False) -> UnitArrays:
-        key = (tp, mb, recompute, sp and tp > 1)
+    def unit_arrays(self, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
+                    cp_kind: str = "ring") -> UnitArrays:
+        key = (tp, mb, recompute, sp and tp > 1, cp, cp_kind if cp > 1 else "ring")
         hit = self._arrays.get(key)
         if hit is None:
-            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp) for u in range(len(self.units))]
+            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind)
+                  for u in range(len(self.units))]
             owners: dict[str, list[tuple[int, float]]] = {}
             in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
             largest = [0.0] * len(self.units)
@@ -393,16 +455,16 @@ class CostContext:
             hit = self._codes[key] = (code, power)
         return hit
 
-    def p2p_times(self, pp: int, stride: int, mb: int, split: int = 1) -> tuple[float, ...]:
+    def p2p_times(self, pp: int, stride: int, mb: int, split: int = 1, cp: int = 1) -> tuple[float, ...]:
         """Time to send one microbatch's activations across each unit boundary.
 
-        Pipeline neighbours sit dp*tp ranks apart in the mesh; every adjacent
+        Pipeline neighbours sit dp*cp*tp ranks apart in the mesh; every adjacent
         pair is equally far, so ranks 0 -> stride stand for all of them.
         """
-        key = (stride, mb, split) if pp > 1 else None  # one object per key: range_codes keys on its identity
+        key = (stride, mb, split, cp) if pp > 1 else None  # one object per key: range_codes keys on its identity
         hit = self._p2p.get(key)
         if hit is None:
-            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb, split), 0, stride) if pp > 1
+            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb, split, cp), 0, stride) if pp > 1
                                          else 0.0 for u in range(len(self.units) - 1))
         return hit
 
@@ -432,9 +494,10 @@ class CostContext:
                               and group_compressor(o) not in pinned))
 
     def crossed_levels(self, cand: ParallelConfig) -> tuple[str, ...]:
-        """The link levels `cand`'s data-parallel gradient reduction crosses (pipeline rank 0's group
-        stands for all)."""
-        return traffic_levels(self.comm, Mesh(cand.pp, cand.dp, cand.tp).dp_ranks()) if cand.dp > 1 else ()
+        """The link levels `cand`'s data-parallel gradient reduction (over dp x cp ranks) crosses (pipeline
+        rank 0's group stands for all)."""
+        return traffic_levels(self.comm, Mesh(cand.pp, cand.dp, cand.tp, cand.cp).replica_ranks()) \
+            if cand.replicas > 1 else ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from partitioner.show.text import blocks_text, compression_text, ranges_text, sequence_text
+from cost_models.mesh import Mesh
+from partitioner.show.text import blocks_text, compression_text, context_text, ranges_text, sequence_text
 from partitioner.show.timeline import Timeline, build_timeline, event_style, stage_color
 from partitioner.tracer.opgraph_table import human
 
@@ -83,6 +84,7 @@ def _summary(plan: Plan) -> str:
             ("peak memory", (f"{_size(pr.peak_memory_bytes)} of {_size(pr.memory_capacity_bytes)} per device "
                              f"({100 * frac:.3g} %)")),
             *([("sequence", sequence_text(plan))] if c.sp else []),
+            *([("context", context_text(plan))] if c.cp > 1 else []),
             ("compression", compression_text(plan)),
             ("search", f"{plan.candidates_evaluated} of {plan.search_space} configurations evaluated exactly"),
             ("declared", ", ".join(f"{k}={v}" for k, v in plan.declarations.items()) or "nothing pinned")]
@@ -108,18 +110,21 @@ def _device_grid(plan: Plan) -> str:
                  f'<text x="{G}" y="12" class="lbl">node {node}</text>']
         for i, m in enumerate(coords):
             x, y = G + i * (W + G), 16 + G
-            tip = (f"rank {m.rank}: node {m.node}, pp {m.pp}, dp {m.dp}, tp {m.tp}; stages "
+            cp = f", cp {m.cp}" if plan.cp > 1 else ""
+            tip = (f"rank {m.rank}: node {m.node}, pp {m.pp}, dp {m.dp}{cp}, tp {m.tp}; stages "
                    f"{', '.join(map(str, stages_of[m.pp]))}; peak {_size(mem[m.pp].total)}")
             parts.append(f'<g class="cell" data-pp="{m.pp}" data-tip="{esc(tip)}">'
                          f'<rect id="rank-{m.rank}" x="{x}" y="{y}" width="{W}" height="{H}" rx="4" '
                          f'fill="{stage_color(m.pp)}"/>'
                          f'<text x="{x + W / 2}" y="{y + 17}" class="r">{m.rank}</text>'
-                         f'<text x="{x + W / 2}" y="{y + 31}" class="c">d{m.dp} t{m.tp}</text></g>')
-        if plan.tp > 1:  # tensor groups are runs of consecutive ranks with the same (pp, dp)
+                         f'<text x="{x + W / 2}" y="{y + 31}" class="c">d{m.dp}{f" c{m.cp}" if plan.cp > 1 else ""} '
+                         f't{m.tp}</text></g>')
+        if plan.tp > 1:  # tensor groups are runs of consecutive ranks with the same (pp, dp, cp)
             i = 0
             while i < len(coords):
                 j = i
-                while j + 1 < len(coords) and (coords[j + 1].pp, coords[j + 1].dp) == (coords[i].pp, coords[i].dp):
+                while j + 1 < len(coords) and (coords[j + 1].pp, coords[j + 1].dp, coords[j + 1].cp) == \
+                        (coords[i].pp, coords[i].dp, coords[i].cp):
                     j += 1
                 x = G + i * (W + G) - 3
                 parts.append(f'<rect class="tpg" x="{x}" y="{16 + G - 3}" width="{(j - i + 1) * (W + G) - G + 6}" '
@@ -132,8 +137,8 @@ def _device_grid(plan: Plan) -> str:
         legend += f'<span class="key"><i class="tpkey"></i>tensor-parallel group of {plan.tp}</span>'
     return (f'<section id="device-grid"><h2>Devices</h2><p class="legend">{legend}</p>'
             f'<div class="nodes">{"".join(boxes)}</div>'
-            f'<p class="note">rank = pp*{plan.dp * plan.tp} + dp*{plan.tp} + tp; cells show rank, data-parallel '
-            f'replica (d) and tensor slice (t).</p></section>')
+            f'<p class="note">{Mesh(plan.pp, plan.dp, plan.tp, plan.cp).formula()}; cells show rank, data-parallel '
+            f'replica (d){", context slice (c)" if plan.cp > 1 else ""} and tensor slice (t).</p></section>')
 
 
 def _stage_map(plan: Plan) -> str:

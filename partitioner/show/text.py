@@ -65,15 +65,16 @@ def _wrap(line: str, indent: int) -> list[str]:
     if len(line) <= WIDTH:
         return [line]
     tokens: list[str] = []
-    for piece in re.split(r"(?<=[;,]) ", line):
+    body = line.lstrip(" ")  # its leading spaces kept as they are, even when the first phrase is split at spaces
+    for piece in re.split(r"(?<=[;,]) ", body):
         tokens += [piece] if indent + len(piece) <= WIDTH else piece.split(" ")
-    lines, cur = [], ""
+    lines, cur = [], line[:len(line) - len(body)]
     for t in tokens:
         if cur.strip() and len(cur) + 1 + len(t) > WIDTH:
             lines.append(cur)
             cur = " " * indent + t
         else:
-            cur = f"{cur} {t}" if cur else t
+            cur = f"{cur} {t}" if cur.strip() else cur + t
     return [*lines, cur]
 
 
@@ -162,13 +163,15 @@ def _every(k: int) -> str:
 
 def _zero(p: Plan) -> str:
     c = p.config
-    if c.dp == 1:
+    if c.replicas == 1:
         return f"stage {c.zero_stage}: no data parallelism, nothing to shard"
     held = ("", "optimizer state", "optimizer state and gradients",
             "parameters, gradients and optimizer state")[c.zero_stage]
+    who = f"{c.dp} data-parallel replicas" if c.cp == 1 else \
+        f"dp x cp = {c.replicas} ranks ({c.dp} data-parallel replicas of {c.cp} context slices)"
     if not held:
-        return f"stage 0: each of the {c.dp} data-parallel replicas holds full parameters, gradients and optimizer state"
-    return f"stage {c.zero_stage}: {held} sharded over {c.dp} data-parallel replicas"
+        return f"stage 0: each of the {who} holds full parameters, gradients and optimizer state"
+    return f"stage {c.zero_stage}: {held} sharded over {who}"
 
 
 # what fp8-mixed runs (runtime.engines.fp8), in print(plan) and explain()
@@ -266,6 +269,22 @@ def sequence_text(p: Plan) -> str:
             "row-parallel outputs reduce-scattered, column-parallel inputs all-gathered")
 
 
+def _span(p: Plan, ranks: tuple[int, ...]) -> str:
+    nodes = len({p.mesh[r].node for r in ranks})
+    return "inside one node" if nodes == 1 else f"across {nodes} nodes"
+
+
+def context_text(p: Plan) -> str:
+    """The context-parallel line: how the sequence is split and what attention sends (cp > 1 only)."""
+    c = p.config
+    seq = f"{p.seq_len // c.cp} of {p.seq_len} tokens" if p.seq_len else f"1/{c.cp} of the tokens"
+    how = ("ring attention: key/value blocks passed to the next rank of the group, cp - 1 steps each way, "
+           "behind each block's attention" if c.cp_kind == "ring" else
+           "all-to-all (Ulysses): 4 all-to-alls per attention forward and 4 backward re-shard heads")
+    return (f"cp{c.cp}: each rank holds {seq} (2 of {2 * c.cp} chunks, the causal load balance) for the whole "
+            f"layer; {how}; gradients reduced over dp x cp = {c.replicas} ranks")
+
+
 def format_plan(p: Plan) -> str:
     c, pr = p.config, p.predicted
     lines = _wrap(f"Plan for {p.model_name} on {p.topology_name} ({p.world_size} devices), global batch "
@@ -275,7 +294,8 @@ def format_plan(p: Plan) -> str:
     for m in p.mesh:
         nodes.setdefault(m.node, []).append(m.rank)
     shown = list(nodes.items())[:4]
-    mesh = (f"pp {c.pp} x dp {c.dp} x tp {c.tp}; {Mesh(c.pp, c.dp, c.tp).formula()}; "
+    axes = f"pp {c.pp} x dp {c.dp} x " + (f"cp {c.cp} x " if c.cp > 1 else "") + f"tp {c.tp}"
+    mesh = (f"{axes}; {Mesh(c.pp, c.dp, c.tp, c.cp).formula()}; "
             + "; ".join(f"node {n}: ranks {ranges_text(r)}" for n, r in shown)
             + (f"; ... {len(nodes)} nodes" if len(nodes) > 4 else ""))
     cap = pr.memory_capacity_bytes
@@ -289,6 +309,7 @@ def format_plan(p: Plan) -> str:
             *([("blocks", _kinds(p))] if p.block_kinds else []),
             ("recompute", f"{c.recompute}: {_RECOMPUTE[c.recompute]}"),
             *([("sequence", sequence_text(p))] if c.sp else []),
+            *([("context", context_text(p))] if c.cp > 1 else []),
             ("compression", compression_text(p)),
             *([("async sgd", _async_sgd(p))] if p.async_sgd else []),
             *([("attention", _attention(p))] if p.attention_rewrites else []),
@@ -368,6 +389,18 @@ def explain_plan(p: Plan) -> str:
     elif c.tp > 1 and p.declarations.get("sp") is False:
         out.append("- no sequence parallelism, as declared (sp=False): the layer norms, dropouts and residual adds "
                    f"run on every token in each of the {c.tp} tensor ranks.")
+    if c.cp > 1:
+        why = "as declared" if "cp" in p.declarations else "the planner's choice"
+        out.append(f"- context parallelism over {c.cp} ranks ({why}, {c.cp_kind}): each rank holds 1/{c.cp} of "
+                   f"every sequence, so activations and token-dependent FLOPs per rank are divided by {c.cp}; "
+                   + ("each attention passes key/value blocks round the ring, behind its block computations"
+                      if c.cp_kind == "ring" else "each attention re-shards heads by 4 all-to-alls each way")
+                   + f"; groups of {c.cp} ranks, {c.tp} apart, {_span(p, Mesh(c.pp, c.dp, c.tp, c.cp).cp_ranks())}; "
+                   f"gradients reduced over dp x cp = {c.replicas} ranks. Costed only: no per-rank program runs "
+                   "cp > 1 yet.")
+    if c.replicas > 1 and c.dp == 1:
+        out.append(f"- ZeRO stage {c.zero_stage} over the {c.replicas} context ranks; exposed communication "
+                   f"{_ms(pr.exposed_comm_s)} ms per step; gradient compression: {compression_text(p)}.")
     if c.dp > 1:
         out.append(f"- {c.dp} data-parallel replicas with ZeRO stage {c.zero_stage}; exposed communication "
                    f"{_ms(pr.exposed_comm_s)} ms per step; gradient compression: {compression_text(p)}.")

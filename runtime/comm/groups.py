@@ -77,6 +77,11 @@ def group_ranks(mesh: Sequence[Any]) -> dict[Axis, list[tuple[int, ...]]]:
     plan's MeshCoord). Raises ValueError unless ranks are 0..n-1 once each and
     the coordinates form a full pp x dp x tp grid.
     """
+    cps = {int(getattr(m, "cp", 0)) for m in mesh if hasattr(m, "rank")}
+    if cps - {0}:
+        raise ValueError(f"mesh with a context-parallel axis (cp = {max(cps) + 1}): context-parallel plans are "
+                         "costed but not yet runnable (no process groups or programs for cp > 1); compile the plan "
+                         "with cp=1 to train it")
     coords = [_coord(m) for m in mesh]
     ranks = sorted(c[0] for c in coords)
     if ranks != list(range(len(coords))):
