@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections.abc import Callable
 
 from partitioner.planner.stage_costs import StageCost, StageEvaluator
 
@@ -79,13 +80,21 @@ def _balanced(ev: StageEvaluator, n: int, S: int) -> Cut | None:
     return evaluate_cut(ev, tuple(bounds))
 
 
-def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf) -> Cut | None:
-    """The best cut of all units into ev.num_stages stages, or None if none fits / beats `incumbent`."""
+def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf,
+               accept: Callable[[Cut], bool] | None = None) -> Cut | None:
+    """The best cut of all units into ev.num_stages stages, or None if none fits / beats `incumbent`.
+
+    `accept`: a test whole cuts must also pass (the per-rank memory of interleaved stages, which no single
+    stage decides); the best of the cuts on the final front that pass it. With it the result is the best
+    accepted cut of that front, which may miss an accepted cut the front dropped for a faster rejected one.
+    """
     n, S = len(ev.ctx.units), ev.num_stages
     if S > n:
         return None
     m, v = ev.cand.num_microbatches, ev.cand.interleave
     best = _balanced(ev, n, S)
+    if best is not None and accept is not None and not accept(best):
+        best = None
     bound = min(incumbent, best.step_time_s if best else math.inf)
     if ev.ctx.cal.pipeline_idle_cost < 1.0:
         # the front's bound below assumes every idle second costs one; with less charged, a cut
@@ -123,7 +132,7 @@ def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf) -> Cut | None
         t = slope * mc + sc * ev.sum_weight + mt
         if result is None or t < result.step_time_s - 1e-15 * t or (abs(t - result.step_time_s) <= 1e-15 * t and bnds < result.bounds):
             cut = evaluate_cut(ev, bnds)
-            if cut is not None:
+            if cut is not None and (accept is None or accept(cut)):
                 result = cut
     if result is None or result.step_time_s > incumbent:
         return None

@@ -235,13 +235,32 @@ def rank_peak(cut: Cut, pp: int) -> float:
 
 
 def _cut_one_compression(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:
-    """The best cut whose stages all use one compression (see the module docstring)."""
-    cut = cut_stages(ev, incumbent=incumbent)
+    """The best cut whose stages all use one compression (see the module docstring).
+
+    Where a rank holds several virtual stages (interleaved), each stage within 1/v of the memory is sufficient
+    for its rank but not necessary: a rank whose early chunks keep more microbatches in flight than its late
+    ones fits with some chunk over cap/v. So the search also cuts with every chunk checked alone and its ranks'
+    sums checked on whole cuts (`rank_peak`), and keeps the faster of the two cuts.
+    """
+    cut = _one_compression(ctx, ev, incumbent=incumbent)
+    if ev.num_stages > ev.cand.pp:
+        pp, cap = ev.cand.pp, ctx.memory_cap
+        loose = StageEvaluator(ctx, ev.cand, ev.options[0] if len(ev.options) == 1 else None, chunk_alone=True)
+        other = _one_compression(ctx, loose, incumbent=min(incumbent, cut.step_time_s if cut else math.inf),
+                                 accept=lambda c: rank_peak(c, pp) <= cap)
+        if other is not None and (cut is None or other.step_time_s < cut.step_time_s):
+            cut = other
+    return cut
+
+
+def _one_compression(ctx: CostContext, ev, *, incumbent: float, accept=None) -> Cut | None:
+    cut = cut_stages(ev, incumbent=incumbent, accept=accept)
     if cut is None or len({st.compression for st in cut.stages}) == 1:
         return cut
     best = None
     for option in ev.options:
-        other = cut_stages(StageEvaluator(ctx, ev.cand, option), incumbent=incumbent)
+        other = cut_stages(StageEvaluator(ctx, ev.cand, option, chunk_alone=ev.chunk_alone), incumbent=incumbent,
+                           accept=accept)
         if other is not None and (best is None or other.step_time_s < best.step_time_s):
             best = other
     return best
@@ -255,7 +274,7 @@ def least_memory(ctx: CostContext, candidates: list[ParallelConfig],
         cut = _balanced_cut(StageEvaluator(ctx, cand, compression))
         if cut is None:
             continue
-        peak = max(st.memory_total * cand.interleave for st in cut.stages)
+        peak = rank_peak(cut, cand.pp)
         if peak < best:
             best, who = peak, cand
     return best, who

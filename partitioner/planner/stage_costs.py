@@ -135,8 +135,13 @@ def sum_weight(schedule: str, pp: int, v: int, m: int, weight_share: float) -> f
 class StageEvaluator:
     """Stage costs for one candidate in O(1) per stage, from prefix sums over units."""
 
-    def __init__(self, ctx: CostContext, cand: ParallelConfig, compression: tuple[str, str] | None = None):
+    def __init__(self, ctx: CostContext, cand: ParallelConfig, compression: tuple[str, str] | None = None, *,
+                 chunk_alone: bool = False):
         self.ctx, self.cand = ctx, cand
+        # how a virtual stage's memory is checked when a rank holds several (interleaved): False, each within
+        # 1/v of the cap (sufficient for its rank); True, each alone within the cap (necessary only: the cut
+        # search then checks its ranks' sums, `search.rank_peak`)
+        self.chunk_alone = chunk_alone
         self.options = (compression,) if compression is not None else ctx.compression_options(cand)
         assert self.options, f"{cand} cannot honour the pinned compression {ctx.compression_pins}: filter it out"
         self.num_stages = cand.pp * cand.interleave
@@ -257,11 +262,13 @@ class StageEvaluator:
             memory_of = self._peak_memory(i, j, k, params=params, tied=tied, rest=rest, inflight=inflight)
         # The compression with the least exposed time of those that fit (a compressor's buffers may not;
         # the fastest when none does); the first, least lossy, on a tie. Interleaved: a rank holds v
-        # chunks; each may use 1/v of the memory (safe, if conservative for uneven chunks).
+        # chunks; each may use 1/v of the memory (safe, if conservative for uneven chunks), or under
+        # chunk_alone all of it (the rank's sum is checked on whole cuts).
         chosen = memory = None
+        share = 1 if self.chunk_alone else v
         for option in sorted(self.options, key=exposed.__getitem__):
             mem = memory_of(option)
-            fits = sum(mem[:4]) * v + mem[4] <= ctx.memory_cap
+            fits = sum(mem[:4]) * share + mem[4] <= ctx.memory_cap
             if memory is None or fits:
                 chosen, memory = option, mem
             if fits:
