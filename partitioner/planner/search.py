@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from partitioner.planner.cut import Cut, cut_stages, evaluate_cut, step_time
-from partitioner.planner.declarations import MAX_MICROBATCHES, SPLIT_BACKWARD, Declarations, divisors
+from partitioner.planner.declarations import INTERLEAVED, MAX_MICROBATCHES, SPLIT_BACKWARD, Declarations, divisors
 from partitioner.planner.plan import ParallelConfig, per_rank_memory
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.unit_costs import CostContext
@@ -37,8 +37,10 @@ from partitioner.planner.unit_costs import CostContext
 __all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
 
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
-_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 3}
-_INTERLEAVES = (2, 3, 4)
+_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 3, "interleaved-zb": 4, "zb-v": 5}
+# Virtual stages per rank tried unpinned: interleaved-1f1b 2-4; interleaved-zb 2 only (its W fill the bubble
+# that more chunks would shrink, and each v adds a candidate per configuration); zb-v exactly 2
+_INTERLEAVES = {"interleaved-1f1b": (2, 3, 4), "interleaved-zb": (2,), "zb-v": (2,)}
 # Balanced cuts tried when looking for faster configurations that do not fit: each costs one stage
 # evaluation per stage, a few ms on 1000 ranks, so a cap keeps the search's time what it was.
 _OVER_MEMORY_TRIES = 24
@@ -116,13 +118,14 @@ def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[s
         # One stage: every schedule is gradient accumulation; name it 1F1B.
         return [("1f1b", 1)] if d.schedule in (None, "1f1b", "gpipe") else []
     out = []
-    for sched in ([d.schedule] if d.schedule is not None else ["1f1b", "gpipe", "interleaved-1f1b", "zb-h1"]):
-        if sched != "interleaved-1f1b":
+    for sched in ([d.schedule] if d.schedule is not None else list(_SCHEDULE_ORDER)):
+        if sched not in INTERLEAVED:
             out.append((sched, 1))
             continue
-        for v in ([d.interleave] if d.interleave is not None else _INTERLEAVES):
-            # Megatron's interleaved schedule needs the microbatches in groups of pp.
-            if pp * v <= num_units and m % pp == 0:
+        for v in ([d.interleave] if d.interleave is not None else _INTERLEAVES[sched]):
+            # Megatron's interleaved schedule needs the microbatches in groups of pp; torch's interleaved zero
+            # bubble in rounds of pp (searched where they are whole: the cut search's closed form is exact there)
+            if pp * v <= num_units and (sched == "zb-v" or m % pp == 0):
                 out.append((sched, v))
     return out
 
@@ -193,7 +196,7 @@ def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, l
             break
         tries[shape] = tries.get(shape, 0) + 1
         cut = _balanced_cut(ev)
-        if cut is not None and cut.step_time_s < beat and rank_peak(cut, cand.pp) > ctx.memory_cap:
+        if cut is not None and cut.step_time_s < beat and rank_peak(cut, cand.pp, cand.schedule) > ctx.memory_cap:
             found[shape] = Scored(cand=cand, cut=cut, compression=cut.stages[0].compression)
     return tuple(found.values())
 
@@ -222,9 +225,9 @@ def _balanced_cut(ev) -> Cut | None:
                                                                     sum_weight=ev.sum_weight))
 
 
-def rank_peak(cut: Cut, pp: int) -> float:
+def rank_peak(cut: Cut, pp: int, schedule: str = "1f1b") -> float:
     """The largest per-rank memory of a cut (per_rank_memory: a rank's virtual stages summed, buffers once)."""
-    return max(m.total for m in per_rank_memory([st.memory for st in cut.stages], pp).values())
+    return max(m.total for m in per_rank_memory([st.memory for st in cut.stages], pp, schedule).values())
 
 
 def _cut_one_compression(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:

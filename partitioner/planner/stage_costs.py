@@ -66,6 +66,7 @@ from cost_models.memory import (
 from cost_models.mesh import Mesh
 from cost_models.powersgd import LowRank
 from partitioner.planner.plan import ParallelConfig
+from partitioner.planner.schedule import chunk_peaks, stage_rank
 from partitioner.planner.unit_costs import CostContext
 
 __all__ = ["StageCost", "StageEvaluator", "StageMemory"]
@@ -123,11 +124,27 @@ def sum_weight(schedule: str, pp: int, v: int, m: int, weight_share: float) -> f
 
     >>> sum_weight("1f1b", 4, 1, 8, 0.3)
     1.0
+    interleaved-zb (torch's ScheduleInterleavedZeroBubble) divides ZB-H1's coefficient by v, as interleaving
+    divides 1F1B's: (pp - 1)(F + B - 2 W) / v. zb-v (Qi et al. 2023, section 6) has ZB-H1's bubble in half
+    stages, (pp - 1)(F + B - 2 W) / 2, once m >= 2 pp - 1 microbatches fill its V; with fewer it is charged
+    ZB-H1's (the V's saving not assumed). Both are exact on uniform stages with W = F = B / 2 (the paper's
+    matmul case, weight_share 1 / 3) and m at least those counts (tests/test_simulate.py); elsewhere they
+    estimate, and the plan's predicted step is the simulator's on the exact lists.
+
+    >>> sum_weight("1f1b", 4, 1, 8, 0.3)
+    1.0
     >>> round(sum_weight("zb-h1", 4, 1, 8, 1 / 3), 4), sum_weight("zb-h1", 4, 1, 1, 1 / 3)  # bubble a third; m=1
     (0.5, 0.75)
+    >>> sum_weight("interleaved-zb", 4, 2, 8, 1 / 3), sum_weight("zb-v", 4, 2, 8, 1 / 3)
+    (0.25, 0.25)
     """
+    zb_h1 = max(1 / pp, 1 - weight_share * (pp - 2 + min(m, pp)) / pp)
     if schedule == "zb-h1":
-        return max(1 / pp, 1 - weight_share * (pp - 2 + min(m, pp)) / pp)
+        return zb_h1
+    if schedule == "interleaved-zb":
+        return zb_h1 / v
+    if schedule == "zb-v":
+        return zb_h1 / 2 if m >= 2 * pp - 1 else zb_h1
     return 1 / v
 
 
@@ -219,8 +236,10 @@ class StageEvaluator:
             params -= drop
             rest -= 0.0 if in_block else drop_rest
         m, v = cand.num_microbatches, cand.interleave
-        rank = k % cand.pp
-        if v > 1:  # this chunk's own count: the rank's first chunks hold more than its last
+        rank = stage_rank(cand.schedule, cand.pp, k)
+        if cand.schedule in ("interleaved-zb", "zb-v"):  # per chunk, off the rank's order; held until W
+            inflight = chunk_peaks(cand.schedule, pp=cand.pp, num_microbatches=m, interleave=v, rank=rank)[0][k // cand.pp]
+        elif v > 1:  # this chunk's own count: the rank's first chunks hold more than its last
             inflight = chunk_inflight(pp=cand.pp, stage=rank, num_microbatches=m, interleave=v)[k // cand.pp]
         else:  # zb-h1: what I keeps for W besides (the gradients at the weights' matmuls) is charged below
             inflight = inflight_microbatches(cand.schedule, pp=cand.pp, stage=rank, num_microbatches=m,
@@ -321,6 +340,13 @@ class StageEvaluator:
         gathered = min(2, blocks) * block * pb if z == 3 else 0.0  # the block and the one prefetched
         act1 = self._act[j] - self._act[i]  # one microbatch's
         acts = act1 * inflight + max(self._work[i:j], default=0.0)
+        if cand.schedule in ("interleaved-zb", "zb-v") and k > 0:
+            # as zb-h1 below, the count of microbatches between I and W read off the rank's order
+            held = arr.wgrad[j] - arr.wgrad[i] - (self._loss_kept if last else 0.0)
+            rank = stage_rank(cand.schedule, cand.pp, k)
+            waiting = chunk_peaks(cand.schedule, pp=cand.pp, num_microbatches=cand.num_microbatches,
+                                  interleave=cand.interleave, rank=rank)[1][k // cand.pp]
+            acts += waiting * max(0.0, held)
         if cand.schedule == "zb-h1" and k > 0:
             # between a microbatch's I and its W the stage also keeps the gradients into its weights' matmuls
             # (runtime.pipeline.split_backward); rank r runs W r I's late, so r + 1 microbatches at once, right
