@@ -437,7 +437,7 @@ def chunk_peaks(kind: ScheduleKind, *, pp: int, num_microbatches: int, interleav
     alone, O(m v), so the cut search asks it for every rank of long pipelines.
 
     >>> chunk_peaks("interleaved-zb", pp=2, num_microbatches=4, interleave=2, rank=1)
-    ((3, 2), (1, 2))
+    ((4, 2), (2, 2))
     """
     _check_kind_and_sizes(kind, pp, num_microbatches, interleave)
     order = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order, "interleaved-1f1b": _interleaved_order,

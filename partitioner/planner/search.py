@@ -38,8 +38,8 @@ __all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplici
 
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 _SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 3, "interleaved-zb": 4, "zb-v": 5}
-# Virtual stages per rank tried unpinned: interleaved-1f1b 2-4; interleaved-zb 2 only (its W fill the bubble
-# that more chunks would shrink, and each v adds a candidate per configuration); zb-v exactly 2
+# Virtual stages per rank tried unpinned (and pinned without interleave): interleaved-1f1b 2-4; interleaved-zb 2
+# only (each v adds a candidate per configuration); zb-v exactly 2
 _INTERLEAVES = {"interleaved-1f1b": (2, 3, 4), "interleaved-zb": (2,), "zb-v": (2,)}
 # Balanced cuts tried when looking for faster configurations that do not fit: each costs one stage
 # evaluation per stage, a few ms on 1000 ranks, so a cap keeps the search's time what it was.
@@ -117,16 +117,27 @@ def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[s
     if pp == 1:
         # One stage: every schedule is gradient accumulation; name it 1F1B.
         return [("1f1b", 1)] if d.schedule in (None, "1f1b", "gpipe") else []
-    out = []
-    for sched in ([d.schedule] if d.schedule is not None else list(_SCHEDULE_ORDER)):
-        if sched not in INTERLEAVED:
-            out.append((sched, 1))
-            continue
-        for v in ([d.interleave] if d.interleave is not None else _INTERLEAVES[sched]):
-            # Megatron's interleaved schedule needs the microbatches in groups of pp; torch's interleaved zero
-            # bubble in rounds of pp (searched where they are whole: the cut search's closed form is exact there)
-            if pp * v <= num_units and (sched == "zb-v" or m % pp == 0):
-                out.append((sched, v))
+    if d.schedule is not None:  # pinned: every interleave its lists allow
+        if d.schedule not in INTERLEAVED:
+            return [(d.schedule, 1)]
+        vs = [d.interleave] if d.interleave is not None else _INTERLEAVES[d.schedule]
+        allowed = {"interleaved-1f1b": m % pp == 0, "interleaved-zb": m % max(1, m // pp) == 0, "zb-v": True}
+        return [(d.schedule, v) for v in vs if pp * v <= num_units and allowed[d.schedule]]
+    out = [(s, 1) for s in ("1f1b", "gpipe", "zb-h1")]
+    for v in ([d.interleave] if d.interleave is not None else _INTERLEAVES["interleaved-1f1b"]):
+        # Megatron's interleaved schedule needs the microbatches in groups of pp
+        if pp * v <= num_units and m % pp == 0:
+            out.append(("interleaved-1f1b", v))
+    if d.interleave in (None, 2) and 2 * pp <= num_units:
+        # The zero-bubble schedules with two stages per rank, where the cut search's closed form is exact
+        # (stage_costs.sum_weight): zb-v once m >= 2 pp - 1 fills its V (with fewer it is charged zb-h1's
+        # bubble and more memory: it cannot win). There it has interleaved-zb's bubble and holds less (2 pp + 1
+        # half-stage microbatches per rank against 3 pp: tests/test_schedule.py), so interleaved-zb is searched
+        # only below, at m = pp, its one whole round
+        if m >= 2 * pp - 1:
+            out.append(("zb-v", 2))
+        elif m % pp == 0:
+            out.append(("interleaved-zb", 2))
     return out
 
 
