@@ -184,7 +184,11 @@ def test_pinned_declarations_are_honoured(small, pins):
     (dict(schedule="zigzag"), r"schedule='zigzag': must be one of 'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'"),
     (dict(schedule="zb-h1", zero_stage=3), r"schedule='zb-h1' with zero_stage=3: .*use zero_stage 0, 1 or 2"),
     (dict(schedule="zb-h1", recompute="selective"), r"schedule='zb-h1' with recompute='selective': .*'full' or"),
-    (dict(interleave=2, schedule="1f1b"), r"interleave=2 needs schedule='interleaved-1f1b'"),
+    (dict(schedule="zb-v", zero_stage=3), r"schedule='zb-v' with zero_stage=3: .*use zero_stage 0, 1 or 2"),
+    (dict(schedule="interleaved-zb", recompute="selective"), r"schedule='interleaved-zb' with recompute='selective'"),
+    (dict(schedule="zb-v", interleave=3), r"schedule='zb-v' places exactly 2 stages per pipeline rank"),
+    (dict(schedule="interleaved-zb", interleave=1), r"schedule='interleaved-zb' with interleave=1 is plain zb-h1"),
+    (dict(interleave=2, schedule="1f1b"), r"interleave=2 needs schedule='interleaved-1f1b' or 'interleaved-zb'"),
     (dict(precision="fp8"), r"precision='fp8': must be one of"),
     (dict(max_memory_fraction=1.5), r"max_memory_fraction=1.5: must be in \(0, 1\]"),
 ])
