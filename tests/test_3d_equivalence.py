@@ -128,6 +128,8 @@ CASES = [
     ("llama", 2, 2, 1, "interleaved-zb", 2, 1),
     ("llama", 2, 1, 1, "zb-v", 2, 0),
     ("llama", 2, 2, 1, "zb-v", 2, 1),
+    ("gpt", 2, 1, 2, "interleaved-zb", 2, 0),
+    ("gpt", 2, 1, 2, "zb-v", 2, 0),
 ]
 
 
