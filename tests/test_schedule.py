@@ -11,6 +11,7 @@ from cost_models.memory import SCHEDULES, inflight_microbatches
 from partitioner.planner.schedule import (
     SCHEDULE_KINDS,
     Action,
+    chunk_peaks,
     Op,
     Schedule,
     add_unshard_reshard,
@@ -542,7 +543,6 @@ def test_interleaved_zb_example():
 def test_chunk_peaks_are_the_lists_peaks(kind, pp, m):
     """What the cost model charges per stage (activations held until W; W's kept gradients between I and W)
     is what the lists hold at their peak."""
-    from partitioner.planner.schedule import chunk_peaks
     s = build_schedule(kind, pp=pp, num_microbatches=m, interleave=2)
     live_peak = peak_inflight(s)
     for r in range(pp):
@@ -555,3 +555,25 @@ def test_chunk_peaks_are_the_lists_peaks(kind, pp, m):
                     between += 1 if a.op is Op.I else -1
                     most = max(most, between)
             assert held[k] == most
+
+
+@pytest.mark.parametrize("kind,v", [("zb-v", 2), ("interleaved-zb", 2), ("interleaved-zb", 3)])
+@pytest.mark.parametrize("pp", [1, 2, 3, 5, 8])
+def test_chunk_peaks_of_long_lists_are_the_full_lists_peaks(kind, v, pp):
+    """chunk_peaks reads zb-v's first 4 pp and interleaved-zb's first 3 pp microbatches only: the lists repeat
+    once the pipeline is full, so the peaks of the whole lists are the same."""
+    for m in range(1, 9 * pp + 1):
+        if kind == "interleaved-zb" and m % max(1, m // pp):
+            continue
+        s = build_schedule(kind, pp=pp, num_microbatches=m, interleave=v)
+        live_peak = peak_inflight(s)
+        for r in range(pp):
+            live, held = chunk_peaks(kind, pp=pp, num_microbatches=m, interleave=v, rank=r)
+            assert live == tuple(live_peak[st] for st in s.stages_of(r)), (m, r)
+            for k, st in enumerate(s.stages_of(r)):
+                between = most = 0
+                for a in s.ranks[r]:
+                    if a.stage == st and a.op in (Op.I, Op.W):
+                        between += 1 if a.op is Op.I else -1
+                        most = max(most, between)
+                assert held[k] == most, (m, r, st)
