@@ -12,6 +12,8 @@ Rows (the name is what ``--rows`` takes):
 
     pp2-gpipe pp2-1f1b pp4-gpipe pp4-1f1b   pipeline, dp = tp = 1, 4 microbatches of 2
     pp2-zb-h1 pp4-zb-h1                     the same, zero bubble (torch: ScheduleInterleavedZeroBubble, one stage per rank)
+    pp2-interleaved-zb                      two stages per rank at stage % pp (torch: ScheduleInterleavedZeroBubble)
+    pp2-zb-v                                two stages per rank in a V, 0 and 3 on rank 0 (torch: ScheduleZBVZeroBubble)
     tp2                                     tensor parallel, pp = dp = 1, one microbatch of 8
 
 Pipeline rows. Model: the benchmark model of docs/torch-notes.md,
@@ -106,9 +108,16 @@ class Row:
     """One comparison: a compiled plan and torch's implementation of the same parallelism."""
 
     name: str
-    schedule: str  # "gpipe", "1f1b" or "zb-h1"; the tp row runs one microbatch, whose schedule is moot
+    schedule: str  # "gpipe", "1f1b", "zb-h1", "interleaved-zb" or "zb-v"; the tp row runs one microbatch
     pp: int
     tp: int
+    interleave: int = 1  # virtual stages per pipeline rank
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The virtual stages pipeline rank `rank` holds: rank + k pp, or zb-v's V (rank, 2 pp - 1 - rank)."""
+        if self.schedule == "zb-v":
+            return (rank, 2 * self.pp - 1 - rank)
+        return tuple(range(rank, self.pp * self.interleave, self.pp))
 
     @property
     def world(self) -> int:
@@ -118,8 +127,9 @@ class Row:
     def torch_name(self) -> str:
         if self.tp > 1:
             return "DTensor parallelize_module (Colwise q/k/v/gate/up, Rowwise o/down)"
-        return {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                "zb-h1": "ScheduleInterleavedZeroBubble"}[self.schedule] + " + PipelineStage"
+        return {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble",
+                "interleaved-zb": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble"}[self.schedule] \
+            + " + PipelineStage"
 
 
 ROWS = {r.name: r for r in (
@@ -129,6 +139,8 @@ ROWS = {r.name: r for r in (
     Row(name="pp4-1f1b", schedule="1f1b", pp=4, tp=1),
     Row(name="pp2-zb-h1", schedule="zb-h1", pp=2, tp=1),
     Row(name="pp4-zb-h1", schedule="zb-h1", pp=4, tp=1),
+    Row(name="pp2-interleaved-zb", schedule="interleaved-zb", pp=2, tp=1, interleave=2),
+    Row(name="pp2-zb-v", schedule="zb-v", pp=2, tp=1, interleave=2),
     Row(name="tp2", schedule="1f1b", pp=1, tp=2),
 )}
 
@@ -194,27 +206,38 @@ def _torch_pipeline(row: Row, rank: int, batches: list, stage_blocks: list, same
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
     from examples.training import adamw, gpt_small_seeded
 
-    pp, first, last = row.pp, rank == 0, rank == row.pp - 1
-    module = _gpt_stage(gpt_small_seeded(), tuple(stage_blocks[rank]))
-    stage = PipelineStage(module, rank, pp, device=torch.device("cpu"))
-    if row.schedule == "zb-h1":  # torch's zero-bubble schedule with one stage per rank is ZB-H1
-        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=GLOBAL_BATCH // MICROBATCH,
-                                                 loss_fn=_logits_loss)
+    pp, S = row.pp, row.pp * row.interleave
+    mine = row.stages_of(rank)
+    first, last = 0 in mine, S - 1 in mine
+    model = gpt_small_seeded()  # one model per rank: zb-v's stages 0 and S - 1 share its tied wte / lm_head
+    modules = [_gpt_stage(model, tuple(stage_blocks[s])) for s in mine]
+    stages = [PipelineStage(mod, s, S, device=torch.device("cpu")) for mod, s in zip(modules, mine)]
+    n = GLOBAL_BATCH // MICROBATCH
+    if row.schedule in ("zb-h1", "interleaved-zb"):  # with one stage per rank torch's interleaved ZB is ZB-H1
+        schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=n, loss_fn=_logits_loss)
+    elif row.schedule == "zb-v":
+        schedule = ScheduleZBVZeroBubble(stages, n_microbatches=n, loss_fn=_logits_loss)
     else:
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[row.schedule]
-        schedule = cls(stage, n_microbatches=GLOBAL_BATCH // MICROBATCH, loss_fn=_logits_loss)
-    optimizer = adamw(module.parameters())
-    tie_group = dist.new_group([0, pp - 1]) if same_work else None  # every rank calls new_group
-    tied = module.wte.weight if first else module.lm_head.weight if last else None
+        schedule = cls(stages[0], n_microbatches=n, loss_fn=_logits_loss)
+    params = list({id(p): p for mod in modules for p in mod.parameters()}.values())  # a shared tie once
+    optimizer = adamw(params)
+    ends = sorted({0, pp - 1} if row.schedule != "zb-v" else {0})  # the ranks holding stage 0 and stage S - 1
+    tie_group = dist.new_group(ends) if same_work and len(ends) > 1 else None  # every rank calls new_group
+    tied = (modules[0].wte.weight if first else modules[-1].lm_head.weight if last else None) \
+        if tie_group is not None else None
     losses, times = [], []
     for idx, targets in batches:
         t0 = time.perf_counter()
         mb_losses: list = []
-        if first:
+        if first and last:   # zb-v: the V's two ends on rank 0
+            schedule.step(idx, target=targets, losses=mb_losses, return_outputs=False)
+        elif first:
             schedule.step(idx, return_outputs=False)
         elif last:
             schedule.step(target=targets, losses=mb_losses, return_outputs=False)
@@ -290,7 +313,8 @@ def run_torch(row: Row, batches: list, stage_blocks: list, same_work: bool) -> d
     res = spawn(row.name, row.world, _torch_worker, lambda r, tmp: (row, r, tmp, stage_blocks, same_work), batches,
                 TIMEOUT_S)
     # The pipeline's loss is known on its last stage; tensor ranks all hold the same loss.
-    losses = res[row.pp - 1]["losses"] if row.pp > 1 else res[0]["losses"]
+    loss_rank = next(r for r in range(row.pp) if row.pp * row.interleave - 1 in row.stages_of(r))
+    losses = res[loss_rank]["losses"] if row.pp > 1 else res[0]["losses"]
     return {"losses": losses, "step_times_s": res[0]["step_times_s"],
             "rank_times_s": [x["step_times_s"] for x in res]}
 
@@ -306,7 +330,8 @@ def make_plan(row: Row, gpt_graph):
 
     if row.pp > 1:
         return compile(gpt_graph, f"local:{row.world}", global_batch_size=GLOBAL_BATCH, pp=row.pp, dp=1, tp=1,
-                       schedule=row.schedule, microbatch_size=MICROBATCH, precision="fp32", recompute="none")
+                       schedule=row.schedule, interleave=row.interleave, microbatch_size=MICROBATCH,
+                       precision="fp32", recompute="none")
     tokens = torch.randint(0, LLAMA_VOCAB, (2, LLAMA_SEQ), generator=torch.Generator().manual_seed(0))  # (2, 64)
     return compile(hf_llama_seeded(), f"local:{row.world}", example_inputs=(tokens,), global_batch_size=GLOBAL_BATCH,
                    pp=1, dp=1, tp=row.tp, microbatch_size=GLOBAL_BATCH, precision="fp32", recompute="none")
@@ -340,8 +365,8 @@ def measure_row(row: Row, gpt_graph, batches: list, ns) -> dict:
         out["config"] = str(plan.config)
         stage_blocks = [list(s.blocks) for s in plan.stages]
         out["cut"] = " | ".join(",".join(b.replace("transformer.", "") for b in s) for s in stage_blocks)
-        if row.pp > 1 and len(stage_blocks) != row.pp:
-            raise ValueError(f"the plan has {len(stage_blocks)} stages for pp={row.pp}")
+        if row.pp > 1 and len(stage_blocks) != row.pp * row.interleave:
+            raise ValueError(f"the plan has {len(stage_blocks)} stages for pp={row.pp} x {row.interleave}")
         if row.tp > 1:
             out["sharded"] = sum(p.spec != "R" for p in plan.placements)
     except Exception as e:  # noqa: BLE001 (report and go on)

@@ -6,7 +6,7 @@ what plan JSON stores and what generated programs pass on (`precision='bf16-mixe
 and compares as itself.
 
 >>> PRECISIONS, SCHEDULES
-(('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16', 'fp8-mixed'), ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'))
+(('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16', 'fp8-mixed'), ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', 'interleaved-zb', 'zb-v'))
 >>> GRAD_REDUCE_DTYPES, OPTIMIZER_LAYOUTS
 (('fp32', 'bf16'), ('replicated', 'distributed'))
 """
@@ -36,8 +36,10 @@ OptimizerLayout = Literal["replicated", "distributed"]
 OPTIMIZER_LAYOUTS: tuple[str, ...] = get_args(OptimizerLayout)
 LAYOUT_ZERO_STAGE = {"replicated": 0, "distributed": 1}  # the ZeRO stage each layout is
 
-# zb-h1: 1F1B with each backward split into input and weight gradients, the latter run in the bubble
-ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+# zb-h1: 1F1B with each backward split into input and weight gradients, the latter run in the bubble;
+# interleaved-zb: interleaved 1F1B split the same way (torch's ScheduleInterleavedZeroBubble);
+# zb-v: two stages per rank in a V, split the same way (torch's ScheduleZBVZeroBubble)
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v"]
 SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 
 Recompute = Literal["none", "selective", "full"]

@@ -71,7 +71,7 @@ from partitioner.planner.plan import (
     StagePlan,
     per_rank_memory,
 )
-from partitioner.planner.schedule import build_schedule
+from partitioner.planner.schedule import build_schedule, stage_rank
 from partitioner.planner.search import Scored, SearchResult, enumerate_candidates, least_memory, search
 from partitioner.planner.simulate import simulate
 from partitioner.planner.stage_costs import StageEvaluator
@@ -433,9 +433,9 @@ def _mesh(c: ParallelConfig, topo: Topology) -> tuple[MeshCoord, ...]:
                  for r in range(topo.world_size) for pp, dp, tp, cp in [mesh.coords4(r)])
 
 
-def rank_memory(cut: Cut, pp: int) -> dict[int, MemoryBreakdown]:
+def rank_memory(cut: Cut, pp: int, schedule: str = "1f1b") -> dict[int, MemoryBreakdown]:
     """Per pipeline rank: its virtual stages summed, buffers once (per_rank_memory)."""
-    return per_rank_memory([st.memory for st in cut.stages], pp)
+    return per_rank_memory([st.memory for st in cut.stages], pp, schedule)
 
 
 def _why(best: Scored, other: Scored) -> str:
@@ -471,7 +471,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
         st = cut.stages[k]
         first, last = ctx.units[i][0], ctx.units[j - 1][1] - 1
         names = tuple(dict.fromkeys(_segment_name(g, n) for n in range(first, last + 1)))
-        rank = k % cand.pp
+        rank = stage_rank(cand.schedule, cand.pp, k)
         ranks = tuple(m.rank for m in mesh if m.pp == rank)
         stages.append(StagePlan(index=k, blocks=names, first_node=first, last_node=last, num_params=round(st.params),
                                 ranks=ranks, forward_s=st.forward_s, backward_s=st.backward_s,
@@ -504,7 +504,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
         saving = simulate(sched, durations(plain, evaluate_cut(plain, cut.bounds))).step_time_s - sim.step_time_s
     predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving)
     alternatives = tuple(Alternative(config=o.cand, step_time_s=o.cut.step_time_s,
-                                     peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp).values()),
+                                     peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp, o.cand.schedule).values()),
                                      fits=True, why=_why(best, o), compression=dict(zip(LEVELS, o.compression)))
                          for o in ranked[1:])
     return Plan(version=PLAN_VERSION, model_name=g.model_name, graph_hash=g.fingerprint(), topology=topo.to_dict(),
@@ -598,7 +598,7 @@ def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, e
         g.flops() * gb / g.traced_batch_size
     per_device = model_flops / topo.world_size / step
     peak = topo.device.flops(dtype_for(decl.precision))
-    worst = max(rank_memory(cut, cand.pp).values(), key=lambda m: m.total)
+    worst = max(rank_memory(cut, cand.pp, cand.schedule).values(), key=lambda m: m.total)
     return Predicted(step_time_s=step, tokens_per_s=gb * s / step, samples_per_s=gb / step,
                      model_tflops_per_device=per_device / 1e12, mfu=per_device / peak,
                      peak_memory_bytes=worst.total, memory=worst, memory_capacity_bytes=float(topo.device.memory_bytes),
@@ -628,7 +628,7 @@ def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cu
         out[level] = out.get(level, 0.0) + m * sum(ctx.context_bytes(u, mb, cand.tp, cand.cp, cand.cp_kind)
                                                    for u in range(i, j))
     if cand.replicas > 1:
-        dp = _dp_traffic(ctx, cand, ev.dp_ranks(busiest % cand.pp), cut.stages[busiest].params,
+        dp = _dp_traffic(ctx, cand, ev.dp_ranks(stage_rank(cand.schedule, cand.pp, busiest)), cut.stages[busiest].params,
                          tuple(compression[lv] for lv in LEVELS), ev.stage_low_rank(i, j))
         every = (ctx.async_sgd or {}).get("every", 1)  # local SGD averages the fp32 parameters every k steps
         for level, nbytes in dp.items():

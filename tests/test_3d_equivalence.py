@@ -116,6 +116,20 @@ CASES = [
     ("hf", 2, 1, 1, "zb-h1", 1, 0),
     ("llama", 2, 1, 1, "zb-h1", 1, 0),
     ("llama", 2, 2, 1, "zb-h1", 1, 1),
+    # interleaved zero bubble (torch's ScheduleInterleavedZeroBubble order: two stages per rank, stage % pp, W
+    # deferred into the bubble) and ZB-V (stage s and 2 pp - 1 - s on rank s: the V codegen places)
+    ("gpt", 2, 1, 1, "interleaved-zb", 2, 0),
+    ("gpt", 2, 2, 1, "interleaved-zb", 2, 0),
+    ("gpt", 2, 2, 1, "interleaved-zb", 2, 1),
+    ("gpt", 2, 1, 1, "zb-v", 2, 0),
+    ("gpt", 2, 2, 1, "zb-v", 2, 0),
+    ("gpt", 2, 2, 1, "zb-v", 2, 1),
+    ("llama", 2, 1, 1, "interleaved-zb", 2, 0),
+    ("llama", 2, 2, 1, "interleaved-zb", 2, 1),
+    ("llama", 2, 1, 1, "zb-v", 2, 0),
+    ("llama", 2, 2, 1, "zb-v", 2, 1),
+    ("gpt", 2, 1, 2, "interleaved-zb", 2, 0),
+    ("gpt", 2, 1, 2, "zb-v", 2, 0),
 ]
 
 

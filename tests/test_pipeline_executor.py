@@ -224,7 +224,7 @@ def test_a_weight_gradient_before_its_input_gradient_is_refused():
 # ---- tier (c): spawned Gloo worlds ----------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Run:
-    kind: str            # "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"
+    kind: str            # "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "interleaved-zb"
     interleave: int = 1
     engine: str = "ours"  # or "torch": torch.distributed.pipelining on the same split
     shapes: str = "given"  # "given": activation_shape=; "header": shape header messages
@@ -291,6 +291,27 @@ def _run_torch(run: Run, rank: int, pp: int) -> dict:
             losses.append(sum(l.item() for l in mb_losses) / M if rank == 0 else None)
         return {"losses": losses, "state": {k: v for s in mine for k, v in parts[s].state_dict().items()},
                 "order": order}
+    if run.kind == "interleaved-zb":   # v stages per rank at stage % pp
+        mine = tuple(range(rank, S, pp))
+        stages = [PipelineStage(parts[s], s, S, device=torch.device("cpu")) for s in mine]
+        sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=M, loss_fn=F.cross_entropy)
+        order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
+        opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], **SGD)
+        losses = []
+        for step in range(STEPS):
+            x, y = _batch(step)
+            mb_losses = []
+            if rank == 0:
+                sched.step(x)
+            elif rank == pp - 1:   # the loss's stage S - 1
+                sched.step(target=y, losses=mb_losses)
+            else:
+                sched.step()
+            opt.step()
+            opt.zero_grad()
+            losses.append(sum(l.item() for l in mb_losses) / M if rank == pp - 1 else None)
+        return {"losses": losses, "state": {k: v for s in mine for k, v in parts[s].state_dict().items()},
+                "order": order}
     stage = PipelineStage(parts[rank], rank, pp, device=torch.device("cpu"))
     if run.kind == "zb-h1":  # torch's zero-bubble schedule with one stage per rank is ZB-H1
         sched = ScheduleInterleavedZeroBubble([stage], n_microbatches=M, loss_fn=F.cross_entropy)
@@ -337,7 +358,8 @@ RUNS = {
     2: [Run("gpipe"), Run("1f1b", strings=True), Run("interleaved-1f1b", interleave=2),
         Run("1f1b", shapes="header"), Run("zb-h1", strings=True), Run("gpipe", engine="torch"),
         Run("1f1b", engine="torch"), Run("zb-h1", engine="torch"), Run("zb-v", interleave=2),
-        Run("zb-v", interleave=2, engine="torch")],
+        Run("zb-v", interleave=2, engine="torch"), Run("interleaved-zb", interleave=2),
+        Run("interleaved-zb", interleave=2, engine="torch")],
     4: [Run("gpipe", shapes="header"), Run("1f1b"), Run("zb-h1"), Run("zb-h1", engine="torch")],
 }
 CASES = [(w, r) for w, runs in RUNS.items() for r in runs if r.engine == "ours"]
@@ -433,6 +455,19 @@ def test_zb_v_is_torchs_zbv_order_and_loss(worlds):
     zb-v lists, and the same losses and parameters (stage 0 and the loss's stage both on rank 0)."""
     ours, oracle = worlds(2)[Run("zb-v", interleave=2)], worlds(2)[Run("zb-v", interleave=2, engine="torch")]
     schedule = build_schedule("zb-v", pp=2, num_microbatches=M, interleave=2)
+    computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
+    assert oracle["orders"] == computes
+    torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
+    _assert_state_close(ours["state"], oracle["state"])
+
+
+@pytest.mark.slow
+def test_interleaved_zb_is_torchs_interleaved_zero_bubble_order_and_loss(worlds):
+    """torch's ScheduleInterleavedZeroBubble with two stages per rank (stage % pp): the same per-rank compute
+    order as our interleaved-zb lists, and the same losses and parameters."""
+    ours = worlds(2)[Run("interleaved-zb", interleave=2)]
+    oracle = worlds(2)[Run("interleaved-zb", interleave=2, engine="torch")]
+    schedule = build_schedule("interleaved-zb", pp=2, num_microbatches=M, interleave=2)
     computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
     assert oracle["orders"] == computes
     torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)

@@ -214,7 +214,11 @@ def test_pinned_declarations_are_honoured(small, pins):
     (dict(schedule="zigzag"), r"schedule='zigzag': must be one of 'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'"),
     (dict(schedule="zb-h1", zero_stage=3), r"schedule='zb-h1' with zero_stage=3: .*use zero_stage 0, 1 or 2"),
     (dict(schedule="zb-h1", recompute="selective"), r"schedule='zb-h1' with recompute='selective': .*'full' or"),
-    (dict(interleave=2, schedule="1f1b"), r"interleave=2 needs schedule='interleaved-1f1b'"),
+    (dict(schedule="zb-v", zero_stage=3), r"schedule='zb-v' with zero_stage=3: .*use zero_stage 0, 1 or 2"),
+    (dict(schedule="interleaved-zb", recompute="selective"), r"schedule='interleaved-zb' with recompute='selective'"),
+    (dict(schedule="zb-v", interleave=3), r"schedule='zb-v' places exactly 2 stages per pipeline rank"),
+    (dict(schedule="interleaved-zb", interleave=1), r"schedule='interleaved-zb' with interleave=1 is plain zb-h1"),
+    (dict(interleave=2, schedule="1f1b"), r"interleave=2 needs schedule='interleaved-1f1b' or 'interleaved-zb'"),
     (dict(precision="fp8"), r"precision='fp8': must be one of"),
     (dict(max_memory_fraction=1.5), r"max_memory_fraction=1.5: must be in \(0, 1\]"),
 ])
@@ -337,3 +341,34 @@ def test_declarations_as_one_value_plan_as_the_keywords(meta_gpt_graph):
         compile(meta_gpt_graph, "local:4", declarations={"global_batch_size": 8})
     with pytest.raises(DeclarationError, match="tensor_parallel: not a declaration"):
         Declarations.declare(global_batch_size=8, tensor_parallel=2)
+
+
+def test_zb_v_plan_places_its_v_and_round_trips(small, tmp_path):
+    """zb-v: stage s and 2 pp - 1 - s on pipeline rank s, in the plan's stages, its per-rank memory, the
+    generated programs' peers, and through save / load (check_plan holds the placement to the schedule)."""
+    plan = compile(small, "local:4", global_batch_size=32, dp=2, pp=2, tp=1, schedule="zb-v", microbatch_size=4)
+    assert (plan.schedule, plan.interleave, plan.num_microbatches) == ("zb-v", 2, 4)
+    pp_of = {m.rank: m.pp for m in plan.mesh}
+    assert [sorted({pp_of[r] for r in st.ranks}) for st in plan.stages] == [[0], [1], [1], [0]]
+    validate(plan.instructions)
+    assert plan.instructions.stages_of(0) == (0, 3)
+    assert "STAGE_RANKS = (0, 2, 2, 0)" in plan.program(rank=0).source
+    assert set(plan.rank_memory()) == {0, 1}
+    plan.save(tmp_path / "zbv.plan.json")
+    assert Plan.load(tmp_path / "zbv.plan.json", graph=small, topology="local:4").config == plan.config
+
+
+def test_the_search_tries_the_zero_bubble_interleavings(small):
+    """Unpinned, zb-v is a candidate where m >= 2 pp - 1 microbatches fill its V, interleaved-zb (v=2) at m = pp;
+    both are planned with their predicted bubble below interleaved 1F1B's at the same configuration."""
+    pinned = dict(dp=1, pp=2, tp=1, zero_stage=0, recompute="none")
+    plans = {s: compile(small, "local:2", global_batch_size=m * 4, microbatch_size=4, schedule=s, **pinned)
+             for s, m in (("zb-v", 4), ("interleaved-zb", 2))}
+    other = {m: compile(small, "local:2", global_batch_size=m * 4, microbatch_size=4, schedule="interleaved-1f1b",
+                        interleave=2, **pinned) for m in (4, 2)}
+    assert plans["zb-v"].predicted.bubble_fraction < other[4].predicted.bubble_fraction
+    assert plans["interleaved-zb"].predicted.bubble_fraction < other[2].predicted.bubble_fraction
+    from partitioner.planner.search import _schedules
+    d = Declarations(global_batch_size=16)
+    assert ("zb-v", 2) in _schedules(d, 2, 4, 12) and ("interleaved-zb", 2) not in _schedules(d, 2, 4, 12)
+    assert ("interleaved-zb", 2) in _schedules(d, 2, 2, 12) and ("zb-v", 2) not in _schedules(d, 2, 2, 12)

@@ -11,6 +11,7 @@ from cost_models.memory import SCHEDULES, inflight_microbatches
 from partitioner.planner.schedule import (
     SCHEDULE_KINDS,
     Action,
+    chunk_peaks,
     Op,
     Schedule,
     add_unshard_reshard,
@@ -127,8 +128,9 @@ def test_schedule_parse_errors():
 
 
 def test_kinds_match_the_memory_model():
-    # zb-v: lists, validation, simulation and the runtime only; not a declared choice yet
-    assert SCHEDULE_KINDS == SCHEDULES + ("zb-v",)
+    # every kind is a declared choice (the zero-bubble ones planned, generated and run too)
+    assert SCHEDULE_KINDS == SCHEDULES
+    assert {"zb-h1", "interleaved-zb", "zb-v"} <= set(SCHEDULES)
 
 
 # --- exact orders ---------------------------------------------------------------
@@ -271,6 +273,9 @@ def test_rank_peak_matches_memory_model(kind, pp, m, v):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(kind="zigzag", pp=2, num_microbatches=4), "unknown schedule kind='zigzag'.*gpipe.*zb-h1.*zb-v"),
     (dict(kind="zb-v", pp=2, num_microbatches=4), "zb-v' places exactly 2 stages per rank.*interleave=2"),
+    (dict(kind="interleaved-zb", pp=2, num_microbatches=4), "needs interleave >= 2.*'zb-h1'"),
+    (dict(kind="interleaved-zb", pp=4, num_microbatches=9, interleave=2),
+     "rounds of about pp=4.*multiple of 2; got 9. Use num_microbatches=8"),
     (dict(kind="1f1b", pp=0, num_microbatches=4), "pp=0 must be an int >= 1"),
     (dict(kind="1f1b", pp=2, num_microbatches=0), "num_microbatches=0 must be an int >= 1"),
     (dict(kind="gpipe", pp=2, num_microbatches=2.0), "num_microbatches=2.0"),
@@ -491,3 +496,84 @@ def test_zb_v_placement_is_checked():
     s = build_schedule("zb-v", pp=2, num_microbatches=2, interleave=2)
     with pytest.raises(ValueError, match="2F0 runs on rank 0, but stage 2 lives on rank 1 \\(its V\\)"):
         validate(_with_rank_list(s, 0, [Action.parse("2F0")] + list(s.ranks[0])))
+
+
+# --- zero bubble: interleaved ------------------------------------------------------------------------
+def _interleaved_zb_cases():
+    for pp in (1, 2, 3, 4):
+        for v in (2, 3):
+            for m in (1, 2, 3, 4, 6, 8, 12):
+                if m % max(1, m // pp) == 0:
+                    yield pp, m, v
+
+
+@pytest.mark.parametrize("pp,m,v", list(_interleaved_zb_cases()))
+def test_interleaved_zb_is_valid_round_trips_and_is_torchs_order(pp, m, v):
+    """v stages per rank at stage % pp, every backward split into I and W; the compute order of torch's
+    ScheduleInterleavedZeroBubble._calculate_single_rank_operations, which needs no process group."""
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+    s = build_schedule("interleaved-zb", pp=pp, num_microbatches=m, interleave=v)
+    validate(s)
+    assert Schedule.parse(str(s)) == s and Schedule.from_json(s.to_json()) == s
+    rounds = max(1, m // pp)
+    for r in range(pp):
+        assert s.stages_of(r) == tuple(range(r, pp * v, pp))
+        ns = types.SimpleNamespace(n_local_stages=v, pp_group_size=pp, _n_microbatches=m,
+                                   microbatches_per_round=m // rounds)
+        theirs = ScheduleInterleavedZeroBubble._calculate_single_rank_operations(ns, r)
+        assert [str(a) for a in s.ranks[r] if a.op in (Op.F, Op.I, Op.W)] == [str(a) for a in theirs if a is not None]
+    counts = s.counts()
+    assert all(c[Op.F] == c[Op.I] == c[Op.W] == m * v and c[Op.B] == 0 for c in counts)
+
+
+def test_interleaved_zb_example():
+    s = build_schedule("interleaved-zb", pp=2, num_microbatches=2, interleave=2)
+    assert str(s) == (
+        "schedule kind=interleaved-zb pp=2 num_microbatches=2 interleave=2\n"
+        "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 2RECV_F0 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1 2RECV_B0 2I0 2SEND_B0 "
+        "2W0 2RECV_B1 2I1 2SEND_B1 2W1 2GRAD_SYNC 0RECV_B0 0I0 0W0 0RECV_B1 0I1 0W1 0GRAD_SYNC 2OPTIM 0OPTIM\n"
+        "rank 1: 1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3I0 3SEND_B0 3RECV_F1 3F1 3I1 3SEND_B1 "
+        "3W0 1RECV_B0 1I0 1SEND_B0 3W1 3GRAD_SYNC 1RECV_B1 1I1 1SEND_B1 1W0 1W1 1GRAD_SYNC 3OPTIM 1OPTIM")
+
+
+@pytest.mark.parametrize("kind,pp,m", [("interleaved-zb", pp, m) for pp in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp)]
+                         + [("zb-v", pp, m) for pp in (2, 3, 4) for m in (1, pp, 2 * pp, 3 * pp)])
+def test_chunk_peaks_are_the_lists_peaks(kind, pp, m):
+    """What the cost model charges per stage (activations held until W; W's kept gradients between I and W)
+    is what the lists hold at their peak."""
+    s = build_schedule(kind, pp=pp, num_microbatches=m, interleave=2)
+    live_peak = peak_inflight(s)
+    for r in range(pp):
+        live, held = chunk_peaks(kind, pp=pp, num_microbatches=m, interleave=2, rank=r)
+        assert live == tuple(live_peak[st] for st in s.stages_of(r))
+        for k, st in enumerate(s.stages_of(r)):
+            between, most = 0, 0
+            for a in s.ranks[r]:
+                if a.stage == st and a.op in (Op.I, Op.W):
+                    between += 1 if a.op is Op.I else -1
+                    most = max(most, between)
+            assert held[k] == most
+
+
+@pytest.mark.parametrize("kind,v", [("zb-v", 2), ("interleaved-zb", 2), ("interleaved-zb", 3)])
+@pytest.mark.parametrize("pp", [1, 2, 3, 5, 8])
+def test_chunk_peaks_of_long_lists_are_the_full_lists_peaks(kind, v, pp):
+    """chunk_peaks reads zb-v's first 4 pp and interleaved-zb's first 3 pp microbatches only: the lists repeat
+    once the pipeline is full, so the peaks of the whole lists are the same."""
+    for m in range(1, 9 * pp + 1):
+        if kind == "interleaved-zb" and m % max(1, m // pp):
+            continue
+        s = build_schedule(kind, pp=pp, num_microbatches=m, interleave=v)
+        live_peak = peak_inflight(s)
+        for r in range(pp):
+            live, held = chunk_peaks(kind, pp=pp, num_microbatches=m, interleave=v, rank=r)
+            assert live == tuple(live_peak[st] for st in s.stages_of(r)), (m, r)
+            for k, st in enumerate(s.stages_of(r)):
+                between = most = 0
+                for a in s.ranks[r]:
+                    if a.stage == st and a.op in (Op.I, Op.W):
+                        between += 1 if a.op is Op.I else -1
+                        most = max(most, between)
+                assert held[k] == most, (m, r, st)

@@ -269,3 +269,39 @@ def test_zb_v_halves_zb_h1s_bubble_at_about_its_memory(pp, m):
     assert v <= 0.55 * bubble["zb-h1"] and v <= 0.25 * bubble["1f1b"]
     per_rank = [sum(peak_inflight(zbv)[s] for s in zbv.stages_of(r)) for r in range(pp)]
     assert max(per_rank) == 2 * pp + 1
+
+
+# --- zero bubble: interleaved, and the closed forms of ZB-V and interleaved-zb -------------------------
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16)])
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_zb_bubble_is_less_than_interleaved_1f1bs(pp, m, v):
+    """torch's ScheduleInterleavedZeroBubble against Megatron's interleaved 1F1B on the same model cut in
+    pp v chunks, T_F = T_I = T_W: the W's fill the bubble, (pp - 1)(F + B) / v becomes (pp - 1) F / v."""
+    d = Durations.uniform(pp * v, forward=1.0 / v, backward=2.0 / v)   # W half the backward
+    one, zb = (build_schedule(k, pp=pp, num_microbatches=m, interleave=v) for k in ("interleaved-1f1b", "interleaved-zb"))
+    t1, tz = simulate(one, d).step_time_s, simulate(zb, d).step_time_s
+    assert (t1 - 3 * m, tz - 3 * m) == pytest.approx((3 * (pp - 1) / v, (pp - 1) / v))
+    assert simulate(zb, d).bubble_fraction < simulate(one, d).bubble_fraction
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_zb_v_bubble_is_less_than_1f1bs_at_equal_microbatches(pp, m):
+    one_stage = Durations.uniform(pp, forward=1.0, backward=2.0)
+    half = Durations.uniform(2 * pp, forward=0.5, backward=1.0)
+    zbv = simulate(build_schedule("zb-v", pp=pp, num_microbatches=m, interleave=2), half)
+    one = simulate(build_schedule("1f1b", pp=pp, num_microbatches=m), one_stage)
+    assert zbv.bubble_fraction < one.bubble_fraction and zbv.step_time_s < one.step_time_s
+
+
+@pytest.mark.parametrize("kind,v,pp,m", [("interleaved-zb", v, pp, m) for v in (2, 3) for pp in (2, 3, 4, 8)
+                                         for m in (pp, 2 * pp, 3 * pp)]
+                         + [("zb-v", 2, pp, m) for pp in (2, 3, 4, 8) for m in (2 * pp - 1, 2 * pp, 3 * pp)])
+def test_the_cut_searchs_closed_form_is_the_simulated_step(kind, v, pp, m):
+    """stage_costs.sum_weight for interleaved-zb and zb-v: T = (m v - 1) c + sum_weight * pp v c on uniform
+    stages (c per virtual stage) with T_F = T_I = T_W, as simulated, where it claims to be exact."""
+    from partitioner.planner.stage_costs import sum_weight
+    c = 3.0 / v
+    d = Durations.uniform(pp * v, forward=1.0 / v, backward=2.0 / v, weight_grad=1.0 / v)
+    simulated = simulate(build_schedule(kind, pp=pp, num_microbatches=m, interleave=v), d).step_time_s
+    assert (m * v - 1) * c + sum_weight(kind, pp, v, m, 1 / 3) * pp * v * c == pytest.approx(simulated)

@@ -369,7 +369,9 @@ def _check_async_sgd(d: Declarations, world_size: int) -> None:
 MAX_GLOBAL_BATCH_SIZE = 2**32
 # Schedules whose backward is split into I and W: the runtime does not run them under ZeRO-3 or selective
 # recompute (why: the DeclarationErrors in check_declarations)
-SPLIT_BACKWARD = frozenset({"zb-h1"})
+SPLIT_BACKWARD = frozenset({"zb-h1", "interleaved-zb", "zb-v"})
+# Schedules with several virtual stages per rank: interleave >= 2 of them (zb-v: exactly 2, in a V)
+INTERLEAVED = frozenset({"interleaved-1f1b", "interleaved-zb", "zb-v"})
 MAX_MICROBATCHES = 2**16
 
 
@@ -468,10 +470,13 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
         raise DeclarationError(
             f"pp={d.pp} > {num_units} {unit_name}: a pipeline stage needs at least one; "
             f"valid pp: {', '.join(str(p) for p in divisors(world_size) if p <= num_units)}")
-    if d.interleave is not None and d.interleave > 1 and d.schedule not in (None, "interleaved-1f1b"):
+    if d.interleave is not None and d.interleave > 1 and d.schedule not in (None, *INTERLEAVED):
         raise DeclarationError(
-            f"interleave={d.interleave} needs schedule='interleaved-1f1b', not {d.schedule!r}; "
-            "drop interleave or change the schedule")
+            f"interleave={d.interleave} needs schedule='interleaved-1f1b' or 'interleaved-zb', not "
+            f"{d.schedule!r}; drop interleave or change the schedule")
+    if d.schedule == "zb-v" and d.interleave not in (None, 2):
+        raise DeclarationError(f"schedule='zb-v' places exactly 2 stages per pipeline rank, in a V; got "
+                               f"interleave={d.interleave}: drop it or pass interleave=2")
     if d.schedule in SPLIT_BACKWARD and d.zero_stage == 3:
         raise DeclarationError(
             f"schedule={d.schedule!r} with zero_stage=3: a split backward keeps each microbatch's graph from its "
@@ -482,12 +487,13 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
             f"schedule={d.schedule!r} with recompute='selective': a split backward runs autograd twice over each "
             "block (I, then W), and torch's selective checkpoint allows one backward per region; use "
             "recompute='full' or 'none', or schedule='1f1b'")
-    if d.schedule == "interleaved-1f1b" and d.interleave == 1:
-        raise DeclarationError("schedule='interleaved-1f1b' with interleave=1 is plain 1F1B: "
-                               "use interleave >= 2 or schedule='1f1b'")
-    if d.schedule == "interleaved-1f1b" and d.pp is not None and d.pp * (d.interleave or 2) > num_units:
+    if d.schedule in ("interleaved-1f1b", "interleaved-zb") and d.interleave == 1:
+        plain = {"interleaved-1f1b": "1f1b", "interleaved-zb": "zb-h1"}[d.schedule]
+        raise DeclarationError(f"schedule={d.schedule!r} with interleave=1 is plain {plain}: "
+                               f"use interleave >= 2 or schedule={plain!r}")
+    if d.schedule in INTERLEAVED and d.pp is not None and d.pp * (d.interleave or 2) > num_units:
         raise DeclarationError(
-            f"interleaved-1f1b with pp={d.pp} x interleave={d.interleave or 2} needs "
+            f"{d.schedule} with pp={d.pp} x interleave={d.interleave or 2} needs "
             f"{d.pp * (d.interleave or 2)} {unit_name}, the model has {num_units}")
     if d.dp is not None and d.microbatch_size is not None:
         step = d.dp * d.microbatch_size

@@ -31,7 +31,7 @@ from cost_models.errors import PartitionerError
 from partitioner.planner.model_code import ModelCode
 from partitioner.planner.plan_check import check_plan
 from partitioner.planner.plan_json import PlanFormatError, decode, encode
-from partitioner.planner.schedule import Schedule, ScheduleKind
+from partitioner.planner.schedule import Schedule, ScheduleKind, stage_rank
 
 __all__ = [
     "PLAN_VERSION",
@@ -127,13 +127,15 @@ class MemoryBreakdown:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
 
-def per_rank_memory(memories: Sequence[Any], pp: int) -> dict[int, MemoryBreakdown]:
+def per_rank_memory(memories: Sequence[Any], pp: int, schedule: str = "1f1b") -> dict[int, MemoryBreakdown]:
     """Per pipeline rank, from the memory of every virtual stage in stage order (stage k lives on rank
-    k % pp): its stages' params, grads, optimizer state and activations summed, buffers once (they are
-    reused). The one rule the search, compile and a plan count a rank's memory by."""
+    schedule.stage_rank: k % pp, zb-v's V): its stages' params, grads, optimizer state and activations
+    summed, buffers once (they are reused). The one rule the search, compile and a plan count a rank's
+    memory by."""
     out: dict[int, MemoryBreakdown] = {}
     for k, m in enumerate(memories):
-        r, prev = k % pp, out.get(k % pp)
+        r = stage_rank(schedule, pp, k)
+        prev = out.get(r)
         out[r] = MemoryBreakdown(params=m.params, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
                                  buffers=m.buffers) if prev is None else MemoryBreakdown(
             params=prev.params + m.params, grads=prev.grads + m.grads, optimizer=prev.optimizer + m.optimizer,
@@ -327,7 +329,8 @@ class Plan:
 
     def rank_memory(self) -> dict[int, MemoryBreakdown]:
         """Per pipeline rank: its virtual stages' memory summed, buffers once (per_rank_memory)."""
-        return per_rank_memory([st.memory for st in sorted(self.stages, key=lambda st: st.index)], self.pp)
+        return per_rank_memory([st.memory for st in sorted(self.stages, key=lambda st: st.index)], self.pp,
+                               self.schedule)
 
     # ---- programs ------------------------------------------------------
     def program(self, rank: int):

@@ -22,6 +22,7 @@ from cost_models.placements import sharded_dim
 from cost_models.topology import Topology
 from partitioner.planner.declarations import ASYNC_SGD_FORCED, OPTIMIZERS, async_sgd_pin
 from partitioner.planner.plan_json import PlanFormatError
+from partitioner.planner.schedule import stage_rank
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -86,9 +87,11 @@ def _check_config(p: Plan) -> None:
     if c.dp * c.cp * c.tp * c.pp != p.world_size:
         _fail("config", f"dp({c.dp}) * cp({c.cp}) * tp({c.tp}) * pp({c.pp}) = {c.dp * c.cp * c.tp * c.pp} != "
                         f"world_size {p.world_size}")
-    if (c.schedule == "interleaved-1f1b") != (c.interleave > 1):
-        _fail("config.interleave", f"interleave={c.interleave} with schedule {c.schedule!r}: interleaved-1f1b "
-                                   "runs interleave >= 2 virtual stages per rank, the others exactly 1")
+    if (c.schedule in ("interleaved-1f1b", "interleaved-zb", "zb-v")) != (c.interleave > 1) or (
+            c.schedule == "zb-v" and c.interleave != 2):
+        _fail("config.interleave", f"interleave={c.interleave} with schedule {c.schedule!r}: interleaved-1f1b and "
+                                   "interleaved-zb run interleave >= 2 virtual stages per rank, zb-v exactly 2, "
+                                   "the others exactly 1")
     per_step = c.dp * c.microbatch_size * c.num_microbatches
     if per_step != p.global_batch_size:
         _fail("global_batch_size", f"{p.global_batch_size} != dp({c.dp}) * config.microbatch_size"
@@ -137,9 +140,10 @@ def _check_stages(p: Plan) -> None:
     for k, st in enumerate(p.stages):
         if st.index != k:
             _fail(f"stages[{k}].index", f"{st.index!r}: stages are listed in order 0..{want - 1}")
-        ranks = tuple(m.rank for m in p.mesh if m.pp == k % c.pp)
+        rank = stage_rank(c.schedule, c.pp, k)
+        ranks = tuple(m.rank for m in p.mesh if m.pp == rank)
         if tuple(st.ranks) != ranks:
-            _fail(f"stages[{k}].ranks", f"{list(st.ranks)}, but the mesh puts pipeline rank {k % c.pp} on {list(ranks)}")
+            _fail(f"stages[{k}].ranks", f"{list(st.ranks)}, but the mesh puts pipeline rank {rank} on {list(ranks)}")
         if not 0 <= st.first_node <= st.last_node:
             _fail(f"stages[{k}].first_node", f"{st.first_node}..{st.last_node} is not a range of graph nodes")
         _at_least(f"stages[{k}].num_params", st.num_params, 0)

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 
 from partitioner.planner.cut import Cut, cut_stages, evaluate_cut, step_time
-from partitioner.planner.declarations import MAX_MICROBATCHES, SPLIT_BACKWARD, Declarations, divisors
+from partitioner.planner.declarations import INTERLEAVED, MAX_MICROBATCHES, SPLIT_BACKWARD, Declarations, divisors
 from partitioner.planner.plan import ParallelConfig, per_rank_memory
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.unit_costs import CostContext
@@ -37,8 +37,10 @@ from partitioner.planner.unit_costs import CostContext
 __all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
 
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
-_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 3}
-_INTERLEAVES = (2, 3, 4)
+_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 3, "interleaved-zb": 4, "zb-v": 5}
+# Virtual stages per rank tried unpinned (and pinned without interleave): interleaved-1f1b 2-4; interleaved-zb 2
+# only (each v adds a candidate per configuration); zb-v exactly 2
+_INTERLEAVES = {"interleaved-1f1b": (2, 3, 4), "interleaved-zb": (2,), "zb-v": (2,)}
 # Balanced cuts tried when looking for faster configurations that do not fit: each costs one stage
 # evaluation per stage, a few ms on 1000 ranks, so a cap keeps the search's time what it was.
 _OVER_MEMORY_TRIES = 24
@@ -122,15 +124,27 @@ def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[s
     if pp == 1:
         # One stage: every schedule is gradient accumulation; name it 1F1B.
         return [("1f1b", 1)] if d.schedule in (None, "1f1b", "gpipe") else []
-    out = []
-    for sched in ([d.schedule] if d.schedule is not None else ["1f1b", "gpipe", "interleaved-1f1b", "zb-h1"]):
-        if sched != "interleaved-1f1b":
-            out.append((sched, 1))
-            continue
-        for v in ([d.interleave] if d.interleave is not None else _INTERLEAVES):
-            # Megatron's interleaved schedule needs the microbatches in groups of pp.
-            if pp * v <= num_units and m % pp == 0:
-                out.append((sched, v))
+    if d.schedule is not None:  # pinned: every interleave its lists allow
+        if d.schedule not in INTERLEAVED:
+            return [(d.schedule, 1)]
+        vs = [d.interleave] if d.interleave is not None else _INTERLEAVES[d.schedule]
+        allowed = {"interleaved-1f1b": m % pp == 0, "interleaved-zb": m % max(1, m // pp) == 0, "zb-v": True}
+        return [(d.schedule, v) for v in vs if pp * v <= num_units and allowed[d.schedule]]
+    out = [(s, 1) for s in ("1f1b", "gpipe", "zb-h1")]
+    for v in ([d.interleave] if d.interleave is not None else _INTERLEAVES["interleaved-1f1b"]):
+        # Megatron's interleaved schedule needs the microbatches in groups of pp
+        if pp * v <= num_units and m % pp == 0:
+            out.append(("interleaved-1f1b", v))
+    if d.interleave in (None, 2) and 2 * pp <= num_units:
+        # The zero-bubble schedules with two stages per rank, where the cut search's closed form is exact
+        # (stage_costs.sum_weight): zb-v once m >= 2 pp - 1 fills its V (with fewer it is charged zb-h1's
+        # bubble and more memory: it cannot win). There it has interleaved-zb's bubble and holds less (2 pp + 1
+        # half-stage microbatches per rank against 3 pp: tests/test_schedule.py), so interleaved-zb is searched
+        # only below, at m = pp, its one whole round
+        if m >= 2 * pp - 1:
+            out.append(("zb-v", 2))
+        elif m % pp == 0:
+            out.append(("interleaved-zb", 2))
     return out
 
 
@@ -200,7 +214,7 @@ def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, l
             break
         tries[shape] = tries.get(shape, 0) + 1
         cut = _balanced_cut(ev)
-        if cut is not None and cut.step_time_s < beat and rank_peak(cut, cand.pp) > ctx.memory_cap:
+        if cut is not None and cut.step_time_s < beat and rank_peak(cut, cand.pp, cand.schedule) > ctx.memory_cap:
             found[shape] = Scored(cand=cand, cut=cut, compression=cut.stages[0].compression)
     return tuple(found.values())
 
@@ -229,9 +243,9 @@ def _balanced_cut(ev) -> Cut | None:
                                                                     sum_weight=ev.sum_weight))
 
 
-def rank_peak(cut: Cut, pp: int) -> float:
+def rank_peak(cut: Cut, pp: int, schedule: str = "1f1b") -> float:
     """The largest per-rank memory of a cut (per_rank_memory: a rank's virtual stages summed, buffers once)."""
-    return max(m.total for m in per_rank_memory([st.memory for st in cut.stages], pp).values())
+    return max(m.total for m in per_rank_memory([st.memory for st in cut.stages], pp, schedule).values())
 
 
 def _cut_one_compression(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:
@@ -247,7 +261,7 @@ def _cut_one_compression(ctx: CostContext, ev, *, incumbent: float) -> Cut | Non
         pp, cap = ev.cand.pp, ctx.memory_cap
         loose = StageEvaluator(ctx, ev.cand, ev.options[0] if len(ev.options) == 1 else None, chunk_alone=True)
         other = _one_compression(ctx, loose, incumbent=min(incumbent, cut.step_time_s if cut else math.inf),
-                                 accept=lambda c: rank_peak(c, pp) <= cap)
+                                 accept=lambda c: rank_peak(c, pp, ev.cand.schedule) <= cap)
         if other is not None and (cut is None or other.step_time_s < cut.step_time_s):
             cut = other
     return cut
@@ -274,7 +288,7 @@ def least_memory(ctx: CostContext, candidates: list[ParallelConfig],
         cut = _balanced_cut(StageEvaluator(ctx, cand, compression))
         if cut is None:
             continue
-        peak = rank_peak(cut, cand.pp)
+        peak = rank_peak(cut, cand.pp, cand.schedule)
         if peak < best:
             best, who = peak, cand
     return best, who

@@ -41,6 +41,7 @@ Units of everything: seconds and bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -67,6 +68,7 @@ from cost_models.mesh import Mesh
 from cost_models.powersgd import LowRank
 from partitioner.planner.context_split import local
 from partitioner.planner.plan import ParallelConfig
+from partitioner.planner.schedule import chunk_peaks, stage_rank
 from partitioner.planner.unit_costs import CostContext
 
 __all__ = ["StageCost", "StageEvaluator", "StageMemory"]
@@ -110,6 +112,10 @@ class StageCost:
         return sum(self.memory)
 
 
+# The zero-bubble schedules with several stages per rank: their counts per chunk are read off the lists
+_SPLIT_CHUNKED = frozenset({"interleaved-zb", "zb-v"})
+
+
 def sum_weight(schedule: str, pp: int, v: int, m: int, weight_share: float) -> float:
     """The coefficient of sum_k c_k in the step time T = (m v - 1) max_k c_k + sum_weight * sum_k c_k + tail.
 
@@ -122,14 +128,57 @@ def sum_weight(schedule: str, pp: int, v: int, m: int, weight_share: float) -> f
     coefficient 1 - rho (pp - 2 + min(m, pp)) / pp. The simulator times the exact lists; this closed form
     lets the cut search stay exact and fast.
 
+    interleaved-zb (torch's ScheduleInterleavedZeroBubble) divides ZB-H1's coefficient by v, as interleaving
+    divides 1F1B's: (pp - 1)(F + B - 2 W) / v. zb-v (Qi et al. 2023, section 6) has ZB-H1's bubble in half
+    stages, (pp - 1)(F + B - 2 W) / 2, once m >= 2 pp - 1 microbatches fill its V; with fewer it is charged
+    ZB-H1's (the V's saving not assumed). Both are exact on uniform stages with W = F = B / 2 (the paper's
+    matmul case, weight_share 1 / 3) and m at least those counts (tests/test_simulate.py); elsewhere they
+    estimate, and the plan's predicted step is the simulator's on the exact lists.
+
     >>> sum_weight("1f1b", 4, 1, 8, 0.3)
     1.0
     >>> round(sum_weight("zb-h1", 4, 1, 8, 1 / 3), 4), sum_weight("zb-h1", 4, 1, 1, 1 / 3)  # bubble a third; m=1
     (0.5, 0.75)
+    >>> sum_weight("interleaved-zb", 4, 2, 8, 1 / 3), sum_weight("zb-v", 4, 2, 8, 1 / 3)
+    (0.25, 0.25)
     """
+    zb_h1 = max(1 / pp, 1 - weight_share * (pp - 2 + min(m, pp)) / pp)
     if schedule == "zb-h1":
-        return max(1 / pp, 1 - weight_share * (pp - 2 + min(m, pp)) / pp)
+        return zb_h1
+    if schedule == "interleaved-zb":
+        return zb_h1 / v
+    if schedule == "zb-v":
+        return zb_h1 / 2 if m >= 2 * pp - 1 else zb_h1
     return 1 / v
+
+
+@functools.lru_cache(maxsize=1024)  # keyed by the mesh shape: thousands of candidates share a few shapes
+def _dp_groups(pp: int, dp: int, tp: int, cp: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline rank (an index), the global ranks of its first data-parallel group: dp x cp ranks, over
+    which gradients are reduced and ZeRO shards (Megatron's data-parallel group under context parallelism)."""
+    mesh = Mesh(pp, dp, tp, cp)
+    return tuple(mesh.replica_ranks(pp=r) for r in range(pp))
+
+
+def _stage_counts(cand: ParallelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per virtual stage k: (microbatches whose activations it holds at its peak, microbatches between their I
+    and W: zero-bubble schedules with several stages per rank only, 0 elsewhere)."""
+    m, v, pp = cand.num_microbatches, cand.interleave, cand.pp
+    inflight, waiting = [], []
+    for k in range(pp * v):
+        rank = stage_rank(cand.schedule, pp, k)
+        held = 0
+        if cand.schedule in _SPLIT_CHUNKED:  # per chunk, off the rank's order; held until W
+            live, between = chunk_peaks(cand.schedule, pp=pp, num_microbatches=m, interleave=v, rank=rank)
+            count, held = live[k // pp], between[k // pp]
+        elif v > 1:  # this chunk's own count: the rank's first chunks hold more than its last
+            count = chunk_inflight(pp=pp, stage=rank, num_microbatches=m, interleave=v)[k // pp]
+        else:  # zb-h1: what I keeps for W besides (the gradients at the weights' matmuls) is charged in _peak_memory
+            count = inflight_microbatches(cand.schedule, pp=pp, stage=rank, num_microbatches=m,
+                                          interleave=v) if pp > 1 else 1
+        inflight.append(count)
+        waiting.append(held)
+    return tuple(inflight), tuple(waiting)
 
 
 class StageEvaluator:
@@ -164,11 +213,14 @@ class StageEvaluator:
         self.sum_weight = sum_weight(cand.schedule, cand.pp, cand.interleave, cand.num_microbatches,
                                      arr.total_w / arr.total_c if arr.total_c > 0 else 0.0)
         self._rest, self._shared_in_block = arr.rest, arr.shared_in_block
+        # per virtual stage: microbatches whose activations it holds at its peak, and (zero-bubble schedules with
+        # several stages per rank) those between their I and W; a function of the stage alone, so worked out once
+        self._inflight, self._waiting = _stage_counts(cand)
         self._sync_memo: dict[float, float] = {}
         self._stage_memo: dict[tuple, StageCost] = {}
         self._range_code, self._range_pow = ctx.range_codes(arr, self.p2p)
         # gradients reduced, and ZeRO sharded, over dp x cp ranks (Megatron's data-parallel group with cp)
-        self._dp_groups = {r: Mesh(cand.pp, cand.dp, cand.tp, cand.cp).replica_ranks(pp=r) for r in range(cand.pp)}
+        self._dp_groups = _dp_groups(cand.pp, cand.dp, cand.tp, cand.cp)
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
         crossed = ctx.crossed_levels(cand)
@@ -248,13 +300,8 @@ class StageEvaluator:
                 drop_rest = drop
             params -= drop
             rest -= 0.0 if in_block else drop_rest
-        m, v = cand.num_microbatches, cand.interleave
-        rank = k % cand.pp
-        if v > 1:  # this chunk's own count: the rank's first chunks hold more than its last
-            inflight = chunk_inflight(pp=cand.pp, stage=rank, num_microbatches=m, interleave=v)[k // cand.pp]
-        else:  # zb-h1: what I keeps for W besides (the gradients at the weights' matmuls) is charged below
-            inflight = inflight_microbatches(cand.schedule, pp=cand.pp, stage=rank, num_microbatches=m,
-                                             interleave=v) if cand.pp > 1 else 1
+        v = cand.interleave
+        inflight = self._inflight[k]
         exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i)
         if ctx.async_sgd:
             memory_of = lambda option: self._async_memory(i, j, k, params, inflight)
@@ -329,18 +376,19 @@ class StageEvaluator:
         z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
         kw = dict(precision=ctx.precision, optimizer=ctx.optimizer)
         own = model_state_bytes(params - tied, zero_stage=z, dp=cand.replicas, **kw)
+        own_grads = own.grads
         if z < 3 and ctx.precision in _FP32_GRADIENTS:
             # The engine accumulates the mixed precisions' gradients in fp32 buffers (4 B, where the ZeRO paper's
             # formula counts a 16-bit gradient's 2: DataParallel.held_bytes measures 18 B per parameter at ZeRO-0,
             # as Megatron's "bf16 param, fp32 grads"). ZeRO-3 holds no 16-bit shard (it gathers from the fp32
             # master), which the formula's total of 16/dp already is.
-            own = dataclasses.replace(own, grads=2 * own.grads)
+            own_grads = 2 * own.grads  # a local, not a dataclasses.replace: this runs per stage of every cut
         whole = model_state_bytes(tied, zero_stage=0, dp=1, **kw) if tied else _NO_STATE
         pb, gb = self._param_bytes, self._grad_bytes  # gb: the engine's gradient buffers (fp32; bf16 if pure)
         # runtime.engines.unreplicated: pipeline / tensor-parallel programs at dp = 1 in fp32 (codegen_pipeline)
         flat_grads = z <= 1 and not (cand.replicas == 1 and ctx.precision == "fp32" and (cand.pp > 1 or cand.tp > 1))
-        rest_grads = own.grads if flat_grads else 0.0  # held through the step
-        step_grads = whole.grads + (0.0 if flat_grads else own.grads)  # formed by the first backward
+        rest_grads = own_grads if flat_grads else 0.0  # held through the step
+        step_grads = whole.grads + (0.0 if flat_grads else own_grads)  # formed by the first backward
         carried = cand.num_microbatches > inflight
         grads = (params - tied) * gb  # what the engine reduces
         # one reduction's fp32 input (ZeRO-2: a bucket; ZeRO-3: a unit, the largest of blocks and the rest)
@@ -353,6 +401,10 @@ class StageEvaluator:
         gathered = min(2, blocks) * block * pb if z == 3 else 0.0  # the block and the one prefetched
         act1 = self._act[j] - self._act[i]  # one microbatch's
         acts = act1 * inflight + max(self._work[i:j], default=0.0)
+        if k > 0 and cand.schedule in _SPLIT_CHUNKED:
+            # as zb-h1 below, the count of microbatches between I and W read off the rank's order
+            held = arr.wgrad[j] - arr.wgrad[i] - (self._loss_kept if last else 0.0)
+            acts += self._waiting[k] * max(0.0, held)
         if cand.schedule == "zb-h1" and k > 0:
             # between a microbatch's I and its W the stage also keeps the gradients into its weights' matmuls
             # (runtime.pipeline.split_backward); rank r runs W r I's late, so r + 1 microbatches at once, right

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cost_models.mesh import Mesh
+from partitioner.planner.schedule import stage_rank
 from partitioner.show.text import blocks_text, compression_text, context_text, ranges_text, sequence_text
 from partitioner.show.timeline import Timeline, build_timeline, event_style, stage_color
 from partitioner.tracer.opgraph_table import human
@@ -97,7 +98,8 @@ def _summary(plan: Plan) -> str:
 
 def _device_grid(plan: Plan) -> str:
     """One small SVG per node, one cell per rank coloured by pipeline stage; tensor groups outlined."""
-    stages_of = {r: [s.index for s in plan.stages if s.index % plan.pp == r] for r in range(plan.pp)}
+    stages_of = {r: [s.index for s in plan.stages if stage_rank(plan.schedule, plan.pp, s.index) == r]
+                 for r in range(plan.pp)}
     mem = plan.rank_memory()
     nodes: dict[int, list] = {}
     for m in plan.mesh:
@@ -148,8 +150,9 @@ def _stage_map(plan: Plan) -> str:
     for s in plan.stages:
         w = 1300 * len(s.blocks) / total
         label = blocks_text(s.blocks)
-        strip.append(f'<g data-pp="{s.index % plan.pp}" data-tip="{esc(f"stage {s.index}: {label}")}">'
-                     f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="30" fill="{stage_color(s.index % plan.pp)}" '
+        r = stage_rank(plan.schedule, plan.pp, s.index)
+        strip.append(f'<g data-pp="{r}" data-tip="{esc(f"stage {s.index}: {label}")}">'
+                     f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="30" fill="{stage_color(r)}" '
                      f'stroke="#fff"/><text x="{x + w / 2:.1f}" y="19" class="r">{esc(label if len(label) * 6 < w else s.index)}'
                      '</text></g>')
         x += w
@@ -157,8 +160,9 @@ def _stage_map(plan: Plan) -> str:
     rows = []
     for s in plan.stages:
         share = 100 * (s.forward_s + s.backward_s) / slowest
-        rows.append(f'<tr data-pp="{s.index % plan.pp}"><td><i class="sw" style="background:{stage_color(s.index % plan.pp)}">'
-                    f'</i>{s.index}</td><td>{s.index % plan.pp}</td><td>{esc(blocks_text(s.blocks))}</td>'
+        r = stage_rank(plan.schedule, plan.pp, s.index)
+        rows.append(f'<tr data-pp="{r}"><td><i class="sw" style="background:{stage_color(r)}">'
+                    f'</i>{s.index}</td><td>{r}</td><td>{esc(blocks_text(s.blocks))}</td>'
                     f'<td class="n">{esc(human(s.num_params))}</td><td class="n">{s.forward_s * 1e3:.3f}</td>'
                     f'<td class="n">{s.backward_s * 1e3:.3f}</td><td><div class="hbar" style="width:{share:.1f}%"></div></td>'
                     f'<td class="n">{esc(_size(s.memory.total))}</td><td>{esc(ranges_text(list(s.ranks)))}</td></tr>')

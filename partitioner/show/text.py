@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from cost_models.mesh import Mesh
 from cost_models.powersgd import POWERSGD_RANK
+from partitioner.planner.schedule import stage_rank
 from partitioner.tracer.opgraph_table import human
 
 if TYPE_CHECKING:
@@ -218,7 +219,7 @@ def _stage_rows(p: Plan) -> list[str]:
     interleaved = p.interleave > 1
     rows = []
     for s in p.stages:
-        r = s.index % p.pp
+        r = stage_rank(p.schedule, p.pp, s.index)
         total = per_rank[r].total
         flag = [w for w, on in (("peak", r == peak_rank), (f"near capacity (> {100 * NEAR_CAPACITY:.0f} %)",
                                                             total > NEAR_CAPACITY * cap)) if on]

@@ -1,7 +1,7 @@
 """The pipeline executor: runs one rank's instruction list (a pipeline rank's; a data-parallel rank's is
 one stage's, run by `runtime.engines.step.StepRunner`).
 
-A schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1) arrives as data: this rank's
+A schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, interleaved ZB, ZB-V) arrives as data: this rank's
 ordered actions, each with `.op`, `.stage`, `.microbatch` (the planner's
 `Action`), or their compact strings ("2SEND_F0"). The runtime never imports
 the planner: both take the grammar from `cost_models.actions`, below them

@@ -61,8 +61,8 @@ class PipelineRunner:
             feed_inputs=True, activation_shape=self._activation_shape if hidden_shape is not None else None)
         if engine.zero_stage == 3 and any(a.op in ("I", "W") for a in self.executor.actions):
             # ZeRO-3 reshards a unit at the end of each backward, and W's graph still reads its gathered views
-            raise ValueError("a split backward (I / W actions: schedule='zb-h1') does not run under ZeRO-3: "
-                             "compile with zero_stage 0, 1 or 2, or schedule='1f1b'")
+            raise ValueError("a split backward (I / W actions: schedule='zb-h1', 'interleaved-zb' or 'zb-v') does not "
+                             "run under ZeRO-3: compile with zero_stage 0, 1 or 2, or schedule='1f1b'")
         self._after_optim = implicit_after_step(engine, self.executor.actions)
         self.hidden_shape, self.hidden_dtype = hidden_shape, hidden_dtype or torch.float32
         self._xs: list[Any] = []
