@@ -129,6 +129,23 @@ def test_memoised_stage_costs_equal_their_evaluation_over_every_range(pins):
     assert len(ev._stage_memo) < asked  # the repeated blocks share entries
 
 
+def test_interleaved_ranks_fit_by_the_sum_of_their_stages():
+    """A rank of an interleaved pipeline holds v virtual stages, its first ones more microbatches in flight
+    than its last: it fits when their sum does, though its biggest stage takes more than 1/v of the cap.
+    Under a cap just above the plan's own per-rank peak the plan is found, not refused."""
+    g = meta_gpt(8, n_embd=256)
+    topo = Topology.parse("local:4")
+    pins = dict(global_batch_size=32, pp=4, dp=1, tp=1, microbatch_size=4, schedule="interleaved-1f1b",
+                interleave=2, recompute="none", zero_stage=0)
+    loose = compile(g, topo, max_memory_fraction=0.9, **pins)
+    peak = max(m.total for m in loose.rank_memory().values())
+    share = max((st.memory.total - st.memory.buffers) * 2 + st.memory.buffers for st in loose.stages)
+    assert share > 1.1 * peak  # the 1/v rule alone would want 10 % more than the rank holds
+    cap = peak * 1.005
+    tight = compile(g, topo, max_memory_fraction=cap / topo.device.memory_bytes, **pins)
+    assert max(m.total for m in tight.rank_memory().values()) <= cap
+
+
 def test_memory_cap_is_respected_and_binds(small):
     loose = compile(small, "local:4", global_batch_size=32, max_memory_fraction=0.9)
     cap = loose.predicted.peak_memory_bytes * 0.6 / (8 * GiB)

@@ -167,22 +167,34 @@ def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5,
     order.sort(key=lambda x: (x[0], x[1]))
     ranked: list[tuple[float, tuple, ParallelConfig, Cut]] = []
     evaluated = 0
-    for lb, simple, cand, ev in order:
-        kth = ranked[keep - 1][0] if len(ranked) >= keep else incumbent
-        if math.isinf(lb):
-            continue  # its model state alone does not fit
-        if lb > kth or (max_cuts is not None and evaluated >= max_cuts):
-            break  # sorted by bound: nothing after this can enter the top `keep`
-        evaluated += 1
-        if bounds is None:
-            cut = _cut_one_compression(ctx, ev, incumbent=kth)
-        else:
-            cut = evaluate_cut(ev, bounds) if len(bounds) - 1 == ev.num_stages else None
-        if cut is None:
-            continue
-        ranked.append((cut.step_time_s, simple, cand, cut))
-        ranked.sort(key=lambda x: (x[0], x[1]))
-        del ranked[keep:]
+    # Where a rank holds several virtual stages, a stage within 1/v of the memory is sufficient for its rank
+    # but not necessary (its early chunks keep more microbatches in flight than its late ones). Only where
+    # no candidate fits that way does a second pass check each chunk alone and the ranks' sums on whole cuts
+    # (rank_peak, the rule a plan reports memory by): the looser rule lets more stages fit, and the cut search
+    # then explores more cuts (2-5x the stages costed on 175B-1T), for a fit the first pass mostly finds.
+    for loose in (False, True):
+        if loose and (ranked or bounds is not None or not math.isinf(incumbent)):
+            break
+        for lb, simple, cand, ev in order:
+            kth = ranked[keep - 1][0] if len(ranked) >= keep else incumbent
+            if math.isinf(lb):
+                continue  # its model state alone does not fit
+            if lb > kth or (max_cuts is not None and evaluated >= max_cuts):
+                break  # sorted by bound: nothing after this can enter the top `keep`
+            if loose and ev.num_stages == cand.pp:
+                continue  # one stage per rank: the first pass's rule was already exact
+            evaluated += 1
+            if bounds is not None:
+                cut = evaluate_cut(ev, bounds) if len(bounds) - 1 == ev.num_stages else None
+            elif loose:
+                cut = _cut_loose(ctx, ev, incumbent=kth)
+            else:
+                cut = _one_compression(ctx, ev, incumbent=kth)
+            if cut is None:
+                continue
+            ranked.append((cut.step_time_s, simple, cand, cut))
+            ranked.sort(key=lambda x: (x[0], x[1]))
+            del ranked[keep:]
     scored = tuple(Scored(cand=c, cut=cut, compression=cut.stages[0].compression) for _, _, c, cut in ranked)
     missed = _over_memory(ctx, order, scored, limit=over_memory) if over_memory and scored else ()
     return SearchResult(ranked=scored, evaluated=evaluated, space=len(candidates), over_memory=missed)
@@ -248,26 +260,15 @@ def rank_peak(cut: Cut, pp: int, schedule: str = "1f1b") -> float:
     return max(m.total for m in per_rank_memory([st.memory for st in cut.stages], pp, schedule).values())
 
 
-def _cut_one_compression(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:
-    """The best cut whose stages all use one compression (see the module docstring).
-
-    Where a rank holds several virtual stages (interleaved), each stage within 1/v of the memory is sufficient
-    for its rank but not necessary: a rank whose early chunks keep more microbatches in flight than its late
-    ones fits with some chunk over cap/v. So the search also cuts with every chunk checked alone and its ranks'
-    sums checked on whole cuts (`rank_peak`), and keeps the faster of the two cuts.
-    """
-    cut = _one_compression(ctx, ev, incumbent=incumbent)
-    if ev.num_stages > ev.cand.pp:
-        pp, cap = ev.cand.pp, ctx.memory_cap
-        loose = StageEvaluator(ctx, ev.cand, ev.options[0] if len(ev.options) == 1 else None, chunk_alone=True)
-        other = _one_compression(ctx, loose, incumbent=min(incumbent, cut.step_time_s if cut else math.inf),
-                                 accept=lambda c: rank_peak(c, pp, ev.cand.schedule) <= cap)
-        if other is not None and (cut is None or other.step_time_s < cut.step_time_s):
-            cut = other
-    return cut
+def _cut_loose(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:
+    """The best cut with each virtual stage's memory checked alone and each rank's sum on whole cuts."""
+    pp, cap, schedule = ev.cand.pp, ctx.memory_cap, ev.cand.schedule
+    loose = StageEvaluator(ctx, ev.cand, ev.options[0] if len(ev.options) == 1 else None, chunk_alone=True)
+    return _one_compression(ctx, loose, incumbent=incumbent, accept=lambda c: rank_peak(c, pp, schedule) <= cap)
 
 
 def _one_compression(ctx: CostContext, ev, *, incumbent: float, accept=None) -> Cut | None:
+    """The best cut whose stages all use one compression (see the module docstring)."""
     cut = cut_stages(ev, incumbent=incumbent, accept=accept)
     if cut is None or len({st.compression for st in cut.stages}) == 1:
         return cut
