@@ -85,6 +85,7 @@ def _summary(plan: Plan) -> str:
                              f"({100 * frac:.3g} %)")),
             *([("sequence", sequence_text(plan))] if c.sp else []),
             *([("context", context_text(plan))] if c.cp > 1 else []),
+            *([("experts", plan.expert_parallel)] if plan.expert_parallel else []),
             ("compression", compression_text(plan)),
             ("search", f"{plan.candidates_evaluated} of {plan.search_space} configurations evaluated exactly"),
             ("declared", ", ".join(f"{k}={v}" for k, v in plan.declarations.items()) or "nothing pinned")]
