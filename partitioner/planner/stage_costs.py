@@ -202,7 +202,8 @@ class StageEvaluator:
         if state * v + self._fixed > ctx.memory_cap:
             return math.inf
         tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_bytes / self._hbm
-        if c.zero_stage in (1, 2) and c.replicas > 1:
+        if c.zero_stage in (1, 2) and c.replicas > 1 and c.ep == 1:
+            # (under ep the expert parameters gather over a smaller group: left out, so this stays a bound)
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
         full = (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c * self.sum_weight + tail
         # with part of the idle time charged, the least the busiest rank works (the average) bounds it
