@@ -436,6 +436,8 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
         hints.append("a smaller microbatch_size")
     if decl.cp in (None, 1) and (ctx.g.traced_seq_len or 1) % 4 == 0:
         hints.append("context parallelism (cp=2 or more: activations per rank divided by cp)")
+    if decl.ep == 1 and ctx.experts.layers and not ctx.experts.why_not:
+        hints.append("expert parallelism (ep=2 or more: expert parameters and their state per rank divided by ep)")
     if decl.pinned():
         hints.append(f"unpinning {', '.join(decl.pinned())}")
     hints.append("more devices")
