@@ -118,7 +118,8 @@ def test_declarations_refuse_what_ep_cannot_run(moe, pins, words):
 
 def test_experts_of_different_shapes_refuse_ep_and_plan_ep1_saying_why():
     g = trace(ListNet(widths=(32, 32, 32, 48)), TOKENS)
-    assert experts_of(g).why_not.startswith("experts of different shapes in layers.0.mlp, layers.1.mlp, layers.2.mlp ...")
+    assert experts_of(g).why_not.startswith(
+        "experts of different shapes in layers.0.mlp, layers.1.mlp, layers.2.mlp ...")
     with pytest.raises(DeclarationError, match="ep=2: experts of different shapes in layers.0.mlp, layers.1.mlp"):
         compile(g, "local:4", global_batch_size=8, ep=2)
     plan = compile(g, "local:4", global_batch_size=8, alternatives=0)
@@ -131,7 +132,8 @@ def test_experts_of_different_shapes_refuse_ep_and_plan_ep1_saying_why():
 
 def test_ep_options_keep_the_search_small_and_in_a_node():
     e = Experts(layers=(MoELayer(module="m", block=0, num_experts=64, top_k=8, router="m.gate.weight",
-                                 experts=("m.experts.w",), style="batched", uniform=True, expert_params=1, combine="c"),))
+                                 experts=("m.experts.w",), style="batched", uniform=True, expert_params=1,
+                                 combine="c"),))
     d = Declarations(global_batch_size=8)
     assert e.num_experts == 64
     # 1, every degree inside the node (ep * tp <= 8), then the smallest and largest across nodes only

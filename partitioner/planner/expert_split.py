@@ -200,7 +200,9 @@ def summary(experts: Experts, c: "ParallelConfig", *, numel: dict[str, int], all
             f"of {len(layers)} MoE layers, {_count(total / c.ep)} of {_count(total)} expert parameters (their "
             f"gradients and optimizer state likewise 1/{c.ep}); per step 4 all-to-alls per MoE layer and microbatch "
             f"(dispatch, combine, and their gradients: tokens x top-k x hidden, {c.ep - 1}/{c.ep} leaving the rank) "
-            f"take {all_to_all_s * 1e3:.2f} ms, groups of {c.ep} data-parallel ranks {c.cp * c.tp} apart, {level}; "
+            f"take {all_to_all_s * 1e3:.2f} ms over the model's MoE layers"
+            + (f" (~{all_to_all_s / c.pp * 1e3:.2f} ms per pipeline rank)" if c.pp > 1 else "")
+            + f", groups of {c.ep} data-parallel ranks {c.cp * c.tp} apart, {level}; "
             + (f"expert gradients reduced over dp x cp / ep = {c.replicas // c.ep} ranks, dense ones over {c.replicas}"
                if c.replicas > c.ep else "expert gradients not reduced (no other rank holds the same experts)")
             + f"; expert FLOPs at the busiest rank's load ({cal_imbalance:g} x the mean, "

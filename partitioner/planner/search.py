@@ -1,7 +1,8 @@
 """The search: every configuration the declarations allow, best first, exactly.
 
 Enumerates (tp, cp, pp, dp, microbatch, schedule, interleave, sequence
-parallelism, ZeRO stage, recompute, and ep for a model with MoE layers), orders them by a lower bound on step time, and runs the exact
+parallelism, ZeRO stage, recompute, and ep for a model with MoE layers),
+orders them by a lower bound on step time, and runs the exact
 stage cut (cut.py) on each until the bound exceeds the k-th best step time
 found: branch and bound, so the k best are exact under the cost model while
 most candidates are never cut. Ties go to the simpler configuration (fewer

@@ -290,7 +290,8 @@ class StageEvaluator:
         return lr
 
     def _peak_memory(self, i: int, j: int, k: int, *, params: float, tied: float, rest: float,
-                     inflight: int, expert: float = 0.0) -> Callable[[tuple[str, str]], tuple[float, float, float, float, float]]:
+                     inflight: int, expert: float = 0.0
+                     ) -> Callable[[tuple[str, str]], tuple[float, float, float, float, float]]:
         """(params, grads, optimizer, activations, buffers) of units [i, j) as virtual stage k at its peak,
         as a function of the compression option (what all options share is worked out once).
 
@@ -517,7 +518,9 @@ class StageEvaluator:
         """(exposed seconds, optimizer step) per step of the expert parameters' reduction over the ranks that
         hold the same experts (`_edp`), as `_tail` times the dense one: DDP/ZeRO-1 all-reduce behind the last
         backward, ZeRO-2 reduce-scatter every microbatch, ZeRO-1/2 parameter all-gather exposed, ZeRO-3's
-        gathers and reduce-scatters per unit and microbatch. Uncompressed; memoised on the stage's size."""
+        gathers and reduce-scatters per unit and microbatch. Uncompressed; memoised on the stage's size. It hides
+        behind the same backward as the dense reduction, each on its own: optimistic where both are long (they
+        run on different groups, so on different links only where those groups differ in span)."""
         cand, comm, ranks = self.cand, self.ctx.comm, self._edp
         key = ("expert", expert, f, b, units)
         hit = self._reduce_memo.get(key)
