@@ -6,6 +6,7 @@ generated programs do not run ep > 1 yet, which test_ep_plans_are_not_runnable p
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -19,6 +20,8 @@ from cost_models.topology import Topology
 from examples import hf_families
 from examples.gpt import example_batch, gpt_tiny
 from partitioner import compile, trace
+from partitioner.cli.common import plan_options
+from partitioner.cli.parser import add_plan_options
 from partitioner.codegen.common import CodegenError
 from partitioner.planner.declarations import Declarations
 from partitioner.planner.expert_split import Experts, edp_ranks, ep_options, ep_ranks, experts_of
@@ -255,3 +258,9 @@ def test_ep_plans_are_not_runnable(moe):
     with pytest.raises(DeclarationError, match="expert-parallel plans are costed but not yet runnable"):
         compile(hf_families.qwen3_moe_seeded(), "local:4", example_inputs=TOKENS, global_batch_size=8, ep=2,
                 verify=True)
+
+
+def test_the_cli_pins_ep():
+    p = argparse.ArgumentParser()
+    add_plan_options(p)
+    assert plan_options(p.parse_args(["--ep", "4"]))["ep"] == 4 and "ep" not in plan_options(p.parse_args([]))
