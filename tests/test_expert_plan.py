@@ -249,6 +249,7 @@ def test_plan_text_and_page_show_ep(moe, tmp_path):
     assert "expert gradients reduced over dp x cp / ep = 2 ranks, dense ones over 4" in why
     page = plan.to_html(tmp_path / "plan.html").read_text()
     assert "expert parallelism over 2 ranks" in page
+    assert "experts 2/2 of ep group 1" in page and "expert-parallel groups: 2 consecutive data-parallel" in page
 
 
 def test_ep_plans_are_not_runnable(moe):
