@@ -179,6 +179,14 @@ class Calibration:
           GPU's time is lost); on a CPU shared by more processes than cores an
           idle rank yields its core to busy peers, so less is lost; fitted.
 
+    Mixture of experts (partitioner/planner/expert_split.py):
+      expert_imbalance: the busiest expert-parallel rank's routed tokens over the mean (>= 1), under
+          expert parallelism (ep > 1): its expert FLOPs and kept activations are the balanced share times
+          this, and the all-to-alls wait for it. 1.25, the capacity factor Switch Transformer trains with
+          (Fedus et al. 2022, "Switch Transformers", section 2.2: at 1.25 under 1 % of tokens overflow
+          their expert with its load-balancing loss), i.e. the busiest expert ~25 % above the mean;
+          fitted (a time factor, seen only by ep > 1 trials).
+
     Measured by `partitioner probe` (partitioner/probe/):
       matmul_eff_by_dtype: per dtype ("fp32", "bf16", ...), the plateau of that dtype's
           measured matmul curve as a fraction of its peak (x device_speed); overrides
@@ -221,6 +229,7 @@ class Calibration:
     buffer_mem_scale: float = 1.0
     memory_overhead_bytes: float = 0.0
     pipeline_idle_cost: float = 1.0
+    expert_imbalance: float = 1.25
 
     matmul_eff_by_dtype: tuple[tuple[str, float], ...] = ()
     probe: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -245,6 +254,10 @@ class Calibration:
                 raise PartitionerError(
                     f"Calibration.pipeline_idle_cost = {value} must lie in [0, 1] "
                     f"(1 = an idle rank's time is lost, 0 = its cores serve busy ranks)")
+            if f.name == "expert_imbalance" and value < 1:
+                raise PartitionerError(
+                    f"Calibration.expert_imbalance = {value} must be >= 1 (the busiest expert-parallel "
+                    f"rank's tokens over the mean)")
             if f.name == "dp_overlap" and not 0 <= value <= 1:
                 raise PartitionerError(
                     f"Calibration.dp_overlap = {value} must lie in [0, 1] "

@@ -72,6 +72,7 @@ TIME_FACTORS: dict[str, tuple[float, float]] = {
     "collective_base_latency_s": (1e-7, 0.05),
     "dp_overlap": (1e-3, 1.0),
     "pipeline_idle_cost": (1e-3, 1.0),
+    "expert_imbalance": (1.0, 8.0),
 }
 _PLATEAUS = ("matmul_eff_max", "conv_eff_max", "attention_eff_max")
 _SENSITIVE = 1e-4  # |d log t / d log f| below this on every trial: the trials do not see the factor

@@ -40,9 +40,10 @@ from cost_models.placements import REPLICATED
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
-from partitioner.codegen.program import not_runnable
+from partitioner.codegen.program import not_runnable, not_runnable_ep
 from partitioner.codegen.segments import SegmentError, extract
 from partitioner.planner.context_split import LONG_SEQUENCE, attention_heads, cp_options, local
+from partitioner.planner.expert_split import Experts, check_experts, ep_options, ep_ranks, experts_of, summary
 from partitioner.planner.comparisons import (
     durations,
     hand_baselines,
@@ -104,7 +105,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             precision: str = "bf16-mixed", optimizer: str = "adam", dp: int | None = None, tp: int | None = None,
             pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
-            sp: bool | None = None, cp: int | None = None, cp_kind: str | None = None,
+            sp: bool | None = None, cp: int | None = None, cp_kind: str | None = None, ep: int | None = None,
             max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
@@ -155,6 +156,14 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     it (partitioner.planner.context_split). Such plans are costed; their programs cannot be generated yet
     (`plan.program` refuses them).
 
+    `ep` divides each mixture-of-experts layer's experts over ep ranks of the data-parallel group
+    (expert parallelism as Megatron-Core's: ep divides dp and the number of experts; tokens reach their
+    experts by all-to-alls; expert gradients are reduced over the dp / ep ranks holding the same experts).
+    Unpinned, the planner searches it for models whose traced graph has MoE layers
+    (partitioner.planner.expert_split), preferring groups inside a node; a model whose experts cannot be
+    divided is planned with ep=1 and `plan.explain()` says why. Such plans are costed; their programs
+    cannot be generated yet.
+
     `rewrite_attention` (default True) traces eager attention (a matmul of q and k^T, a scale, an
     additive bias or mask such as ALiBi or causal, softmax, dropout, a matmul with v) as one
     `scaled_dot_product_attention` where that is the same math (partitioner.tracer.attention): the plan
@@ -197,7 +206,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     topo = Topology.coerce(topology)
     pins = dict(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp, pp=pp,
                 zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
-                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, max_memory_fraction=max_memory_fraction,
+                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, ep=ep, max_memory_fraction=max_memory_fraction,
                 compression=compression,
                 async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
                 compression_warmup=compression_warmup, grad_reduce_dtype=grad_reduce_dtype,
@@ -220,6 +229,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         _check_verifiable(model)
         if decl.cp not in (None, 1):
             raise DeclarationError(f"verify=True: {not_runnable(decl.cp, decl.cp_kind or 'ring')}")
+        if decl.ep not in (None, 1):
+            raise DeclarationError(f"verify=True: {not_runnable_ep(decl.ep)}")
     rewrite = decl.rewrite_attention
     if isinstance(model, OpGraph):
         g = model
@@ -263,6 +274,8 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=num_units,
                        unit_name=unit_name, valid_tp=valid_tp, tp_divisors=splits.divisors,
                        seq_len=g.traced_seq_len, heads=heads)
+    experts = experts_of(g)
+    check_experts(decl, experts)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
     if decl.async_sgd:  # checked above: nothing pinned contradicts these
         forced = {**forced, **ASYNC_SGD_FORCED}
@@ -287,12 +300,19 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
             valid_tp=valid_tp, sp_allows=lambda t, mb: not no_sp and _sp_allows(splits, g, t, mb),
             sp_dominates=sp_dominates,
             context=lambda t: cp_options(decl, tp=t, world_size=topo.world_size, seq_len=seq, heads=heads,
-                                         search=search_cp)))
+                                         search=search_cp),
+            experts=lambda dp, t, c: ep_options(decl, experts, dp=dp, tp=t, cp=c,
+                                                devices_per_node=topo.devices_per_node)))
 
     long_sequence = seq >= LONG_SEQUENCE
     allowed = candidates(long_sequence)
     if decl.sp and not allowed:
         _refuse_sp(splits, g, decl, no_sp)
+    if decl.ep not in (None, 1) and not allowed:
+        raise DeclarationError(
+            f"ep={decl.ep} divides no data-parallel degree the other declarations {decl.pinned()} allow on "
+            f"{topo.world_size} devices (expert-parallel groups are taken inside the data-parallel group, so dp must "
+            f"be a multiple of ep); pin dp to a multiple of {decl.ep}, a smaller ep, or unpin tp/pp/cp")
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
     if allowed and not cands:
         _refuse_compression(ctx, allowed, decl)
@@ -416,6 +436,8 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
         hints.append("a smaller microbatch_size")
     if decl.cp in (None, 1) and (ctx.g.traced_seq_len or 1) % 4 == 0:
         hints.append("context parallelism (cp=2 or more: activations per rank divided by cp)")
+    if decl.ep == 1 and ctx.experts.layers and not ctx.experts.why_not:
+        hints.append("expert parallelism (ep=2 or more: expert parameters and their state per rank divided by ep)")
     if decl.pinned():
         hints.append(f"unpinning {', '.join(decl.pinned())}")
     hints.append("more devices")
@@ -442,7 +464,7 @@ def _why(best: Scored, other: Scored) -> str:
     t0, t1 = best.cut.step_time_s, other.cut.step_time_s
     a, b = best.cand, other.cand
     diffs = [f"{k}={getattr(b, k)} vs {getattr(a, k)}" for k in
-             ("dp", "cp", "cp_kind", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave",
+             ("dp", "ep", "cp", "cp_kind", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave",
               "recompute")
              if getattr(a, k) != getattr(b, k)]
     diffs += [f"{level} compression {y} vs {x}" for level, x, y in zip(LEVELS, best.compression, other.compression)
@@ -518,8 +540,23 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 compression_warmup=decl.compression_warmup if best.compression != ("none", "none") else 0,
                 rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
                 attention_rewrites=g.attention_rewrites, experts=experts_text(g), block_kinds=_block_kinds(g),
+                expert_parallel=_expert_note(ctx, cand, topo, declared="ep" in (declared or decl.pinned())),
                 block_container=g.block_container if _block_kinds(g) else None,
                 **_model_code(g, splits, cand, fp8=decl.precision in FP8_PRECISIONS))
+
+
+def _expert_note(ctx: CostContext, cand: ParallelConfig, topo: Topology, *, declared: bool) -> str:
+    """explain()'s paragraph on expert parallelism ("" for a dense model)."""
+    ex: Experts = ctx.experts
+    if not ex.layers:
+        return ""
+    level = ""
+    if cand.ep > 1:
+        nodes = {topo.node_of(r) for r in ep_ranks(cand)}
+        level = "inside a node" if len(nodes) == 1 else f"across {len(nodes)} nodes"
+    t = ctx.expert_exchange_s(cand.microbatch_size, cand.tp, cand.cp, cand.ep) * cand.num_microbatches
+    return summary(ex, cand, numel={p.name: p.numel for p in ctx.g.params}, all_to_all_s=t, level=level,
+                   declared=declared, cal_imbalance=ctx.cal.expert_imbalance)
 
 
 def _block_kinds(g: OpGraph) -> tuple[int, ...]:
@@ -633,6 +670,10 @@ def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cu
         every = (ctx.async_sgd or {}).get("every", 1)  # local SGD averages the fp32 parameters every k steps
         for level, nbytes in dp.items():
             out[level] += nbytes / every
+    if cand.ep > 1:
+        level = topo.group_level(ep_ranks(cand)).value
+        out[level] = out.get(level, 0.0) + m * sum(ctx.expert_bytes(u, mb, cand.tp, cand.cp, cand.ep)
+                                                   for u in range(i, j))
     if cand.pp > 1 and busiest < len(cut.stages) - 1:
         level = topo.link_level(0, cand.dp * cand.cp * cand.tp).value
         out[level] = out.get(level, 0.0) + 2 * ctx.boundary_bytes(j - 1, mb, cp=cand.cp) * m

@@ -118,5 +118,5 @@ def test_the_plan_says_what_it_found():
     plan = compile(hf_families.qwen3_moe_seeded(), "local:2", example_inputs=TOKENS, global_batch_size=4)
     assert plan.experts.startswith("4 MoE layers (model.layers.0-3.mlp) of 4 experts, top-2")
     text = str(plan)
-    assert "experts      4 MoE layers" in text and "expert parallelism is not planned yet" in text
+    assert "experts      4 MoE layers" in text and "ep=1: experts planned like every other parameter" in text
     assert Plan.from_json(plan.to_json()).experts == plan.experts

@@ -47,7 +47,8 @@ from partitioner.codegen.pipeline import pipeline_program_source
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
-__all__ = ["RankProgram", "program", "write_programs", "expected_collectives", "CodegenError", "not_runnable"]
+__all__ = ["RankProgram", "program", "write_programs", "expected_collectives", "CodegenError", "not_runnable",
+           "not_runnable_ep"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,12 +75,21 @@ def not_runnable(cp: int, cp_kind: str) -> str:
             "for its predictions only")
 
 
+def not_runnable_ep(ep: int) -> str:
+    """Why no program is generated for an expert-parallel plan (runtime.experts' kernels exist, codegen does not)."""
+    return (f"ep={ep}: expert-parallel plans are costed but not yet runnable: no per-rank program replaces the MoE "
+            "layers by runtime.experts' dispatch / grouped experts / combine over the ep group yet; compile with "
+            "ep=1 (experts replicated over data parallelism) to train, or use this plan for its predictions only")
+
+
 def program(plan: "Plan", rank: int) -> RankProgram:
     if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
         raise CodegenError(f"rank={rank!r}: the plan has ranks 0..{plan.world_size - 1}")
     c = plan.config
     if c.cp > 1:
         raise CodegenError(not_runnable(c.cp, c.cp_kind))
+    if c.ep > 1:
+        raise CodegenError(not_runnable_ep(c.ep))
     if c.pp > 1 or c.tp > 1:
         source, h = pipeline_program_source(plan, rank)
         return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)

@@ -25,6 +25,7 @@ from typing import Any
 from cost_models.compression import LEVELS
 from partitioner.planner.cut import Cut, charge_idle
 from partitioner.planner.declarations import Declarations, divisors
+from partitioner.planner.expert_split import ep_options
 from partitioner.planner.plan import Alternative, Baseline, ParallelConfig
 from partitioner.planner.schedule import build_schedule
 from partitioner.planner.search import (
@@ -45,7 +46,8 @@ NO_COMPRESSION = ("none", "none")
 # Exact cuts the declaration-free search may spend: it only has to show what the pins cost, and the
 # candidates it visits first (lowest bound) are the likely winners.
 _UNPINNED_MAX_CUTS = 24
-_PINNABLE = ("dp", "tp", "pp", "cp", "cp_kind", "zero_stage", "microbatch_size", "schedule", "interleave", "recompute")
+_PINNABLE = ("dp", "tp", "pp", "cp", "cp_kind", "ep", "zero_stage", "microbatch_size", "schedule", "interleave",
+             "recompute")
 
 
 def durations(ev: StageEvaluator, cut: Cut) -> Durations:
@@ -102,7 +104,10 @@ def pinned_out(ctx: CostContext, decl: Declarations, best: Scored, *, valid_tp: 
     # compression pins every candidate has a compression option, so none needs checking.
     cands = [c for c in enumerate_candidates(free, world_size=ctx.topo.world_size,
                                              devices_per_node=ctx.topo.devices_per_node, num_units=len(ctx.units),
-                                             valid_tp=valid_tp)
+                                             valid_tp=valid_tp,
+                                             experts=lambda dp, tp, cp: ep_options(
+                                                 free, ctx.experts, dp=dp, tp=tp, cp=cp,
+                                                 devices_per_node=ctx.topo.devices_per_node))
              if any(getattr(c, k) != v for k, v in pins.items() if k in _PINNABLE) or "compression" in pins]
     result = search(ctx, cands, keep=1, incumbent=best.cut.step_time_s, max_cuts=_UNPINNED_MAX_CUTS)
     if not result.ranked or result.ranked[0].cut.step_time_s >= best.cut.step_time_s:

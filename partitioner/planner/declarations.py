@@ -69,6 +69,10 @@ class Declarations:
     # choice (cp > 1 only for long sequences or where nothing fits without it; ring unless all-to-all is faster).
     cp: int | None = None
     cp_kind: str | None = None
+    # Expert parallelism (partitioner.planner.expert_split): each MoE layer's experts divided over ep ranks of
+    # the data-parallel group (ep divides dp and the number of experts). None: the planner's choice (MoE
+    # models only); 1: experts replicated like any parameter.
+    ep: int | None = None
     max_memory_fraction: float = 0.9
     # link level -> compressor of the data-parallel gradient reduction, for the levels pinned
     # (from `compression_pins`); levels absent are the planner's choice
@@ -144,7 +148,7 @@ class Declarations:
 
     def pinned(self) -> dict[str, Any]:
         """The declarations that pin something, for the plan's record."""
-        names = ("dp", "tp", "pp", "cp", "cp_kind", "zero_stage", "microbatch_size", "schedule", "interleave",
+        names = ("dp", "tp", "pp", "cp", "cp_kind", "ep", "zero_stage", "microbatch_size", "schedule", "interleave",
                  "recompute", "sp", "grad_reduce_dtype", "optimizer_layout")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.compression:
@@ -301,7 +305,7 @@ def compression_refusal(pins: dict[str, str], *, zero_stage: int, levels: tuple[
 
 _ASYNC_KEYS = ("every", "staleness")
 # What a pinned async_sgd implies for the search: replicas of the whole model, each stepping alone.
-ASYNC_SGD_FORCED = {"tp": 1, "pp": 1, "cp": 1, "zero_stage": 0}
+ASYNC_SGD_FORCED = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 0}
 
 
 def async_sgd_pin(value: Any) -> dict[str, int] | None:
@@ -343,6 +347,7 @@ def _check_async_sgd(d: Declarations, world_size: int) -> None:
     why = {"pp": "a pipeline splits the model over ranks whose stages must step together",
            "tp": "tensor slices of one layer must be updated together",
            "cp": "the context slices of one sequence hold parts of the same gradient",
+           "ep": "an expert-parallel group's ranks exchange tokens every step and hold different experts",
            "zero_stage": "ZeRO shards the optimizer state (from stage 1; gradients from 2, parameters at 3) over "
                          "the replicas, so no replica can step alone"}
     for name, ok in ASYNC_SGD_FORCED.items():

@@ -73,6 +73,11 @@ class ParallelConfig:
     cp_kind: how attention sees the whole sequence under cp > 1: "ring" (key/value blocks passed around
         the context group, runtime.context.ring_attention) or "all-to-all" (DeepSpeed-Ulysses: heads
         re-sharded, runtime.context.ulysses).
+    ep: expert parallelism (Megatron-Core's): each MoE layer's experts divided over ep ranks taken inside
+        the data-parallel group (ep divides dp and the number of experts; no mesh axis of its own: an ep
+        group is ep consecutive data-parallel ranks), tokens sent to their experts and back by all-to-alls;
+        expert gradients reduced over the dp / ep ranks holding the same experts, dense ones over dp
+        (partitioner.planner.expert_split). Written in plan JSON only when > 1.
     """
 
     dp: int
@@ -87,6 +92,7 @@ class ParallelConfig:
     sp: bool = False
     cp: int = 1
     cp_kind: CpKind = "ring"
+    ep: int = dataclasses.field(default=1, metadata={"omit_default": True})
 
     @property
     def replicas(self) -> int:
@@ -96,7 +102,8 @@ class ParallelConfig:
     def __str__(self) -> str:
         sched = self.schedule + (f"x{self.interleave}" if self.interleave > 1 else "")
         cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if self.cp_kind == "ring" else "(all-to-all)")
-        return (f"dp{self.dp}{cp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} zero{self.zero_stage} "
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"dp{self.dp}{ep}{cp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} zero{self.zero_stage} "
                 f"mb{self.microbatch_size}x{self.num_microbatches} {sched} recompute={self.recompute}")
 
 
@@ -300,6 +307,9 @@ class Plan:
     attention_rewrites: int = 0
     # the mixture-of-experts layers the tracer found (partitioner.tracer.experts), in words; "" for a dense model
     experts: str = ""
+    # why the plan divides the experts over ep ranks, or why it cannot (partitioner.planner.expert_split); "" for
+    # a dense model. Written in plan JSON only when set.
+    expert_parallel: str = dataclasses.field(default="", metadata={"omit_default": True})
 
     # ---- the configuration, by name ---------------------------------------
     dp = property(lambda self: self.config.dp)
@@ -312,6 +322,7 @@ class Plan:
     recompute = property(lambda self: self.config.recompute)
     cp = property(lambda self: self.config.cp)
     cp_kind = property(lambda self: self.config.cp_kind)
+    ep = property(lambda self: self.config.ep)
 
     schedule = property(lambda self: self.config.schedule)  # "gpipe" | "1f1b" | "interleaved-1f1b"
 

@@ -80,8 +80,11 @@ def _check_topology(p: Plan) -> Topology:
 
 def _check_config(p: Plan) -> None:
     c = p.config
-    for name in ("dp", "tp", "pp", "cp", "microbatch_size", "num_microbatches", "interleave"):
+    for name in ("dp", "tp", "pp", "cp", "ep", "microbatch_size", "num_microbatches", "interleave"):
         _at_least(f"config.{name}", getattr(c, name), 1)
+    if c.dp % c.ep:
+        _fail("config.ep", f"ep={c.ep} does not divide dp={c.dp}: expert-parallel groups are taken inside the "
+                           "data-parallel group")
     if c.zero_stage not in (0, 1, 2, 3):
         _fail("config.zero_stage", f"{c.zero_stage!r} is not 0, 1, 2 or 3")
     if c.dp * c.cp * c.tp * c.pp != p.world_size:

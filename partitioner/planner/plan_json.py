@@ -32,7 +32,9 @@ def encode(x: Any) -> Any:
     if isinstance(x, Poly):
         return x.to_json()
     if dataclasses.is_dataclass(x):
-        return {f.name: encode(getattr(x, f.name)) for f in dataclasses.fields(x) if f.metadata.get("json", True)}
+        # a field added after plans were written may be left out at its default, so older plans keep their hashes
+        return {f.name: encode(getattr(x, f.name)) for f in dataclasses.fields(x) if f.metadata.get("json", True)
+                and not (f.metadata.get("omit_default") and getattr(x, f.name) == f.default)}
     if isinstance(x, enum.Enum):
         return x.value
     if isinstance(x, (tuple, list)):

@@ -1,7 +1,8 @@
 """The search: every configuration the declarations allow, best first, exactly.
 
 Enumerates (tp, cp, pp, dp, microbatch, schedule, interleave, sequence
-parallelism, ZeRO stage, recompute), orders them by a lower bound on step time, and runs the exact
+parallelism, ZeRO stage, recompute, and ep for a model with MoE layers),
+orders them by a lower bound on step time, and runs the exact
 stage cut (cut.py) on each until the bound exceeds the k-th best step time
 found: branch and bound, so the k best are exact under the cost model while
 most candidates are never cut. Ties go to the simpler configuration (fewer
@@ -48,7 +49,7 @@ _OVER_MEMORY_TRIES_PER_SHAPE = 4
 
 
 def simplicity(c: ParallelConfig) -> tuple:
-    return (c.pp, c.tp, c.cp, c.cp_kind != "ring", c.zero_stage, _RECOMPUTE_ORDER[c.recompute],
+    return (c.pp, c.tp, c.cp, c.cp_kind != "ring", c.ep, c.zero_stage, _RECOMPUTE_ORDER[c.recompute],
             _SCHEDULE_ORDER[c.schedule], c.interleave, c.sp, -c.microbatch_size)
 
 
@@ -71,7 +72,8 @@ class SearchResult:
 def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: int, num_units: int,
                          valid_tp: tuple[int, ...], sp_allows: Callable[[int, int], bool] = lambda tp, mb: False,
                          sp_dominates: Callable[[int, int, str], bool] = lambda tp, mb, rc: False,
-                         context: Callable[[int], Sequence[tuple[int, str]]] = lambda tp: ((1, "ring"),)
+                         context: Callable[[int], Sequence[tuple[int, str]]] = lambda tp: ((1, "ring"),),
+                         experts: Callable[[int, int, int], Sequence[int]] = lambda dp, tp, cp: (1,)
                          ) -> Iterator[ParallelConfig]:
     """Every configuration the declarations allow (not yet checked for memory).
 
@@ -82,6 +84,8 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
 
     `context(tp)`: the (cp, cp_kind) a candidate of tensor degree tp may take
     (partitioner.planner.context_split.cp_options); dp * cp * tp * pp is the world size.
+    `experts(dp, tp, cp)`: the expert-parallel degrees a candidate may take (partitioner.planner.expert_split
+    .ep_options; (1,) for a dense model, so its space is what it was).
     """
     gb = d.global_batch_size
     tps = [d.tp] if d.tp is not None else [t for t in valid_tp if world_size % t == 0 and t <= devices_per_node]
@@ -95,6 +99,9 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                 continue
             dp = world_size // (tp * cp * pp)
             if (d.dp is not None and dp != d.dp) or gb % dp:
+                continue
+            eps = experts(dp, tp, cp)
+            if not eps:
                 continue
             per_replica = gb // dp
             mbs = [d.microbatch_size] if d.microbatch_size is not None else [
@@ -114,10 +121,10 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                         recomputes = [rc for rc in recomputes if rc != "selective"]
                     for z, rc in itertools.product(zeros, recomputes):
                         sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]
-                        for sp in sps:
+                        for sp, ep in itertools.product(sps, eps):
                             yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=z, microbatch_size=mb,
                                                  num_microbatches=m, schedule=sched, interleave=v, recompute=rc, sp=sp,
-                                                 cp=cp, cp_kind=cp_kind)
+                                                 cp=cp, cp_kind=cp_kind, ep=ep)
 
 
 def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[str, int]]:

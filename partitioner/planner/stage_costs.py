@@ -67,6 +67,7 @@ from cost_models.memory import (
 from cost_models.mesh import Mesh
 from cost_models.powersgd import LowRank
 from partitioner.planner.context_split import local
+from partitioner.planner.expert_split import edp_ranks
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.schedule import chunk_peaks, stage_rank
 from partitioner.planner.unit_costs import CostContext
@@ -194,7 +195,7 @@ class StageEvaluator:
         self.options = (compression,) if compression is not None else ctx.compression_options(cand)
         assert self.options, f"{cand} cannot honour the pinned compression {ctx.compression_pins}: filter it out"
         self.num_stages = cand.pp * cand.interleave
-        arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute, cand.sp, cand.cp, cand.cp_kind)
+        arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute, cand.sp, cand.cp, cand.cp_kind, cand.ep)
         self.arrays = arr
         self.unit_costs = arr.costs
         self._f, self._b, self._act, self._par, self._work = arr.f, arr.b, arr.act, arr.par, arr.work
@@ -222,6 +223,10 @@ class StageEvaluator:
         # gradients reduced, and ZeRO sharded, over dp x cp ranks (Megatron's data-parallel group with cp)
         self._dp_groups = _dp_groups(cand.pp, cand.dp, cand.tp, cand.cp)
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
+        # expert parallelism: expert gradients reduced, and ZeRO-sharded, over the dp x cp / ep ranks holding the
+        # same experts (partitioner.planner.expert_split); None at ep = 1
+        self._epar = arr.epar or None
+        self._edp = edp_ranks(cand) if cand.ep > 1 else ()
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
         crossed = ctx.crossed_levels(cand)
         nodes = group_shape(ctx.comm, self.dp_ranks(0))[0] if crossed == LEVELS else 1  # cached per group
@@ -254,7 +259,8 @@ class StageEvaluator:
         if state * v + self._fixed > ctx.memory_cap:
             return math.inf
         tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_bytes / self._hbm
-        if c.zero_stage in (1, 2) and c.replicas > 1:
+        if c.zero_stage in (1, 2) and c.replicas > 1 and c.ep == 1:
+            # (under ep the expert parameters gather over a smaller group: left out, so this stays a bound)
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
         full = (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c * self.sum_weight + tail
         # with part of the idle time charged, the least the busiest rank works (the average) bounds it
@@ -302,11 +308,13 @@ class StageEvaluator:
             rest -= 0.0 if in_block else drop_rest
         v = cand.interleave
         inflight = self._inflight[k]
-        exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i)
+        expert = self._epar[j] - self._epar[i] if self._epar else 0.0
+        exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i, expert=expert)
         if ctx.async_sgd:
             memory_of = lambda option: self._async_memory(i, j, k, params, inflight)
         else:
-            memory_of = self._peak_memory(i, j, k, params=params, tied=tied, rest=rest, inflight=inflight)
+            memory_of = self._peak_memory(i, j, k, params=params, tied=tied, rest=rest, inflight=inflight,
+                                          expert=expert)
         # The compression with the least exposed time of those that fit (a compressor's buffers may not;
         # the fastest when none does); the first, least lossy, on a tie. Interleaved: a rank holds v
         # chunks; each may use 1/v of the memory (safe, if conservative for uneven chunks), or under
@@ -336,7 +344,8 @@ class StageEvaluator:
         return lr
 
     def _peak_memory(self, i: int, j: int, k: int, *, params: float, tied: float, rest: float,
-                     inflight: int) -> Callable[[tuple[str, str]], tuple[float, float, float, float, float]]:
+                     inflight: int, expert: float = 0.0
+                     ) -> Callable[[tuple[str, str]], tuple[float, float, float, float, float]]:
         """(params, grads, optimizer, activations, buffers) of units [i, j) as virtual stage k at its peak,
         as a function of the compression option (what all options share is worked out once).
 
@@ -376,6 +385,11 @@ class StageEvaluator:
         z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
         kw = dict(precision=ctx.precision, optimizer=ctx.optimizer)
         own = model_state_bytes(params - tied, zero_stage=z, dp=cand.replicas, **kw)
+        if expert:  # ep > 1: the expert parameters' state is sharded by ZeRO over the ranks holding the same experts
+            dense = model_state_bytes(params - tied - expert, zero_stage=z, dp=cand.replicas, **kw)
+            mine = model_state_bytes(expert, zero_stage=z, dp=cand.replicas // cand.ep, **kw)
+            own = ModelStateBytes(params=dense.params + mine.params, grads=dense.grads + mine.grads,
+                                  optimizer=dense.optimizer + mine.optimizer)
         own_grads = own.grads
         if z < 3 and ctx.precision in _FP32_GRADIENTS:
             # The engine accumulates the mixed precisions' gradients in fp32 buffers (4 B, where the ZeRO paper's
@@ -517,7 +531,7 @@ class StageEvaluator:
         return hit
 
     def _tail(self, params: float, f: float, b: float, lr: LowRank | None,
-              units: int = 1) -> tuple[dict[tuple[str, str], float], float]:
+              units: int = 1, expert: float = 0.0) -> tuple[dict[tuple[str, str], float], float]:
         """(exposed data-parallel communication per compression option, optimizer step) of one stage, per step.
 
         Wire time hides behind compute up to dp_overlap of it, kernel time never:
@@ -530,7 +544,15 @@ class StageEvaluator:
         the ZeRO-1/2 parameter all-gather after the optimizer step is exposed. The stage takes the compression with the least exposed time
         of those that fit in memory (StageEvaluator.stage); the search checks
         that all stages agree (search.py).
+
+        Under expert parallelism `expert` of the `params` are expert parameters: the dense rest is reduced
+        as above, the expert ones over the dp x cp / ep ranks holding the same experts, uncompressed (what
+        the compressors run on is the data-parallel group), `_expert_tail`.
         """
+        if expert:
+            exposed, optim = self._tail(params - expert, f, b, lr, units)
+            more, optim_e = self._expert_tail(expert, f, b, units)
+            return {o: t + more for o, t in exposed.items()}, optim + optim_e
         cand = self.cand
         m, z = cand.num_microbatches, cand.zero_stage
         overlap = self.ctx.cal.dp_overlap
@@ -550,6 +572,36 @@ class StageEvaluator:
         shard = params / (cand.replicas if z >= 1 else 1)
         optim = shard * self._optim_bytes / self._hbm
         return exposed, optim
+
+    def _expert_tail(self, expert: float, f: float, b: float, units: int) -> tuple[float, float]:
+        """(exposed seconds, optimizer step) per step of the expert parameters' reduction over the ranks that
+        hold the same experts (`_edp`), as `_tail` times the dense one: DDP/ZeRO-1 all-reduce behind the last
+        backward, ZeRO-2 reduce-scatter every microbatch, ZeRO-1/2 parameter all-gather exposed, ZeRO-3's
+        gathers and reduce-scatters per unit and microbatch. Uncompressed; memoised on the stage's size. It hides
+        behind the same backward as the dense reduction, each on its own: optimistic where both are long (they
+        run on different groups, so on different links only where those groups differ in span)."""
+        cand, comm, ranks = self.cand, self.ctx.comm, self._edp
+        key = ("expert", expert, f, b, units)
+        hit = self._reduce_memo.get(key)
+        if hit is not None:
+            return hit
+        m, z, overlap = cand.num_microbatches, cand.zero_stage, self.ctx.cal.dp_overlap
+        exposed = 0.0
+        if len(ranks) > 1:
+            if z == 3:
+                n = max(1, units)
+                g = gather_time(expert / n, ranks, comm, "none", param_bytes=self._param_bytes)
+                r = reduce_scatter_time(expert / n, ranks, comm, "none", reduce_bytes=self._grad_bytes)
+                exposed = m * (max(0.0, n * g.wire_s - overlap * f) + max(0.0, n * (g.wire_s + r.wire_s) - overlap * b))
+            else:
+                t = all_reduce_time(expert, ranks, comm, {}, reduce_bytes=self._grad_bytes) if z <= 1 else \
+                    reduce_scatter_time(expert, ranks, comm, "none", reduce_bytes=self._grad_bytes)
+                exposed = (m if z >= 2 else 1) * (max(0.0, t.wire_s - overlap * b) + t.kernel_s)
+                if z in (1, 2):
+                    exposed += comm.all_gather(expert * self._param_bytes, ranks)
+        shard = expert / (len(ranks) if z >= 1 else 1)
+        hit = self._reduce_memo[key] = (exposed, shard * self._optim_bytes / self._hbm)
+        return hit
 
     def _zero3_exposed(self, unit_params: float, n: int, f: float, b: float, option: tuple[str, str]) -> float:
         """Exposed seconds of one microbatch's ZeRO-3 traffic: n units of `unit_params` each, gathered

@@ -36,6 +36,7 @@ from cost_models.placements import is_sharded
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
 from partitioner.planner.context_split import ATTENTION_OP, all_to_all_time, kv_blocks, local, ring_exposed
+from partitioner.planner.expert_split import exchange_bytes, experts_of
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.tensor_split import WHAT_F, WHAT_G, WHAT_VOCAB_EMBEDDING, TPCollective, TensorSplits
 from partitioner.tracer.opgraph import OpGraph
@@ -73,6 +74,8 @@ class UnitCost:
     # what a split backward's I keeps for W per microbatch (runtime.pipeline.split_backward): the gradient
     # flowing into each of those matmuls, the size of its output (bytes per microbatch and tensor rank)
     weight_grad_bytes: float = 0.0
+    # of params, the expert parameters' (per rank: 1/ep of them under expert parallelism)
+    expert_params: float = 0.0
 
 
 class CostContext:
@@ -130,6 +133,11 @@ class CostContext:
         self._param_block = {p.name: p.block for p in g.params}
         self._sharded = {pl.param: is_sharded(pl.spec) for pl in splits.placements}
         self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
+        # mixture of experts (partitioner.planner.expert_split): under ep > 1 the expert parameters are 1/ep per
+        # rank, the experts' ops run at the busiest rank's load, each MoE layer's combine node pays the all-to-alls
+        self.experts = experts_of(g)
+        self._expert_param = self.experts.params
+        self._exchange = dict(self.experts.exchanges)
 
     # ---- static structure ------------------------------------------------
     def _unit_key(self, a: int, b: int) -> tuple:
@@ -239,14 +247,23 @@ class CostContext:
 
     # ---- per unit ----------------------------------------------------------
     def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
-                  cp_kind: str = "ring") -> UnitCost:
+                  cp_kind: str = "ring", ep: int = 1) -> UnitCost:
         sp = sp and tp > 1
-        key = (self._keys[u], tp, mb, recompute, sp, cp, cp_kind if cp > 1 else "ring")
+        key = (self._keys[u], tp, mb, recompute, sp, cp, cp_kind if cp > 1 else "ring", ep)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind)
-        params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
-        return dataclasses.replace(hit, params=params)
+            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind, ep)
+        if not self._expert_param:
+            params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
+            return dataclasses.replace(hit, params=params)
+        params = expert = 0.0
+        for p, n in self._param_local[u]:
+            local_n = n / (tp if self._sharded_param(p) else 1)
+            if p in self._expert_param:
+                local_n /= ep
+                expert += local_n
+            params += local_n
+        return dataclasses.replace(hit, params=params, expert_params=expert)
 
     def _sharded_param(self, name: str) -> bool:
         return self._sharded[name]
@@ -270,14 +287,22 @@ class CostContext:
         return tf, tb
 
     def _eval_unit(self, u: int, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
-                   cp_kind: str = "ring") -> UnitCost:
+                   cp_kind: str = "ring", ep: int = 1) -> UnitCost:
         """One unit's costs on one rank. Under context parallelism (cp > 1) every token-dependent quantity is
         that rank's share (partitioner.planner.context_split.local), and each attention node pays its ring's
-        exposed transfers or its Ulysses all-to-alls (as a collective: run again where it is recomputed)."""
+        exposed transfers or its Ulysses all-to-alls (as a collective: run again where it is recomputed).
+        Under expert parallelism (ep > 1) the experts' ops run, and keep activations, at the busiest rank's
+        load (Calibration.expert_imbalance times the balanced share, which is what the trace counts), and
+        each MoE layer's combine node pays the dispatch and combine all-to-alls forward and their two
+        gradients backward over the ep group (partitioner.planner.expert_split; a collective: run again
+        where it is recomputed)."""
         a, b = self.units[u]
         s, sc = self.seq, self.scale
         tp_ranks = Mesh(1, 1, tp).tp_ranks()  # every tensor group sits alike: consecutive ranks
         cp_ranks = Mesh(1, 1, tp, cp).cp_ranks()  # ring neighbours tp ranks apart
+        # ep consecutive data-parallel ranks, cp * tp apart; 1 where the layer has no experts
+        imbalance = self.cal.expert_imbalance if ep > 1 else 1.0
+        ep_ranks = tuple(range(0, ep * cp * tp, cp * tp)) if ep > 1 else ()
 
         def at(p: Poly) -> float:  # this rank's share of a per-microbatch quantity
             return p(mb, s) if cp == 1 else local(p, mb, s, cp)
@@ -309,12 +334,21 @@ class CostContext:
                 operands = at(c.bytes_read) / self._traced_itemsize / d  # elements of x, W (and the bias)
                 dy = nbytes(n.output) / n.output.itemsize / d if n.output is not None else 0.0
                 tf, tb = self._fp8_linear_times(flops, bflops, moved, operands, dy)
+            expert_op = ep > 1 and n.name in self.experts.nodes
+            if expert_op:
+                tf, tb = tf * imbalance, tb * imbalance
             if c.op_class == "matmul" and n.params and bflops:
                 wgt += tb * min(1.0, flops / bflops)
                 wbytes += nbytes(n.output) * sc / d if n.output is not None else 0.0
             fixed = at(c.fixed_activation_bytes)  # masks and indices: the same size at any precision
             kept = ((at(c.activation_bytes) - fixed) * sc + fixed) / d
+            if expert_op:
+                kept *= imbalance
             collective_f = 0.0
+            if ep > 1 and n.name in self._exchange and n.output is not None:
+                t = self.comm.all_to_all(exchange_bytes(nbytes(n.output) * sc / d, self._exchange[n.name]), ep_ranks)
+                collective_f += 2 * t
+                bwd += 2 * t
             if cp > 1 and n.op == ATTENTION_OP and len(n.inputs) >= 3:
                 sizes = [nbytes(t) * sc / d for t in self._context_tensors(n, d, cp, cp_kind)]
                 if cp_kind == "ring":
@@ -395,24 +429,54 @@ class CostContext:
         return [t for t in (q, k, v, n.output) if t is not None]
         return out
 
+    def expert_bytes(self, u: int, mb: int, tp: int, cp: int, ep: int) -> float:
+        """Bytes one rank sends to its expert-parallel group per microbatch for unit u's MoE layers, forward and
+        backward: four all-to-alls of tokens x top_k x hidden each, (ep - 1)/ep of them leaving the rank."""
+        if ep == 1 or not self._exchange:
+            return 0.0
+        a, b = self.units[u]
+        out = 0.0
+        for n in self.g.nodes[a:b]:
+            if n.name in self._exchange and n.output is not None:
+                d = tp if tp > 1 and n.name in self.splits.sharded_nodes else 1
+                sent = exchange_bytes(local(n.output.nbytes_poly(), mb, self.seq, cp) * self.scale / d,
+                                      self._exchange[n.name])
+                out += 4 * (ep - 1) / ep * sent
+        return out
+
+    def expert_exchange_s(self, mb: int, tp: int, cp: int, ep: int) -> float:
+        """Seconds of one microbatch's expert all-to-alls over every MoE layer of the model (dispatch and combine
+        forward, their gradients backward), at ep consecutive data-parallel ranks; 0 at ep = 1."""
+        if ep == 1 or not self._exchange:
+            return 0.0
+        ranks = tuple(range(0, ep * cp * tp, cp * tp))
+        out = 0.0
+        for n in self.g.nodes:
+            if n.name in self._exchange and n.output is not None:
+                d = tp if tp > 1 and n.name in self.splits.sharded_nodes else 1
+                sent = exchange_bytes(local(n.output.nbytes_poly(), mb, self.seq, cp) * self.scale / d,
+                                      self._exchange[n.name])
+                out += 4 * self.comm.all_to_all(sent, ranks)
+        return out
+
     def total_unit_time(self, tp: int, mb: int, recompute: str, sp: bool = False) -> float:  # at cp = 1
         """Forward and backward time of every unit, summed (`unit_arrays(...).total_c` without the arrays)."""
         return sum(c.forward_s + c.backward_s for c in
                    (self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp) for u in range(len(self.units))))
 
     def unit_arrays(self, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
-                    cp_kind: str = "ring") -> UnitArrays:
-        key = (tp, mb, recompute, sp and tp > 1, cp, cp_kind if cp > 1 else "ring")
+                    cp_kind: str = "ring", ep: int = 1) -> UnitArrays:
+        key = (tp, mb, recompute, sp and tp > 1, cp, cp_kind if cp > 1 else "ring", ep)
         hit = self._arrays.get(key)
         if hit is None:
-            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind)
+            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, ep=ep)
                   for u in range(len(self.units))]
             owners: dict[str, list[tuple[int, float]]] = {}
             in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
             largest = [0.0] * len(self.units)
             for u in range(len(self.units)):
                 for p, numel in self._param_local[u]:
-                    local = numel / (tp if self._sharded_param(p) else 1)
+                    local = numel / (tp if self._sharded_param(p) else 1) / (ep if p in self._expert_param else 1)
                     owners.setdefault(p, []).append((u, local))
                     largest[u] = max(largest[u], local)
                     if self._param_block[p] is not None:
@@ -428,7 +492,8 @@ class CostContext:
                 blocks=tuple(_prefix([1.0 if x > 0 else 0.0 for x in in_block])),
                 total_c=sum(x.forward_s + x.backward_s for x in uc), total_w=sum(x.weight_s for x in uc),
                 total_b=sum(x.backward_s for x in uc), wgrad=tuple(_prefix([x.weight_grad_bytes for x in uc])),
-                max_unit_c=max(x.forward_s + x.backward_s for x in uc))
+                max_unit_c=max(x.forward_s + x.backward_s for x in uc),
+                epar=tuple(_prefix([x.expert_params for x in uc])) if ep > 1 else ())
         return hit
 
     def range_codes(self, arrays: UnitArrays, p2p: tuple[float, ...]) -> tuple[list[int], list[int]]:
@@ -523,6 +588,7 @@ class UnitArrays:
     total_w: float = 0.0  # the weight-gradient part of the backward (UnitCost.weight_s), all units
     total_b: float = 0.0  # the backward, all units
     wgrad: tuple[float, ...] = (0.0,)  # prefix sums of UnitCost.weight_grad_bytes
+    epar: tuple[float, ...] = ()  # prefix sums of UnitCost.expert_params under ep > 1 (empty at ep = 1)
 
 
 def _prefix(xs: Sequence[float]) -> list[float]:

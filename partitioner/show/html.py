@@ -86,6 +86,7 @@ def _summary(plan: Plan) -> str:
                              f"({100 * frac:.3g} %)")),
             *([("sequence", sequence_text(plan))] if c.sp else []),
             *([("context", context_text(plan))] if c.cp > 1 else []),
+            *([("experts", plan.expert_parallel)] if plan.expert_parallel else []),
             ("compression", compression_text(plan)),
             ("search", f"{plan.candidates_evaluated} of {plan.search_space} configurations evaluated exactly"),
             ("declared", ", ".join(f"{k}={v}" for k, v in plan.declarations.items()) or "nothing pinned")]
@@ -113,7 +114,9 @@ def _device_grid(plan: Plan) -> str:
         for i, m in enumerate(coords):
             x, y = G + i * (W + G), 16 + G
             cp = f", cp {m.cp}" if plan.cp > 1 else ""
-            tip = (f"rank {m.rank}: node {m.node}, pp {m.pp}, dp {m.dp}{cp}, tp {m.tp}; stages "
+            # expert parallelism: ep consecutive data-parallel replicas form a group; this rank holds its dp % ep slice
+            ep = f"; experts {m.dp % plan.ep + 1}/{plan.ep} of ep group {m.dp // plan.ep}" if plan.ep > 1 else ""
+            tip = (f"rank {m.rank}: node {m.node}, pp {m.pp}, dp {m.dp}{cp}, tp {m.tp}{ep}; stages "
                    f"{', '.join(map(str, stages_of[m.pp]))}; peak {_size(mem[m.pp].total)}")
             parts.append(f'<g class="cell" data-pp="{m.pp}" data-tip="{esc(tip)}">'
                          f'<rect id="rank-{m.rank}" x="{x}" y="{y}" width="{W}" height="{H}" rx="4" '
@@ -140,7 +143,7 @@ def _device_grid(plan: Plan) -> str:
     return (f'<section id="device-grid"><h2>Devices</h2><p class="legend">{legend}</p>'
             f'<div class="nodes">{"".join(boxes)}</div>'
             f'<p class="note">{Mesh(plan.pp, plan.dp, plan.tp, plan.cp).formula()}; cells show rank, data-parallel '
-            f'replica (d){", context slice (c)" if plan.cp > 1 else ""} and tensor slice (t).</p></section>')
+            f'replica (d){", context slice (c)" if plan.cp > 1 else ""} and tensor slice (t){f"; expert-parallel groups: {plan.ep} consecutive data-parallel replicas" if plan.ep > 1 else ""}.</p></section>')
 
 
 def _stage_map(plan: Plan) -> str:

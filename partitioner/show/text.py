@@ -151,8 +151,14 @@ def _attention(p: Plan) -> str:
 
 
 def _experts(p: Plan) -> str:
-    return (f"{p.experts}. Planned like every other parameter (replicated over data parallelism, sharded by ZeRO, "
-            "split by tp); expert parallelism is not planned yet")
+    c = p.config
+    if c.ep > 1:
+        return (f"{p.experts}. Expert parallelism ep{c.ep}: each rank holds 1/{c.ep} of every MoE layer's experts, "
+                f"tokens sent to them and back by all-to-alls over groups of {c.ep} data-parallel ranks, expert "
+                f"gradients reduced over dp x cp / ep = {c.replicas // c.ep} "
+                f"rank{'s' if c.replicas > c.ep else ''} (costed; no program runs ep > 1 yet)")
+    return (f"{p.experts}. ep=1: experts planned like every other parameter (replicated over data parallelism, "
+            "sharded by ZeRO, split by tp)")
 
 
 def _every(k: int) -> str:
@@ -295,7 +301,8 @@ def format_plan(p: Plan) -> str:
     for m in p.mesh:
         nodes.setdefault(m.node, []).append(m.rank)
     shown = list(nodes.items())[:4]
-    axes = f"pp {c.pp} x dp {c.dp} x " + (f"cp {c.cp} x " if c.cp > 1 else "") + f"tp {c.tp}"
+    axes = f"pp {c.pp} x dp {c.dp}" + (f" (ep {c.ep} inside it)" if c.ep > 1 else "") + " x " + \
+        (f"cp {c.cp} x " if c.cp > 1 else "") + f"tp {c.tp}"
     mesh = (f"{axes}; {Mesh(c.pp, c.dp, c.tp, c.cp).formula()}; "
             + "; ".join(f"node {n}: ranks {ranges_text(r)}" for n, r in shown)
             + (f"; ... {len(nodes)} nodes" if len(nodes) > 4 else ""))
@@ -399,6 +406,8 @@ def explain_plan(p: Plan) -> str:
                    + f"; groups of {c.cp} ranks, {c.tp} apart, {_span(p, Mesh(c.pp, c.dp, c.tp, c.cp).cp_ranks())}; "
                    f"gradients reduced over dp x cp = {c.replicas} ranks. Costed only: no per-rank program runs "
                    "cp > 1 yet.")
+    if p.expert_parallel:
+        out.append(f"- {p.expert_parallel}")
     if c.replicas > 1 and c.dp == 1:
         out.append(f"- ZeRO stage {c.zero_stage} over the {c.replicas} context ranks; exposed communication "
                    f"{_ms(pr.exposed_comm_s)} ms per step; gradient compression: {compression_text(p)}.")
