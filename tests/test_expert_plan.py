@@ -27,48 +27,18 @@ from partitioner.planner.declarations import Declarations
 from partitioner.planner.expert_split import Experts, edp_ranks, ep_options, ep_ranks, experts_of
 from partitioner.planner.plan import ParallelConfig, Plan
 from partitioner.planner.tensor_split import find_splits
+from test_experts import CapacityMoE  # a list of expert modules behind a router, static shapes
 from partitioner.planner.unit_costs import CostContext
 from partitioner.tracer.experts import MoELayer
 
 TOKENS = (torch.zeros(2, 16, dtype=torch.long),)
 
 
-class Expert(nn.Module):
-    def __init__(self, h: int, f: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(h, f), nn.Linear(f, h)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-class ListMoE(nn.Module):
-    """A router and a list of expert modules, each taking its `cap` highest-weighted tokens (static shapes)."""
-
-    def __init__(self, h: int, widths: tuple[int, ...], k: int = 2):
-        super().__init__()
-        self.k = k
-        self.router = nn.Linear(h, len(widths), bias=False)
-        self.experts = nn.ModuleList(Expert(h, f) for f in widths)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        x2 = x.reshape(-1, h)
-        w, idx = self.router(x2).softmax(-1).topk(self.k, -1)
-        out = torch.zeros_like(x2)
-        cap = x2.shape[0] * self.k // len(self.experts)
-        for i, ex in enumerate(self.experts):
-            gate = (w * (idx == i)).sum(-1)
-            tok = gate.topk(cap).indices
-            out = out.index_add(0, tok, ex(x2[tok]) * gate[tok, None])
-        return out.reshape(b, s, h)
-
-
 class ListNet(nn.Module):
     def __init__(self, widths=(32, 32, 32, 32), h=16, n=4, vocab=64):
         super().__init__()
         self.emb = nn.Embedding(vocab, h)
-        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(h), "mlp": ListMoE(h, widths)})
+        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(h), "mlp": CapacityMoE(h, list(widths), k=2)})
                                     for _ in range(n))
         self.head = nn.Linear(h, vocab)
 

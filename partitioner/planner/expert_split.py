@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from cost_models.errors import DeclarationError
 from cost_models.mesh import Mesh
 from partitioner.planner.declarations import Declarations, divisors
-from partitioner.tracer.experts import MoELayer, find_experts
+from partitioner.tracer.experts import MoELayer, common_prefix, find_experts
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import ParallelConfig
@@ -86,23 +86,13 @@ def experts_of(g: "OpGraph") -> Experts:
                f"{', '.join(no_combine[:3])}: the all-to-alls that return the tokens cannot be placed")
     nodes: set[str] = set()
     for m in layers:
-        scope = _owner([e.rsplit(".", 1)[0] for e in m.experts])
+        scope = common_prefix([e.rsplit(".", 1)[0] for e in m.experts])
         if m.style == "module_list":  # "...experts.3.w1" -> "...experts"
             scope = scope.rsplit(".", 1)[0] if scope.rsplit(".", 1)[-1].isdigit() else scope
         if scope and scope != m.module:
             nodes.update(n.name for n in g.nodes if n.module_path == scope or n.module_path.startswith(scope + "."))
     return Experts(layers=layers, params=frozenset(p for m in layers for p in m.experts), nodes=frozenset(nodes),
                    exchanges=tuple((m.combine, m.top_k) for m in layers if m.combine is not None), why_not=why)
-
-
-def _owner(paths: list[str]) -> str:
-    parts = [p.split(".") for p in paths if p]
-    out = []
-    for segs in zip(*parts):
-        if len(set(segs)) != 1:
-            break
-        out.append(segs[0])
-    return ".".join(out)
 
 
 def check_experts(d: Declarations, experts: Experts) -> None:

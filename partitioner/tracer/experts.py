@@ -40,7 +40,7 @@ from partitioner.tracer.op_rules import ROUTING_OPS
 if TYPE_CHECKING:
     from partitioner.tracer.opgraph import OpGraph, OpNode
 
-__all__ = ["MoELayer", "find_experts", "experts_text"]
+__all__ = ["MoELayer", "common_prefix", "find_experts", "experts_text"]
 
 # ops that move tokens to or from their experts by the router's choice: those the cost rules price as routing,
 # and the gathers, selections and counts around them
@@ -136,7 +136,7 @@ def find_experts(g: "OpGraph") -> tuple[MoELayer, ...]:
         claimed.update(topks)
         last = max(topks, key=order.__getitem__)
         top_k = int(_static(nodes[last].output.shape[-1]) or 0)
-        holder = scope or _common_prefix([module, *(e.rsplit(".", 1)[0] for e in experts)])
+        holder = scope or common_prefix([module, *(e.rsplit(".", 1)[0] for e in experts)])
         users_of_experts = sorted((x for x in reach if any(p in experts for p in param_of(x))), key=order.__getitem__)
         combine = _combine(nodes, order, reach, users_of_experts, token_shape)
         dispatch = tuple(sorted({nodes[x].op for x in reach if nodes[x].op in _DISPATCH_OPS}))
@@ -233,7 +233,8 @@ def _combine(nodes, order, reach, expert_users: list[str], token_shape) -> str |
     return None
 
 
-def _common_prefix(paths: list[str]) -> str:
+def common_prefix(paths: list[str]) -> str:
+    """The longest dotted module path every one of `paths` starts with ("" when they share none)."""
     parts = [p.split(".") for p in paths if p]
     if not parts:
         return ""
