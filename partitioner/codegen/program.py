@@ -66,20 +66,32 @@ class RankProgram:
         return ns
 
 
-def not_runnable(cp: int, cp_kind: str) -> str:
-    """Why no program is generated for a context-parallel plan (the runtime's kernels exist, codegen does not)."""
-    return (f"cp={cp} ({cp_kind}): context-parallel plans are costed but not yet runnable: no per-rank program "
-            "splits the inputs over the context group or replaces attention by runtime.context's ring/Ulysses "
-            "kernels yet; compile with cp=1 (e.g. more dp or tp, or recompute='full') to train, or use this plan "
-            "for its predictions only")
+def not_runnable(plan: "Plan") -> str:
+    """Why no program is generated for a context-parallel plan ("" when one is): programs run cp > 1 with
+    pp = tp = 1 (dp x cp, any ZeRO stage), from the plan's model code."""
+    c = plan.config
+    if c.cp == 1:
+        return ""
+    what = f"cp={c.cp} ({c.cp_kind})"
+    if c.pp > 1 or c.tp > 1:
+        return (f"{what} with pp={c.pp}, tp={c.tp}: context-parallel programs are generated for pp = tp = 1 only "
+                "(dp x cp); the pipeline and tensor-parallel programs do not split the sequence yet. Compile "
+                "with pp=1 and tp=1 (more dp or cp), or cp=1, to train; or use this plan for its predictions only")
+    if plan.async_sgd:
+        return f"{what} with async_sgd: asynchronous replicas do not run context parallelism; compile with cp=1"
+    if plan.code is None:
+        return (f"{what}: a context-parallel program runs the model as generated code (attention over the cp "
+                f"group, each rank's positions), and this plan has none: {plan.code_note or 'no traced graph'}")
+    return ""
 
 
 def program(plan: "Plan", rank: int) -> RankProgram:
     if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
         raise CodegenError(f"rank={rank!r}: the plan has ranks 0..{plan.world_size - 1}")
     c = plan.config
-    if c.cp > 1:
-        raise CodegenError(not_runnable(c.cp, c.cp_kind))
+    why = not_runnable(plan)
+    if why:
+        raise CodegenError(why)
     if c.pp > 1 or c.tp > 1:
         source, h = pipeline_program_source(plan, rank)
         return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)
