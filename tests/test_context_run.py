@@ -13,12 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.training import gpt_4l_seeded, gpt_loss, sgd, train_one_process
+from examples.training import gpt_4l_seeded, gpt_loss, hf_llama_seeded, hf_loss, sgd, train_one_process
 from partitioner import compile
 from partitioner.codegen.program import CodegenError
 from ranks import assert_trains_like
 
 VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 3
+MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "llama": (hf_llama_seeded, hf_loss)}
 
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -27,8 +28,9 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, tp: int = 1, mb: int = 2):
-    model = gpt_4l_seeded()
+def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, tp: int = 1, mb: int = 2,
+             name: str = "gpt"):
+    model = MODELS[name][0]()
     return compile(model, f"local:{dp * cp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
                    global_batch_size=BATCH, precision="fp32", dp=dp, cp=cp, cp_kind=cp_kind, tp=tp, pp=1,
                    zero_stage=zero, microbatch_size=mb, alternatives=0)
@@ -61,23 +63,29 @@ def test_a_model_that_mixes_tokens_outside_attention_is_refused():
         plan.program(0)
 
 
-def assert_same_training(plan, optimizer=sgd):
+def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     from runtime import launch_local
 
+    model_fn, loss_fn = MODELS[name]
     data = batches()
-    out = launch_local(plan, gpt_4l_seeded, optimizer, gpt_loss, data, timeout_s=180)
-    trained = train_one_process(gpt_4l_seeded, optimizer, gpt_loss, data)
+    out = launch_local(plan, model_fn, optimizer, loss_fn, data, timeout_s=180)
+    trained = train_one_process(model_fn, optimizer, loss_fn, data)
     assert sorted(out.state_dict) == sorted(trained.model.state_dict())
     assert_trains_like(out, trained.losses, trained.model.state_dict())
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp, cp, kind, zero", [
-    (1, 2, "ring", 0),
-    (2, 2, "ring", 0),
-    (1, 2, "all-to-all", 0),
-    (2, 2, "ring", 3),
+@pytest.mark.parametrize("name, dp, cp, kind, zero", [
+    ("gpt", 1, 2, "ring", 0),
+    ("gpt", 1, 4, "ring", 0),
+    ("gpt", 2, 2, "ring", 0),
+    ("gpt", 1, 2, "all-to-all", 0),
+    ("gpt", 2, 2, "ring", 3),
+    # HF Llama: rotary tables and the causal mask built from the length (whole, checked causal at run time),
+    # grouped-query attention
+    ("llama", 1, 2, "ring", 0),
+    ("llama", 1, 2, "all-to-all", 0),
 ])
-def test_context_parallel_trains_like_one_process(dp, cp, kind, zero):
-    assert_same_training(plan_for(dp=dp, cp=cp, cp_kind=kind, zero=zero))
+def test_context_parallel_trains_like_one_process(name, dp, cp, kind, zero):
+    assert_same_training(plan_for(dp=dp, cp=cp, cp_kind=kind, zero=zero, name=name), name)
