@@ -189,8 +189,10 @@ def test_which_cp_plans_run(small):
     assert "cp_attention(" in plan.program(0).source
     groups = group_ranks(plan.mesh)  # the runtime forms the context groups, and the gradient groups over dp x cp
     assert groups["cp"] == [(0, 1), (2, 3)] and groups["dp"] == [(0, 1, 2, 3)]
-    with pytest.raises(CodegenError, match="pp = tp = 1 only"):
-        compile(small, "local:4", global_batch_size=8, cp=2, tp=2, alternatives=0).program(0)
+    assert "cp_attention(" in compile(small, "local:4", global_batch_size=8, cp=2, tp=2, sp=False,
+                                      alternatives=0).program(0).source
+    with pytest.raises(CodegenError, match="with sequence parallelism in the tensor group: no program splits"):
+        compile(small, "local:4", global_batch_size=8, cp=2, tp=2, sp=True, alternatives=0).program(0)
     with pytest.raises(DeclarationError, match="verify=True with cp=2: plan.verify replays"):
         compile(gpt_small(), "local:4", example_inputs=example_batch(gpt_small(), 8), global_batch_size=8, cp=2,
                 verify=True)

@@ -28,12 +28,12 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, tp: int = 1, mb: int = 2,
-             name: str = "gpt"):
+def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, tp: int = 1, pp: int = 1,
+             mb: int = 2, sp: bool = False, name: str = "gpt"):
     model = MODELS[name][0]()
-    return compile(model, f"local:{dp * cp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
-                   global_batch_size=BATCH, precision="fp32", dp=dp, cp=cp, cp_kind=cp_kind, tp=tp, pp=1,
-                   zero_stage=zero, microbatch_size=mb, alternatives=0)
+    return compile(model, f"local:{dp * cp * tp * pp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
+                   global_batch_size=BATCH, precision="fp32", dp=dp, cp=cp, cp_kind=cp_kind, tp=tp, pp=pp,
+                   sp=sp if tp > 1 else None, zero_stage=zero, microbatch_size=mb, alternatives=0)
 
 
 def test_the_program_splits_tokens_and_runs_attention_over_the_context_group():
@@ -51,8 +51,8 @@ def test_the_program_splits_tokens_and_runs_attention_over_the_context_group():
 
 
 def test_unsupported_context_parallel_plans_are_refused_before_training():
-    with pytest.raises(CodegenError, match="pp = tp = 1 only"):
-        plan_for(cp=2, tp=2).program(0)
+    with pytest.raises(CodegenError, match="with sequence parallelism in the tensor group: no program splits"):
+        plan_for(cp=2, tp=2, sp=True).program(0)
 
 
 def test_a_model_that_mixes_tokens_outside_attention_is_refused():
@@ -76,16 +76,20 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, dp, cp, kind, zero", [
-    ("gpt", 1, 2, "ring", 0),
-    ("gpt", 1, 4, "ring", 0),
-    ("gpt", 2, 2, "ring", 0),
-    ("gpt", 1, 2, "all-to-all", 0),
-    ("gpt", 2, 2, "ring", 3),
+@pytest.mark.parametrize("name, pp, dp, cp, tp, kind, zero", [
+    ("gpt", 1, 1, 2, 1, "ring", 0),
+    ("gpt", 1, 1, 4, 1, "ring", 0),
+    ("gpt", 1, 2, 2, 1, "ring", 0),
+    ("gpt", 1, 1, 2, 1, "all-to-all", 0),
+    ("gpt", 1, 2, 2, 1, "ring", 3),
+    # with the tensor-parallel rewrite (heads split over tp, attention over cp on each rank's heads), and
+    # pipeline stages sending each rank's tokens
+    ("gpt", 1, 1, 2, 2, "ring", 0),
+    ("gpt", 2, 1, 2, 1, "ring", 0),
     # HF Llama: rotary tables and the causal mask built from the length (whole, checked causal at run time),
     # grouped-query attention
-    ("llama", 1, 2, "ring", 0),
-    ("llama", 1, 2, "all-to-all", 0),
+    ("llama", 1, 1, 2, 1, "ring", 0),
+    ("llama", 1, 1, 2, 1, "all-to-all", 0),
 ])
-def test_context_parallel_trains_like_one_process(name, dp, cp, kind, zero):
-    assert_same_training(plan_for(dp=dp, cp=cp, cp_kind=kind, zero=zero, name=name), name)
+def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, zero):
+    assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, cp_kind=kind, zero=zero, name=name), name)

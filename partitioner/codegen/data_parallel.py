@@ -134,6 +134,7 @@ def context_lines(plan: "Plan", rank: int) -> str:
         "all-to-alls from a token split to a head split and back (runtime.context.ulysses)"
     ranks = tuple(m.rank for m in plan.mesh if (m.pp, m.dp, m.tp) == (me.pp, me.dp, me.tp))
     return (f"    # Context parallelism over ranks {ranks_text(ranks)} (this rank is context slice {me.cp} of {c.cp}):\n"
+            f"    # it holds chunks {me.cp} and {2 * c.cp - 1 - me.cp} of {2 * c.cp} of every sequence (the causal load balance);\n"
             f"    # every attention sees the whole sequence by {how}.\n"
             f"    cp = CPContext(groups.cp, collectives, rank={me.cp}, world={c.cp}, kind={c.cp_kind!r})\n")
 

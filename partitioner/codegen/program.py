@@ -67,16 +67,12 @@ class RankProgram:
 
 
 def not_runnable(plan: "Plan") -> str:
-    """Why no program is generated for a context-parallel plan ("" when one is): programs run cp > 1 with
-    pp = tp = 1 (dp x cp, any ZeRO stage), from the plan's model code."""
+    """Why no program is generated for a context-parallel plan ("" when one is): programs run cp > 1 from the
+    plan's model code, with any dp, tp (without sequence parallelism), pp and ZeRO stage."""
     c = plan.config
     if c.cp == 1:
         return ""
     what = f"cp={c.cp} ({c.cp_kind})"
-    if c.pp > 1 or c.tp > 1:
-        return (f"{what} with pp={c.pp}, tp={c.tp}: context-parallel programs are generated for pp = tp = 1 only "
-                "(dp x cp); the pipeline and tensor-parallel programs do not split the sequence yet. Compile "
-                "with pp=1 and tp=1 (more dp or cp), or cp=1, to train; or use this plan for its predictions only")
     if plan.async_sgd:
         return f"{what} with async_sgd: asynchronous replicas do not run context parallelism; compile with cp=1"
     if plan.code is None:
