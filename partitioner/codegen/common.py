@@ -198,7 +198,7 @@ def program_header(plan: "Plan", rank: int, program_hash: str, *, node_of: bool 
 RANK = {rank}
 WORLD_SIZE = {plan.world_size}
 
-# The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice). Every rank creates
+# The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice{", context slice" if plan.config.cp > 1 else ""}). Every rank creates
 # every process group, in this order (c10d requires it).
 MESH = {ml.mesh}
 {nodes}

@@ -38,6 +38,9 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
     first = me.dp * per
     replica = dp_ranks.index(rank)  # this rank's index in its gradient group (dp x cp ranks under cp)
     expected = ", ".join(f"{n} {op}" for op, n in sorted(expected_collectives(plan).items())) or "none"
+    if c.cp > 1:
+        expected += (" (and inside every attention, over the cp group: the ring's k/v sends" if c.cp_kind == "ring"
+                     else " (and inside every attention, over the cp group: Ulysses' all-to-alls") + ")"
 
     blocks: dict[str, list[str]] = {}
     for p in plan.placements:

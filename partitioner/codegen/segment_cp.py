@@ -103,6 +103,7 @@ class ContextParallelRewrite:
         if dims:
             out = self.graph.create_node("call_function", cp_positions, (out, dims[0], self.cp_arg),
                                          name=f"{n.name}_here")
+            out.meta = dict(n.meta)  # this rank's shape: the traced one, its tokens this rank's
         self.pos_env[n] = out
         return out
 

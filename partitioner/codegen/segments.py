@@ -350,6 +350,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite):
         sizes = {str(d): f"{n.name}.{j}" for n in reversed(self.src.inputs)
                  for j, d in enumerate(n.meta["val"].shape)}
         out = {}
+        whole = {v for v in self.full_env.values() if isinstance(v, fx.Node)}  # cp: at the whole sequence length
         for node in self.graph.nodes:
             val = node.meta.get("val")
             if node.op != "call_function":
@@ -361,7 +362,8 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite):
                     out[node.name] = out[x.name]
                 continue
             split = self.dims.get(node.name, self.seq_dims.get(node.name)) if self.tp > 1 else None
-            dims = [_SYMBOL.sub(lambda m: sizes.get(m.group(0), m.group(0)), str(d)) for d in val.shape]
+            dims = [_SYMBOL.sub(lambda m: sizes.get(m.group(0), m.group(0)), str(d))
+                    + (f"*{self.cp}" if node in whole and str(d) in self.seq_syms else "") for d in val.shape]
             if split is not None and dims[split].isdigit():
                 dims[split] = str(int(dims[split]) // self.tp)
             elif split is not None:  # a token dim of a traced size: this rank's share of it
