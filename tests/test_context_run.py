@@ -29,11 +29,12 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, tp: int = 1, pp: int = 1,
-             mb: int = 2, sp: bool = False, name: str = "gpt"):
+             mb: int = 2, sp: bool = False, name: str = "gpt", recompute: str = "none"):
     model = MODELS[name][0]()
     return compile(model, f"local:{dp * cp * tp * pp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
                    global_batch_size=BATCH, precision="fp32", dp=dp, cp=cp, cp_kind=cp_kind, tp=tp, pp=pp,
-                   sp=sp if tp > 1 else None, zero_stage=zero, microbatch_size=mb, alternatives=0)
+                   sp=sp if tp > 1 else None, zero_stage=zero, microbatch_size=mb, recompute=recompute,
+                   alternatives=0)
 
 
 def test_the_program_splits_tokens_and_runs_attention_over_the_context_group():
@@ -85,6 +86,7 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     # with the tensor-parallel rewrite (heads split over tp, attention over cp on each rank's heads), and
     # pipeline stages sending each rank's tokens
     ("gpt", 1, 1, 2, 2, "ring", 0),
+    ("gpt", 1, 1, 2, 2, "ring", 1),  # ZeRO-1 over the cp group (dp = 1: the gradient group is the context group)
     ("gpt", 2, 1, 2, 1, "ring", 0),
     # HF Llama: rotary tables and the causal mask built from the length (whole, checked causal at run time),
     # grouped-query attention
@@ -93,3 +95,9 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
 ])
 def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, zero):
     assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, cp_kind=kind, zero=zero, name=name), name)
+
+
+@pytest.mark.slow
+def test_context_parallel_with_full_recomputation_trains_like_one_process():
+    """Each block runs again in backward: its ring attention's forward too, on every rank in the same order."""
+    assert_same_training(plan_for(dp=1, cp=2, recompute="full"))

@@ -130,6 +130,11 @@ class StepRunner:
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """Inference under the plan: this replica's forward on `inputs` (no slicing, no gradients)."""
+        if self.cp_size > 1:  # the code reads this rank's positions: whole sequences would attend wrong
+            raise NotImplementedError(f"predict() under context parallelism (cp={self.cp_size}): the model's code "
+                                      "runs each rank's tokens of every sequence, with attention over the cp "
+                                      "group, and gathers no output; run inference on the trained state_dict or "
+                                      "with a plan of cp=1")
         return _call(self.engine.module, place(inputs))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
