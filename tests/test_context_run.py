@@ -13,13 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from examples.hf_families import gemma3_seeded, mpt_seeded, qwen3_seeded
 from examples.training import gpt_4l_seeded, gpt_loss, hf_llama_seeded, hf_loss, sgd, train_one_process
 from partitioner import compile
 from partitioner.codegen.program import CodegenError
 from ranks import assert_trains_like
 
 VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 3
-MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "llama": (hf_llama_seeded, hf_loss)}
+MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "llama": (hf_llama_seeded, hf_loss), "qwen3": (qwen3_seeded, hf_loss),
+          "gemma3": (gemma3_seeded, hf_loss), "mpt": (mpt_seeded, hf_loss)}
 
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -92,6 +94,8 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     # grouped-query attention
     ("llama", 1, 1, 2, 1, "ring", 0),
     ("llama", 1, 1, 2, 1, "all-to-all", 0),
+    # Qwen3: rotary, per-head q/k RMSNorm
+    ("qwen3", 1, 1, 2, 1, "ring", 0),
 ])
 def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, zero):
     assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, cp_kind=kind, zero=zero, name=name), name)
@@ -101,3 +105,14 @@ def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, ze
 def test_context_parallel_with_full_recomputation_trains_like_one_process():
     """Each block runs again in backward: its ring attention's forward too, on every rank in the same order."""
     assert_same_training(plan_for(dp=1, cp=2, recompute="full"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3", "mpt"])
+def test_a_mask_the_kernels_cannot_split_stops_the_first_step(name):
+    """Gemma3's sliding-window layers (a window shorter than the sequence) and MPT's ALiBi bias build their
+    mask from shapes alone: the code passes it whole, and the runtime refuses it before anything is updated."""
+    from runtime.launch.env import LaunchError
+
+    with pytest.raises(LaunchError, match=r"neither causal nor full.*\(in step 1 of 3\)"):
+        assert_same_training(plan_for(dp=1, cp=2, name=name), name)

@@ -67,8 +67,8 @@ def mask_kind(mask: torch.Tensor, seq_len: int) -> str:
     if bool(flat.all()):
         return "full"
     raise ValueError("context parallelism: the model's attention mask is neither causal nor full (a sliding "
-                     "window, a prefix or block mask), which the ring and Ulysses kernels cannot split over the "
-                     "sequence; compile with cp=1")
+                     "window, a prefix or block mask, an additive bias such as ALiBi), which the ring and Ulysses "
+                     "kernels cannot split over the sequence; compile with cp=1")
 
 
 def cp_positions(full: torch.Tensor, dim: int, cp: CPContext) -> torch.Tensor:
