@@ -66,6 +66,49 @@ def test_a_model_that_mixes_tokens_outside_attention_is_refused():
         plan.program(0)
 
 
+class _Pooled(torch.nn.Module):
+    """Token embeddings, a running mean along the tokens (cumsum over dim 1), a head: mixes tokens without
+    attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)                                       # (B, T, 16)
+        return self.head(x.cumsum(1) / idx.shape[1])            # (B, T, V)
+
+
+def test_a_model_that_scans_along_the_tokens_is_refused():
+    plan = compile(_Pooled(), "local:2", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
+                   global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
+    with pytest.raises(CodegenError, match="a cumsum along the token dim; each rank holds only its tokens"):
+        plan.program(0)
+
+
+class _Scaled(torch.nn.Module):
+    """Token embeddings divided by the sequence length, a head: reads the length as a number."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx) / idx.shape[1])          # (B, T, V)
+
+
+def scaled_seeded() -> _Scaled:
+    torch.manual_seed(0)
+    return _Scaled()
+
+
+def logits_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+MODELS["scaled"] = (scaled_seeded, logits_loss)
+
+
 def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     from runtime import launch_local
 
@@ -99,6 +142,14 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
 ])
 def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, zero):
     assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, cp_kind=kind, zero=zero, name=name), name)
+
+
+@pytest.mark.slow
+def test_a_length_read_as_a_number_is_the_whole_length():
+    """x / T: each rank holds T/cp tokens, but the code divides by the whole T, as one process does."""
+    plan = plan_for(dp=1, cp=2, name="scaled")
+    assert "mul = sym_size_int_2 * 2" in plan.program(0).source
+    assert_same_training(plan, "scaled")
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ attention acts on each token alone, so it runs unchanged on this rank's tokens; 
   positions, position ids, rotary cos/sin tables) is computed at the whole length (every size read from
   the inputs' token dim multiplied by cp) and read through `cp_positions`: this rank's positions along
   that dim. Sizes that shape activations (views) stay this rank's;
+- an arithmetic op reading the sequence length as a number (x / T) reads the whole length;
 - anything that mixes tokens otherwise (a matmul over two token-carrying operands, as in eager attention;
   a reduction, softmax, cumsum, concatenation or convolution along the token dim) is refused with the
   node named: it would see only this rank's tokens and train silently wrong.
@@ -25,6 +26,7 @@ into the graph and the generated program imports the real ones.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -38,6 +40,9 @@ _aten = torch.ops.aten
 _ATTENTION = _aten.scaled_dot_product_attention.default
 _MATMULS = {_aten.mm.default, _aten.bmm.default, _aten.matmul.default, _aten.baddbmm.default,
             _aten.addbmm.default, _aten.einsum.default}
+_ARITHMETIC = {_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar, _aten.add.Tensor,
+               _aten.add.Scalar, _aten.sub.Tensor, _aten.sub.Scalar, _aten.rsub.Scalar, _aten.pow.Tensor_Scalar}
+_SYMBOL = re.compile(r"\bs\d+\b")  # torch.export's size symbols
 # ops whose `dim` moves or names a dim without mixing what lies along it
 _DIM_LOCAL = {"unsqueeze", "squeeze", "flatten", "unflatten", "movedim"}
 _CONVOLUTIONS = {_aten.convolution.default, _aten.conv1d.default, _aten.conv2d.default}
@@ -127,6 +132,18 @@ class ContextParallelRewrite:
             out = self._copy_plain(n, self.full)
         self.full_env[n] = out
         return out
+
+    def whole_lengths(self, n: fx.Node, new: fx.Node) -> None:
+        """An arithmetic op that reads the sequence length as a number (x / T) reads the whole length, as one
+        process does; sizes that shape this rank's values (views, expands) stay its own."""
+        if self.cp == 1 or n.target not in _ARITHMETIC:
+            return
+        with self.graph.inserting_before(new):
+            new.args = tuple(self.full(a) if self._is_length(a) else b for a, b in zip(n.args, new.args))
+
+    def _is_length(self, a: Any) -> bool:
+        val = a.meta.get("val") if isinstance(a, fx.Node) else None
+        return isinstance(val, torch.SymInt) and bool(set(_SYMBOL.findall(str(val))) & self.seq_syms)
 
     def rewrite_cp(self, n: fx.Node) -> bool:
         """Copy `n` in its context-parallel form (attention); refuse what mixes tokens; False otherwise."""

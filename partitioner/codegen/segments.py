@@ -310,6 +310,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite):
             else:
                 new.args = (new.args[0], self.dtype, *new.args[2:])
         self.resize(n, new)
+        self.whole_lengths(n, new)
         self.sum_replicated_grads(n, new)
         self.chunk_replicated_operands(n, new)
         self.gather_sequence(n, new)
