@@ -49,7 +49,7 @@ def test_the_program_splits_tokens_and_runs_attention_over_the_context_group():
     assert "def block(tp, cp, x," in src and "cp_attention(" in src
     assert "scaled_dot_product_attention" not in src.split("def block", 1)[1].split("def suffix", 1)[0]
     # the position embedding reads this rank's positions of an arange over the whole length
-    assert "arange_here = cp_positions(arange, 0, cp)" in src
+    assert 'arange: "i64[idx.1*2]"' in src and 'arange_here: "i64[idx.1]" = cp_positions(arange, 0, cp)' in src
     assert "Data parallelism over dp 2 x cp 2 ranks (replicas and their context slices) (0, 1, 2, 3) (this rank is 3 of 4)" in src
 
 
