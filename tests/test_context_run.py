@@ -133,6 +133,7 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     ("gpt", 1, 1, 2, 2, "ring", 0),
     ("gpt", 1, 1, 2, 2, "ring", 1),  # ZeRO-1 over the cp group (dp = 1: the gradient group is the context group)
     ("gpt", 2, 1, 2, 1, "ring", 0),
+    ("gpt", 2, 1, 2, 2, "ring", 0),  # pp2 x cp2 x tp2: 8 ranks
     # HF Llama: rotary tables and the causal mask built from the length (whole, checked causal at run time),
     # grouped-query attention
     ("llama", 1, 1, 2, 1, "ring", 0),
