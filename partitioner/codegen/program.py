@@ -9,7 +9,10 @@ runtime's step runner (`runtime.engines.step.StepRunner`).
 
 Data-parallel plans (pp = tp = 1, any ZeRO stage) are emitted here;
 pipeline, tensor-parallel and 3D programs by `partitioner.codegen.pipeline`;
-async SGD plans (`plan.async_sgd`) by `partitioner.codegen.async_sgd`.
+async SGD plans (`plan.async_sgd`) by `partitioner.codegen.async_sgd`. Context parallelism (cp > 1)
+composes with the first two: the program runs the plan's code as `partitioner.codegen.segment_cp` rewrote
+it, over the cp group (`runtime.context.program.CPContext`), on each rank's tokens of every row;
+`not_runnable` says why a cp plan gets no program (sequence parallelism with it, async SGD, no code).
 
 >>> from partitioner import compile
 >>> from examples.mlp import mlp, example_inputs

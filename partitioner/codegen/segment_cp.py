@@ -26,6 +26,7 @@ into the graph and the generated program imports the real ones.
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any
 
@@ -122,8 +123,6 @@ class ContextParallelRewrite:
         if n.op != "call_function" or not self.src.shape_only.get(n, False):
             return self.value(n)
         if n.target is _aten.sym_size.int and str(n.meta.get("val")) in self.seq_syms:
-            import operator
-
             out = self.graph.call_function(operator.mul, (self.value(n), self.cp))
             out.meta = dict(n.meta)
         elif n.target is _aten.sym_size.int:
