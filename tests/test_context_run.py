@@ -34,7 +34,7 @@ def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, 
              mb: int = 2, sp: bool = False, name: str = "gpt", recompute: str = "none"):
     model = MODELS[name][0]()
     return compile(model, f"local:{dp * cp * tp * pp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
-                   global_batch_size=BATCH, precision="fp32", dp=dp, cp=cp, cp_kind=cp_kind, tp=tp, pp=pp,
+                   global_batch_size=BATCH, precision="fp32", dp=dp, cp=cp, cp_kind=cp_kind if cp > 1 else None, tp=tp, pp=pp,
                    sp=sp if tp > 1 else None, zero_stage=zero, microbatch_size=mb, recompute=recompute,
                    alternatives=0)
 
@@ -168,3 +168,21 @@ def test_a_mask_the_kernels_cannot_split_stops_the_first_step(name):
 
     with pytest.raises(LaunchError, match=r"neither causal nor full.*\(in step 1 of 3\)"):
         assert_same_training(plan_for(dp=1, cp=2, name=name), name)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_cp_resumes_under_another_plan(tmp_path):
+    """cp2 x tp2 with ZeRO-1 over the context group trains steps 1-2 and checkpoints; dp 2 without cp resumes
+    for steps 3-4: the same losses and parameters as one process training steps 1-4."""
+    from runtime import launch_local
+
+    model_fn, loss_fn = MODELS["gpt"]
+    data = batches(4)
+    a = launch_local(plan_for(dp=1, cp=2, tp=2, zero=1), model_fn, sgd, loss_fn, data[:2], save_dir=tmp_path,
+                     save_every=2, timeout_s=180)
+    assert a.checkpoints
+    b = launch_local(plan_for(dp=2, cp=1, zero=0), model_fn, sgd, loss_fn, data, resume_from=tmp_path, timeout_s=180)
+    assert b.start_step == 2
+    trained = train_one_process(model_fn, sgd, loss_fn, data)
+    torch.testing.assert_close(torch.tensor(a.losses), torch.tensor(trained.losses[:2]), rtol=1e-5, atol=1e-6)
+    assert_trains_like(b, trained.losses[2:], trained.model.state_dict())
