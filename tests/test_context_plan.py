@@ -18,7 +18,6 @@ from cost_models.mesh import Mesh
 from cost_models.topology import Topology
 from examples.gpt import GPT, GPTConfig, example_batch, gpt_small
 from partitioner import PlanInfeasibleError, compile, trace
-from partitioner.codegen.common import CodegenError
 from partitioner.planner.context_split import LONG_SEQUENCE, ring_exposed
 from partitioner.planner.plan import Plan
 from partitioner.planner.tensor_split import find_splits
@@ -191,8 +190,10 @@ def test_which_cp_plans_run(small):
     assert groups["cp"] == [(0, 1), (2, 3)] and groups["dp"] == [(0, 1, 2, 3)]
     assert "cp_attention(" in compile(small, "local:4", global_batch_size=8, cp=2, tp=2, sp=False,
                                       alternatives=0).program(0).source
-    with pytest.raises(CodegenError, match="with sequence parallelism in the tensor group: no program splits"):
-        compile(small, "local:4", global_batch_size=8, cp=2, tp=2, sp=True, alternatives=0).program(0)
+    assert "sp_gather(" in compile(small, "local:4", global_batch_size=8, cp=2, tp=2, sp=True,
+                                   alternatives=0).program(0).source
+    with pytest.raises(DeclarationError, match="async_sgd=.* with cp=2: each replica steps"):
+        compile(small, "local:4", global_batch_size=8, cp=2, async_sgd=dict(every=2), alternatives=0).program(0)
     with pytest.raises(DeclarationError, match="verify=True with cp=2: plan.verify replays"):
         compile(gpt_small(), "local:4", example_inputs=example_batch(gpt_small(), 8), global_batch_size=8, cp=2,
                 verify=True)

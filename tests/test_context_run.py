@@ -53,9 +53,11 @@ def test_the_program_splits_tokens_and_runs_attention_over_the_context_group():
     assert "Data parallelism over dp 2 x cp 2 ranks (replicas and their context slices) (0, 1, 2, 3) (this rank is 3 of 4)" in src
 
 
-def test_unsupported_context_parallel_plans_are_refused_before_training():
-    with pytest.raises(CodegenError, match="with sequence parallelism in the tensor group: no program splits"):
-        plan_for(cp=2, tp=2, sp=True).program(0)
+def test_sequence_parallelism_splits_each_ranks_tokens_again():
+    src = plan_for(cp=2, tp=2, sp=True).program(1).source
+    assert "cp = CPContext(groups.cp" in src and "cp_attention(" in src and "sp_gather(" in src
+    # the position embedding: this rank's cp positions of the whole length, then its tensor slice of them
+    assert "cp_positions(arange, 0, cp)" in src and "tp_chunk(" in src
 
 
 def test_a_model_that_mixes_tokens_outside_attention_is_refused():
@@ -134,6 +136,11 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     ("gpt", 1, 1, 2, 2, "ring", 1),  # ZeRO-1 over the cp group (dp = 1: the gradient group is the context group)
     ("gpt", 2, 1, 2, 1, "ring", 0),
     ("gpt", 2, 1, 2, 2, "ring", 0),  # pp2 x cp2 x tp2: 8 ranks
+    # with Megatron sequence parallelism in the tensor group: each rank's tokens split again over tp
+    ("gpt+sp", 1, 1, 2, 2, "ring", 0),
+    ("gpt+sp", 2, 1, 2, 2, "ring", 0),
+    ("gpt+sp", 1, 2, 2, 2, "ring", 3),
+    ("llama+sp", 1, 1, 2, 2, "ring", 0),
     # HF Llama: rotary tables and the causal mask built from the length (whole, checked causal at run time),
     # grouped-query attention
     ("llama", 1, 1, 2, 1, "ring", 0),
@@ -142,7 +149,8 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     ("qwen3", 1, 1, 2, 1, "ring", 0),
 ])
 def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, zero):
-    assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, cp_kind=kind, zero=zero, name=name), name)
+    name, sp = name.removesuffix("+sp"), name.endswith("+sp")
+    assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, sp=sp, cp_kind=kind, zero=zero, name=name), name)
 
 
 @pytest.mark.slow

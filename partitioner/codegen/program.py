@@ -12,7 +12,7 @@ pipeline, tensor-parallel and 3D programs by `partitioner.codegen.pipeline`;
 async SGD plans (`plan.async_sgd`) by `partitioner.codegen.async_sgd`. Context parallelism (cp > 1)
 composes with the first two: the program runs the plan's code as `partitioner.codegen.segment_cp` rewrote
 it, over the cp group (`runtime.context.program.CPContext`), on each rank's tokens of every row;
-`not_runnable` says why a cp plan gets no program (sequence parallelism with it, async SGD, no code).
+`not_runnable` says why a cp plan gets no program (async SGD, no code).
 
 >>> from partitioner import compile
 >>> from examples.mlp import mlp, example_inputs
@@ -71,7 +71,7 @@ class RankProgram:
 
 def not_runnable(plan: "Plan") -> str:
     """Why no program is generated for a context-parallel plan ("" when one is): programs run cp > 1 from the
-    plan's model code, with any dp, tp (without sequence parallelism), pp and ZeRO stage."""
+    plan's model code, with any dp, tp (with or without sequence parallelism), pp and ZeRO stage."""
     c = plan.config
     if c.cp == 1:
         return ""

@@ -17,6 +17,11 @@ attention acts on each token alone, so it runs unchanged on this rank's tokens; 
   a reduction, softmax, cumsum, concatenation or convolution along the token dim) is refused with the
   node named: it would see only this rank's tokens and train silently wrong.
 
+With tensor parallelism the same builder applies the Megatron rewrite first: attention runs over the cp
+group on this rank's heads; under sequence parallelism each rank's tokens are split again over the tensor
+group, a size read from the hidden state's token dim is multiplied back by tp (this cp rank's length) and
+then by cp here, and a positioned value is cut to the tensor slice by the sequence split's `tp_chunk`.
+
 The loss is computed per rank on its tokens (the runtime shards targets the same way) and averaged
 over dp x cp with the gradients: every rank holds as many tokens, so that is the one-process mean.
 

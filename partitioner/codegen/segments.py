@@ -436,9 +436,6 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     spec = pytree.treespec_dumps(ep.call_spec.out_spec)
     flat_out = src.output.args[0]
     blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
-    if cp > 1 and sp:
-        raise SegmentError("context parallelism with sequence parallelism in the tensor group: no program splits "
-                           "the tokens both ways yet; pin sp=False (or cp=1)")
     kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp,
               seq_dims=dict(seq.dims) if seq else {}, scatters=dict(seq.scatters) if seq else {},
               seq_gathers=seq_gathers, fp8=fp8, cp=cp, seq_syms=sequence_symbols(src.inputs) if cp > 1 else frozenset())
