@@ -145,6 +145,8 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     # grouped-query attention
     ("llama", 1, 1, 2, 1, "ring", 0),
     ("llama", 1, 1, 2, 1, "all-to-all", 0),
+    ("llama", 1, 1, 4, 1, "ring", 0),
+    ("llama", 1, 1, 4, 1, "all-to-all", 0),  # 2 k/v heads over 4 ranks: sent repeated
     # Qwen3: rotary, per-head q/k RMSNorm
     ("qwen3", 1, 1, 2, 1, "ring", 0),
 ])
