@@ -121,6 +121,7 @@ GOLDEN_PROGRAMS = {  # file: (topology, pins, rank)
     "program_gpt_tiny_pp2_tp2_sp_rank2.txt": ("local:4", dict(pp=2, tp=2, dp=1, sp=True), 2),
     "program_gpt_tiny_pp2_dp2_zero3_rank1.txt": ("local:4", dict(pp=2, tp=1, dp=2, zero_stage=3), 1),
     "program_gpt_tiny_local_sgd_rank0.txt": ("local:2", dict(pp=1, tp=1, async_sgd=dict(every=4)), 0),
+    "program_gpt_tiny_dp2_cp2_rank3.txt": ("local:4", dict(pp=1, tp=1, dp=2, cp=2), 3),
 }
 
 

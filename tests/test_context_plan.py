@@ -1,7 +1,8 @@
 """Context parallelism (cp) as a plan dimension: declarations, the mesh, JSON, costs, search, text.
 
 The kernels (ring attention, Ulysses) and their equivalence with one process are in
-test_context_parallel.py; generated programs do not run cp > 1 yet, which test_cp_plans_are_not_runnable pins.
+test_context_parallel.py; generated programs run cp > 1 at pp = tp = 1 (test_context_run.py trains them against
+one process) and refuse the rest, which test_which_cp_plans_run pins.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from cost_models.mesh import Mesh
 from cost_models.topology import Topology
 from examples.gpt import GPT, GPTConfig, example_batch, gpt_small
 from partitioner import PlanInfeasibleError, compile, trace
-from partitioner.codegen.common import CodegenError
 from partitioner.planner.context_split import LONG_SEQUENCE, ring_exposed
 from partitioner.planner.plan import Plan
 from partitioner.planner.tensor_split import find_splits
@@ -183,12 +183,17 @@ def test_plan_text_names_cp(small, tmp_path):
     assert "rank = pp*4 + dp*2 + cp*1 + tp" in page and "d1 c1 t0" in page
 
 
-def test_cp_plans_are_not_runnable(small):
-    plan = compile(small, "local:4", global_batch_size=8, cp=2, alternatives=0)
-    with pytest.raises(CodegenError, match="costed but not yet runnable"):
-        plan.program(0)
-    with pytest.raises(ValueError, match="costed but not yet runnable"):
-        group_ranks(plan.mesh)  # the runtime refuses the mesh too, rather than forming groups that ignore cp
-    with pytest.raises(DeclarationError, match="costed but not yet runnable"):
+def test_which_cp_plans_run(small):
+    plan = compile(small, "local:4", global_batch_size=8, cp=2, tp=1, pp=1, alternatives=0)
+    assert "cp_attention(" in plan.program(0).source
+    groups = group_ranks(plan.mesh)  # the runtime forms the context groups, and the gradient groups over dp x cp
+    assert groups["cp"] == [(0, 1), (2, 3)] and groups["dp"] == [(0, 1, 2, 3)]
+    assert "cp_attention(" in compile(small, "local:4", global_batch_size=8, cp=2, tp=2, sp=False,
+                                      alternatives=0).program(0).source
+    assert "sp_gather(" in compile(small, "local:4", global_batch_size=8, cp=2, tp=2, sp=True,
+                                   alternatives=0).program(0).source
+    with pytest.raises(DeclarationError, match="async_sgd=.* with cp=2: each replica steps"):
+        compile(small, "local:4", global_batch_size=8, cp=2, async_sgd=dict(every=2), alternatives=0).program(0)
+    with pytest.raises(DeclarationError, match="verify=True with cp=2: plan.verify replays"):
         compile(gpt_small(), "local:4", example_inputs=example_batch(gpt_small(), 8), global_batch_size=8, cp=2,
                 verify=True)

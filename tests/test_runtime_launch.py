@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from examples.training import train_one_process
 from runtime.launch.env import LaunchError
-from runtime.comm.groups import group_ranks
+from runtime.comm.groups import grid, group_ranks
 from runtime.launch.local import launch_local
 from runtime.run import main as run_main
 from ranks import free_port
@@ -243,17 +243,29 @@ def test_group_ranks_of_a_3d_mesh():
     mesh = [(r, r // 4, r // 2 % 2, r % 2) for r in range(8)]
     assert group_ranks(mesh) == {"dp": [(0, 2), (1, 3), (4, 6), (5, 7)],
                                  "tp": [(0, 1), (2, 3), (4, 5), (6, 7)],
-                                 "pp": [(0, 4), (1, 5), (2, 6), (3, 7)]}
+                                 "pp": [(0, 4), (1, 5), (2, 6), (3, 7)],
+                                 "cp": [(r,) for r in range(8)]}  # no context axis: one rank each, created by no one
     coords = [types.SimpleNamespace(rank=r, pp=pp, dp=dp, tp=tp, node=0) for r, pp, dp, tp in mesh]
     assert group_ranks(coords) == group_ranks(mesh)
+
+
+def test_group_ranks_of_a_mesh_with_context_parallelism():
+    # rank = dp * 4 + cp * 2 + tp: dp 2 x cp 2 x tp 2 (cost_models.mesh's order pp, dp, cp, tp)
+    mesh = grid(pp=1, dp=2, tp=2, cp=2)
+    assert mesh[6] == (6, 0, 1, 0, 1)  # (rank, pp, dp, tp, cp)
+    groups = group_ranks(mesh)
+    assert groups["cp"] == [(0, 2), (1, 3), (4, 6), (5, 7)]  # ring neighbours tp ranks apart
+    assert groups["tp"] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert groups["dp"] == [(0, 2, 4, 6), (1, 3, 5, 7)]  # gradients reduced over dp x cp, as Megatron's
+    assert groups["pp"] == [(r,) for r in range(8)]
 
 
 def test_group_ranks_refuses_broken_meshes():
     with pytest.raises(ValueError, match="not 0..1 once each"):
         group_ranks([(0, 0, 0, 0), (0, 0, 1, 0)])
-    with pytest.raises(ValueError, match="not a full pp x dp x tp grid"):
+    with pytest.raises(ValueError, match="not a full pp x dp x cp x tp grid"):
         group_ranks([(0, 0, 0, 0), (1, 0, 0, 0)])
-    with pytest.raises(ValueError, match="not a full pp x dp x tp grid"):
+    with pytest.raises(ValueError, match="not a full pp x dp x cp x tp grid"):
         group_ranks([(0, 0, 0, 0), (1, 0, 1, 0), (2, 0, 1, 1)])
 
 

@@ -72,7 +72,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}", type=int, default=None, help=f"pin {name} (default: the planner chooses)")
     p.add_argument("--cp", type=int, default=None,
                    help="pin the context-parallel degree: each sequence split over CP ranks (default: the planner "
-                        "chooses; plans with cp > 1 are costed, not yet runnable)")
+                        "chooses)")
     p.add_argument("--cp-kind", choices=CP_KINDS, default=None,
                    help="attention under cp > 1: ring (key/value blocks round the group) or all-to-all (Ulysses)")
     p.add_argument("--ep", type=int, default=None,

@@ -128,15 +128,22 @@ def mesh_lines(plan: "Plan") -> MeshLines:
     `nodes_of(world, per_node)` when every node holds as many consecutive ranks; the literal tables otherwise
     (a hand-made plan). Written as tables, a 3072-rank plan's MESH was one line of 60K characters."""
     c = plan.config
-    mesh = Mesh(c.pp, c.dp, c.tp)
-    coords = tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)
-    nodes = tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))
+    mesh = Mesh(c.pp, c.dp, c.tp, c.cp)
     imports = []
-    if coords == tuple((r, *mesh.coords(r)) for r in range(mesh.size)):
-        mesh_src = f"grid(pp={c.pp}, dp={c.dp}, tp={c.tp})  # (rank, pp, dp, tp) of every rank: {mesh.formula()}"
+    nodes = tuple(m.node for m in sorted(plan.mesh, key=lambda m: m.rank))
+    if c.cp > 1:  # (rank, pp, dp, tp, cp): runtime.comm.groups reads the fifth as the context slice
+        coords = tuple((m.rank, m.pp, m.dp, m.tp, m.cp) for m in plan.mesh)
+        what, laid_out, grid_args = "(rank, pp, dp, tp, cp)", tuple((r, *mesh.coords4(r)) for r in range(mesh.size)), \
+            f"pp={c.pp}, dp={c.dp}, tp={c.tp}, cp={c.cp}"
+    else:
+        coords = tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)
+        what, laid_out, grid_args = "(rank, pp, dp, tp)", tuple((r, *mesh.coords(r)) for r in range(mesh.size)), \
+            f"pp={c.pp}, dp={c.dp}, tp={c.tp}"
+    if coords == laid_out:
+        mesh_src = f"grid({grid_args})  # {what} of every rank: {mesh.formula()}"
         imports.append("grid")
     else:
-        mesh_src = f"{coords!r}  # (rank, pp, dp, tp) of every rank"
+        mesh_src = f"{coords!r}  # {what} of every rank"
     per = nodes.count(0)
     if per and nodes == tuple(r // per for r in range(len(nodes))):
         node_src = f"nodes_of({len(nodes)}, per_node={per})  # rank -> node: rank // {per}"
@@ -191,7 +198,7 @@ def program_header(plan: "Plan", rank: int, program_hash: str, *, node_of: bool 
 RANK = {rank}
 WORLD_SIZE = {plan.world_size}
 
-# The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice). Every rank creates
+# The mesh: rank -> (pipeline stage, data-parallel replica, tensor slice{", context slice" if plan.config.cp > 1 else ""}). Every rank creates
 # every process group, in this order (c10d requires it).
 MESH = {ml.mesh}
 {nodes}
@@ -247,6 +254,7 @@ def model_code_lines(plan: "Plan") -> ModelCodeLines:
     code = plan.code
     if code is None:
         return ModelCodeLines()
+    cp = plan.config.cp > 1
     t = segment_tables(code)
     n = code.num_blocks
     text = f'''
@@ -267,21 +275,29 @@ OUTPUT_SPEC = {code.output_spec!r}
 STAGES = {{0: (0, {n}, True, True)}}
 
 
-def make_stage(model, tp):
+def make_stage(model, tp{", cp" if cp else ""}):
     """`model` running the code above (the whole model on this rank); `plan.verify` calls it too."""
     return StageModel(model, functions={{{t.fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
                       block_inputs={t.block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={t.block_args}, suffix_args={t.suffix_args},
-                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp)
+                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""})
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"
            "    # (a batch without the traced inputs runs the module's own forward instead, with a warning).\n"
-           "    make_stage(model, None).run_as_model()\n")
+           f"    make_stage(model, None{', cp' if cp else ''}).run_as_model()\n")
     return ModelCodeLines(imports="import torch\nfrom torch import device\n\n",
-                          runtime_import=fp8_import(plan) + "from runtime.pipeline.stage import StageModel\n",
-                          text=text, run=run)
+                          runtime_import=fp8_import(plan) + cp_import(plan) +
+                          "from runtime.pipeline.stage import StageModel\n", text=text, run=run)
+
+
+def cp_import(plan: "Plan") -> str:
+    """The import of what the code of a context-parallel plan calls (partitioner.codegen.segment_cp)."""
+    if plan.config.cp == 1:
+        return ""
+    return ("from runtime.context.program import CPContext, cp_attention, cp_positions  # context parallelism: "
+            "attention over the cp group, this rank's positions\n")
 
 
 def fp8_import(plan: "Plan") -> str:

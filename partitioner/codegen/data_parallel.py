@@ -22,7 +22,7 @@ from partitioner.codegen.instructions import instruction_lines
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
-__all__ = ["data_parallel_program_source", "expected_collectives"]
+__all__ = ["data_parallel_program_source", "expected_collectives", "context_lines"]
 
 
 def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
@@ -36,7 +36,11 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
     counted = " (uncompressed)" if comp.arg.strip("'") not in ("none", "bf16") else ""
     per = c.microbatch_size * c.num_microbatches
     first = me.dp * per
+    replica = dp_ranks.index(rank)  # this rank's index in its gradient group (dp x cp ranks under cp)
     expected = ", ".join(f"{n} {op}" for op, n in sorted(expected_collectives(plan).items())) or "none"
+    if c.cp > 1:
+        expected += (" (and inside every attention, over the cp group: the ring's k/v sends" if c.cp_kind == "ring"
+                     else " (and inside every attention, over the cp group: Ulysses' all-to-alls") + ")"
 
     blocks: dict[str, list[str]] = {}
     for p in plan.placements:
@@ -47,20 +51,28 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
     if c.zero_stage == 3:
         for name, names in blocks.items():
             n = sum(numel[x] for x in names)
-            shard_lines.append(f"    #   {name}: {n:,} parameters; this rank holds {math.ceil(n / c.dp):,} "
-                               f"(slice {me.dp} of {c.dp})")
+            shard_lines.append(f"    #   {name}: {n:,} parameters; this rank holds {math.ceil(n / c.replicas):,} "
+                               f"(slice {replica} of {c.replicas})")
     elif c.zero_stage in (1, 2):
         n = sum(numel.values())
-        shard = math.ceil(n / c.dp)
+        shard = math.ceil(n / c.replicas)
         what = "optimizer state" if c.zero_stage == 1 else "gradients and optimizer state"
-        shard_lines.append(f"    #   {what} for elements [{me.dp * shard:,}, {min(n, (me.dp + 1) * shard):,}) of the "
-                           f"{n:,}-element flat parameter buffer (slice {me.dp} of {c.dp})")
+        shard_lines.append(f"    #   {what} for elements [{replica * shard:,}, {min(n, (replica + 1) * shard):,}) of "
+                           f"the {n:,}-element flat parameter buffer (slice {replica} of {c.replicas})")
     shards = "\n".join(shard_lines) or "    #   nothing sharded: every replica holds every parameter, gradient and state"
     ml = mesh_lines(plan)
     names = {*ml.imports, "make_groups", *(("group_ranks", "make_node_groups") if comp.setup else ())}
     group_imports = ", ".join(sorted(names))
     code = model_code_lines(plan)  # the model's own forward, or the generated code
+    who = "replicas" if c.cp == 1 else f"dp {c.dp} x cp {c.cp} ranks (replicas and their context slices)"
+    which = f"replica {me.dp} of {c.dp}" if c.cp == 1 else f"{replica} of {c.replicas}"
     recompute = recompute_lines(plan, "engine.checkpoint_blocks(")
+    tokens, cp_args = "", ""
+    if c.cp > 1:
+        a, b = me.cp, 2 * c.cp - 1 - me.cp
+        tokens = (f"\n    # Of each row, only this rank's tokens: chunks {a} and {b} of {2 * c.cp} (the causal load balance),"
+                  f"\n    # inputs and targets alike; the loss, a mean over them, is averaged over the dp x cp ranks.")
+        cp_args = f",\n        cp_rank={me.cp}, cp_size={c.cp}"
 
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size}.
 
@@ -90,8 +102,8 @@ def build(model_fn, optimizer_fn, loss_fn):
     collectives = Collectives(reduce_scatter_impl={impl!r})
     model = model_fn()
     runtime.engines.step.check_parameters(model, PARAMS)
-{code.run}
-    # Data parallelism over replicas {ranks_text(dp_ranks)} (this rank is replica {me.dp} of {c.dp}).
+{context_lines(plan, rank)}{code.run}
+    # Data parallelism over {who} {ranks_text(dp_ranks)} (this rank is {which}).
     # {ZERO_WHAT[c.zero_stage]}.
     # Gradient buckets of {plan.bucket_bytes:,} bytes. Collectives per step{counted}: {expected}.
     # This rank holds:
@@ -104,15 +116,30 @@ def build(model_fn, optimizer_fn, loss_fn):
 {recompute}    optimizer = optimizer_fn(engine.optimizer_params())
 
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as
-    # {c.num_microbatches} microbatch(es) of {c.microbatch_size}, run by ACTIONS above.
+    # {c.num_microbatches} microbatch(es) of {c.microbatch_size}, run by ACTIONS above.{tokens}
     return runtime.engines.step.StepRunner(
         engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, dp_group=groups.dp,
         dp_rank={me.dp}, dp_size={c.dp}, microbatch_size={c.microbatch_size}, num_microbatches={c.num_microbatches},
-        clip_grad_norm={plan.clip_grad_norm!r}, program_hash=PROGRAM_HASH, actions=ACTIONS)
+        clip_grad_norm={plan.clip_grad_norm!r}, program_hash=PROGRAM_HASH, actions=ACTIONS{cp_args})
 '''
     return source
 
 
+
+
+def context_lines(plan: "Plan", rank: int) -> str:
+    """The build() lines that make a context-parallel program's group context ("" without cp)."""
+    c = plan.config
+    if c.cp == 1:
+        return ""
+    me = plan.mesh[rank]
+    how = "k/v blocks passed round the ring (runtime.context.ring_attention)" if c.cp_kind == "ring" else \
+        "all-to-alls from a token split to a head split and back (runtime.context.ulysses)"
+    ranks = tuple(m.rank for m in plan.mesh if (m.pp, m.dp, m.tp) == (me.pp, me.dp, me.tp))
+    return (f"    # Context parallelism over ranks {ranks_text(ranks)} (this rank is context slice {me.cp} of {c.cp}):\n"
+            f"    # it holds chunks {me.cp} and {2 * c.cp - 1 - me.cp} of {2 * c.cp} of every sequence (the causal load balance);\n"
+            f"    # every attention sees the whole sequence by {how}.\n"
+            f"    cp = CPContext(groups.cp, collectives, rank={me.cp}, world={c.cp}, kind={c.cp_kind!r})\n")
 
 
 def expected_collectives(plan: "Plan") -> dict[str, int]:
@@ -135,7 +162,7 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
     from runtime.engines.flat import bucket  # the engine's own bucketing rule, not a copy of it
 
     c = plan.config
-    if c.dp == 1:
+    if c.replicas == 1:
         return {}
     names = [p.param for p in plan.placements][::-1]
     numels = [math.prod(p.shape) for p in plan.placements][::-1]

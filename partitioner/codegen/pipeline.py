@@ -18,6 +18,7 @@ from cost_models.placements import is_sharded
 from partitioner.codegen.common import (
     ZERO_WHAT,
     CodegenError,
+    cp_import,
     dp_compression,
     fp8_import,
     literal,
@@ -28,6 +29,7 @@ from partitioner.codegen.common import (
     segment_tables,
     slice_text,
 )
+from partitioner.codegen.data_parallel import context_lines
 from partitioner.codegen.instructions import instruction_lines
 from runtime.comm.groups import stage_peers  # the rule the program will use
 
@@ -97,8 +99,8 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     sched = plan.instructions
     mine = sched.stages_of(me.pp)
     my_blocks = {s: blocks[s] for s in mine}
-    by_coord = {(m.pp, m.dp, m.tp): m.rank for m in plan.mesh}
-    stage_ranks = tuple(by_coord[(sched.rank_of(s), me.dp, me.tp)] for s in range(len(plan.stages)))
+    by_coord = {(m.pp, m.dp, m.tp, m.cp): m.rank for m in plan.mesh}
+    stage_ranks = tuple(by_coord[(sched.rank_of(s), me.dp, me.tp, me.cp)] for s in range(len(plan.stages)))
     dp_ranks = tuple(m.rank for m in plan.mesh if m.pp == me.pp and m.tp == me.tp)
     holders = _holders(plan, blocks) if code.block is not None else {}
     tied = sorted(n for n, rs in holders.items() if len(rs) > 1)
@@ -107,8 +109,8 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
         raise CodegenError(f"parameters {tied} are shared by different sets of pipeline stages; only one tied "
                            "group (embedding and LM head) is supported")
     tie_pp = sorted(next(iter(holder_sets))) if holder_sets else []
-    tie_groups = sorted({tuple(sorted(by_coord[(p, d, t)] for p in tie_pp))
-                         for d in range(c.dp) for t in range(c.tp)}) if tie_pp else []
+    tie_groups = sorted({tuple(sorted(by_coord[(p, d, t, k)] for p in tie_pp))
+                         for d in range(c.dp) for t in range(c.tp) for k in range(c.cp)}) if tie_pp else []
     # every rank creates every tie group, in one order (c10d): the runtime's rule derives them from the mesh
     by_rule = bool(tie_groups) and stage_peers(plan.mesh, tie_pp) == tuple(tie_groups)
     tie_src = f"stage_peers(MESH, {tuple(tie_pp)!r})" if by_rule else literal(tuple(tie_groups))
@@ -137,22 +139,26 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                             f"{slice_text(by_param[n].shape, v[0], v[1], c.tp, me.tp)}"
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
     functions, args, fn_table, block_args, block_inputs, kinds_line, suffix_args = segment_tables(code)
+    cp_args = "" if c.cp == 1 else f",\n        cp_rank={me.cp}, cp_size={c.cp}"  # this rank's tokens of each row
     mixed = plan.precision != "fp32"
     comp = dp_compression(plan, dp_ranks)
     ml = mesh_lines(plan)
     names = {*ml.imports, "make_group_among", "make_groups", "make_self_group", *(("stage_peers",) if by_rule else ()),
              *(("group_ranks", "make_node_groups") if comp.setup else ())}
     group_imports = ", ".join(sorted(names))
-    if c.dp == 1 and not mixed:
+    if c.replicas == 1 and not mixed:
         engine = ("    # No data parallelism (dp = 1) and fp32: gradients stay in .grad, the optimizer steps the\n"
                   "    # parameters, nothing is reduced across replicas.\n"
                   "    engine = Unreplicated(model)\n")
     else:
-        group = "groups.dp" if c.dp > 1 else "make_self_group(RANK, WORLD_SIZE)"
-        why = "" if c.dp > 1 else " (dp = 1: the engine over this rank alone keeps the fp32 masters)"
-        engine = (f"    # Data parallelism over replicas {ranks_text(dp_ranks)} (this rank is replica {me.dp} of {c.dp}): "
+        group = "groups.dp" if c.replicas > 1 else "make_self_group(RANK, WORLD_SIZE)"
+        why = "" if c.replicas > 1 else " (dp = 1: the engine over this rank alone keeps the fp32 masters)"
+        who = f"replicas {ranks_text(dp_ranks)} (this rank is replica {me.dp} of {c.dp})" if c.cp == 1 else \
+            (f"dp {c.dp} x cp {c.cp} ranks {ranks_text(dp_ranks)} (replicas and their context slices; this rank is "
+             f"{dp_ranks.index(rank)} of {c.replicas})")
+        engine = (f"    # Data parallelism over {who}: "
                   f"{ZERO_WHAT[c.zero_stage]}{why}.\n"
-                  f"    engine = DataParallel(model, group={group}, ranks={'groups.dp_ranks' if c.dp > 1 else repr(dp_ranks)}, "
+                  f"    engine = DataParallel(model, group={group}, ranks={'groups.dp_ranks' if c.replicas > 1 else repr(dp_ranks)}, "
                   f"zero_stage={c.zero_stage},\n"
                   f"                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, "
                   f"precision={plan.precision!r},\n"
@@ -179,7 +185,7 @@ from runtime.pipeline.runner import PipelineRunner
 from runtime.pipeline.stage import StageModel, state_keys
 from runtime.pipeline.tensor_parallel import (TPContext, sp_gather, sp_scatter, sp_vocab_embedding, tp_chunk,
                                               tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding)
-{fp8_import(plan)}
+{fp8_import(plan)}{cp_import(plan)}
 inf, nan = float("inf"), float("nan")
 
 {program_header(plan, rank, h)}
@@ -223,15 +229,15 @@ OUTPUT_SPEC = {code.output_spec!r}
 HIDDEN_SHAPE = {code.hidden_shape!r}
 
 
-def make_stage(model, tp):
+def make_stage(model, tp{", cp" if c.cp > 1 else ""}):
     """This rank's stages of `model` (pruned in place), running the code above; `tp` is the tensor-parallel
-    context (None when tp = 1). `build` calls it; so does `plan.verify`, with its collectives simulated."""
+    context (None when tp = 1){"; `cp` the context-parallel one" if c.cp > 1 else ""}. `build` calls it; so does `plan.verify`, with its collectives simulated."""
     return StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
                       block_inputs={block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
                       placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
-                      recompute={c.recompute!r})
+                      recompute={c.recompute!r}{", cp=cp" if c.cp > 1 else ""})
 
 
 def build(model_fn, optimizer_fn, loss_fn):
@@ -243,7 +249,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     runtime.engines.step.check_parameters(model, PARAMS)
     full_keys = state_keys(model)
     {f"tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp})  # this rank is tensor slice {me.tp} of {c.tp}" if c.tp > 1 else "tp = None  # tp = 1: the code calls no tensor-parallel collective"}
-    stage = make_stage(model, tp)
+{context_lines(plan, rank)}    stage = make_stage(model, tp{", cp" if c.cp > 1 else ""})
 
 {engine}    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
     optimizer = optimizer_fn(engine.optimizer_params() + list(stage.tied.values()))
@@ -254,6 +260,6 @@ def build(model_fn, optimizer_fn, loss_fn):
         microbatch_size={c.microbatch_size}, num_microbatches={c.num_microbatches},
         clip_grad_norm={plan.clip_grad_norm!r}, placements=PLACEMENTS, full_keys=full_keys, mesh=MESH,
         program_hash=PROGRAM_HASH, hidden_shape=HIDDEN_SHAPE,
-        hidden_dtype={"engine.precision.param_dtype" if mixed else "torch.float32"})
+        hidden_dtype={"engine.precision.param_dtype" if mixed else "torch.float32"}{cp_args})
 '''
     return source, h

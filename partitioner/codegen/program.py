@@ -9,7 +9,10 @@ runtime's step runner (`runtime.engines.step.StepRunner`).
 
 Data-parallel plans (pp = tp = 1, any ZeRO stage) are emitted here;
 pipeline, tensor-parallel and 3D programs by `partitioner.codegen.pipeline`;
-async SGD plans (`plan.async_sgd`) by `partitioner.codegen.async_sgd`.
+async SGD plans (`plan.async_sgd`) by `partitioner.codegen.async_sgd`. Context parallelism (cp > 1)
+composes with the first two: the program runs the plan's code as `partitioner.codegen.segment_cp` rewrote
+it, over the cp group (`runtime.context.program.CPContext`), on each rank's tokens of every row;
+`not_runnable` says why a cp plan gets no program (async SGD, no code).
 
 >>> from partitioner import compile
 >>> from examples.mlp import mlp, example_inputs
@@ -67,12 +70,19 @@ class RankProgram:
         return ns
 
 
-def not_runnable(cp: int, cp_kind: str) -> str:
-    """Why no program is generated for a context-parallel plan (the runtime's kernels exist, codegen does not)."""
-    return (f"cp={cp} ({cp_kind}): context-parallel plans are costed but not yet runnable: no per-rank program "
-            "splits the inputs over the context group or replaces attention by runtime.context's ring/Ulysses "
-            "kernels yet; compile with cp=1 (e.g. more dp or tp, or recompute='full') to train, or use this plan "
-            "for its predictions only")
+def not_runnable(plan: "Plan") -> str:
+    """Why no program is generated for a context-parallel plan ("" when one is): programs run cp > 1 from the
+    plan's model code, with any dp, tp (with or without sequence parallelism), pp and ZeRO stage."""
+    c = plan.config
+    if c.cp == 1:
+        return ""
+    what = f"cp={c.cp} ({c.cp_kind})"
+    if plan.async_sgd:
+        return f"{what} with async_sgd: asynchronous replicas do not run context parallelism; compile with cp=1"
+    if plan.code is None:
+        return (f"{what}: a context-parallel program runs the model as generated code (attention over the cp "
+                f"group, each rank's positions), and this plan has none: {plan.code_note or 'no traced graph'}")
+    return ""
 
 
 def not_runnable_ep(ep: int) -> str:
@@ -86,8 +96,9 @@ def program(plan: "Plan", rank: int) -> RankProgram:
     if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
         raise CodegenError(f"rank={rank!r}: the plan has ranks 0..{plan.world_size - 1}")
     c = plan.config
-    if c.cp > 1:
-        raise CodegenError(not_runnable(c.cp, c.cp_kind))
+    why = not_runnable(plan)
+    if why:
+        raise CodegenError(why)
     if c.ep > 1:
         raise CodegenError(not_runnable_ep(c.ep))
     if c.pp > 1 or c.tp > 1:

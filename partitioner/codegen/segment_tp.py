@@ -108,11 +108,14 @@ RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_ent
 
 def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """fx names a non-torch function by its module path; the program imports these bare."""
-    for fn in RUNTIME_FUNCTIONS:
-        mangled = f"{__name__.replace('.', '_')}_{fn}"
-        src = src.replace(mangled, fn)
-        if mangled in globs:
-            globs[fn] = globs.pop(mangled)
+    from partitioner.codegen import segment_cp
+
+    for module, fns in ((__name__, RUNTIME_FUNCTIONS), (segment_cp.__name__, segment_cp.CP_FUNCTIONS)):
+        for fn in fns:
+            mangled = f"{module.replace('.', '_')}_{fn}"
+            src = src.replace(mangled, fn)
+            if mangled in globs:
+                globs[fn] = globs.pop(mangled)
     return src, globs
 
 

@@ -47,6 +47,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from partitioner.codegen.segment_cp import CP_FUNCTIONS, ContextParallelRewrite, sequence_symbols
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.block_kinds import mutates
@@ -128,13 +129,14 @@ class _Source:
         return reads, out
 
 
-class _Builder(TensorParallelRewrite):
+class _Builder(TensorParallelRewrite, ContextParallelRewrite):
     """Copies one segment's nodes into a fresh graph, recomputing shape-only values from its input."""
 
     def __init__(self, src: _Source, name: str, *, carried: fx.Node | None, block: int | None,
                  placements: dict[str, Any], dims: dict[str, int], chunks: dict[str, list[tuple[str, int]]],
                  tp: int, seq_dims: dict[str, int], scatters: dict[str, int],
-                 seq_gathers: dict[str, list[tuple[str, int, str]]], fp8: bool = False):
+                 seq_gathers: dict[str, list[tuple[str, int, str]]], fp8: bool = False, cp: int = 1,
+                 seq_syms: frozenset[str] = frozenset()):
         self.src, self.name, self.carried, self.block = src, name, carried, block
         self.fp8 = fp8
         self.placements, self.dims, self.chunks, self.tp = placements, dims, chunks, tp
@@ -149,6 +151,12 @@ class _Builder(TensorParallelRewrite):
         self.param_copies: dict[fx.Node, fx.Node] = {}  # tp_copy per replicated parameter used on split values
         self.operand_chunks: dict[tuple[fx.Node, int], fx.Node] = {}  # tp_chunk per replicated operand and dim
         self.tp_arg = self.graph.placeholder("tp")
+        # context parallelism (partitioner.codegen.segment_cp): the cp group, the sequence's size symbol, and
+        # the whole-length and this-rank copies of shape-only values
+        self.cp, self.seq_syms = cp, seq_syms
+        self.cp_arg = self.graph.placeholder("cp") if cp > 1 else None
+        self.full_env: dict[fx.Node, Any] = {}
+        self.pos_env: dict[fx.Node, fx.Node] = {}
         if carried is None:
             self.input_names = tuple(n.name for n in src.inputs)
             for n in src.inputs:
@@ -183,6 +191,8 @@ class _Builder(TensorParallelRewrite):
     def value(self, n: fx.Node) -> fx.Node:
         if n in self.env:
             return self.env[n]
+        if self.positional(n):  # cp > 1: a position-only tensor, at this rank's positions
+            return self.at_positions(n)
         if n in self.src.param:
             return self._arg(n, self.src.param[n], self.params)
         if n in self.src.const and CONSTANTS_IN_CODE:
@@ -216,14 +226,16 @@ class _Builder(TensorParallelRewrite):
         self.env[n] = self._copy_plain(n)
         return self.env[n]
 
-    def _copy_plain(self, n: fx.Node) -> Any:
+    def _copy_plain(self, n: fx.Node, lookup: Any = None) -> Any:
         """node_copy, except: a higher-order op's nested graph is inlined (its value: a tuple of nodes),
-        and an item of such a tuple is that node."""
-        if n.target is operator.getitem and isinstance(self.value(n.args[0]), tuple):
-            return self.value(n.args[0])[n.args[1]]
+        and an item of such a tuple is that node. `lookup` maps an argument to its copy (`value`; under
+        context parallelism `full` for values at the whole sequence length)."""
+        lookup = self.value if lookup is None else lookup
+        if n.target is operator.getitem and isinstance(lookup(n.args[0]), tuple):
+            return lookup(n.args[0])[n.args[1]]
         sub = next((i for i, a in enumerate(n.args) if isinstance(a, fx.Node) and a.op == "get_attr"), None)
         if sub is None:
-            return self._device_neutral(self.graph.node_copy(n, self.value))
+            return self._device_neutral(self.graph.node_copy(n, lookup))
         # wrap_with_set_grad_enabled / wrap_with_autocast: (flags..., graph, *inputs). Inlined, the region runs
         # in the caller's grad and autocast mode: the same values wherever (as here) it computes from shapes
         # and buffers, which need no gradient, and no autocast runs around generated code.
@@ -231,7 +243,7 @@ class _Builder(TensorParallelRewrite):
         env: dict[fx.Node, Any] = {}
         holes = [x for x in nested.graph.nodes if x.op == "placeholder"]
         for ph, a in zip(holes, n.args[sub + 1:]):
-            env[ph] = self.value(a) if isinstance(a, fx.Node) else a
+            env[ph] = lookup(a) if isinstance(a, fx.Node) else a
         out: Any = ()
         for x in nested.graph.nodes:
             if x.op == "call_function" and x.users:
@@ -285,7 +297,7 @@ class _Builder(TensorParallelRewrite):
     def copy(self, n: fx.Node) -> None:
         """Copy member `n` into the segment: in its tensor-parallel form, or plain (casts retargeted,
         sizes on split dims divided by tp)."""
-        if self.rewrite_op(n):
+        if self.rewrite_op(n) or self.rewrite_cp(n):
             return
         cast = n.target in _CASTS and self._to_param_dtype(n)
         new = self._copy_plain(n)
@@ -298,6 +310,7 @@ class _Builder(TensorParallelRewrite):
             else:
                 new.args = (new.args[0], self.dtype, *new.args[2:])
         self.resize(n, new)
+        self.whole_lengths(n, new)
         self.sum_replicated_grads(n, new)
         self.chunk_replicated_operands(n, new)
         self.gather_sequence(n, new)
@@ -338,6 +351,7 @@ class _Builder(TensorParallelRewrite):
         sizes = {str(d): f"{n.name}.{j}" for n in reversed(self.src.inputs)
                  for j, d in enumerate(n.meta["val"].shape)}
         out = {}
+        whole = {v for v in self.full_env.values() if isinstance(v, fx.Node)}  # cp: at the whole sequence length
         for node in self.graph.nodes:
             val = node.meta.get("val")
             if node.op != "call_function":
@@ -349,7 +363,8 @@ class _Builder(TensorParallelRewrite):
                     out[node.name] = out[x.name]
                 continue
             split = self.dims.get(node.name, self.seq_dims.get(node.name)) if self.tp > 1 else None
-            dims = [_SYMBOL.sub(lambda m: sizes.get(m.group(0), m.group(0)), str(d)) for d in val.shape]
+            dims = [_SYMBOL.sub(lambda m: sizes.get(m.group(0), m.group(0)), str(d))
+                    + (f"*{self.cp}" if node in whole and str(d) in self.seq_syms else "") for d in val.shape]
             if split is not None and dims[split].isdigit():
                 dims[split] = str(int(dims[split]) // self.tp)
             elif split is not None:  # a token dim of a traced size: this rank's share of it
@@ -384,7 +399,7 @@ TEMPLATE_PER_KIND = True
 DEVICE_NEUTRAL = True
 CONSTANTS_IN_CODE = True
 
-_KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS}
+_KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS, *CP_FUNCTIONS}
 
 
 def _check_globals(globs: dict[str, Any], name: str) -> None:
@@ -394,10 +409,13 @@ def _check_globals(globs: dict[str, Any], name: str) -> None:
                            "the graph holds a non-ATen call")
 
 
-def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = False, fp8: bool = False) -> ModelCode:
+def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = False, fp8: bool = False,
+            cp: int = 1) -> ModelCode:
     """Cut `ep` (the ExportedProgram `trace` captured for OpGraph `g`) into prefix, block, suffix code;
     `sp`: with Megatron sequence parallelism in the tensor group (tp > 1); `fp8`: every `aten.linear` (the
-    model's and the tensor-parallel rewrite's) becomes the runtime's `fp8_linear` (precision="fp8-mixed")."""
+    model's and the tensor-parallel rewrite's) becomes the runtime's `fp8_linear` (precision="fp8-mixed");
+    `cp`: each rank runs its tokens of every sequence, attention over the context group
+    (`partitioner.codegen.segment_cp`)."""
     import torch.utils._pytree as pytree
 
     src = _Source(ep, g)
@@ -420,7 +438,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
     kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp,
               seq_dims=dict(seq.dims) if seq else {}, scatters=dict(seq.scatters) if seq else {},
-              seq_gathers=seq_gathers, fp8=fp8)
+              seq_gathers=seq_gathers, fp8=fp8, cp=cp, seq_syms=sequence_symbols(src.inputs) if cp > 1 else frozenset())
 
     def run(b: _Builder, members: list[fx.Node]) -> None:
         members = sorted(members, key=_order(src))

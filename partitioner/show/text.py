@@ -404,8 +404,9 @@ def explain_plan(p: Plan) -> str:
                    + ("each attention passes key/value blocks round the ring, behind its block computations"
                       if c.cp_kind == "ring" else "each attention re-shards heads by 4 all-to-alls each way")
                    + f"; groups of {c.cp} ranks, {c.tp} apart, {_span(p, Mesh(c.pp, c.dp, c.tp, c.cp).cp_ranks())}; "
-                   f"gradients reduced over dp x cp = {c.replicas} ranks. Costed only: no per-rank program runs "
-                   "cp > 1 yet.")
+                   f"gradients reduced over dp x cp = {c.replicas} ranks. The programs run it: each rank's tokens in "
+                   "the load-balanced layout, positions read at the rank's own, attention by runtime.context's "
+                   "kernels.")
     if p.expert_parallel:
         out.append(f"- {p.expert_parallel}")
     if c.replicas > 1 and c.dp == 1:

@@ -106,7 +106,7 @@ def _runner_parts(runner: Any) -> tuple[Any, torch.optim.Optimizer, dict[str, tu
     tp_rank = 0
     if tp_world > 1:
         me = dist.get_rank()
-        tp_rank = next(tp for r, _pp, _dp, tp in runner.mesh if r == me)
+        tp_rank = next(m[3] for m in runner.mesh if m[0] == me)  # (rank, pp, dp, tp[, cp])
     return engine, optimizer, placements, tp_rank, tp_world
 
 

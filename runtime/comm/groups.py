@@ -1,9 +1,11 @@
-"""Process groups from the plan's device mesh: one per data, tensor and pipeline line.
+"""Process groups from the plan's device mesh: one per data, context, tensor and pipeline line.
 
-Every rank sits at (pp, dp, tp). Its data-parallel group holds the ranks that
-share its pp and tp (the replicas of its shard), its tensor group those that
-share pp and dp (the other slices of its layer), its pipeline group those that
-share dp and tp (the other stages of its replica).
+Every rank sits at (pp, dp, tp), and under context parallelism at (pp, dp, tp, cp). Its data-parallel
+group holds the ranks that share its pp and tp (the replicas of its shard, and under cp > 1 every
+context slice of them too: gradients are reduced and ZeRO shards over dp x cp, as Megatron's do), its
+context group those that differ in cp only (the other slices of its sequences), its tensor group those
+that share pp, dp and cp (the other slices of its layer), its pipeline group those that share dp, cp and
+tp (the other stages of its replica).
 
 c10d requires every rank to call `new_group` for every group, in the same
 order, even for groups it is not in; `make_groups` walks all groups of all
@@ -14,7 +16,9 @@ stands in for the other three processes: it creates groups and runs no collectiv
 
 >>> mesh = [(0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1)]   # (rank, pp, dp, tp): dp 2 x tp 2
 >>> group_ranks(mesh)
-{'dp': [(0, 2), (1, 3)], 'tp': [(0, 1), (2, 3)], 'pp': [(0,), (1,), (2,), (3,)]}
+{'dp': [(0, 2), (1, 3)], 'tp': [(0, 1), (2, 3)], 'pp': [(0,), (1,), (2,), (3,)], 'cp': [(0,), (1,), (2,), (3,)]}
+>>> group_ranks([(r, *c) for r, *c in grid(pp=1, dp=2, tp=1, cp=2)])['cp']   # (rank, pp, dp, tp, cp)
+[(0, 1), (2, 3)]
 >>> import torch.distributed as dist
 >>> from torch.testing._internal.distributed.fake_pg import FakeStore
 >>> dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
@@ -35,11 +39,13 @@ from cost_models.mesh import Mesh
 __all__ = ["ProcessGroups", "Axis", "AXES", "NodeGroups", "grid", "nodes_of", "make_groups", "group_ranks",
            "make_group_among", "make_self_group", "make_node_groups", "node_split", "stage_peers", "group_size"]
 
-Axis = Literal["dp", "tp", "pp"]
-AXES: tuple[Axis, ...] = ("dp", "tp", "pp")
-# The coordinates a group's members share: dp groups vary dp only, and so on.
-_SHARED = {"dp": ("pp", "tp"), "tp": ("pp", "dp"), "pp": ("dp", "tp")}
-_COORDS = ("pp", "dp", "tp")
+Axis = Literal["dp", "tp", "pp", "cp"]
+# cp last: with cp = 1 its groups are single ranks, created by no one, so plans without cp create the same
+# groups in the same order as before the axis existed.
+AXES: tuple[Axis, ...] = ("dp", "tp", "pp", "cp")
+# The coordinates a group's members share: dp groups vary dp (and cp) only, and so on.
+_SHARED = {"dp": ("pp", "tp"), "tp": ("pp", "dp", "cp"), "pp": ("dp", "tp", "cp"), "cp": ("pp", "dp", "tp")}
+_COORDS = ("pp", "dp", "tp", "cp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +57,9 @@ class ProcessGroups:
     spanning every rank is `dist.group.WORLD` rather than a copy of it.
     `*_ranks` are the global ranks of each group in group-rank order (c10d
     orders a group's members by global rank), so `dp_ranks.index(rank)` is this
-    rank's index in its dp group. coord: this rank's (pp, dp, tp) coordinates.
+    rank's index in its dp group. coord: this rank's (pp, dp, tp) coordinates;
+    cp_index its context slice (0 without context parallelism). Under cp > 1 the
+    dp group holds dp x cp ranks (the gradient reduction's and ZeRO's group).
     """
 
     rank: int
@@ -62,6 +70,9 @@ class ProcessGroups:
     dp_ranks: tuple[int, ...]
     tp_ranks: tuple[int, ...]
     pp_ranks: tuple[int, ...]
+    cp: Any = None
+    cp_ranks: tuple[int, ...] = ()
+    cp_index: int = 0
 
     def group(self, axis: Axis):
         return getattr(self, axis)
@@ -73,15 +84,10 @@ class ProcessGroups:
 def group_ranks(mesh: Sequence[Any]) -> dict[Axis, list[tuple[int, ...]]]:
     """All groups of each axis as sorted rank tuples, in the order `make_groups` creates them.
 
-    mesh: (rank, pp, dp, tp) tuples or objects with those attributes (the
+    mesh: (rank, pp, dp, tp) or (rank, pp, dp, tp, cp) tuples or objects with those attributes (the
     plan's MeshCoord). Raises ValueError unless ranks are 0..n-1 once each and
-    the coordinates form a full pp x dp x tp grid.
+    the coordinates form a full pp x dp x cp x tp grid.
     """
-    cps = {int(getattr(m, "cp", 0)) for m in mesh if hasattr(m, "rank")}
-    if cps - {0}:
-        raise ValueError(f"mesh with a context-parallel axis (cp = {max(cps) + 1}): context-parallel plans are "
-                         "costed but not yet runnable (no process groups or programs for cp > 1); compile the plan "
-                         "with cp=1 to train it")
     coords = [_coord(m) for m in mesh]
     ranks = sorted(c[0] for c in coords)
     if ranks != list(range(len(coords))):
@@ -89,9 +95,9 @@ def group_ranks(mesh: Sequence[Any]) -> dict[Axis, list[tuple[int, ...]]]:
                          "the mesh must list every rank of the world exactly once")
     degree = {a: len({c[1 + _COORDS.index(a)] for c in coords}) for a in _COORDS}
     points = {c[1:] for c in coords}
-    if len(points) != len(coords) or degree["pp"] * degree["dp"] * degree["tp"] != len(coords):
-        raise ValueError(f"mesh of {len(coords)} ranks is not a full pp x dp x tp grid "
-                         f"(pp {degree['pp']}, dp {degree['dp']}, tp {degree['tp']}, "
+    if len(points) != len(coords) or degree["pp"] * degree["dp"] * degree["tp"] * degree["cp"] != len(coords):
+        raise ValueError(f"mesh of {len(coords)} ranks is not a full pp x dp x cp x tp grid "
+                         f"(pp {degree['pp']}, dp {degree['dp']}, cp {degree['cp']}, tp {degree['tp']}, "
                          f"{len(points)} distinct coordinates): two ranks share coordinates or some are missing")
     out: dict[Axis, list[tuple[int, ...]]] = {}
     for axis in AXES:
@@ -118,7 +124,7 @@ def make_groups(rank: int, mesh: Sequence[Any]) -> ProcessGroups:
     mine = next((c for c in map(_coord, mesh) if c[0] == rank), None)
     if mine is None:
         raise ValueError(f"rank {rank} is not in the mesh (ranks 0..{world - 1})")
-    fields: dict[str, Any] = {"rank": rank, "coord": mine[1:]}
+    fields: dict[str, Any] = {"rank": rank, "coord": mine[1:4], "cp_index": mine[4]}
     for axis, groups in group_ranks(mesh).items():
         for ranks in groups:
             if len(ranks) == 1:
@@ -132,15 +138,20 @@ def make_groups(rank: int, mesh: Sequence[Any]) -> ProcessGroups:
     return ProcessGroups(**fields)
 
 
-def grid(pp: int, dp: int, tp: int) -> tuple[tuple[int, int, int, int], ...]:
-    """(rank, pp, dp, tp) of every rank of a pp x dp x tp mesh laid out as cost_models.mesh says:
-    what a program's MESH is when its plan uses that layout (a formula, not a table of every rank).
+def grid(pp: int, dp: int, tp: int, cp: int = 1) -> tuple[tuple[int, ...], ...]:
+    """(rank, pp, dp, tp) of every rank of a pp x dp x tp mesh laid out as cost_models.mesh says, and
+    (rank, pp, dp, tp, cp) under context parallelism: what a program's MESH is when its plan uses that
+    layout (a formula, not a table of every rank).
 
     >>> grid(pp=1, dp=2, tp=2)
     ((0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1))
+    >>> grid(pp=1, dp=1, tp=2, cp=2)
+    ((0, 0, 0, 0, 0), (1, 0, 0, 1, 0), (2, 0, 0, 0, 1), (3, 0, 0, 1, 1))
     """
-    mesh = Mesh(pp, dp, tp)
-    return tuple((r, *mesh.coords(r)) for r in range(mesh.size))
+    mesh = Mesh(pp, dp, tp, cp)
+    if cp == 1:
+        return tuple((r, *mesh.coords(r)) for r in range(mesh.size))
+    return tuple((r, *mesh.coords4(r)) for r in range(mesh.size))
 
 
 def nodes_of(world: int, per_node: int) -> tuple[int, ...]:
@@ -160,17 +171,18 @@ def stage_peers(mesh: Sequence[Any], stages: Sequence[int]) -> tuple[tuple[int, 
     ((0, 2), (1, 3))
     """
     coords = [_coord(m) for m in mesh]
-    by_coord = {(pp, dp, tp): r for r, pp, dp, tp in coords}
-    dps, tps = sorted({c[2] for c in coords}), sorted({c[3] for c in coords})
-    return tuple(sorted({tuple(sorted(by_coord[(p, d, t)] for p in stages)) for d in dps for t in tps}))
+    by_coord = {(pp, dp, tp, cp): r for r, pp, dp, tp, cp in coords}
+    dps, tps, cps = (sorted({c[i] for c in coords}) for i in (2, 3, 4))
+    return tuple(sorted({tuple(sorted(by_coord[(p, d, t, c)] for p in stages)) for d in dps for t in tps
+                         for c in cps}))
 
 
-def _coord(m: Any) -> tuple[int, int, int, int]:
-    """(rank, pp, dp, tp) from a tuple or an object with those attributes."""
+def _coord(m: Any) -> tuple[int, int, int, int, int]:
+    """(rank, pp, dp, tp, cp) from a tuple (cp 0 when it has four entries) or an object with those attributes."""
     if hasattr(m, "rank"):
-        return int(m.rank), int(m.pp), int(m.dp), int(m.tp)
+        return int(m.rank), int(m.pp), int(m.dp), int(m.tp), int(getattr(m, "cp", 0))
     rank, pp, dp, tp = m[:4]
-    return int(rank), int(pp), int(dp), int(tp)
+    return int(rank), int(pp), int(dp), int(tp), int(m[4]) if len(m) > 4 else 0
 
 
 def group_size(group) -> int:

@@ -6,7 +6,8 @@ counted by the collectives shim (`runtime.comm.collectives`):
   and the global positions of a rank's tokens;
 - `ring_attention`: k/v blocks passed round the ring, online-softmax merge, ring backward;
 - `ulysses`: DeepSpeed-Ulysses, all-to-all from a sequence split to a head split and back.
-Not yet here: the planner's cp axis and the code generator's use of these kernels.
+- `program`: what a context-parallel program's generated code calls (`cp_attention`, `cp_positions`), and
+  its group context `CPContext`; `partitioner.codegen.segment_cp` writes those calls.
 """
 
 from runtime.context.ring_attention import ring_attention

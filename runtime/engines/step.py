@@ -82,8 +82,12 @@ class StepRunner:
 
     def __init__(self, *, engine, optimizer: torch.optim.Optimizer, loss_fn: Callable, collectives: Collectives,
                  dp_group, dp_rank: int, dp_size: int, microbatch_size: int, num_microbatches: int,
-                 clip_grad_norm: float | None, program_hash: str, actions: Sequence[str] | None = None):
+                 clip_grad_norm: float | None, program_hash: str, actions: Sequence[str] | None = None,
+                 cp_rank: int = 0, cp_size: int = 1):
         self.engine, self.optimizer, self.loss_fn = engine, optimizer, loss_fn
+        # context parallelism: this rank's tokens of each row (dim 1, the load-balanced layout); dp_group then
+        # holds the dp x cp ranks, over which the loss is averaged as the gradients are
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.collectives, self.dp_group = collectives, dp_group
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
@@ -102,12 +106,14 @@ class StepRunner:
     def step(self, batch: tuple[Any, Any]) -> float:
         pairs = [place(pair) for pair in  # only this replica's rows travel to the device
                  replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                      microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches)]
+                                      microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
+                                      cp_rank=self.cp_rank, cp_size=self.cp_size)]
         # this replica's mean over its microbatches (the executor sums loss / m)
         loss = self.executor.run([x for x, _ in pairs], [y for _, y in pairs])
-        # The global loss: the mean over replicas of each replica's mean over its microbatches.
+        # The global loss: the mean over replicas (and context slices, each as many tokens) of each one's mean
+        # over its microbatches.
         mean = torch.tensor([loss], dtype=torch.float32, device=rank_device())  # NCCL reduces device tensors
-        if self.dp_size > 1:
+        if self.dp_size * self.cp_size > 1:
             self.collectives.all_reduce(mean, self.dp_group, op="avg")
         return float(mean.item())
 
@@ -124,6 +130,11 @@ class StepRunner:
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """Inference under the plan: this replica's forward on `inputs` (no slicing, no gradients)."""
+        if self.cp_size > 1:  # the code reads this rank's positions: whole sequences would attend wrong
+            raise NotImplementedError(f"predict() under context parallelism (cp={self.cp_size}): the model's code "
+                                      "runs each rank's tokens of every sequence, with attention over the cp "
+                                      "group, and gathers no output; run inference on the trained state_dict or "
+                                      "with a plan of cp=1")
         return _call(self.engine.module, place(inputs))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -136,10 +147,18 @@ class StepRunner:
 
 
 def replica_microbatches(batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, microbatch_size: int,
-                         num_microbatches: int) -> list[tuple[Any, Any]]:
-    """This replica's rows of a global (inputs, targets) batch, as (inputs, targets) per microbatch.
+                         num_microbatches: int, cp_rank: int = 0, cp_size: int = 1) -> list[tuple[Any, Any]]:
+    """This replica's rows of a global (inputs, targets) batch, as (inputs, targets) per microbatch; under
+    context parallelism (cp_size > 1) only this rank's tokens of each row: chunks cp_rank and
+    2*cp_size-1-cp_rank of dim 1 (`runtime.context.sequence.shard_sequence`), inputs and targets alike.
 
-    Refuses a batch that is not dp_size x num_microbatches x microbatch_size samples."""
+    Refuses a batch that is not dp_size x num_microbatches x microbatch_size samples.
+
+    >>> x = torch.arange(16).view(2, 8)
+    >>> [mb[0].tolist() for mb in replica_microbatches((x, x), dp_rank=1, dp_size=2, microbatch_size=1,
+    ...                                               num_microbatches=1, cp_rank=1, cp_size=2)]
+    [[[10, 11, 12, 13]]]
+    """
     inputs, targets = batch
     per = microbatch_size * num_microbatches
     n = _batch_size(targets if targets is not None else inputs)
@@ -148,8 +167,27 @@ def replica_microbatches(batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, 
                          f"{num_microbatches} microbatches x {microbatch_size} = {per * dp_size}; "
                          "pass batches of the plan's global_batch_size")
     a = dp_rank * per
-    return [(_rows(inputs, a + i * microbatch_size, a + (i + 1) * microbatch_size),
-             _rows(targets, a + i * microbatch_size, a + (i + 1) * microbatch_size)) for i in range(num_microbatches)]
+    out = [(_rows(inputs, a + i * microbatch_size, a + (i + 1) * microbatch_size),
+            _rows(targets, a + i * microbatch_size, a + (i + 1) * microbatch_size)) for i in range(num_microbatches)]
+    if cp_size == 1:
+        return out
+    return [(_tokens(x, cp_rank, cp_size), _tokens(y, cp_rank, cp_size)) for x, y in out]
+
+
+def _tokens(x: Any, cp_rank: int, cp_size: int) -> Any:
+    """This context slice's tokens (dim 1) of every tensor in a (nested) batch; other values pass through."""
+    from runtime.context.sequence import shard_sequence
+
+    if isinstance(x, torch.Tensor):
+        if x.dim() < 2:
+            raise ValueError(f"context parallelism splits every batch tensor along its tokens (dim 1), but one has "
+                             f"shape {tuple(x.shape)}: pass (batch, sequence, ...) tensors, or compile with cp=1")
+        return shard_sequence(x, 1, cp_rank, cp_size)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_tokens(v, cp_rank, cp_size) for v in x)
+    if isinstance(x, dict):
+        return {k: _tokens(v, cp_rank, cp_size) for k, v in x.items()}
+    return x
 
 
 def implicit_after_step(engine, actions: Sequence[Action]) -> Callable[[], None]:

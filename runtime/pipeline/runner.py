@@ -43,10 +43,15 @@ class PipelineRunner:
                  microbatch_size: int, num_microbatches: int, clip_grad_norm: float | None,
                  placements: Mapping[str, tuple[str, int]], full_keys: Sequence[tuple[str, str]],
                  mesh: Sequence[tuple[int, int, int, int]], program_hash: str,
-                 hidden_shape: Sequence[int | tuple[str, int] | tuple[str, int, int]] | None = None, hidden_dtype: torch.dtype | None = None):
+                 hidden_shape: Sequence[int | tuple[str, int] | tuple[str, int, int]] | None = None, hidden_dtype: torch.dtype | None = None,
+                 cp_rank: int = 0, cp_size: int = 1):
         self.stage, self.engine, self.optimizer, self.loss_fn = stage, engine, optimizer, loss_fn
         self.collectives, self.groups, self.tie_group, self.tie_first = collectives, groups, tie_group, tie_first
         self.dp_rank, self.dp_size, self.tp_size = dp_rank, dp_size, tp_size
+        # context parallelism: this rank's tokens of each row; groups.dp holds the dp x cp ranks, over which
+        # gradients and the loss are averaged
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self._replicas = dp_size * cp_size
         self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
         self.clip_grad_norm, self.program_hash = clip_grad_norm, program_hash
         self.placements, self.full_keys, self.mesh = dict(placements), tuple(full_keys), tuple(mesh)
@@ -72,7 +77,8 @@ class PipelineRunner:
     # ---- the step -----------------------------------------------------------------------------
     def step(self, batch: tuple[Any, Any]) -> float:
         pairs = replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                     microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches)
+                                     microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
+                                     cp_rank=self.cp_rank, cp_size=self.cp_size)
         pairs = place(pairs)  # only this replica's rows travel to the device
         xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
         self._synced = self._stepped = 0
@@ -81,7 +87,7 @@ class PipelineRunner:
         mean = torch.tensor([0.0 if loss is None else float(loss)], device=rank_device())
         if self.groups.pp is not None:  # only the last stage knows the loss
             self.collectives.all_reduce(mean, self.groups.pp, op="sum")
-        if self.dp_size > 1:
+        if self._replicas > 1:
             self.collectives.all_reduce(mean, self.groups.dp, op="avg")
         return float(mean.item())
 
@@ -103,7 +109,7 @@ class PipelineRunner:
                 p.grad = torch.zeros_like(p)
             if self.tie_group is not None:
                 self.collectives.all_reduce(p.grad, self.tie_group, op="sum")
-            if self.dp_size > 1:
+            if self._replicas > 1:
                 self.collectives.all_reduce(p.grad, self.groups.dp, op="avg")
 
     def _optim(self, s: int) -> None:
@@ -127,7 +133,7 @@ class PipelineRunner:
             return 1.0 if is_sharded(self.placements.get(name, (REPLICATED, 1))[0]) else 1.0 / self.tp_size
 
         sq = self.engine.grad_square_sum(weight)
-        if self.engine.zero_stage > 0 and self.dp_size > 1:
+        if self.engine.zero_stage > 0 and self._replicas > 1:
             self.collectives.all_reduce(sq, self.groups.dp, op="sum")
         if self.tie_first:  # a tied parameter is counted on its first holder only
             for name, p in self.stage.tied.items():
@@ -160,11 +166,12 @@ class PipelineRunner:
         dist.gather_object(None if mine is None else (mine, self.placements), parts, dst=0)
         if dist.get_rank() != 0:
             return None
-        coord = {r: (pp, dp, tp) for r, pp, dp, tp in self.mesh}
+        # (pp, dp, tp, cp): replica 0's first context slice holds every parameter of its tensor slices
+        coord = {m[0]: (*m[1:4], m[4] if len(m) > 4 else 0) for m in self.mesh}
         pieces: dict[str, dict[int, torch.Tensor]] = {}
         placements: dict[str, tuple[str, int]] = {}  # each stage knows its own shards
         for r, part in enumerate(parts):
-            if part is None or coord[r][1] != 0:
+            if part is None or coord[r][1] != 0 or coord[r][3] != 0:
                 continue
             for k, v in part[0].items():
                 pieces.setdefault(k, {})[coord[r][2]] = v

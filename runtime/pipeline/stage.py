@@ -48,6 +48,16 @@ def _split(name: str) -> tuple[str, str]:
     return mod, attr
 
 
+class _WithContext:
+    """A segment function of a context-parallel plan, `fn(tp, cp, ...)`, called as `fn(tp, ...)`."""
+
+    def __init__(self, fn: Callable, cp: Any):
+        self.fn, self.cp = fn, cp
+
+    def __call__(self, tp: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(tp, self.cp, *args, **kwargs)
+
+
 class StageModel:
     """Prunes `model` in place to this rank's stages; `self.module` is what the engine wraps."""
 
@@ -57,7 +67,10 @@ class StageModel:
                  prefix_args: Sequence[tuple[str, str]], block_args: Sequence[Sequence[tuple[str, str]]],
                  suffix_args: Sequence[tuple[str, str]], output_spec: str | None, stages: Mapping[int, StageSpec],
                  placements: Mapping[str, tuple[str, int]], tied: Sequence[str], tp: Any = None,
-                 tp_rank: int = 0, tp_world: int = 1, recompute: str = "none"):
+                 tp_rank: int = 0, tp_world: int = 1, recompute: str = "none", cp: Any = None):
+        # cp: a context-parallel plan's group (runtime.context.program.CPContext); its code's functions take it
+        # after `tp`, bound here so that every caller passes tp first as it does without cp
+        functions = {k: _WithContext(f, cp) for k, f in functions.items()} if cp is not None else functions
         self.module, self.functions, self.stack, self.stages = model, dict(functions), stack, dict(stages)
         # per kind of block (kind 0 runs functions["block"], kind k functions[f"block_{k}"]): its
         # parameter arguments and the model inputs it reads; block_kinds: the kind of every block

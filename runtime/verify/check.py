@@ -117,12 +117,20 @@ def num_parameters(plan: Any) -> int | None:
     return sum(math.prod(shape(p)) for p in placements)
 
 
+def _cp(plan: Any) -> int:
+    """The plan's context-parallel degree (a Plan, or its JSON as a dict): 1 without the axis."""
+    config = plan.get("config", {}) if isinstance(plan, dict) else getattr(plan, "config", None)
+    return int(config.get("cp", 1) if isinstance(config, dict) else getattr(config, "cp", 1))
+
+
 def verify_skip_reason(plan: Any, *, max_elements: float = MAX_VERIFY_ELEMENTS) -> str:
     """Why a launcher should not verify `plan` by default ("" when it should)."""
     try:
         f = plan_facts(plan)
     except (AttributeError, KeyError, TypeError):
         return "the plan has no configuration and mesh to verify"
+    if _cp(plan) > 1:
+        return "cp > 1: the code's attention runs over the context group, which one process does not have"
     if not f.has_code:
         return "pp = tp = 1: the programs hold no model code"
     n = num_parameters(plan)
@@ -175,6 +183,11 @@ def verify_plan(plan: Any, model_fn: Callable[[], nn.Module], inputs: Any = None
     Raises VerifyError naming where the first difference appears; returns a VerifyReport.
     """
     start = time.perf_counter()
+    cp = _cp(plan)
+    if cp > 1:
+        raise VerifyError(f"plan.verify replays a plan's code in one process, without the cp={cp} context group "
+                          "its attention runs over; context-parallel plans are checked by running them "
+                          "(tests/test_context_run.py compares them with one process), not by plan.verify")
     facts = plan_facts(plan)
     if facts.pp == 1 and facts.tp == 1 and facts.has_code and not _traced_inputs(plan, inputs):
         return VerifyReport(checked=False, note="pp = tp = 1 and the batch is not the inputs the code was traced "

@@ -1,0 +1,198 @@
+"""Context-parallel plans train the same as one process (the truth test for cp > 1).
+
+Each case compiles a plan for the example GPT with cp pinned, generates the per-rank programs (the
+attention runs as `runtime.context`'s ring or Ulysses kernel over the cp group, each rank holds its tokens
+of every sequence in the load-balanced layout and reads the positions of those tokens), runs them on real
+Gloo processes for 3 steps, and compares each step's loss and the final parameters with one process
+training on the whole batch (fp32, rtol 1e-5, SGD with momentum). The quick tests read the generated
+source and the refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.hf_families import gemma3_seeded, mpt_seeded, qwen3_seeded
+from examples.training import gpt_4l_seeded, gpt_loss, hf_llama_seeded, hf_loss, sgd, train_one_process
+from partitioner import compile
+from partitioner.codegen.program import CodegenError
+from ranks import assert_trains_like
+
+VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 3
+MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "llama": (hf_llama_seeded, hf_loss), "qwen3": (qwen3_seeded, hf_loss),
+          "gemma3": (gemma3_seeded, hf_loss), "mpt": (mpt_seeded, hf_loss)}
+
+
+def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(steps)]
+
+
+def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, tp: int = 1, pp: int = 1,
+             mb: int = 2, sp: bool = False, name: str = "gpt", recompute: str = "none"):
+    model = MODELS[name][0]()
+    return compile(model, f"local:{dp * cp * tp * pp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
+                   global_batch_size=BATCH, precision="fp32", dp=dp, cp=cp, cp_kind=cp_kind if cp > 1 else None, tp=tp, pp=pp,
+                   sp=sp if tp > 1 else None, zero_stage=zero, microbatch_size=mb, recompute=recompute,
+                   alternatives=0)
+
+
+def test_the_program_splits_tokens_and_runs_attention_over_the_context_group():
+    plan = plan_for(dp=2, cp=2)
+    src = plan.program(3).source  # dp 1, cp 1
+    assert "grid(pp=1, dp=2, tp=1, cp=2)" in src
+    assert "cp = CPContext(groups.cp, collectives, rank=1, world=2, kind='ring')" in src
+    assert "cp_rank=1, cp_size=2" in src and "dp_rank=1, dp_size=2" in src
+    assert "chunks 1 and 2 of 4" in src
+    assert "def block(tp, cp, x," in src and "cp_attention(" in src
+    assert "scaled_dot_product_attention" not in src.split("def block", 1)[1].split("def suffix", 1)[0]
+    # the position embedding reads this rank's positions of an arange over the whole length
+    assert 'arange: "i64[idx.1*2]"' in src and 'arange_here: "i64[idx.1]" = cp_positions(arange, 0, cp)' in src
+    assert "Data parallelism over dp 2 x cp 2 ranks (replicas and their context slices) (0, 1, 2, 3) (this rank is 3 of 4)" in src
+
+
+def test_sequence_parallelism_splits_each_ranks_tokens_again():
+    src = plan_for(cp=2, tp=2, sp=True).program(1).source
+    assert "cp = CPContext(groups.cp" in src and "cp_attention(" in src and "sp_gather(" in src
+    # the position embedding: this rank's cp positions of the whole length, then its tensor slice of them
+    assert "cp_positions(arange, 0, cp)" in src and "tp_chunk(" in src
+
+
+def test_a_model_that_mixes_tokens_outside_attention_is_refused():
+    model = gpt_4l_seeded()
+    plan = compile(model, "local:2", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),), global_batch_size=BATCH,
+                   precision="fp32", dp=1, cp=2, rewrite_attention=False, alternatives=0)
+    with pytest.raises(CodegenError, match="eager attention"):
+        plan.program(0)
+
+
+class _Pooled(torch.nn.Module):
+    """Token embeddings, a running mean along the tokens (cumsum over dim 1), a head: mixes tokens without
+    attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)                                       # (B, T, 16)
+        return self.head(x.cumsum(1) / idx.shape[1])            # (B, T, V)
+
+
+def test_a_model_that_scans_along_the_tokens_is_refused():
+    plan = compile(_Pooled(), "local:2", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
+                   global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
+    with pytest.raises(CodegenError, match="a cumsum along the token dim; each rank holds only its tokens"):
+        plan.program(0)
+
+
+class _Scaled(torch.nn.Module):
+    """Token embeddings divided by the sequence length, a head: reads the length as a number."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx) / idx.shape[1])          # (B, T, V)
+
+
+def scaled_seeded() -> _Scaled:
+    torch.manual_seed(0)
+    return _Scaled()
+
+
+def logits_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+MODELS["scaled"] = (scaled_seeded, logits_loss)
+
+
+def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
+    from runtime import launch_local
+
+    model_fn, loss_fn = MODELS[name]
+    data = batches()
+    out = launch_local(plan, model_fn, optimizer, loss_fn, data, timeout_s=180)
+    trained = train_one_process(model_fn, optimizer, loss_fn, data)
+    assert sorted(out.state_dict) == sorted(trained.model.state_dict())
+    assert_trains_like(out, trained.losses, trained.model.state_dict())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, pp, dp, cp, tp, kind, zero", [
+    ("gpt", 1, 1, 2, 1, "ring", 0),
+    ("gpt", 1, 1, 4, 1, "ring", 0),
+    ("gpt", 1, 2, 2, 1, "ring", 0),
+    ("gpt", 1, 1, 2, 1, "all-to-all", 0),
+    ("gpt", 1, 2, 2, 1, "ring", 3),
+    # with the tensor-parallel rewrite (heads split over tp, attention over cp on each rank's heads), and
+    # pipeline stages sending each rank's tokens
+    ("gpt", 1, 1, 2, 2, "ring", 0),
+    ("gpt", 1, 1, 2, 2, "ring", 1),  # ZeRO-1 over the cp group (dp = 1: the gradient group is the context group)
+    ("gpt", 2, 1, 2, 1, "ring", 0),
+    ("gpt", 2, 1, 2, 2, "ring", 0),  # pp2 x cp2 x tp2: 8 ranks
+    # with Megatron sequence parallelism in the tensor group: each rank's tokens split again over tp
+    ("gpt+sp", 1, 1, 2, 2, "ring", 0),
+    ("gpt+sp", 2, 1, 2, 2, "ring", 0),
+    ("gpt+sp", 1, 2, 2, 2, "ring", 3),
+    ("llama+sp", 1, 1, 2, 2, "ring", 0),
+    # HF Llama: rotary tables and the causal mask built from the length (whole, checked causal at run time),
+    # grouped-query attention
+    ("llama", 1, 1, 2, 1, "ring", 0),
+    ("llama", 1, 1, 2, 1, "all-to-all", 0),
+    ("llama", 1, 1, 4, 1, "ring", 0),
+    ("llama", 1, 1, 4, 1, "all-to-all", 0),  # 2 k/v heads over 4 ranks: sent repeated
+    # Qwen3: rotary, per-head q/k RMSNorm
+    ("qwen3", 1, 1, 2, 1, "ring", 0),
+])
+def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, zero):
+    name, sp = name.removesuffix("+sp"), name.endswith("+sp")
+    assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, sp=sp, cp_kind=kind, zero=zero, name=name), name)
+
+
+@pytest.mark.slow
+def test_a_length_read_as_a_number_is_the_whole_length():
+    """x / T: each rank holds T/cp tokens, but the code divides by the whole T, as one process does."""
+    plan = plan_for(dp=1, cp=2, name="scaled")
+    assert "mul = sym_size_int_2 * 2" in plan.program(0).source
+    assert_same_training(plan, "scaled")
+
+
+@pytest.mark.slow
+def test_context_parallel_with_full_recomputation_trains_like_one_process():
+    """Each block runs again in backward: its ring attention's forward too, on every rank in the same order."""
+    assert_same_training(plan_for(dp=1, cp=2, recompute="full"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3", "mpt"])
+def test_a_mask_the_kernels_cannot_split_stops_the_first_step(name):
+    """Gemma3's sliding-window layers (a window shorter than the sequence) and MPT's ALiBi bias build their
+    mask from shapes alone: the code passes it whole, and the runtime refuses it before anything is updated."""
+    from runtime.launch.env import LaunchError
+
+    with pytest.raises(LaunchError, match=r"neither causal nor full.*\(in step 1 of 3\)"):
+        assert_same_training(plan_for(dp=1, cp=2, name=name), name)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_cp_resumes_under_another_plan(tmp_path):
+    """cp2 x tp2 with ZeRO-1 over the context group trains steps 1-2 and checkpoints; dp 2 without cp resumes
+    for steps 3-4: the same losses and parameters as one process training steps 1-4."""
+    from runtime import launch_local
+
+    model_fn, loss_fn = MODELS["gpt"]
+    data = batches(4)
+    a = launch_local(plan_for(dp=1, cp=2, tp=2, zero=1), model_fn, sgd, loss_fn, data[:2], save_dir=tmp_path,
+                     save_every=2, timeout_s=180)
+    assert a.checkpoints
+    b = launch_local(plan_for(dp=2, cp=1, zero=0), model_fn, sgd, loss_fn, data, resume_from=tmp_path, timeout_s=180)
+    assert b.start_step == 2
+    trained = train_one_process(model_fn, sgd, loss_fn, data)
+    torch.testing.assert_close(torch.tensor(a.losses), torch.tensor(trained.losses[:2]), rtol=1e-5, atol=1e-6)
+    assert_trains_like(b, trained.losses[2:], trained.model.state_dict())
