@@ -2,6 +2,7 @@
 
     python bench/long_context.py            # B=1, H=8, S=4096, D=64, causal, fp32
     python bench/long_context.py --quick    # S=1024, fewer steps: under a minute on two cores
+    python bench/long_context.py --plans    # the planner on long-context models instead (no ranks spawned)
 
 Runs, each on the same (B, H, S, D), causal, fp32, timing forward plus backward of attention alone:
 - `sdpa`: one process, F.scaled_dot_product_attention on the full sequence, as many threads as the cp
@@ -12,6 +13,12 @@ Runs, each on the same (B, H, S, D), causal, fp32, timing forward plus backward 
   Gloo/CPU in this torch; if not, one line saying why.
 A cp run's step time is the slowest rank's, median over the timed steps. Printed with the load average,
 since the machine may be shared.
+
+`--plans`: the planner's free choice (cp, its kind, and everything else searched) and its compile time for
+Llama-3-shaped models built on the meta device (transformers' LlamaForCausalLM: 405B with 8 kv heads at 8K
+and 128K tokens on 16,384 H100s, 16M tokens a step as Meta's report states; a 70B at 4K and 128K on 512
+H100s, 4M tokens a step), one line each: config, predicted step and MFU, peak memory per rank, compile
+seconds (trace included).
 """
 
 from __future__ import annotations
@@ -114,6 +121,43 @@ def _cp_step_time(kernel: str, shape, warmup: int, steps: int) -> float:
     return statistics.median(max(per) for per in zip(*(r["step_times_s"] for r in res)))
 
 
+# (name, layers, hidden, heads, kv heads, ffn, vocab, seq, global batch, topology)
+PLAN_CASES = (
+    ("Llama 3 405B, 8K", 126, 16384, 128, 8, 53248, 128256, 8192, 2048, "2048x8xH100-80GB"),
+    ("Llama 3 405B, 128K", 126, 16384, 128, 8, 53248, 128256, 131072, 128, "2048x8xH100-80GB"),
+    ("70B, 4K", 80, 8192, 64, 8, 28672, 128256, 4096, 1024, "64x8xH100-80GB"),
+    ("70B, 128K", 80, 8192, 64, 8, 28672, 128256, 131072, 32, "64x8xH100-80GB"),
+)
+
+
+def plans() -> int:
+    """The planner's choices for PLAN_CASES (module docstring)."""
+    import torch
+    import transformers
+
+    from partitioner import PlanInfeasibleError, compile
+
+    print(f"long-context plans, bf16-mixed, the planner's free choice; load {load_average()}")
+    for name, layers, h, heads, kv, ffn, vocab, seq, gb, topo in PLAN_CASES:
+        cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=h, num_attention_heads=heads,
+                                       num_key_value_heads=kv, intermediate_size=ffn, vocab_size=vocab,
+                                       max_position_embeddings=seq, use_cache=False)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(cfg)
+        t0 = time.perf_counter()
+        try:
+            plan = compile(model, topo, example_inputs=(torch.zeros(1, seq, dtype=torch.long, device="meta"),),
+                           global_batch_size=gb, precision="bf16-mixed")
+        except PlanInfeasibleError as e:
+            print(f"  {name:<20} {topo:<18} infeasible ({time.perf_counter() - t0:.1f} s): {str(e)[:160]}")
+            continue
+        pr = plan.predicted
+        print(f"  {name:<20} {topo:<18} {str(plan.config):<62} {pr.step_time_s:8.2f} s  MFU {pr.mfu:5.1%}  "
+              f"{pr.peak_memory_bytes / 2**30:5.1f} GiB  compiled in {time.perf_counter() - t0:.1f} s")
+    print(f"load {load_average()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="S=1024, 1 warm-up and 3 timed steps")
@@ -122,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 4096, 1024 with --quick)")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5, 3 with --quick)")
+    p.add_argument("--plans", action="store_true", help="the planner's choices on long-context models instead")
     a = p.parse_args(argv)
+    if a.plans:
+        return plans()
     seq = a.seq or (1024 if a.quick else 4096)
     steps = a.steps or (3 if a.quick else 5)
     warmup = 1 if a.quick else 2
