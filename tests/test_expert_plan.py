@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from cost_models.calibration import Calibration
 from cost_models.errors import DeclarationError, PartitionerError
@@ -27,26 +26,11 @@ from partitioner.planner.declarations import Declarations
 from partitioner.planner.expert_split import Experts, edp_ranks, ep_options, ep_ranks, experts_of
 from partitioner.planner.plan import ParallelConfig, Plan
 from partitioner.planner.tensor_split import find_splits
-from test_experts import CapacityMoE  # a list of expert modules behind a router, static shapes
+from test_experts import Net  # embedding, blocks of a norm and a list-of-experts MoE, a head
 from partitioner.planner.unit_costs import CostContext
 from partitioner.tracer.experts import MoELayer
 
 TOKENS = (torch.zeros(2, 16, dtype=torch.long),)
-
-
-class ListNet(nn.Module):
-    def __init__(self, widths=(32, 32, 32, 32), h=16, n=4, vocab=64):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, h)
-        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(h), "mlp": CapacityMoE(h, list(widths), k=2)})
-                                    for _ in range(n))
-        self.head = nn.Linear(h, vocab)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for layer in self.layers:
-            x = x + layer["mlp"](layer["norm"](x))
-        return self.head(x)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +74,7 @@ def test_declarations_refuse_what_ep_cannot_run(moe, pins, words):
 
 
 def test_experts_of_different_shapes_refuse_ep_and_plan_ep1_saying_why():
-    g = trace(ListNet(widths=(32, 32, 32, 48)), TOKENS)
+    g = trace(Net(widths=(32, 32, 32, 48), moe_every=1), TOKENS)
     assert experts_of(g).why_not.startswith(
         "experts of different shapes in layers.0.mlp, layers.1.mlp, layers.2.mlp ...")
     with pytest.raises(DeclarationError, match="ep=2: experts of different shapes in layers.0.mlp, layers.1.mlp"):
@@ -99,7 +83,7 @@ def test_experts_of_different_shapes_refuse_ep_and_plan_ep1_saying_why():
     assert plan.ep == 1
     assert "expert parallelism: ep=1 (experts of different shapes" in " ".join(plan.explain().split())
     # the same model with equal experts may take ep > 1
-    assert ep_options(Declarations(global_batch_size=8), experts_of(trace(ListNet(), TOKENS)), dp=4, tp=1, cp=1,
+    assert ep_options(Declarations(global_batch_size=8), experts_of(trace(Net(moe_every=1), TOKENS)), dp=4, tp=1, cp=1,
                       devices_per_node=4) == (1, 2, 4)
 
 

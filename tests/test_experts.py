@@ -45,13 +45,14 @@ class CapacityMoE(nn.Module):
 
 
 class Net(nn.Module):
-    """Dense and MoE blocks alternating, as mixed stacks do."""
+    """Dense and MoE blocks alternating, as mixed stacks do (moe_every=1: every block MoE)."""
 
-    def __init__(self, widths=(32, 32, 32, 32), k=2, data_dependent=False, h=16, n=4, vocab=64):
+    def __init__(self, widths=(32, 32, 32, 32), k=2, data_dependent=False, h=16, n=4, vocab=64, moe_every=2):
         super().__init__()
         self.emb = nn.Embedding(vocab, h)
         self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(h), "mlp": CapacityMoE(h, list(widths), k, data_dependent)
-                                                   if i % 2 else Expert(h, 2 * h)}) for i in range(n))
+                                                   if i % moe_every == moe_every - 1 else Expert(h, 2 * h)})
+                                    for i in range(n))
         self.head = nn.Linear(h, vocab)
 
     def forward(self, idx):

@@ -271,69 +271,31 @@ def _run_torch(run: Run, rank: int, pp: int) -> dict:
 
     S = pp * run.interleave
     parts = split_sequential(_model(), BOUNDS[S])
+    # zb-v: two stages per rank, in a V (rank r holds r and 2 pp - 1 - r); the others: stage % pp
+    mine = (rank, S - 1 - rank) if run.kind == "zb-v" else tuple(range(rank, S, pp))
+    stages = [PipelineStage(parts[s], s, S, device=torch.device("cpu")) for s in mine]
     order = None
-    if run.kind == "zb-v":   # two stages per rank, in a V: rank r holds r and 2 pp - 1 - r
-        mine = (rank, S - 1 - rank)
-        stages = [PipelineStage(parts[s], s, S, device=torch.device("cpu")) for s in mine]
+    if run.kind == "zb-v":
         sched = ScheduleZBVZeroBubble(stages, n_microbatches=M, loss_fn=F.cross_entropy)
-        order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
-        opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], **SGD)
-        losses = []
-        for step in range(STEPS):
-            x, y = _batch(step)
-            mb_losses = []
-            if rank == 0:  # the first and the last stage
-                sched.step(x, target=y, losses=mb_losses)
-            else:
-                sched.step()
-            opt.step()
-            opt.zero_grad()
-            losses.append(sum(l.item() for l in mb_losses) / M if rank == 0 else None)
-        return {"losses": losses, "state": {k: v for s in mine for k, v in parts[s].state_dict().items()},
-                "order": order}
-    if run.kind == "interleaved-zb":   # v stages per rank at stage % pp
-        mine = tuple(range(rank, S, pp))
-        stages = [PipelineStage(parts[s], s, S, device=torch.device("cpu")) for s in mine]
+    elif run.kind in ("zb-h1", "interleaved-zb"):  # with one stage per rank torch's zero-bubble schedule is ZB-H1
         sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=M, loss_fn=F.cross_entropy)
-        order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
-        opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], **SGD)
-        losses = []
-        for step in range(STEPS):
-            x, y = _batch(step)
-            mb_losses = []
-            if rank == 0:
-                sched.step(x)
-            elif rank == pp - 1:   # the loss's stage S - 1
-                sched.step(target=y, losses=mb_losses)
-            else:
-                sched.step()
-            opt.step()
-            opt.zero_grad()
-            losses.append(sum(l.item() for l in mb_losses) / M if rank == pp - 1 else None)
-        return {"losses": losses, "state": {k: v for s in mine for k, v in parts[s].state_dict().items()},
-                "order": order}
-    stage = PipelineStage(parts[rank], rank, pp, device=torch.device("cpu"))
-    if run.kind == "zb-h1":  # torch's zero-bubble schedule with one stage per rank is ZB-H1
-        sched = ScheduleInterleavedZeroBubble([stage], n_microbatches=M, loss_fn=F.cross_entropy)
-        order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
     else:
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.kind]
-        sched = cls(stage, n_microbatches=M, loss_fn=F.cross_entropy)
-    opt = torch.optim.SGD(parts[rank].parameters(), **SGD)
+        sched = cls(stages[0], n_microbatches=M, loss_fn=F.cross_entropy)
+    if run.kind in ("zb-v", "zb-h1", "interleaved-zb"):
+        order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
+    opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], **SGD)
+    first, last = 0 in mine, S - 1 in mine  # the rank feeding the inputs, the rank computing the loss
     losses = []
     for step in range(STEPS):
         x, y = _batch(step)
         mb_losses = []
-        if rank == 0:
-            sched.step(x)
-        elif rank == pp - 1:
-            sched.step(target=y, losses=mb_losses)
-        else:
-            sched.step()
+        sched.step(*((x,) if first else ()), **(dict(target=y, losses=mb_losses) if last else {}))
         opt.step()
         opt.zero_grad()
-        losses.append(sum(l.item() for l in mb_losses) / M if rank == pp - 1 else None)
-    return {"losses": losses, "state": parts[rank].state_dict(), "order": order}
+        losses.append(sum(l.item() for l in mb_losses) / M if last else None)
+    return {"losses": losses, "state": {k: v for s in mine for k, v in parts[s].state_dict().items()},
+            "order": order}
 
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
