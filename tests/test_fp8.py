@@ -80,6 +80,40 @@ def test_fp8_linear_is_the_gemm_of_its_codes_forward_and_backward():
     torch.testing.assert_close(b.grad, dy2.sum(0))
 
 
+_FP8_CORES = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not _FP8_CORES, reason="needs a CUDA device with FP8 tensor cores (compute capability 8.9+)")
+def test_the_tensor_core_gemm_is_the_gemm_of_its_codes_forward_and_backward():
+    """On an H100/H200 the same codes go through torch._scaled_mm: the products are exact either way, so it
+    differs from the CPU's dequantized fp32 GEMM only by the order of the fp32 sums (a few ulps of sum |a||b|)."""
+    from runtime.engines.fp8 import _tensor_cores
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 8, 64), torch.randn(32, 64), torch.randn(32)
+    dy = torch.randn(4, 8, 32)
+    xc, wc, bc = (t.cuda().requires_grad_() for t in (x, w, b))
+    assert _tensor_cores(quantize(xc.reshape(-1, 64), E4M3)[0], quantize(wc, E4M3)[0].t())
+    y = fp8_linear(xc, wc, bc)
+    y.backward(dy.cuda())
+    x2, dy2 = x.reshape(-1, 64), dy.reshape(-1, 32)
+    ref = {"y": (_deq(x2, E4M3) @ _deq(w, E4M3).T + b).reshape(4, 8, 32),
+           "dx": (_deq(dy2, E5M2) @ _deq(w, E4M3)).reshape(4, 8, 64), "dw": _deq(dy2, E5M2).T @ _deq(x2, E4M3)}
+    scale = {"y": (x2.abs() @ w.abs().T).reshape(4, 8, 32), "dx": (dy2.abs() @ w.abs()).reshape(4, 8, 64),
+             "dw": dy2.abs().T @ x2.abs()}
+    got = {"y": y.detach(), "dx": xc.grad, "dw": wc.grad}
+    for k in ref:
+        err = (got[k].cpu() - ref[k]).abs()
+        assert (err <= 1e-5 * scale[k] + 1e-6).all(), (k, float(err.max()))
+    torch.testing.assert_close(bc.grad.cpu(), dy2.sum(0))
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # the recipe's own setting: bf16 out of the fp8 GEMM
+        yb = fp8_linear(xc, wc, bc)
+    assert yb.dtype == torch.bfloat16
+    # two bf16 roundings (the GEMM's output, the bias) and the add's: each within 2^-9 of what it rounds
+    bound = 2**-8 * (ref["y"].abs() + 2 * b.abs()) + 1e-5 * scale["y"] + 1e-3
+    assert ((yb.float().cpu() - ref["y"]).abs() <= bound).all()
+
+
 def test_fp8_linear_is_within_fp8_rounding_of_the_float_gemm():
     torch.manual_seed(1)
     x, w = torch.randn(40, 64, requires_grad=True), torch.randn(48, 64, requires_grad=True)

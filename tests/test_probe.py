@@ -200,3 +200,28 @@ def test_a_cluster_topology_outside_a_launcher_is_refused_with_the_command_to_ru
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(PartitionerError, match="torchrun --nnodes 2 --nproc-per-node 8"):
         probe("2x8xH100-80GB")
+
+
+def test_a_measured_fp8_curve_prices_the_fp8_gemms():
+    """On a device with FP8 tensor cores the probe times torch._scaled_mm as dtype "fp8"; its plateau becomes
+    the fp8 GEMMs' efficiency (precision="fp8-mixed"), beside the bf16 one, each against its own peak."""
+    from cost_models.compute import RooflineCompute
+
+    topo = Topology.parse("1xH200-141GB")
+    records = _records(topo)
+    rates = {"bf16": 700e12, "fp8": 1300e12}
+    for r in records:
+        r["matmul"] = [{"dtype": d, "n": n, "flops": 2.0 * n ** 3, "seconds": 2.0 * n ** 3 / rate + 20e-6}
+                       for d, rate in rates.items() for n in (1024, 2048, 4096, 8192)]
+    cal = derive_calibration(topo, summarise(records), source="test")
+    flops = 2.0 * 8192 ** 3
+    for dtype, rate in rates.items():
+        t = RooflineCompute(topo.device, dtype, cal).op_time(flops, 0.0, "matmul")
+        assert t == pytest.approx(flops / rate, rel=0.05), dtype  # within the small-GEMM curve's share at 8192^3
+
+
+def test_the_sweep_refuses_a_dtype_it_cannot_time():
+    from partitioner.probe.sweep import Sweep
+
+    with pytest.raises(PartitionerError, match=r"Sweep.dtypes: unknown \['int8'\]; choose from .*'fp8'"):
+        Sweep(dtypes=("fp32", "int8"))

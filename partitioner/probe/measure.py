@@ -22,9 +22,10 @@ import torch.distributed as dist
 from partitioner.probe.sweep import Sweep
 from runtime.comm.collectives import Collectives
 
-__all__ = ["measure_rank", "fixed_process_bytes"]
+__all__ = ["FP8", "fixed_process_bytes", "fp8_tensor_cores", "measure_rank"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8 = "fp8"  # e4m3 operands through torch._scaled_mm, bf16 out: the GEMM precision="fp8-mixed" runs on a GPU
 
 
 def measure_rank(sweep: Sweep, groups: dict[str, dict[int, list[list[int]]]], device: torch.device) -> dict[str, Any]:
@@ -105,15 +106,35 @@ def _calls(fn: Callable[[], Any], device: torch.device, n: int) -> float:
 def _matmuls(sweep: Sweep, device: torch.device) -> list[dict[str, Any]]:
     out = []
     for name in sweep.dtypes:
-        dtype = _DTYPES[name]
+        if name == FP8 and not fp8_tensor_cores(device):
+            continue  # the fp8 GEMM does not exist here (CPU, pre-Hopper GPUs): the planner emulates or refuses it
         for n in sweep.matmul_sizes:
-            a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+            product = _fp8_product(n, device) if name == FP8 else _product(n, _DTYPES[name], device)
             dist.barrier()  # every rank at once
-            s = _time(lambda: a @ b, device, sweep.repeats)
+            s = _time(product, device, sweep.repeats)
             out.append({"dtype": name, "n": n, "flops": 2.0 * n ** 3, "seconds": s})
             if _slowest(s, device) > sweep.max_op_s:  # agreed by every rank: the next size would be 8x slower
                 break
     return out
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether `device` multiplies float8 operands in hardware (CUDA compute capability 8.9+: Ada, Hopper)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _product(n: int, dtype: torch.dtype, device: torch.device) -> Callable[[], Any]:
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return lambda: a @ b
+
+
+def _fp8_product(n: int, device: torch.device) -> Callable[[], Any]:
+    """The GEMM of runtime.engines.fp8 alone (the casts are memory-bound ops the elementwise rate covers):
+    e4m3 codes, a row-major and b column-major as _scaled_mm wants, unit scales, bf16 out."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
 
 def _op_overhead(device: torch.device) -> float:

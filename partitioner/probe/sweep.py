@@ -17,9 +17,12 @@ import dataclasses
 from cost_models.errors import PartitionerError
 from cost_models.topology import Topology
 
-__all__ = ["COLLECTIVES", "Sweep", "groups_by_level"]
+__all__ = ["COLLECTIVES", "MATMUL_DTYPES", "Sweep", "groups_by_level"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+MATMUL_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,7 +30,8 @@ class Sweep:
     """The probe's sizes and repeats.
 
     message_bytes: the collectives' full buffers (nccl-tests' sizes, 4 KiB to 16 MiB by 4x; a cluster run may
-        pass larger). matmul_sizes: n of the n x n x n products per dtype. stream_bytes: the buffer the memory
+        pass larger). matmul_sizes: n of the n x n x n products per dtype
+        ("fp8": e4m3 codes through torch._scaled_mm, measured only where the device has FP8 tensor cores). stream_bytes: the buffer the memory
         bandwidth copy moves; elementwise_bytes:
         the operands of the memory-bound ops timed; overlap_bytes: the all-reduce hidden behind matmuls;
         attention_shape: (batch, heads, sequence, head dim) of the fused attention timed. repeats: timed runs per
@@ -51,6 +55,9 @@ class Sweep:
         bad = sorted(set(self.collectives) - set(COLLECTIVES))
         if bad:
             raise PartitionerError(f"Sweep.collectives: unknown {bad}; choose from {list(COLLECTIVES)}")
+        odd = sorted(set(self.dtypes) - set(MATMUL_DTYPES))
+        if odd:
+            raise PartitionerError(f"Sweep.dtypes: unknown {odd}; choose from {list(MATMUL_DTYPES)}")
         if self.repeats < 1 or not self.message_bytes or not self.matmul_sizes:
             raise PartitionerError("Sweep: repeats >= 1 and at least one message and one matmul size are needed")
 
@@ -65,7 +72,7 @@ class Sweep:
     def for_gpu(cls) -> "Sweep":
         """nccl-tests-like sizes up to 256 MiB and matmuls up to 8192: a GPU is far from its plateau at 1024."""
         return cls(message_bytes=tuple(4096 * 4 ** k for k in range(10)),
-                   matmul_sizes=(256, 512, 1024, 2048, 4096, 8192), dtypes=("fp32", "bf16", "fp16"),
+                   matmul_sizes=(256, 512, 1024, 2048, 4096, 8192), dtypes=("fp32", "bf16", "fp16", "fp8"),
                    stream_bytes=2 ** 30, elementwise_bytes=2 ** 28, overlap_bytes=2 ** 26,
                    attention_shape=(2, 16, 4096, 128), repeats=5)
 
