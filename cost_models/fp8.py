@@ -17,9 +17,9 @@ Time of one linear under fp8-mixed (per microbatch, per tensor rank):
   (V100, A100) is refused (`check_fp8`).
 - B (the GEMM's HBM traffic) is charged as bf16-mixed's: an upper bound (the fp8 operands are half the
   bytes), immaterial where GEMMs are compute bound.
-- cast(t, ...): a memory-bound kernel moving CAST_BYTES_PER_ELEMENT per element of each operand (read bf16,
-  2 B; write fp8, 1 B; the amax reduction assumed fused into the read), on the roofline's HBM term with one
-  launch. Backward casts the output gradient (e5m2) and casts x and W again: like torchao, the recipe keeps
+- cast(t, ...): memory-bound work moving CAST_BYTES_PER_ELEMENT per element of each operand, as the runtime
+  casts (runtime.engines.fp8_cast on CUDA): the amax reduction reads the bf16 tensor (2 B), the cast kernel
+  reads it again (2 B) and writes the fp8 codes (1 B); on the roofline's HBM term with one launch. Backward casts the output gradient (e5m2) and casts x and W again: like torchao, the recipe keeps
   the bf16 input and the weight for backward, not their fp8 codes (`ctx.save_for_backward(input_hp,
   weight_hp_t)` in torchao/float8/float8_linear.py), so activation memory is exactly bf16-mixed's and the
   second cast is paid in time instead. TransformerEngine keeps the fp8 input instead (half of the linear's
@@ -30,8 +30,8 @@ Time of one linear under fp8-mixed (per microbatch, per tensor rank):
 >>> from cost_models.devices import PRESETS
 >>> gemm_dtype("fp8-mixed", PRESETS["H100-80GB"]), gemm_dtype("fp8-mixed", PRESETS["CPU"])
 ('fp8', 'bf16')
->>> cast_bytes(1024)                          # 1024 elements: read 2 B, write 1 B each
-3072
+>>> cast_bytes(1024)                          # 1024 elements: read 2 B twice, write 1 B each
+5120
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ __all__ = ["CAST_BYTES_PER_ELEMENT", "FP8_GEMM_OPS", "cast_bytes", "check_fp8", 
 
 FP8_PRECISIONS = ("fp8-mixed",)
 FP8_GEMM_OPS = ("linear",)  # OpNode.op names whose GEMMs the runtime runs in fp8 (runtime.engines.fp8)
-# read the bf16 operand (2 B) and write its fp8 codes (1 B); torchao's compiled cast fuses the amax into the read
-CAST_BYTES_PER_ELEMENT = 3
+# the amax pass reads the bf16 operand (2 B), the cast reads it again and writes its fp8 codes (1 B); torchao's
+# compiled cast fuses the two reads into one (3 B), which this runtime does not
+CAST_BYTES_PER_ELEMENT = 5
 
 
 def cast_bytes(elements: float) -> float:

@@ -84,9 +84,25 @@ _FP8_CORES = torch.cuda.is_available() and torch.cuda.get_device_capability() >=
 
 
 @pytest.mark.skipif(not _FP8_CORES, reason="needs a CUDA device with FP8 tensor cores (compute capability 8.9+)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_cast_kernel_writes_the_references_codes_and_scale(dtype):
+    """runtime.engines.fp8_cast (one Triton kernel) against the torch reference on the CPU, bit for bit."""
+    torch.manual_seed(0)
+    for t in (torch.randn(1000, 96), torch.randn(7, 13) * 1e4, torch.zeros(64), torch.randn(4096, 8) * 1e-6):
+        t = t.to(dtype)
+        for fmt in (E4M3, E5M2):
+            codes, scale = quantize(t.cuda(), fmt)
+            ref_codes, ref_scale = quantize(t, fmt)
+            assert torch.equal(scale.cpu(), ref_scale), (fmt, dtype)
+            assert torch.equal(codes.cpu().view(torch.uint8), ref_codes.view(torch.uint8)), (fmt, dtype)
+
+
+@pytest.mark.skipif(not _FP8_CORES, reason="needs a CUDA device with FP8 tensor cores (compute capability 8.9+)")
 def test_the_tensor_core_gemm_is_the_gemm_of_its_codes_forward_and_backward():
-    """On an H100/H200 the same codes go through torch._scaled_mm: the products are exact either way, so it
-    differs from the CPU's dequantized fp32 GEMM only by the order of the fp32 sums (a few ulps of sum |a||b|)."""
+    """On an H100/H200 the same codes go through torch._scaled_mm. The products are exact either way, but the
+    tensor cores do not sum them in full fp32: Hopper's FP8 MMA keeps about 14 bits of the running sum
+    (DeepSeek-V3 report, Sec. 3.3.2, measured on H800), so the bound is 2^-14 of sum |a||b|, not fp32's few
+    ulps. Measured on an H200 at K = 64: 1e-5 of it."""
     from runtime.engines.fp8 import _tensor_cores
 
     torch.manual_seed(0)
@@ -104,13 +120,13 @@ def test_the_tensor_core_gemm_is_the_gemm_of_its_codes_forward_and_backward():
     got = {"y": y.detach(), "dx": xc.grad, "dw": wc.grad}
     for k in ref:
         err = (got[k].cpu() - ref[k]).abs()
-        assert (err <= 1e-5 * scale[k] + 1e-6).all(), (k, float(err.max()))
+        assert (err <= 2**-14 * scale[k] + 1e-6).all(), (k, float((err / scale[k]).max()))
     torch.testing.assert_close(bc.grad.cpu(), dy2.sum(0))
     with torch.autocast("cuda", dtype=torch.bfloat16):  # the recipe's own setting: bf16 out of the fp8 GEMM
         yb = fp8_linear(xc, wc, bc)
     assert yb.dtype == torch.bfloat16
     # two bf16 roundings (the GEMM's output, the bias) and the add's: each within 2^-9 of what it rounds
-    bound = 2**-8 * (ref["y"].abs() + 2 * b.abs()) + 1e-5 * scale["y"] + 1e-3
+    bound = 2**-8 * (ref["y"].abs() + 2 * b.abs()) + 2**-14 * scale["y"] + 1e-3
     assert ((yb.float().cpu() - ref["y"]).abs() <= bound).all()
 
 

@@ -19,8 +19,9 @@ memory kept is bf16-mixed's (cost_models.fp8 charges the second cast's bytes ins
 
 Where the GEMM runs: `torch._scaled_mm` on a CUDA device with FP8 tensor cores (compute capability >= 8.9)
 when every dimension is a multiple of 16 (its layout rule); elsewhere (CPU, smaller shapes) the same codes
-are dequantized and multiplied in fp32 -- the products of two fp8 values are exact in fp32, so the emulation
-differs from the tensor cores only by the order of the fp32 accumulation.
+are dequantized and multiplied in fp32 -- the products of two fp8 values are exact in fp32. The two differ in
+the sums: Hopper's FP8 tensor cores keep about 14 bits of the running sum (DeepSeek-V3 report, Sec. 3.3.2;
+tests/test_fp8.py bounds it on CUDA), the emulation all of fp32's.
 
 >>> x, w = torch.randn(4, 32), torch.randn(8, 32)
 >>> q, scale = quantize(x, E4M3)
@@ -34,6 +35,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -63,18 +65,27 @@ def exact_gemms() -> Iterator[None]:
 
 def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale): `t` cast to the float8 `dtype` with the per-tensor current scale FP8_MAX / amax(t).
-    The scale is an fp32 scalar tensor; ``codes.float() / scale`` is the value the GEMM sees."""
+    The scale is an fp32 scalar tensor; ``codes.float() / scale`` is the value the GEMM sees. On CUDA one
+    Triton kernel computes the same codes (runtime.engines.fp8_cast)."""
     fmax = _MAX[dtype]
-    amax = t.detach().abs().max().float()
+    if t.is_cuda:
+        from runtime.engines.fp8_cast import cast_to_fp8  # Triton: imported where a GPU runs it
+
+        return cast_to_fp8(t, dtype, fmax, EPS)
+    amax = torch.linalg.vector_norm(t.detach(), float("inf")).float()  # max |t| in one pass, exact
     scale = fmax / torch.clamp(amax, min=EPS)
     codes = (t.detach().float() * scale).clamp(-fmax, fmax).to(dtype)  # saturate: no inf from rounding up
     return codes, scale
 
 
+@functools.cache
+def _fp8_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether torch._scaled_mm runs a (M, K) @ b (K, N) here: CUDA with FP8 tensor cores, dims % 16 == 0."""
-    return (a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
-            and all(d % 16 == 0 for d in (*a.shape, b.shape[1])))
+    return a.is_cuda and _fp8_capable(a.device) and all(d % 16 == 0 for d in (*a.shape, b.shape[1]))
 
 
 def _gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out: torch.dtype) -> torch.Tensor:
@@ -144,7 +155,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     plans call it where the traced code called `aten.linear`."""
     if _exact[0] or not x.is_floating_point():
         return F.linear(x, weight, bias)
-    return _linear(x, weight, bias)
+    return FP8_LINEAR_OP(x, weight, bias)  # the dispatcher's op: the custom_op wrapper's Python costs ~2x more
 
 
 class Fp8Linear(nn.Linear):
