@@ -20,6 +20,7 @@ device preset's calibration, or the one given (a `partitioner probe` file: its m
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -93,6 +94,28 @@ def main() -> int:
         print(f"{m}x{k}->{n:<7} bf16 {t_bf16 * 1e3:7.2f} ms (pred {p_bf16 * 1e3:6.2f}, {tflops / t_bf16:6.0f} TFLOP/s)"
               f"  fp8 {t_fp8 * 1e3:7.2f} ms (pred {p_fp8 * 1e3:6.2f}, {tflops / t_fp8:6.0f} TFLOP/s)"
               f"  speedup {t_bf16 / t_fp8:4.2f}x (pred {p_bf16 / p_fp8:4.2f}x)", flush=True)
+    print("# the GEMM alone, torch._scaled_mm (e4m3 x e4m3 -> bf16), fp32 accumulation vs Hopper's fast accumulation "
+          "(use_fast_accum=True, torchao's and TransformerEngine's forward setting)")
+    for m, k, n in SHAPES:
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda")
+        rates = [2.0 * m * k * n / timed(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                                   use_fast_accum=fast)) / 1e12 for fast in (False, True)]
+        print(f"{m}x{k}->{n:<7} _scaled_mm {rates[0]:6.0f} TFLOP/s ({rates[0] * 1e12 / device.peak_flops['fp8']:.0%} of "
+              f"the fp8 peak), fast accumulation {rates[1]:6.0f} ({rates[1] * 1e12 / device.peak_flops['fp8']:.0%})",
+              flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a = torch.randn(256, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(256, 8192, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    exact = a.float() @ b.float()  # products of fp8 values are exact in fp32; fp32 sums
+    size = a.float().abs() @ b.float().abs()
+    for fast in (False, True):
+        got = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
+        err = ((got - exact).abs() / size).max().item()
+        print(f"accumulation error at K=8192, use_fast_accum={fast}: {err:.2e} of sum |a||b| (2^{math.log2(err):.1f})"
+              if err > 0 else f"accumulation error at K=8192, use_fast_accum={fast}: 0")
     return 0
 
 
