@@ -130,6 +130,17 @@ CASES = [
     ("llama", 2, 2, 1, "zb-v", 2, 1),
     ("gpt", 2, 1, 2, "interleaved-zb", 2, 0),
     ("gpt", 2, 1, 2, "zb-v", 2, 0),
+    # four pipeline ranks, eight virtual stages: interleaved-zb's rounds of pp microbatches; zb-v with m = 4 <
+    # 2 pp - 1, its V not filled (the lists built for 2 pp - 1 microbatches, the missing ones dropped)
+    ("gpt8", 4, 1, 1, "interleaved-zb", 2, 0),
+    ("gpt8", 4, 1, 1, "zb-v", 2, 0),
+    # ZeRO-3 under a split backward: I gathers a unit and leaves its gradient to W, whose AccumulateGrad
+    # reduce-scatters it; ZeRO-2 for the two-stage-per-rank schedules
+    ("gpt", 2, 2, 1, "zb-h1", 1, 3),
+    ("gpt", 2, 2, 1, "interleaved-zb", 2, 3),
+    ("gpt", 2, 2, 1, "zb-v", 2, 3),
+    ("gpt", 2, 2, 1, "interleaved-zb", 2, 2),
+    ("gpt", 2, 2, 1, "zb-v", 2, 2),
 ]
 
 
