@@ -20,6 +20,7 @@ from examples.training import (
     gpt_8l_seeded,
     gpt_loss,
     hf_gpt2_4l_seeded,
+    hf_llama_8l_seeded,
     hf_llama_seeded,
     hf_loss,
     in_model_loss,
@@ -33,7 +34,7 @@ from ranks import assert_trains_like
 pytestmark = pytest.mark.slow
 
 MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "gpt8": (gpt_8l_seeded, gpt_loss), "hf": (hf_gpt2_4l_seeded, hf_loss),
-          "llama": (hf_llama_seeded, hf_loss)}
+          "llama": (hf_llama_seeded, hf_loss), "llama8": (hf_llama_8l_seeded, hf_loss)}
 VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 3
 
 
@@ -67,7 +68,7 @@ def plan_for(name: str, *, pp: int, dp: int, tp: int, schedule: str = "1f1b", in
 
 def assert_same_training(plan, name: str, steps: int = STEPS, optimizer=adamw):
     model_fn, loss_fn = MODELS[name]
-    data = batches(steps, padding=name == "llama")
+    data = batches(steps, padding=name.startswith("llama"))
     out = launch_local(plan, model_fn, optimizer, loss_fn, data, timeout_s=180)
     trained = train_one_process(model_fn, optimizer, loss_fn, data)
     want_losses, want = trained.losses, trained.model.state_dict()
@@ -134,11 +135,14 @@ CASES = [
     # 2 pp - 1, its V not filled (the lists built for 2 pp - 1 microbatches, the missing ones dropped)
     ("gpt8", 4, 1, 1, "interleaved-zb", 2, 0),
     ("gpt8", 4, 1, 1, "zb-v", 2, 0),
+    ("llama8", 4, 1, 1, "interleaved-zb", 2, 0),
+    ("llama8", 4, 1, 1, "zb-v", 2, 0),
     # ZeRO-3 under a split backward: I gathers a unit and leaves its gradient to W, whose AccumulateGrad
     # reduce-scatters it; ZeRO-2 for the two-stage-per-rank schedules
     ("gpt", 2, 2, 1, "zb-h1", 1, 3),
     ("gpt", 2, 2, 1, "interleaved-zb", 2, 3),
     ("gpt", 2, 2, 1, "zb-v", 2, 3),
+    ("llama", 2, 2, 1, "zb-v", 2, 3),
     ("gpt", 2, 2, 1, "interleaved-zb", 2, 2),
     ("gpt", 2, 2, 1, "zb-v", 2, 2),
 ]
