@@ -41,7 +41,7 @@ from ranks import gloo_group, init_gloo, spawn
 D, CLASSES, BATCH, M, STEPS = 16, 5, 8, 4, 2
 SGD = {"lr": 0.1, "momentum": 0.9}
 RTOL, ATOL = 1e-5, 1e-6
-BOUNDS = {2: [0, 4, 9], 4: [0, 2, 4, 6, 9]}   # 8 blocks + head, cut into 2 or 4 stages
+BOUNDS = {2: [0, 4, 9], 4: [0, 2, 4, 6, 9], 8: [0, 1, 2, 3, 4, 5, 6, 7, 9]}   # 8 blocks + head, in 2, 4 or 8 stages
 
 
 class Residual(nn.Module):
@@ -322,7 +322,9 @@ RUNS = {
         Run("1f1b", engine="torch"), Run("zb-h1", engine="torch"), Run("zb-v", interleave=2),
         Run("zb-v", interleave=2, engine="torch"), Run("interleaved-zb", interleave=2),
         Run("interleaved-zb", interleave=2, engine="torch")],
-    4: [Run("gpipe", shapes="header"), Run("1f1b"), Run("zb-h1"), Run("zb-h1", engine="torch")],
+    4: [Run("gpipe", shapes="header"), Run("1f1b"), Run("zb-h1"), Run("zb-h1", engine="torch"),
+        Run("zb-v", interleave=2), Run("zb-v", interleave=2, engine="torch"), Run("interleaved-zb", interleave=2),
+        Run("interleaved-zb", interleave=2, engine="torch")],
 }
 CASES = [(w, r) for w, runs in RUNS.items() for r in runs if r.engine == "ours"]
 
@@ -412,11 +414,14 @@ def test_deadlocking_list_fails_with_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_zb_v_is_torchs_zbv_order_and_loss(worlds):
+@pytest.mark.parametrize("world", [2, 4])
+def test_zb_v_is_torchs_zbv_order_and_loss(worlds, world):
     """torch's ScheduleZBVZeroBubble: two stages per rank in a V, the same per-rank compute order as our
-    zb-v lists, and the same losses and parameters (stage 0 and the loss's stage both on rank 0)."""
-    ours, oracle = worlds(2)[Run("zb-v", interleave=2)], worlds(2)[Run("zb-v", interleave=2, engine="torch")]
-    schedule = build_schedule("zb-v", pp=2, num_microbatches=M, interleave=2)
+    zb-v lists, and the same losses and parameters (stage 0 and the loss's stage both on rank 0). At pp 4,
+    m = 4 < 2 pp - 1: both build the V for 7 microbatches and drop the actions of the missing ones."""
+    ours = worlds(world)[Run("zb-v", interleave=2)]
+    oracle = worlds(world)[Run("zb-v", interleave=2, engine="torch")]
+    schedule = build_schedule("zb-v", pp=world, num_microbatches=M, interleave=2)
     computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
     assert oracle["orders"] == computes
     torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
@@ -424,12 +429,14 @@ def test_zb_v_is_torchs_zbv_order_and_loss(worlds):
 
 
 @pytest.mark.slow
-def test_interleaved_zb_is_torchs_interleaved_zero_bubble_order_and_loss(worlds):
+@pytest.mark.parametrize("world", [2, 4])
+def test_interleaved_zb_is_torchs_interleaved_zero_bubble_order_and_loss(worlds, world):
     """torch's ScheduleInterleavedZeroBubble with two stages per rank (stage % pp): the same per-rank compute
-    order as our interleaved-zb lists, and the same losses and parameters."""
-    ours = worlds(2)[Run("interleaved-zb", interleave=2)]
-    oracle = worlds(2)[Run("interleaved-zb", interleave=2, engine="torch")]
-    schedule = build_schedule("interleaved-zb", pp=2, num_microbatches=M, interleave=2)
+    order as our interleaved-zb lists, and the same losses and parameters (at pp 4: eight stages, one round of
+    m = pp microbatches)."""
+    ours = worlds(world)[Run("interleaved-zb", interleave=2)]
+    oracle = worlds(world)[Run("interleaved-zb", interleave=2, engine="torch")]
+    schedule = build_schedule("interleaved-zb", pp=world, num_microbatches=M, interleave=2)
     computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
     assert oracle["orders"] == computes
     torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
