@@ -145,6 +145,11 @@ CASES = [
     ("llama", 2, 2, 1, "zb-v", 2, 3),
     ("gpt", 2, 2, 1, "interleaved-zb", 2, 2),
     ("gpt", 2, 2, 1, "zb-v", 2, 2),
+    # DualPipe-V (torch's ScheduleDualPipeV order, zb-v's V; each forward / backward pair run in turn): whole
+    # backwards B in the steady state beside split ones (I, W) in the cool-down, on one rank; m = 4 = 2 pp
+    ("gpt", 2, 1, 1, "dualpipe-v", 2, 0),
+    ("gpt", 2, 1, 2, "dualpipe-v", 2, 0),
+    ("llama", 2, 1, 1, "dualpipe-v", 2, 0),
 ]
 
 
@@ -166,6 +171,24 @@ def test_trains_like_one_process(name, pp, dp, tp, schedule, interleave, zero, o
             recvs = ops.count("RECV_F") + ops.count("RECV_B")
             counts = out.collective_counts[m.rank]
             assert (counts.get("send", 0), counts.get("recv", 0)) == (STEPS * sends, STEPS * recvs), m
+
+
+DUALPIPE_CASES = [
+    # model, pp, dp, zero: microbatches of 1, so each replica has the 2 pp microbatches DualPipe-V needs
+    ("gpt", 2, 2, 1),
+    ("gpt", 2, 2, 3),
+    ("gpt8", 4, 1, 0),
+]
+
+
+@pytest.mark.parametrize("name,pp,dp,zero", DUALPIPE_CASES,
+                         ids=[f"{c[0]}-pp{c[1]}-dp{c[2]}-dualpipe-v-zero{c[3]}" for c in DUALPIPE_CASES])
+def test_dualpipe_v_trains_like_one_process(name, pp, dp, zero):
+    plan = plan_for(name, pp=pp, dp=dp, tp=1, schedule="dualpipe-v", interleave=2, zero=zero, mb=1, on="meta")
+    assert (plan.config.schedule, plan.num_microbatches, plan.config.zero_stage) == ("dualpipe-v", 2 * pp, zero)
+    ops = {a.op.value for actions in plan.instructions.ranks for a in actions}
+    assert {"B", "I", "W"} <= ops  # whole and split backwards in one step
+    assert_same_training(plan, name)
 
 
 SP_CASES = [

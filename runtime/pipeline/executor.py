@@ -1,7 +1,7 @@
 """The pipeline executor: runs one rank's instruction list (a pipeline rank's; a data-parallel rank's is
 one stage's, run by `runtime.engines.step.StepRunner`).
 
-A schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, interleaved ZB, ZB-V) arrives as data: this rank's
+A schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, interleaved ZB, ZB-V, DualPipe-V) arrives as data: this rank's
 ordered actions, each with `.op`, `.stage`, `.microbatch` (the planner's
 `Action`), or their compact strings ("2SEND_F0"). The runtime never imports
 the planner: both take the grammar from `cost_models.actions`, below them
@@ -37,6 +37,9 @@ split backward the weight gradients are W's, so the rank's last W launches
 them (an I adds to no parameter gradient, so no_sync or not changes nothing). (ZeRO-2/3
 reduce-scatter in every B regardless, one in flight at a time; ZeRO-3 also
 gathers each unit inside F and B, one ahead, as its modules run.)
+
+One action at a time: DualPipe-V's pairs (a forward of one stage beside a backward of the other) run as
+the forward, then the backward, as torch's runtime runs an OVERLAP_F_B without an overlap function.
 
 Receives are posted at their RECV and waited right before the compute that
 needs them; sends keep their tensor and Work handle until completed (all are
