@@ -173,6 +173,21 @@ def test_trains_like_one_process(name, pp, dp, tp, schedule, interleave, zero, o
             assert (counts.get("send", 0), counts.get("recv", 0)) == (STEPS * sends, STEPS * recvs), m
 
 
+def test_a_split_backward_under_zero3_reduce_scatters_no_more_than_1f1b():
+    """ZeRO-3 under zb-h1: an I reduce-scatters nothing (a plain backward's end would reduce-scatter zeros for
+    every unit), a W each unit it reaches once, so each rank issues 1F1B's reduce-scatters; W's all-gathers
+    are the extra (the units I's end freed, gathered again), none on stage 0, whose W is the whole backward."""
+    model_fn, loss_fn = MODELS["gpt"]
+    data = batches(2)
+    counts = {}
+    for schedule in ("1f1b", "zb-h1"):
+        plan = plan_for("gpt", pp=2, dp=2, tp=1, schedule=schedule, zero=3)
+        counts[schedule] = launch_local(plan, model_fn, adamw, loss_fn, data, timeout_s=180).collective_counts
+    for rank, (one, zb) in enumerate(zip(counts["1f1b"], counts["zb-h1"], strict=True)):
+        assert zb["reduce_scatter"] == one["reduce_scatter"], rank
+        assert zb["all_gather"] > one["all_gather"] if rank >= 2 else zb["all_gather"] >= one["all_gather"], rank
+
+
 DUALPIPE_CASES = [
     # model, pp, dp, zero: microbatches of 1, so each replica has the 2 pp microbatches DualPipe-V needs
     ("gpt", 2, 2, 1),
