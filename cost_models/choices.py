@@ -6,7 +6,7 @@ what plan JSON stores and what generated programs pass on (`precision='bf16-mixe
 and compares as itself.
 
 >>> PRECISIONS, SCHEDULES
-(('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16', 'fp8-mixed'), ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', 'interleaved-zb', 'zb-v'))
+(('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16', 'fp8-mixed'), ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', 'interleaved-zb', 'zb-v', 'dualpipe-v'))
 >>> GRAD_REDUCE_DTYPES, OPTIMIZER_LAYOUTS
 (('fp32', 'bf16'), ('replicated', 'distributed'))
 """
@@ -38,8 +38,10 @@ LAYOUT_ZERO_STAGE = {"replicated": 0, "distributed": 1}  # the ZeRO stage each l
 
 # zb-h1: 1F1B with each backward split into input and weight gradients, the latter run in the bubble;
 # interleaved-zb: interleaved 1F1B split the same way (torch's ScheduleInterleavedZeroBubble);
-# zb-v: two stages per rank in a V, split the same way (torch's ScheduleZBVZeroBubble)
-ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v"]
+# zb-v: two stages per rank in a V, split the same way (torch's ScheduleZBVZeroBubble);
+# dualpipe-v: the same V, DeepSeek's DualPipe folded onto it (torch's ScheduleDualPipeV): forward and backward
+# of the rank's two stages paired in the steady state, split backwards only near the end
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipe-v"]
 SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 
 Recompute = Literal["none", "selective", "full"]

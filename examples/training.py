@@ -92,15 +92,20 @@ def hf_loss(output, targets) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
-def hf_llama_seeded():
+def hf_llama_seeded(layers: int = 4):
     """A small Hugging Face Llama built from a config: untied vocab-parallel embedding, rotary, SwiGLU, GQA."""
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=64, use_cache=False,
                                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_llama_8l_seeded():
+    """`hf_llama_seeded` with 8 layers: enough blocks for 4 pipeline ranks of 2 virtual stages each."""
+    return hf_llama_seeded(layers=8)
 
 
 def in_model_loss(output, targets) -> torch.Tensor:

@@ -20,6 +20,7 @@ from examples.training import (
     gpt_8l_seeded,
     gpt_loss,
     hf_gpt2_4l_seeded,
+    hf_llama_8l_seeded,
     hf_llama_seeded,
     hf_loss,
     in_model_loss,
@@ -33,7 +34,7 @@ from ranks import assert_trains_like
 pytestmark = pytest.mark.slow
 
 MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "gpt8": (gpt_8l_seeded, gpt_loss), "hf": (hf_gpt2_4l_seeded, hf_loss),
-          "llama": (hf_llama_seeded, hf_loss)}
+          "llama": (hf_llama_seeded, hf_loss), "llama8": (hf_llama_8l_seeded, hf_loss)}
 VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 3
 
 
@@ -67,7 +68,7 @@ def plan_for(name: str, *, pp: int, dp: int, tp: int, schedule: str = "1f1b", in
 
 def assert_same_training(plan, name: str, steps: int = STEPS, optimizer=adamw):
     model_fn, loss_fn = MODELS[name]
-    data = batches(steps, padding=name == "llama")
+    data = batches(steps, padding=name.startswith("llama"))
     out = launch_local(plan, model_fn, optimizer, loss_fn, data, timeout_s=180)
     trained = train_one_process(model_fn, optimizer, loss_fn, data)
     want_losses, want = trained.losses, trained.model.state_dict()
@@ -130,6 +131,25 @@ CASES = [
     ("llama", 2, 2, 1, "zb-v", 2, 1),
     ("gpt", 2, 1, 2, "interleaved-zb", 2, 0),
     ("gpt", 2, 1, 2, "zb-v", 2, 0),
+    # four pipeline ranks, eight virtual stages: interleaved-zb's rounds of pp microbatches; zb-v with m = 4 <
+    # 2 pp - 1, its V not filled (the lists built for 2 pp - 1 microbatches, the missing ones dropped)
+    ("gpt8", 4, 1, 1, "interleaved-zb", 2, 0),
+    ("gpt8", 4, 1, 1, "zb-v", 2, 0),
+    ("llama8", 4, 1, 1, "interleaved-zb", 2, 0),
+    ("llama8", 4, 1, 1, "zb-v", 2, 0),
+    # ZeRO-3 under a split backward: I gathers a unit and leaves its gradient to W, whose AccumulateGrad
+    # reduce-scatters it; ZeRO-2 for the two-stage-per-rank schedules
+    ("gpt", 2, 2, 1, "zb-h1", 1, 3),
+    ("gpt", 2, 2, 1, "interleaved-zb", 2, 3),
+    ("gpt", 2, 2, 1, "zb-v", 2, 3),
+    ("llama", 2, 2, 1, "zb-v", 2, 3),
+    ("gpt", 2, 2, 1, "interleaved-zb", 2, 2),
+    ("gpt", 2, 2, 1, "zb-v", 2, 2),
+    # DualPipe-V (torch's ScheduleDualPipeV order, zb-v's V; each forward / backward pair run in turn): whole
+    # backwards B in the steady state beside split ones (I, W) in the cool-down, on one rank; m = 4 = 2 pp
+    ("gpt", 2, 1, 1, "dualpipe-v", 2, 0),
+    ("gpt", 2, 1, 2, "dualpipe-v", 2, 0),
+    ("llama", 2, 1, 1, "dualpipe-v", 2, 0),
 ]
 
 
@@ -151,6 +171,39 @@ def test_trains_like_one_process(name, pp, dp, tp, schedule, interleave, zero, o
             recvs = ops.count("RECV_F") + ops.count("RECV_B")
             counts = out.collective_counts[m.rank]
             assert (counts.get("send", 0), counts.get("recv", 0)) == (STEPS * sends, STEPS * recvs), m
+
+
+def test_a_split_backward_under_zero3_reduce_scatters_no_more_than_1f1b():
+    """ZeRO-3 under zb-h1: an I reduce-scatters nothing (a plain backward's end would reduce-scatter zeros for
+    every unit), a W each unit it reaches once, so each rank issues 1F1B's reduce-scatters; W's all-gathers
+    are the extra (the units I's end freed, gathered again), none on stage 0, whose W is the whole backward."""
+    model_fn, loss_fn = MODELS["gpt"]
+    data = batches(2)
+    counts = {}
+    for schedule in ("1f1b", "zb-h1"):
+        plan = plan_for("gpt", pp=2, dp=2, tp=1, schedule=schedule, zero=3)
+        counts[schedule] = launch_local(plan, model_fn, adamw, loss_fn, data, timeout_s=180).collective_counts
+    for rank, (one, zb) in enumerate(zip(counts["1f1b"], counts["zb-h1"], strict=True)):
+        assert zb["reduce_scatter"] == one["reduce_scatter"], rank
+        assert zb["all_gather"] > one["all_gather"] if rank >= 2 else zb["all_gather"] >= one["all_gather"], rank
+
+
+DUALPIPE_CASES = [
+    # model, pp, dp, zero: microbatches of 1, so each replica has the 2 pp microbatches DualPipe-V needs
+    ("gpt", 2, 2, 1),
+    ("gpt", 2, 2, 3),
+    ("gpt8", 4, 1, 0),
+]
+
+
+@pytest.mark.parametrize("name,pp,dp,zero", DUALPIPE_CASES,
+                         ids=[f"{c[0]}-pp{c[1]}-dp{c[2]}-dualpipe-v-zero{c[3]}" for c in DUALPIPE_CASES])
+def test_dualpipe_v_trains_like_one_process(name, pp, dp, zero):
+    plan = plan_for(name, pp=pp, dp=dp, tp=1, schedule="dualpipe-v", interleave=2, zero=zero, mb=1, on="meta")
+    assert (plan.config.schedule, plan.num_microbatches, plan.config.zero_stage) == ("dualpipe-v", 2 * pp, zero)
+    ops = {a.op.value for actions in plan.instructions.ranks for a in actions}
+    assert {"B", "I", "W"} <= ops  # whole and split backwards in one step
+    assert_same_training(plan, name)
 
 
 SP_CASES = [

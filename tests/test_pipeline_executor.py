@@ -41,7 +41,7 @@ from ranks import gloo_group, init_gloo, spawn
 D, CLASSES, BATCH, M, STEPS = 16, 5, 8, 4, 2
 SGD = {"lr": 0.1, "momentum": 0.9}
 RTOL, ATOL = 1e-5, 1e-6
-BOUNDS = {2: [0, 4, 9], 4: [0, 2, 4, 6, 9]}   # 8 blocks + head, cut into 2 or 4 stages
+BOUNDS = {2: [0, 4, 9], 4: [0, 2, 4, 6, 9], 8: [0, 1, 2, 3, 4, 5, 6, 7, 9]}   # 8 blocks + head, in 2, 4 or 8 stages
 
 
 class Residual(nn.Module):
@@ -229,11 +229,12 @@ class Run:
     engine: str = "ours"  # or "torch": torch.distributed.pipelining on the same split
     shapes: str = "given"  # "given": activation_shape=; "header": shape header messages
     strings: bool = False  # pass the actions as compact strings
+    microbatches: int = M
 
 
 def _run_ours(run: Run, rank: int, pp: int) -> dict:
-    S = pp * run.interleave
-    schedule = build_schedule(run.kind, pp=pp, num_microbatches=M, interleave=run.interleave)
+    S, m = pp * run.interleave, run.microbatches
+    schedule = build_schedule(run.kind, pp=pp, num_microbatches=m, interleave=run.interleave)
     parts = split_sequential(_model(), BOUNDS[S])
     stages = {s: parts[s] for s in schedule.stages_of(rank)}
     opts = {s: torch.optim.SGD(m.parameters(), **SGD) for s, m in stages.items()}
@@ -241,15 +242,16 @@ def _run_ours(run: Run, rank: int, pp: int) -> dict:
     coll = Collectives()
     actions = [str(a) for a in schedule.ranks[rank]] if run.strings else schedule.ranks[rank]
     ex = PipelineExecutor(actions=actions, stages=stages, num_stages=S, stage_to_rank=schedule.rank_of,
-                          collectives=coll, loss_fn=F.cross_entropy, num_microbatches=M,
+                          collectives=coll, loss_fn=F.cross_entropy, num_microbatches=m,
                           grad_sync=synced.append, optim=lambda s: (opts[s].step(), opts[s].zero_grad()),
-                          activation_shape=_shape if run.shapes == "given" else None)
+                          activation_shape=(lambda s, i: ((BATCH // m, D), torch.float32))
+                          if run.shapes == "given" else None)
     losses, counts = [], []
     for step in range(STEPS):
         coll.reset()
         x, y = _batch(step)
-        losses.append(ex.run(list(x.chunk(M)) if 0 in stages else None,
-                             list(y.chunk(M)) if S - 1 in stages else None))
+        losses.append(ex.run(list(x.chunk(m)) if 0 in stages else None,
+                             list(y.chunk(m)) if S - 1 in stages else None))
         counts.append(dict(coll.counts))
     want = schedule.counts()[rank]
     headers = want[Op.RECV_F] if run.shapes == "header" else 0
@@ -264,26 +266,30 @@ def _run_torch(run: Run, rank: int, pp: int) -> dict:
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
+        ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleavedZeroBubble,
         ScheduleZBVZeroBubble,
     )
 
-    S = pp * run.interleave
+    S, m = pp * run.interleave, run.microbatches
     parts = split_sequential(_model(), BOUNDS[S])
-    # zb-v: two stages per rank, in a V (rank r holds r and 2 pp - 1 - r); the others: stage % pp
-    mine = (rank, S - 1 - rank) if run.kind == "zb-v" else tuple(range(rank, S, pp))
+    # zb-v, dualpipe-v: two stages per rank, in a V (rank r holds r and 2 pp - 1 - r); the others: stage % pp
+    v_shaped = run.kind in ("zb-v", "dualpipe-v")
+    mine = (rank, S - 1 - rank) if v_shaped else tuple(range(rank, S, pp))
     stages = [PipelineStage(parts[s], s, S, device=torch.device("cpu")) for s in mine]
     order = None
-    if run.kind == "zb-v":
-        sched = ScheduleZBVZeroBubble(stages, n_microbatches=M, loss_fn=F.cross_entropy)
+    if v_shaped:
+        cls = ScheduleZBVZeroBubble if run.kind == "zb-v" else ScheduleDualPipeV
+        sched = cls(stages, n_microbatches=m, loss_fn=F.cross_entropy)
     elif run.kind in ("zb-h1", "interleaved-zb"):  # with one stage per rank torch's zero-bubble schedule is ZB-H1
-        sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=M, loss_fn=F.cross_entropy)
+        sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=m, loss_fn=F.cross_entropy)
     else:
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.kind]
-        sched = cls(stages[0], n_microbatches=M, loss_fn=F.cross_entropy)
-    if run.kind in ("zb-v", "zb-h1", "interleaved-zb"):
-        order = [str(a) for a in sched.pipeline_order[rank] if a is not None]
+        sched = cls(stages[0], n_microbatches=m, loss_fn=F.cross_entropy)
+    if run.kind in ("zb-v", "zb-h1", "interleaved-zb", "dualpipe-v"):
+        # DualPipe-V's OVERLAP_F_B pairs as their sub-actions, forward then backward (the order torch runs them)
+        order = [str(b) for a in sched.pipeline_order[rank] if a is not None for b in (a.sub_actions or (a,))]
     opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], **SGD)
     first, last = 0 in mine, S - 1 in mine  # the rank feeding the inputs, the rank computing the loss
     losses = []
@@ -293,7 +299,7 @@ def _run_torch(run: Run, rank: int, pp: int) -> dict:
         sched.step(*((x,) if first else ()), **(dict(target=y, losses=mb_losses) if last else {}))
         opt.step()
         opt.zero_grad()
-        losses.append(sum(l.item() for l in mb_losses) / M if last else None)
+        losses.append(sum(l.item() for l in mb_losses) / m if last else None)
     return {"losses": losses, "state": {k: v for s in mine for k, v in parts[s].state_dict().items()},
             "order": order}
 
@@ -321,8 +327,12 @@ RUNS = {
         Run("1f1b", shapes="header"), Run("zb-h1", strings=True), Run("gpipe", engine="torch"),
         Run("1f1b", engine="torch"), Run("zb-h1", engine="torch"), Run("zb-v", interleave=2),
         Run("zb-v", interleave=2, engine="torch"), Run("interleaved-zb", interleave=2),
-        Run("interleaved-zb", interleave=2, engine="torch")],
-    4: [Run("gpipe", shapes="header"), Run("1f1b"), Run("zb-h1"), Run("zb-h1", engine="torch")],
+        Run("interleaved-zb", interleave=2, engine="torch"), Run("dualpipe-v", interleave=2),
+        Run("dualpipe-v", interleave=2, engine="torch")],
+    4: [Run("gpipe", shapes="header"), Run("1f1b"), Run("zb-h1"), Run("zb-h1", engine="torch"),
+        Run("zb-v", interleave=2), Run("zb-v", interleave=2, engine="torch"), Run("interleaved-zb", interleave=2),
+        Run("interleaved-zb", interleave=2, engine="torch"), Run("dualpipe-v", interleave=2, microbatches=8),
+        Run("dualpipe-v", interleave=2, microbatches=8, engine="torch")],
 }
 CASES = [(w, r) for w, runs in RUNS.items() for r in runs if r.engine == "ours"]
 
@@ -330,6 +340,7 @@ CASES = [(w, r) for w, runs in RUNS.items() for r in runs if r.engine == "ours"]
 def _run_id(case) -> str:
     world, r = case
     return f"pp{world}-{r.kind}" + (f"-v{r.interleave}" if r.interleave > 1 else "") + \
+        (f"-m{r.microbatches}" if r.microbatches != M else "") + \
         ("-header" if r.shapes == "header" else "") + ("-strings" if r.strings else "")
 
 
@@ -347,7 +358,8 @@ def test_trains_like_one_process(worlds, case):
     _assert_state_close(got["state"], want["state"])
     for rank, r in enumerate(got["ranks"]):
         assert r["counts_ok"], f"rank {rank}: sends/receives {r['counts']} != instruction lists {r['expected']}"
-        mine = build_schedule(run.kind, pp=world, num_microbatches=M, interleave=run.interleave).stages_of(rank)
+        mine = build_schedule(run.kind, pp=world, num_microbatches=run.microbatches,
+                              interleave=run.interleave).stages_of(rank)
         assert sorted(r["synced"]) == sorted(list(mine) * STEPS)
 
 
@@ -412,11 +424,14 @@ def test_deadlocking_list_fails_with_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_zb_v_is_torchs_zbv_order_and_loss(worlds):
+@pytest.mark.parametrize("world", [2, 4])
+def test_zb_v_is_torchs_zbv_order_and_loss(worlds, world):
     """torch's ScheduleZBVZeroBubble: two stages per rank in a V, the same per-rank compute order as our
-    zb-v lists, and the same losses and parameters (stage 0 and the loss's stage both on rank 0)."""
-    ours, oracle = worlds(2)[Run("zb-v", interleave=2)], worlds(2)[Run("zb-v", interleave=2, engine="torch")]
-    schedule = build_schedule("zb-v", pp=2, num_microbatches=M, interleave=2)
+    zb-v lists, and the same losses and parameters (stage 0 and the loss's stage both on rank 0). At pp 4,
+    m = 4 < 2 pp - 1: both build the V for 7 microbatches and drop the actions of the missing ones."""
+    ours = worlds(world)[Run("zb-v", interleave=2)]
+    oracle = worlds(world)[Run("zb-v", interleave=2, engine="torch")]
+    schedule = build_schedule("zb-v", pp=world, num_microbatches=M, interleave=2)
     computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
     assert oracle["orders"] == computes
     torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
@@ -424,13 +439,30 @@ def test_zb_v_is_torchs_zbv_order_and_loss(worlds):
 
 
 @pytest.mark.slow
-def test_interleaved_zb_is_torchs_interleaved_zero_bubble_order_and_loss(worlds):
+@pytest.mark.parametrize("world", [2, 4])
+def test_interleaved_zb_is_torchs_interleaved_zero_bubble_order_and_loss(worlds, world):
     """torch's ScheduleInterleavedZeroBubble with two stages per rank (stage % pp): the same per-rank compute
-    order as our interleaved-zb lists, and the same losses and parameters."""
-    ours = worlds(2)[Run("interleaved-zb", interleave=2)]
-    oracle = worlds(2)[Run("interleaved-zb", interleave=2, engine="torch")]
-    schedule = build_schedule("interleaved-zb", pp=2, num_microbatches=M, interleave=2)
+    order as our interleaved-zb lists, and the same losses and parameters (at pp 4: eight stages, one round of
+    m = pp microbatches)."""
+    ours = worlds(world)[Run("interleaved-zb", interleave=2)]
+    oracle = worlds(world)[Run("interleaved-zb", interleave=2, engine="torch")]
+    schedule = build_schedule("interleaved-zb", pp=world, num_microbatches=M, interleave=2)
     computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
+    assert oracle["orders"] == computes
+    torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
+    _assert_state_close(ours["state"], oracle["state"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,m", [(2, M), (4, 8)])
+def test_dualpipe_v_is_torchs_dualpipev_order_and_loss(worlds, world, m):
+    """torch's ScheduleDualPipeV on Gloo: the same per-rank compute order as our dualpipe-v lists (its
+    OVERLAP_F_B pairs as forward, then backward: how both runtimes run them), and the same losses and
+    parameters; m >= 2 pp microbatches, as both require."""
+    ours = worlds(world)[Run("dualpipe-v", interleave=2, microbatches=m)]
+    oracle = worlds(world)[Run("dualpipe-v", interleave=2, microbatches=m, engine="torch")]
+    schedule = build_schedule("dualpipe-v", pp=world, num_microbatches=m, interleave=2)
+    computes = [[str(a) for a in actions if a.op in (Op.F, Op.B, Op.I, Op.W)] for actions in schedule.ranks]
     assert oracle["orders"] == computes
     torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
     _assert_state_close(ours["state"], oracle["state"])

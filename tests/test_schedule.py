@@ -273,6 +273,9 @@ def test_rank_peak_matches_memory_model(kind, pp, m, v):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(kind="zigzag", pp=2, num_microbatches=4), "unknown schedule kind='zigzag'.*gpipe.*zb-h1.*zb-v"),
     (dict(kind="zb-v", pp=2, num_microbatches=4), "zb-v' places exactly 2 stages per rank.*interleave=2"),
+    (dict(kind="dualpipe-v", pp=2, num_microbatches=4), "dualpipe-v' places exactly 2 stages per rank.*interleave=2"),
+    (dict(kind="dualpipe-v", pp=4, num_microbatches=7, interleave=2),
+     "dualpipe-v needs at least as many microbatches as stages \\(2 pp = 8.*got num_microbatches=7"),
     (dict(kind="interleaved-zb", pp=2, num_microbatches=4), "needs interleave >= 2.*'zb-h1'"),
     (dict(kind="interleaved-zb", pp=4, num_microbatches=9, interleave=2),
      "rounds of about pp=4.*multiple of 2; got 9. Use num_microbatches=8"),
@@ -492,6 +495,44 @@ def test_zb_v_is_valid_round_trips_and_is_torchs_order(pp, m):
     assert s.rank_of(0) == s.rank_of(2 * pp - 1) == 0
 
 
+# --- DualPipe-V ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("extra", [0, 1, 3, 9])
+def test_dualpipe_v_is_valid_round_trips_and_is_torchs_order(pp, extra):
+    """m = 2 pp + extra microbatches, zb-v's V; the compute order of torch's
+    ScheduleDualPipeV._calculate_single_rank_operations with each OVERLAP_F_B pair as its forward, then its
+    backward (the order torch's runtime runs them in without a registered overlap function)."""
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+    m = 2 * pp + extra
+    s = build_schedule("dualpipe-v", pp=pp, num_microbatches=m, interleave=2)
+    validate(s)
+    assert Schedule.parse(str(s)) == s and Schedule.from_json(s.to_json()) == s
+    for r in range(pp):
+        assert s.stages_of(r) == tuple(sorted((r, 2 * pp - 1 - r)))
+        theirs = ScheduleDualPipeV._calculate_single_rank_operations(
+            types.SimpleNamespace(pp_group_size=pp, _n_microbatches=m), r)
+        flat = [str(b) for a in theirs if a is not None for b in (a.sub_actions or (a,))]
+        assert [str(a) for a in s.ranks[r] if a.op in (Op.F, Op.B, Op.I, Op.W)] == flat
+        pairs = sum(1 for a in theirs if a is not None and a.sub_actions)
+        assert pairs == 2 * (m - 2 * pp + r + 1) + (pp - r - 1) - (r == pp - 1)  # steps 4 and 5 of torch's
+    ops = {a.op for r in s.ranks for a in r}
+    assert {Op.B, Op.I, Op.W} <= ops if pp > 1 else Op.B in ops
+
+
+def test_dualpipe_v_example():
+    s = build_schedule("dualpipe-v", pp=2, num_microbatches=4, interleave=2)
+    assert [_compute_all(s, r) for r in range(2)] == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3"]
+    assert peak_inflight(s) == (4, 3, 2, 1)  # 1F1B's counts over the four stages
+
+
+def _compute_all(schedule: Schedule, rank: int) -> str:
+    return " ".join(str(a) for a in schedule.ranks[rank] if a.op in (Op.F, Op.B, Op.I, Op.W))
+
+
 def test_zb_v_placement_is_checked():
     s = build_schedule("zb-v", pp=2, num_microbatches=2, interleave=2)
     with pytest.raises(ValueError, match="2F0 runs on rank 0, but stage 2 lives on rank 1 \\(its V\\)"):
@@ -539,7 +580,8 @@ def test_interleaved_zb_example():
 
 
 @pytest.mark.parametrize("kind,pp,m", [("interleaved-zb", pp, m) for pp in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp)]
-                         + [("zb-v", pp, m) for pp in (2, 3, 4) for m in (1, pp, 2 * pp, 3 * pp)])
+                         + [("zb-v", pp, m) for pp in (2, 3, 4) for m in (1, pp, 2 * pp, 3 * pp)]
+                         + [("dualpipe-v", pp, m) for pp in (2, 3, 4) for m in (2 * pp, 2 * pp + 1, 3 * pp)])
 def test_chunk_peaks_are_the_lists_peaks(kind, pp, m):
     """What the cost model charges per stage (activations held until W; W's kept gradients between I and W)
     is what the lists hold at their peak."""

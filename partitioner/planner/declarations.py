@@ -372,11 +372,11 @@ def _check_async_sgd(d: Declarations, world_size: int) -> None:
 # Bounds that keep the search finite and fast: the divisors of the batch are enumerated, and the schedule
 # lists every microbatch of every rank (their instruction lists grow with the count).
 MAX_GLOBAL_BATCH_SIZE = 2**32
-# Schedules whose backward is split into I and W: the runtime does not run them under ZeRO-3 or selective
-# recompute (why: the DeclarationErrors in check_declarations)
-SPLIT_BACKWARD = frozenset({"zb-h1", "interleaved-zb", "zb-v"})
-# Schedules with several virtual stages per rank: interleave >= 2 of them (zb-v: exactly 2, in a V)
-INTERLEAVED = frozenset({"interleaved-1f1b", "interleaved-zb", "zb-v"})
+# Schedules whose backward is split into I and W: the runtime does not run them under selective recompute
+# (why: the DeclarationError in check_declarations); under ZeRO-3 only when pinned (search.py)
+SPLIT_BACKWARD = frozenset({"zb-h1", "interleaved-zb", "zb-v", "dualpipe-v"})
+# Schedules with several virtual stages per rank: interleave >= 2 of them (zb-v, dualpipe-v: exactly 2, in a V)
+INTERLEAVED = frozenset({"interleaved-1f1b", "interleaved-zb", "zb-v", "dualpipe-v"})
 MAX_MICROBATCHES = 2**16
 
 
@@ -479,14 +479,18 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
         raise DeclarationError(
             f"interleave={d.interleave} needs schedule='interleaved-1f1b' or 'interleaved-zb', not "
             f"{d.schedule!r}; drop interleave or change the schedule")
-    if d.schedule == "zb-v" and d.interleave not in (None, 2):
-        raise DeclarationError(f"schedule='zb-v' places exactly 2 stages per pipeline rank, in a V; got "
+    if d.schedule in ("zb-v", "dualpipe-v") and d.interleave not in (None, 2):
+        raise DeclarationError(f"schedule={d.schedule!r} places exactly 2 stages per pipeline rank, in a V; got "
                                f"interleave={d.interleave}: drop it or pass interleave=2")
-    if d.schedule in SPLIT_BACKWARD and d.zero_stage == 3:
+    if d.schedule == "dualpipe-v" and None not in (d.pp, d.dp, d.microbatch_size) and d.cp in (None, 1) \
+            and d.global_batch_size % (d.dp * d.microbatch_size) == 0 \
+            and d.global_batch_size // (d.dp * d.microbatch_size) < 2 * d.pp:
+        m = d.global_batch_size // (d.dp * d.microbatch_size)
         raise DeclarationError(
-            f"schedule={d.schedule!r} with zero_stage=3: a split backward keeps each microbatch's graph from its "
-            "I to its W, but ZeRO-3 frees a unit's gathered parameters after each backward, under the graph; "
-            "use zero_stage 0, 1 or 2, or schedule='1f1b'")
+            f"schedule='dualpipe-v' needs at least 2 pp = {2 * d.pp} microbatches per replica (one per stage of its "
+            f"V; torch's ScheduleDualPipeV checks the same), but global_batch_size={d.global_batch_size} / "
+            f"(dp({d.dp}) * microbatch_size({d.microbatch_size})) = {m}: use microbatch_size <= "
+            f"{max(1, d.global_batch_size // (d.dp * 2 * d.pp))}, a larger global batch, or schedule='zb-v'")
     if d.schedule in SPLIT_BACKWARD and d.recompute == "selective":
         raise DeclarationError(
             f"schedule={d.schedule!r} with recompute='selective': a split backward runs autograd twice over each "

@@ -136,7 +136,7 @@ class MemoryBreakdown:
 
 def per_rank_memory(memories: Sequence[Any], pp: int, schedule: str = "1f1b") -> dict[int, MemoryBreakdown]:
     """Per pipeline rank, from the memory of every virtual stage in stage order (stage k lives on rank
-    schedule.stage_rank: k % pp, zb-v's V): its stages' params, grads, optimizer state and activations
+    schedule.stage_rank: k % pp, zb-v's and dualpipe-v's V): its stages' params, grads, optimizer state and activations
     summed, buffers once (they are reused). The one rule the search, compile and a plan count a rank's
     memory by."""
     out: dict[int, MemoryBreakdown] = {}

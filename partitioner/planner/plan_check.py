@@ -90,11 +90,11 @@ def _check_config(p: Plan) -> None:
     if c.dp * c.cp * c.tp * c.pp != p.world_size:
         _fail("config", f"dp({c.dp}) * cp({c.cp}) * tp({c.tp}) * pp({c.pp}) = {c.dp * c.cp * c.tp * c.pp} != "
                         f"world_size {p.world_size}")
-    if (c.schedule in ("interleaved-1f1b", "interleaved-zb", "zb-v")) != (c.interleave > 1) or (
-            c.schedule == "zb-v" and c.interleave != 2):
+    if (c.schedule in ("interleaved-1f1b", "interleaved-zb", "zb-v", "dualpipe-v")) != (c.interleave > 1) or (
+            c.schedule in ("zb-v", "dualpipe-v") and c.interleave != 2):
         _fail("config.interleave", f"interleave={c.interleave} with schedule {c.schedule!r}: interleaved-1f1b and "
-                                   "interleaved-zb run interleave >= 2 virtual stages per rank, zb-v exactly 2, "
-                                   "the others exactly 1")
+                                   "interleaved-zb run interleave >= 2 virtual stages per rank, zb-v and dualpipe-v "
+                                   "exactly 2, the others exactly 1")
     per_step = c.dp * c.microbatch_size * c.num_microbatches
     if per_step != p.global_batch_size:
         _fail("global_batch_size", f"{p.global_batch_size} != dp({c.dp}) * config.microbatch_size"

@@ -7,7 +7,7 @@ data-parallel gradient reduction of each stage and its optimizer step. The
 planner times these lists with `partitioner.planner.simulate`; the runtime executes
 the same lists. Virtual stage v lives on rank `v % pp` (Megatron-LM's
 interleaved placement: rank r holds stages r, r + pp, r + 2 pp, ...),
-except under zb-v, whose two stages per rank form a V: rank r holds
+except under zb-v and dualpipe-v, whose two stages per rank form a V: rank r holds
 stages r and 2 pp - 1 - r (torch's `generate_stage_to_rank_mapping(style="v")`).
 
 `build_schedule` lowers in passes, like torch's pipelining
@@ -47,11 +47,13 @@ from cost_models.choices import SCHEDULES, ScheduleKind
 from cost_models.errors import DeclarationError, PartitionerError
 
 __all__ = [
-    "Op", "Action", "Schedule", "ScheduleKind", "SCHEDULE_KINDS", "stage_rank", "chunk_peaks",
+    "Op", "Action", "Schedule", "ScheduleKind", "SCHEDULE_KINDS", "V_SHAPED", "stage_rank", "chunk_peaks",
     "build_schedule", "add_unshard_reshard", "validate", "peak_inflight",
 ]
 
 SCHEDULE_KINDS = SCHEDULES
+# The schedules whose two stages per rank form a V: rank r holds stages r and 2 pp - 1 - r
+V_SHAPED = frozenset({"zb-v", "dualpipe-v"})
 JSON_FORMAT = "partitioner.planner.schedule/1"
 
 
@@ -208,9 +210,19 @@ def build_schedule(kind: ScheduleKind, *, pp: int, num_microbatches: int,
           `ScheduleZBVZeroBubble`: two stages per rank (interleave=2) in a V,
           rank r holding stages r and 2 pp - 1 - r, so the first and the
           last stage (the loss) share rank 0 and the turn of the V needs no
-          message; backwards split into I and W as in zb-h1. Not yet a
-          declared schedule (the search and code generation place stages
-          stage % pp): built, validated, simulated and run by the executor.
+          message; backwards split into I and W as in zb-h1.
+      dualpipe-v: DeepSeek's DualPipe (DeepSeek-V3 report, 2024) folded
+          onto zb-v's V, torch's `ScheduleDualPipeV`
+          (`_calculate_single_rank_operations`, after
+          github.com/deepseek-ai/DualPipe's DualPipeV): warm-up forwards of
+          both stages, then a steady state of pairs, the forward of one
+          stage with the whole backward (B) of the other, then the cool-down,
+          whose later backwards split into I and W. Needs m >= 2 pp (torch's
+          check). DualPipe overlaps the two halves of a pair (one's compute
+          with the other's all-to-alls); this executor runs one action at a
+          time, so each pair runs as the forward, then the backward, in
+          DualPipe-V's order (torch's runtime does the same by default:
+          OVERLAP_F_B runs its sub-actions in turn).
 
     >>> s = build_schedule("interleaved-1f1b", pp=2, num_microbatches=2, interleave=2)
     >>> print(s.table())
@@ -251,7 +263,7 @@ def build_schedule(kind: ScheduleKind, *, pp: int, num_microbatches: int,
             f"multiple of {pp}; got {m}. Use num_microbatches={nearest}, or schedule='1f1b'")
     order = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order,
              "interleaved-1f1b": _interleaved_order, "zb-h1": _zb_h1_order, "zb-v": _zb_v_order,
-             "interleaved-zb": _interleaved_zb_order}[kind]
+             "interleaved-zb": _interleaved_zb_order, "dualpipe-v": _dualpipe_v_order}[kind]
     num_stages = pp * interleave
     ranks = []
     for r in range(pp):
@@ -274,6 +286,13 @@ def _check_kind_and_sizes(kind: str, pp: int, m: int, interleave: int) -> None:
     if kind == "zb-v" and interleave != 2:
         raise DeclarationError(f"kind='zb-v' places exactly 2 stages per rank, in a V: pass interleave=2, "
                                f"not {interleave}")
+    if kind == "dualpipe-v" and interleave != 2:
+        raise DeclarationError(f"kind='dualpipe-v' places exactly 2 stages per rank, in a V: pass interleave=2, "
+                               f"not {interleave}")
+    if kind == "dualpipe-v" and m < 2 * pp:
+        raise DeclarationError(f"dualpipe-v needs at least as many microbatches as stages (2 pp = {2 * pp}; "
+                               f"torch's ScheduleDualPipeV checks the same), got num_microbatches={m}: use "
+                               f"num_microbatches >= {2 * pp}, or kind='zb-v'")
     if kind == "interleaved-zb" and interleave < 2:
         raise DeclarationError(f"kind='interleaved-zb' needs interleave >= 2 virtual stages per rank, got "
                                f"interleave={interleave}; with one use kind='zb-h1'")
@@ -283,7 +302,7 @@ def _check_kind_and_sizes(kind: str, pp: int, m: int, interleave: int) -> None:
             f"interleaved-zb runs microbatches in {rounds} rounds of about pp={pp} (torch's "
             f"ScheduleInterleavedZeroBubble), so num_microbatches must be a multiple of {rounds}; got {m}. "
             f"Use num_microbatches={rounds * pp} or a multiple of pp")
-    if kind not in ("interleaved-1f1b", "interleaved-zb", "zb-v") and interleave != 1:
+    if kind not in ("interleaved-1f1b", "interleaved-zb", "zb-v", "dualpipe-v") and interleave != 1:
         raise DeclarationError(f"kind={kind!r} places one stage per rank, so interleave must be 1, "
                                f"got interleave={interleave}; for {interleave} virtual stages per "
                                f"rank use kind='interleaved-1f1b'")
@@ -358,12 +377,12 @@ def _interleaved_zb_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
 
 def stage_rank(kind: str, pp: int, stage: int) -> int:
     """The pipeline rank holding virtual stage `stage` under schedule `kind`: stage % pp (Megatron-LM's
-    interleaved placement), except zb-v's V (stage s and 2 pp - 1 - s on rank s).
+    interleaved placement), except zb-v's and dualpipe-v's V (stage s and 2 pp - 1 - s on rank s).
 
     >>> [stage_rank("interleaved-zb", 2, s) for s in range(4)], [stage_rank("zb-v", 2, s) for s in range(4)]
     ([0, 1, 0, 1], [0, 1, 1, 0])
     """
-    if kind == "zb-v":   # the V: down the ranks on the way in, back up on the way out
+    if kind in V_SHAPED:   # the V: down the ranks on the way in, back up on the way out
         return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
 
@@ -410,6 +429,63 @@ def _zb_v_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
     return [a for a in out if a.microbatch < m]
 
 
+def _dualpipe_v_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
+    # torch's ScheduleDualPipeV._calculate_single_rank_operations, its eight steps; an OVERLAP_F_B pair is its
+    # forward, then its whole backward B. B and I share a microbatch counter per stage (torch's BACKWARD_INPUT
+    # key); each I queues its W, and W's run oldest first where torch's add_weight_action_if_pending does
+    down, up = rank, 2 * pp - 1 - rank     # the rank's stage on the way in, and on the way out
+    out: list[Action] = []
+    count: collections.Counter = collections.Counter()
+    weights: collections.deque = collections.deque()
+
+    def emit(op: Op, stage: int) -> None:
+        key = (Op.F if op is Op.F else Op.I, stage)
+        out.append(Action(op=op, stage=stage, microbatch=count[key]))
+        if op is Op.I:
+            weights.append(out[-1])
+        count[key] += 1
+
+    def weight() -> None:
+        if weights:
+            a = weights.popleft()
+            out.append(Action(op=Op.W, stage=a.stage, microbatch=a.microbatch))
+
+    for _ in range((pp - rank - 1) * 2):         # 1: F0
+        emit(Op.F, down)
+    for _ in range(rank + 1):                   # 2: F0 F1
+        emit(Op.F, down)
+        emit(Op.F, up)
+    for _ in range(pp - rank - 1):              # 3: I1 W F1 (zero bubble)
+        emit(Op.I, up)
+        weight()
+        emit(Op.F, up)
+    for _ in range(m - 2 * pp + rank + 1):      # 4: the pairs (F0 B1) (F1 B0); on the last rank the first
+        emit(Op.F, down)                        #    F0 B1 is not overlapped, the same order here
+        emit(Op.B, up)
+        emit(Op.F, up)
+        emit(Op.B, down)
+    for _ in range(pp - rank - 1):              # 5: B1, then the pair (F1 B0)
+        emit(Op.B, up)
+        emit(Op.F, up)
+        emit(Op.B, down)
+    split = False
+    for i in range(rank + 1):                   # 6: B1 B0, split into I from the middle on
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        emit(Op.I if split else Op.B, up)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        emit(Op.I if split else Op.B, down)
+    for _ in range(pp - rank - 1):              # 7: W B0
+        weight()
+        emit(Op.I if split else Op.B, down)
+    for _ in range(rank + 1):                   # 8: W
+        weight()
+    while weights:                              # none left at m >= 2 pp (tests/test_schedule.py): a guard
+        weight()
+    return out
+
+
 def _interleaved_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
     # Megatron-LM: the k-th forward (backward) of a rank runs chunk
     # (k mod pp*v) // pp (reversed for backward) on microbatch
@@ -452,7 +528,8 @@ def chunk_peaks(kind: ScheduleKind, *, pp: int, num_microbatches: int, interleav
 @functools.lru_cache(maxsize=4096)
 def _chunk_peaks(kind: str, pp: int, m: int, interleave: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     order = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order, "interleaved-1f1b": _interleaved_order,
-             "zb-h1": _zb_h1_order, "zb-v": _zb_v_order, "interleaved-zb": _interleaved_zb_order}[kind]
+             "zb-h1": _zb_h1_order, "zb-v": _zb_v_order, "interleaved-zb": _interleaved_zb_order,
+             "dualpipe-v": _dualpipe_v_order}[kind]
     local = tuple(s for s in range(pp * interleave) if stage_rank(kind, pp, s) == rank)
     live, held = dict.fromkeys(local, 0), dict.fromkeys(local, 0)
     peak_live, peak_held = dict(live), dict(held)
@@ -628,7 +705,7 @@ def validate(schedule: Schedule) -> None:
                 fail(r, i, f"{a} names stage {a.stage}, but the schedule has stages 0..{S - 1}")
             if rank_of(a.stage) != r:
                 fail(r, i, f"{a} runs on rank {r}, but stage {a.stage} lives on rank "
-                           f"{rank_of(a.stage)} ({'its V' if schedule.kind == 'zb-v' else 'stage % pp'})")
+                           f"{rank_of(a.stage)} ({'its V' if schedule.kind in V_SHAPED else 'stage % pp'})")
             if a.microbatch is not None and a.microbatch >= m:
                 fail(r, i, f"{a} names microbatch {a.microbatch}, but the schedule has "
                            f"microbatches 0..{m - 1}")

@@ -38,10 +38,11 @@ from partitioner.planner.unit_costs import CostContext
 __all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
 
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
-_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 3, "interleaved-zb": 4, "zb-v": 5}
+_SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 3, "interleaved-zb": 4, "zb-v": 5,
+                   "dualpipe-v": 6}
 # Virtual stages per rank tried unpinned (and pinned without interleave): interleaved-1f1b 2-4; interleaved-zb 2
 # only (each v adds a candidate per configuration); zb-v exactly 2
-_INTERLEAVES = {"interleaved-1f1b": (2, 3, 4), "interleaved-zb": (2,), "zb-v": (2,)}
+_INTERLEAVES = {"interleaved-1f1b": (2, 3, 4), "interleaved-zb": (2,), "zb-v": (2,), "dualpipe-v": (2,)}
 # Balanced cuts tried when looking for faster configurations that do not fit: each costs one stage
 # evaluation per stage, a few ms on 1000 ranks, so a cap keeps the search's time what it was.
 _OVER_MEMORY_TRIES = 24
@@ -117,7 +118,9 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                     zeros = [d.zero_stage] if d.zero_stage is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
                     recomputes = [d.recompute] if d.recompute is not None else ["none", "selective", "full"]
                     if sched in SPLIT_BACKWARD:  # what a split backward does not run with (declarations.py)
-                        zeros = [z for z in zeros if z != 3]
+                        # ZeRO-3 runs when pinned, but each W gathers its units again (zero3.split_backward),
+                        # which the cost model does not charge: the search does not pick it by itself
+                        zeros = [z for z in zeros if z != 3 or d.zero_stage == 3]
                         recomputes = [rc for rc in recomputes if rc != "selective"]
                     for z, rc in itertools.product(zeros, recomputes):
                         sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]
@@ -135,7 +138,10 @@ def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[s
         if d.schedule not in INTERLEAVED:
             return [(d.schedule, 1)]
         vs = [d.interleave] if d.interleave is not None else _INTERLEAVES[d.schedule]
-        allowed = {"interleaved-1f1b": m % pp == 0, "interleaved-zb": m % max(1, m // pp) == 0, "zb-v": True}
+        # dualpipe-v: pinned only (its pairs overlap nothing in this runtime, so it cannot beat zb-v here), with
+        # at least as many microbatches as stages
+        allowed = {"interleaved-1f1b": m % pp == 0, "interleaved-zb": m % max(1, m // pp) == 0, "zb-v": True,
+                   "dualpipe-v": m >= 2 * pp}
         return [(d.schedule, v) for v in vs if pp * v <= num_units and allowed[d.schedule]]
     out = [(s, 1) for s in ("1f1b", "gpipe", "zb-h1")]
     for v in ([d.interleave] if d.interleave is not None else _INTERLEAVES["interleaved-1f1b"]):

@@ -114,7 +114,7 @@ class StageCost:
 
 
 # The zero-bubble schedules with several stages per rank: their counts per chunk are read off the lists
-_SPLIT_CHUNKED = frozenset({"interleaved-zb", "zb-v"})
+_SPLIT_CHUNKED = frozenset({"interleaved-zb", "zb-v", "dualpipe-v"})
 
 
 def sum_weight(schedule: str, pp: int, v: int, m: int, weight_share: float) -> float:
@@ -148,7 +148,7 @@ def sum_weight(schedule: str, pp: int, v: int, m: int, weight_share: float) -> f
         return zb_h1
     if schedule == "interleaved-zb":
         return zb_h1 / v
-    if schedule == "zb-v":
+    if schedule in ("zb-v", "dualpipe-v"):  # dualpipe-v (m >= 2 pp) charged zb-v's: the simulator times its list
         return zb_h1 / 2 if m >= 2 * pp - 1 else zb_h1
     return 1 / v
 

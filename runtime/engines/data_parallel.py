@@ -163,6 +163,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
 
         self._require_sync = True
         self._in_backward = False
+        self._split_part: str | None = None  # "I" or "W" inside ShardedUnits.split_backward
         self._cycle_open = False  # gradients of this step have started to accumulate
         self._skip_step = False  # fp16 overflow in the last finish_gradients
         self._flats: list[FlatTensors] = []
@@ -458,10 +459,12 @@ class DataParallel(GradientBuckets, ShardedUnits):
     def _begin_backward(self) -> None:
         if self._in_backward:
             return
-        self._in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if not self._cycle_open:
             self._open_cycle()
+        if self._split_part is not None:
+            return  # half of a split backward: its region (ShardedUnits.split_backward) ends it, once
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _open_cycle(self) -> None:
         for f in self._flats:

@@ -12,9 +12,10 @@ neither re-gathers nor frees.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -187,6 +188,8 @@ class ShardedUnits:
         """Post-accumulate-grad hook of u's gathered buffer: reduce-scatter its gradient (fp32; pure bf16: bf16),
         free it."""
         self._begin_backward()
+        if self._split_part == "W":
+            return  # W's passes may all add to this buffer's gradient: split_backward reduces it once, at the end
         g, full.grad = full.grad, None
         self._reduce(u, g.to(self._master))
         self._reshard(u)
@@ -195,3 +198,45 @@ class ShardedUnits:
         self._drain_all()  # at most one reduce-scatter in flight
         self._reduce_scatter(u.flat, g)
         u.reduced = True
+
+    @contextlib.contextmanager
+    def split_backward(self, part: str, params: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        """Run one half of a zero-bubble schedule's split backward (`runtime.pipeline.split_backward`) as one
+        backward of the units.
+
+        part "I": the input gradient only; no unit's gradient accumulates, so nothing is reduce-scattered
+            (a backward's end would reduce-scatter zeros for every unit); the units its module-output hooks
+            gathered are freed at the end.
+        part "W": the weight gradients, run from the gradients I saved at the matmuls, below the module
+            outputs whose hooks gather a unit in a backward, and in several autograd passes (one per
+            parameter group). So the units it reaches (`params`: the gathered buffers W accumulates into) are
+            gathered first, since the graph's saved views of them are read again; their gradients accumulate
+            over all the passes and each is reduce-scattered once at the end (a unit's whole gradient held
+            until then), then every unit is freed.
+        Every replica runs the same lists over the same graphs, so the collectives match across the group.
+        Stages 0-2 keep replicated parameters: nothing to do.
+        """
+        if self.zero_stage != 3:
+            yield
+            return
+        reached = [u for u in self._units if any(u.flat.params is p for p in params)] if part == "W" else []
+        for u in reached:
+            self._gather(u, async_op=True)
+        for u in reached:
+            self._wait_gather(u)
+        self._split_part = part
+        try:
+            yield
+        finally:
+            self._split_part = None
+        if reached and not self._cycle_open:
+            self._open_cycle()  # the step's gradients start here (W ran no hook: none reached a unit)
+        for u in reached:
+            full = u.flat.params
+            g, full.grad = full.grad, None
+            if g is None:  # reached but given no gradient: every replica still issues its reduce-scatter
+                g = torch.zeros(u.flat.layout.padded_numel, dtype=self._master, device=full.device)
+            self._reduce(u, g.to(self._master))
+        for u in self._units:
+            u.reduced = False
+            self._reshard(u)

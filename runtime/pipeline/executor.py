@@ -1,7 +1,7 @@
 """The pipeline executor: runs one rank's instruction list (a pipeline rank's; a data-parallel rank's is
 one stage's, run by `runtime.engines.step.StepRunner`).
 
-A schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, interleaved ZB, ZB-V) arrives as data: this rank's
+A schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, interleaved ZB, ZB-V, DualPipe-V) arrives as data: this rank's
 ordered actions, each with `.op`, `.stage`, `.microbatch` (the planner's
 `Action`), or their compact strings ("2SEND_F0"). The runtime never imports
 the planner: both take the grammar from `cost_models.actions`, below them
@@ -37,6 +37,9 @@ split backward the weight gradients are W's, so the rank's last W launches
 them (an I adds to no parameter gradient, so no_sync or not changes nothing). (ZeRO-2/3
 reduce-scatter in every B regardless, one in flight at a time; ZeRO-3 also
 gathers each unit inside F and B, one ahead, as its modules run.)
+
+One action at a time: DualPipe-V's pairs (a forward of one stage beside a backward of the other) run as
+the forward, then the backward, as torch's runtime runs an OVERLAP_F_B without an overlap function.
 
 Receives are posted at their RECV and waited right before the compute that
 needs them; sends keep their tensor and Work handle until completed (all are
@@ -170,6 +173,10 @@ class PipelineExecutor:
     no_sync: a context manager factory (the data-parallel engine's
         `no_sync`); every B but the rank's last runs under it, so only the
         last launches gradient reductions (the module docstring).
+    split_backward: split_backward(part, params) -> a context manager (ZeRO-3's
+        `runtime.engines.zero3.ShardedUnits.split_backward`) around each I (part "I", no params) and
+        each W that runs from I's saved gradients (part "W", the leaves it accumulates into); None:
+        nothing around them.
     activation_shape: (stage, microbatch) -> (shape, dtype) of the stage's
         received input; None: a header message precedes each activation.
     timeout: how long a receive may wait before PipelineError (None: the
@@ -185,13 +192,15 @@ class PipelineExecutor:
                  optim: Callable[[int], None] | None = None, unshard: Callable[[int], None] | None = None,
                  reshard: Callable[[int], None] | None = None,
                  no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 split_backward: Callable[[str, Sequence[torch.Tensor]], contextlib.AbstractContextManager]
+                 | None = None,
                  activation_shape: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]] | None = None,
                  timeout: datetime.timedelta | None = None, feed_inputs: bool = False):
         self.actions = tuple(parse_action(a) for a in actions)
         self.stages, self.num_stages, self.m = dict(stages), num_stages, num_microbatches
         self.stage_to_rank, self.collectives, self.loss_fn, self.group = stage_to_rank, collectives, loss_fn, group
         self.grad_sync, self.optim, self.activation_shape, self.timeout = grad_sync, optim, activation_shape, timeout
-        self.unshard, self.reshard, self.no_sync = unshard, reshard, no_sync
+        self.unshard, self.reshard, self.no_sync, self.split_backward = unshard, reshard, no_sync, split_backward
         self.feed_inputs = feed_inputs
         # the one backward that launches the gradient reductions: the rank's last B or W, the last to add to
         # the weight gradients
@@ -368,7 +377,11 @@ class PipelineExecutor:
         if pending is None:
             raise PipelineError(f"pipeline action {step} ({a}) computes the weight gradients of "
                                 f"{a.stage}I{a.microbatch}, which has not run on this rank: put the I first")
-        backward_weight(pending)
+        if self.split_backward is None or pending.full is not None:
+            backward_weight(pending)
+        else:
+            with self.split_backward("W", pending.params()):
+                backward_weight(pending)
 
     def _send_output(self, a: Action, step: int) -> None:
         s, i = a.stage, a.microbatch
@@ -398,9 +411,11 @@ class PipelineExecutor:
         if a.op == "F":
             self._forward(a, step, microbatches_in)
         elif a.op in ("B", "I"):
-            if self.no_sync is None or step == self._syncing_b:
-                return self._backward(a, step, targets)
-            with self.no_sync():
+            with contextlib.ExitStack() as around:
+                if self.no_sync is not None and step != self._syncing_b:
+                    around.enter_context(self.no_sync())
+                if a.op == "I" and self.split_backward is not None:
+                    around.enter_context(self.split_backward("I", ()))
                 return self._backward(a, step, targets)
         elif a.op == "W":
             if self.no_sync is None or step == self._syncing_b:

@@ -63,11 +63,9 @@ class PipelineRunner:
             stage_to_rank=lambda s: stage_ranks[s], collectives=collectives, loss_fn=loss_fn,
             num_microbatches=num_microbatches, group=None, grad_sync=self._grad_sync, optim=self._optim,
             unshard=lambda s: engine.unshard(), reshard=lambda s: engine.reshard(), no_sync=engine.no_sync,
-            feed_inputs=True, activation_shape=self._activation_shape if hidden_shape is not None else None)
-        if engine.zero_stage == 3 and any(a.op in ("I", "W") for a in self.executor.actions):
-            # ZeRO-3 reshards a unit at the end of each backward, and W's graph still reads its gathered views
-            raise ValueError("a split backward (I / W actions: schedule='zb-h1', 'interleaved-zb' or 'zb-v') does not "
-                             "run under ZeRO-3: compile with zero_stage 0, 1 or 2, or schedule='1f1b'")
+            feed_inputs=True, activation_shape=self._activation_shape if hidden_shape is not None else None,
+            # ZeRO-3 frees a unit after each backward, and a split backward's W still reads its gathered views
+            split_backward=engine.split_backward if getattr(engine, "zero_stage", 0) == 3 else None)
         self._after_optim = implicit_after_step(engine, self.executor.actions)
         self.hidden_shape, self.hidden_dtype = hidden_shape, hidden_dtype or torch.float32
         self._xs: list[Any] = []

@@ -54,6 +54,15 @@ class PendingWeightGrad:
     groups: list[tuple[list[Node], list[tuple[torch.Tensor | None, ...] | None], list[torch.Tensor]]]
     full: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
 
+    def params(self) -> list[torch.Tensor]:
+        """The leaves W accumulates into (under ZeRO-3: the units' gathered buffers), each once; none for a
+        `full` backward, which reaches its leaves through the module hooks of a plain backward."""
+        seen: dict[int, torch.Tensor] = {}
+        for _, _, leaves in self.groups:
+            for t in leaves:
+                seen.setdefault(id(t), t)
+        return list(seen.values())
+
 
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                    inputs: Sequence[Any]) -> tuple[tuple[torch.Tensor | None, ...], PendingWeightGrad]:
