@@ -18,8 +18,9 @@ Time of one linear under fp8-mixed (per microbatch, per tensor rank):
 - B (the GEMM's HBM traffic) is charged as bf16-mixed's: an upper bound (the fp8 operands are half the
   bytes), immaterial where GEMMs are compute bound.
 - cast(t, ...): memory-bound work moving CAST_BYTES_PER_ELEMENT per element of each operand, as the runtime
-  casts (runtime.engines.fp8_cast on CUDA): the amax reduction reads the bf16 tensor (2 B), the cast kernel
-  reads it again (2 B) and writes the fp8 codes (1 B); on the roofline's HBM term with one launch. Backward casts the output gradient (e5m2) and casts x and W again: like torchao, the recipe keeps
+  casts (runtime.engines.fp8.quantize, torch ops): the amax reduction reads the bf16 tensor (2 B), an fp32
+  copy is made (2 + 4 B), scaled and saturated in place (8 + 8 B) and rounded into the codes (4 + 1 B); on
+  the roofline's HBM term with one launch. torchao's compiled cast (one read, one write: 3 B) is the goal. Backward casts the output gradient (e5m2) and casts x and W again: like torchao, the recipe keeps
   the bf16 input and the weight for backward, not their fp8 codes (`ctx.save_for_backward(input_hp,
   weight_hp_t)` in torchao/float8/float8_linear.py), so activation memory is exactly bf16-mixed's and the
   second cast is paid in time instead. TransformerEngine keeps the fp8 input instead (half of the linear's
@@ -30,8 +31,8 @@ Time of one linear under fp8-mixed (per microbatch, per tensor rank):
 >>> from cost_models.devices import PRESETS
 >>> gemm_dtype("fp8-mixed", PRESETS["H100-80GB"]), gemm_dtype("fp8-mixed", PRESETS["CPU"])
 ('fp8', 'bf16')
->>> cast_bytes(1024)                          # 1024 elements: read 2 B twice, write 1 B each
-5120
+>>> cast_bytes(1024)                          # 1024 elements, 29 B each
+29696
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ __all__ = ["CAST_BYTES_PER_ELEMENT", "FP8_GEMM_OPS", "cast_bytes", "check_fp8", 
 
 FP8_PRECISIONS = ("fp8-mixed",)
 FP8_GEMM_OPS = ("linear",)  # OpNode.op names whose GEMMs the runtime runs in fp8 (runtime.engines.fp8)
-# the amax pass reads the bf16 operand (2 B), the cast reads it again and writes its fp8 codes (1 B); torchao's
-# compiled cast fuses the two reads into one (3 B), which this runtime does not
-CAST_BYTES_PER_ELEMENT = 5
+# amax (read 2 B), the fp32 copy (2 + 4), scale and saturate in place (8 + 8), round into fp8 (4 + 1): the
+# torch ops runtime.engines.fp8.quantize runs; torchao's compiled cast moves 3 B (one read, one write)
+CAST_BYTES_PER_ELEMENT = 29
 
 
 def cast_bytes(elements: float) -> float:
