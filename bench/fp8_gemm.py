@@ -63,8 +63,8 @@ def predicted(m: int, k: int, n: int, cal: Calibration, device) -> tuple[float, 
     fp8 = RooflineCompute(device, "fp8", cal)
     plain = bf16.op_time(flops, moved, "matmul") + bf16.op_time(2 * flops, 2 * moved, "matmul")
     operands = m * k + k * n
-    casts = bf16.op_time(0.0, cast_bytes(operands), "elementwise") + \
-        bf16.op_time(0.0, cast_bytes(m * n + operands), "elementwise")
+    casts = bf16.op_time(0.0, cast_bytes(operands, fused=True), "elementwise") + \
+        bf16.op_time(0.0, cast_bytes(m * n + operands, fused=True), "elementwise")
     return plain, fp8.op_time(flops, moved, "matmul") + fp8.op_time(2 * flops, 2 * moved, "matmul") + casts
 
 

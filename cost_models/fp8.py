@@ -17,10 +17,12 @@ Time of one linear under fp8-mixed (per microbatch, per tensor rank):
   (V100, A100) is refused (`check_fp8`).
 - B (the GEMM's HBM traffic) is charged as bf16-mixed's: an upper bound (the fp8 operands are half the
   bytes), immaterial where GEMMs are compute bound.
-- cast(t, ...): memory-bound work moving CAST_BYTES_PER_ELEMENT per element of each operand, as the runtime
-  casts (runtime.engines.fp8.quantize, torch ops): the amax reduction reads the bf16 tensor (2 B), an fp32
-  copy is made (2 + 4 B), scaled and saturated in place (8 + 8 B) and rounded into the codes (4 + 1 B); on
-  the roofline's HBM term with one launch. torchao's compiled cast (one read, one write: 3 B) is the goal. Backward casts the output gradient (e5m2) and casts x and W again: like torchao, the recipe keeps
+- cast(t, ...): memory-bound work moving `cast_bytes` per element of each operand, as the runtime casts
+  (runtime.engines.fp8.quantize), on the roofline's HBM term with one launch. Where the GEMMs run on FP8 tensor
+  cores the cast is one Triton kernel (runtime.engines.fp8_cast) after the amax reduction: read the bf16
+  tensor twice, write the codes, FUSED_CAST_BYTES = 5. Emulated (CPU) it is the torch ops: the amax read
+  (2 B), an fp32 copy (2 + 4), scaled and saturated in place (8 + 8), rounded into the codes (4 + 1):
+  TORCH_CAST_BYTES = 29. torchao's compiled cast fuses the amax into the read (3 B). Backward casts the output gradient (e5m2) and casts x and W again: like torchao, the recipe keeps
   the bf16 input and the weight for backward, not their fp8 codes (`ctx.save_for_backward(input_hp,
   weight_hp_t)` in torchao/float8/float8_linear.py), so activation memory is exactly bf16-mixed's and the
   second cast is paid in time instead. TransformerEngine keeps the fp8 input instead (half of the linear's
@@ -31,8 +33,8 @@ Time of one linear under fp8-mixed (per microbatch, per tensor rank):
 >>> from cost_models.devices import PRESETS
 >>> gemm_dtype("fp8-mixed", PRESETS["H100-80GB"]), gemm_dtype("fp8-mixed", PRESETS["CPU"])
 ('fp8', 'bf16')
->>> cast_bytes(1024)                          # 1024 elements, 29 B each
-29696
+>>> cast_bytes(1024, fused=True), cast_bytes(1024, fused=False)  # 1024 elements: 5 B each, 29 B each
+(5120, 29696)
 """
 
 from __future__ import annotations
@@ -41,18 +43,18 @@ from cost_models.compute import dtype_for
 from cost_models.errors import PartitionerError
 from cost_models.specs import DeviceSpec
 
-__all__ = ["CAST_BYTES_PER_ELEMENT", "FP8_GEMM_OPS", "cast_bytes", "check_fp8", "gemm_dtype"]
+__all__ = ["FP8_GEMM_OPS", "FUSED_CAST_BYTES", "TORCH_CAST_BYTES", "cast_bytes", "check_fp8", "gemm_dtype"]
 
 FP8_PRECISIONS = ("fp8-mixed",)
 FP8_GEMM_OPS = ("linear",)  # OpNode.op names whose GEMMs the runtime runs in fp8 (runtime.engines.fp8)
-# amax (read 2 B), the fp32 copy (2 + 4), scale and saturate in place (8 + 8), round into fp8 (4 + 1): the
-# torch ops runtime.engines.fp8.quantize runs; torchao's compiled cast moves 3 B (one read, one write)
-CAST_BYTES_PER_ELEMENT = 29
+FUSED_CAST_BYTES = 5  # amax read (2 B), the kernel's read (2 B) and write (1 B)
+TORCH_CAST_BYTES = 29  # amax read (2), fp32 copy (2 + 4), scale (8) and saturate (8) in place, round (4 + 1)
 
 
-def cast_bytes(elements: float) -> float:
-    """HBM bytes of casting `elements` bf16 values to fp8 with current scaling."""
-    return CAST_BYTES_PER_ELEMENT * elements
+def cast_bytes(elements: float, *, fused: bool) -> float:
+    """HBM bytes of casting `elements` bf16 values to fp8 with current scaling: by the fused kernel (a GPU with
+    FP8 tensor cores) or by torch ops (emulated fp8)."""
+    return (FUSED_CAST_BYTES if fused else TORCH_CAST_BYTES) * elements
 
 
 def check_fp8(precision: str, device: DeviceSpec, *, emulated: bool) -> None:

@@ -80,15 +80,54 @@ def test_fp8_linear_is_the_gemm_of_its_codes_forward_and_backward():
     torch.testing.assert_close(b.grad, dy2.sum(0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_the_fused_cast_kernel_writes_the_references_codes(dtype, fmt):
+    """runtime.engines.fp8_cast's Triton kernel (interpreted here, TRITON_INTERPRET=1; compiled on CUDA) against
+    the torch reference, bit for bit: values whose scaled images round up across a power of two (where Triton's
+    own fp32 -> fp8 conversion drops the carry), ties, subnormals of the format, signed zeros."""
+    from runtime.engines.fp8 import _MAX, EPS, reference_quantize
+    from runtime.engines.fp8_cast import _launch, _probe_values
+
+    torch.manual_seed(0)
+    for t in (_probe_values(), torch.randn(300, 7) * torch.logspace(-9, 3, 7), torch.zeros(5), -torch.rand(64) * 1e-7):
+        x = t.to(dtype)
+        codes, scale = _launch(x.contiguous(), fmt, _MAX[fmt], EPS)
+        ref_codes, ref_scale = reference_quantize(x, fmt)
+        assert torch.equal(scale, ref_scale)
+        assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+
+
+def test_a_fused_cast_that_disagrees_with_the_reference_is_not_used(monkeypatch):
+    """The kernel is checked once per device and dtypes; where it writes other codes than the reference, the
+    reference runs, with a warning (a Triton release whose conversion changes must not change the training)."""
+    from runtime.engines import fp8_cast
+    from runtime.engines.fp8 import _MAX, EPS, reference_quantize
+
+    def off_by_one(x, dtype, fmax, eps):
+        codes, scale = reference_quantize(x, dtype)
+        return (codes.view(torch.uint8) ^ 1).view(dtype), scale
+
+    monkeypatch.setattr(fp8_cast, "_trusted", {})
+    monkeypatch.setattr(fp8_cast, "_launch", off_by_one)
+    x = torch.randn(32, 16)
+    with pytest.warns(UserWarning, match="disagrees with the torch reference"):
+        codes, _ = fp8_cast.cast_to_fp8(x, E4M3, _MAX[E4M3], EPS, reference_quantize)
+    assert torch.equal(codes.view(torch.uint8), reference_quantize(x, E4M3)[0].view(torch.uint8))
+    monkeypatch.setattr(fp8_cast, "_trusted", {})
+    monkeypatch.setattr(fp8_cast, "_launch", lambda x, dtype, fmax, eps: reference_quantize(x, dtype))
+    codes, _ = fp8_cast.cast_to_fp8(x, E4M3, _MAX[E4M3], EPS, reference_quantize)  # agrees: used, no warning
+    assert fp8_cast._trusted == {(x.device, x.dtype, E4M3): True}
+
+
 _FP8_CORES = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
 @pytest.mark.skipif(not _FP8_CORES, reason="needs a CUDA device with FP8 tensor cores (compute capability 8.9+)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cuda_cast_kernel_writes_the_references_codes_and_scale(dtype):
-    """quantize on a CUDA tensor (the same torch ops, CUDA kernels) writes the CPU's codes and scale, bit for bit.
-    (A one-kernel Triton cast failed this on an H200: its fp32 -> fp8 conversion dropped the carry of a rounding
-    that crossed a power of two.)"""
+    """quantize on a CUDA tensor (the fused Triton cast, or the torch ops where it was found to disagree) writes
+    the CPU reference's codes and scale, bit for bit."""
     torch.manual_seed(0)
     for t in (torch.randn(1000, 96), torch.randn(7, 13) * 1e4, torch.zeros(64), torch.randn(4096, 8) * 1e-6):
         t = t.to(dtype)
@@ -196,9 +235,9 @@ def test_fp8_costs_the_linears_at_the_fp8_rate_and_holds_bf16_mixed_memory():
     fp8 = compile(_wide_graph(), "1xH100-80GB", precision="fp8-mixed", **pins)
     assert fp8.predicted.peak_memory_bytes == bf16.predicted.peak_memory_bytes
     t8, t16 = fp8.predicted.step_time_s, bf16.predicted.step_time_s
-    # the linears are about 3/4 of this model's FLOPs: at twice the rate, less their casts, clearly faster
-    # and never more than 2x
-    assert 0.5 * t16 < t8 < 0.85 * t16, (t8, t16)
+    # the linears are about 3/4 of this model's FLOPs, their GEMMs at 1.78x bf16's rate on an H100 (the measured
+    # plateaus, 64 % of the fp8 peak against 72 % of bf16's), less their casts: faster, and never 2x
+    assert 0.5 * t16 < t8 < 0.95 * t16, (t8, t16)
     assert "fp8-mixed (fp8 linear GEMMs, per-tensor current scaling), adam" in " ".join(str(fp8).split())
     assert "fp8-mixed, as declared" in fp8.explain()
 

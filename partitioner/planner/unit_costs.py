@@ -278,12 +278,15 @@ class CostContext:
                           dy: float) -> tuple[float, float]:
         """(forward, backward) seconds of a linear under fp8-mixed (cost_models.fp8): its GEMMs at the fp8
         rate; forward casts x and W (`operands` elements, with the bias), backward the output gradient (`dy`
-        elements) and x and W again (kept in bf16). All per rank."""
-        tf = self.gemm.op_time(flops, moved, "matmul") + self.compute.op_time(0.0, cast_bytes(operands), "elementwise")
+        elements) and x and W again (kept in bf16). All per rank. The casts are the fused kernel's where the
+        GEMMs run on FP8 tensor cores, the torch ops' where fp8 is emulated."""
+        fused = self.gemm.dtype == "fp8"
+        tf = self.gemm.op_time(flops, moved, "matmul") + \
+            self.compute.op_time(0.0, cast_bytes(operands, fused=fused), "elementwise")
         if not bflops:
             return tf, 0.0
         tb = self.gemm.op_time(bflops, 2 * moved, "matmul") + \
-            self.compute.op_time(0.0, cast_bytes(dy + operands), "elementwise")
+            self.compute.op_time(0.0, cast_bytes(dy + operands, fused=fused), "elementwise")
         return tf, tb
 
     def _eval_unit(self, u: int, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
@@ -427,7 +430,6 @@ class CostContext:
         if heads and heads % cp == 0:
             k, v = k0, v0
         return [t for t in (q, k, v, n.output) if t is not None]
-        return out
 
     def expert_bytes(self, u: int, mb: int, tp: int, cp: int, ep: int) -> float:
         """Bytes one rank sends to its expert-parallel group per microbatch for unit u's MoE layers, forward and

@@ -19,7 +19,7 @@ import re
 import textwrap
 from typing import TYPE_CHECKING
 
-from cost_models.fp8 import CAST_BYTES_PER_ELEMENT
+from cost_models.fp8 import FUSED_CAST_BYTES, TORCH_CAST_BYTES
 from cost_models.mesh import Mesh
 from cost_models.powersgd import POWERSGD_RANK
 from partitioner.planner.schedule import stage_rank
@@ -423,7 +423,8 @@ def explain_plan(p: Plan) -> str:
         out.append(f"- fp8-mixed, as declared{FP8_RECIPE}: the linear layers' forward and both backward GEMMs take "
                    "e4m3 operands (the output gradient e5m2) and are "
                    "costed at the device's fp8 peak (bf16's where fp8 is emulated, on CPU) plus a memory-bound cast "
-                   f"of each operand ({CAST_BYTES_PER_ELEMENT} bytes per element, the input and weight cast again in backward); "
+                   f"of each operand ({FUSED_CAST_BYTES} bytes per element by the fused kernel, {TORCH_CAST_BYTES} by torch ops "
+                   "where emulated; the input and weight cast again in backward); "
                    "attention, "
                    "norms and the optimizer as bf16-mixed; memory as bf16-mixed (cost_models.fp8).")
     if c.recompute != "none":

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["E4M3", "E5M2", "FP8_LINEAR_OP", "Fp8Linear", "convert_linears", "exact_gemms", "fp8_linear", "quantize"]
+__all__ = ["E4M3", "E5M2", "FP8_LINEAR_OP", "Fp8Linear", "convert_linears", "exact_gemms", "fp8_linear", "quantize",
+           "reference_quantize"]
 
 E4M3 = torch.float8_e4m3fn  # forward operands: activations and weights
 E5M2 = torch.float8_e5m2  # backward: the output gradient
@@ -65,14 +66,22 @@ def exact_gemms() -> Iterator[None]:
 
 def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale): `t` cast to the float8 `dtype` with the per-tensor current scale FP8_MAX / amax(t).
-    The scale is an fp32 scalar tensor; ``codes.float() / scale`` is the value the GEMM sees."""
+    The scale is an fp32 scalar tensor; ``codes.float() / scale`` is the value the GEMM sees. On CUDA one
+    Triton kernel writes the same codes (runtime.engines.fp8_cast, checked against `reference_quantize`)."""
+    if t.is_cuda:
+        from runtime.engines.fp8_cast import cast_to_fp8  # Triton: imported where a GPU runs it
+
+        return cast_to_fp8(t, dtype, _MAX[dtype], EPS, reference_quantize)
+    return reference_quantize(t, dtype)
+
+
+def reference_quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` as torch ops (the definition): one fp32 copy, scaled and saturated in place (no inf from
+    rounding up), then rounded to nearest-even into the format."""
     fmax = _MAX[dtype]
     x = t.detach()
     amax = torch.linalg.vector_norm(x, float("inf")).float()  # max |t| in one pass, exact
     scale = fmax / torch.clamp(amax, min=EPS)
-    # one fp32 copy, scaled and saturated in place (no inf from rounding up), then rounded into the format.
-    # A one-kernel Triton cast was tried and dropped: Triton's fp32 -> fp8 conversion lost the exponent carry
-    # when rounding up crossed a power of two (31.03 -> 16, not 32; seen on an H200 and in Triton's interpreter).
     y = x * scale if x.dtype == torch.float32 else x.float().mul_(scale)
     return y.clamp_(-fmax, fmax).to(dtype), scale
 
