@@ -14,6 +14,9 @@ on GPUs, Gloo on CPU, every tensor on the rank's device (runtime.device). One li
   the whole batch: within 1e-4 relative in fp32 (GPU reductions sum in another order), 3e-2 in bf16
   (bf16 compute against the fp32 reference), 6e-2 in fp8-mixed (its GEMM operands rounded to 3 mantissa
   bits, 2^-4 relative each, on top of bf16's).
+- --torch-compile [BACKEND] adds every case again with `compile(..., torch_compile=BACKEND)` (default
+  inductor): each block's code under torch.compile (runtime.engines.compiled), named "dp2+tc" and so on, with
+  the same loss-match check; tensor-parallel cases are refused under torch_compile and print "refused".
 - step: the median step time of rank 0 after the first (warm-up) step; MFU: the plan's MFU scaled by its
   predicted step time over the measured one (the same FLOP count); peak: the most memory any rank's
   probed step held (on GPU the allocator's max_memory_allocated), against the plan's peak per rank.
@@ -102,6 +105,7 @@ MODELS = {"gpt": {"cpu": gpt_cpu, "cuda": gpt_cuda}, "llama": {"cpu": llama_cpu,
 class Case:
     name: str
     pins: dict
+    torch_compile: str = ""  # the torch.compile backend of the case's plan; "": eager
 
     @property
     def world(self) -> int:
@@ -171,7 +175,8 @@ def run_case(model_name: str, case: Case, precision: str, device: str, ref: list
     model_fn = MODELS[model_name][device]
     model = model_fn()
     plan = compile(model, topology(device, case.world), example_inputs=(data[0][0][:2],),
-                   global_batch_size=BATCH[device], precision=precision, alternatives=0, **case.pins)
+                   global_batch_size=BATCH[device], precision=precision, alternatives=0,
+                   torch_compile=case.torch_compile, **case.pins)
     del model
     out = launch_local(plan, model_fn, adamw, lm_loss, data, timeout_s=300, probe_step=1, device=device)
     diffs = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(out.losses, ref)]
@@ -195,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama")
     p.add_argument("--precisions", default="fp32,bf16-mixed", help="comma-separated: fp32, bf16-mixed, fp8-mixed "
                    "(fp8 GEMMs on H100/H200; emulated on CPU)")
+    p.add_argument("--torch-compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also run every case with torch_compile=BACKEND (default when given: inductor)")
     args = p.parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -216,7 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     for model_name in args.models.split(","):
         data = None
         for precision in args.precisions.split(","):
-            for case in cases_for(world_max):
+            cases = cases_for(world_max)
+            if args.torch_compile:
+                cases += [Case(f"{c.name}+tc", c.pins, args.torch_compile) for c in cases]
+            for case in cases:
+                if case.torch_compile and case.pins.get("tp", 1) > 1:
+                    print(f"{model_name:6} {case.name:7} world {case.world}  {precision}: refused (torch_compile "
+                          "with tp > 1: tensor-parallel blocks call collectives inside them)", flush=True)
+                    continue
                 try:
                     if data is None:
                         data = batches(model_name, args.device)

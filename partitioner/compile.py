@@ -112,7 +112,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
             async_sgd: dict[str, int] | None = None, rewrite_attention: bool = True,
             grad_reduce_dtype: str | None = None, optimizer_layout: str | None = None,
-            stage_bounds: Sequence[int] | None = None, verify: bool = False,
+            torch_compile: bool | str = False, stage_bounds: Sequence[int] | None = None, verify: bool = False,
             declarations: Declarations | None = None) -> Plan:
     """Choose how to train `model` on `topology`; a declared value pins it, None lets the planner choose.
 
@@ -170,6 +170,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     costs a fused kernel's time and O(s) memory, and every program runs it (data-parallel and async SGD
     programs then run the generated model code, not the module's forward). False keeps the traced ops.
 
+    `torch_compile` (True: the "inductor" backend; or a backend name, e.g. "aot_eager") makes every program
+    run its model code under torch.compile: each block compiled on its own (a pipeline or tensor-parallel
+    stage's prefix and suffix code too), so recomputation wraps the compiled block as the plan says and
+    collectives and the engines' hooks stay outside the compiled regions (runtime.engines.compiled,
+    docs/running.md). It changes no decision of the plan; `print(plan)` says it.
+
     `stage_bounds` pins the pipeline cut, as graph node indices (`plan.stage_bounds` of an earlier
     plan): where each stage starts, then one past the last node. Autotune uses it to cost the plan it
     measured again under a new calibration, rather than whatever cut the new calibration prefers.
@@ -210,7 +216,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                 compression=compression,
                 async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
                 compression_warmup=compression_warmup, grad_reduce_dtype=grad_reduce_dtype,
-                optimizer_layout=optimizer_layout)
+                optimizer_layout=optimizer_layout, torch_compile=torch_compile)
     if declarations is not None:
         if not isinstance(declarations, Declarations):
             raise DeclarationError(f"declarations={declarations!r}: pass a partitioner.Declarations, or the "
@@ -544,7 +550,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
                 attention_rewrites=g.attention_rewrites, experts=experts_text(g), block_kinds=_block_kinds(g),
                 expert_parallel=_expert_note(ctx, cand, topo, declared="ep" in (declared or decl.pinned())),
-                block_container=g.block_container if _block_kinds(g) else None,
+                block_container=g.block_container if _block_kinds(g) else None, torch_compile=decl.torch_compile,
                 **_model_code(g, splits, cand, fp8=decl.precision in FP8_PRECISIONS))
 
 

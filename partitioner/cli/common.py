@@ -44,6 +44,8 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
         out["compression"] = compression_arg(args.compression)
     if args.compression_warmup:
         out["compression_warmup"] = args.compression_warmup
+    if args.torch_compile is not None:
+        out["torch_compile"] = args.torch_compile
     if args.calibration is not None:
         out["calibration"] = args.calibration
     return out

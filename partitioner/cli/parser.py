@@ -86,6 +86,9 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                         "level, or per level, e.g. inter_node=int8,intra_node=none (default: the planner chooses)")
     p.add_argument("--compression-warmup", type=int, default=0, metavar="K",
                    help="the first K steps reduce uncompressed (default 0)")
+    p.add_argument("--torch-compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="the programs run their model code under torch.compile, each block on its own, with BACKEND "
+                        "(default when given: inductor; e.g. aot_eager)")
     p.add_argument("--max-memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="the cost models' factors: a JSON from `partitioner probe` or autotune's --calibration-out "

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from partitioner.codegen.common import mesh_lines, model_code_lines, program_header, recompute_lines
+from partitioner.codegen.common import (
+    mesh_lines,
+    model_code_lines,
+    program_header,
+    recompute_lines,
+    torch_compile_import,
+    torch_compile_lines,
+)
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -64,7 +71,7 @@ it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` retu
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import {group_imports}
 from runtime.engines.async_sgd import AsyncSGDRunner
-{recompute_import}from runtime.engines.unreplicated import Unreplicated
+{torch_compile_import(plan)}{recompute_import}from runtime.engines.unreplicated import Unreplicated
 {code.runtime_import}
 {program_header(plan, rank, program_hash, node_of=False)}
 {code.text}
@@ -82,7 +89,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     # holding the whole model, its gradients and its optimizer state in fp32; no gradient is reduced.
 {what}
     engine = Unreplicated(model)
-{recompute}    optimizer = optimizer_fn(engine.optimizer_params())
+{torch_compile_lines(plan)}{recompute}    optimizer = optimizer_fn(engine.optimizer_params())
 
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as
     # {c.num_microbatches} microbatch(es) of {c.microbatch_size}, gradients accumulated locally; then the

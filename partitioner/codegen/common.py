@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "SegmentTables",
            "dp_compression", "literal", "mesh_lines", "model_code_lines", "params_table", "program_header", "ranks_text",
-           "recompute_lines", "reduce_scatter_impl", "segment_tables"]
+           "recompute_lines", "reduce_scatter_impl", "segment_tables", "torch_compile_import", "torch_compile_lines",
+           "torch_compile_refusal"]
 
 ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
@@ -112,6 +113,36 @@ def recompute_lines(plan: "Plan", call: str) -> str:
     why = textwrap.fill(f"Recompute ({mode}, runtime.engines.recompute): {_RECOMPUTE_WHAT[mode]}.", width=100,
                         initial_indent="    # ", subsequent_indent="    # ")
     return f"{why}\n    {call}{names!r}, {mode!r})\n"
+
+
+def torch_compile_refusal(plan: "Plan") -> str:
+    """Why a plan's programs cannot run under torch.compile ("" when they can)."""
+    c = plan.config
+    if not plan.torch_compile or (c.tp == 1 and c.cp == 1):
+        return ""
+    what = " and ".join(x for x in (f"tp={c.tp}" if c.tp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "") if x)
+    return (f"torch_compile={plan.torch_compile!r} with {what}: the blocks of tensor- and context-parallel code call "
+            "collectives inside them (Megatron's f/g, sequence-parallel gathers, ring or Ulysses attention), which "
+            "runtime.engines.compiled does not compile around yet; compile without torch_compile for this "
+            "configuration, or pin tp=1 and cp=1 (data-parallel, ZeRO and pipeline programs compile)")
+
+
+def torch_compile_lines(plan: "Plan") -> str:
+    """The build() lines that compile a data-parallel or async SGD program's blocks (runtime.engines.compiled);
+    "" when eager, or when the program runs the plan's code (its StageModel compiles the segment functions)."""
+    if not plan.torch_compile or plan.code is not None:
+        return ""
+    names = tuple(dict.fromkeys(p.block for p in plan.placements if p.block is not None)) or ("",)
+    what = "each block's forward" if names != ("",) else "the model's forward (it has no repeated blocks)"
+    why = textwrap.fill(f"torch.compile, backend {plan.torch_compile!r} (runtime.engines.compiled): {what} compiled "
+                        "on its own; module hooks (ZeRO-3 gathers), gradient hooks, collectives and "
+                        "recomputation stay outside the compiled code.", width=100,
+                        initial_indent="    # ", subsequent_indent="    # ")
+    return f"{why}\n    compile_blocks(model, {names!r}, {plan.torch_compile!r})\n"
+
+
+def torch_compile_import(plan: "Plan") -> str:
+    return "from runtime.engines.compiled import compile_blocks\n" if torch_compile_lines(plan) else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +286,7 @@ def model_code_lines(plan: "Plan") -> ModelCodeLines:
     if code is None:
         return ModelCodeLines()
     cp = plan.config.cp > 1
+    tc = f", torch_compile={plan.torch_compile!r}" if plan.torch_compile else ""
     t = segment_tables(code)
     n = code.num_blocks
     text = f'''
@@ -281,7 +313,7 @@ def make_stage(model, tp{", cp" if cp else ""}):
                       block_inputs={t.block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={t.block_args}, suffix_args={t.suffix_args},
-                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""})
+                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{tc})
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"

@@ -16,6 +16,8 @@ from partitioner.codegen.common import (
     ranks_text,
     recompute_lines,
     reduce_scatter_impl,
+    torch_compile_import,
+    torch_compile_lines,
 )
 from partitioner.codegen.instructions import instruction_lines
 
@@ -85,7 +87,7 @@ it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` retu
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import {group_imports}
 from runtime.engines.data_parallel import DataParallel
-{code.runtime_import}
+{torch_compile_import(plan)}{code.runtime_import}
 {program_header(plan, rank, h)}
 {code.text}
 # Blocks: ZeRO-3 gathers and frees parameters one block at a time.
@@ -113,7 +115,7 @@ def build(model_fn, optimizer_fn, loss_fn):
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
                           units=UNITS, compression={comp.arg}, nodes={comp.nodes},
                           compression_warmup={plan.compression_warmup})
-{recompute}    optimizer = optimizer_fn(engine.optimizer_params())
+{torch_compile_lines(plan)}{recompute}    optimizer = optimizer_fn(engine.optimizer_params())
 
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as
     # {c.num_microbatches} microbatch(es) of {c.microbatch_size}, run by ACTIONS above.{tokens}

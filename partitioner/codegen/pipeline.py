@@ -95,6 +95,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     plan_json = plan.to_json()
     h = hashlib.sha256(plan_json.encode()).hexdigest()
     me = plan.mesh[rank]
+    tc = f", torch_compile={plan.torch_compile!r}" if plan.torch_compile else ""  # runtime.engines.compiled
     blocks = stage_blocks(plan) if code.block is not None else {0: (0, 0, True, True)}
     sched = plan.instructions
     mine = sched.stages_of(me.pp)
@@ -237,7 +238,7 @@ def make_stage(model, tp{", cp" if c.cp > 1 else ""}):
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
                       placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
-                      recompute={c.recompute!r}{", cp=cp" if c.cp > 1 else ""})
+                      recompute={c.recompute!r}{", cp=cp" if c.cp > 1 else ""}{tc})
 
 
 def build(model_fn, optimizer_fn, loss_fn):

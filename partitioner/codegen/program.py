@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from partitioner.codegen.async_sgd import async_program_source
-from partitioner.codegen.common import CodegenError
+from partitioner.codegen.common import CodegenError, torch_compile_refusal
 from partitioner.codegen.data_parallel import data_parallel_program_source, expected_collectives
 from partitioner.codegen.pipeline import pipeline_program_source
 
@@ -101,6 +101,9 @@ def program(plan: "Plan", rank: int) -> RankProgram:
         raise CodegenError(why)
     if c.ep > 1:
         raise CodegenError(not_runnable_ep(c.ep))
+    why = torch_compile_refusal(plan)
+    if why:
+        raise CodegenError(why)
     if c.pp > 1 or c.tp > 1:
         source, h = pipeline_program_source(plan, rank)
         return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)

@@ -31,6 +31,7 @@ __all__ = [
     "compression_refusal",
     "divisors",
     "reduction_pins",
+    "torch_compile_backend",
 ]
 
 _BLOCK_INDEX = re.compile(r"\.\d+\.")
@@ -87,6 +88,9 @@ class Declarations:
     # What the program does besides the plan's choices (recorded in the plan, not searched)
     clip_grad_norm: float | None = None
     compression_warmup: int = 0  # first steps that reduce uncompressed
+    # torch.compile of the model code every program runs, by this backend ("inductor", "aot_eager", ...); "": eager.
+    # compile() takes True for "inductor" (runtime.engines.compiled says what is compiled and what stays outside).
+    torch_compile: str = ""
 
     def __post_init__(self) -> None:
         # optimizer_layout pins the ZeRO stage it is (contradictions: check_declarations, which names both)
@@ -142,7 +146,8 @@ class Declarations:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise DeclarationError(f"compression_warmup={warmup!r}: the number of first steps that reduce "
                                    "uncompressed, an int >= 0 (e.g. compression_warmup=100)")
-        return cls(**{**values, "compression": compression_pins(values.get("compression")),
+        tc = torch_compile_backend(values.get("torch_compile", ""))
+        return cls(**{**values, "torch_compile": tc, "compression": compression_pins(values.get("compression")),
                       "async_sgd": async_sgd_pin(values.get("async_sgd")),
                       "clip_grad_norm": None if clip is None else float(clip)})
 
@@ -308,6 +313,29 @@ _ASYNC_KEYS = ("every", "staleness")
 ASYNC_SGD_FORCED = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 0}
 
 
+def torch_compile_backend(value: Any) -> str:
+    """`compile(torch_compile=...)` -> the backend name the programs compile with, "" for eager.
+
+    >>> torch_compile_backend(True), torch_compile_backend(False), torch_compile_backend("aot_eager")
+    ('inductor', '', 'aot_eager')
+    """
+    if value is None or value is False or value == "":
+        return ""
+    if value is True:
+        return "inductor"
+    usage = ("torch_compile must be False (eager), True (torch.compile with inductor) or a torch.compile backend "
+             "name such as 'inductor' or 'aot_eager'")
+    if not isinstance(value, str):
+        raise DeclarationError(f"torch_compile={value!r}: {usage}")
+    import torch._dynamo  # the backends torch knows, here: an unknown name is refused before any search
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if value not in known:
+        raise DeclarationError(f"torch_compile={value!r}: not a torch.compile backend; {usage} (known here: "
+                               f"{', '.join(sorted(known))})")
+    return value
+
+
 def async_sgd_pin(value: Any) -> dict[str, int] | None:
     """`compile(async_sgd=...)` -> {"every": k} or {"staleness": s} (a fresh dict), or None.
 
@@ -422,6 +450,11 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
     _int("zero_stage", d.zero_stage, lo=0)
     if d.zero_stage is not None and d.zero_stage > 3:
         raise DeclarationError(f"zero_stage={d.zero_stage}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
+    if d.torch_compile and ((d.tp or 1) > 1 or (d.cp or 1) > 1):
+        what = " and ".join(f"{k}={v}" for k, v in (("tp", d.tp), ("cp", d.cp)) if v and v > 1)
+        raise DeclarationError(f"torch_compile={d.torch_compile!r} with {what}: tensor- and context-parallel programs "
+                               "call collectives inside their blocks, which are not compiled around yet; drop "
+                               "torch_compile, or pin tp=1 and cp=1 (data-parallel, ZeRO and pipeline plans compile)")
     _choice("precision", d.precision, PRECISIONS)
     _choice("optimizer", d.optimizer, OPTIMIZERS)
     _check_precision_recipe(d)

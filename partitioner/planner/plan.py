@@ -310,6 +310,10 @@ class Plan:
     # why the plan divides the experts over ep ranks, or why it cannot (partitioner.planner.expert_split); "" for
     # a dense model. Written in plan JSON only when set.
     expert_parallel: str = dataclasses.field(default="", metadata={"omit_default": True})
+    # torch.compile of the model code every rank runs, by this backend ("inductor", "aot_eager"); "": eager.
+    # Each block (and a stage's prefix and suffix code) is compiled on its own, recomputation, collectives and
+    # engine hooks outside (runtime.engines.compiled). Written in plan JSON only when set: older plans load as eager.
+    torch_compile: str = dataclasses.field(default="", metadata={"omit_default": True})
 
     # ---- the configuration, by name ---------------------------------------
     dp = property(lambda self: self.config.dp)

@@ -64,6 +64,8 @@ def _check_scalars(p: Plan) -> None:
         _at_least("seq_len", p.seq_len, 1)
     if p.clip_grad_norm is not None and not (math.isfinite(p.clip_grad_norm) and p.clip_grad_norm > 0):
         _fail("clip_grad_norm", f"{p.clip_grad_norm!r} must be a finite number > 0, or null (no clipping)")
+    if not isinstance(p.torch_compile, str):
+        _fail("torch_compile", f"{p.torch_compile!r} must be a torch.compile backend name, or \"\" (eager)")
     if p.optimizer not in OPTIMIZERS:
         _fail("optimizer", f"{p.optimizer!r} is not one of {', '.join(map(repr, OPTIMIZERS))}")
 

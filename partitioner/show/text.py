@@ -151,6 +151,12 @@ def _attention(p: Plan) -> str:
             "(O(s) memory per row; rewrite_attention=False keeps the traced ops)")
 
 
+def _compiled(p: Plan) -> str:
+    """The torch.compile row (runtime.engines.compiled)."""
+    return (f"torch.compile ({p.torch_compile}) of each block's code on its own, and of a stage's prefix and "
+            "suffix code; recomputation, collectives and engine hooks outside; times predicted as eager")
+
+
 def _experts(p: Plan) -> str:
     c = p.config
     if c.ep > 1:
@@ -323,6 +329,7 @@ def format_plan(p: Plan) -> str:
             *([("async sgd", _async_sgd(p))] if p.async_sgd else []),
             *([("attention", _attention(p))] if p.attention_rewrites else []),
             *([("experts", _experts(p))] if p.experts else []),
+            *([("compiled", _compiled(p))] if p.torch_compile else []),
             ("predicted", (f"{_ms(pr.step_time_s)} ms/step, {human(pr.tokens_per_s)} tokens/s, "
                           f"{pr.model_tflops_per_device:.1f} TFLOP/s per device, MFU {100 * pr.mfu:.1f} %")),
             ("memory", (f"peak {_gib(pr.peak_memory_bytes)} of {_gib(cap)} per rank "

@@ -39,9 +39,10 @@ __all__ = ["load_full_checkpoint", "load_full_state_dict", "reshard"]
 
 def load_full_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, unsharded, under its checkpoint key: "model/NAME", "optim/KEY/NAME",
-    "buffer/NAME", "rng/RANK", "compression/RANK/KEY". One process, no group (for tests and tools)."""
+    "buffer/NAME", "rng/RANK" (and "rng_cuda/RANK" when saved on GPUs: runtime.checkpoint.rng),
+    "compression/RANK/KEY". One process, no group (for tests and tools)."""
     m = verify_checkpoint(path)
-    return read_full(Path(m["path"]), ("model/", "optim/", "buffer/", "rng/", "compression/"))
+    return read_full(Path(m["path"]), ("model/", "optim/", "buffer/", "rng/", "rng_", "compression/"))
 
 
 def load_full_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

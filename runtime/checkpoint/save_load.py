@@ -61,6 +61,8 @@ from runtime.checkpoint.manifest import (
     verify_checkpoint,
     write_text_atomic,
 )
+from runtime.checkpoint.rng import device_rng_key, device_rng_state, set_device_rng_state
+from runtime.device import rank_device
 
 __all__ = ["CheckpointInfo", "load_checkpoint", "save_checkpoint"]
 
@@ -229,6 +231,10 @@ def _state(runner: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             sd[f"buffer/{n}"] = b.detach().clone()
     rank = dist.get_rank()
     sd[f"rng/{rank}"] = torch.get_rng_state()
+    device = rank_device()
+    key = device_rng_key(rank, device)
+    if key is not None:  # dropout on a GPU draws from the device's generator (runtime.checkpoint.rng)
+        sd[key] = device_rng_state(device)
     comp = engine.compression_state_dict() if hasattr(engine, "compression_state_dict") else {}
     for k, v in comp.items():
         sd[f"compression/{rank}/{k}"] = v.detach().clone()
@@ -382,6 +388,9 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
     rng = torch.empty_like(torch.get_rng_state())
     if same_plan:
         sd[f"rng/{rank}"] = rng
+    device = rank_device()
+    device_key = device_rng_key(rank, device) if same_plan else None
+    device_rng: torch.Tensor | None = None
     comp: dict[str, torch.Tensor] = {}
     replica: dict[str, torch.Tensor] = {}
     try:
@@ -396,6 +405,12 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
             this_ranks(f"compression/{rank}/", comp)
         if same_plan and hasattr(runner, "load_replica_state"):
             this_ranks(f"replica/{rank}/", replica)
+        if device_key is not None:
+            if device_key in md.state_dict_metadata:
+                device_rng = sd[device_key] = torch.empty(md.state_dict_metadata[device_key].size, dtype=torch.uint8)
+            else:  # saved on a CPU, or before device generators were saved
+                log.warning("%s: no state of the %s generator for rank %d: dropout on %s draws from its current "
+                            "state, not as an unbroken run would", d, device.type, rank, device)
         missing = [k for k in sd if k not in md.state_dict_metadata]
         if missing:
             raise CheckpointError(f"{d}: holds no {missing[:3]}: it was not written for this model (or by an older "
@@ -409,6 +424,8 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
         dst.copy_(buf.to(dst.dtype))
     if same_plan:
         torch.set_rng_state(rng)
+        if device_rng is not None:
+            set_device_rng_state(device, device_rng)
         if comp and hasattr(engine, "load_compression_state_dict"):
             engine.load_compression_state_dict(comp)
     engine.refresh_params()

@@ -13,7 +13,9 @@ and keeps only what this rank's virtual stages need:
 - the root's `forward(*inputs, _stage=s)` runs virtual stage s: the prefix
   on stage 0, its blocks, the suffix on the last stage;
 - with recompute, each block runs under runtime.engines.recompute: "full" keeps only
-  its input, "selective" the outputs of its matrix products and layer norms.
+  its input, "selective" the outputs of its matrix products and layer norms;
+- with torch_compile, each segment function runs compiled (runtime.engines.compiled),
+  inside the recomputation and the module hooks.
 
 Parameters used by stages on different pipeline ranks (a tied embedding and
 LM head) are *tied*: each holder keeps its copy outside the data-parallel
@@ -34,6 +36,7 @@ from torch import nn
 
 from cost_models.placements import REPLICATED, is_sharded
 from runtime.device import place, place_module, rank_device
+from runtime.engines.compiled import compile_function
 from runtime.engines.recompute import run_recomputed
 from runtime.pipeline.tensor_parallel import keep_token_shards, shard_parameter
 
@@ -67,7 +70,12 @@ class StageModel:
                  prefix_args: Sequence[tuple[str, str]], block_args: Sequence[Sequence[tuple[str, str]]],
                  suffix_args: Sequence[tuple[str, str]], output_spec: str | None, stages: Mapping[int, StageSpec],
                  placements: Mapping[str, tuple[str, int]], tied: Sequence[str], tp: Any = None,
-                 tp_rank: int = 0, tp_world: int = 1, recompute: str = "none", cp: Any = None):
+                 tp_rank: int = 0, tp_world: int = 1, recompute: str = "none", cp: Any = None,
+                 torch_compile: str = ""):
+        # torch_compile: the backend each segment function (prefix, every block kind, suffix) is compiled with
+        # (runtime.engines.compiled); recomputation and the blocks' module hooks stay outside; "": eager
+        if torch_compile:
+            functions = {k: compile_function(f, torch_compile) for k, f in functions.items()}
         # cp: a context-parallel plan's group (runtime.context.program.CPContext); its code's functions take it
         # after `tp`, bound here so that every caller passes tp first as it does without cp
         functions = {k: _WithContext(f, cp) for k, f in functions.items()} if cp is not None else functions
