@@ -76,6 +76,7 @@ from runtime.launch.measure import RankReporter, measure_step
 from runtime.launch.program_check import check_same_program
 from runtime.launch.rendezvous import rendezvous_store
 from runtime.pipeline.action_trace import chrome_trace, recording
+from runtime.pipeline.program_module import exec_program
 from runtime.verify.check import VerifyError
 
 __all__ = ["main", "load_callable", "default_loss", "default_optimizer"]
@@ -146,8 +147,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
                 _verify_first_start(plan, program.parent, env, model_fn, loss_fn, data_fn, heartbeat)
         if args.device_audit or audit_requested():
             audit.enter_context(device_audit())
-        ns: dict[str, Any] = {"__name__": f"rank_{env.rank}", "__file__": str(program)}
-        exec(compile(program.read_text(), str(program), "exec"), ns)
+        ns = exec_program(program.read_text(), str(program), rank=env.rank, __file__=str(program))
         if not callable(ns.get("build")):
             raise LaunchError(f"{program} defines no build(model_fn, optimizer_fn, loss_fn): it is not a rank program")
         check_same_program(str(ns.get("PROGRAM_HASH", "")))

@@ -262,3 +262,17 @@ def test_the_ranks_really_compile(graph):
     with pytest.raises(LaunchError, match="TestingOnlyCompileError"):
         launch_local(plan, training.gpt_tiny_seeded, training.adamw, training.gpt_loss, _batches(1), timeout_s=120,
                      verify=False)
+
+
+def test_a_generated_program_is_an_importable_module():
+    """torch 2.11's dynamo imports the module a compiled function's globals name (on an H200 it failed with
+    "No module named 'rank_0'"): every executed program is a registered module of its own, under a unique name."""
+    import importlib
+
+    from runtime.pipeline.program_module import exec_program
+
+    first = exec_program("def build():\n    return 'first'\n", "<rank_0.py>", rank=0)
+    second = exec_program("def build():\n    return 'second'\n", "<rank_0.py>", rank=0)
+    assert first["__name__"] != second["__name__"] and first["__name__"].startswith("rank_0")
+    for ns in (first, second):
+        assert importlib.import_module(ns["build"].__module__).__dict__ is ns

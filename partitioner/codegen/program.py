@@ -46,6 +46,7 @@ from partitioner.codegen.async_sgd import async_program_source
 from partitioner.codegen.common import CodegenError, torch_compile_refusal
 from partitioner.codegen.data_parallel import data_parallel_program_source, expected_collectives
 from partitioner.codegen.pipeline import pipeline_program_source
+from runtime.pipeline.program_module import exec_program
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -65,9 +66,7 @@ class RankProgram:
 
     def namespace(self) -> dict:
         """Execute the source; the returned namespace holds `build`."""
-        ns: dict = {"__name__": f"rank_{self.rank}"}
-        exec(compile(self.source, f"<rank_{self.rank}.py>", "exec"), ns)  # noqa: S102 - our own generated code
-        return ns
+        return exec_program(self.source, f"<rank_{self.rank}.py>", rank=self.rank)
 
 
 def not_runnable(plan: "Plan") -> str:

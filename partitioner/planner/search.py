@@ -118,9 +118,10 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                     zeros = [d.zero_stage] if d.zero_stage is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
                     recomputes = [d.recompute] if d.recompute is not None else ["none", "selective", "full"]
                     if sched in SPLIT_BACKWARD:  # what a split backward does not run with (declarations.py)
-                        # ZeRO-3 runs when pinned, but each W gathers its units again (zero3.split_backward),
-                        # which the cost model does not charge: the search does not pick it by itself
-                        zeros = [z for z in zeros if z != 3 or d.zero_stage == 3]
+                        # ZeRO-3 runs when pinned with this schedule, but each W gathers its units again
+                        # (zero3.split_backward), which the cost model does not charge: the search does not
+                        # pick the pair by itself (ZeRO-3 pinned alone keeps the schedules costed right)
+                        zeros = [z for z in zeros if z != 3 or (d.zero_stage == 3 and d.schedule == sched)]
                         recomputes = [rc for rc in recomputes if rc != "selective"]
                     for z, rc in itertools.product(zeros, recomputes):
                         sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]

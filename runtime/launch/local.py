@@ -76,6 +76,7 @@ from runtime.device.audit import audit_requested, device_audit
 from runtime.launch.env import LaunchError, choose_device
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
 from runtime.launch.program_check import check_same_program
+from runtime.pipeline.program_module import exec_program
 
 __all__ = ["LaunchResult", "launch_local", "check_world_size", "check_local_device", "check_sendable", "check_model",
            "stop_processes"]
@@ -380,8 +381,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
             audit.enter_context(device_audit())
         mark(_PH_START)
         path = d / f"rank_{rank}.py"
-        ns: dict[str, Any] = {"__name__": f"rank_{rank}", "__file__": str(path)}
-        exec(compile(path.read_text(), str(path), "exec"), ns)  # filename: tracebacks show program lines
+        ns = exec_program(path.read_text(), str(path), rank=rank, __file__=str(path))  # tracebacks show its lines
         if not callable(ns.get("build")):
             raise LaunchError(f"the program for rank {rank} defines no build(model_fn, optimizer_fn, loss_fn)")
         check_same_program(str(ns.get("PROGRAM_HASH", "")))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from runtime.device import set_rank_device
 from runtime.launch.env import LaunchError, choose_device, discover
 from runtime.launch.rendezvous import rendezvous_store
+from runtime.pipeline.program_module import exec_program
 
 __all__ = ["Trainer", "program_source"]
 
@@ -59,8 +60,7 @@ class Trainer:
         if plan_world != world:
             raise LaunchError(f"the plan is for {plan_world} ranks, but this job has {world}; "
                               f"compile a plan for {world} devices or launch {plan_world} processes")
-        ns: dict = {"__name__": f"rank_{rank}"}
-        exec(compile(source, f"<rank_{rank}.py>", "exec"), ns)  # noqa: S102 - the plan's generated program
+        ns = exec_program(source, f"<rank_{rank}.py>", rank=rank)
         self.runner = ns["build"](model_fn, optimizer_fn, loss_fn)
         self.rank = rank
 
