@@ -40,7 +40,6 @@ from cost_models.placements import REPLICATED
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
-from partitioner.codegen.program import not_runnable_ep
 from partitioner.codegen.segments import SegmentError, extract
 from partitioner.planner.context_split import LONG_SEQUENCE, attention_heads, cp_options, local
 from partitioner.planner.expert_split import Experts, check_experts, ep_options, ep_ranks, experts_of, summary
@@ -233,7 +232,10 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                                    "(context-parallel programs are checked against one process by running them, "
                                    "tests/test_context_run.py), or with cp=1")
         if decl.ep not in (None, 1):
-            raise DeclarationError(f"verify=True: {not_runnable_ep(decl.ep)}")
+            raise DeclarationError(f"verify=True with ep={decl.ep}: plan.verify replays the code in one process, "
+                                   "without the ep group its experts run over; compile without verify "
+                                   "(expert-parallel programs are checked against one process by running them, "
+                                   "tests/test_expert_run.py), or with ep=1")
     rewrite = decl.rewrite_attention
     if isinstance(model, OpGraph):
         g = model
@@ -610,14 +612,15 @@ def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False) 
     """The prefix/block/suffix code that pipeline and tensor-parallel programs run; data-parallel and async
     SGD programs run it too when the graph's attention was rewritten (the module's own forward would run
     it eagerly)."""
-    if cand.pp == 1 and cand.tp == 1 and cand.cp == 1 and not g.attention_rewrites:
+    if cand.pp == 1 and cand.tp == 1 and cand.cp == 1 and cand.ep == 1 and not g.attention_rewrites:
         return {}
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         how = "traced with torch.fx" if g.graph_module is not None else "given as an OpGraph without its graph"
         return {"code_note": f"the model was {how}; programs for pp/tp plans are generated from torch.export's "
                              "graph: compile the nn.Module (trace method 'export')"}
     try:
-        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp, sp=cand.sp, fp8=fp8, cp=cand.cp)}
+        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp, sp=cand.sp, fp8=fp8, cp=cand.cp,
+                                expert_parallel=cand.ep)}
     except SegmentError as e:
         return {"code_note": str(e)}
 

@@ -255,14 +255,19 @@ def model_code_lines(plan: "Plan") -> ModelCodeLines:
     if code is None:
         return ModelCodeLines()
     cp = plan.config.cp > 1
+    ep = plan.config.ep > 1
     t = segment_tables(code)
     n = code.num_blocks
+    why = (f"its {plan.attention_rewrites} eager attention(s) run as one fused scaled_dot_product_attention\n# each, as "
+           "the plan's time and memory assume (partitioner.tracer.attention)") if not ep else \
+        ("each MoE layer's experts run over the ep group (ep_experts: the\n# all-to-alls of "
+         "runtime.experts.expert_parallel) on this rank's experts only (partitioner.codegen.segment_ep)")
+    ep_kw = ",\n                      ep=ep, experts=EXPERTS" if ep else ""
     text = f'''
 inf, nan = float("inf"), float("nan")
 
 # ---- the model's code: prefix, block template, suffix (cut from the exported graph). The module's own
-# forward is not run: its {plan.attention_rewrites} eager attention(s) run as one fused scaled_dot_product_attention
-# each, as the plan's time and memory assume (partitioner.tracer.attention). Beside each value, its shape.
+# forward is not run: {why}. Beside each value, its shape.
 
 {t.functions}
 
@@ -275,20 +280,22 @@ OUTPUT_SPEC = {code.output_spec!r}
 STAGES = {{0: (0, {n}, True, True)}}
 
 
-def make_stage(model, tp{", cp" if cp else ""}):
+def make_stage(model, tp{", cp" if cp else ""}{", ep" if ep else ""}):
     """`model` running the code above (the whole model on this rank); `plan.verify` calls it too."""
     return StageModel(model, functions={{{t.fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
                       block_inputs={t.block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={t.block_args}, suffix_args={t.suffix_args},
-                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""})
+                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{ep_kw})
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"
            "    # (a batch without the traced inputs runs the module's own forward instead, with a warning).\n"
-           f"    make_stage(model, None{', cp' if cp else ''}).run_as_model()\n")
+           + (f"    make_stage(model, None{', cp' if cp else ''}).run_as_model()\n" if not ep else
+              f"    stage = make_stage(model, None{', cp' if cp else ''}, ep)  # this rank's expert slices: stage.experts\n"
+              "    stage.run_as_model()\n"))
     return ModelCodeLines(imports="import torch\nfrom torch import device\n\n",
-                          runtime_import=fp8_import(plan) + cp_import(plan) +
+                          runtime_import=fp8_import(plan) + cp_import(plan) + ep_import(plan) +
                           "from runtime.pipeline.stage import StageModel\n", text=text, run=run)
 
 
@@ -298,6 +305,15 @@ def cp_import(plan: "Plan") -> str:
         return ""
     return ("from runtime.context.program import CPContext, cp_attention, cp_positions  # context parallelism: "
             "attention over the cp group, this rank's positions\n")
+
+
+def ep_import(plan: "Plan") -> str:
+    """The imports of what the code and engine of an expert-parallel plan call (partitioner.codegen.segment_ep)."""
+    if plan.config.ep == 1:
+        return ""
+    return ("from runtime.experts.engine import ExpertParallel  # expert parallelism: the expert slices beside the "
+            "dense engine\n"
+            "from runtime.experts.program import EPContext, ep_aux_loss, ep_experts, ep_router_logits\n")
 
 
 def fp8_import(plan: "Plan") -> str:

@@ -12,7 +12,10 @@ pipeline, tensor-parallel and 3D programs by `partitioner.codegen.pipeline`;
 async SGD plans (`plan.async_sgd`) by `partitioner.codegen.async_sgd`. Context parallelism (cp > 1)
 composes with the first two: the program runs the plan's code as `partitioner.codegen.segment_cp` rewrote
 it, over the cp group (`runtime.context.program.CPContext`), on each rank's tokens of every row;
-`not_runnable` says why a cp plan gets no program (async SGD, no code).
+`not_runnable` says why a cp plan gets no program (async SGD, no code). Expert parallelism (ep > 1) runs
+data-parallel programs over the plan's code as `partitioner.codegen.segment_ep` rewrote it: each MoE
+layer's experts over the ep group (`runtime.experts.program.EPContext`), the rank's expert slices kept
+apart (`runtime.experts.engine.ExpertParallel`); `not_runnable_ep` says which ep plans get no program.
 
 >>> from partitioner import compile
 >>> from examples.mlp import mlp, example_inputs
@@ -85,11 +88,40 @@ def not_runnable(plan: "Plan") -> str:
     return ""
 
 
-def not_runnable_ep(ep: int) -> str:
-    """Why no program is generated for an expert-parallel plan (runtime.experts' kernels exist, codegen does not)."""
-    return (f"ep={ep}: expert-parallel plans are costed but not yet runnable: no per-rank program replaces the MoE "
-            "layers by runtime.experts' dispatch / grouped experts / combine over the ep group yet; compile with "
-            "ep=1 (experts replicated over data parallelism) to train, or use this plan for its predictions only")
+def not_runnable_ep(plan: "Plan") -> str:
+    """Why no program is generated for an expert-parallel plan ("" when one is): programs run ep > 1 from the
+    plan's model code (partitioner.codegen.segment_ep) with data parallelism only (pp = tp = cp = 1), fp32,
+    any ZeRO stage for the dense parameters, without recomputation or gradient clipping; the experts'
+    gradients and state are replicated over the expert-data-parallel group, so ZeRO runs only where that
+    group is one rank (dp = ep)."""
+    c = plan.config
+    if c.ep == 1:
+        return ""
+    what = f"ep={c.ep}"
+    fix = "; compile with ep=1 (experts replicated over data parallelism) to train this configuration"
+    if plan.async_sgd:
+        return f"{what} with async_sgd: asynchronous replicas do not run expert parallelism{fix}"
+    others = [f"{k}={v}" for k, v in (("pp", c.pp), ("tp", c.tp), ("cp", c.cp)) if v > 1]
+    if others:
+        return (f"{what} with {', '.join(others)}: expert-parallel programs run with data parallelism only (the "
+                f"ep group inside dp) so far; pin {', '.join(o.split('=')[0] + '=1' for o in others)}{fix}")
+    if plan.code is None:
+        return (f"{what}: an expert-parallel program runs the model as generated code (each MoE layer's experts "
+                f"over the ep group), and this plan has none: {plan.code_note or 'no traced graph'}")
+    if plan.precision != "fp32":
+        return (f"{what} with precision={plan.precision!r}: the expert slices are kept outside the data-parallel "
+                f"engine, which casts only the dense parameters; compile with precision='fp32'{fix}")
+    if c.recompute != "none":
+        return (f"{what} with recompute={c.recompute!r}: a recomputed MoE layer would record its router logits "
+                f"twice for the load-balancing loss; compile with recompute='none'{fix}")
+    if plan.clip_grad_norm is not None:
+        return (f"{what} with clip_grad_norm={plan.clip_grad_norm}: the global norm would need the expert slices' "
+                f"squares summed over the ep group, which the engine does not do yet; compile without clipping{fix}")
+    if c.zero_stage > 0 and c.replicas > c.ep:
+        return (f"{what} with zero_stage={c.zero_stage} and dp x cp = {c.replicas}: the expert state would be "
+                f"replicated over the {c.replicas // c.ep} ranks holding the same experts, not sharded as the plan "
+                f"assumes; pin dp={c.ep} (the ep group is the whole data-parallel group) or zero_stage=0{fix}")
+    return ""
 
 
 def program(plan: "Plan", rank: int) -> RankProgram:
@@ -99,8 +131,9 @@ def program(plan: "Plan", rank: int) -> RankProgram:
     why = not_runnable(plan)
     if why:
         raise CodegenError(why)
-    if c.ep > 1:
-        raise CodegenError(not_runnable_ep(c.ep))
+    why = not_runnable_ep(plan)
+    if why:
+        raise CodegenError(why)
     if c.pp > 1 or c.tp > 1:
         source, h = pipeline_program_source(plan, rank)
         return RankProgram(rank=rank, world_size=plan.world_size, source=source, program_hash=h)

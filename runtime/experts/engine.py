@@ -1,0 +1,118 @@
+"""The data-parallel engine of an expert-parallel rank: dense parameters as ever, experts over their own group.
+
+Under ep > 1 a rank holds E/ep experts of each MoE layer (its slice of the batched `[E, ...]` weights), and
+the ranks of its ep group hold the others. Its other parameters are replicas like any data-parallel
+rank's. So, as Megatron-Core's expert-data-parallel groups:
+
+- the dense parameters go through `runtime.engines.data_parallel.DataParallel` over the dp x cp group
+  (DDP or ZeRO-1/2/3, buckets, the initial broadcast), exactly as without experts;
+- the expert slices stay outside it (`runtime.pipeline.stage.StageModel` keeps them apart, as it does tied
+  parameters): no broadcast (each rank built its own experts from the same seed), and their gradients are
+  summed over the expert-data-parallel group (the ranks holding the same experts: dp x cp / ep of them) and
+  divided by dp x cp. Rank r's expert gradient already sums its ep group's tokens (the all-to-alls brought
+  them), and each rank's loss is the mean over its own tokens, so that is one process's mean gradient;
+- the optimizer steps both: `optimizer_params()` is the dense engine's plus the expert slices, which are
+  replicated over the expert-data-parallel group (ZeRO does not shard them here; ZeRO-1/2/3 shard the dense
+  state over dp x cp).
+
+`full_state_dict()` gathers every expert slice over the ep group into the full `[E, ...]` tensors.
+
+>>> # ExpertParallel(DataParallel(...), experts={"model.layers.1.mlp.experts.down_proj": p, ...}, ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from runtime.comm.collectives import Collectives
+from runtime.comm.groups import group_size
+
+__all__ = ["ExpertParallel"]
+
+
+class ExpertParallel:
+    """`engine` (a DataParallel over the dense parameters) plus this rank's expert slices `experts` (name -> the
+    slice it holds, dim 0 = its experts). ep_group: the ranks holding the other experts (this rank is index
+    `ep_rank`); edp_group: the ranks holding the same experts; replicas: dp x cp (the loss's mean is over them)."""
+
+    def __init__(self, engine, experts: Mapping[str, nn.Parameter], *, ep_group, ep_rank: int, ep: int, edp_group,
+                 replicas: int, collectives: Collectives):
+        self.engine, self.experts = engine, dict(experts)
+        self.ep_group, self.ep_rank, self.ep = ep_group, ep_rank, ep
+        self.edp_group, self.replicas, self.collectives = edp_group, replicas, collectives
+        if group_size(ep_group) != ep:
+            raise ValueError(f"the ep group has {group_size(ep_group)} ranks, the plan's ep is {ep}")
+
+    def __getattr__(self, name: str):  # module, unshard, reshard, checkpoint_blocks, ... : the dense engine's
+        return getattr(self.engine, name)
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [*self.engine.optimizer_params(), *self.experts.values()]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.engine.no_sync():  # expert gradients accumulate locally until finish_gradients
+            yield
+
+    @torch.no_grad()
+    def finish_gradients(self) -> None:
+        self.engine.finish_gradients()
+        grads = []
+        for p in self.experts.values():
+            if p.grad is None:  # no token reached this rank's experts in any microbatch: zero, as in one process
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if group_size(self.edp_group) > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.collectives.all_reduce(flat, self.edp_group, op="sum")
+            for g, v in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+                g.copy_(v.view_as(g))
+        for g in grads:
+            g.div_(self.replicas)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        raise NotImplementedError("gradient clipping under expert parallelism: the norm would need the expert "
+                                  "slices' squares summed over the ep group; compile with clip_grad_norm=None")
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+        for p in self.experts.values():
+            p.grad = None
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective over the dp x cp and ep groups: the dense engine's state dict with every expert parameter
+        whole (its slices gathered over the ep group, in expert order), on the group's first rank."""
+        full = self.engine.full_state_dict()
+        whole = {}
+        for n, p in self.experts.items():
+            out = p.new_empty((p.shape[0] * self.ep, *p.shape[1:]))
+            if self.ep > 1:
+                self.collectives.all_gather(out, p.detach().contiguous(), self.ep_group)
+            else:
+                out.copy_(p)
+            whole[n] = out.float()
+        if full is None:
+            return None
+        return {**full, **whole}
+
+    def held_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        out = dict(self.engine.held_bytes(optimizer))
+        extra = sum(p.numel() * p.element_size() for p in self.experts.values())
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.experts.values() if p.grad is not None)
+        out["params"] += extra
+        out["grads"] += grads
+        out["total"] += extra + grads
+        return out
+
+    def master_pieces(self):
+        raise NotImplementedError("checkpoints of expert-parallel programs are not written yet: the expert slices "
+                                  "would need their boxes of the full [E, ...] tensors; train without save_dir, or "
+                                  "compile with ep=1")
+
+    def __str__(self) -> str:
+        return f"ExpertParallel({self.engine}, ep={self.ep} rank {self.ep_rank}, {len(self.experts)} expert params)"

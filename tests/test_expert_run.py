@@ -1,0 +1,125 @@
+"""Expert-parallel plans train the same as one process (the truth test for ep > 1).
+
+Each case compiles a plan for a tiny Hugging Face MoE model (2 layers, hidden 32, 4 experts, top-2, the
+router's load-balancing loss on) with ep pinned, generates the per-rank programs (each MoE layer's experts
+run as `runtime.experts`' all-to-alls over the ep group, each rank holding its slice of the batched expert
+weights), runs them on real Gloo processes for 3 steps, and compares each step's loss (cross entropy plus
+the load-balancing loss) and the final parameters with one process training on the whole batch (fp32,
+rtol 1e-5, SGD with momentum). The quick tests read the generated source and the refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from examples.training import sgd, train_one_process
+from partitioner import compile
+from partitioner.codegen.program import CodegenError
+from ranks import assert_trains_like
+
+VOCAB, SEQ, BATCH, STEPS, AUX = 128, 16, 8, 3, 0.1
+
+
+def mixtral_seeded(aux: bool = True):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64, use_cache=False,
+                                     router_jitter_noise=0.0, output_router_logits=aux, router_aux_loss_coef=AUX,
+                                     tie_word_embeddings=False)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def qwen3_moe_seeded():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                      norm_topk_prob=True, max_position_embeddings=64, use_cache=False,
+                                      output_router_logits=True, router_aux_loss_coef=AUX, tie_word_embeddings=False)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def moe_loss(output, targets) -> torch.Tensor:
+    """Next-token cross entropy plus the router's load-balancing loss, as Hugging Face adds it."""
+    logits = output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)) + AUX * output.aux_loss
+
+
+def mixtral_no_aux_seeded():
+    return mixtral_seeded(aux=False)
+
+
+MODELS = {"mixtral": mixtral_seeded, "qwen3_moe": qwen3_moe_seeded}
+OTHERS = {"mixtral_no_aux": mixtral_no_aux_seeded}
+
+
+def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(steps)]
+
+
+def plan_for(name: str = "mixtral", *, dp: int = 2, ep: int = 2, zero: int = 0, pp: int = 1, tp: int = 1, **kw):
+    # one microbatch per rank: the load-balancing loss of a batch is not the mean of its microbatches' losses
+    return compile({**MODELS, **OTHERS}[name](), f"local:{dp * pp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
+                   global_batch_size=BATCH, precision="fp32", dp=dp, ep=ep, pp=pp, tp=tp, zero_stage=zero,
+                   microbatch_size=BATCH // dp, alternatives=0, **kw)
+
+
+def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
+    src = plan_for().program(1).source
+    assert "# This rank holds experts 2..3 of 4 in each of the 2 MoE layers (index 1 of its ep group)" in src
+    assert "'model.layers.1.mlp.experts.gate_up_proj': (2, 4)," in src
+    assert "EP_GROUPS = ((0, 1),)" in src and "EDP_GROUPS = ((0,), (1,))" in src
+    block = src.split("def block", 1)[1].split("def suffix", 1)[0]
+    # the experts region is one call; the router and its top-k stay as traced
+    assert "ep_experts(view_8, getitem_7, div__1, mlp_experts_gate_up_proj, mlp_experts_down_proj, to_19, ep)" in block
+    assert "grouped_mm" not in block and "aten.topk" in block
+    suffix = src.split("def suffix", 1)[1]
+    assert "= ep_aux_loss(ep)" in suffix and "ep_router_logits(ep, 1)" in suffix
+    assert "engine = ExpertParallel(engine, stage.experts" in src
+    assert "cuda" not in src and "'cpu'" not in src  # names no device
+
+
+@pytest.mark.parametrize("pins, words", [
+    (dict(name="mixtral_no_aux", dp=2, ep=2, pp=2), "pp=2: expert-parallel programs run with data parallelism only"),
+    (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2), "tp=2: expert-parallel programs run with data parallelism only"),
+    (dict(dp=4, ep=2, zero=1), "replicated over the 2 ranks holding the same experts, not sharded"),
+    (dict(dp=2, ep=2, recompute="full"), "record its router logits twice"),
+])
+def test_what_does_not_run_yet_is_refused_before_anything_runs(pins, words):
+    plan = plan_for(**pins)
+    with pytest.raises(CodegenError, match=words):
+        plan.program(0)
+
+
+def test_verify_is_refused_with_ep():
+    from cost_models.errors import DeclarationError
+
+    with pytest.raises(DeclarationError, match="verify=True with ep=2"):
+        plan_for(verify=True)
+
+
+def assert_same_training(plan, name: str):
+    from runtime import launch_local
+
+    data = batches()
+    out = launch_local(plan, MODELS[name], sgd, moe_loss, data, timeout_s=240)
+    trained = train_one_process(MODELS[name], sgd, moe_loss, data)
+    assert sorted(out.state_dict) == sorted(trained.model.state_dict())
+    assert_trains_like(out, trained.losses, trained.model.state_dict())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dp, ep, zero", [(2, 2, 0), (2, 2, 1), (2, 2, 3)])
+def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
+    assert_same_training(plan_for(name, dp=dp, ep=ep, zero=zero), name)
