@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.training import sgd, train_one_process
+from examples.training import hf_loss, sgd, train_one_process
 from partitioner import compile
 from partitioner.codegen.program import CodegenError
 from ranks import assert_trains_like
@@ -56,8 +56,17 @@ def mixtral_no_aux_seeded():
     return mixtral_seeded(aux=False)
 
 
+def deepseek_v3_seeded():
+    """DeepSeek-V3's shape (examples.hf_families): the first layer dense, then MoE layers with a shared expert
+    beside 4 routed ones (top-2, a sigmoid router with grouped top-k and a bias correction; no auxiliary loss)."""
+    from examples.hf_families import deepseek_v3_seeded as build
+
+    return build()
+
+
 MODELS = {"mixtral": mixtral_seeded, "qwen3_moe": qwen3_moe_seeded}
-OTHERS = {"mixtral_no_aux": mixtral_no_aux_seeded}
+OTHERS = {"mixtral_no_aux": mixtral_no_aux_seeded, "deepseek_v3": deepseek_v3_seeded}
+LOSSES = {"deepseek_v3": hf_loss}
 
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -111,8 +120,9 @@ def assert_same_training(plan, name: str):
     from runtime import launch_local
 
     data = batches()
-    out = launch_local(plan, MODELS[name], sgd, moe_loss, data, timeout_s=240)
-    trained = train_one_process(MODELS[name], sgd, moe_loss, data)
+    model_fn, loss_fn = {**MODELS, **OTHERS}[name], LOSSES.get(name, moe_loss)
+    out = launch_local(plan, model_fn, sgd, loss_fn, data, timeout_s=240)
+    trained = train_one_process(model_fn, sgd, loss_fn, data)
     assert sorted(out.state_dict) == sorted(trained.model.state_dict())
     assert_trains_like(out, trained.losses, trained.model.state_dict())
     return out
@@ -123,3 +133,15 @@ def assert_same_training(plan, name: str):
 @pytest.mark.parametrize("dp, ep, zero", [(2, 2, 0), (2, 2, 1), (2, 2, 3)])
 def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
     assert_same_training(plan_for(name, dp=dp, ep=ep, zero=zero), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, dp, ep, zero", [
+    ("mixtral", 4, 4, 0),  # one expert per rank
+    ("mixtral", 4, 2, 0),  # two ep groups: expert gradients summed over the ranks holding the same experts
+    ("deepseek_v3", 2, 2, 0),
+    ("deepseek_v3", 2, 2, 3),
+])
+def test_more_ranks_and_deepseek_v3_train_like_one_process(name, dp, ep, zero):
+    out = assert_same_training(plan_for(name, dp=dp, ep=ep, zero=zero), name)
+    assert out.losses[0] != out.losses[-1]
