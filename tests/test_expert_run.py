@@ -66,7 +66,7 @@ def deepseek_v3_seeded():
 
 MODELS = {"mixtral": mixtral_seeded, "qwen3_moe": qwen3_moe_seeded}
 OTHERS = {"mixtral_no_aux": mixtral_no_aux_seeded, "deepseek_v3": deepseek_v3_seeded}
-LOSSES = {"deepseek_v3": hf_loss}
+LOSSES = {"deepseek_v3": hf_loss, "mixtral_no_aux": hf_loss}
 
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -75,11 +75,12 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def plan_for(name: str = "mixtral", *, dp: int = 2, ep: int = 2, zero: int = 0, pp: int = 1, tp: int = 1, **kw):
-    # one microbatch per rank: the load-balancing loss of a batch is not the mean of its microbatches' losses
+def plan_for(name: str = "mixtral", *, dp: int = 2, ep: int = 2, zero: int = 0, pp: int = 1, tp: int = 1,
+             mb: int | None = None, **kw):
+    # one microbatch per rank by default: the load-balancing loss of a batch is not the mean of its microbatches'
     return compile({**MODELS, **OTHERS}[name](), f"local:{dp * pp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
                    global_batch_size=BATCH, precision="fp32", dp=dp, ep=ep, pp=pp, tp=tp, zero_stage=zero,
-                   microbatch_size=BATCH // dp, alternatives=0, **kw)
+                   microbatch_size=mb or BATCH // dp, alternatives=0, **kw)
 
 
 def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
@@ -98,8 +99,7 @@ def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
 
 
 @pytest.mark.parametrize("pins, words", [
-    (dict(name="mixtral_no_aux", dp=2, ep=2, pp=2), "pp=2: expert-parallel programs run with data parallelism only"),
-    (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2), "tp=2: expert-parallel programs run with data parallelism only"),
+    (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2), "tp=2: expert-parallel programs run with data and pipeline"),
     (dict(dp=4, ep=2, zero=1), "replicated over the 2 ranks holding the same experts, not sharded"),
     (dict(dp=2, ep=2, recompute="full"), "record its router logits twice"),
 ])
@@ -107,6 +107,15 @@ def test_what_does_not_run_yet_is_refused_before_anything_runs(pins, words):
     plan = plan_for(**pins)
     with pytest.raises(CodegenError, match=words):
         plan.program(0)
+
+
+def test_a_pipeline_rank_holds_its_stages_experts():
+    src = plan_for("mixtral_no_aux", dp=2, ep=2, pp=2, mb=2).program(3).source  # pipeline rank 1, replica 1
+    assert "# This rank holds experts 2..3 of 4 in each of its 1 MoE layers (index 1 of its ep group)" in src
+    experts = src.split("EXPERTS = {", 1)[1].split("}", 1)[0]
+    assert "'model.layers.1.mlp.experts.down_proj': (2, 4)," in experts and "model.layers.0." not in experts
+    assert "EP_GROUPS = ((0, 1), (2, 3))" in src
+    assert "ep_experts(" in src and "ep_aux_loss" not in src.split("def suffix", 1)[1]
 
 
 def test_verify_is_refused_with_ep():
@@ -145,3 +154,11 @@ def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
 def test_more_ranks_and_deepseek_v3_train_like_one_process(name, dp, ep, zero):
     out = assert_same_training(plan_for(name, dp=dp, ep=ep, zero=zero), name)
     assert out.losses[0] != out.losses[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, zero", [("mixtral_no_aux", 0), ("mixtral_no_aux", 1), ("deepseek_v3", 0)])
+def test_pipeline_and_expert_parallel_train_like_one_process(name, zero):
+    """pp2 x dp2 x ep2 (world 4), 2 microbatches of 2 rows per replica: each pipeline rank's MoE layers run over
+    its own ep group, in the schedule's order on both ranks of the group."""
+    assert_same_training(plan_for(name, dp=2, ep=2, pp=2, zero=zero, mb=2), name)

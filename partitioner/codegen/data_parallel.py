@@ -164,23 +164,25 @@ def _ep_rank(plan: "Plan", rank: int) -> int:
     return plan.mesh[rank].dp % plan.config.ep
 
 
-def expert_tables(plan: "Plan", rank: int) -> str:
-    """The module-level tables of an expert-parallel program ("" without ep): its groups and expert slices."""
+def expert_tables(plan: "Plan", rank: int, held: set[str] | None = None) -> str:
+    """The module-level tables of an expert-parallel program ("" without ep): its groups and expert slices (of the
+    parameters in `held`, this rank's stages' under pp > 1; all without)."""
     c = plan.config
     if c.ep == 1:
         return ""
     eps, edps = expert_groups(plan)
     r = _ep_rank(plan, rank)
-    rows = {n: (r * e // c.ep, (r + 1) * e // c.ep) for n, e in plan.code.experts}
-    es = sorted({e for _, e in plan.code.experts})
-    held = ", ".join(f"experts {r * e // c.ep}..{(r + 1) * e // c.ep - 1} of {e}" for e in es)
+    mine = [(n, e) for n, e in plan.code.experts if held is None or n in held]
+    rows = {n: (r * e // c.ep, (r + 1) * e // c.ep) for n, e in mine}
+    es = sorted({e for _, e in mine})
+    held_text = ", ".join(f"experts {r * e // c.ep}..{(r + 1) * e // c.ep - 1} of {e}" for e in es)
     lines = "\n".join(f"    {n!r}: {lo, hi}," for n, (lo, hi) in rows.items())
     return f'''
 # Expert parallelism: ep groups (the ranks among which each MoE layer's experts are divided, ep={c.ep}) and
 # expert-data-parallel groups (the ranks holding the same experts, whose expert gradients are summed).
 EP_GROUPS = {literal(eps)}
 EDP_GROUPS = {literal(edps)}
-# This rank holds {held} in each of the {plan.code.moe_layers} MoE layers (index {r} of its ep group):
+# This rank holds {held_text} in each of {"its" if c.pp > 1 else "the"} {len(mine) // 2} MoE layers (index {r} of its ep group):
 # rows [lo, hi) along dim 0 of every batched expert weight.
 EXPERTS = {{
 {lines}

@@ -90,7 +90,8 @@ def not_runnable(plan: "Plan") -> str:
 
 def not_runnable_ep(plan: "Plan") -> str:
     """Why no program is generated for an expert-parallel plan ("" when one is): programs run ep > 1 from the
-    plan's model code (partitioner.codegen.segment_ep) with data parallelism only (pp = tp = cp = 1), fp32,
+    plan's model code (partitioner.codegen.segment_ep) with data and pipeline parallelism (tp = cp = 1; the
+    load-balancing loss with pp = 1 only), fp32,
     any ZeRO stage for the dense parameters, without recomputation or gradient clipping; the experts'
     gradients and state are replicated over the expert-data-parallel group, so ZeRO runs only where that
     group is one rank (dp = ep)."""
@@ -101,13 +102,17 @@ def not_runnable_ep(plan: "Plan") -> str:
     fix = "; compile with ep=1 (experts replicated over data parallelism) to train this configuration"
     if plan.async_sgd:
         return f"{what} with async_sgd: asynchronous replicas do not run expert parallelism{fix}"
-    others = [f"{k}={v}" for k, v in (("pp", c.pp), ("tp", c.tp), ("cp", c.cp)) if v > 1]
+    others = [f"{k}={v}" for k, v in (("tp", c.tp), ("cp", c.cp)) if v > 1]
     if others:
-        return (f"{what} with {', '.join(others)}: expert-parallel programs run with data parallelism only (the "
-                f"ep group inside dp) so far; pin {', '.join(o.split('=')[0] + '=1' for o in others)}{fix}")
+        return (f"{what} with {', '.join(others)}: expert-parallel programs run with data and pipeline parallelism "
+                f"only (the ep group inside dp) so far; pin {', '.join(o.split('=')[0] + '=1' for o in others)}{fix}")
     if plan.code is None:
         return (f"{what}: an expert-parallel program runs the model as generated code (each MoE layer's experts "
                 f"over the ep group), and this plan has none: {plan.code_note or 'no traced graph'}")
+    if c.pp > 1 and plan.code.suffix is not None and "ep_aux_loss(" in plan.code.suffix.source:
+        return (f"{what} with pp={c.pp}: the model's load-balancing loss reads every MoE layer's router logits, "
+                f"which live on other pipeline ranks; build the model without it (output_router_logits=False) or "
+                f"pin pp=1{fix}")
     if plan.precision != "fp32":
         return (f"{what} with precision={plan.precision!r}: the expert slices are kept outside the data-parallel "
                 f"engine, which casts only the dense parameters; compile with precision='fp32'{fix}")
