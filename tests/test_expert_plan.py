@@ -206,11 +206,13 @@ def test_plan_text_and_page_show_ep(moe, tmp_path):
     assert "experts 2/2 of ep group 1" in page and "expert-parallel groups: 2 consecutive data-parallel" in page
 
 
-def test_ep_plans_are_not_runnable(moe):
+def test_ep_plans_without_code_or_verify_are_refused(moe):
+    """A plan compiled from an OpGraph carries no model code, which an ep > 1 program runs (tests/test_expert_run.py
+    runs those that do); verify=True cannot replay the ep group in one process."""
     plan = compile(moe, "local:4", global_batch_size=8, ep=2, alternatives=0)
-    with pytest.raises(CodegenError, match="ep=2: expert-parallel plans are costed but not yet runnable"):
+    with pytest.raises(CodegenError, match="ep=2: an expert-parallel program runs the model as generated code"):
         plan.program(0)
-    with pytest.raises(DeclarationError, match="expert-parallel plans are costed but not yet runnable"):
+    with pytest.raises(DeclarationError, match="verify=True with ep=2"):
         compile(hf_families.qwen3_moe_seeded(), "local:4", example_inputs=TOKENS, global_batch_size=8, ep=2,
                 verify=True)
 

@@ -162,3 +162,15 @@ def test_pipeline_and_expert_parallel_train_like_one_process(name, zero):
     """pp2 x dp2 x ep2 (world 4), 2 microbatches of 2 rows per replica: each pipeline rank's MoE layers run over
     its own ep group, in the schedule's order on both ranks of the group."""
     assert_same_training(plan_for(name, dp=2, ep=2, pp=2, zero=zero, mb=2), name)
+
+
+def test_a_list_of_expert_modules_is_refused_by_name():
+    """test_experts' CapacityMoE keeps its experts as a ModuleList of MLPs: planned and costed with ep, but its
+    program is refused, naming the experts module and what runs."""
+    from test_experts import Net
+
+    torch.manual_seed(0)
+    plan = compile(Net(moe_every=1), "local:2", example_inputs=(torch.zeros(2, 16, dtype=torch.long),),
+                   global_batch_size=8, dp=2, ep=2, alternatives=0)
+    with pytest.raises(CodegenError, match=r"runs batched SiLU-gated experts .* but the experts of layers.1.mlp.experts read .*a list of expert modules"):
+        plan.program(0)

@@ -111,15 +111,15 @@ class ExpertParallelRewrite:
                if a not in inside and not self.src.shape_only.get(a, False) and a not in self.src.param}
         params = sorted({self.src.param[a] for m in nodes for a in m.all_input_nodes if a in self.src.param})
         form = f"the experts of {scope}"
-        if len(outs) != 1:
-            raise SegmentError(f"expert parallelism: {form} hand on {len(outs)} values "
-                               f"({', '.join(o.name for o in outs)}), not one (T, H) output; compile with ep=1")
         short = {p.rsplit(".", 1)[-1]: p for p in params}
         if sorted(short) != ["down_proj", "gate_up_proj"]:
             raise SegmentError(f"expert parallelism runs batched SiLU-gated experts (gate_up_proj (E, 2I, H) and "
                                f"down_proj (E, H, I), as Mixtral, Qwen3-MoE and DeepSeek-V3 keep them), but {form} "
                                f"read {params} (a list of expert modules, biases or other weights are not run yet); "
                                "compile with ep=1")
+        if len(outs) != 1:
+            raise SegmentError(f"expert parallelism: {form} hand on {len(outs)} values "
+                               f"({', '.join(o.name for o in outs)}), not one (T, H) output; compile with ep=1")
         acts = {m.target for m in nodes if m.target in (_aten.silu.default, _aten.gelu.default, _aten.relu.default,
                                                           _aten.sigmoid.default, _aten.tanh.default, _aten.clamp.default)}
         if acts != {_aten.silu.default}:

@@ -137,7 +137,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
                  placements: dict[str, Any], dims: dict[str, int], chunks: dict[str, list[tuple[str, int]]],
                  tp: int, seq_dims: dict[str, int], scatters: dict[str, int],
                  seq_gathers: dict[str, list[tuple[str, int, str]]], fp8: bool = False, cp: int = 1,
-                 seq_syms: frozenset[str] = frozenset(), ep: int = 1, moe: tuple[tuple[str, str], ...] = ()):
+                 seq_syms: frozenset[str] = frozenset(), ep: int = 1, moe: tuple[tuple[str, str, int], ...] = ()):
         self.src, self.name, self.carried, self.block = src, name, carried, block
         self.fp8 = fp8
         self.placements, self.dims, self.chunks, self.tp = placements, dims, chunks, tp
@@ -161,7 +161,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         # expert parallelism (partitioner.codegen.segment_ep): the ep group, the MoE layers' (module, experts
         # module), the experts regions found, the block's router logits and the suffix's reads of them
         self.ep, self.moe = ep, moe
-        self.expert_scopes = tuple(e for _, e in moe)
+        self.expert_scopes = tuple(x for _, x, _ in moe)
         self.ep_arg = self.graph.placeholder("ep") if ep > 1 else None
         self.regions: dict[str, Any] = {}
         self.router_out: fx.Node | None = None
@@ -545,11 +545,12 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
                      **(_expert_fields(g) if expert_parallel > 1 else {}))
 
 
-def _moe_scopes(g: Any) -> tuple[tuple[str, str], ...]:
-    """(MoE module, its experts module) of each MoE layer the tracer found (partitioner.tracer.experts)."""
+def _moe_scopes(g: Any) -> tuple[tuple[str, str, int], ...]:
+    """(MoE module, its experts module, E) of each MoE layer the tracer found (partitioner.tracer.experts)."""
     from partitioner.tracer.experts import common_prefix, find_experts
 
-    return tuple((m.module, common_prefix([e.rsplit(".", 1)[0] for e in m.experts])) for m in find_experts(g))
+    return tuple((m.module, common_prefix([e.rsplit(".", 1)[0] for e in m.experts]), m.num_experts)
+                 for m in find_experts(g))
 
 
 def _expert_fields(g: Any) -> dict[str, Any]:
@@ -564,10 +565,14 @@ def _expert_fields(g: Any) -> dict[str, Any]:
             "top_k": layers[0].top_k}
 
 
-def _router_outs(values: set[fx.Node], moe: tuple[tuple[str, str], ...]) -> set[fx.Node]:
-    """Under ep > 1, the values among `values` computed inside a MoE module (outside its experts): the router
-    logits a block hands on for the load-balancing loss (partitioner.codegen.segment_ep)."""
-    return {v for v in values for m, e in moe if in_scope(v, m) and not in_scope(v, e)}
+def _router_outs(values: set[fx.Node], moe: tuple[tuple[str, str, int], ...]) -> set[fx.Node]:
+    """Under ep > 1, the values among `values` computed inside a MoE module (outside its experts) of shape
+    (tokens, E): the router logits a block hands on for the load-balancing loss (partitioner.codegen.segment_ep)."""
+    def logits(v: fx.Node, e: int) -> bool:
+        val = v.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.dim() == 2 and str(val.shape[1]) == str(e)
+
+    return {v for v in values for m, x, e in moe if in_scope(v, m) and not in_scope(v, x) and logits(v, e)}
 
 
 def _sequence_cut_dim(seq_dims: dict[str, int], block_inputs: set[fx.Node]) -> int:
