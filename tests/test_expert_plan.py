@@ -206,11 +206,11 @@ def test_plan_text_and_page_show_ep(moe, tmp_path):
     assert "experts 2/2 of ep group 1" in page and "expert-parallel groups: 2 consecutive data-parallel" in page
 
 
-def test_ep_plans_without_code_or_verify_are_refused(moe):
-    """A plan compiled from an OpGraph carries no model code, which an ep > 1 program runs (tests/test_expert_run.py
-    runs those that do); verify=True cannot replay the ep group in one process."""
+def test_ep_plans_that_cannot_run_are_refused(moe):
+    """Programs run ep > 1 in fp32 (tests/test_expert_run.py runs them): a bf16-mixed plan is refused, saying why;
+    verify=True cannot replay the ep group in one process."""
     plan = compile(moe, "local:4", global_batch_size=8, ep=2, alternatives=0)
-    with pytest.raises(CodegenError, match="ep=2: an expert-parallel program runs the model as generated code"):
+    with pytest.raises(CodegenError, match="ep=2 with precision='bf16-mixed': the expert slices are kept outside"):
         plan.program(0)
     with pytest.raises(DeclarationError, match="verify=True with ep=2"):
         compile(hf_families.qwen3_moe_seeded(), "local:4", example_inputs=TOKENS, global_batch_size=8, ep=2,

@@ -99,9 +99,10 @@ def not_runnable_ep(plan: "Plan") -> str:
     if c.ep == 1:
         return ""
     what = f"ep={c.ep}"
-    fix = "; compile with ep=1 (experts replicated over data parallelism) to train this configuration"
+    alone = "; compile with ep=1 (experts replicated over data parallelism) to train this configuration"
+    fix = ", or ep=1 (experts replicated over data parallelism) to train this configuration"
     if plan.async_sgd:
-        return f"{what} with async_sgd: asynchronous replicas do not run expert parallelism{fix}"
+        return f"{what} with async_sgd: asynchronous replicas do not run expert parallelism{alone}"
     others = [f"{k}={v}" for k, v in (("tp", c.tp), ("cp", c.cp)) if v > 1]
     if others:
         return (f"{what} with {', '.join(others)}: expert-parallel programs run with data and pipeline parallelism "

@@ -15,9 +15,9 @@ rank's. So, as Megatron-Core's expert-data-parallel groups:
   replicated over the expert-data-parallel group (ZeRO does not shard them here; ZeRO-1/2/3 shard the dense
   state over dp x cp).
 
-`full_state_dict()` gathers every expert slice over the ep group into the full `[E, ...]` tensors.
-
->>> # ExpertParallel(DataParallel(...), experts={"model.layers.1.mlp.experts.down_proj": p, ...}, ...)
+`full_state_dict()` gathers every expert slice over the ep group into the full `[E, ...]` tensors. A generated
+program builds it as `ExpertParallel(DataParallel(model, ...), stage.experts, ep_group=..., ...)`, `stage` the
+`StageModel` that cut the expert slices (tests/golden/program_mixtral_tiny_dp2_ep2_rank1.txt).
 """
 
 from __future__ import annotations
