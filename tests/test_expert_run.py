@@ -100,7 +100,6 @@ def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
 
 @pytest.mark.parametrize("pins, words", [
     (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2), "tp=2: expert-parallel programs run with data and pipeline"),
-    (dict(dp=4, ep=2, zero=1), "replicated over the 2 ranks holding the same experts, not sharded"),
     (dict(dp=2, ep=2, recompute="full"), "record its router logits twice"),
 ])
 def test_what_does_not_run_yet_is_refused_before_anything_runs(pins, words):
@@ -148,6 +147,8 @@ def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
 @pytest.mark.parametrize("name, dp, ep, zero", [
     ("mixtral", 4, 4, 0),  # one expert per rank
     ("mixtral", 4, 2, 0),  # two ep groups: expert gradients summed over the ranks holding the same experts
+    ("mixtral", 4, 2, 1),  # ...and their optimizer state sharded over those 2 ranks
+    ("qwen3_moe", 4, 2, 3),
     ("deepseek_v3", 2, 2, 0),
     ("deepseek_v3", 2, 2, 3),
 ])

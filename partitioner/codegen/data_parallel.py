@@ -217,10 +217,14 @@ def expert_engine_lines(plan: "Plan") -> str:
     c = plan.config
     if c.ep == 1:
         return ""
+    shard = (f"\n    # ZeRO-{c.zero_stage} over the {c.replicas // c.ep} ranks holding the same experts: this rank steps its "
+             f"1/{c.replicas // c.ep} of their flat\n    # buffer (optimizer state and gradients), all-gathered at UNSHARD."
+             if c.zero_stage > 0 and c.replicas > c.ep else "")
     return (f"    # The expert slices stay outside that engine: their gradients are summed over edp_group and divided\n"
-            f"    # by the {c.replicas} replicas (one process's mean); the optimizer steps them with the rest.\n"
+            f"    # by the {c.replicas} replicas (one process's mean); the optimizer steps them with the rest.{shard}\n"
             f"    engine = ExpertParallel(engine, stage.experts, ep_group=ep_group, ep_rank=ep.rank, ep={c.ep}, "
-            f"edp_group=edp_group,\n                            replicas={c.replicas}, collectives=collectives)\n")
+            f"edp_group=edp_group,\n                            replicas={c.replicas}, collectives=collectives, "
+            f"zero_stage={c.zero_stage})\n")
 
 
 def expected_collectives(plan: "Plan") -> dict[str, int]:

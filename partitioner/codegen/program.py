@@ -92,9 +92,8 @@ def not_runnable_ep(plan: "Plan") -> str:
     """Why no program is generated for an expert-parallel plan ("" when one is): programs run ep > 1 from the
     plan's model code (partitioner.codegen.segment_ep) with data and pipeline parallelism (tp = cp = 1; the
     load-balancing loss with pp = 1 only), fp32,
-    any ZeRO stage for the dense parameters, without recomputation or gradient clipping; the experts'
-    gradients and state are replicated over the expert-data-parallel group, so ZeRO runs only where that
-    group is one rank (dp = ep)."""
+    any ZeRO stage (the experts' optimizer state and gradients sharded over the ranks holding the same experts,
+    runtime.experts.engine), without recomputation or gradient clipping."""
     c = plan.config
     if c.ep == 1:
         return ""
@@ -123,10 +122,6 @@ def not_runnable_ep(plan: "Plan") -> str:
     if plan.clip_grad_norm is not None:
         return (f"{what} with clip_grad_norm={plan.clip_grad_norm}: the global norm would need the expert slices' "
                 f"squares summed over the ep group, which the engine does not do yet; compile without clipping{fix}")
-    if c.zero_stage > 0 and c.replicas > c.ep:
-        return (f"{what} with zero_stage={c.zero_stage} and dp x cp = {c.replicas}: the expert state would be "
-                f"replicated over the {c.replicas // c.ep} ranks holding the same experts, not sharded as the plan "
-                f"assumes; pin dp={c.ep} (the ep group is the whole data-parallel group) or zero_stage=0{fix}")
     return ""
 
 

@@ -11,9 +11,13 @@ rank's. So, as Megatron-Core's expert-data-parallel groups:
   summed over the expert-data-parallel group (the ranks holding the same experts: dp x cp / ep of them) and
   divided by dp x cp. Rank r's expert gradient already sums its ep group's tokens (the all-to-alls brought
   them), and each rank's loss is the mean over its own tokens, so that is one process's mean gradient;
-- the optimizer steps both: `optimizer_params()` is the dense engine's plus the expert slices, which are
-  replicated over the expert-data-parallel group (ZeRO does not shard them here; ZeRO-1/2/3 shard the dense
-  state over dp x cp).
+- the optimizer steps both: `optimizer_params()` is the dense engine's plus the experts'. Under ZeRO
+  (zero_stage >= 1) with more than one rank holding the same experts, the expert slices live in one flat
+  buffer padded to a multiple of that group's size, and each rank steps only its shard of it (its
+  gradients the all-reduced sum's shard: Gloo's all-reduce beats its reduce-scatter, docs/torch-notes.md),
+  the updated shards all-gathered back at UNSHARD, as ZeRO-1 does for the dense parameters: the experts'
+  optimizer state and gradients are divided over the group. At ZeRO-3 the expert parameters themselves
+  stay whole between steps (1/ep of the experts already); the dense ones are sharded by the dense engine.
 
 `full_state_dict()` gathers every expert slice over the ep group into the full `[E, ...]` tensors. A generated
 program builds it as `ExpertParallel(DataParallel(model, ...), stage.experts, ep_group=..., ...)`, `stage` the
@@ -23,9 +27,11 @@ program builds it as `ExpertParallel(DataParallel(model, ...), stage.experts, ep
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from runtime.comm.collectives import Collectives
@@ -40,18 +46,38 @@ class ExpertParallel:
     `ep_rank`); edp_group: the ranks holding the same experts; replicas: dp x cp (the loss's mean is over them)."""
 
     def __init__(self, engine, experts: Mapping[str, nn.Parameter], *, ep_group, ep_rank: int, ep: int, edp_group,
-                 replicas: int, collectives: Collectives):
+                 replicas: int, collectives: Collectives, zero_stage: int = 0):
         self.engine, self.experts = engine, dict(experts)
         self.ep_group, self.ep_rank, self.ep = ep_group, ep_rank, ep
         self.edp_group, self.replicas, self.collectives = edp_group, replicas, collectives
         if group_size(ep_group) != ep:
             raise ValueError(f"the ep group has {group_size(ep_group)} ranks, the plan's ep is {ep}")
+        self.edp = group_size(edp_group)
+        self.sharded = zero_stage > 0 and self.edp > 1 and bool(self.experts)
+        if self.sharded:
+            self._build_flat()
+
+    @torch.no_grad()
+    def _build_flat(self) -> None:
+        """The expert slices as views of one flat buffer; this rank's shard of it, what the optimizer steps."""
+        params = list(self.experts.values())
+        self._numels = [p.numel() for p in params]
+        padded = math.ceil(sum(self._numels) / self.edp) * self.edp
+        self._flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        off = 0
+        for p, n in zip(params, self._numels):
+            self._flat[off:off + n].copy_(p.data.reshape(-1))
+            p.data = self._flat[off:off + n].view(p.shape)
+            off += n
+        n = padded // self.edp
+        self._lo = dist.get_rank(self.edp_group) * n
+        self._shard = nn.Parameter(self._flat[self._lo:self._lo + n].clone())
 
     def __getattr__(self, name: str):  # module, unshard, reshard, checkpoint_blocks, ... : the dense engine's
         return getattr(self.engine, name)
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        return [*self.engine.optimizer_params(), *self.experts.values()]
+        return [*self.engine.optimizer_params(), *([self._shard] if self.sharded else self.experts.values())]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -66,13 +92,36 @@ class ExpertParallel:
             if p.grad is None:  # no token reached this rank's experts in any microbatch: zero, as in one process
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        if group_size(self.edp_group) > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.collectives.all_reduce(flat, self.edp_group, op="sum")
-            for g, v in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-                g.copy_(v.view_as(g))
-        for g in grads:
-            g.div_(self.replicas)
+        if self.edp == 1:
+            for g in grads:
+                g.div_(self.replicas)
+            return
+        flat = torch.zeros(self._flat.numel() if self.sharded else sum(g.numel() for g in grads),
+                           dtype=grads[0].dtype, device=grads[0].device)
+        torch.cat([g.reshape(-1) for g in grads], out=flat[:sum(g.numel() for g in grads)])
+        self.collectives.all_reduce(flat, self.edp_group, op="sum")
+        flat.div_(self.replicas)
+        if self.sharded:  # only this rank's shard is stepped: the full gradients go
+            self._shard.grad = flat[self._lo:self._lo + self._shard.numel()].clone()
+            for p in self.experts.values():
+                p.grad = None
+            return
+        for g, v in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(v.view_as(g))
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        """The UNSHARD action: the dense engine's, then (experts sharded) every rank's updated shard of the
+        experts all-gathered over the ranks holding the same experts, into the slices the code reads."""
+        self.engine.unshard()
+        if self.sharded:
+            self.collectives.all_gather(self._flat, self._shard.detach().clone(), self.edp_group)
+
+    def after_step(self) -> None:
+        """For a caller that runs no instruction list: the dense engine's after_step, the experts' gather."""
+        self.engine.after_step()
+        if self.sharded:
+            self.collectives.all_gather(self._flat, self._shard.detach().clone(), self.edp_group)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         raise NotImplementedError("gradient clipping under expert parallelism: the norm would need the expert "
@@ -82,12 +131,16 @@ class ExpertParallel:
         self.engine.zero_grad()
         for p in self.experts.values():
             p.grad = None
+        if self.sharded:
+            self._shard.grad = None
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective over the dp x cp and ep groups: the dense engine's state dict with every expert parameter
         whole (its slices gathered over the ep group, in expert order), on the group's first rank."""
         full = self.engine.full_state_dict()
+        if self.sharded:  # ZeRO-3's UNSHARD opens the next step: the last step's shards are not gathered yet
+            self.collectives.all_gather(self._flat, self._shard.detach().clone(), self.edp_group)
         whole = {}
         for n, p in self.experts.items():
             out = p.new_empty((p.shape[0] * self.ep, *p.shape[1:]))
