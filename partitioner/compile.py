@@ -262,7 +262,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
     # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them.
-    no_pp, no_tp = _code_limits(g, splits, valid_tp)
+    no_pp, no_tp = _code_limits(g, splits, valid_tp, ep=decl.ep or 1)
     no_sp = no_tp or _sp_code_limit(g, splits, valid_tp)
     for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp or no_pp)):
         if why and value not in (None, 1):
@@ -569,19 +569,20 @@ def _block_kinds(g: OpGraph) -> tuple[int, ...]:
     return kinds if len(set(kinds)) > 1 else ()
 
 
-def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> tuple[str, str]:
-    """(why pp > 1 cannot run, why tp > 1 cannot run), "" where it can or where the graph is not at hand."""
+def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) -> tuple[str, str]:
+    """(why pp > 1 cannot run, why tp > 1 cannot run), "" where it can or where the graph is not at hand; `ep`:
+    the pinned expert-parallel degree (its code hands the router logits to the ep context, not across cuts)."""
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         return "", ""
     try:
-        extract(g.graph_module, g, splits=splits, tp=1)
+        extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=ep)
     except SegmentError as e:
         return str(e), str(e)
     t = next((t for t in valid_tp if t > 1), None)
     if t is None:
         return "", ""
     try:
-        extract(g.graph_module, g, splits=splits, tp=t)
+        extract(g.graph_module, g, splits=splits, tp=t, expert_parallel=ep)
     except SegmentError as e:
         return "", str(e)
     return "", ""

@@ -99,8 +99,9 @@ def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
 
 
 @pytest.mark.parametrize("pins, words", [
-    (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2), "tp=2: expert-parallel programs run with data and pipeline"),
+    (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2, sp=True), "tp=2 and sequence parallelism: each tensor slice"),
     (dict(dp=2, ep=2, recompute="full"), "record its router logits twice"),
+    (dict(dp=2, ep=2, pp=2, mb=2), "pp=2: the model's load-balancing loss reads every MoE layer's router logits"),
 ])
 def test_what_does_not_run_yet_is_refused_before_anything_runs(pins, words):
     plan = plan_for(**pins)
@@ -175,3 +176,12 @@ def test_a_list_of_expert_modules_is_refused_by_name():
                    global_batch_size=8, dp=2, ep=2, alternatives=0)
     with pytest.raises(CodegenError, match=r"runs batched SiLU-gated experts .* but the experts of layers.1.mlp.experts read .*a list of expert modules"):
         plan.program(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "mixtral_no_aux"])
+def test_tensor_and_expert_parallel_train_like_one_process(name):
+    """tp2 x dp2 x ep2 (world 4): attention split over the tensor group, the MoE layers replicated over it; each
+    tensor slice's ranks form their own ep group (the same tokens and experts on every slice), and the
+    load-balancing loss is summed over the data-parallel ranks of each slice."""
+    assert_same_training(plan_for(name, dp=2, ep=2, tp=2, sp=False), name)

@@ -90,8 +90,8 @@ def not_runnable(plan: "Plan") -> str:
 
 def not_runnable_ep(plan: "Plan") -> str:
     """Why no program is generated for an expert-parallel plan ("" when one is): programs run ep > 1 from the
-    plan's model code (partitioner.codegen.segment_ep) with data and pipeline parallelism (tp = cp = 1; the
-    load-balancing loss with pp = 1 only), fp32,
+    plan's model code (partitioner.codegen.segment_ep) with data, pipeline and tensor parallelism (cp = 1, no
+    sequence parallelism; the load-balancing loss with pp = 1 only), fp32,
     any ZeRO stage (the experts' optimizer state and gradients sharded over the ranks holding the same experts,
     runtime.experts.engine), without recomputation or gradient clipping."""
     c = plan.config
@@ -102,10 +102,12 @@ def not_runnable_ep(plan: "Plan") -> str:
     fix = ", or ep=1 (experts replicated over data parallelism) to train this configuration"
     if plan.async_sgd:
         return f"{what} with async_sgd: asynchronous replicas do not run expert parallelism{alone}"
-    others = [f"{k}={v}" for k, v in (("tp", c.tp), ("cp", c.cp)) if v > 1]
-    if others:
-        return (f"{what} with {', '.join(others)}: expert-parallel programs run with data and pipeline parallelism "
-                f"only (the ep group inside dp) so far; pin {', '.join(o.split('=')[0] + '=1' for o in others)}{fix}")
+    if c.cp > 1:
+        return (f"{what} with cp={c.cp}: expert-parallel programs run with data, pipeline and tensor parallelism "
+                f"only (the ep group inside dp) so far; pin cp=1{fix}")
+    if c.tp > 1 and c.sp:
+        return (f"{what} with tp={c.tp} and sequence parallelism: each tensor slice would route a different share of "
+                f"the tokens, which the ep groups (one per tensor slice) do not exchange; pin sp=False{fix}")
     if plan.code is None:
         return (f"{what}: an expert-parallel program runs the model as generated code (each MoE layer's experts "
                 f"over the ep group), and this plan has none: {plan.code_note or 'no traced graph'}")
