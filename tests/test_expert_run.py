@@ -141,7 +141,9 @@ def assert_same_training(plan, name: str):
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("dp, ep, zero", [(2, 2, 0), (2, 2, 1), (2, 2, 3)])
 def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
-    assert_same_training(plan_for(name, dp=dp, ep=ep, zero=zero), name)
+    out = assert_same_training(plan_for(name, dp=dp, ep=ep, zero=zero), name)
+    # per MoE layer and microbatch: 3 all-to-alls forward (counts, dispatch, combine), 2 backward
+    assert all(c["all_to_all"] == STEPS * 2 * 5 for c in out.collective_counts), out.collective_counts
 
 
 @pytest.mark.slow

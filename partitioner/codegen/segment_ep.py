@@ -127,7 +127,7 @@ class ExpertParallelRewrite:
                                f"{sorted(str(a) for a in acts) or 'no SiLU'}; compile with ep=1")
         tensors = {a: a.meta.get("val") for a in ins}
         x = [a for a, v in tensors.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.is_floating_point()
-             and v.shape[1] == outs[0].meta["val"].shape[-1] and str(v.shape[1]) != str(v.shape[0])]
+             and v.shape[1] == outs[0].meta["val"].shape[-1]]
         idx = [a for a, v in tensors.items() if isinstance(v, torch.Tensor) and v.dim() == 2
                and not v.is_floating_point()]
         w = [a for a, v in tensors.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.is_floating_point()

@@ -19,6 +19,10 @@ the segment from the hidden state's sizes. A block that reads any other
 prefix value, or hands on more than the hidden state, is refused with the
 nodes named.
 
+With expert parallelism (ep > 1) each MoE layer's experts become one call over the ep group, and the
+router logits a block hands on for the load-balancing loss go to the ep context instead of across the
+cut: see `partitioner.codegen.segment_ep`.
+
 With tensor parallelism (tp > 1) the copied code is rewritten as the tensor
 splits say (Megatron f and g, local head counts, vocab-parallel embedding,
 head and cross entropy): see `partitioner.codegen.segment_tp`. Casts to the traced
