@@ -144,6 +144,12 @@ def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
     out = assert_same_training(plan_for(name, dp=dp, ep=ep, zero=zero), name)
     # per MoE layer and microbatch: 3 all-to-alls forward (counts, dispatch, combine), 2 backward
     assert all(c["all_to_all"] == STEPS * 2 * 5 for c in out.collective_counts), out.collective_counts
+    if zero == 0:  # the plan's count of all-reduces (buckets, the loss, the load-balancing loss's sums), every step
+        from partitioner.codegen.program import expected_collectives
+
+        want = expected_collectives(plan_for(name, dp=dp, ep=ep, zero=zero))
+        assert want["all_to_all"] == 2 * 5
+        assert all(c["all_reduce"] == STEPS * want["all_reduce"] for c in out.collective_counts), (want, out.collective_counts)
 
 
 @pytest.mark.slow

@@ -242,20 +242,33 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
       ZeRO-3   m*U reduce-scatters; m*(2U - 1) all-gathers: U in forward, U - 1 in
                backward (the unit outside the blocks stays gathered until its backward)
     plus one all-reduce of the reported loss, and one of the squared norm when
-    clipping at ZeRO >= 1. Tests compare these with the counting shim.
+    clipping at ZeRO >= 1. Under expert parallelism the buckets and units hold the dense parameters only,
+    plus 5 all-to-alls per MoE layer and microbatch, an all-reduce per microbatch for the load-balancing
+    loss, and one all-reduce (and under ZeRO one all-gather) of the experts over the ranks holding the same
+    ones when there are several. Tests compare these with the counting shim.
     """
     from runtime.engines.flat import bucket  # the engine's own bucketing rule, not a copy of it
 
     c = plan.config
     if c.replicas == 1:
         return {}
-    names = [p.param for p in plan.placements][::-1]
-    numels = [math.prod(p.shape) for p in plan.placements][::-1]
+    apart = {n for n, _ in plan.code.experts} if c.ep > 1 and plan.code is not None else set()
+    dense = [p for p in plan.placements if p.param not in apart]
+    names = [p.param for p in dense][::-1]
+    numels = [math.prod(p.shape) for p in dense][::-1]
     B = len(bucket(names, numels, plan.bucket_bytes))
-    U = len({p.block for p in plan.placements})
+    U = len({p.block for p in dense})
     m = c.num_microbatches
     out = {0: {"all_reduce": B}, 1: {"all_reduce": B, "all_gather": 1},
            2: {"reduce_scatter": m * B, "all_gather": B},
            3: {"reduce_scatter": m * U, "all_gather": m * (2 * U - 1)}}[c.zero_stage]
     out["all_reduce"] = out.get("all_reduce", 0) + 1 + (1 if plan.clip_grad_norm and c.zero_stage >= 1 else 0)
+    if apart:  # expert parallelism (runtime.experts): per MoE layer and microbatch 3 all-to-alls forward, 2 backward;
+        # the load-balancing loss's sums, one all-reduce per microbatch; the experts' gradients over the ranks
+        # holding the same experts (and, under ZeRO, their updated shards gathered back)
+        aux = plan.code.suffix is not None and "ep_aux_loss(" in plan.code.suffix.source
+        out["all_to_all"] = 5 * plan.code.moe_layers * m
+        out["all_reduce"] += (m if aux else 0) + (1 if c.replicas > c.ep else 0)
+        if c.replicas > c.ep and c.zero_stage > 0:
+            out["all_gather"] = out.get("all_gather", 0) + 1
     return out
