@@ -16,8 +16,10 @@ rank's. So, as Megatron-Core's expert-data-parallel groups:
   buffer padded to a multiple of that group's size, and each rank steps only its shard of it (its
   gradients the all-reduced sum's shard: Gloo's all-reduce beats its reduce-scatter, docs/torch-notes.md),
   the updated shards all-gathered back at UNSHARD, as ZeRO-1 does for the dense parameters: the experts'
-  optimizer state and gradients are divided over the group. At ZeRO-3 the expert parameters themselves
-  stay whole between steps (1/ep of the experts already); the dense ones are sharded by the dense engine.
+  optimizer state and gradients are divided over the group. At ZeRO-3 the flat buffer is freed at RESHARD
+  (after the gradients are reduced) and gathered again at the next step's UNSHARD, so between steps a rank
+  holds only its shard of its experts (during forward and backward all E/ep of them, one gather a step,
+  not one per layer as the dense ZeRO-3 units are).
 
 `full_state_dict()` gathers every expert slice over the ep group into the full `[E, ...]` tensors. A generated
 program builds it as `ExpertParallel(DataParallel(model, ...), stage.experts, ep_group=..., ...)`, `stage` the
@@ -54,6 +56,7 @@ class ExpertParallel:
             raise ValueError(f"the ep group has {group_size(ep_group)} ranks, the plan's ep is {ep}")
         self.edp = group_size(edp_group)
         self.sharded = zero_stage > 0 and self.edp > 1 and bool(self.experts)
+        self.free_at_rest = self.sharded and zero_stage == 3
         if self.sharded:
             self._build_flat()
 
@@ -72,6 +75,15 @@ class ExpertParallel:
         n = padded // self.edp
         self._lo = dist.get_rank(self.edp_group) * n
         self._shard = nn.Parameter(self._flat[self._lo:self._lo + n].clone())
+        self._flat_bytes = self._flat.untyped_storage().nbytes()
+
+    @torch.no_grad()
+    def _gather(self) -> None:
+        """Every rank's shard into the flat buffer the expert slices view (allocated again if freed)."""
+        storage = self._flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self._flat_bytes)
+        self.collectives.all_gather(self._flat, self._shard.detach().clone(), self.edp_group)
 
     def __getattr__(self, name: str):  # module, unshard, reshard, checkpoint_blocks, ... : the dense engine's
         return getattr(self.engine, name)
@@ -115,13 +127,19 @@ class ExpertParallel:
         experts all-gathered over the ranks holding the same experts, into the slices the code reads."""
         self.engine.unshard()
         if self.sharded:
-            self.collectives.all_gather(self._flat, self._shard.detach().clone(), self.edp_group)
+            self._gather()
+
+    def reshard(self) -> None:
+        """The RESHARD action (ZeRO-3): the dense engine's; the experts' flat buffer freed (no communication)."""
+        self.engine.reshard()
+        if self.free_at_rest:
+            self._flat.untyped_storage().resize_(0)
 
     def after_step(self) -> None:
         """For a caller that runs no instruction list: the dense engine's after_step, the experts' gather."""
         self.engine.after_step()
         if self.sharded:
-            self.collectives.all_gather(self._flat, self._shard.detach().clone(), self.edp_group)
+            self._gather()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         raise NotImplementedError("gradient clipping under expert parallelism: the norm would need the expert "
@@ -140,7 +158,7 @@ class ExpertParallel:
         whole (its slices gathered over the ep group, in expert order), on the group's first rank."""
         full = self.engine.full_state_dict()
         if self.sharded:  # ZeRO-3's UNSHARD opens the next step: the last step's shards are not gathered yet
-            self.collectives.all_gather(self._flat, self._shard.detach().clone(), self.edp_group)
+            self._gather()
         whole = {}
         for n, p in self.experts.items():
             out = p.new_empty((p.shape[0] * self.ep, *p.shape[1:]))
@@ -155,7 +173,8 @@ class ExpertParallel:
 
     def held_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         out = dict(self.engine.held_bytes(optimizer))
-        extra = sum(p.numel() * p.element_size() for p in self.experts.values())
+        extra = self._flat.untyped_storage().nbytes() + self._shard.numel() * self._shard.element_size() \
+            if self.sharded else sum(p.numel() * p.element_size() for p in self.experts.values())
         grads = sum(p.grad.numel() * p.grad.element_size() for p in self.experts.values() if p.grad is not None)
         out["params"] += extra
         out["grads"] += grads
