@@ -220,11 +220,13 @@ def expert_engine_lines(plan: "Plan") -> str:
     shard = (f"\n    # ZeRO-{c.zero_stage} over the {c.replicas // c.ep} ranks holding the same experts: this rank steps its "
              f"1/{c.replicas // c.ep} of their flat\n    # buffer (optimizer state and gradients), all-gathered at UNSHARD."
              if c.zero_stage > 0 and c.replicas > c.ep else "")
+    cast = ("    stage.cast = engine.precision.param_dtype  # the fp32 expert slices enter the code in the compute dtype\n"
+            if plan.precision != "fp32" and c.pp == 1 and c.tp == 1 else "")
     return (f"    # The expert slices stay outside that engine: their gradients are summed over edp_group and divided\n"
             f"    # by the {c.replicas} replicas (one process's mean); the optimizer steps them with the rest.{shard}\n"
             f"    engine = ExpertParallel(engine, stage.experts, ep_group=ep_group, ep_rank=ep.rank, ep={c.ep}, "
             f"edp_group=edp_group,\n                            replicas={c.replicas}, collectives=collectives, "
-            f"zero_stage={c.zero_stage})\n")
+            f"zero_stage={c.zero_stage})\n" + cast)
 
 
 def expected_collectives(plan: "Plan") -> dict[str, int]:

@@ -91,7 +91,7 @@ def not_runnable(plan: "Plan") -> str:
 def not_runnable_ep(plan: "Plan") -> str:
     """Why no program is generated for an expert-parallel plan ("" when one is): programs run ep > 1 from the
     plan's model code (partitioner.codegen.segment_ep) with data, pipeline and tensor parallelism (cp = 1, no
-    sequence parallelism; the load-balancing loss with pp = 1 only), fp32,
+    sequence parallelism; the load-balancing loss with pp = 1 only), fp32 or bf16-mixed,
     any ZeRO stage (the experts' optimizer state and gradients sharded over the ranks holding the same experts,
     runtime.experts.engine), without recomputation or gradient clipping."""
     c = plan.config
@@ -115,9 +115,10 @@ def not_runnable_ep(plan: "Plan") -> str:
         return (f"{what} with pp={c.pp}: the model's load-balancing loss reads every MoE layer's router logits, "
                 f"which live on other pipeline ranks; build the model without it (output_router_logits=False) or "
                 f"pin pp=1{fix}")
-    if plan.precision != "fp32":
+    if plan.precision not in ("fp32", "bf16-mixed"):
         return (f"{what} with precision={plan.precision!r}: the expert slices are kept outside the data-parallel "
-                f"engine, which casts only the dense parameters; compile with precision='fp32'{fix}")
+                f"engine as fp32 masters, cast to the compute dtype as the code reads them, and unscaled by no loss "
+                f"scaler; compile with precision='fp32' or 'bf16-mixed'{fix}")
     if c.recompute != "none":
         return (f"{what} with recompute={c.recompute!r}: a recomputed MoE layer would record its router logits "
                 f"twice for the load-balancing loss; compile with recompute='none'{fix}")
