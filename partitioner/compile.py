@@ -40,7 +40,6 @@ from cost_models.placements import REPLICATED
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
-from partitioner.codegen.program import not_runnable_ep
 from partitioner.codegen.segments import SegmentError, extract
 from partitioner.planner.context_split import LONG_SEQUENCE, attention_heads, cp_options, local
 from partitioner.planner.expert_split import Experts, check_experts, ep_options, ep_ranks, experts_of, summary
@@ -239,7 +238,10 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
                                    "(context-parallel programs are checked against one process by running them, "
                                    "tests/test_context_run.py), or with cp=1")
         if decl.ep not in (None, 1):
-            raise DeclarationError(f"verify=True: {not_runnable_ep(decl.ep)}")
+            raise DeclarationError(f"verify=True with ep={decl.ep}: plan.verify replays the code in one process, "
+                                   "without the ep group its experts run over; compile without verify "
+                                   "(expert-parallel programs are checked against one process by running them, "
+                                   "tests/test_expert_run.py), or with ep=1")
     rewrite = decl.rewrite_attention
     if isinstance(model, OpGraph):
         g = model
@@ -266,7 +268,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
     # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them.
-    no_pp, no_tp = _code_limits(g, splits, valid_tp)
+    no_pp, no_tp = _code_limits(g, splits, valid_tp, ep=decl.ep or 1)
     no_sp = no_tp or _sp_code_limit(g, splits, valid_tp)
     for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp or no_pp)):
         if why and value not in (None, 1):
@@ -573,19 +575,20 @@ def _block_kinds(g: OpGraph) -> tuple[int, ...]:
     return kinds if len(set(kinds)) > 1 else ()
 
 
-def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> tuple[str, str]:
-    """(why pp > 1 cannot run, why tp > 1 cannot run), "" where it can or where the graph is not at hand."""
+def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) -> tuple[str, str]:
+    """(why pp > 1 cannot run, why tp > 1 cannot run), "" where it can or where the graph is not at hand; `ep`:
+    the pinned expert-parallel degree (its code hands the router logits to the ep context, not across cuts)."""
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         return "", ""
     try:
-        extract(g.graph_module, g, splits=splits, tp=1)
+        extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=ep)
     except SegmentError as e:
         return str(e), str(e)
     t = next((t for t in valid_tp if t > 1), None)
     if t is None:
         return "", ""
     try:
-        extract(g.graph_module, g, splits=splits, tp=t)
+        extract(g.graph_module, g, splits=splits, tp=t, expert_parallel=ep)
     except SegmentError as e:
         return "", str(e)
     return "", ""
@@ -616,14 +619,15 @@ def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False) 
     """The prefix/block/suffix code that pipeline and tensor-parallel programs run; data-parallel and async
     SGD programs run it too when the graph's attention was rewritten (the module's own forward would run
     it eagerly)."""
-    if cand.pp == 1 and cand.tp == 1 and cand.cp == 1 and not g.attention_rewrites:
+    if cand.pp == 1 and cand.tp == 1 and cand.cp == 1 and cand.ep == 1 and not g.attention_rewrites:
         return {}
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         how = "traced with torch.fx" if g.graph_module is not None else "given as an OpGraph without its graph"
         return {"code_note": f"the model was {how}; programs for pp/tp plans are generated from torch.export's "
                              "graph: compile the nn.Module (trace method 'export')"}
     try:
-        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp, sp=cand.sp, fp8=fp8, cp=cand.cp)}
+        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp, sp=cand.sp, fp8=fp8, cp=cand.cp,
+                                expert_parallel=cand.ep)}
     except SegmentError as e:
         return {"code_note": str(e)}
 

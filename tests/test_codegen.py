@@ -125,13 +125,23 @@ GOLDEN_PROGRAMS = {  # file: (topology, pins, rank)
 }
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN_PROGRAMS))
+# expert parallelism: test_expert_run's tiny Mixtral (2 MoE layers of 4 experts, the load-balancing loss on)
+GOLDEN_EP_PROGRAMS = {"program_mixtral_tiny_dp2_ep2_rank1.txt": (dict(dp=2, ep=2), 1)}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_PROGRAMS) + sorted(GOLDEN_EP_PROGRAMS))
 def test_golden_programs(graph, name):
     import os
     from pathlib import Path
 
-    topo, pins, rank = GOLDEN_PROGRAMS[name]
-    plan = compile(graph, topo, global_batch_size=8, precision="fp32", microbatch_size=2, **pins)
+    if name in GOLDEN_EP_PROGRAMS:
+        from test_expert_run import plan_for
+
+        pins, rank = GOLDEN_EP_PROGRAMS[name]
+        plan = plan_for("mixtral", **pins)
+    else:
+        topo, pins, rank = GOLDEN_PROGRAMS[name]
+        plan = compile(graph, topo, global_batch_size=8, precision="fp32", microbatch_size=2, **pins)
     source = plan.program(rank).source
     path = Path(__file__).parent / "golden" / name
     if os.environ.get("PARTITIONER_REGEN_GOLDEN") == "1":

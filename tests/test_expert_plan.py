@@ -206,11 +206,14 @@ def test_plan_text_and_page_show_ep(moe, tmp_path):
     assert "experts 2/2 of ep group 1" in page and "expert-parallel groups: 2 consecutive data-parallel" in page
 
 
-def test_ep_plans_are_not_runnable(moe):
-    plan = compile(moe, "local:4", global_batch_size=8, ep=2, alternatives=0)
-    with pytest.raises(CodegenError, match="ep=2: expert-parallel plans are costed but not yet runnable"):
+def test_ep_plans_that_cannot_run_are_refused(moe):
+    """Programs run ep > 1 in fp32 and bf16-mixed (tests/test_expert_run.py runs them): a pure bf16 plan is
+    refused, saying why; verify=True cannot replay the ep group in one process."""
+    assert compile(moe, "local:4", global_batch_size=8, ep=2, alternatives=0).program(0).source
+    plan = compile(moe, "local:4", global_batch_size=8, ep=2, precision="bf16", alternatives=0)
+    with pytest.raises(CodegenError, match="ep=2 with precision='bf16': the expert slices are kept outside"):
         plan.program(0)
-    with pytest.raises(DeclarationError, match="expert-parallel plans are costed but not yet runnable"):
+    with pytest.raises(DeclarationError, match="verify=True with ep=2"):
         compile(hf_families.qwen3_moe_seeded(), "local:4", example_inputs=TOKENS, global_batch_size=8, ep=2,
                 verify=True)
 

@@ -71,12 +71,12 @@ def test_unknown_backends_and_tensor_or_context_parallel_plans_are_refused(graph
         plan_for(graph, "nope")
     with pytest.raises(DeclarationError, match="torch_compile=3"):
         plan_for(graph, 3)
-    with pytest.raises(DeclarationError, match=r"torch_compile='aot_eager' with tp=2: .*pin tp=1 and cp=1"):
+    with pytest.raises(DeclarationError, match=r"torch_compile='aot_eager' with tp=2: .*pin tp=1, cp=1 and ep=1"):
         compile(graph, "local:2", global_batch_size=GB, tp=2, precision="fp32", rewrite_attention=False,
                 torch_compile="aot_eager")
     # a plan whose tp the planner chose (or edited by hand): its programs refuse, before anything runs
     tp2 = compile(graph, "local:2", global_batch_size=GB, tp=2, precision="fp32", rewrite_attention=False)
-    with pytest.raises(CodegenError, match=r"torch_compile='inductor' with tp=2: the blocks of tensor- and context"):
+    with pytest.raises(CodegenError, match=r"torch_compile='inductor' with tp=2: the blocks of tensor-, context- and expert"):
         dataclasses.replace(tp2, torch_compile="inductor").program(0)
 
 

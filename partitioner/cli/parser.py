@@ -77,8 +77,8 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="attention under cp > 1: ring (key/value blocks round the group) or all-to-all (Ulysses)")
     p.add_argument("--ep", type=int, default=None,
                    help="pin the expert-parallel degree: each MoE layer's experts divided over EP data-parallel "
-                        "ranks (default: the planner chooses for MoE models; plans with ep > 1 are costed, not yet "
-                        "runnable)")
+                        "ranks (default: the planner chooses for MoE models; programs run ep > 1 with dp, pp "
+                        "and tp, fp32)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pin the schedule")
     p.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default=None, help="pin recomputation")
     p.add_argument("--compression", default=None, metavar="NAME|LEVEL=NAME,...",

@@ -9,7 +9,8 @@ Read first: `program.py` (`program(plan, rank)` picks the generator). The genera
 - `async_sgd.py`: replicas that step alone and average;
 - `common.py`: what they share (reduction and compression choices, parameter table, recompute lines).
 The model's own code for those programs: `segments.py` cuts the traced graph into prefix, block templates
-and suffix; `segment_tp.py` rewrites them for tensor parallelism.
+and suffix; `segment_tp.py` rewrites them for tensor parallelism, `segment_cp.py` for context parallelism,
+`segment_ep.py` for expert parallelism (each MoE layer's experts over the ep group).
 """
 
 from partitioner.codegen.common import CodegenError

@@ -118,13 +118,15 @@ def recompute_lines(plan: "Plan", call: str) -> str:
 def torch_compile_refusal(plan: "Plan") -> str:
     """Why a plan's programs cannot run under torch.compile ("" when they can)."""
     c = plan.config
-    if not plan.torch_compile or (c.tp == 1 and c.cp == 1):
+    if not plan.torch_compile or (c.tp == 1 and c.cp == 1 and c.ep == 1):
         return ""
-    what = " and ".join(x for x in (f"tp={c.tp}" if c.tp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "") if x)
-    return (f"torch_compile={plan.torch_compile!r} with {what}: the blocks of tensor- and context-parallel code call "
-            "collectives inside them (Megatron's f/g, sequence-parallel gathers, ring or Ulysses attention), which "
-            "runtime.engines.compiled does not compile around yet; compile without torch_compile for this "
-            "configuration, or pin tp=1 and cp=1 (data-parallel, ZeRO and pipeline programs compile)")
+    what = " and ".join(x for x in (f"tp={c.tp}" if c.tp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "",
+                                    f"ep={c.ep}" if c.ep > 1 else "") if x)
+    return (f"torch_compile={plan.torch_compile!r} with {what}: the blocks of tensor-, context- and expert-parallel "
+            "code call collectives inside them (Megatron's f/g, sequence-parallel gathers, ring or Ulysses "
+            "attention, the experts' all-to-alls), which runtime.engines.compiled does not compile around yet; "
+            "compile without torch_compile for this configuration, or pin tp=1, cp=1 and ep=1 (data-parallel, "
+            "ZeRO and pipeline programs compile)")
 
 
 def torch_compile_lines(plan: "Plan") -> str:
@@ -287,14 +289,19 @@ def model_code_lines(plan: "Plan") -> ModelCodeLines:
         return ModelCodeLines()
     cp = plan.config.cp > 1
     tc = f", torch_compile={plan.torch_compile!r}" if plan.torch_compile else ""
+    ep = plan.config.ep > 1
     t = segment_tables(code)
     n = code.num_blocks
+    why = (f"its {plan.attention_rewrites} eager attention(s) run as one fused scaled_dot_product_attention\n# each, as "
+           "the plan's time and memory assume (partitioner.tracer.attention)") if not ep else \
+        ("each MoE layer's experts run over the ep group (ep_experts: the\n# all-to-alls of "
+         "runtime.experts.expert_parallel) on this rank's experts only (partitioner.codegen.segment_ep)")
+    ep_kw = ",\n                      ep=ep, experts=EXPERTS" if ep else ""
     text = f'''
 inf, nan = float("inf"), float("nan")
 
 # ---- the model's code: prefix, block template, suffix (cut from the exported graph). The module's own
-# forward is not run: its {plan.attention_rewrites} eager attention(s) run as one fused scaled_dot_product_attention
-# each, as the plan's time and memory assume (partitioner.tracer.attention). Beside each value, its shape.
+# forward is not run: {why}. Beside each value, its shape.
 
 {t.functions}
 
@@ -307,20 +314,22 @@ OUTPUT_SPEC = {code.output_spec!r}
 STAGES = {{0: (0, {n}, True, True)}}
 
 
-def make_stage(model, tp{", cp" if cp else ""}):
+def make_stage(model, tp{", cp" if cp else ""}{", ep" if ep else ""}):
     """`model` running the code above (the whole model on this rank); `plan.verify` calls it too."""
     return StageModel(model, functions={{{t.fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
                       block_inputs={t.block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={t.block_args}, suffix_args={t.suffix_args},
-                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{tc})
+                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{tc}{ep_kw})
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"
            "    # (a batch without the traced inputs runs the module's own forward instead, with a warning).\n"
-           f"    make_stage(model, None{', cp' if cp else ''}).run_as_model()\n")
+           + (f"    make_stage(model, None{', cp' if cp else ''}).run_as_model()\n" if not ep else
+              f"    stage = make_stage(model, None{', cp' if cp else ''}, ep)  # this rank's expert slices: stage.experts\n"
+              "    stage.run_as_model()\n"))
     return ModelCodeLines(imports="import torch\nfrom torch import device\n\n",
-                          runtime_import=fp8_import(plan) + cp_import(plan) +
+                          runtime_import=fp8_import(plan) + cp_import(plan) + ep_import(plan) +
                           "from runtime.pipeline.stage import StageModel\n", text=text, run=run)
 
 
@@ -330,6 +339,15 @@ def cp_import(plan: "Plan") -> str:
         return ""
     return ("from runtime.context.program import CPContext, cp_attention, cp_positions  # context parallelism: "
             "attention over the cp group, this rank's positions\n")
+
+
+def ep_import(plan: "Plan") -> str:
+    """The imports of what the code and engine of an expert-parallel plan call (partitioner.codegen.segment_ep)."""
+    if plan.config.ep == 1:
+        return ""
+    return ("from runtime.experts.engine import ExpertParallel  # expert parallelism: the expert slices beside the "
+            "dense engine\n"
+            "from runtime.experts.program import EPContext, ep_aux_loss, ep_experts, ep_router_logits\n")
 
 
 def fp8_import(plan: "Plan") -> str:

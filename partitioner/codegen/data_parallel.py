@@ -24,7 +24,8 @@ from partitioner.codegen.instructions import instruction_lines
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
-__all__ = ["data_parallel_program_source", "expected_collectives", "context_lines"]
+__all__ = ["data_parallel_program_source", "expected_collectives", "context_lines", "expert_tables", "expert_lines",
+           "expert_engine_lines", "expert_groups"]
 
 
 def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
@@ -44,11 +45,14 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
         expected += (" (and inside every attention, over the cp group: the ring's k/v sends" if c.cp_kind == "ring"
                      else " (and inside every attention, over the cp group: Ulysses' all-to-alls") + ")"
 
+    held_apart = {n for n, _ in plan.code.experts} if c.ep > 1 and plan.code is not None else set()
     blocks: dict[str, list[str]] = {}
     for p in plan.placements:
+        if p.param in held_apart:  # expert slices: outside the data-parallel engine (runtime.experts.engine)
+            continue
         blocks.setdefault(p.block or "(outside the blocks)", []).append(p.param)
     units = ",\n".join(f"    {literal(tuple(names), indent=4)}" for names in blocks.values())
-    numel = {p.param: math.prod(p.shape) for p in plan.placements}
+    numel = {p.param: math.prod(p.shape) for p in plan.placements if p.param not in held_apart}
     shard_lines = []
     if c.zero_stage == 3:
         for name, names in blocks.items():
@@ -63,7 +67,8 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
                            f"the {n:,}-element flat parameter buffer (slice {replica} of {c.replicas})")
     shards = "\n".join(shard_lines) or "    #   nothing sharded: every replica holds every parameter, gradient and state"
     ml = mesh_lines(plan)
-    names = {*ml.imports, "make_groups", *(("group_ranks", "make_node_groups") if comp.setup else ())}
+    names = {*ml.imports, "make_groups", *(("group_ranks", "make_node_groups") if comp.setup else ()),
+             *(("make_group_among",) if c.ep > 1 else ())}
     group_imports = ", ".join(sorted(names))
     code = model_code_lines(plan)  # the model's own forward, or the generated code
     who = "replicas" if c.cp == 1 else f"dp {c.dp} x cp {c.cp} ranks (replicas and their context slices)"
@@ -89,7 +94,7 @@ from runtime.comm.groups import {group_imports}
 from runtime.engines.data_parallel import DataParallel
 {torch_compile_import(plan)}{code.runtime_import}
 {program_header(plan, rank, h)}
-{code.text}
+{code.text}{expert_tables(plan, rank)}
 # Blocks: ZeRO-3 gathers and frees parameters one block at a time.
 UNITS = (
 {units},
@@ -104,7 +109,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     collectives = Collectives(reduce_scatter_impl={impl!r})
     model = model_fn()
     runtime.engines.step.check_parameters(model, PARAMS)
-{context_lines(plan, rank)}{code.run}
+{context_lines(plan, rank)}{expert_lines(plan, rank)}{code.run}
     # Data parallelism over {who} {ranks_text(dp_ranks)} (this rank is {which}).
     # {ZERO_WHAT[c.zero_stage]}.
     # Gradient buckets of {plan.bucket_bytes:,} bytes. Collectives per step{counted}: {expected}.
@@ -115,7 +120,7 @@ def build(model_fn, optimizer_fn, loss_fn):
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
                           units=UNITS, compression={comp.arg}, nodes={comp.nodes},
                           compression_warmup={plan.compression_warmup})
-{torch_compile_lines(plan)}{recompute}    optimizer = optimizer_fn(engine.optimizer_params())
+{torch_compile_lines(plan)}{expert_engine_lines(plan)}{recompute}    optimizer = optimizer_fn(engine.optimizer_params())
 
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as
     # {c.num_microbatches} microbatch(es) of {c.microbatch_size}, run by ACTIONS above.{tokens}
@@ -144,6 +149,88 @@ def context_lines(plan: "Plan", rank: int) -> str:
             f"    cp = CPContext(groups.cp, collectives, rank={me.cp}, world={c.cp}, kind={c.cp_kind!r})\n")
 
 
+def expert_groups(plan: "Plan") -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(ep groups, expert-data-parallel groups) as global ranks: an ep group is ep consecutive data-parallel
+    ranks (same pp, tp, cp; dp indices k*ep .. k*ep + ep - 1: partitioner.planner.expert_split.ep_ranks); the
+    ranks holding the same experts share pp, tp and dp index mod ep (every cp slice)."""
+    ep = plan.config.ep
+    eps: dict[tuple, list[int]] = {}
+    edps: dict[tuple, list[int]] = {}
+    for m in plan.mesh:
+        eps.setdefault((m.pp, m.tp, m.cp, m.dp // ep), []).append(m.rank)
+        edps.setdefault((m.pp, m.tp, m.dp % ep), []).append(m.rank)
+    return tuple(tuple(sorted(r)) for r in eps.values()), tuple(tuple(sorted(r)) for r in edps.values())
+
+
+def _ep_rank(plan: "Plan", rank: int) -> int:
+    return plan.mesh[rank].dp % plan.config.ep
+
+
+def expert_tables(plan: "Plan", rank: int, held: set[str] | None = None) -> str:
+    """The module-level tables of an expert-parallel program ("" without ep): its groups and expert slices (of the
+    parameters in `held`, this rank's stages' under pp > 1; all without)."""
+    c = plan.config
+    if c.ep == 1:
+        return ""
+    eps, edps = expert_groups(plan)
+    r = _ep_rank(plan, rank)
+    mine = [(n, e) for n, e in plan.code.experts if held is None or n in held]
+    rows = {n: (r * e // c.ep, (r + 1) * e // c.ep) for n, e in mine}
+    es = sorted({e for _, e in mine})
+    held_text = ", ".join(f"experts {r * e // c.ep}..{(r + 1) * e // c.ep - 1} of {e}" for e in es)
+    lines = "\n".join(f"    {n!r}: {lo, hi}," for n, (lo, hi) in rows.items())
+    return f'''
+# Expert parallelism: ep groups (the ranks among which each MoE layer's experts are divided, ep={c.ep}) and
+# expert-data-parallel groups (the ranks holding the same experts, whose expert gradients are summed).
+EP_GROUPS = {literal(eps)}
+EDP_GROUPS = {literal(edps)}
+# This rank holds {held_text} in each of {"its" if c.pp > 1 else "the"} {len(mine) // 2} MoE layers (index {r} of its ep group):
+# rows [lo, hi) along dim 0 of every batched expert weight.
+EXPERTS = {{
+{lines}
+}}
+'''
+
+
+def expert_lines(plan: "Plan", rank: int) -> str:
+    """The build() lines that make an expert-parallel program's groups and context ("" without ep)."""
+    c = plan.config
+    if c.ep == 1:
+        return ""
+    eps, edps = expert_groups(plan)
+    mine = next(g for g in eps if rank in g)
+    same = next(g for g in edps if rank in g)
+    code = plan.code
+    aux = (f"; the router's load-balancing loss\n    # summed over the {c.replicas} ranks' tokens of the batch "
+           "(groups.dp), as one process computes it") if any("ep_aux_loss(" in s.source for s in (code.suffix,)
+                                                                 if s is not None) else ""
+    return (f"    # Expert parallelism over ranks {ranks_text(mine)} (this rank is {_ep_rank(plan, rank)} of {c.ep}): "
+            f"tokens travel to\n    # their experts and back by all-to-alls with variable split sizes{aux}.\n"
+            f"    # Ranks {ranks_text(same)} hold the same experts.\n"
+            "    ep_group = make_group_among(RANK, EP_GROUPS)\n"
+            "    edp_group = make_group_among(RANK, EDP_GROUPS)\n"
+            f"    ep = EPContext(group=ep_group, collectives=collectives, rank={_ep_rank(plan, rank)}, world={c.ep}, "
+            f"num_experts={max(e for _, e in code.experts)},\n                   top_k={code.top_k}, "
+            f"layers={code.moe_layers}, token_group=groups.dp)\n")
+
+
+def expert_engine_lines(plan: "Plan") -> str:
+    """The build() lines that put the expert slices beside the dense engine ("" without ep)."""
+    c = plan.config
+    if c.ep == 1:
+        return ""
+    shard = (f"\n    # ZeRO-{c.zero_stage} over the {c.replicas // c.ep} ranks holding the same experts: this rank steps its "
+             f"1/{c.replicas // c.ep} of their flat\n    # buffer (optimizer state and gradients), all-gathered at UNSHARD."
+             if c.zero_stage > 0 and c.replicas > c.ep else "")
+    cast = ("    stage.cast = engine.precision.param_dtype  # the fp32 expert slices enter the code in the compute dtype\n"
+            if plan.precision != "fp32" and c.pp == 1 and c.tp == 1 else "")
+    return (f"    # The expert slices stay outside that engine: their gradients are summed over edp_group and divided\n"
+            f"    # by the {c.replicas} replicas (one process's mean); the optimizer steps them with the rest.{shard}\n"
+            f"    engine = ExpertParallel(engine, stage.experts, ep_group=ep_group, ep_rank=ep.rank, ep={c.ep}, "
+            f"edp_group=edp_group,\n                            replicas={c.replicas}, collectives=collectives, "
+            f"zero_stage={c.zero_stage})\n" + cast)
+
+
 def expected_collectives(plan: "Plan") -> dict[str, int]:
     """The collectives one training step of a data-parallel program issues, by op.
 
@@ -159,20 +246,33 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
       ZeRO-3   m*U reduce-scatters; m*(2U - 1) all-gathers: U in forward, U - 1 in
                backward (the unit outside the blocks stays gathered until its backward)
     plus one all-reduce of the reported loss, and one of the squared norm when
-    clipping at ZeRO >= 1. Tests compare these with the counting shim.
+    clipping at ZeRO >= 1. Under expert parallelism the buckets and units hold the dense parameters only,
+    plus 5 all-to-alls per MoE layer and microbatch, an all-reduce per microbatch for the load-balancing
+    loss, and one all-reduce (and under ZeRO one all-gather) of the experts over the ranks holding the same
+    ones when there are several. Tests compare these with the counting shim.
     """
     from runtime.engines.flat import bucket  # the engine's own bucketing rule, not a copy of it
 
     c = plan.config
     if c.replicas == 1:
         return {}
-    names = [p.param for p in plan.placements][::-1]
-    numels = [math.prod(p.shape) for p in plan.placements][::-1]
+    apart = {n for n, _ in plan.code.experts} if c.ep > 1 and plan.code is not None else set()
+    dense = [p for p in plan.placements if p.param not in apart]
+    names = [p.param for p in dense][::-1]
+    numels = [math.prod(p.shape) for p in dense][::-1]
     B = len(bucket(names, numels, plan.bucket_bytes))
-    U = len({p.block for p in plan.placements})
+    U = len({p.block for p in dense})
     m = c.num_microbatches
     out = {0: {"all_reduce": B}, 1: {"all_reduce": B, "all_gather": 1},
            2: {"reduce_scatter": m * B, "all_gather": B},
            3: {"reduce_scatter": m * U, "all_gather": m * (2 * U - 1)}}[c.zero_stage]
     out["all_reduce"] = out.get("all_reduce", 0) + 1 + (1 if plan.clip_grad_norm and c.zero_stage >= 1 else 0)
+    if apart:  # expert parallelism (runtime.experts): per MoE layer and microbatch 3 all-to-alls forward, 2 backward;
+        # the load-balancing loss's sums, one all-reduce per microbatch; the experts' gradients over the ranks
+        # holding the same experts (and, under ZeRO, their updated shards gathered back)
+        aux = plan.code.suffix is not None and "ep_aux_loss(" in plan.code.suffix.source
+        out["all_to_all"] = 5 * plan.code.moe_layers * m
+        out["all_reduce"] += (m if aux else 0) + (1 if c.replicas > c.ep else 0)
+        if c.replicas > c.ep and c.zero_stage > 0:
+            out["all_gather"] = out.get("all_gather", 0) + 1
     return out

@@ -19,6 +19,7 @@ from partitioner.codegen.common import (
     ZERO_WHAT,
     CodegenError,
     cp_import,
+    ep_import,
     dp_compression,
     fp8_import,
     literal,
@@ -29,7 +30,7 @@ from partitioner.codegen.common import (
     segment_tables,
     slice_text,
 )
-from partitioner.codegen.data_parallel import context_lines
+from partitioner.codegen.data_parallel import context_lines, expert_engine_lines, expert_lines, expert_tables
 from partitioner.codegen.instructions import instruction_lines
 from runtime.comm.groups import stage_peers  # the rule the program will use
 
@@ -122,12 +123,13 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
         for i in range(a, b):
             held |= set(code.block_params(i))
     placements = {p.param: (p.spec, p.fused) for p in plan.placements if is_sharded(p.spec) and p.param in held}
-    units = [tuple(n for n in code.block_params(i) if n not in tied)
+    apart = set(tied) | ({n for n, _ in code.experts} if c.ep > 1 else set())  # outside the data-parallel engine
+    units = [tuple(n for n in code.block_params(i) if n not in apart)
              for s, (a, b, _, _) in sorted(my_blocks.items()) for i in range(a, b)]
-    rest = tuple(sorted(held - {n for u in units for n in u} - set(tied)))
+    rest = tuple(sorted(held - {n for u in units for n in u} - apart))
     unit_modules = [f"{code.stack}.{i}" if code.stack else str(i)
                     for s, (a, b, _, _) in sorted(my_blocks.items()) for i in range(a, b)
-                    if any(n not in tied for n in code.block_params(i))]
+                    if any(n not in apart for n in code.block_params(i))]
     units = [u for u in units if u] + ([rest] if rest else [])
     unit_modules += [""] if rest else []  # prefix/suffix parameters: gathered by the root's (the stage's) forward
     impl, why_impl = reduce_scatter_impl(plan)
@@ -167,6 +169,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                   f"compression={comp.arg}, nodes={comp.nodes},\n"
                   f"                          compression_warmup={plan.compression_warmup})  # {comp.why}\n")
 
+    ep_kw = ", ep=ep,\n                      experts=EXPERTS" if c.ep > 1 else ""
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size} (pipeline rank {me.pp}, replica {me.dp}, tensor slice {me.tp}).
 
 Plan {h[:12]} for {plan.model_name} on {plan.topology_name}: {c}.
@@ -186,7 +189,7 @@ from runtime.pipeline.runner import PipelineRunner
 from runtime.pipeline.stage import StageModel, state_keys
 from runtime.pipeline.tensor_parallel import (TPContext, sp_gather, sp_scatter, sp_vocab_embedding, tp_chunk,
                                               tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding)
-{fp8_import(plan)}{cp_import(plan)}
+{fp8_import(plan)}{cp_import(plan)}{ep_import(plan)}
 inf, nan = float("inf"), float("nan")
 
 {program_header(plan, rank, h)}
@@ -214,7 +217,7 @@ TIE_GROUPS = {tie_src}
 # ZeRO-3 gathers one unit (a block, then the rest) at a time.
 UNITS = {literal(tuple(tuple(u) for u in units))}
 UNIT_MODULES = {literal(tuple(unit_modules))}
-
+{expert_tables(plan, rank, held)}
 # ---- the model's code: prefix, block template, suffix (cut from the exported graph{", rewritten for the tensor shards" if c.tp > 1 else ""})
 # Beside each value, its shape on this rank{" (the tensor-split dim divided by tp)" if c.tp > 1 else ""}: sizes that follow an
 # input are named by it (idx.1: dim 1 of idx), and the dtype is the traced one{" (floats run in " + ("fp16" if plan.precision == "fp16-mixed" else "bf16") + " under " + plan.precision + ")" if plan.precision != "fp32" else ""}.
@@ -230,7 +233,7 @@ OUTPUT_SPEC = {code.output_spec!r}
 HIDDEN_SHAPE = {code.hidden_shape!r}
 
 
-def make_stage(model, tp{", cp" if c.cp > 1 else ""}):
+def make_stage(model, tp{", cp" if c.cp > 1 else ""}{", ep" if c.ep > 1 else ""}):
     """This rank's stages of `model` (pruned in place), running the code above; `tp` is the tensor-parallel
     context (None when tp = 1){"; `cp` the context-parallel one" if c.cp > 1 else ""}. `build` calls it; so does `plan.verify`, with its collectives simulated."""
     return StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
@@ -238,7 +241,7 @@ def make_stage(model, tp{", cp" if c.cp > 1 else ""}):
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
                       placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
-                      recompute={c.recompute!r}{", cp=cp" if c.cp > 1 else ""}{tc})
+                      recompute={c.recompute!r}{", cp=cp" if c.cp > 1 else ""}{ep_kw}{tc})
 
 
 def build(model_fn, optimizer_fn, loss_fn):
@@ -250,9 +253,9 @@ def build(model_fn, optimizer_fn, loss_fn):
     runtime.engines.step.check_parameters(model, PARAMS)
     full_keys = state_keys(model)
     {f"tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp})  # this rank is tensor slice {me.tp} of {c.tp}" if c.tp > 1 else "tp = None  # tp = 1: the code calls no tensor-parallel collective"}
-{context_lines(plan, rank)}    stage = make_stage(model, tp{", cp" if c.cp > 1 else ""})
+{context_lines(plan, rank)}{expert_lines(plan, rank)}    stage = make_stage(model, tp{", cp" if c.cp > 1 else ""}{", ep" if c.ep > 1 else ""})
 
-{engine}    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
+{engine}{expert_engine_lines(plan)}    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
     optimizer = optimizer_fn(engine.optimizer_params() + list(stage.tied.values()))
     return PipelineRunner(
         stage=stage, engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, groups=groups,

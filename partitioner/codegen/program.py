@@ -12,7 +12,10 @@ pipeline, tensor-parallel and 3D programs by `partitioner.codegen.pipeline`;
 async SGD plans (`plan.async_sgd`) by `partitioner.codegen.async_sgd`. Context parallelism (cp > 1)
 composes with the first two: the program runs the plan's code as `partitioner.codegen.segment_cp` rewrote
 it, over the cp group (`runtime.context.program.CPContext`), on each rank's tokens of every row;
-`not_runnable` says why a cp plan gets no program (async SGD, no code).
+`not_runnable` says why a cp plan gets no program (async SGD, no code). Expert parallelism (ep > 1) runs
+data-parallel programs over the plan's code as `partitioner.codegen.segment_ep` rewrote it: each MoE
+layer's experts over the ep group (`runtime.experts.program.EPContext`), the rank's expert slices kept
+apart (`runtime.experts.engine.ExpertParallel`); `not_runnable_ep` says which ep plans get no program.
 
 >>> from partitioner import compile
 >>> from examples.mlp import mlp, example_inputs
@@ -84,11 +87,44 @@ def not_runnable(plan: "Plan") -> str:
     return ""
 
 
-def not_runnable_ep(ep: int) -> str:
-    """Why no program is generated for an expert-parallel plan (runtime.experts' kernels exist, codegen does not)."""
-    return (f"ep={ep}: expert-parallel plans are costed but not yet runnable: no per-rank program replaces the MoE "
-            "layers by runtime.experts' dispatch / grouped experts / combine over the ep group yet; compile with "
-            "ep=1 (experts replicated over data parallelism) to train, or use this plan for its predictions only")
+def not_runnable_ep(plan: "Plan") -> str:
+    """Why no program is generated for an expert-parallel plan ("" when one is): programs run ep > 1 from the
+    plan's model code (partitioner.codegen.segment_ep) with data, pipeline and tensor parallelism (cp = 1, no
+    sequence parallelism; the load-balancing loss with pp = 1 only), fp32 or bf16-mixed,
+    any ZeRO stage (the experts' optimizer state and gradients sharded over the ranks holding the same experts,
+    runtime.experts.engine), without recomputation or gradient clipping."""
+    c = plan.config
+    if c.ep == 1:
+        return ""
+    what = f"ep={c.ep}"
+    alone = "; compile with ep=1 (experts replicated over data parallelism) to train this configuration"
+    fix = ", or ep=1 (experts replicated over data parallelism) to train this configuration"
+    if plan.async_sgd:
+        return f"{what} with async_sgd: asynchronous replicas do not run expert parallelism{alone}"
+    if c.cp > 1:
+        return (f"{what} with cp={c.cp}: expert-parallel programs run with data, pipeline and tensor parallelism "
+                f"only (the ep group inside dp) so far; pin cp=1{fix}")
+    if c.tp > 1 and c.sp:
+        return (f"{what} with tp={c.tp} and sequence parallelism: each tensor slice would route a different share of "
+                f"the tokens, which the ep groups (one per tensor slice) do not exchange; pin sp=False{fix}")
+    if plan.code is None:
+        return (f"{what}: an expert-parallel program runs the model as generated code (each MoE layer's experts "
+                f"over the ep group), and this plan has none: {plan.code_note or 'no traced graph'}")
+    if c.pp > 1 and plan.code.suffix is not None and "ep_aux_loss(" in plan.code.suffix.source:
+        return (f"{what} with pp={c.pp}: the model's load-balancing loss reads every MoE layer's router logits, "
+                f"which live on other pipeline ranks; build the model without it (output_router_logits=False) or "
+                f"pin pp=1{fix}")
+    if plan.precision not in ("fp32", "bf16-mixed"):
+        return (f"{what} with precision={plan.precision!r}: the expert slices are kept outside the data-parallel "
+                f"engine as fp32 masters, cast to the compute dtype as the code reads them, and unscaled by no loss "
+                f"scaler; compile with precision='fp32' or 'bf16-mixed'{fix}")
+    if c.recompute != "none":
+        return (f"{what} with recompute={c.recompute!r}: a recomputed MoE layer would record its router logits "
+                f"twice for the load-balancing loss; compile with recompute='none'{fix}")
+    if plan.clip_grad_norm is not None:
+        return (f"{what} with clip_grad_norm={plan.clip_grad_norm}: the global norm would need the expert slices' "
+                f"squares summed over the ep group, which the engine does not do yet; compile without clipping{fix}")
+    return ""
 
 
 def program(plan: "Plan", rank: int) -> RankProgram:
@@ -98,9 +134,7 @@ def program(plan: "Plan", rank: int) -> RankProgram:
     why = not_runnable(plan)
     if why:
         raise CodegenError(why)
-    if c.ep > 1:
-        raise CodegenError(not_runnable_ep(c.ep))
-    why = torch_compile_refusal(plan)
+    why = not_runnable_ep(plan) or torch_compile_refusal(plan)
     if why:
         raise CodegenError(why)
     if c.pp > 1 or c.tp > 1:

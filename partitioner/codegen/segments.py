@@ -19,6 +19,10 @@ the segment from the hidden state's sizes. A block that reads any other
 prefix value, or hands on more than the hidden state, is refused with the
 nodes named.
 
+With expert parallelism (ep > 1) each MoE layer's experts become one call over the ep group, and the
+router logits a block hands on for the load-balancing loss go to the ep context instead of across the
+cut: see `partitioner.codegen.segment_ep`.
+
 With tensor parallelism (tp > 1) the copied code is rewritten as the tensor
 splits say (Megatron f and g, local head counts, vocab-parallel embedding,
 head and cross entropy): see `partitioner.codegen.segment_tp`. Casts to the traced
@@ -48,6 +52,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from partitioner.codegen.segment_cp import CP_FUNCTIONS, ContextParallelRewrite, sequence_symbols
+from partitioner.codegen.segment_ep import EP_FUNCTIONS, ExpertParallelRewrite, in_scope
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.block_kinds import mutates
@@ -129,14 +134,14 @@ class _Source:
         return reads, out
 
 
-class _Builder(TensorParallelRewrite, ContextParallelRewrite):
+class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewrite):
     """Copies one segment's nodes into a fresh graph, recomputing shape-only values from its input."""
 
     def __init__(self, src: _Source, name: str, *, carried: fx.Node | None, block: int | None,
                  placements: dict[str, Any], dims: dict[str, int], chunks: dict[str, list[tuple[str, int]]],
                  tp: int, seq_dims: dict[str, int], scatters: dict[str, int],
                  seq_gathers: dict[str, list[tuple[str, int, str]]], fp8: bool = False, cp: int = 1,
-                 seq_syms: frozenset[str] = frozenset()):
+                 seq_syms: frozenset[str] = frozenset(), ep: int = 1, moe: tuple[tuple[str, str, int], ...] = ()):
         self.src, self.name, self.carried, self.block = src, name, carried, block
         self.fp8 = fp8
         self.placements, self.dims, self.chunks, self.tp = placements, dims, chunks, tp
@@ -157,6 +162,15 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite):
         self.cp_arg = self.graph.placeholder("cp") if cp > 1 else None
         self.full_env: dict[fx.Node, Any] = {}
         self.pos_env: dict[fx.Node, fx.Node] = {}
+        # expert parallelism (partitioner.codegen.segment_ep): the ep group, the MoE layers' (module, experts
+        # module), the experts regions found, the block's router logits and the suffix's reads of them
+        self.ep, self.moe = ep, moe
+        self.expert_scopes = tuple(x for _, x, _ in moe)
+        self.ep_arg = self.graph.placeholder("ep") if ep > 1 else None
+        self.regions: dict[str, Any] = {}
+        self.router_out: fx.Node | None = None
+        self.router_values: list[fx.Node] = []
+        self.aux_nodes: dict[fx.Node, bool] = {}
         if carried is None:
             self.input_names = tuple(n.name for n in src.inputs)
             for n in src.inputs:
@@ -190,6 +204,9 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite):
 
     def value(self, n: fx.Node) -> fx.Node:
         if n in self.env:
+            return self.env[n]
+        if n in self.router_values:  # ep > 1: a block's router logits, as this rank recorded them
+            self.env[n] = self.router_logits_node(n)
             return self.env[n]
         if self.positional(n):  # cp > 1: a position-only tensor, at this rank's positions
             return self.at_positions(n)
@@ -297,7 +314,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite):
     def copy(self, n: fx.Node) -> None:
         """Copy member `n` into the segment: in its tensor-parallel form, or plain (casts retargeted,
         sizes on split dims divided by tp)."""
-        if self.rewrite_op(n) or self.rewrite_cp(n):
+        if self.rewrite_ep(n) or self.rewrite_op(n) or self.rewrite_cp(n):
             return
         cast = n.target in _CASTS and self._to_param_dtype(n)
         new = self._copy_plain(n)
@@ -399,7 +416,8 @@ TEMPLATE_PER_KIND = True
 DEVICE_NEUTRAL = True
 CONSTANTS_IN_CODE = True
 
-_KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS, *CP_FUNCTIONS}
+_KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS,
+                  *CP_FUNCTIONS, *EP_FUNCTIONS}
 
 
 def _check_globals(globs: dict[str, Any], name: str) -> None:
@@ -410,12 +428,13 @@ def _check_globals(globs: dict[str, Any], name: str) -> None:
 
 
 def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = False, fp8: bool = False,
-            cp: int = 1) -> ModelCode:
+            cp: int = 1, expert_parallel: int = 1) -> ModelCode:
     """Cut `ep` (the ExportedProgram `trace` captured for OpGraph `g`) into prefix, block, suffix code;
     `sp`: with Megatron sequence parallelism in the tensor group (tp > 1); `fp8`: every `aten.linear` (the
     model's and the tensor-parallel rewrite's) becomes the runtime's `fp8_linear` (precision="fp8-mixed");
     `cp`: each rank runs its tokens of every sequence, attention over the context group
-    (`partitioner.codegen.segment_cp`)."""
+    (`partitioner.codegen.segment_cp`); `expert_parallel`: each MoE layer's experts over the ep group
+    (`partitioner.codegen.segment_ep`)."""
     import torch.utils._pytree as pytree
 
     src = _Source(ep, g)
@@ -438,7 +457,8 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
     kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp,
               seq_dims=dict(seq.dims) if seq else {}, scatters=dict(seq.scatters) if seq else {},
-              seq_gathers=seq_gathers, fp8=fp8, cp=cp, seq_syms=sequence_symbols(src.inputs) if cp > 1 else frozenset())
+              seq_gathers=seq_gathers, fp8=fp8, cp=cp, seq_syms=sequence_symbols(src.inputs) if cp > 1 else frozenset(),
+              ep=expert_parallel, moe=_moe_scopes(g) if expert_parallel > 1 else ())
 
     def run(b: _Builder, members: list[fx.Node]) -> None:
         members = sorted(members, key=_order(src))
@@ -484,7 +504,9 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         t = of_kind[1] if len(of_kind) > 1 else of_kind[0]
         members = src.members(t)
         reads, outs = src.crossing(members)
-        if len(reads) != 1 or len(outs) != 1:
+        router = _router_outs(outs, kw["moe"])
+        outs = outs - router
+        if len(reads) != 1 or len(outs) != 1 or len(router) > 1:
             raise SegmentError(f"block {t} of {src.stack} reads {sorted(r.name for r in reads)} and hands on "
                                f"{sorted(o.name for o in outs)} across its boundary; a pipeline cut passes exactly "
                                "one tensor")
@@ -494,21 +516,26 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
                                f"{x_out.name}, not both split along the same token dim; pin sp=False")
         b = _Builder(src, "block" if k == 0 else f"block_{k}", carried=x_in, block=t, **kw)
         b.cut_dim = cut_dim
+        b.router_out = next(iter(router), None)
         run(b, members)
         templates.append(b.finish(b.value(x_out)))
         cuts += [x_in, x_out]
 
     last = src.members(blocks[-1])
-    _, (last_out, *more) = src.crossing(last)
+    _, last_outs = src.crossing(last)
+    (last_out, *more) = last_outs - _router_outs(last_outs, kw["moe"])
     if more:
         raise SegmentError(f"the last block hands {1 + len(more)} values to the suffix; a pipeline cut passes one")
     suf = src.members("suffix")
     reads, _ = src.crossing(suf)
-    if reads - {last_out}:
+    routers = sorted(_router_outs(reads, kw["moe"]), key=_order(src))
+    if reads - {last_out} - set(routers):
         raise SegmentError(f"the suffix reads {sorted(r.name for r in reads - {last_out})} besides the last block's "
                            "output; a pipeline cut passes exactly one tensor")
     b = _Builder(src, "suffix", carried=last_out, block=None, **kw)
     b.cut_dim = cut_dim
+    b.router_values = routers
+    b.mark_aux(suf)
     run(b, suf)
     suffix = b.finish(tuple(b.output(x) for x in flat_out))
     hidden_shape = _hidden_shape(src, *cuts)
@@ -518,7 +545,38 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
                         *hidden_shape[cut_dim + 1:])
     return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
                      prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec, sp_dim=cut_dim,
-                     hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds)
+                     hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds,
+                     **(_expert_fields(g) if expert_parallel > 1 else {}))
+
+
+def _moe_scopes(g: Any) -> tuple[tuple[str, str, int], ...]:
+    """(MoE module, its experts module, E) of each MoE layer the tracer found (partitioner.tracer.experts)."""
+    from partitioner.tracer.experts import common_prefix, find_experts
+
+    return tuple((m.module, common_prefix([e.rsplit(".", 1)[0] for e in m.experts]), m.num_experts)
+                 for m in find_experts(g))
+
+
+def _expert_fields(g: Any) -> dict[str, Any]:
+    """ModelCode's expert fields: the batched expert weights with their E, the MoE layers, the router's k."""
+    from partitioner.tracer.experts import find_experts
+
+    layers = find_experts(g)
+    if len({m.top_k for m in layers}) != 1:
+        raise SegmentError(f"expert parallelism: the MoE layers route to {sorted({m.top_k for m in layers})} experts "
+                           "per token; the load-balancing loss over ranks takes one k: compile with ep=1")
+    return {"experts": tuple((p, m.num_experts) for m in layers for p in m.experts), "moe_layers": len(layers),
+            "top_k": layers[0].top_k}
+
+
+def _router_outs(values: set[fx.Node], moe: tuple[tuple[str, str, int], ...]) -> set[fx.Node]:
+    """Under ep > 1, the values among `values` computed inside a MoE module (outside its experts) of shape
+    (tokens, E): the router logits a block hands on for the load-balancing loss (partitioner.codegen.segment_ep)."""
+    def logits(v: fx.Node, e: int) -> bool:
+        val = v.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.dim() == 2 and str(val.shape[1]) == str(e)
+
+    return {v for v in values for m, x, e in moe if in_scope(v, m) and not in_scope(v, x) and logits(v, e)}
 
 
 def _sequence_cut_dim(seq_dims: dict[str, int], block_inputs: set[fx.Node]) -> int:

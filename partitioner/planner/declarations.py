@@ -450,11 +450,12 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
     _int("zero_stage", d.zero_stage, lo=0)
     if d.zero_stage is not None and d.zero_stage > 3:
         raise DeclarationError(f"zero_stage={d.zero_stage}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
-    if d.torch_compile and ((d.tp or 1) > 1 or (d.cp or 1) > 1):
-        what = " and ".join(f"{k}={v}" for k, v in (("tp", d.tp), ("cp", d.cp)) if v and v > 1)
-        raise DeclarationError(f"torch_compile={d.torch_compile!r} with {what}: tensor- and context-parallel programs "
-                               "call collectives inside their blocks, which are not compiled around yet; drop "
-                               "torch_compile, or pin tp=1 and cp=1 (data-parallel, ZeRO and pipeline plans compile)")
+    if d.torch_compile and ((d.tp or 1) > 1 or (d.cp or 1) > 1 or (d.ep or 1) > 1):
+        what = " and ".join(f"{k}={v}" for k, v in (("tp", d.tp), ("cp", d.cp), ("ep", d.ep)) if v and v > 1)
+        raise DeclarationError(f"torch_compile={d.torch_compile!r} with {what}: tensor-, context- and expert-parallel "
+                               "programs call collectives inside their blocks, which are not compiled around yet; drop "
+                               "torch_compile, or pin tp=1, cp=1 and ep=1 (data-parallel, ZeRO and pipeline plans "
+                               "compile)")
     _choice("precision", d.precision, PRECISIONS)
     _choice("optimizer", d.optimizer, OPTIMIZERS)
     _check_precision_recipe(d)

@@ -62,6 +62,12 @@ class ModelCode:
     # Megatron sequence parallelism (partitioner.planner.sequence_split): the code runs the ops between tensor-split
     # regions on 1/tp of the tokens, and every cut carries this rank's slice along this dim; None without it
     sp_dim: int | None = None
+    # expert parallelism (partitioner.codegen.segment_ep): the code runs each MoE layer's experts over the ep group;
+    # experts: every batched expert weight (name, number of experts along dim 0), moe_layers: MoE layers per
+    # forward, top_k: the router's k; all empty without ep
+    experts: tuple[tuple[str, int], ...] = dataclasses.field(default=(), metadata={"omit_default": True})
+    moe_layers: int = dataclasses.field(default=0, metadata={"omit_default": True})
+    top_k: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     @property
     def templates(self) -> tuple[Segment, ...]:

@@ -10,13 +10,17 @@ with the plan's instruction lists.
 `Collectives.counts` maps an op name ("all_reduce", "reduce_scatter",
 "all_gather", "all_to_all" (even, or uneven with split sizes), "broadcast", "send", "recv", "barrier") to calls made;
 `Collectives.bytes` to bytes passed (the full buffer of a collective, the
-tensor of a send or receive).
+tensor of a send or receive); `Collectives.seconds` to the wall time spent inside the blocking
+all-to-alls (expert parallelism's dispatch and combine, Ulysses' exchanges: waiting for the slowest peer
+included), for the share of a step they take (bench/moe.py). Other ops are not timed: most run
+asynchronously, overlapped with the backward.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Literal
 
 import torch
@@ -43,6 +47,15 @@ class Collectives:
     reduce_scatter_impl: ReduceScatterImpl = "reduce_scatter"
     counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def _timed(self, op: str, async_op: bool, fn, *args, **kwargs):
+        if async_op:
+            return fn(*args, async_op=True, **kwargs)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.seconds[op] += time.perf_counter() - t0
+        return out
 
     def _count(self, op: str, t: torch.Tensor) -> None:
         self.counts[op] += 1
@@ -51,6 +64,7 @@ class Collectives:
     def reset(self) -> None:
         self.counts.clear()
         self.bytes.clear()
+        self.seconds.clear()
 
     # ---- reductions -------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, group=None, *, op: Literal["sum", "avg", "max"] = "sum",
@@ -99,7 +113,7 @@ class Collectives:
         assert inp.shape[0] % p == 0 and out.shape == inp.shape, \
             f"all_to_all: {tuple(inp.shape)} -> {tuple(out.shape)} with {p} ranks: equal chunks, equal shapes"
         self._count("all_to_all", inp)
-        return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+        return self._timed("all_to_all", async_op, dist.all_to_all_single, out, inp, group=group)
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], group=None, *, async_op: bool = False):
@@ -116,8 +130,9 @@ class Collectives:
                              f"{list(output_split_sizes)} (sum {sum(output_split_sizes)}) for {out.shape[0]} rows: "
                              f"the splits must sum to the rows of their tensor")
         self._count("all_to_all", inp)
-        return dist.all_to_all_single(out, inp, output_split_sizes=list(output_split_sizes),
-                                      input_split_sizes=list(input_split_sizes), group=group, async_op=async_op)
+        return self._timed("all_to_all", async_op, dist.all_to_all_single, out, inp,
+                           output_split_sizes=list(output_split_sizes), input_split_sizes=list(input_split_sizes),
+                           group=group)
 
     def broadcast(self, t: torch.Tensor, src: int, group=None, *, async_op: bool = False):
         """`src` is a global rank."""

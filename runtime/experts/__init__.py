@@ -11,8 +11,11 @@ the collectives shim (`runtime.comm.collectives`):
   sizes, the local experts, all-to-all back, un-permute and weight; the backward through the same path.
 - `aux_loss`: the router's load-balancing loss (Switch Transformer, as Hugging Face computes it) from each
   rank's tokens, equal to the one-process value.
-Not yet here: the planner's ep axis and the code generator's use of these kernels; nothing calls them yet
-but the tests.
+- `program`: what generated code calls (`ep_experts` per MoE layer, `ep_aux_loss`, `EPContext`), the
+  code generator (`partitioner.codegen.segment_ep`) rewriting each MoE layer's experts into it;
+- `engine`: `ExpertParallel`, the rank's expert slices beside the data-parallel engine, their gradients
+  reduced over the ranks holding the same experts.
+The planner plans and costs ep (`partitioner.planner.expert_split`); generated programs for ep > 1 call these.
 """
 
 from runtime.experts.aux_loss import load_balancing_loss

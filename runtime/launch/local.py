@@ -95,6 +95,7 @@ class LaunchResult:
         runner held (held_bytes()'s params + grads + optimizer) after build and after any step: what the plan's memory
         prediction (params + grads + optimizer) is checked against.
     collective_counts: per rank, the runner's `collectives.counts` after all steps.
+    collective_seconds: per rank, the runner's `collectives.seconds` after all steps (blocking all-to-alls).
     held_bytes: per rank, the runner's held_bytes() after the last step.
     peak_rss_bytes: per rank, the process's peak resident memory (ru_maxrss; includes torch itself).
     rank_step_times_s: per rank, per step.
@@ -116,6 +117,7 @@ class LaunchResult:
     peak_step_bytes: list[int] | None = None
     start_step: int = 0
     checkpoints: list[str] = dataclasses.field(default_factory=list)
+    collective_seconds: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
 def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable,
@@ -414,6 +416,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         result = {"losses": losses, "step_times_s": times, "state_dict": state,
                   "held_bytes": {k: int(v) for k, v in runner.held_bytes().items()},
                   "counts": {k: int(v) for k, v in runner.collectives.counts.items()},
+                  "seconds": {k: float(v) for k, v in getattr(runner.collectives, "seconds", {}).items()},
                   "peak_memory_bytes": int(peak), "peak_rss_bytes": _peak_rss(), "peak_step_bytes": probed,
                   "start_step": start, "checkpoints": saved}
         write_atomic(d / f"result_{rank}.pt", lambda f: torch.save(result, f))
@@ -597,4 +600,5 @@ def _collect(results: list[dict[str, Any]]) -> LaunchResult:
                         rank_step_times_s=[res["step_times_s"] for res in results],
                         peak_step_bytes=None if results[0]["peak_step_bytes"] is None else
                         [res["peak_step_bytes"] for res in results],
-                        start_step=results[0]["start_step"], checkpoints=results[0]["checkpoints"])
+                        start_step=results[0]["start_step"], checkpoints=results[0]["checkpoints"],
+                        collective_seconds=[res.get("seconds", {}) for res in results])

@@ -71,14 +71,19 @@ class StageModel:
                  suffix_args: Sequence[tuple[str, str]], output_spec: str | None, stages: Mapping[int, StageSpec],
                  placements: Mapping[str, tuple[str, int]], tied: Sequence[str], tp: Any = None,
                  tp_rank: int = 0, tp_world: int = 1, recompute: str = "none", cp: Any = None,
-                 torch_compile: str = ""):
+                 torch_compile: str = "", ep: Any = None, experts: Mapping[str, tuple[int, int]] | None = None):
         # torch_compile: the backend each segment function (prefix, every block kind, suffix) is compiled with
         # (runtime.engines.compiled); recomputation and the blocks' module hooks stay outside; "": eager
         if torch_compile:
             functions = {k: compile_function(f, torch_compile) for k, f in functions.items()}
+        # ep / experts: an expert-parallel plan's group (runtime.experts.program.EPContext), bound like cp, and
+        # the batched expert weights this rank holds: name -> its experts [lo, hi) along dim 0, kept apart from
+        # the module (self.experts) as tied parameters are, for runtime.experts.engine.ExpertParallel
+        experts = dict(experts or {})
         # cp: a context-parallel plan's group (runtime.context.program.CPContext); its code's functions take it
         # after `tp`, bound here so that every caller passes tp first as it does without cp
         functions = {k: _WithContext(f, cp) for k, f in functions.items()} if cp is not None else functions
+        functions = {k: _WithContext(f, ep) for k, f in functions.items()} if ep is not None else functions
         self.module, self.functions, self.stack, self.stages = model, dict(functions), stack, dict(stages)
         # per kind of block (kind 0 runs functions["block"], kind k functions[f"block_{k}"]): its
         # parameter arguments and the model inputs it reads; block_kinds: the kind of every block
@@ -113,6 +118,7 @@ class StageModel:
                     container[i] = nn.Module()
         # parameters no stage of this rank reads: dropped; tensor-parallel ones: cut to the shard
         self.tied: dict[str, nn.Parameter] = {}
+        self.experts: dict[str, nn.Parameter] = {}
         self._alias_of: dict[str, str] = {}
         for pid, names in aliases.items():
             canon = first.get(pid, names[0])
@@ -128,11 +134,14 @@ class StageModel:
             spec, fused = placements.get(canon, (REPLICATED, 1))
             if is_sharded(spec) and tp_world > 1:
                 p = nn.Parameter(shard_parameter(p.data, spec, tp_rank, tp_world, fused), requires_grad=p.requires_grad)
+            if canon in experts:  # this rank's experts only, outside the data-parallel engine
+                lo, hi = experts[canon]
+                self.experts[canon] = nn.Parameter(p.data[lo:hi].clone(), requires_grad=p.requires_grad)
             if canon in tied:
                 self.tied[canon] = p
             for n in names:
                 mod, attr = _split(n)
-                model.get_submodule(mod)._parameters[attr] = None if canon in tied else p
+                model.get_submodule(mod)._parameters[attr] = None if canon in tied or canon in experts else p
             for n in names:
                 self._alias_of[n] = canon
 
@@ -143,7 +152,7 @@ class StageModel:
         model.forward = self._stage
         # What this rank keeps, on its device: after pruning and slicing, so no GPU holds the full model.
         place_module(model)
-        for p in self.tied.values():
+        for p in (*self.tied.values(), *self.experts.values()):
             p.data = place(p.data)
         # run_as_model only: the module runs its own forward, blocks included (the batch is not the traced one)
         self.eager = False
@@ -151,6 +160,9 @@ class StageModel:
     # ---- what the generated functions read --------------------------------------------------
     def _get(self, name: str) -> torch.Tensor:
         canon = self._alias_of.get(name, name)
+        if canon in self.experts:
+            p = self.experts[canon]
+            return p if self.cast is None else p.to(self.cast)
         if canon in self.tied:
             p = self.tied[canon]
             return p if self.cast is None else p.to(self.cast)

@@ -117,10 +117,11 @@ def num_parameters(plan: Any) -> int | None:
     return sum(math.prod(shape(p)) for p in placements)
 
 
-def _cp(plan: Any) -> int:
-    """The plan's context-parallel degree (a Plan, or its JSON as a dict): 1 without the axis."""
+def _cp(plan: Any, axis: str = "cp") -> int:
+    """The plan's context-parallel degree (or another axis's: "ep") (a Plan, or its JSON as a dict): 1 without the
+    axis."""
     config = plan.get("config", {}) if isinstance(plan, dict) else getattr(plan, "config", None)
-    return int(config.get("cp", 1) if isinstance(config, dict) else getattr(config, "cp", 1))
+    return int(config.get(axis, 1) if isinstance(config, dict) else getattr(config, axis, 1))
 
 
 def verify_skip_reason(plan: Any, *, max_elements: float = MAX_VERIFY_ELEMENTS) -> str:
@@ -131,6 +132,8 @@ def verify_skip_reason(plan: Any, *, max_elements: float = MAX_VERIFY_ELEMENTS) 
         return "the plan has no configuration and mesh to verify"
     if _cp(plan) > 1:
         return "cp > 1: the code's attention runs over the context group, which one process does not have"
+    if _cp(plan, "ep") > 1:
+        return "ep > 1: the code's experts run over the ep group, which one process does not have"
     if not f.has_code:
         return "pp = tp = 1: the programs hold no model code"
     n = num_parameters(plan)

@@ -1,0 +1,171 @@
+"""Expert-parallel rewriting of segment code (ep > 1): each MoE layer's experts run over the ep group.
+
+Used by `partitioner.codegen.segments` while it copies a segment's nodes. The MoE layers are the tracer's
+(`partitioner.tracer.experts.find_experts`); the experts module of each (the one holding its batched
+`[E, ...]` weights, Hugging Face's `...mlp.experts`) is read off the graph as one region whose inputs are
+this rank's tokens x (T, H), the router's top-k indices (T, k, integer) and weights (T, k), and the two
+expert weights `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I), and whose one output is the layer's
+(T, H). That whole region (sorting by expert, grouped matmuls, un-sorting, weighting and summing) becomes
+one call:
+
+    ep_experts(x, topk_idx, topk_weight, experts_gate_up_proj, experts_down_proj, router_logits, ep)
+
+which runs `runtime.experts.expert_parallel.ep_moe` over the ep group on the rank's slice of the expert
+weights (the program passes slices; `runtime.experts.program`). The router, its top-k and the shared
+experts stay as traced: replicated, on the rank's own tokens.
+
+The router's load-balancing loss (a model traced with `output_router_logits=True`): each block hands its
+router logits on besides the hidden state, and the model's suffix computes one scalar from all of them.
+Under ep the block passes its logits to `ep_experts` (recorded on the ep context) and hands on the hidden
+state only; in the suffix, the router logits read from the blocks become `ep_router_logits(ep, i)` and
+the scalar computed from them becomes `ep_aux_loss(ep)`: the same loss over every rank's tokens, as one
+process computes it (Switch Transformer's, as Hugging Face's `load_balancing_loss_func`; `plan.verify` and
+the equivalence tests check it is the model's).
+
+Refused, with the node named: experts of another form (a list of expert modules, biases, an activation
+other than SiLU), a region with other inputs or outputs, a suffix that computes anything but one scalar
+from the router logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from partitioner.planner.model_code import SegmentError, describe
+
+__all__ = ["EP_FUNCTIONS", "ExpertParallelRewrite", "ep_aux_loss", "ep_experts", "ep_router_logits", "in_scope"]
+
+_aten = torch.ops.aten
+
+
+def ep_experts(x, topk_idx, topk_weight, gate_up_proj, down_proj, router_logits, ep):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def ep_aux_loss(ep):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+def ep_router_logits(ep, layer):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+EP_FUNCTIONS = ("ep_experts", "ep_aux_loss", "ep_router_logits")
+
+
+def path_of(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def in_scope(n: fx.Node, scope: str) -> bool:
+    p = path_of(n)
+    return p == scope or p.startswith(scope + ".")
+
+
+class ExpertParallelRewrite:
+    """Mixed into the segment builder, which provides graph, env, value(), src, ep (the degree), ep_arg (the
+    `ep` placeholder), expert_scopes (the experts modules of the MoE layers), router_out (block builder: this
+    block's router logits handed on, or None) and router_values (suffix builder: the blocks' router logits, in
+    layer order)."""
+
+    def scope_of(self, n: fx.Node) -> str | None:
+        if self.ep == 1:
+            return None
+        return next((s for s in self.expert_scopes if in_scope(n, s)), None)
+
+    def rewrite_ep(self, n: fx.Node) -> bool:
+        """Copy `n` in its expert-parallel form: the experts region as one ep_experts call at its output node,
+        its other nodes dropped; the suffix's use of the router logits; False otherwise."""
+        if self.ep == 1:
+            return False
+        if n in self.aux_nodes:
+            self._aux(n)
+            return True
+        scope = self.scope_of(n)
+        if scope is None:
+            return False
+        if scope not in self.regions:
+            self.regions[scope] = self._region(scope)
+        exit_node, call_args = self.regions[scope]
+        if n is exit_node:
+            out = self.graph.create_node("call_function", ep_experts,
+                                         (*(self.value(a) for a in call_args), self._router_arg(), self.ep_arg),
+                                         name=n.name)
+            out.meta = dict(n.meta)
+            self.env[n] = out
+        return True
+
+    def _router_arg(self):
+        return self.value(self.router_out) if self.router_out is not None else None
+
+    def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...]]:
+        """The experts region's output node and (x, topk_idx, topk_weight, gate_up_proj, down_proj)."""
+        nodes = [m for m in self.src.gm.graph.nodes if m.op == "call_function" and in_scope(m, scope)]
+        inside = set(nodes)
+        outs = [m for m in nodes if any(u not in inside for u in m.users)]
+        ins = {a for m in nodes for a in m.all_input_nodes
+               if a not in inside and not self.src.shape_only.get(a, False) and a not in self.src.param}
+        params = sorted({self.src.param[a] for m in nodes for a in m.all_input_nodes if a in self.src.param})
+        form = f"the experts of {scope}"
+        short = {p.rsplit(".", 1)[-1]: p for p in params}
+        if sorted(short) != ["down_proj", "gate_up_proj"]:
+            raise SegmentError(f"expert parallelism runs batched SiLU-gated experts (gate_up_proj (E, 2I, H) and "
+                               f"down_proj (E, H, I), as Mixtral, Qwen3-MoE and DeepSeek-V3 keep them), but {form} "
+                               f"read {params} (a list of expert modules, biases or other weights are not run yet); "
+                               "compile with ep=1")
+        if len(outs) != 1:
+            raise SegmentError(f"expert parallelism: {form} hand on {len(outs)} values "
+                               f"({', '.join(o.name for o in outs)}), not one (T, H) output; compile with ep=1")
+        acts = {m.target for m in nodes if m.target in (_aten.silu.default, _aten.gelu.default, _aten.relu.default,
+                                                          _aten.sigmoid.default, _aten.tanh.default, _aten.clamp.default)}
+        if acts != {_aten.silu.default}:
+            raise SegmentError(f"expert parallelism runs SiLU-gated experts, but {form} compute "
+                               f"{sorted(str(a) for a in acts) or 'no SiLU'}; compile with ep=1")
+        tensors = {a: a.meta.get("val") for a in ins}
+        x = [a for a, v in tensors.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.is_floating_point()
+             and v.shape[1] == outs[0].meta["val"].shape[-1]]
+        idx = [a for a, v in tensors.items() if isinstance(v, torch.Tensor) and v.dim() == 2
+               and not v.is_floating_point()]
+        w = [a for a, v in tensors.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.is_floating_point()
+             and a not in x]
+        if len(ins) != 3 or len(x) != 1 or len(idx) != 1 or len(w) != 1:
+            raise SegmentError(f"expert parallelism: {form} read {sorted(describe(a) for a in ins)}, not the "
+                               "tokens (T, H), the router's top-k indices and weights (T, k); compile with ep=1")
+        p_node = {self.src.param[a]: a for m in nodes for a in m.all_input_nodes if a in self.src.param}
+        return outs[0], (x[0], idx[0], w[0], p_node[short["gate_up_proj"]], p_node[short["down_proj"]])
+
+    # ---- the suffix: the router logits and the load-balancing loss --------------------------------------
+    def router_logits_node(self, n: fx.Node) -> fx.Node:
+        """`n`, a block's router logits read in the suffix, as this rank's recorded copy."""
+        i = self.router_values.index(n)
+        out = self.graph.create_node("call_function", ep_router_logits, (self.ep_arg, i), name=f"{n.name}_local")
+        out.meta = dict(n.meta)
+        return out
+
+    def mark_aux(self, members: list[fx.Node]) -> None:
+        """The scalar the suffix computes from the blocks' router logits (the load-balancing loss) becomes
+        ep_aux_loss; what else reads them (the logits returned as outputs) is copied over this rank's."""
+        if not self.router_values:
+            return
+        inside = set(members)
+        dep: set[fx.Node] = set()
+        for m in members:
+            if any(a in self.router_values or a in dep for a in m.all_input_nodes):
+                dep.add(m)
+        scalars = [m for m in dep if isinstance(m.meta.get("val"), torch.Tensor) and m.meta["val"].dim() == 0
+                   and any(u.op == "output" or (u in inside and u not in dep) for u in m.users)]
+        if len(scalars) != 1:
+            raise SegmentError(f"expert parallelism: the model computes {len(scalars)} scalars from its layers' "
+                               f"router logits ({', '.join(describe(m) for m in scalars)}), where one (the "
+                               "load-balancing loss) is computed over every rank's tokens; compile with ep=1")
+        self.aux_nodes = {scalars[0]: True}
+
+    def _aux(self, n: fx.Node) -> None:
+        if self.aux_nodes[n]:
+            out = self.graph.create_node("call_function", ep_aux_loss, (self.ep_arg,), name=n.name)
+            out.meta = dict(n.meta)
+            self.env[n] = out

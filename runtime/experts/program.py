@@ -1,0 +1,109 @@
+"""What an expert-parallel program's generated code calls: each MoE layer's experts over the ep group, and
+the router's load-balancing loss over every rank's tokens.
+
+The code generator (`partitioner.codegen.segment_ep`) rewrites the traced graph of an ep > 1 plan: the ops of
+each MoE layer's experts module (Hugging Face's batched experts: sort the (token, choice) pairs by expert,
+grouped matmuls, un-sort, weight and sum) become one `ep_experts` call on this rank's tokens, the router's
+choice and this rank's slice of the batched `[E, ...]` expert weights, which runs `ep_moe` (the
+all-to-alls) over the ep group. The router and shared experts stay as traced, replicated.
+
+When the model computes the router's auxiliary load-balancing loss from every layer's router logits
+(Hugging Face's `output_router_logits=True`), the layers' logits do not travel through the code from block to
+block: `ep_experts` records them on the `EPContext`, and the suffix's loss computation becomes
+`ep_aux_loss`, the loss over all ranks' tokens (`runtime.experts.aux_loss`), equal to one process's.
+
+>>> ctx = EPContext(group=None, collectives=None, rank=0, world=1, num_experts=2, top_k=1, layers=1)
+>>> gate_up, down = torch.ones(2, 2, 1), torch.ones(2, 1, 1)           # E=2, I=1, H=1
+>>> x, idx, w = torch.tensor([[1.0], [2.0]]), torch.tensor([[0], [1]]), torch.tensor([[1.0], [0.5]])
+>>> ep_experts(x, idx, w, gate_up, down, torch.zeros(2, 2), ctx)       # silu(x) * x per token, weighted
+tensor([[0.7311],
+        [1.7616]])
+>>> round(float(ep_aux_loss(ctx)), 4)                                  # from the logits recorded above
+1.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from runtime.comm.collectives import Collectives
+from runtime.comm.groups import group_size
+from runtime.experts.aux_loss import load_balancing_loss
+from runtime.experts.expert_parallel import ep_moe
+from runtime.experts.grouped_experts import batched_experts
+
+__all__ = ["EPContext", "ep_aux_loss", "ep_experts", "ep_router_logits"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class EPContext:
+    """The expert-parallel group as generated code sees it (the `ep` argument of every segment function of an
+    ep > 1 plan). group / rank / world: the ep group and this rank's index in it (it holds experts
+    rank*E/world .. (rank+1)*E/world - 1); token_group: the ranks whose tokens make one batch (the dp x cp
+    group), over which the load-balancing loss is summed; router_logits: this forward's layers' logits,
+    recorded by `ep_experts` (a forward's first layer starts a new record: `layers` per forward) and read by
+    `ep_aux_loss` and `ep_router_logits`."""
+
+    group: object
+    collectives: Collectives | None
+    rank: int
+    world: int
+    num_experts: int
+    top_k: int
+    layers: int = 1
+    token_group: object = None
+    router_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, gate_up_proj: torch.Tensor,
+               down_proj: torch.Tensor, router_logits: torch.Tensor | None, ep: EPContext) -> torch.Tensor:
+    """A MoE layer's experts on this rank's tokens x (T, H): sum_j topk_weight[t, j] * expert_{topk_idx[t, j]}(x[t]),
+    the experts spread over the ep group; gate_up_proj (E/ep, 2I, H) and down_proj (E/ep, H, I) are this rank's
+    experts (SiLU-gated, as Mixtral, Qwen3-MoE and DeepSeek-V3 compute them). router_logits (T, E): recorded
+    for `ep_aux_loss` (None when the model computes no auxiliary loss)."""
+    if router_logits is not None:
+        if len(ep.router_logits) >= ep.layers:  # the first MoE layer of the next forward
+            ep.router_logits = []
+        ep.router_logits.append(router_logits)
+    coll = ep.collectives if ep.collectives is not None else Collectives()
+    group = ep.group if ep.world > 1 else None
+    return ep_moe(x, topk_idx, topk_weight, batched_experts(gate_up_proj, down_proj), ep.num_experts, group, coll)
+
+
+class _GradTimes(torch.autograd.Function):
+    """Identity forward; the gradient times `k` backward."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.k, None
+
+
+def ep_aux_loss(ep: EPContext) -> torch.Tensor:
+    """The router's load-balancing loss over every layer recorded in this forward and every rank's tokens of the
+    batch (the same value on each rank, one process's).
+
+    Its gradient reaches each rank's router logits for that rank's own rows (`runtime.experts.aux_loss`); the
+    data-parallel engine then averages gradients over the token group's n ranks, as it must for the mean
+    cross-entropy, which would leave this sum's share 1/n of one process's: the gradient is multiplied by n
+    on the way in, so the average restores it."""
+    layers = ep.router_logits
+    if len(layers) != ep.layers:
+        raise ValueError(f"ep_aux_loss: {len(layers)} MoE layers recorded their router logits in this forward, "
+                         f"not the model's {ep.layers}; the code runs ep_experts with the router logits before the "
+                         "loss, and only once per layer (no recomputation)")
+    coll = ep.collectives if ep.collectives is not None else Collectives()
+    loss = load_balancing_loss(layers, ep.num_experts, ep.top_k, ep.token_group, coll)
+    n = group_size(ep.token_group)
+    return _GradTimes.apply(loss, float(n)) if n > 1 else loss
+
+
+def ep_router_logits(ep: EPContext, layer: int) -> torch.Tensor:
+    """The router logits layer `layer` recorded in this forward (this rank's tokens), where the model returns them."""
+    return ep.router_logits[layer]
