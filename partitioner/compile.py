@@ -106,7 +106,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
             sp: bool | None = None, cp: int | None = None, cp_kind: str | None = None, ep: int | None = None,
-            max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
+            zero3_unit: str | None = None, max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
@@ -155,6 +155,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     Unpinned, the planner considers cp > 1 from LONG_SEQUENCE tokens on, or where nothing fits without
     it (partitioner.planner.context_split). Such plans are costed; their programs cannot be generated yet
     (`plan.program` refuses them).
+
+    `zero3_unit` is what ZeRO-3 gathers and frees at once: "block" (a repeated block, FSDP2's per-layer
+    wrapping) or "module" (each module holding parameters, DeepSpeed ZeRO-3's granularity: a few Linear
+    layers' parameters whole at a time instead of a block's, for more and smaller collectives); it pins
+    zero_stage=3. Unpinned, ZeRO-3 candidates try both where the program runs the module's own forward
+    (pp = tp = cp = 1 and no eager attention rewritten: module hooks gather each unit).
 
     `ep` divides each mixture-of-experts layer's experts over ep ranks of the data-parallel group
     (expert parallelism as Megatron-Core's: ep divides dp and the number of experts; tokens reach their
@@ -206,7 +212,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     topo = Topology.coerce(topology)
     pins = dict(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp, pp=pp,
                 zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
-                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, ep=ep, max_memory_fraction=max_memory_fraction,
+                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, ep=ep, zero3_unit=zero3_unit,
+                max_memory_fraction=max_memory_fraction,
                 compression=compression,
                 async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
                 compression_warmup=compression_warmup, grad_reduce_dtype=grad_reduce_dtype,
@@ -305,8 +312,11 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
             context=lambda t: cp_options(decl, tp=t, world_size=topo.world_size, seq_len=seq, heads=heads,
                                          search=search_cp),
             experts=lambda dp, t, c: ep_options(decl, experts, dp=dp, tp=t, cp=c,
-                                                devices_per_node=topo.devices_per_node)))
+                                                devices_per_node=topo.devices_per_node),
+            module_units=lambda p, t, c: _module_units(g, p, t, c)))
 
+    if decl.zero3_unit == "module":
+        _check_module_units(g, decl)
     long_sequence = seq >= LONG_SEQUENCE
     allowed = candidates(long_sequence)
     if decl.sp and not allowed:
@@ -467,8 +477,8 @@ def _why(best: Scored, other: Scored) -> str:
     t0, t1 = best.cut.step_time_s, other.cut.step_time_s
     a, b = best.cand, other.cand
     diffs = [f"{k}={getattr(b, k)} vs {getattr(a, k)}" for k in
-             ("dp", "ep", "cp", "cp_kind", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave",
-              "recompute")
+             ("dp", "ep", "cp", "cp_kind", "tp", "pp", "zero_stage", "zero3_unit", "microbatch_size", "schedule",
+              "interleave", "recompute")
              if getattr(a, k) != getattr(b, k)]
     diffs += [f"{level} compression {y} vs {x}" for level, x, y in zip(LEVELS, best.compression, other.compression)
               if x != y]
@@ -595,6 +605,22 @@ def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
     except SegmentError as e:
         return str(e)
     return ""
+
+
+def _module_units(g: OpGraph, pp: int, tp: int, cp: int) -> bool:
+    """Whether a plan of that shape can gather ZeRO-3 units per module: its program runs the module's own
+    forward (each module's hooks gather its unit) or generated code without tensor or context parallelism
+    (runtime.engines.zero3's deferred placeholders: the first op reading a unit gathers it). Tensor- and
+    context-parallel programs are not run with per-module units yet."""
+    return tp == 1 and cp == 1
+
+
+def _check_module_units(g: OpGraph, decl: Declarations) -> None:
+    """zero3_unit='module' pinned where no program could run it: say why and what to pin instead."""
+    axes = [f"{a}={getattr(decl, a)}" for a in ("tp", "cp") if getattr(decl, a) not in (None, 1)]
+    if axes:
+        raise DeclarationError(f"zero3_unit='module' with {', '.join(axes)}: tensor- and context-parallel programs "
+                               "are not run with per-module ZeRO-3 units yet; pin zero3_unit='block', or tp=cp=1")
 
 
 def _runs_code(g: OpGraph) -> bool:

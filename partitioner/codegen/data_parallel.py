@@ -22,7 +22,7 @@ from partitioner.codegen.instructions import instruction_lines
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
-__all__ = ["data_parallel_program_source", "expected_collectives", "context_lines"]
+__all__ = ["data_parallel_program_source", "expected_collectives", "context_lines", "zero3_units"]
 
 
 def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
@@ -42,9 +42,11 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
         expected += (" (and inside every attention, over the cp group: the ring's k/v sends" if c.cp_kind == "ring"
                      else " (and inside every attention, over the cp group: Ulysses' all-to-alls") + ")"
 
-    blocks: dict[str, list[str]] = {}
-    for p in plan.placements:
-        blocks.setdefault(p.block or "(outside the blocks)", []).append(p.param)
+    blocks = zero3_units(plan)
+    per_module = c.zero_stage == 3 and c.zero3_unit == "module"
+    # per module: gathered by the first op reading a unit (the module's own forward calls no hook of theirs
+    # when the program runs generated code; where it runs the module's forward, its hooks come first)
+    granularity = "\n                          unit_granularity='module'," if per_module else ""
     units = ",\n".join(f"    {literal(tuple(names), indent=4)}" for names in blocks.values())
     numel = {p.param: math.prod(p.shape) for p in plan.placements}
     shard_lines = []
@@ -88,7 +90,7 @@ from runtime.engines.data_parallel import DataParallel
 {code.runtime_import}
 {program_header(plan, rank, h)}
 {code.text}
-# Blocks: ZeRO-3 gathers and frees parameters one block at a time.
+# {"Modules" if per_module else "Blocks"}: ZeRO-3 gathers and frees parameters one {"module" if per_module else "block"} at a time.
 UNITS = (
 {units},
 )
@@ -111,7 +113,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     # Gradient compression on this group: {comp.why}.
     engine = DataParallel(model, group=groups.dp, ranks=groups.dp_ranks, zero_stage={c.zero_stage},
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
-                          units=UNITS, compression={comp.arg}, nodes={comp.nodes},
+                          units=UNITS,{granularity} compression={comp.arg}, nodes={comp.nodes},
                           compression_warmup={plan.compression_warmup})
 {recompute}    optimizer = optimizer_fn(engine.optimizer_params())
 
@@ -125,6 +127,18 @@ def build(model_fn, optimizer_fn, loss_fn):
     return source
 
 
+
+
+def zero3_units(plan: "Plan") -> dict[str, list[str]]:
+    """The ZeRO-3 units of a data-parallel program, name -> parameters: per block (the parameters outside the
+    blocks one more unit), or with zero3_unit="module" per module holding parameters directly, in the
+    placements' order."""
+    per_module = plan.config.zero_stage == 3 and plan.config.zero3_unit == "module"
+    units: dict[str, list[str]] = {}
+    for p in plan.placements:
+        name = p.param.rpartition(".")[0] or "(the root module)" if per_module else p.block or "(outside the blocks)"
+        units.setdefault(name, []).append(p.param)
+    return units
 
 
 def context_lines(plan: "Plan", rank: int) -> str:
@@ -167,7 +181,7 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
     names = [p.param for p in plan.placements][::-1]
     numels = [math.prod(p.shape) for p in plan.placements][::-1]
     B = len(bucket(names, numels, plan.bucket_bytes))
-    U = len({p.block for p in plan.placements})
+    U = len(zero3_units(plan))
     m = c.num_microbatches
     out = {0: {"all_reduce": B}, 1: {"all_reduce": B, "all_gather": 1},
            2: {"reduce_scatter": m * B, "all_gather": B},

@@ -46,8 +46,8 @@ NO_COMPRESSION = ("none", "none")
 # Exact cuts the declaration-free search may spend: it only has to show what the pins cost, and the
 # candidates it visits first (lowest bound) are the likely winners.
 _UNPINNED_MAX_CUTS = 24
-_PINNABLE = ("dp", "tp", "pp", "cp", "cp_kind", "ep", "zero_stage", "microbatch_size", "schedule", "interleave",
-             "recompute")
+_PINNABLE = ("dp", "tp", "pp", "cp", "cp_kind", "ep", "zero_stage", "zero3_unit", "microbatch_size", "schedule",
+             "interleave", "recompute")
 
 
 def durations(ev: StageEvaluator, cut: Cut) -> Durations:

@@ -124,12 +124,18 @@ class DataParallel(GradientBuckets, ShardedUnits):
     Mutates `model` in place: parameters are re-pointed into flat buffers
     (ZeRO-1/2), cast to 16-bit (mixed precision) or replaced by gathered views
     (ZeRO-3), and hooks are registered; call `module` for the forward.
+
+    `unit_granularity` (ZeRO-3): "block" when each unit is gathered by a module the forward calls (its
+    forward pre-hook); "module" when the units are finer than what the code calls (per-module units of the
+    plan's zero3_unit="module" under generated stage code, which reads a block's parameters at once): then a
+    unit is gathered by the first op that reads it (runtime.engines.zero3).
     """
 
     def __init__(self, model: nn.Module, *, group, ranks: tuple[int, ...], zero_stage: int,
                  collectives: Collectives, bucket_bytes: int = DDP_BUCKET_BYTES,
                  precision: PrecisionName = "fp32", units: Sequence[Sequence[str]] | None = None,
-                 unit_modules: Sequence[str] | None = None, compression: str | Mapping[str, str] = "none",
+                 unit_modules: Sequence[str] | None = None, unit_granularity: str = "block",
+                 compression: str | Mapping[str, str] = "none",
                  nodes: NodeGroups | None = None, compression_warmup: int = 0, powersgd_rank: int = POWERSGD_RANK):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0 (DDP), 1, 2 or 3 (FSDP), got {zero_stage}")
@@ -173,7 +179,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._root_post_forward))
         if zero_stage == 3:
-            self._build_sharded(resolve_units(model, units), unit_modules)
+            self._build_sharded(resolve_units(model, units), unit_modules, deferred=unit_granularity == "module")
         else:
             self._build_replicated(trainable, bucket_bytes)
 
@@ -539,11 +545,14 @@ class DataParallel(GradientBuckets, ShardedUnits):
             if self._fwd_order:
                 self._fwd_order_prev = self._fwd_order
             self._fwd_order = []
+            self._enter_forward()
         if self.precision.casts_inputs:
             return cast_floating(args, self._dtype), cast_floating(kwargs, self._dtype)
         return None
 
     def _root_post_forward(self, module, args, output):
+        if self.zero_stage == 3:
+            self._exit_forward()
         if self.scaler is None or not torch.is_grad_enabled():
             return None
         return scale_grad(output, self.scaler)  # fp16: the loss scale enters at the caller's boundary
