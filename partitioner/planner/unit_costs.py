@@ -486,6 +486,7 @@ class CostContext:
                     if self._param_block[p] is not None:
                         in_block[u] += local
             shared = [p for p, v in owners.items() if len(v) > 1]
+            tied_modules = {p.rpartition(".")[0] for p in shared if self._param_block[p] is None}
             hit = self._arrays[key] = UnitArrays(
                 costs=tuple(uc), f=tuple(_prefix([x.forward_s for x in uc])), b=tuple(_prefix([x.backward_s for x in uc])),
                 act=tuple(_prefix([x.activation_bytes for x in uc])), par=tuple(_prefix([x.params for x in uc])),
@@ -499,7 +500,10 @@ class CostContext:
                 max_unit_c=max(x.forward_s + x.backward_s for x in uc),
                 epar=tuple(_prefix([x.expert_params for x in uc])) if ep > 1 else (),
                 modules=tuple(_prefix([float(len(m)) for m in modules])),
-                max_module=tuple(max(m.values(), default=0.0) for m in modules))
+                # a module whose parameter other units read too outside the blocks (a tied embedding) is the
+                # root's unit (kept from forward to backward, StageEvaluator's `root`), not one gathered in turn
+                max_module=tuple(max((v for mod, v in m.items() if mod not in tied_modules), default=0.0)
+                                 for m in modules))
         return hit
 
     def range_codes(self, arrays: UnitArrays, p2p: tuple[float, ...]) -> tuple[list[int], list[int]]:

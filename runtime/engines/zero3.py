@@ -301,11 +301,16 @@ class ShardedUnits:
         order = self._fwd_order
         if not u.keep and u.index in order:
             order = order[:order.index(u.index)]
+        # (the nearest not yet reduced: if it is gathered already, as when this hook runs again for another
+        # output of u's, nothing more; going further back would gather a unit per call)
         for j in reversed(order):
-            if j != u.index and self._units[j].state == _FREE and not self._units[j].reduced:
-                self._gather(self._units[j], async_op=True)
-                self._units[j].for_backward = True
-                break
+            w = self._units[j]
+            if j == u.index or w.reduced or w.keep:
+                continue
+            if w.state == _FREE:
+                self._gather(w, async_op=True)
+                w.for_backward = True
+            break
 
     @torch.no_grad()
     def _after_backward(self, u: Unit, full: torch.Tensor) -> None:
