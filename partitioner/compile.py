@@ -205,7 +205,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     Plan for GPT on local:4 (4 devices), global batch 32 x seq 128, bf16-mixed, adam
       config       dp4 tp1 pp1 zero3 mb8x1 1f1b recompute=none
       mesh         pp 1 x dp 4 x tp 1; rank = pp*4 + dp*1 + tp; node 0: ranks 0-3
-      zero         stage 3: parameters, gradients and optimizer state sharded over 4 data-parallel replicas
+      zero         stage 3: parameters, gradients and optimizer state sharded over 4 data-parallel replicas;
+                   gathered one block at a time
       batch        32 samples per step = 4 replicas x 1 microbatch of 8 (4.1K tokens of seq 128)
     ...
     """
@@ -528,7 +529,8 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
         spec_ = param_spec[pl.param]
         placements.append(ParamPlacement(param=pl.param, shape=spec_.shape, spec=spec, role=role, reason=reason,
                                          block=g.blocks[spec_.block].name if spec_.block is not None else None,
-                                         stages=tuple(sorted(param_stages.get(pl.param, ()))), fused=pl.fused))
+                                         stages=tuple(sorted(param_stages.get(pl.param, ()))), fused=pl.fused,
+                                         aliases=tuple(spec_.aliases)))
 
     sched = build_schedule(cand.schedule, pp=cand.pp, num_microbatches=cand.num_microbatches,
                            interleave=cand.interleave)

@@ -244,3 +244,31 @@ def test_pipeline_pp2_dp2_per_module_trains_like_one_process(recompute):
     # for every microbatch's forward and backward (blocks would be 2 units and 4 gathers per microbatch)
     units = 2 * 6 + 1
     assert out.collective_counts[0].get("all_gather", 0) >= 2 * units * plan.num_microbatches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("code", ["generated", "module"])
+def test_collectives_per_step_match_the_plan(recompute, code):
+    """expected_collectives' count for per-module units: U reduce-scatters and 2U - R all-gathers per
+    microbatch (R = 1: the tied embedding on the root), plus k - 2 per block of k modules when recomputed."""
+    from partitioner.codegen.program import expected_collectives
+    from runtime.launch.local import launch_local
+
+    model = training.gpt_tiny_seeded()
+    ex = gpt_mod.example_batch(model, 2, seq_len=32)
+    g = trace(model, ex[:1] if code == "generated" else ex)
+    plan = compile(g, "local:2", global_batch_size=GB, pp=1, tp=1, zero_stage=3, zero3_unit="module",
+                   microbatch_size=2, precision="fp32", recompute=recompute)
+    per_step = expected_collectives(plan)
+    units, m = 2 * 6 + 3, plan.num_microbatches
+    assert per_step["reduce_scatter"] == m * units
+    assert per_step["all_gather"] == m * (2 * units - 1 + (2 * (6 - 2) if recompute != "none" else 0))
+    steps = 2
+    out = launch_local(plan, training.gpt_tiny_seeded, training.sgd, training.gpt_loss, _gpt_batches(steps),
+                       timeout_s=180)
+    # besides the steps: the start-up broadcast, and full_state_dict's one all-gather per unit at the end
+    want = {"broadcast": 1, **{op: steps * n for op, n in per_step.items()}}
+    want["all_gather"] += units
+    for counts in out.collective_counts:
+        assert counts == want

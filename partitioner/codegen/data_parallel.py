@@ -141,6 +141,13 @@ def zero3_units(plan: "Plan") -> dict[str, list[str]]:
     return units
 
 
+def _on_root(names: list[str]) -> bool:
+    """Whether a unit read under these parameter names sits on the root module (runtime.engines.zero3: the
+    smallest module holding all of them), so that it stays gathered from forward to backward."""
+    mods = [n.split(".")[:-1] for n in names]
+    return not mods[0] or any(not m or m[0] != mods[0][0] for m in mods)
+
+
 def context_lines(plan: "Plan", rank: int) -> str:
     """The build() lines that make a context-parallel program's group context ("" without cp)."""
     c = plan.config
@@ -169,7 +176,12 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
       ZeRO-1   B all-reduces, then 1 all-gather of the updated flat buffer (UNSHARD)
       ZeRO-2   m*B reduce-scatters (every microbatch), B all-gathers (UNSHARD)
       ZeRO-3   m*U reduce-scatters; m*(2U - 1) all-gathers: U in forward, U - 1 in
-               backward (the unit outside the blocks stays gathered until its backward)
+               backward (the unit outside the blocks stays gathered until its backward).
+               Per module (zero3_unit="module"): m*(2U - R) all-gathers, R the units on
+               the root module (a tied embedding and LM head: kept from forward to
+               backward); under recomputation each block's recomputed forward gathers
+               its k modules but the last two again (gathered for their backward by
+               then, runtime.engines.zero3): m * sum(k - 2) more
     plus one all-reduce of the reported loss, and one of the squared norm when
     clipping at ZeRO >= 1. Tests compare these with the counting shim.
     """
@@ -181,10 +193,21 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
     names = [p.param for p in plan.placements][::-1]
     numels = [math.prod(p.shape) for p in plan.placements][::-1]
     B = len(bucket(names, numels, plan.bucket_bytes))
-    U = len(zero3_units(plan))
+    units = zero3_units(plan)
+    U = len(units)
     m = c.num_microbatches
+    gathers = 2 * U - 1
+    if c.zero_stage == 3 and c.zero3_unit == "module":
+        aliases = {p.param: p.aliases for p in plan.placements}
+        gathers = 2 * U - sum(_on_root([a for n in names for a in (n, *aliases[n])]) for names in units.values())
+        if c.recompute != "none":  # per block, all but the two gathered for its backward go again
+            blocks: dict[str, set[str]] = {}
+            for p in plan.placements:
+                if p.block is not None:
+                    blocks.setdefault(p.block, set()).add(p.param.rpartition(".")[0])
+            gathers += sum(max(0, len(mods) - 2) for mods in blocks.values())
     out = {0: {"all_reduce": B}, 1: {"all_reduce": B, "all_gather": 1},
            2: {"reduce_scatter": m * B, "all_gather": B},
-           3: {"reduce_scatter": m * U, "all_gather": m * (2 * U - 1)}}[c.zero_stage]
+           3: {"reduce_scatter": m * U, "all_gather": m * gathers}}[c.zero_stage]
     out["all_reduce"] = out.get("all_reduce", 0) + 1 + (1 if plan.clip_grad_norm and c.zero_stage >= 1 else 0)
     return out

@@ -191,6 +191,10 @@ class ParamPlacement:
     stages: tuple[int, ...]
     block: str | None = None  # the repeated block it belongs to (ZeRO-3 gathers per block)
     fused: int = 1
+    # its other names in the module (a tied LM head's weight is the embedding's): the module reading it under
+    # each, which per-module ZeRO-3 needs (a unit read by modules with no common parent but the root is the
+    # root's, kept from forward to backward). Written in plan JSON only when there are some.
+    aliases: tuple[str, ...] = dataclasses.field(default=(), metadata={"omit_default": True})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

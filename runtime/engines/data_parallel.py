@@ -65,8 +65,9 @@ Choices worth knowing:
   collectives follows it (DDP's rule too). Buffers are broadcast once at the
   start only (as DDP with ``broadcast_buffers=False``). Frozen parameters are
   supported at stage 0 only; ZeRO-3 supports activation checkpointing
-  (recomputation inside backward neither re-gathers nor frees) but not
-  ``retain_graph`` double backward. The ZeRO-1/2 all-gather after the step is
+  (a unit the backward has gathered serves its recomputation; a unit finer
+  than the block is gathered for its recomputed forward and freed after it,
+  runtime.engines.zero3) but not ``retain_graph`` double backward. The ZeRO-1/2 all-gather after the step is
   synchronous (not yet overlapped with the next forward).
 - Compression (`compression=`, `nodes=`, `compression_warmup=`): every
   reduction goes through `runtime.compression.grad_compression.GradientReducer` (bf16,
@@ -211,8 +212,9 @@ class DataParallel(GradientBuckets, ShardedUnits):
     def checkpoint_blocks(self, names: Sequence[str], mode: str = "full") -> None:
         """Activation recomputation of these submodules (the plan's blocks) as `mode` says
         (runtime.engines.recompute: "full" keeps only their inputs, "selective" their matrix products' outputs), as
-        the pipeline's stages do. Under ZeRO-3 the recomputation installs its unit's views again first:
-        the unit is gathered for its backward by then, and no module hook runs inside the checkpoint."""
+        the pipeline's stages do. Under ZeRO-3 the recomputation installs the block's unit's views again first:
+        the unit is gathered for its backward by then, and the block's own hooks do not run inside the checkpoint
+        (its submodules' do: units finer than the block are gathered, and freed, by them)."""
         units = {id(u.module): u for u in self._units}
 
         def reinstall(mod: nn.Module) -> None:
