@@ -272,3 +272,21 @@ def test_collectives_per_step_match_the_plan(recompute, code):
     want["all_gather"] += units
     for counts in out.collective_counts:
         assert counts == want
+
+
+def test_command_line_pins_the_unit(tmp_path):
+    """`partitioner compile --zero3-unit module` pins it (and ZeRO-3); the plan file carries it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "partitioner", "compile", "examples/gpt.py:gpt_tiny", "--topology",
+                        "local:2", "--global-batch-size", "8", "--zero3-unit", "module", "--pp", "1", "--tp", "1",
+                        "-o", str(path)], capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "zero3/module" in r.stdout and "gathered per module" in r.stdout
+    config = json.loads(path.read_text())["config"]
+    assert (config["zero_stage"], config["zero3_unit"]) == (3, "module")

@@ -108,6 +108,7 @@ class ShardedUnits:
         code): placeholders at rest gather on first use (`_Deferred`), and each first forward's ops that read
         a unit hook its backward (`_HookOps`)."""
         self._deferred, self._current, self._hook_mode = deferred, None, None
+        self._live: dict[int, Unit] = {}  # storage address -> gathered unit (deferred units only)
         if unit_modules is not None and len(unit_modules) != len(units):
             raise ValueError(f"unit_modules names {len(unit_modules)} modules for {len(units)} units; give one each")
         aliases: dict[str, list[str]] = {}
@@ -159,6 +160,8 @@ class ShardedUnits:
             return
         full = u.flat.params
         full.untyped_storage().resize_(full.numel() * full.element_size())
+        if self._deferred and not u.keep:  # where `_hooked_op` looks storages up
+            self._live[full.untyped_storage().data_ptr()] = u
         if self.reducer.quantized_weights:  # int8 codes and scales on the wire, decoded on wait
             u.gather_inp = None
             u.work = quantized_all_gather(full.data, u.flat.shard.detach(), self.group, self.collectives,
@@ -187,6 +190,7 @@ class ShardedUnits:
         if u.state == _FREE:
             return
         self._wait_gather(u)
+        self._live.pop(u.flat.params.untyped_storage().data_ptr(), None)
         u.flat.params.untyped_storage().resize_(0)
         u.state, u.for_backward = _FREE, False
         self._install_placeholders(u)
@@ -233,8 +237,7 @@ class ShardedUnits:
     def _hooked_op(self, out, args) -> None:
         """First forward, grad on: an op read a gathered unit's storage (a parameter, or a view of one: the
         transpose a matmul reads): its output's gradient gathers that unit before the op's backward."""
-        live = {u.flat.params.untyped_storage().data_ptr(): u for u in self._units
-                if u.state != _FREE and not u.keep}
+        live = self._live
         used = {}
         for t in tree_flatten(args)[0]:
             if isinstance(t, _Deferred):
