@@ -290,3 +290,23 @@ def test_command_line_pins_the_unit(tmp_path):
     assert "zero3/module" in r.stdout and "gathered per module" in r.stdout
     config = json.loads(path.read_text())["config"]
     assert (config["zero_stage"], config["zero3_unit"]) == (3, "module")
+
+
+@pytest.mark.slow
+def test_bf16_mixed_per_module_is_bit_identical_to_per_block():
+    """The same arithmetic in the same order, gathered in other pieces: under bf16-mixed with recomputation,
+    per-module and per-block ZeRO-3 give the very same losses and parameters."""
+    from runtime.launch.local import launch_local
+
+    model = training.gpt_tiny_seeded()
+    g = trace(model, gpt_mod.example_batch(model, 2, seq_len=32)[:1])
+    batches = _gpt_batches()
+    out = {}
+    for unit in ("block", "module"):
+        plan = compile(g, "local:2", global_batch_size=GB, pp=1, tp=1, zero_stage=3, zero3_unit=unit,
+                       microbatch_size=2, precision="bf16-mixed", recompute="full")
+        out[unit] = launch_local(plan, training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches,
+                                 timeout_s=180)
+    assert out["module"].losses == out["block"].losses
+    for name, value in out["block"].state_dict.items():
+        assert torch.equal(out["module"].state_dict[name], value), name
