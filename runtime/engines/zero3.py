@@ -193,6 +193,8 @@ class ShardedUnits:
         self._live.pop(u.flat.params.untyped_storage().data_ptr(), None)
         u.flat.params.untyped_storage().resize_(0)
         u.state, u.for_backward = _FREE, False
+        if self._current is u:  # (deferred units) freed by its backward: no forward of it is open
+            self._current = None
         self._install_placeholders(u)
 
     def _install_placeholders(self, u: Unit) -> None:
