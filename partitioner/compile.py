@@ -73,7 +73,14 @@ from partitioner.planner.plan import (
     per_rank_memory,
 )
 from partitioner.planner.schedule import build_schedule, stage_rank
-from partitioner.planner.search import Scored, SearchResult, enumerate_candidates, least_memory, search
+from partitioner.planner.search import (
+    Scored,
+    SearchResult,
+    enumerate_candidates,
+    least_memory,
+    module_units_run,
+    search,
+)
 from partitioner.planner.simulate import simulate
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
@@ -314,7 +321,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                                          search=search_cp),
             experts=lambda dp, t, c: ep_options(decl, experts, dp=dp, tp=t, cp=c,
                                                 devices_per_node=topo.devices_per_node),
-            module_units=lambda p, t, c: _module_units(g, p, t, c)))
+            module_units=lambda p, t, c: module_units_run(t, c)))
 
     if decl.zero3_unit == "module":
         _check_module_units(g, decl)
@@ -607,14 +614,6 @@ def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
     except SegmentError as e:
         return str(e)
     return ""
-
-
-def _module_units(g: OpGraph, pp: int, tp: int, cp: int) -> bool:
-    """Whether a plan of that shape can gather ZeRO-3 units per module: its program runs the module's own
-    forward (each module's hooks gather its unit) or generated code without tensor or context parallelism
-    (runtime.engines.zero3's deferred placeholders: the first op reading a unit gathers it). Tensor- and
-    context-parallel programs are not run with per-module units yet."""
-    return tp == 1 and cp == 1
 
 
 def _check_module_units(g: OpGraph, decl: Declarations) -> None:

@@ -48,7 +48,8 @@ def test_zero3_unit_is_pinned_printed_and_saved(graph, tmp_path):
     block = _plan(graph, "block")
     block.save(path)
     import json
-    assert "zero3_unit" not in json.loads(path.read_text())["config"]  # the default is not written: older plans read the same
+    # the default is not written: older plans read the same
+    assert "zero3_unit" not in json.loads(path.read_text())["config"]
     assert Plan.load(path).zero3_unit == "block" and "/module" not in str(block.config)
 
 
@@ -217,7 +218,8 @@ def test_example_gpt_per_module_trains_like_one_process(recompute, opt, code):
     optimizer = getattr(training, opt)
     out = launch_local(plan, training.gpt_tiny_seeded, optimizer, training.gpt_loss, batches, timeout_s=180)
     trained = training.train_one_process(training.gpt_tiny_seeded, optimizer, training.gpt_loss, batches)
-    assert_trains_like(out, trained.losses, trained.model.state_dict(), adam_steps=len(batches) if opt == "adamw" else 0)
+    assert_trains_like(out, trained.losses, trained.model.state_dict(),
+                       adam_steps=len(batches) if opt == "adamw" else 0)
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
 
     blocks = zero3_units(plan)
     per_module = c.zero_stage == 3 and c.zero3_unit == "module"
+    unit_word = "module" if per_module else "block"
     # per module: gathered by the first op reading a unit (the module's own forward calls no hook of theirs
     # when the program runs generated code; where it runs the module's forward, its hooks come first)
     granularity = "\n                          unit_granularity='module'," if per_module else ""
@@ -90,7 +91,7 @@ from runtime.engines.data_parallel import DataParallel
 {code.runtime_import}
 {program_header(plan, rank, h)}
 {code.text}
-# {"Modules" if per_module else "Blocks"}: ZeRO-3 gathers and frees parameters one {"module" if per_module else "block"} at a time.
+# {unit_word.title()}s: ZeRO-3 gathers and frees parameters one {unit_word} at a time.
 UNITS = (
 {units},
 )

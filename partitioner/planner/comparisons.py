@@ -32,6 +32,7 @@ from partitioner.planner.search import (
     Scored,
     enumerate_candidates,
     least_memory,
+    module_units_run,
     rank_peak,
     search,
 )
@@ -107,7 +108,8 @@ def pinned_out(ctx: CostContext, decl: Declarations, best: Scored, *, valid_tp: 
                                              valid_tp=valid_tp,
                                              experts=lambda dp, tp, cp: ep_options(
                                                  free, ctx.experts, dp=dp, tp=tp, cp=cp,
-                                                 devices_per_node=ctx.topo.devices_per_node))
+                                                 devices_per_node=ctx.topo.devices_per_node),
+                                             module_units=lambda pp, tp, cp: module_units_run(tp, cp))
              if any(getattr(c, k) != v for k, v in pins.items() if k in _PINNABLE) or "compression" in pins]
     result = search(ctx, cands, keep=1, incumbent=best.cut.step_time_s, max_cuts=_UNPINNED_MAX_CUTS)
     if not result.ranked or result.ranked[0].cut.step_time_s >= best.cut.step_time_s:

@@ -70,6 +70,13 @@ class SearchResult:
     over_memory: tuple[Scored, ...] = ()
 
 
+def module_units_run(tp: int, cp: int) -> bool:
+    """Whether programs of that shape run ZeRO-3 with per-module units (zero3_unit="module"): where the module
+    runs its own forward (its modules' hooks gather) and under generated stage code, pipelines included
+    (runtime.engines.zero3's deferred placeholders), but not yet with tensor or context parallelism."""
+    return tp == 1 and cp == 1
+
+
 def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: int, num_units: int,
                          valid_tp: tuple[int, ...], sp_allows: Callable[[int, int], bool] = lambda tp, mb: False,
                          sp_dominates: Callable[[int, int, str], bool] = lambda tp, mb, rc: False,
