@@ -17,7 +17,8 @@ from typing import Literal, get_args
 
 __all__ = ["Precision", "PRECISIONS", "ScheduleKind", "SCHEDULES", "Recompute", "RECOMPUTE_POLICIES",
            "OptimizerName", "OPTIMIZERS", "ZERO_STAGES", "GradReduceDtype", "GRAD_REDUCE_DTYPES",
-           "OptimizerLayout", "OPTIMIZER_LAYOUTS", "LAYOUT_ZERO_STAGE", "CpKind", "CP_KINDS"]
+           "OptimizerLayout", "OPTIMIZER_LAYOUTS", "LAYOUT_ZERO_STAGE", "CpKind", "CP_KINDS", "Zero3Unit",
+           "ZERO3_UNITS"]
 
 # fp32 masters under the mixed precisions; "bf16" is pure bf16 (Composer's PURE, FSDP with bf16 parameters):
 # parameters, gradients and optimizer state all in bf16, no masters; "fp8-mixed" is bf16-mixed whose linear
@@ -56,3 +57,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 # group (ring attention), or heads re-sharded by all-to-alls (DeepSpeed-Ulysses)
 CpKind = Literal["ring", "all-to-all"]
 CP_KINDS: tuple[str, ...] = get_args(CpKind)
+
+# What ZeRO-3 gathers and frees at once: "block", a whole repeated block (and the parameters outside the
+# blocks as one more unit; FSDP2 wrapping each layer); "module", each module that holds parameters
+# directly (a Linear, a norm, an embedding: DeepSpeed ZeRO-3's per-submodule fetch). Finer units hold less
+# gathered at once and issue more, smaller collectives (each paying its latency).
+Zero3Unit = Literal["block", "module"]
+ZERO3_UNITS: tuple[str, ...] = get_args(Zero3Unit)

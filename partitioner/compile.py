@@ -72,7 +72,14 @@ from partitioner.planner.plan import (
     per_rank_memory,
 )
 from partitioner.planner.schedule import build_schedule, stage_rank
-from partitioner.planner.search import Scored, SearchResult, enumerate_candidates, least_memory, search
+from partitioner.planner.search import (
+    Scored,
+    SearchResult,
+    enumerate_candidates,
+    least_memory,
+    module_units_run,
+    search,
+)
 from partitioner.planner.simulate import simulate
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
@@ -105,7 +112,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
             sp: bool | None = None, cp: int | None = None, cp_kind: str | None = None, ep: int | None = None,
-            max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
+            zero3_unit: str | None = None, max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
@@ -154,6 +161,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     Unpinned, the planner considers cp > 1 from LONG_SEQUENCE tokens on, or where nothing fits without
     it (partitioner.planner.context_split). Such plans are costed; their programs cannot be generated yet
     (`plan.program` refuses them).
+
+    `zero3_unit` is what ZeRO-3 gathers and frees at once: "block" (a repeated block, FSDP2's per-layer
+    wrapping) or "module" (each module holding parameters, DeepSpeed ZeRO-3's granularity: a few Linear
+    layers' parameters whole at a time instead of a block's, for more and smaller collectives); it pins
+    zero_stage=3. Unpinned, ZeRO-3 candidates try both where the program runs the module's own forward
+    (pp = tp = cp = 1 and no eager attention rewritten: module hooks gather each unit).
 
     `ep` divides each mixture-of-experts layer's experts over ep ranks of the data-parallel group
     (expert parallelism as Megatron-Core's: ep divides dp and the number of experts; tokens reach their
@@ -204,14 +217,16 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     Plan for GPT on local:4 (4 devices), global batch 32 x seq 128, bf16-mixed, adam
       config       dp4 tp1 pp1 zero3 mb8x1 1f1b recompute=none
       mesh         pp 1 x dp 4 x tp 1; rank = pp*4 + dp*1 + tp; node 0: ranks 0-3
-      zero         stage 3: parameters, gradients and optimizer state sharded over 4 data-parallel replicas
+      zero         stage 3: parameters, gradients and optimizer state sharded over 4 data-parallel replicas;
+                   gathered one block at a time
       batch        32 samples per step = 4 replicas x 1 microbatch of 8 (4.1K tokens of seq 128)
     ...
     """
     topo = Topology.coerce(topology)
     pins = dict(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp, pp=pp,
                 zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
-                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, ep=ep, max_memory_fraction=max_memory_fraction,
+                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, ep=ep, zero3_unit=zero3_unit,
+                max_memory_fraction=max_memory_fraction,
                 compression=compression,
                 async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
                 compression_warmup=compression_warmup, grad_reduce_dtype=grad_reduce_dtype,
@@ -313,8 +328,11 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
             context=lambda t: cp_options(decl, tp=t, world_size=topo.world_size, seq_len=seq, heads=heads,
                                          search=search_cp),
             experts=lambda dp, t, c: ep_options(decl, experts, dp=dp, tp=t, cp=c,
-                                                devices_per_node=topo.devices_per_node)))
+                                                devices_per_node=topo.devices_per_node),
+            module_units=lambda p, t, c: module_units_run(t, c)))
 
+    if decl.zero3_unit == "module":
+        _check_module_units(g, decl)
     long_sequence = seq >= LONG_SEQUENCE
     allowed = candidates(long_sequence)
     if decl.sp and not allowed:
@@ -475,8 +493,8 @@ def _why(best: Scored, other: Scored) -> str:
     t0, t1 = best.cut.step_time_s, other.cut.step_time_s
     a, b = best.cand, other.cand
     diffs = [f"{k}={getattr(b, k)} vs {getattr(a, k)}" for k in
-             ("dp", "ep", "cp", "cp_kind", "tp", "pp", "zero_stage", "microbatch_size", "schedule", "interleave",
-              "recompute")
+             ("dp", "ep", "cp", "cp_kind", "tp", "pp", "zero_stage", "zero3_unit", "microbatch_size", "schedule",
+              "interleave", "recompute")
              if getattr(a, k) != getattr(b, k)]
     diffs += [f"{level} compression {y} vs {x}" for level, x, y in zip(LEVELS, best.compression, other.compression)
               if x != y]
@@ -526,7 +544,8 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
         spec_ = param_spec[pl.param]
         placements.append(ParamPlacement(param=pl.param, shape=spec_.shape, spec=spec, role=role, reason=reason,
                                          block=g.blocks[spec_.block].name if spec_.block is not None else None,
-                                         stages=tuple(sorted(param_stages.get(pl.param, ()))), fused=pl.fused))
+                                         stages=tuple(sorted(param_stages.get(pl.param, ()))), fused=pl.fused,
+                                         aliases=tuple(spec_.aliases)))
 
     sched = build_schedule(cand.schedule, pp=cand.pp, num_microbatches=cand.num_microbatches,
                            interleave=cand.interleave)
@@ -604,6 +623,14 @@ def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
     except SegmentError as e:
         return str(e)
     return ""
+
+
+def _check_module_units(g: OpGraph, decl: Declarations) -> None:
+    """zero3_unit='module' pinned where no program could run it: say why and what to pin instead."""
+    axes = [f"{a}={getattr(decl, a)}" for a in ("tp", "cp") if getattr(decl, a) not in (None, 1)]
+    if axes:
+        raise DeclarationError(f"zero3_unit='module' with {', '.join(axes)}: tensor- and context-parallel programs "
+                               "are not run with per-module ZeRO-3 units yet; pin zero3_unit='block', or tp=cp=1")
 
 
 def _runs_code(g: OpGraph) -> bool:

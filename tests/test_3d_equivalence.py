@@ -54,7 +54,7 @@ def reference(model_fn, loss_fn, data) -> tuple[list[float], dict[str, torch.Ten
 
 
 def plan_for(name: str, *, pp: int, dp: int, tp: int, schedule: str = "1f1b", interleave: int = 1, zero: int = 0,
-             mb: int = 2, recompute: str = "none", on: str = "cpu", sp: bool = False):
+             mb: int = 2, recompute: str = "none", on: str = "cpu", sp: bool = False, unit: str | None = None):
     """The plan, compiled from the model built on `on` ("meta": the 175B-on-a-laptop flow, nothing allocated);
     without sequence parallelism unless `sp` (its own cases below)."""
     model_fn, _ = MODELS[name]
@@ -63,7 +63,7 @@ def plan_for(name: str, *, pp: int, dp: int, tp: int, schedule: str = "1f1b", in
     return compile(model, f"local:{pp * dp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ), device=on),),
                    global_batch_size=BATCH, precision="fp32", pp=pp, dp=dp, tp=tp, schedule=schedule,
                    interleave=interleave, zero_stage=zero, microbatch_size=mb, recompute=recompute,
-                   sp=sp if tp > 1 else None)
+                   sp=sp if tp > 1 else None, zero3_unit=unit)
 
 
 def assert_same_training(plan, name: str, steps: int = STEPS, optimizer=adamw):

@@ -12,6 +12,7 @@ from cost_models.choices import (
     PRECISIONS,
     RECOMPUTE_POLICIES,
     SCHEDULES,
+    ZERO3_UNITS,
 )
 from partitioner.cli.autotune import autotune_command
 from partitioner.cli.compile import compile_command, show_command
@@ -79,6 +80,10 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="pin the expert-parallel degree: each MoE layer's experts divided over EP data-parallel "
                         "ranks (default: the planner chooses for MoE models; programs run ep > 1 with dp, pp "
                         "and tp, fp32)")
+    p.add_argument("--zero3-unit", choices=ZERO3_UNITS, default=None,
+                   help="what ZeRO-3 gathers at once: block (a repeated block) or module (each module holding "
+                        "parameters, DeepSpeed's granularity; pins --zero-stage 3; tp = cp = ep = 1 only) "
+                        "(default: the planner chooses)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pin the schedule")
     p.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default=None, help="pin recomputation")
     p.add_argument("--compression", default=None, metavar="NAME|LEVEL=NAME,...",

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
 __all__ = ["data_parallel_program_source", "expected_collectives", "context_lines", "expert_tables", "expert_lines",
-           "expert_engine_lines", "expert_groups"]
+           "expert_engine_lines", "expert_groups", "zero3_units"]
 
 
 def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
@@ -45,12 +45,13 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
         expected += (" (and inside every attention, over the cp group: the ring's k/v sends" if c.cp_kind == "ring"
                      else " (and inside every attention, over the cp group: Ulysses' all-to-alls") + ")"
 
-    held_apart = {n for n, _ in plan.code.experts} if c.ep > 1 and plan.code is not None else set()
-    blocks: dict[str, list[str]] = {}
-    for p in plan.placements:
-        if p.param in held_apart:  # expert slices: outside the data-parallel engine (runtime.experts.engine)
-            continue
-        blocks.setdefault(p.block or "(outside the blocks)", []).append(p.param)
+    held_apart = _experts_apart(plan)
+    blocks = zero3_units(plan)
+    per_module = c.zero_stage == 3 and c.zero3_unit == "module"
+    unit_word = "module" if per_module else "block"
+    # per module: gathered by the first op reading a unit (the module's own forward calls no hook of theirs
+    # when the program runs generated code; where it runs the module's forward, its hooks come first)
+    granularity = "\n                          unit_granularity='module'," if per_module else ""
     units = ",\n".join(f"    {literal(tuple(names), indent=4)}" for names in blocks.values())
     numel = {p.param: math.prod(p.shape) for p in plan.placements if p.param not in held_apart}
     shard_lines = []
@@ -95,7 +96,7 @@ from runtime.engines.data_parallel import DataParallel
 {torch_compile_import(plan)}{code.runtime_import}
 {program_header(plan, rank, h)}
 {code.text}{expert_tables(plan, rank)}
-# Blocks: ZeRO-3 gathers and frees parameters one block at a time.
+# {unit_word.title()}s: ZeRO-3 gathers and frees parameters one {unit_word} at a time.
 UNITS = (
 {units},
 )
@@ -118,7 +119,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     # Gradient compression on this group: {comp.why}.
     engine = DataParallel(model, group=groups.dp, ranks=groups.dp_ranks, zero_stage={c.zero_stage},
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
-                          units=UNITS, compression={comp.arg}, nodes={comp.nodes},
+                          units=UNITS,{granularity} compression={comp.arg}, nodes={comp.nodes},
                           compression_warmup={plan.compression_warmup})
 {torch_compile_lines(plan)}{expert_engine_lines(plan)}{recompute}    optimizer = optimizer_fn(engine.optimizer_params())
 
@@ -132,6 +133,33 @@ def build(model_fn, optimizer_fn, loss_fn):
     return source
 
 
+
+
+def _experts_apart(plan: "Plan") -> set[str]:
+    """The expert slices an ep > 1 program keeps outside the data-parallel engine (runtime.experts.engine)."""
+    return {n for n, _ in plan.code.experts} if plan.config.ep > 1 and plan.code is not None else set()
+
+
+def zero3_units(plan: "Plan") -> dict[str, list[str]]:
+    """The ZeRO-3 units of a data-parallel program, name -> parameters: per block (the parameters outside the
+    blocks one more unit), or with zero3_unit="module" per module holding parameters directly, in the
+    placements' order; expert slices held apart under ep > 1 are in none."""
+    per_module = plan.config.zero_stage == 3 and plan.config.zero3_unit == "module"
+    apart = _experts_apart(plan)
+    units: dict[str, list[str]] = {}
+    for p in plan.placements:
+        if p.param in apart:
+            continue
+        name = p.param.rpartition(".")[0] or "(the root module)" if per_module else p.block or "(outside the blocks)"
+        units.setdefault(name, []).append(p.param)
+    return units
+
+
+def _on_root(names: list[str]) -> bool:
+    """Whether a unit read under these parameter names sits on the root module (runtime.engines.zero3: the
+    smallest module holding all of them), so that it stays gathered from forward to backward."""
+    mods = [n.split(".")[:-1] for n in names]
+    return not mods[0] or any(not m or m[0] != mods[0][0] for m in mods)
 
 
 def context_lines(plan: "Plan", rank: int) -> str:
@@ -244,7 +272,12 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
       ZeRO-1   B all-reduces, then 1 all-gather of the updated flat buffer (UNSHARD)
       ZeRO-2   m*B reduce-scatters (every microbatch), B all-gathers (UNSHARD)
       ZeRO-3   m*U reduce-scatters; m*(2U - 1) all-gathers: U in forward, U - 1 in
-               backward (the unit outside the blocks stays gathered until its backward)
+               backward (the unit outside the blocks stays gathered until its backward).
+               Per module (zero3_unit="module"): m*(2U - R) all-gathers, R the units on
+               the root module (a tied embedding and LM head: kept from forward to
+               backward); under recomputation each block's recomputed forward gathers
+               its k modules but the last two again (gathered for their backward by
+               then, runtime.engines.zero3): m * sum(k - 2) more
     plus one all-reduce of the reported loss, and one of the squared norm when
     clipping at ZeRO >= 1. Under expert parallelism the buckets and units hold the dense parameters only,
     plus 5 all-to-alls per MoE layer and microbatch, an all-reduce per microbatch for the load-balancing
@@ -256,16 +289,27 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
     c = plan.config
     if c.replicas == 1:
         return {}
-    apart = {n for n, _ in plan.code.experts} if c.ep > 1 and plan.code is not None else set()
+    apart = _experts_apart(plan)
     dense = [p for p in plan.placements if p.param not in apart]
     names = [p.param for p in dense][::-1]
     numels = [math.prod(p.shape) for p in dense][::-1]
     B = len(bucket(names, numels, plan.bucket_bytes))
-    U = len({p.block for p in dense})
+    units = zero3_units(plan)
+    U = len(units)
     m = c.num_microbatches
+    gathers = 2 * U - 1
+    if c.zero_stage == 3 and c.zero3_unit == "module":
+        aliases = {p.param: p.aliases for p in plan.placements}
+        gathers = 2 * U - sum(_on_root([a for n in names for a in (n, *aliases[n])]) for names in units.values())
+        if c.recompute != "none":  # per block, all but the two gathered for its backward go again
+            blocks: dict[str, set[str]] = {}
+            for p in plan.placements:
+                if p.block is not None:
+                    blocks.setdefault(p.block, set()).add(p.param.rpartition(".")[0])
+            gathers += sum(max(0, len(mods) - 2) for mods in blocks.values())
     out = {0: {"all_reduce": B}, 1: {"all_reduce": B, "all_gather": 1},
            2: {"reduce_scatter": m * B, "all_gather": B},
-           3: {"reduce_scatter": m * U, "all_gather": m * (2 * U - 1)}}[c.zero_stage]
+           3: {"reduce_scatter": m * U, "all_gather": m * gathers}}[c.zero_stage]
     out["all_reduce"] = out.get("all_reduce", 0) + 1 + (1 if plan.clip_grad_norm and c.zero_stage >= 1 else 0)
     if apart:  # expert parallelism (runtime.experts): per MoE layer and microbatch 3 all-to-alls forward, 2 backward;
         # the load-balancing loss's sums, one all-reduce per microbatch; the experts' gradients over the ranks

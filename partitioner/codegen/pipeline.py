@@ -132,6 +132,12 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                     if any(n not in apart for n in code.block_params(i))]
     units = [u for u in units if u] + ([rest] if rest else [])
     unit_modules += [""] if rest else []  # prefix/suffix parameters: gathered by the root's (the stage's) forward
+    per_module = c.zero_stage == 3 and c.zero3_unit == "module"
+    if per_module:  # each module holding parameters its own unit, gathered by the first op reading it
+        by_module: dict[str, list[str]] = {}
+        for n in (n for u in units for n in u):
+            by_module.setdefault(n.rpartition(".")[0], []).append(n)
+        units, unit_modules = [tuple(u) for u in by_module.values()], list(by_module)
     impl, why_impl = reduce_scatter_impl(plan)
     stage_lines = "\n".join(
         f"    {s}: ({a}, {b}, {pre}, {suf}),  # "
@@ -166,6 +172,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                   f"                          collectives=collectives, bucket_bytes={plan.bucket_bytes}, "
                   f"precision={plan.precision!r},\n"
                   f"                          units=UNITS, unit_modules=UNIT_MODULES, "
+                  + ("unit_granularity='module', " if per_module else "") +
                   f"compression={comp.arg}, nodes={comp.nodes},\n"
                   f"                          compression_warmup={plan.compression_warmup})  # {comp.why}\n")
 
@@ -214,7 +221,7 @@ PLACEMENTS = {{
 # (pipeline ranks {tuple(tie_pp)}: {len(tie_groups)} group(s), {ranks_text(tie_groups[0]) if tie_groups else "none"} first).
 TIED = {literal(tuple(tied))}
 TIE_GROUPS = {tie_src}
-# ZeRO-3 gathers one unit (a block, then the rest) at a time.
+# ZeRO-3 gathers one unit ({"a module holding parameters" if per_module else "a block, then the rest"}) at a time.
 UNITS = {literal(tuple(tuple(u) for u in units))}
 UNIT_MODULES = {literal(tuple(unit_modules))}
 {expert_tables(plan, rank, held)}

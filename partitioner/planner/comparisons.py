@@ -32,6 +32,7 @@ from partitioner.planner.search import (
     Scored,
     enumerate_candidates,
     least_memory,
+    module_units_run,
     rank_peak,
     search,
 )
@@ -46,8 +47,8 @@ NO_COMPRESSION = ("none", "none")
 # Exact cuts the declaration-free search may spend: it only has to show what the pins cost, and the
 # candidates it visits first (lowest bound) are the likely winners.
 _UNPINNED_MAX_CUTS = 24
-_PINNABLE = ("dp", "tp", "pp", "cp", "cp_kind", "ep", "zero_stage", "microbatch_size", "schedule", "interleave",
-             "recompute")
+_PINNABLE = ("dp", "tp", "pp", "cp", "cp_kind", "ep", "zero_stage", "zero3_unit", "microbatch_size", "schedule",
+             "interleave", "recompute")
 
 
 def durations(ev: StageEvaluator, cut: Cut) -> Durations:
@@ -107,7 +108,8 @@ def pinned_out(ctx: CostContext, decl: Declarations, best: Scored, *, valid_tp: 
                                              valid_tp=valid_tp,
                                              experts=lambda dp, tp, cp: ep_options(
                                                  free, ctx.experts, dp=dp, tp=tp, cp=cp,
-                                                 devices_per_node=ctx.topo.devices_per_node))
+                                                 devices_per_node=ctx.topo.devices_per_node),
+                                             module_units=lambda pp, tp, cp: module_units_run(tp, cp))
              if any(getattr(c, k) != v for k, v in pins.items() if k in _PINNABLE) or "compression" in pins]
     result = search(ctx, cands, keep=1, incumbent=best.cut.step_time_s, max_cuts=_UNPINNED_MAX_CUTS)
     if not result.ranked or result.ranked[0].cut.step_time_s >= best.cut.step_time_s:

@@ -16,7 +16,7 @@ from typing import Any
 from cost_models.calibration import Calibration
 from cost_models.choices import GRAD_REDUCE_DTYPES, LAYOUT_ZERO_STAGE, OPTIMIZER_LAYOUTS, OPTIMIZERS, PRECISIONS
 from cost_models.choices import RECOMPUTE_POLICIES as RECOMPUTE
-from cost_models.choices import CP_KINDS, SCHEDULES
+from cost_models.choices import CP_KINDS, SCHEDULES, ZERO3_UNITS
 from cost_models.compression import COMPRESSORS, IMPLEMENTED, LEVELS
 from cost_models.errors import DeclarationError
 
@@ -74,6 +74,11 @@ class Declarations:
     # the data-parallel group (ep divides dp and the number of experts). None: the planner's choice (MoE
     # models only); 1: experts replicated like any parameter.
     ep: int | None = None
+    # What ZeRO-3 gathers and frees at once (cost_models.choices.Zero3Unit): "block" or "module" (each module
+    # holding parameters, DeepSpeed's granularity; pins zero_stage=3). None: the planner's choice, "module"
+    # only where the program runs the module's own forward (pp = tp = cp = 1, no attention rewritten), whose
+    # module hooks gather each unit.
+    zero3_unit: str | None = None
     max_memory_fraction: float = 0.9
     # link level -> compressor of the data-parallel gradient reduction, for the levels pinned
     # (from `compression_pins`); levels absent are the planner's choice
@@ -96,6 +101,8 @@ class Declarations:
         # optimizer_layout pins the ZeRO stage it is (contradictions: check_declarations, which names both)
         if self.zero_stage is None and self.optimizer_layout in LAYOUT_ZERO_STAGE:
             object.__setattr__(self, "zero_stage", LAYOUT_ZERO_STAGE[self.optimizer_layout])
+        if self.zero_stage is None and self.zero3_unit == "module":  # units of ZeRO-3: it pins the stage
+            object.__setattr__(self, "zero_stage", 3)
 
     @classmethod
     def declare(cls, **values: Any) -> Declarations:
@@ -142,6 +149,19 @@ class Declarations:
         if kind is not None and cp == 1:
             raise DeclarationError(f"cp_kind={kind!r} with cp=1: there is no context group to run {kind} attention "
                                    "over; pin cp=2 or more, or drop cp_kind")
+        unit = values.get("zero3_unit")
+        if unit is not None and unit not in ZERO3_UNITS:
+            raise DeclarationError(f"zero3_unit={unit!r}: must be one of {', '.join(map(repr, ZERO3_UNITS))} (what "
+                                   "ZeRO-3 gathers at once: a whole block, or each module holding parameters), or "
+                                   "None for the planner's choice")
+        if unit == "module" and zero not in (None, 3):
+            raise DeclarationError(f"zero3_unit='module' with zero_stage={zero}: units are what ZeRO-3 gathers, and "
+                                   f"ZeRO-{zero} keeps parameters whole; pin zero_stage=3, or drop zero3_unit")
+        ep = values.get("ep")
+        if unit == "module" and isinstance(ep, int) and ep > 1:
+            raise DeclarationError(f"zero3_unit='module' with ep={ep}: expert-parallel programs gather ZeRO-3 units "
+                                   "per block (per module is not run with experts held apart yet); drop zero3_unit "
+                                   "or pin ep=1")
         warmup = values.get("compression_warmup", 0)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise DeclarationError(f"compression_warmup={warmup!r}: the number of first steps that reduce "
@@ -154,7 +174,7 @@ class Declarations:
     def pinned(self) -> dict[str, Any]:
         """The declarations that pin something, for the plan's record."""
         names = ("dp", "tp", "pp", "cp", "cp_kind", "ep", "zero_stage", "microbatch_size", "schedule", "interleave",
-                 "recompute", "sp", "grad_reduce_dtype", "optimizer_layout")
+                 "recompute", "sp", "grad_reduce_dtype", "optimizer_layout", "zero3_unit")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.compression:
             out["compression"] = dict(self.compression)

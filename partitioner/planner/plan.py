@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cost_models.choices import CpKind, Precision, Recompute
+from cost_models.choices import CpKind, Precision, Recompute, Zero3Unit
 from cost_models.compression import Compressor, Level, no_compression
 from cost_models.errors import PartitionerError
 from partitioner.planner.model_code import ModelCode
@@ -78,6 +78,10 @@ class ParallelConfig:
         group is ep consecutive data-parallel ranks), tokens sent to their experts and back by all-to-alls;
         expert gradients reduced over the dp / ep ranks holding the same experts, dense ones over dp
         (partitioner.planner.expert_split). Written in plan JSON only when > 1.
+    zero3_unit: what ZeRO-3 (zero_stage 3) gathers and frees at once (cost_models.choices.Zero3Unit): "block"
+        (a repeated block; the parameters outside the blocks one more unit) or "module" (each module that
+        holds parameters directly, DeepSpeed's granularity): less memory gathered, more collectives. Always
+        "block" below ZeRO-3. Written in plan JSON only when "module" (older plans read as "block").
     """
 
     dp: int
@@ -93,6 +97,7 @@ class ParallelConfig:
     cp: int = 1
     cp_kind: CpKind = "ring"
     ep: int = dataclasses.field(default=1, metadata={"omit_default": True})
+    zero3_unit: Zero3Unit = dataclasses.field(default="block", metadata={"omit_default": True})
 
     @property
     def replicas(self) -> int:
@@ -103,7 +108,8 @@ class ParallelConfig:
         sched = self.schedule + (f"x{self.interleave}" if self.interleave > 1 else "")
         cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if self.cp_kind == "ring" else "(all-to-all)")
         ep = f" ep{self.ep}" if self.ep > 1 else ""
-        return (f"dp{self.dp}{ep}{cp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} zero{self.zero_stage} "
+        unit = "/module" if self.zero3_unit == "module" else ""
+        return (f"dp{self.dp}{ep}{cp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} zero{self.zero_stage}{unit} "
                 f"mb{self.microbatch_size}x{self.num_microbatches} {sched} recompute={self.recompute}")
 
 
@@ -185,6 +191,10 @@ class ParamPlacement:
     stages: tuple[int, ...]
     block: str | None = None  # the repeated block it belongs to (ZeRO-3 gathers per block)
     fused: int = 1
+    # its other names in the module (a tied LM head's weight is the embedding's): the module reading it under
+    # each, which per-module ZeRO-3 needs (a unit read by modules with no common parent but the root is the
+    # root's, kept from forward to backward). Written in plan JSON only when there are some.
+    aliases: tuple[str, ...] = dataclasses.field(default=(), metadata={"omit_default": True})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -327,6 +337,7 @@ class Plan:
     cp = property(lambda self: self.config.cp)
     cp_kind = property(lambda self: self.config.cp_kind)
     ep = property(lambda self: self.config.ep)
+    zero3_unit = property(lambda self: self.config.zero3_unit)
 
     schedule = property(lambda self: self.config.schedule)  # "gpipe" | "1f1b" | "interleaved-1f1b"
 

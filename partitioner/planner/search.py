@@ -50,7 +50,8 @@ _OVER_MEMORY_TRIES_PER_SHAPE = 4
 
 
 def simplicity(c: ParallelConfig) -> tuple:
-    return (c.pp, c.tp, c.cp, c.cp_kind != "ring", c.ep, c.zero_stage, _RECOMPUTE_ORDER[c.recompute],
+    return (c.pp, c.tp, c.cp, c.cp_kind != "ring", c.ep, c.zero_stage, c.zero3_unit != "block",
+            _RECOMPUTE_ORDER[c.recompute],
             _SCHEDULE_ORDER[c.schedule], c.interleave, c.sp, -c.microbatch_size)
 
 
@@ -70,11 +71,19 @@ class SearchResult:
     over_memory: tuple[Scored, ...] = ()
 
 
+def module_units_run(tp: int, cp: int) -> bool:
+    """Whether programs of that shape run ZeRO-3 with per-module units (zero3_unit="module"): where the module
+    runs its own forward (its modules' hooks gather) and under generated stage code, pipelines included
+    (runtime.engines.zero3's deferred placeholders), but not yet with tensor or context parallelism."""
+    return tp == 1 and cp == 1
+
+
 def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: int, num_units: int,
                          valid_tp: tuple[int, ...], sp_allows: Callable[[int, int], bool] = lambda tp, mb: False,
                          sp_dominates: Callable[[int, int, str], bool] = lambda tp, mb, rc: False,
                          context: Callable[[int], Sequence[tuple[int, str]]] = lambda tp: ((1, "ring"),),
-                         experts: Callable[[int, int, int], Sequence[int]] = lambda dp, tp, cp: (1,)
+                         experts: Callable[[int, int, int], Sequence[int]] = lambda dp, tp, cp: (1,),
+                         module_units: Callable[[int, int, int], bool] = lambda pp, tp, cp: False
                          ) -> Iterator[ParallelConfig]:
     """Every configuration the declarations allow (not yet checked for memory).
 
@@ -87,6 +96,9 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
     (partitioner.planner.context_split.cp_options); dp * cp * tp * pp is the world size.
     `experts(dp, tp, cp)`: the expert-parallel degrees a candidate may take (partitioner.planner.expert_split
     .ep_options; (1,) for a dense model, so its space is what it was).
+    `module_units(pp, tp, cp)`: whether a ZeRO-3 candidate of that shape may gather per module (its program
+    runs the module's own forward); where it may, ZeRO-3 candidates come with zero3_unit "block" and
+    "module" unless one is pinned.
     """
     gb = d.global_batch_size
     tps = [d.tp] if d.tp is not None else [t for t in valid_tp if world_size % t == 0 and t <= devices_per_node]
@@ -125,10 +137,17 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                         recomputes = [rc for rc in recomputes if rc != "selective"]
                     for z, rc in itertools.product(zeros, recomputes):
                         sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]
-                        for sp, ep in itertools.product(sps, eps):
+                        units = ["block"]
+                        if z == 3 and module_units(pp, tp, cp):
+                            units = [d.zero3_unit] if d.zero3_unit is not None else ["block", "module"]
+                        elif d.zero3_unit == "module":
+                            continue  # pinned, and this shape's program cannot gather per module
+                        for sp, ep, unit in itertools.product(sps, eps, units):
+                            if ep > 1 and unit == "module":
+                                continue  # expert-parallel programs keep block units (per module: not run yet)
                             yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=z, microbatch_size=mb,
                                                  num_microbatches=m, schedule=sched, interleave=v, recompute=rc, sp=sp,
-                                                 cp=cp, cp_kind=cp_kind, ep=ep)
+                                                 cp=cp, cp_kind=cp_kind, ep=ep, zero3_unit=unit)
 
 
 def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[str, int]]:

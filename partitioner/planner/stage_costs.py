@@ -296,6 +296,7 @@ class StageEvaluator:
         params = self._par[j] - self._par[i]
         rest = self._rest[j] - self._rest[i]
         tied = 0.0  # parameters this stage shares with another pipeline rank (a tied embedding and LM head)
+        root = 0.0  # read by several of its units outside the blocks: per-module ZeRO-3 keeps it on the root
         for users, in_block in zip(self._shared, self._shared_in_block):
             inside = [size for u, size in users if i <= u < j]
             drop = sum(inside[1:])  # read by several of its units: held once
@@ -304,17 +305,20 @@ class StageEvaluator:
                 drop_rest = drop + inside[0]  # outside the engine's units: ZeRO-3 never gathers it
             else:
                 drop_rest = drop
+                root += inside[0] if len(inside) > 1 and not in_block else 0.0
             params -= drop
             rest -= 0.0 if in_block else drop_rest
         v = cand.interleave
         inflight = self._inflight[k]
         expert = self._epar[j] - self._epar[i] if self._epar else 0.0
-        exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=j - i, expert=expert)
+        per_module = cand.zero_stage == 3 and cand.zero3_unit == "module"
+        units = round(self.arrays.modules[j] - self.arrays.modules[i]) if per_module else j - i
+        exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=units, expert=expert)
         if ctx.async_sgd:
             memory_of = lambda option: self._async_memory(i, j, k, params, inflight)
         else:
             memory_of = self._peak_memory(i, j, k, params=params, tied=tied, rest=rest, inflight=inflight,
-                                          expert=expert)
+                                          expert=expert, root=root)
         # The compression with the least exposed time of those that fit (a compressor's buffers may not;
         # the fastest when none does); the first, least lossy, on a tie. Interleaved: a rank holds v
         # chunks; each may use 1/v of the memory (safe, if conservative for uneven chunks), or under
@@ -344,7 +348,7 @@ class StageEvaluator:
         return lr
 
     def _peak_memory(self, i: int, j: int, k: int, *, params: float, tied: float, rest: float,
-                     inflight: int, expert: float = 0.0
+                     inflight: int, expert: float = 0.0, root: float = 0.0
                      ) -> Callable[[tuple[str, str]], tuple[float, float, float, float, float]]:
         """(params, grads, optimizer, activations, buffers) of units [i, j) as virtual stage k at its peak,
         as a function of the compression option (what all options share is worked out once).
@@ -372,6 +376,14 @@ class StageEvaluator:
               before the engine copies it into its bucket, their sum.
           ZeRO-3 keeps the parameters outside the blocks (`rest`, on the root module) gathered from
           forward to backward: live at every moment.
+        - ZeRO-3 per module (zero3_unit="module", runtime.engines.zero3): a unit is a module holding
+          parameters (its largest in the stage: `unit`), so the block moment's gathered parameters are
+          two units' (the one in use, the one prefetched), three under recomputation (the block's
+          recomputed forward gathers each unit while the one in backward and the prefetched one stay),
+          and its fp32 gradients those of the unit being filled and the one being reduced; one reduction
+          is a unit's. Kept from forward to backward: only the parameters read by several modules
+          outside the blocks (`root`: a tied embedding and LM head, a unit on the root module); the
+          rest of the parameters outside the blocks are units like any other.
         - A compressed reduction (cost_models.compression_memory) holds its error feedback at every
           moment (counted with the gradients), and its working set (a buffer) for the largest bucket
           or unit while one runs: a fourth moment at the end of the backward, and in the block moment
@@ -407,12 +419,17 @@ class StageEvaluator:
         grads = (params - tied) * gb  # what the engine reduces
         # one reduction's fp32 input (ZeRO-2: a bucket; ZeRO-3: a unit, the largest of blocks and the rest)
         block = max(arr.block_par[i:j], default=0.0)
+        if z == 3 and cand.zero3_unit == "module":  # units are modules; blocks count them, `block` is the largest
+            block = max(arr.max_module[i:j], default=0.0)
+            blocks = arr.modules[j] - arr.modules[i]
+            rest, live = root, (3 if cand.recompute != "none" else 2)
+        else:
+            blocks, live = arr.blocks[j] - arr.blocks[i], 2
         reduction = {2: min(grads, DDP_BUCKET_BYTES), 3: max(block, rest) * gb}.get(z, 0.0)
         several = z == 3 or grads > DDP_BUCKET_BYTES
         before = reduction if carried else 0.0  # the previous microbatch's last reduction, still in flight
         kept = rest * pb if z == 3 else 0.0
-        blocks = arr.blocks[j] - arr.blocks[i]
-        gathered = min(2, blocks) * block * pb if z == 3 else 0.0  # the block and the one prefetched
+        gathered = min(live, blocks) * block * pb if z == 3 else 0.0  # the unit, the one prefetched (recomputed)
         act1 = self._act[j] - self._act[i]  # one microbatch's
         acts = act1 * inflight + max(self._work[i:j], default=0.0)
         if k > 0 and cand.schedule in _SPLIT_CHUNKED:
@@ -562,10 +579,12 @@ class StageEvaluator:
         elif cand.replicas > 1:
             per_step = m if z >= 2 else 1
             n = max(1, units) if z == 3 else 1
+            # per-module units are gathered again for a recomputed forward (runtime.engines.zero3)
+            regather = z == 3 and cand.zero3_unit == "module" and cand.recompute != "none"
             gather = self._param_gather(params) if z in (1, 2) else 0.0  # the updated parameters', in the compute dtype
             for option in self.options:
                 if z == 3:
-                    exposed[option] = m * self._zero3_exposed(params / n, n, f, b, option)
+                    exposed[option] = m * self._zero3_exposed(params / n, n, f, b, option, regather=regather)
                     continue
                 wire, kernel = self._reduction(params, option, lr)
                 exposed[option] = per_step * (max(0.0, wire - overlap * b) + kernel) + gather
@@ -603,7 +622,8 @@ class StageEvaluator:
         hit = self._reduce_memo[key] = (exposed, shard * self._optim_bytes / self._hbm)
         return hit
 
-    def _zero3_exposed(self, unit_params: float, n: int, f: float, b: float, option: tuple[str, str]) -> float:
+    def _zero3_exposed(self, unit_params: float, n: int, f: float, b: float, option: tuple[str, str], *,
+                       regather: bool = False) -> float:
         """Exposed seconds of one microbatch's ZeRO-3 traffic: n units of `unit_params` each, gathered
         for the forward and again for the backward, their gradients reduce-scattered in the backward.
 
@@ -613,14 +633,19 @@ class StageEvaluator:
         of it (the ZeRO paper's 3 transfers of the parameters per step, 1.5x DDP's volume, where
         a pass of data parallelism's all-reduce is 2). Not each behind the whole backward, as if
         the link carried a gather and a reduce-scatter at once. Kernel time (int8 codes) never
-        hides.
+        hides. With `regather` (per-module units under recomputation) the backward also gathers
+        each unit for its recomputed forward: n more gathers behind b (the backward's time counts the
+        recomputation), 4 transfers of the parameters per step. Each collective pays its link's
+        latency (the alpha of `gather_time` and `reduce_scatter_time`), so n units of P/n cost more
+        than one of P: what finer units pay for holding less.
         """
         overlap = self.ctx.cal.dp_overlap
         g_wire, g_kernel = self._gather(unit_params, group_compressor(option))
         r_wire, r_kernel = self._reduction(unit_params, option, None)
+        gathers = 2 if regather else 1  # in the backward
         forward = max(0.0, n * g_wire - overlap * f)
-        backward = max(0.0, n * (g_wire + r_wire) - overlap * b)
-        return forward + backward + n * (2 * g_kernel + r_kernel)
+        backward = max(0.0, n * (gathers * g_wire + r_wire) - overlap * b)
+        return forward + backward + n * ((1 + gathers) * g_kernel + r_kernel)
 
     def _async_sync(self, params: float, f: float, b: float) -> float:
         """Exposed seconds per step of async SGD's parameter averaging (an fp32 all-reduce of the stage's

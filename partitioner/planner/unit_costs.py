@@ -476,14 +476,19 @@ class CostContext:
             owners: dict[str, list[tuple[int, float]]] = {}
             in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
             largest = [0.0] * len(self.units)
+            # ZeRO-3 per module (zero3_unit="module"): per unit, the parameters of each module holding some
+            modules: list[dict[str, float]] = [{} for _ in self.units]
             for u in range(len(self.units)):
                 for p, numel in self._param_local[u]:
                     local = numel / (tp if self._sharded_param(p) else 1) / (ep if p in self._expert_param else 1)
                     owners.setdefault(p, []).append((u, local))
                     largest[u] = max(largest[u], local)
+                    mod = modules[u]
+                    mod[p.rpartition(".")[0]] = mod.get(p.rpartition(".")[0], 0.0) + local
                     if self._param_block[p] is not None:
                         in_block[u] += local
             shared = [p for p, v in owners.items() if len(v) > 1]
+            tied_modules = {p.rpartition(".")[0] for p in shared if self._param_block[p] is None}
             hit = self._arrays[key] = UnitArrays(
                 costs=tuple(uc), f=tuple(_prefix([x.forward_s for x in uc])), b=tuple(_prefix([x.backward_s for x in uc])),
                 act=tuple(_prefix([x.activation_bytes for x in uc])), par=tuple(_prefix([x.params for x in uc])),
@@ -495,7 +500,12 @@ class CostContext:
                 total_c=sum(x.forward_s + x.backward_s for x in uc), total_w=sum(x.weight_s for x in uc),
                 total_b=sum(x.backward_s for x in uc), wgrad=tuple(_prefix([x.weight_grad_bytes for x in uc])),
                 max_unit_c=max(x.forward_s + x.backward_s for x in uc),
-                epar=tuple(_prefix([x.expert_params for x in uc])) if ep > 1 else ())
+                epar=tuple(_prefix([x.expert_params for x in uc])) if ep > 1 else (),
+                modules=tuple(_prefix([float(len(m)) for m in modules])),
+                # a module whose parameter other units read too outside the blocks (a tied embedding) is the
+                # root's unit (kept from forward to backward, StageEvaluator's `root`), not one gathered in turn
+                max_module=tuple(max((v for mod, v in m.items() if mod not in tied_modules), default=0.0)
+                                 for m in modules))
         return hit
 
     def range_codes(self, arrays: UnitArrays, p2p: tuple[float, ...]) -> tuple[list[int], list[int]]:
@@ -513,6 +523,7 @@ class CostContext:
         if hit is None:
             ids: dict[tuple, int] = {}
             digits = [ids.setdefault((arrays.costs[u], arrays.block_par[u], arrays.max_param[u],
+                                      arrays.modules[u + 1] - arrays.modules[u], arrays.max_module[u],
                                       p2p[u] if u < len(p2p) else None), len(ids) + 1)
                       for u in range(len(arrays.costs))]
             base, code, power = len(ids) + 1, [0], [1]
@@ -591,6 +602,10 @@ class UnitArrays:
     total_b: float = 0.0  # the backward, all units
     wgrad: tuple[float, ...] = (0.0,)  # prefix sums of UnitCost.weight_grad_bytes
     epar: tuple[float, ...] = ()  # prefix sums of UnitCost.expert_params under ep > 1 (empty at ep = 1)
+    # ZeRO-3 with zero3_unit="module": prefix sums of the modules holding parameters directly (its units), and
+    # per unit the parameters of its largest such module (per tensor rank)
+    modules: tuple[float, ...] = (0.0,)
+    max_module: tuple[float, ...] = ()
 
 
 def _prefix(xs: Sequence[float]) -> list[float]:

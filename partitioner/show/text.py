@@ -185,7 +185,17 @@ def _zero(p: Plan) -> str:
         f"dp x cp = {c.replicas} ranks ({c.dp} data-parallel replicas of {c.cp} context slices)"
     if not held:
         return f"stage 0: each of the {who} holds full parameters, gradients and optimizer state"
+    if c.zero_stage == 3:
+        return f"stage 3: {held} sharded over {who}; {_zero3_units(c)}"
     return f"stage {c.zero_stage}: {held} sharded over {who}"
+
+
+def _zero3_units(c) -> str:
+    """What ZeRO-3 gathers at once (ParallelConfig.zero3_unit), in words."""
+    if c.zero3_unit == "module":
+        return ("gathered per module holding parameters (a few whole at once; gathered again to recompute)"
+                if c.recompute != "none" else "gathered per module holding parameters (two whole at once)")
+    return "gathered one block at a time"
 
 
 # what fp8-mixed runs (runtime.engines.fp8), in print(plan) and explain()
@@ -423,6 +433,11 @@ def explain_plan(p: Plan) -> str:
     if c.dp > 1:
         out.append(f"- {c.dp} data-parallel replicas with ZeRO stage {c.zero_stage}; exposed communication "
                    f"{_ms(pr.exposed_comm_s)} ms per step; gradient compression: {compression_text(p)}.")
+    if c.replicas > 1 and c.zero_stage == 3 and c.zero3_unit == "module":
+        out.append("- ZeRO-3 units per module (DeepSpeed's granularity), not per block: the gathered parameters at "
+                   f"a moment are {'three' if c.recompute != 'none' else 'two'} modules' rather than two blocks', "
+                   "for more, smaller all-gathers and reduce-scatters, each paying its latency"
+                   + ("; the recomputed forward gathers each unit again" if c.recompute != "none" else "") + ".")
     if p.async_sgd:
         out.append(f"- asynchronous SGD {p.async_sgd}, as declared (the planner never chooses it: it changes the "
                    f"training math): {_async_sgd(p)}. The hand configurations below train synchronously.")

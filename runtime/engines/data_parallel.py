@@ -65,8 +65,9 @@ Choices worth knowing:
   collectives follows it (DDP's rule too). Buffers are broadcast once at the
   start only (as DDP with ``broadcast_buffers=False``). Frozen parameters are
   supported at stage 0 only; ZeRO-3 supports activation checkpointing
-  (recomputation inside backward neither re-gathers nor frees) but not
-  ``retain_graph`` double backward. The ZeRO-1/2 all-gather after the step is
+  (a unit the backward has gathered serves its recomputation; a unit finer
+  than the block is gathered for its recomputed forward and freed after it,
+  runtime.engines.zero3) but not ``retain_graph`` double backward. The ZeRO-1/2 all-gather after the step is
   synchronous (not yet overlapped with the next forward).
 - Compression (`compression=`, `nodes=`, `compression_warmup=`): every
   reduction goes through `runtime.compression.grad_compression.GradientReducer` (bf16,
@@ -124,12 +125,18 @@ class DataParallel(GradientBuckets, ShardedUnits):
     Mutates `model` in place: parameters are re-pointed into flat buffers
     (ZeRO-1/2), cast to 16-bit (mixed precision) or replaced by gathered views
     (ZeRO-3), and hooks are registered; call `module` for the forward.
+
+    `unit_granularity` (ZeRO-3): "block" when each unit is gathered by a module the forward calls (its
+    forward pre-hook); "module" when the units are finer than what the code calls (per-module units of the
+    plan's zero3_unit="module" under generated stage code, which reads a block's parameters at once): then a
+    unit is gathered by the first op that reads it (runtime.engines.zero3).
     """
 
     def __init__(self, model: nn.Module, *, group, ranks: tuple[int, ...], zero_stage: int,
                  collectives: Collectives, bucket_bytes: int = DDP_BUCKET_BYTES,
                  precision: PrecisionName = "fp32", units: Sequence[Sequence[str]] | None = None,
-                 unit_modules: Sequence[str] | None = None, compression: str | Mapping[str, str] = "none",
+                 unit_modules: Sequence[str] | None = None, unit_granularity: str = "block",
+                 compression: str | Mapping[str, str] = "none",
                  nodes: NodeGroups | None = None, compression_warmup: int = 0, powersgd_rank: int = POWERSGD_RANK):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0 (DDP), 1, 2 or 3 (FSDP), got {zero_stage}")
@@ -174,7 +181,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._root_post_forward))
         if zero_stage == 3:
-            self._build_sharded(resolve_units(model, units), unit_modules)
+            self._build_sharded(resolve_units(model, units), unit_modules, deferred=unit_granularity == "module")
         else:
             self._build_replicated(trainable, bucket_bytes)
 
@@ -206,8 +213,9 @@ class DataParallel(GradientBuckets, ShardedUnits):
     def checkpoint_blocks(self, names: Sequence[str], mode: str = "full") -> None:
         """Activation recomputation of these submodules (the plan's blocks) as `mode` says
         (runtime.engines.recompute: "full" keeps only their inputs, "selective" their matrix products' outputs), as
-        the pipeline's stages do. Under ZeRO-3 the recomputation installs its unit's views again first:
-        the unit is gathered for its backward by then, and no module hook runs inside the checkpoint."""
+        the pipeline's stages do. Under ZeRO-3 the recomputation installs the block's unit's views again first:
+        the unit is gathered for its backward by then, and the block's own hooks do not run inside the checkpoint
+        (its submodules' do: units finer than the block are gathered, and freed, by them)."""
         units = {id(u.module): u for u in self._units}
 
         def reinstall(mod: nn.Module) -> None:
@@ -542,11 +550,14 @@ class DataParallel(GradientBuckets, ShardedUnits):
             if self._fwd_order:
                 self._fwd_order_prev = self._fwd_order
             self._fwd_order = []
+            self._enter_forward()
         if self.precision.casts_inputs:
             return cast_floating(args, self._dtype), cast_floating(kwargs, self._dtype)
         return None
 
     def _root_post_forward(self, module, args, output):
+        if self.zero_stage == 3:
+            self._exit_forward()
         if self.scaler is None or not torch.is_grad_enabled():
             return None
         return scale_grad(output, self.scaler)  # fp16: the loss scale enters at the caller's boundary
