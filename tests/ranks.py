@@ -147,3 +147,18 @@ def assert_trains_like(out, losses: list[float], state: dict[str, torch.Tensor],
     atol = adam_atol(adam_steps) if adam_steps else 1e-6
     for k, v in state.items():
         torch.testing.assert_close(out.state_dict[k], v, rtol=1e-5, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def assert_plan_trains_like_one_process(plan, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable,
+                                        data: list, *, timeout_s: float = 180):
+    """Run `plan` on real Gloo processes (runtime.launch_local) and check it trains as one process does on the
+    same data (examples.training.train_one_process): the same parameter names, losses and final parameters
+    (`assert_trains_like`, SGD tolerances). Returns launch_local's result."""
+    from examples.training import train_one_process
+    from runtime import launch_local
+
+    out = launch_local(plan, model_fn, optimizer_fn, loss_fn, data, timeout_s=timeout_s)
+    trained = train_one_process(model_fn, optimizer_fn, loss_fn, data)
+    assert sorted(out.state_dict) == sorted(trained.model.state_dict())
+    assert_trains_like(out, trained.losses, trained.model.state_dict())
+    return out

@@ -17,7 +17,7 @@ from examples.hf_families import gemma3_seeded, mpt_seeded, qwen3_seeded
 from examples.training import gpt_4l_seeded, gpt_loss, hf_llama_seeded, hf_loss, sgd, train_one_process
 from partitioner import compile
 from partitioner.codegen.program import CodegenError
-from ranks import assert_trains_like
+from ranks import assert_plan_trains_like_one_process, assert_trains_like
 
 VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 3
 MODELS = {"gpt": (gpt_4l_seeded, gpt_loss), "llama": (hf_llama_seeded, hf_loss), "qwen3": (qwen3_seeded, hf_loss),
@@ -112,15 +112,8 @@ MODELS["scaled"] = (scaled_seeded, logits_loss)
 
 
 def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
-    from runtime import launch_local
-
     model_fn, loss_fn = MODELS[name]
-    data = batches()
-    out = launch_local(plan, model_fn, optimizer, loss_fn, data, timeout_s=180)
-    trained = train_one_process(model_fn, optimizer, loss_fn, data)
-    assert sorted(out.state_dict) == sorted(trained.model.state_dict())
-    assert_trains_like(out, trained.losses, trained.model.state_dict())
-    return out
+    return assert_plan_trains_like_one_process(plan, model_fn, optimizer, loss_fn, batches())
 
 
 @pytest.mark.slow

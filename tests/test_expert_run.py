@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from examples.training import hf_loss, sgd, train_one_process
 from partitioner import compile
 from partitioner.codegen.program import CodegenError
-from ranks import assert_trains_like
+from ranks import assert_plan_trains_like_one_process
 
 VOCAB, SEQ, BATCH, STEPS, AUX = 128, 16, 8, 3, 0.1
 
@@ -127,15 +127,8 @@ def test_verify_is_refused_with_ep():
 
 
 def assert_same_training(plan, name: str):
-    from runtime import launch_local
-
-    data = batches()
     model_fn, loss_fn = {**MODELS, **OTHERS}[name], LOSSES.get(name, moe_loss)
-    out = launch_local(plan, model_fn, sgd, loss_fn, data, timeout_s=240)
-    trained = train_one_process(model_fn, sgd, loss_fn, data)
-    assert sorted(out.state_dict) == sorted(trained.model.state_dict())
-    assert_trains_like(out, trained.losses, trained.model.state_dict())
-    return out
+    return assert_plan_trains_like_one_process(plan, model_fn, sgd, loss_fn, batches(), timeout_s=240)
 
 
 @pytest.mark.slow
