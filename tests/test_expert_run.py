@@ -149,6 +149,7 @@ def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dp, ep, zero", [
     ("mixtral", 4, 4, 0),  # one expert per rank
+    ("qwen3_moe", 4, 4, 1),
     ("mixtral", 4, 2, 0),  # two ep groups: expert gradients summed over the ranks holding the same experts
     ("mixtral", 4, 2, 1),  # ...and their optimizer state sharded over those 2 ranks
     ("qwen3_moe", 4, 2, 3),
