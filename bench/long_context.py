@@ -75,7 +75,6 @@ def _sdpa_times(shape, warmup: int, steps: int, threads: int, math: bool) -> lis
 
 def _cp_body(kernel: str, shape, warmup: int, steps: int, rank: int, _batches) -> tuple[list, list[float]]:
     """One rank of a cp run: its shard of the sequence, `kernel` forward + backward per step."""
-    import torch
     import torch.distributed as dist
 
     from runtime.comm.collectives import Collectives

@@ -61,6 +61,8 @@ def test_dropout_resumes_bit_for_bit_on_cpu_and_the_format_is_unchanged_there(tm
     assert {k for k in keys if k.startswith("rng")} == {"rng/0", "rng/1"}
 
 
+# A CPU has no device generator beyond the CPU one the test above covers; this ran on a lent H200 (dropout
+# resumed bit for bit, and failed with the device restore disabled)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device generator is a GPU's: needs CUDA")
 def test_dropout_on_a_gpu_resumes_bit_for_bit(tmp_path):
     """On cuda:0 dropout draws from the GPU's generator: without its state in the checkpoint, steps 3-4 after

@@ -423,19 +423,25 @@ def test_deadlocking_list_fails_with_a_clear_error(tmp_path):
         assert TIMEOUT_S - 1 < elapsed < 3 * TIMEOUT_S
 
 
+def _assert_torchs_order_and_loss(worlds, world: int, kind: str, *, m: int = M, ops=(Op.F, Op.I, Op.W)) -> None:
+    """Our `kind` list (two stages per rank) and torch's schedule of that kind run on the same stages: each rank's
+    compute actions (`ops`) in the same order, and the same losses and parameters."""
+    ours = worlds(world)[Run(kind, interleave=2, microbatches=m)]
+    oracle = worlds(world)[Run(kind, interleave=2, microbatches=m, engine="torch")]
+    schedule = build_schedule(kind, pp=world, num_microbatches=m, interleave=2)
+    computes = [[str(a) for a in actions if a.op in ops] for actions in schedule.ranks]
+    assert oracle["orders"] == computes
+    torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
+    _assert_state_close(ours["state"], oracle["state"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_zb_v_is_torchs_zbv_order_and_loss(worlds, world):
     """torch's ScheduleZBVZeroBubble: two stages per rank in a V, the same per-rank compute order as our
     zb-v lists, and the same losses and parameters (stage 0 and the loss's stage both on rank 0). At pp 4,
     m = 4 < 2 pp - 1: both build the V for 7 microbatches and drop the actions of the missing ones."""
-    ours = worlds(world)[Run("zb-v", interleave=2)]
-    oracle = worlds(world)[Run("zb-v", interleave=2, engine="torch")]
-    schedule = build_schedule("zb-v", pp=world, num_microbatches=M, interleave=2)
-    computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
-    assert oracle["orders"] == computes
-    torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
-    _assert_state_close(ours["state"], oracle["state"])
+    _assert_torchs_order_and_loss(worlds, world, "zb-v")
 
 
 @pytest.mark.slow
@@ -444,13 +450,7 @@ def test_interleaved_zb_is_torchs_interleaved_zero_bubble_order_and_loss(worlds,
     """torch's ScheduleInterleavedZeroBubble with two stages per rank (stage % pp): the same per-rank compute
     order as our interleaved-zb lists, and the same losses and parameters (at pp 4: eight stages, one round of
     m = pp microbatches)."""
-    ours = worlds(world)[Run("interleaved-zb", interleave=2)]
-    oracle = worlds(world)[Run("interleaved-zb", interleave=2, engine="torch")]
-    schedule = build_schedule("interleaved-zb", pp=world, num_microbatches=M, interleave=2)
-    computes = [[str(a) for a in actions if a.op in (Op.F, Op.I, Op.W)] for actions in schedule.ranks]
-    assert oracle["orders"] == computes
-    torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
-    _assert_state_close(ours["state"], oracle["state"])
+    _assert_torchs_order_and_loss(worlds, world, "interleaved-zb")
 
 
 @pytest.mark.slow
@@ -459,10 +459,4 @@ def test_dualpipe_v_is_torchs_dualpipev_order_and_loss(worlds, world, m):
     """torch's ScheduleDualPipeV on Gloo: the same per-rank compute order as our dualpipe-v lists (its
     OVERLAP_F_B pairs as forward, then backward: how both runtimes run them), and the same losses and
     parameters; m >= 2 pp microbatches, as both require."""
-    ours = worlds(world)[Run("dualpipe-v", interleave=2, microbatches=m)]
-    oracle = worlds(world)[Run("dualpipe-v", interleave=2, microbatches=m, engine="torch")]
-    schedule = build_schedule("dualpipe-v", pp=world, num_microbatches=m, interleave=2)
-    computes = [[str(a) for a in actions if a.op in (Op.F, Op.B, Op.I, Op.W)] for actions in schedule.ranks]
-    assert oracle["orders"] == computes
-    torch.testing.assert_close(ours["losses"], oracle["losses"], rtol=RTOL, atol=ATOL)
-    _assert_state_close(ours["state"], oracle["state"])
+    _assert_torchs_order_and_loss(worlds, world, "dualpipe-v", m=m, ops=(Op.F, Op.B, Op.I, Op.W))

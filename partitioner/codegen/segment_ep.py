@@ -29,8 +29,6 @@ from the router logits.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import fx
 

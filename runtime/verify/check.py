@@ -117,9 +117,8 @@ def num_parameters(plan: Any) -> int | None:
     return sum(math.prod(shape(p)) for p in placements)
 
 
-def _cp(plan: Any, axis: str = "cp") -> int:
-    """The plan's context-parallel degree (or another axis's: "ep") (a Plan, or its JSON as a dict): 1 without the
-    axis."""
+def _degree(plan: Any, axis: str) -> int:
+    """The plan's degree along `axis` ("cp", "ep"; a Plan, or its JSON as a dict): 1 without the axis."""
     config = plan.get("config", {}) if isinstance(plan, dict) else getattr(plan, "config", None)
     return int(config.get(axis, 1) if isinstance(config, dict) else getattr(config, axis, 1))
 
@@ -130,9 +129,9 @@ def verify_skip_reason(plan: Any, *, max_elements: float = MAX_VERIFY_ELEMENTS) 
         f = plan_facts(plan)
     except (AttributeError, KeyError, TypeError):
         return "the plan has no configuration and mesh to verify"
-    if _cp(plan) > 1:
+    if _degree(plan, "cp") > 1:
         return "cp > 1: the code's attention runs over the context group, which one process does not have"
-    if _cp(plan, "ep") > 1:
+    if _degree(plan, "ep") > 1:
         return "ep > 1: the code's experts run over the ep group, which one process does not have"
     if not f.has_code:
         return "pp = tp = 1: the programs hold no model code"
@@ -186,7 +185,7 @@ def verify_plan(plan: Any, model_fn: Callable[[], nn.Module], inputs: Any = None
     Raises VerifyError naming where the first difference appears; returns a VerifyReport.
     """
     start = time.perf_counter()
-    cp = _cp(plan)
+    cp = _degree(plan, "cp")
     if cp > 1:
         raise VerifyError(f"plan.verify replays a plan's code in one process, without the cp={cp} context group "
                           "its attention runs over; context-parallel plans are checked by running them "
