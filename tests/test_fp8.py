@@ -141,6 +141,19 @@ def test_the_cuda_cast_kernel_writes_the_references_codes_and_scale(dtype):
             assert torch.equal(codes.cpu().view(torch.uint8), ref_codes.view(torch.uint8)), (fmt, dtype)
 
 
+@pytest.mark.skipif(not _FP8_CORES, reason="needs a CUDA device with FP8 tensor cores (compute capability 8.9+)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_compiled_cast_kernel_passes_its_own_check_on_this_gpu(dtype):
+    """The test above holds even where the kernel fell back to the torch ops; this one holds only where the
+    compiled kernel itself wrote the reference's codes on the check's edge values (powers of two, ties,
+    subnormals), so that fp8 training on this GPU runs the fused cast and not the slower fallback."""
+    from runtime.engines import fp8_cast
+    fp8_cast._trusted.clear()
+    for fmt in (E4M3, E5M2):
+        quantize(torch.randn(64, 64, dtype=dtype, device="cuda"), fmt)
+    assert fp8_cast._trusted and all(fp8_cast._trusted.values()), fp8_cast._trusted
+
+
 # torch._scaled_mm exists only on FP8 tensor cores; on CPU the same codes are multiplied in fp32 (the emulation
 # the tests above check exactly); on a lent H200 this bound held at 1e-5 of it
 @pytest.mark.skipif(not _FP8_CORES, reason="needs a CUDA device with FP8 tensor cores (compute capability 8.9+)")
@@ -199,6 +212,36 @@ def test_fp8_linear_in_bf16_and_exact_gemms():
     assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
     with exact_gemms():  # plan.verify's mode: the plain linear
         assert torch.equal(fp8_linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_fp8_linear_compiles_with_its_casts_inside_opaque_ops():
+    """Under torch.compile the forward and the backward each call one fp8 operator, the casts inside them: the
+    CUDA cast (a Triton kernel checked once per device, a data-dependent branch) cannot be traced, and a
+    backward written as traced Python failed inductor on a lent H200. Compiled gradients equal eager ones."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            return make_boxed_func(gm)
+        return compiler
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda x, w, b: fp8_linear(x, w, b).square().sum(), fullgraph=True,
+                         backend=aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")))
+    torch.manual_seed(0)
+    leaves = [torch.randn(*s, requires_grad=True) for s in [(4, 32), (8, 32), (8,)]]
+    step(*leaves).backward()
+    eager = [t.detach().clone().requires_grad_() for t in leaves]
+    fp8_linear(*eager).square().sum().backward()
+    assert "fp8_gemms.linear.default" in graphs["forward"]
+    assert "fp8_gemms.linear_backward.default" in graphs["backward"]
+    assert not any("clamp" in t or "float8" in t for t in graphs["forward"] | graphs["backward"]), graphs
+    for got, want in zip(leaves, eager):
+        assert torch.equal(got.grad, want.grad)
 
 
 def test_convert_linears_keeps_the_parameters():

@@ -137,21 +137,37 @@ def _keep(ctx, inputs, output) -> None:
     ctx.has_bias = b is not None
 
 
-def _linear_backward(ctx, dy: torch.Tensor):
-    """Both backward GEMMs with the output gradient in e5m2 and x, w cast to e4m3 again."""
-    x, w = ctx.saved_tensors
+# Backward's GEMMs are an operator too: register_autograd's function is traced by torch.compile (AOTAutograd),
+# and the casts inside it (a Triton kernel checked once per device, with a data-dependent branch) cannot be;
+# as one opaque op the compiled backward calls it like the eager one. Unwanted gradients come back empty.
+@torch.library.custom_op("fp8_gemms::linear_backward", mutates_args=())
+def _linear_grads(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, want_dx: bool,
+                  want_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of y = x @ w.T, with the output gradient in e5m2 and x, w cast to e4m3 again."""
     dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
     gq, sg = quantize(dy2, E5M2)
-    dx = dw = db = None
-    if ctx.needs_input_grad[0]:
+    dx = dw = x.new_empty(0)
+    if want_dx:
         wq, sw = quantize(w, E4M3)
         dx = _gemm(gq, sg, wq, sw, x.dtype).reshape(x.shape)  # (M, N) @ (N, K)
-    if ctx.needs_input_grad[1]:
+    if want_dw:
         xq, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3)
         dw = _gemm(gq.t(), sg, xq, sx, w.dtype)  # (N, M) @ (M, K)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        db = dy2.float().sum(0).to(dy.dtype)
-    return dx, dw, db
+    return dx, dw
+
+
+@_linear_grads.register_fake
+def _(dy, x, w, want_dx, want_dw):
+    return (torch.empty_like(x) if want_dx else x.new_empty(0)), (torch.empty_like(w) if want_dw else x.new_empty(0))
+
+
+def _linear_backward(ctx, dy: torch.Tensor):
+    """Both backward GEMMs in fp8 (`_linear_grads`); the bias gradient a plain sum."""
+    x, w = ctx.saved_tensors
+    want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = torch.ops.fp8_gemms.linear_backward.default(dy, x, w, want_dx, want_dw)
+    db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return (dx if want_dx else None), (dw if want_dw else None), db
 
 
 _linear.register_autograd(_linear_backward, setup_context=_keep)

@@ -30,14 +30,17 @@ _BLOCK = 4096
 _TL_FORMAT = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
-_RNE_MAGIC = 12582912.0  # 1.5 * 2^23: v + M - M rounds |v| < 2^22 to an integer, ties to even, in fp32
+# 1.5 * 2^23: v + M - M rounds |v| < 2^22 to an integer, ties to even, in fp32. Passed as a constexpr argument:
+# compiled Triton refuses a kernel that reads a plain global (the interpreter does not, so only a GPU showed it)
+_RNE_MAGIC = 12582912.0
 # per format: (mantissa bits, biased fp32 exponent of its smallest normal)
 _GRID = {torch.float8_e4m3fn: (3, 127 - 6), torch.float8_e5m2: (2, 127 - 14)}
 
 
 @triton.jit
 def _cast_kernel(x_ptr, amax_ptr, out_ptr, scale_ptr, n, FMAX: tl.constexpr, EPS: tl.constexpr,
-                 OUT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BLOCK: tl.constexpr):
+                 OUT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, RNE: tl.constexpr,
+                 BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     amax = tl.maximum(tl.load(amax_ptr).to(tl.float32), EPS)
     scale = tl.div_rn(tl.full((), 1.0, tl.float32), amax) * FMAX
@@ -50,7 +53,7 @@ def _cast_kernel(x_ptr, amax_ptr, out_ptr, scale_ptr, n, FMAX: tl.constexpr, EPS
     bits = y.to(tl.int32, bitcast=True)
     step = ((tl.maximum((bits >> 23) & 0xFF, EMIN) - MBITS) << 23).to(tl.float32, bitcast=True)
     v = tl.div_rn(tl.abs(y), step)  # exact: a power of two (div_rn: Triton's `/` is an approximate division)
-    mag = ((v + _RNE_MAGIC) - _RNE_MAGIC) * step  # v <= 2^(MBITS + 1): rounded to even, exactly
+    mag = ((v + RNE) - RNE) * step  # v <= 2^(MBITS + 1): rounded to even, exactly
     on_grid = (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     tl.store(out_ptr + offs, on_grid.to(OUT), mask=inside)
     if pid == 0:
@@ -64,7 +67,8 @@ def _launch(x: torch.Tensor, dtype: torch.dtype, fmax: float, eps: float) -> tup
     n = x.numel()
     mbits, emin = _GRID[dtype]
     _cast_kernel[(max(1, triton.cdiv(n, _BLOCK)),)](x, amax, codes, scale, n, FMAX=fmax, EPS=eps,
-                                                   OUT=_TL_FORMAT[dtype], MBITS=mbits, EMIN=emin, BLOCK=_BLOCK)
+                                                   OUT=_TL_FORMAT[dtype], MBITS=mbits, EMIN=emin, RNE=_RNE_MAGIC,
+                                                   BLOCK=_BLOCK)
     return codes, scale
 
 
