@@ -4,6 +4,7 @@ process; tensor- and context-parallel plans are refused before anything runs."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 
@@ -151,7 +152,11 @@ def test_every_block_runs_one_compiled_graph_inside_its_recomputation(recompute)
     recompute_blocks(compiled, names, recompute)
     kept = _saved_bytes(compiled, idx, targets)
     assert len(GRAPHS) == 1, [g.code for g in GRAPHS]
-    assert sum(n.op == "call_function" for n in GRAPHS[0].graph.nodes) > 20  # the whole block, not a fragment
+    # the whole block, not a fragment: its four linears, two layer norms, softmax and gelu (counted by kind: how
+    # many other nodes a block becomes differs between torch releases, 2.11 folds the mask's comparison)
+    kinds = collections.Counter(getattr(n.target, "__name__", str(n.target)) for n in GRAPHS[0].graph.nodes
+                                if n.op == "call_function")
+    assert (kinds["linear"], kinds["layer_norm"], kinds["softmax"], kinds["gelu"]) == (4, 2, 1, 1), kinds
     assert kept == eager_kept[recompute]
     if recompute == "full":
         assert kept < 0.2 * eager_kept["none"], (kept, eager_kept)

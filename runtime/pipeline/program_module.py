@@ -7,15 +7,24 @@ seen on a lent H200). So each executed program is a real module object under a n
 (`rank_R`, then `rank_R_2`, ... when several programs of one rank run in one process: plan.verify, tests),
 and the namespace returned is that module's dictionary.
 
+The source is also put in `linecache` under `filename`: tracebacks then show the generated lines, and
+`inspect.getsourcefile` finds a file for its functions. torch before 2.13 wraps a function without one in a
+shared frame (`torch._dynamo.external_utils.wrap_inline`'s `inner`) when it is compiled, so every segment
+function of a program recompiled that one frame, and after dynamo's cache limit (8) the rest ran eagerly,
+silently (seen on torch 2.11: 8 graphs for 10 functions).
+
 >>> ns = exec_program("def build():\\n    return 1\\n", "<rank_0.py>", rank=0)
 >>> import importlib
 >>> importlib.import_module(ns["build"].__module__).build() == ns["build"]()
 True
+>>> import inspect; inspect.getsourcefile(ns["build"])
+'<rank_0.py>'
 """
 
 from __future__ import annotations
 
 import itertools
+import linecache
 import sys
 import threading
 import types
@@ -41,5 +50,6 @@ def exec_program(source: str, filename: str, *, rank: int, **extra: Any) -> dict
     before it runs (`__file__`, for instance)."""
     module = sys.modules[_fresh_name(rank)]
     module.__dict__.update(extra)
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - the plan's generated program
     return module.__dict__
