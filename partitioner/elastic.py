@@ -46,7 +46,8 @@ def plan_for_world(args: argparse.Namespace, world: int, rank: int) -> Path:
 
         g, how = cached_trace(args)
         plan = compile(g, args.topology.format(world=world), global_batch_size=args.global_batch_size,
-                       precision=args.precision, optimizer=args.optimizer_name, calibration=args.calibration)
+                       precision=args.precision, optimizer=args.optimizer_name, calibration=args.calibration,
+                       torch_compile=args.torch_compile or False)
         plan = dataclasses.replace(plan, model_source=args.model)
         tmp = d.with_name(f".tmp-{d.name}-{os.getpid()}")
         plan.write_programs(tmp)
@@ -110,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32")
     p.add_argument("--optimizer-name", default="adam", help="the optimizer the plan is costed for")
     p.add_argument("--calibration", help="a calibration file from autotune")
+    p.add_argument("--torch-compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="every world size's plan runs its model code under torch.compile with BACKEND (default when "
+                        "given: inductor), as `partitioner compile --torch-compile`")
     p.add_argument("--optimizer", help="factory(params) -> Optimizer (default: the plan's)")
     p.add_argument("--loss", help="fn(output, target) -> loss")
     p.add_argument("--data", help="fn(step, rank, world_size) -> the global batch of that step")

@@ -182,3 +182,19 @@ def test_ranks_with_programs_of_different_plans_refuse_to_start():
     with pytest.raises(LaunchError, match=r"different plans.*ranks \[0\] run plan .*ranks \[1\] run plan"):
         launch_local(a, gpt.gpt_tiny, adamw, default_loss, batches,
                      programs={0: a.program(0).source, 1: b.program(1).source}, timeout_s=60)
+
+
+def test_every_world_sizes_plan_keeps_torch_compile(tmp_path):
+    """A job started with --torch-compile re-plans each new world size with it (a restart that dropped it would
+    train on, eager and slower, without a word)."""
+    from partitioner.elastic import _parser, plan_for_world
+    from partitioner.planner.plan import Plan
+
+    args = _parser().parse_args([MODEL, "--save-dir", str(tmp_path), "--save-every", "2", "--steps", "4",
+                                 "--global-batch-size", str(BATCH), "--torch-compile", "aot_eager"])
+    for world in (2, 3):
+        plan = Plan.load(plan_for_world(args, world, rank=0) / "plan.json")
+        assert plan.torch_compile == "aot_eager" and plan.world_size == world
+    default = _parser().parse_args([MODEL, "--save-dir", str(tmp_path / "eager"), "--save-every", "2", "--steps", "4",
+                                    "--global-batch-size", str(BATCH)])
+    assert not Plan.load(plan_for_world(default, 2, rank=0) / "plan.json").torch_compile
