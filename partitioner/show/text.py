@@ -163,7 +163,7 @@ def _experts(p: Plan) -> str:
         return (f"{p.experts}. Expert parallelism ep{c.ep}: each rank holds 1/{c.ep} of every MoE layer's experts, "
                 f"tokens sent to them and back by all-to-alls over groups of {c.ep} data-parallel ranks, expert "
                 f"gradients reduced over dp x cp / ep = {c.replicas // c.ep} "
-                f"rank{'s' if c.replicas > c.ep else ''} (costed; no program runs ep > 1 yet)")
+                f"rank{'s' if c.replicas > c.ep else ''}")
     return (f"{p.experts}. ep=1: experts planned like every other parameter (replicated over data parallelism, "
             "sharded by ZeRO, split by tp)")
 
