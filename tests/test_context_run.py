@@ -142,6 +142,7 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     ("llama", 1, 1, 4, 1, "all-to-all", 0),  # 2 k/v heads over 4 ranks: sent repeated
     # Qwen3: rotary, per-head q/k RMSNorm
     ("qwen3", 1, 1, 2, 1, "ring", 0),
+    ("qwen3", 1, 1, 4, 1, "ring", 0),
 ])
 def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, zero):
     name, sp = name.removesuffix("+sp"), name.endswith("+sp")
