@@ -332,10 +332,10 @@ class CostContext:
             if n.output is not None and n.output.dtype.startswith(("float", "bfloat")) and \
                     (n.block is not None or not self.g.blocks):  # the prefix's and suffix's are the loss's moment
                 biggest = max(biggest, nbytes(n.output) * sc / d)
-            flops = at(c.forward_flops) / d
+            flops = at(c.forward_flops) / d * c.executed  # causal attention: half the counted products run
             moved = (at(c.bytes_read) + at(c.bytes_written)) * sc / d
             tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
-            bflops = at(c.backward_flops) / d
+            bflops = at(c.backward_flops) / d * c.executed
             tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
             if self.fp8 and n.op in FP8_GEMM_OPS:
                 operands = at(c.bytes_read) / self._traced_itemsize / d  # elements of x, W (and the bias)
