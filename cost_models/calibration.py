@@ -65,17 +65,19 @@ _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     # Measured by `partitioner probe` on one H100 80GB HBM3 (SXM) with torch 2.11 (docs/benchmarks.md, "On a lent
     # H100"): large GEMMs at 73 % (bf16), 69 % (fp16), 77 % (fp32) of the datasheet peaks; torch's elementwise
     # kernels at 82 % of HBM; fused causal attention (SDPA, 2 x 16 heads x 4096 x 128, fwd+bwd) at 690 TFLOP/s
-    # as the tracer counts attention (the full L x S products), which attention_eff_max = 0.73 reproduces.
+    # counted over the full L x S products, 345 TFLOP/s over the causal half the tracer counts now (FlashAttention-2's
+    # convention; the ~35 % of peak Shah et al. 2024 report for it on an H100): attention_eff_max = 0.365 (0.73 / 2).
     # fp8: not probed on the H100; its GEMMs (torch._scaled_mm, e4m3) as measured on the H200 below, the same chip.
     "H100-80GB": {"matmul_eff_by_dtype": {"bf16": 0.73, "fp16": 0.69, "fp32": 0.77, "fp8": 0.64}, "mem_eff": 0.82,
-                  "attention_eff_max": 0.73},
+                  "attention_eff_max": 0.365},
     # Measured by `partitioner probe` on one H200 (SXM, 141 GB HBM3e) with torch 2.11 (docs/benchmarks.md, "On a
     # lent H200"): the same GH100 chip at the same clocks (devices.py), and its GEMM plateaus agree with the H100's
     # within 2 points (bf16 72 %, fp16 69 %, fp32 75 %); fp8 GEMMs at 64 % of the 1,979 TFLOP/s fp8 peak
     # (1,269 TFLOP/s, against bf16's 711: 1.78x); elementwise kernels at 83 % of its 4.8 TB/s; fused causal
-    # attention at 745 TFLOP/s as the tracer counts it (attention_eff_max 0.80).
+    # attention at 745 TFLOP/s over the full products, 372 over the causal half the tracer counts
+    # (attention_eff_max 0.40, 0.80 / 2).
     "H200-141GB": {"matmul_eff_by_dtype": {"bf16": 0.72, "fp16": 0.69, "fp32": 0.75, "fp8": 0.64}, "mem_eff": 0.83,
-                   "attention_eff_max": 0.80},
+                   "attention_eff_max": 0.40},
 }
 
 

@@ -681,7 +681,16 @@ def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, e
                      peak_memory_bytes=worst.total, memory=worst, memory_capacity_bytes=float(topo.device.memory_bytes),
                      bytes_per_link=_traffic(ctx, ev, cand, cut, topo, dict(zip(LEVELS, compression))),
                      bubble_fraction=sim.bubble_fraction, exposed_comm_s=max(st.exposed_comm_s for st in cut.stages),
-                     compression_saving_s=saving, search_step_time_s=cut.step_time_s)
+                     compression_saving_s=saving, search_step_time_s=cut.step_time_s,
+                     context_buffer_bytes=_context_buffers(ctx, cand))
+
+
+def _context_buffers(ctx: CostContext, cand: ParallelConfig) -> float:
+    """The largest context-parallel attention buffers of any unit, as the memory model scales buffers (0 at cp = 1)."""
+    if cand.cp == 1:
+        return 0.0
+    arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute, cand.sp, cand.cp, cand.cp_kind, cand.ep)
+    return max(arr.cp_buffers, default=0.0) * ctx.cal.buffer_mem_scale
 
 
 def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cut, topo: Topology,

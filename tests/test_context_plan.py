@@ -18,7 +18,7 @@ from cost_models.mesh import Mesh
 from cost_models.topology import Topology
 from examples.gpt import GPT, GPTConfig, example_batch, gpt_small
 from partitioner import PlanInfeasibleError, compile, trace
-from partitioner.planner.context_split import LONG_SEQUENCE, ring_exposed
+from partitioner.planner.context_split import LONG_SEQUENCE, attention_buffer_bytes, ring_exposed
 from partitioner.planner.plan import Plan
 from partitioner.planner.tensor_split import find_splits
 from partitioner.planner.unit_costs import CostContext
@@ -137,13 +137,47 @@ def test_ring_exposes_only_what_a_transfer_takes_beyond_a_block():
     assert ring_exposed(1e9, 1e-3, 2e-3, comm, (0,)) == (0.0, 0.0)  # cp = 1
 
 
+def test_attention_buffers_follow_the_kernels():
+    """A ring holds 5 fp32 k/v blocks at its backward's peak (two arriving/in use, three dk/dv accumulators);
+    Ulysses one all-to-all's send and receive buffers of its largest tensor; nothing without cp."""
+    assert attention_buffer_bytes([3.0, 3.0], 2, "ring") == 30.0
+    assert attention_buffer_bytes([4.0, 2.0, 2.0, 4.0], 2, "all-to-all") == 8.0
+    assert attention_buffer_bytes([3.0, 3.0], 1, "ring") == 0.0
+
+
+def test_attention_buffers_are_in_the_block_moment(long8k):
+    """Per attention node of the 8K GPT (8 heads of 64, bf16-mixed): a ring at cp 4 holds 5 fp32 k/v blocks of
+    2048 tokens, 5 * 2 * 2048 * 512 * 4 B = 40 MiB; at cp 8 half that. Ulysses: q's send and receive buffers
+    (bf16). Each unit holds one attention node, and the stage's peak moment mid-backward counts it."""
+    ctx = _ctx(long8k)
+    ring = ctx.unit_cost(1, tp=1, mb=1, recompute="none", cp=4)
+    assert ring.context_buffer_bytes == 5 * 2 * 2048 * 512 * 4
+    assert ctx.unit_cost(1, tp=1, mb=1, recompute="none", cp=8).context_buffer_bytes == 5 * 2 * 1024 * 512 * 4
+    a2a = ctx.unit_cost(1, tp=1, mb=1, recompute="none", cp=4, cp_kind="all-to-all")
+    assert a2a.context_buffer_bytes == 2 * 2048 * 512 * 2
+    assert ctx.unit_cost(1, tp=1, mb=1, recompute="none", cp=1).context_buffer_bytes == 0.0
+    plans = {kind: compile(long8k, "8xA100-80GB", global_batch_size=8, cp=4, cp_kind=kind, tp=1, pp=1, zero_stage=1,
+                           microbatch_size=1, alternatives=0) for kind in ("ring", "all-to-all")}
+    plan = plans["ring"]
+    assert plan.predicted.context_buffer_bytes == ring.context_buffer_bytes  # uncalibrated: buffer scale 1
+    # the rank's peak is mid-backward: its buffers differ by the kernels' buffers alone
+    ring_b, a2a_b = (p.predicted.memory.buffers for p in plans.values())
+    assert ring_b - a2a_b == pytest.approx(ring.context_buffer_bytes - a2a.context_buffer_bytes)
+    assert "ring k/v blocks arriving and dk/dv accumulators at the backward's peak" in " ".join(str(plan).split())
+    assert "ring k/v blocks arriving" in " ".join(plan.explain().split())
+    assert json.loads(plan.to_json())["predicted"]["context_buffer_bytes"] > 0
+
+
 def test_cp_divides_the_pipeline_hidden_state(long8k):
     ctx = _ctx(long8k)
     assert ctx.boundary_bytes(0, 1, cp=4) == pytest.approx(ctx.boundary_bytes(0, 1) / 4)
 
 
 # ---- search -----------------------------------------------------------------------------------------------
-def test_search_picks_cp_where_memory_forces_it(long8k):
+def test_search_picks_cp_where_memory_forces_it():
+    # 6 layers: cp2 halves every layer's activations but adds one attention's ring buffers (5 fp32 k/v blocks,
+    # 80 MiB at 4096 tokens), about what 2 layers' halved activations save
+    long8k = _long_graph(8192, layers=6)
     topo = Topology.parse("4xA100-40GB")
     kw = dict(global_batch_size=4, recompute="none", tp=1, pp=1, microbatch_size=1, alternatives=0)
     need1 = compile(long8k, topo, cp=1, **kw).predicted.peak_memory_bytes

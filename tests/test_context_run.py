@@ -31,10 +31,10 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, tp: int = 1, pp: int = 1,
-             mb: int = 2, sp: bool = False, name: str = "gpt", recompute: str = "none"):
+             mb: int = 2, sp: bool = False, name: str = "gpt", recompute: str = "none", precision: str = "fp32"):
     model = MODELS[name][0]()
     return compile(model, f"local:{dp * cp * tp * pp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
-                   global_batch_size=BATCH, precision="fp32", dp=dp, cp=cp, cp_kind=cp_kind if cp > 1 else None, tp=tp, pp=pp,
+                   global_batch_size=BATCH, precision=precision, dp=dp, cp=cp, cp_kind=cp_kind if cp > 1 else None, tp=tp, pp=pp,
                    sp=sp if tp > 1 else None, zero_stage=zero, microbatch_size=mb, recompute=recompute,
                    alternatives=0)
 
@@ -142,10 +142,40 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
     ("llama", 1, 1, 4, 1, "all-to-all", 0),  # 2 k/v heads over 4 ranks: sent repeated
     # Qwen3: rotary, per-head q/k RMSNorm
     ("qwen3", 1, 1, 2, 1, "ring", 0),
+    ("qwen3", 1, 1, 4, 1, "ring", 0),
 ])
 def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, zero):
     name, sp = name.removesuffix("+sp"), name.endswith("+sp")
     assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, sp=sp, cp_kind=kind, zero=zero, name=name), name)
+
+
+# bf16-mixed: the ring computes its blocks and their merge in fp32 (runtime.context.ring_attention) where one
+# bf16 process runs bf16 SDPA, so the two differ by bf16 attention rounding, the order of bf16 against fp32
+# training. Measured on the example GPT, 3 SGD steps: cp2 against one bf16 process 1.4e-4 (losses) and 1.5e-4
+# (parameters); one bf16 process against fp32 7.3e-5 and 1.9e-4. A wrong position split (each rank reading the
+# first S/cp positions) moves them by 9.5e-3 and 1.1e-2. 1e-3 is ~7x the rounding and ~10x under that error.
+BF16_ATOL = 1e-3
+
+
+@pytest.mark.slow
+def test_bf16_mixed_ring_trains_like_one_bf16_process():
+    """cp2 ring in bf16-mixed: losses and fp32 master parameters within BF16_ATOL of one bf16-mixed process
+    (a world-1 plan of the same model); the same run with each rank reading the wrong positions is not."""
+    from runtime import launch_local
+
+    model_fn, loss_fn = MODELS["gpt"]
+    data, plan = batches(), plan_for(cp=2, precision="bf16-mixed")
+    one = launch_local(plan_for(cp=1, precision="bf16-mixed"), model_fn, sgd, loss_fn, data, timeout_s=180)
+
+    def gap(out) -> float:
+        params = max((out.state_dict[k] - v).abs().max().item() for k, v in one.state_dict.items())
+        return max((torch.tensor(out.losses) - torch.tensor(one.losses)).abs().max().item(), params)
+
+    assert gap(launch_local(plan, model_fn, sgd, loss_fn, data, timeout_s=180)) < BF16_ATOL
+    wrong = "arange[:arange.shape[0] // 2]"  # the contiguous split's positions, not the load-balanced chunks'
+    programs = {r: plan.program(r).source.replace("cp_positions(arange, 0, cp)", wrong) for r in range(2)}
+    assert all(wrong in src for src in programs.values())
+    assert gap(launch_local(plan, model_fn, sgd, loss_fn, data, timeout_s=180, programs=programs)) > 5 * BF16_ATOL
 
 
 @pytest.mark.slow

@@ -16,6 +16,9 @@ Under cp > 1 every rank of a context group holds 2 of the sequence's 2*cp chunks
 - DeepSpeed-Ulysses (Jacobs et al. 2023): four all-to-alls per attention node forward (q, k, v to a
   head split, the output back) and four backward (their gradients), over the context group, not
   overlapped (`all_to_all_time`).
+- memory: while an attention node runs, the kernel holds buffers beyond the activations autograd keeps (a
+  ring's k/v blocks arriving and its dk/dv accumulators travelling; Ulysses' all-to-all send and receive
+  buffers), counted at their peak per attention node (`attention_buffer_bytes`).
 - gradients are reduced, and ZeRO shards, over dp x cp ranks (cost_models.mesh.Mesh.replica_ranks).
 
 Units: seconds and bytes.
@@ -31,8 +34,8 @@ from partitioner.planner.declarations import Declarations
 from partitioner.tracer.opgraph import OpGraph
 from partitioner.tracer.symbolic import Poly
 
-__all__ = ["ATTENTION_OP", "LONG_SEQUENCE", "MAX_CP", "all_to_all_time", "attention_heads", "cp_options", "kv_blocks",
-           "local", "ring_exposed", "ring_step"]
+__all__ = ["ATTENTION_OP", "LONG_SEQUENCE", "MAX_CP", "all_to_all_time", "attention_buffer_bytes", "attention_heads",
+           "cp_options", "kv_blocks", "local", "ring_exposed", "ring_step"]
 
 ATTENTION_OP = "scaled_dot_product_attention"
 # The planner offers cp > 1 unpinned from this sequence length on (and below it only where nothing fits
@@ -164,3 +167,36 @@ def all_to_all_time(sizes: Sequence[float], comm: CommModel, ranks: Sequence[int
     if len(ranks) == 1:
         return 0.0
     return sum(comm.all_to_all(b, ranks) for b in sizes)
+
+
+# runtime.context.ring_attention casts this rank's k/v block to fp32 (one (2, B, H_kv, S/cp, D) message) and
+# accumulates dk/dv in fp32, whatever the compute dtype
+RING_MESSAGE_ITEMSIZE = 4
+# at the backward's peak, in k/v-block units: the block in use and the next one arriving (the forward's two),
+# and three dk/dv accumulators: this step's share, the running sum still being sent to the next rank and the
+# one arriving from the previous rank
+_RING_BUFFERS = 5
+
+
+def attention_buffer_bytes(sizes: Sequence[float], cp: int, kind: str) -> float:
+    """Bytes one attention node's context-parallel kernel holds on a rank beyond the activations, at its peak.
+
+    ring (runtime.context.ring_attention): sizes = this rank's k and v blocks as the kernel sends them (fp32,
+        `RING_MESSAGE_ITEMSIZE`; s/cp tokens, k/v heads unrepeated), kv = sum(sizes). Forward: 2 kv (the block
+        attended to, the next arriving: double-buffered); backward: 2 kv plus 3 kv of dk/dv (this step's
+        share, the accumulator travelling on, the one arriving). Peak: 5 kv, in backward.
+    all-to-all (runtime.context.ulysses): sizes = q, k, v and the output on this rank (compute dtype); the
+        four all-to-alls run one at a time, each holding a contiguous send copy and a receive buffer of its
+        tensor (the reshaped result is what SDPA keeps, counted with the activations). Peak: 2 max(sizes).
+    cp = 1: 0 (plain SDPA).
+
+    >>> attention_buffer_bytes([4e6, 4e6], 4, "ring")        # 5 x an 8 MB fp32 k/v block
+    40000000.0
+    >>> attention_buffer_bytes([2e6, 1e6, 1e6, 2e6], 4, "all-to-all")
+    4000000.0
+    """
+    if cp == 1 or not sizes:
+        return 0.0
+    if kind == "ring":
+        return _RING_BUFFERS * float(sum(sizes))
+    return 2.0 * max(sizes)

@@ -221,6 +221,11 @@ class Predicted:
     # the search's closed-form estimate of this cut's step time (cut.step_time), the basis on which the
     # runners-up were ranked; step_time_s simulates the instruction lists. 0.0: not recorded (older plans)
     search_step_time_s: float = 0.0
+    # cp > 1: the most one attention node's context-parallel kernel holds beyond the activations while it runs
+    # (a ring's k/v blocks arriving and dk/dv accumulators travelling, Ulysses' all-to-all buffers:
+    # partitioner.planner.context_split.attention_buffer_bytes), part of memory.buffers when the rank's
+    # peak is mid-backward. Written in plan JSON only under cp > 1.
+    context_buffer_bytes: float = dataclasses.field(default=0.0, metadata={"omit_default": True})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -365,7 +365,9 @@ class StageEvaluator:
         - On top, the most of three moments of one microbatch's backward:
           loss (last stage): the in-flight microbatches' activations, the loss's kept output per
               microbatch in flight and the two output-sized gradients of its backward;
-          block: those activations, the gradients into and out of the blocks' largest op, ZeRO-2's
+          block: those activations, the gradients into and out of the blocks' largest op, under cp > 1 the
+              buffers of one attention node's context-parallel kernel
+              (partitioner.planner.context_split.attention_buffer_bytes), ZeRO-2's
               gradient bucket being filled (and the one before it, in flight), ZeRO-3's block gathered
               with the one prefetched and their fp32 gradient (the first block backpropagated has
               none yet, the second has freed a block's activations), before the last stage the
@@ -454,8 +456,11 @@ class StageEvaluator:
         filling = {2: reduction + (reduction if carried or several else 0.0),
                    3: max(0.0, min(2, blocks) * block * gb - freed) + before}.get(z, 0.0)
         received = 0.0 if last else ctx.boundary_bytes(j - 1, mb, self.cand.tp if self.cand.sp else 1, self.cand.cp)
+        # cp > 1: one attention node's context-parallel buffers (a ring's k/v blocks and dk/dv accumulators), held
+        # while it runs in this backward
+        attention = max(arr.cp_buffers[i:j], default=0.0)
         moments.append((carry + filling, acts + 2 * max(arr.biggest[i:j], default=0.0), 0.0,
-                        kept + gathered + received))
+                        kept + gathered + received + attention))
         # without an engine (Unreplicated) the parameter's .grad is the gradient, already in step_grads
         parts = (max(big, 2 * twice) + (twice if z < 3 else 0.0)) * pb if (flat_grads or z >= 2) else 0.0
         ending = {2: reduction * (2 if carried or several else 1) + reduction / cand.replicas,

@@ -35,7 +35,8 @@ from cost_models.mesh import Mesh
 from cost_models.placements import is_sharded
 from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
-from partitioner.planner.context_split import ATTENTION_OP, all_to_all_time, kv_blocks, local, ring_exposed
+from partitioner.planner.context_split import (ATTENTION_OP, RING_MESSAGE_ITEMSIZE, all_to_all_time, attention_buffer_bytes,
+                                               kv_blocks, local, ring_exposed)
 from partitioner.planner.expert_split import exchange_bytes, experts_of
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.tensor_split import WHAT_F, WHAT_G, WHAT_VOCAB_EMBEDDING, TPCollective, TensorSplits
@@ -76,6 +77,9 @@ class UnitCost:
     weight_grad_bytes: float = 0.0
     # of params, the expert parameters' (per rank: 1/ep of them under expert parallelism)
     expert_params: float = 0.0
+    # cp > 1: the largest buffers one of its attention nodes' context-parallel kernel holds while it runs, beyond
+    # the activations (context_split.attention_buffer_bytes; bytes per microbatch and tensor rank)
+    context_buffer_bytes: float = 0.0
 
 
 class CostContext:
@@ -313,7 +317,7 @@ class CostContext:
         def nbytes(spec) -> float:
             return spec.nbytes(mb, s) if cp == 1 else local(spec.nbytes_poly(), mb, s, cp)
 
-        fwd = bwd = act = biggest = wgt = wbytes = 0.0
+        fwd = bwd = act = biggest = wgt = wbytes = cp_buffers = 0.0
         # Recomputation (runtime.engines.recompute) runs inside the blocks only, never on the prefix or suffix
         # (the loss's inputs) a unit may also hold: their activations stay, their ops run once.
         # full: a block keeps its input; selective: the outputs of its matrix products and layer
@@ -328,10 +332,10 @@ class CostContext:
             if n.output is not None and n.output.dtype.startswith(("float", "bfloat")) and \
                     (n.block is not None or not self.g.blocks):  # the prefix's and suffix's are the loss's moment
                 biggest = max(biggest, nbytes(n.output) * sc / d)
-            flops = at(c.forward_flops) / d
+            flops = at(c.forward_flops) / d * c.executed  # causal attention: half the counted products run
             moved = (at(c.bytes_read) + at(c.bytes_written)) * sc / d
             tf = self.compute.op_time(flops, moved, c.op_class) if (flops or moved) else 0.0
-            bflops = at(c.backward_flops) / d
+            bflops = at(c.backward_flops) / d * c.executed
             tb = self.compute.op_time(bflops, 2 * moved, c.op_class) if bflops else 0.0
             if self.fp8 and n.op in FP8_GEMM_OPS:
                 operands = at(c.bytes_read) / self._traced_itemsize / d  # elements of x, W (and the bias)
@@ -354,6 +358,8 @@ class CostContext:
                 bwd += 2 * t
             if cp > 1 and n.op == ATTENTION_OP and len(n.inputs) >= 3:
                 sizes = [nbytes(t) * sc / d for t in self._context_tensors(n, d, cp, cp_kind)]
+                held = sizes if cp_kind != "ring" else [x / sc * RING_MESSAGE_ITEMSIZE / self._traced_itemsize for x in sizes]
+                cp_buffers = max(cp_buffers, attention_buffer_bytes(held, cp, cp_kind))
                 if cp_kind == "ring":
                     ring_f, ring_b = ring_exposed(sum(sizes), tf, tb, self.comm, cp_ranks)
                     collective_f += ring_f
@@ -391,13 +397,13 @@ class CostContext:
         if recompute == "selective" and block_input is not None:
             return UnitCost(forward_s=fwd, backward_s=bwd + recomputed_f, activation_bytes=outside + block_input + kept_sel,
                             working_bytes=max(0.0, act - outside - kept_sel), params=0.0, largest_output=biggest,
-                            weight_s=wgt, weight_grad_bytes=wbytes)
+                            weight_s=wgt, weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers)
         if recompute == "full" and block_input is not None:
             return UnitCost(forward_s=fwd, backward_s=bwd + block_f, activation_bytes=outside + block_input,
                             working_bytes=act - outside, params=0.0, largest_output=biggest, weight_s=wgt,
-                            weight_grad_bytes=wbytes)
+                            weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers)
         return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
-                        largest_output=biggest, weight_s=wgt, weight_grad_bytes=wbytes)
+                        largest_output=biggest, weight_s=wgt, weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers)
 
     def context_bytes(self, u: int, mb: int, tp: int, cp: int, cp_kind: str) -> float:
         """Bytes one rank sends to its context group per microbatch for unit u's attention nodes, forward and
@@ -496,6 +502,7 @@ class CostContext:
                 shared_in_block=tuple(self._param_block[p] is not None for p in shared),
                 block_par=tuple(in_block), max_param=tuple(largest), rest=tuple(_prefix([x.params - y for x, y in zip(uc, in_block)])),
                 biggest=tuple(x.largest_output for x in uc), unit_act=tuple(x.activation_bytes for x in uc),
+                cp_buffers=tuple(x.context_buffer_bytes for x in uc),
                 blocks=tuple(_prefix([1.0 if x > 0 else 0.0 for x in in_block])),
                 total_c=sum(x.forward_s + x.backward_s for x in uc), total_w=sum(x.weight_s for x in uc),
                 total_b=sum(x.backward_s for x in uc), wgrad=tuple(_prefix([x.weight_grad_bytes for x in uc])),
@@ -606,6 +613,7 @@ class UnitArrays:
     # per unit the parameters of its largest such module (per tensor rank)
     modules: tuple[float, ...] = (0.0,)
     max_module: tuple[float, ...] = ()
+    cp_buffers: tuple[float, ...] = ()  # per unit: UnitCost.context_buffer_bytes (0 at cp = 1)
 
 
 def _prefix(xs: Sequence[float]) -> list[float]:

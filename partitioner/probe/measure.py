@@ -167,8 +167,8 @@ def _elementwise(sweep: Sweep, device: torch.device) -> dict[str, float]:
 
 def _attention(sweep: Sweep, device: torch.device) -> dict[str, Any]:
     """Fused attention forward and backward (SDPA, causal, the device's 16-bit dtype; fp32 on a CPU), with the
-    FLOP the tracer's rule for `scaled_dot_product_attention` counts (tracer/op_rules.py: the full L x S
-    products, fwd 4 B H L S d + 5 B H L S, bwd twice the products + 5 B H L S): the rate the cost model's
+    FLOP the tracer's rule for causal `scaled_dot_product_attention` counts (tracer/op_rules.py: half the L x S
+    products, fwd (4 B H L S d + 5 B H L S) / 2, bwd twice the products + 5 B H L S, halved): the rate the cost model's
     attention ops run at, whichever kernel torch picks here (FlashAttention-2 reaches about 35 % of an H100's
     peak, Shah et al. 2024, "FlashAttention-3", and 50-73 % of an A100's)."""
     b, h, seq, d = sweep.attention_shape
@@ -180,7 +180,7 @@ def _attention(sweep: Sweep, device: torch.device) -> dict[str, Any]:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out, (q, k, v), grad)
 
-    scores = b * h * seq * seq
+    scores = b * h * seq * seq // 2  # causal: the products under the diagonal
     flops = 3 * (4 * scores * d) + 10 * scores
     dist.barrier()
     return {"dtype": name, "shape": [b, h, seq, d], "flops": float(flops), "seconds": _time(step, device, sweep.repeats)}

@@ -298,6 +298,15 @@ def _span(p: Plan, ranks: tuple[int, ...]) -> str:
     return "inside one node" if nodes == 1 else f"across {nodes} nodes"
 
 
+def _context_buffers(p: Plan) -> str:
+    """The memory lines' note of the context-parallel attention buffers (cp > 1 only)."""
+    if p.config.cp == 1:
+        return ""
+    what = "ring k/v blocks arriving and dk/dv accumulators" if p.config.cp_kind == "ring" else "all-to-all buffers"
+    return (f" (with {_gib(p.predicted.context_buffer_bytes)} of one attention's {what} at the backward's peak, "
+            "where that moment is the rank's peak)")
+
+
 def context_text(p: Plan) -> str:
     """The context-parallel line: how the sequence is split and what attention sends (cp > 1 only)."""
     c = p.config
@@ -344,7 +353,8 @@ def format_plan(p: Plan) -> str:
                           f"{pr.model_tflops_per_device:.1f} TFLOP/s per device, MFU {100 * pr.mfu:.1f} %")),
             ("memory", (f"peak {_gib(pr.peak_memory_bytes)} of {_gib(cap)} per rank "
                        f"({100 * pr.peak_memory_bytes / cap:.1f} %): params {_gib(m.params)}, grads {_gib(m.grads)}, "
-                       f"optimizer {_gib(m.optimizer)}, activations {_gib(m.activations)}, buffers {_gib(m.buffers)}")),
+                       f"optimizer {_gib(m.optimizer)}, activations {_gib(m.activations)}, buffers {_gib(m.buffers)}"
+                       + _context_buffers(p))),
             ("traffic", ", ".join(f"{k} {human(v, 'B')}/step" for k, v in pr.bytes_per_link.items()))):
         lines += _row(key, value)
     lines += ["", *("  " + x for x in _stage_rows(p))]
@@ -453,7 +463,7 @@ def explain_plan(p: Plan) -> str:
         out.append(f"- {c.recompute} activation recomputation: it buys the memory this plan needs.")
     out.append(f"- peak memory {_gib(pr.peak_memory_bytes)}: params {_gib(pr.memory.params)}, grads "
                f"{_gib(pr.memory.grads)}, optimizer {_gib(pr.memory.optimizer)}, activations "
-               f"{_gib(pr.memory.activations)}, buffers {_gib(pr.memory.buffers)}.")
+               f"{_gib(pr.memory.activations)}, buffers {_gib(pr.memory.buffers)}{_context_buffers(p)}.")
     lost = _lost(p)
     if lost:
         out.append(f"Runners-up, and why each lost{_basis(p, lost)}:")

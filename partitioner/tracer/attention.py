@@ -15,6 +15,10 @@ mask is the chain's additive terms gathered into one tensor in their broadcast s
 when the only term is a masked_fill / where with a value that removes the position); it is computed
 inside the region and saved by the fused kernel, so the cost rule counts it.
 
+`causal_attention` reads whether a fused attention node attends causally: `is_causal=True`, or a mask the
+graph computes from shapes alone through an ordering comparison of positions (Hugging Face's
+create_causal_mask: `kv_idx <= q_idx` over aranges); the cost rule then counts half the products.
+
 Nothing is matched by module or model name. A chain whose intermediate values are read elsewhere (the
 attention probabilities returned as an output), whose softmax runs over another dim, or whose bias is
 not additive is left as traced. A 3-d layout (BLOOM's (b*h, s, d) baddbmm, viewed to (b, h, s, s) for
@@ -33,7 +37,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["rewrite_attention", "SDPA_NAME"]
+__all__ = ["causal_attention", "rewrite_attention", "SDPA_NAME"]
 
 _aten = torch.ops.aten
 SDPA_NAME = "attention_sdpa"  # rewritten nodes are named so; the OpGraph counts them
@@ -42,6 +46,10 @@ _CASTS = {_aten.to.dtype, _aten._to_copy.default, _aten.to.dtype_layout}
 _VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 _SOFTMAX = {_aten.softmax.int, _aten._softmax.default}
 _ASSERT = {_aten._assert_tensor_metadata.default}
+# comparisons that order two positions (a causal mask's kv_idx <= q_idx); a size read that is not a value read
+_ORDER = {_aten.le.Tensor, _aten.lt.Tensor, _aten.ge.Tensor, _aten.gt.Tensor}
+_SIZE_READS = {_aten.sym_size.int, _aten.sym_size.default, _aten.size.default, _aten.sym_numel.default,
+               _aten.numel.default}
 # a masked value at or below this removes its position from the softmax in fp32, bf16 and fp16 alike
 # (exp(-1e4) underflows to 0); HF fills with torch.finfo(dtype).min, nanoGPT with -inf
 _MASKED = -1e4
@@ -304,3 +312,34 @@ def _erase(graph: fx.Graph, region: tuple[fx.Node, ...], erased: set[fx.Node]) -
         graph.erase_node(n)
         erased.add(n)
         todo += [a for a in inputs if a.target in _VIEWS | {_aten.transpose.int} and not _users(a)]
+
+
+def causal_attention(node: fx.Node) -> bool:
+    """Whether a scaled_dot_product_attention node of an exported graph attends causally, as the graph shows.
+
+    True for `is_causal=True`, and for an attn_mask computed from shapes alone (its ancestors read no graph
+    input, parameter, buffer or constant but for their sizes) through an ordering comparison of two
+    position tensors, as Hugging Face's create_causal_mask builds `kv_idx <= q_idx` from aranges (a sliding
+    window adds a second comparison: fewer products still, counted as causal). False for no mask (full
+    attention) and for a mask read from the inputs (a padding mask): its values are the data's, which the
+    graph does not show. A tril buffer (nanoGPT's registered `bias`) is a buffer's values: False too.
+    """
+    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    if causal is True:
+        return True
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    if not isinstance(mask, fx.Node):
+        return False
+    ordered, seen, todo = False, set(), [mask]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op != "call_function":  # a placeholder (input, parameter, buffer, constant) or get_attr read whole
+            return False
+        if n.target in _SIZE_READS:
+            continue
+        ordered = ordered or (n.target in _ORDER and all(isinstance(a, fx.Node) for a in n.args[:2]))
+        todo += n.all_input_nodes
+    return ordered

@@ -38,7 +38,7 @@ from partitioner.tracer.symbolic import Poly
 
 __all__ = ["load_trace", "save_trace", "source_key"]
 
-_FORMAT = 2  # 2: OpCost.fixed_activation_bytes
+_FORMAT = 3  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal
 _GRAPH, _ARCHIVE = "opgraph.json", "graph.pt2"
 
 
@@ -117,7 +117,8 @@ _COST_POLYS = ("forward_flops", "backward_flops", "bytes_read", "bytes_written",
 def _node_to_json(n: OpNode) -> dict:
     d = _fields(n)
     d["output"] = _spec_to_json(n.output)
-    d["cost"] = {**{k: getattr(n.cost, k).to_json() for k in _COST_POLYS}, "op_class": n.cost.op_class}
+    d["cost"] = {**{k: getattr(n.cost, k).to_json() for k in _COST_POLYS}, "op_class": n.cost.op_class,
+                 "causal": n.cost.causal}
     return d
 
 
@@ -125,7 +126,8 @@ def _node_from_json(d: dict) -> OpNode:
     cost = d["cost"]
     return OpNode(**{**d, "inputs": tuple(d["inputs"]), "params": tuple(d["params"]),
                      "output": _spec_from_json(d["output"]),
-                     "cost": OpCost(**{k: Poly.from_json(cost[k]) for k in _COST_POLYS}, op_class=cost["op_class"])})
+                     "cost": OpCost(**{k: Poly.from_json(cost[k]) for k in _COST_POLYS}, op_class=cost["op_class"],
+                                    causal=cost.get("causal", False))})
 
 
 def _graph_to_json(g: OpGraph) -> dict:

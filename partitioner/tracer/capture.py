@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from cost_models.errors import TraceError
+from partitioner.tracer.attention import causal_attention
 from partitioner.tracer.attention import rewrite_attention as rewrite_attention_in
 from partitioner.tracer.symbolic import B, S
 
@@ -63,6 +64,7 @@ class RawNode:
     module_path: str
     module_type: str
     scalars: tuple[Any, ...] = ()  # non-tensor positional args, for rules that need them (dropout p)
+    causal: bool = False  # attention that attends causally (attention.causal_attention): half the products
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -216,7 +218,8 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
         path, typ = _module_path_and_type(n)
         node_args, scalars = _collect_args(n, refs)
         raw = RawNode(name=n.name, op=op, target=str(tgt), args=node_args, outputs=outs,
-                      module_path=path, module_type=typ, scalars=scalars)
+                      module_path=path, module_type=typ, scalars=scalars,
+                      causal=op == "scaled_dot_product_attention" and causal_attention(n))
         if outs:
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)
@@ -372,7 +375,8 @@ def _capture_fx(model, args, kwargs, dynamic_seq: bool, leaf_modules: tuple[type
             name = "getitem" if n.target is operator.getitem else getattr(n.target, "__name__", str(n.target))
             op, target = _canonical(name), f"{getattr(n.target, '__module__', '')}.{name}".lstrip(".")
         nodes.append(RawNode(name=n.name, op=op, target=target, args=node_args, outputs=outs,
-                             module_path=path, module_type=typ, scalars=scalars))
+                             module_path=path, module_type=typ, scalars=scalars,
+                             causal=op == "scaled_dot_product_attention" and causal_attention(n)))
         refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
     return Capture(nodes=tuple(nodes), inputs=tuple(inputs), method="fx",
                    batch_symbolic=batch_symbolic, graph_module=gm)

@@ -4,7 +4,9 @@ Counting conventions (the ones Megatron-LM, PaLM's MFU and
 torch.utils.flop_counter use for the ops that dominate):
 - a multiply-add is 2 FLOPs: linear/matmul `2*M*N*K`, convolution
   `2 * out_numel * Cin/groups * prod(kernel)`, attention
-  `2*B*H*L*S*(E + Ev)`;
+  `2*B*H*L*S*(E + Ev)`, the full L x S products also for causal attention (Megatron's and PaLM's
+  model FLOPs, which MFU is quoted in); the time model runs a causal one at half of them
+  (`OpCost.causal`);
 - backward of a matmul-like op costs one forward for the input gradient
   (if the input requires grad) and one for the weight gradient (if the
   weight requires grad): the familiar 3x for a full training step;

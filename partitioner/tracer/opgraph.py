@@ -78,6 +78,9 @@ class OpCost:
     op_class: the compute model's class of the op.
     fixed_activation_bytes: the part of activation_bytes that is boolean masks and integer indices,
         whose size does not follow the compute precision (a 16-bit run halves only the rest).
+    causal: attention that attends causally (partitioner.tracer.attention.causal_attention): its FLOPs
+        count the full L x S products (the model FLOPs of MFU), of which a causal kernel computes half
+        (FlashAttention-2 skips the blocks above the diagonal; Dao 2023 counts it so): `executed`.
     """
 
     forward_flops: Poly
@@ -87,6 +90,12 @@ class OpCost:
     activation_bytes: Poly
     op_class: OpClass
     fixed_activation_bytes: Poly = Poly()
+    causal: bool = False
+
+    @property
+    def executed(self) -> float:
+        """The share of the counted FLOPs a kernel runs: 1/2 for causal attention, else 1."""
+        return 0.5 if self.causal else 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -251,7 +251,7 @@ def _costed(n, c, extra_bytes, fixed_bytes, kept: bool, rg, s_value: int, seq: i
                   bytes_read=to_poly(c.bytes_read, s_value=s_value),
                   bytes_written=to_poly(c.bytes_written, s_value=s_value),
                   activation_bytes=to_poly(act, s_value=s_value), op_class=c.op_class,
-                  fixed_activation_bytes=to_poly(fixed_bytes, s_value=s_value))
+                  fixed_activation_bytes=to_poly(fixed_bytes, s_value=s_value), causal=n.causal)
     return Costed(
         name=n.name, op=n.op, target=n.target,
         inputs=tuple(a.ref for a in n.args if a.kind in ("node", "input")),
