@@ -208,3 +208,27 @@ def test_bf16_mixed_trains_close_to_one_process():
     for k, v in trained.model.state_dict().items():
         want, got = v - start[k], out.state_dict[k] - start[k]
         assert float((got - want).norm()) <= 0.3 * float(want.norm()), (k, float((got - want).norm() / want.norm()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, saved, resumed", [
+    # expert shards of a flat buffer -> whole experts under plain data parallelism, where each rank's
+    # load-balancing loss is its own tokens' (as the model computes it), not one process's: no aux loss here
+    ("mixtral_no_aux", dict(dp=4, ep=2, zero=1), dict(dp=2, ep=1, zero=0)),
+    ("mixtral", dict(dp=2, ep=2, zero=0), dict(dp=4, ep=2, zero=3)),  # slices -> shards of other ranks' slices
+])
+def test_a_checkpoint_saved_under_ep_resumes_under_another_plan(tmp_path, name, saved, resumed):
+    """Steps 1-2 under one plan, checkpointed (parameters and SGD momentum as boxes of the full [E, ...] expert
+    tensors), steps 3-4 under another: the same losses and parameters as one process training steps 1-4."""
+    from ranks import assert_trains_like
+    from runtime import launch_local
+
+    model_fn, loss_fn, data = {**MODELS, **OTHERS}[name], LOSSES.get(name, moe_loss), batches(4)
+    a = launch_local(plan_for(name, **saved), model_fn, sgd, loss_fn, data[:2], save_dir=tmp_path, save_every=2,
+                     timeout_s=240)
+    assert a.checkpoints
+    b = launch_local(plan_for(name, **resumed), model_fn, sgd, loss_fn, data, resume_from=tmp_path, timeout_s=240)
+    assert b.start_step == 2
+    trained = train_one_process(model_fn, sgd, loss_fn, data)
+    torch.testing.assert_close(torch.tensor(a.losses), torch.tensor(trained.losses[:2]), rtol=1e-5, atol=1e-6)
+    assert_trains_like(b, trained.losses[2:], trained.model.state_dict())

@@ -116,19 +116,24 @@ def _pieces(runner: Any) -> tuple[list[_Piece], dict[str, tuple[int, ...]], list
     """This rank's pieces, every parameter's full shape, and the holders in optimizer order."""
     engine, _opt, placements, tp_rank, tp_world = _runner_parts(runner)
     held = list(engine.master_pieces())
+    # expert slices (runtime.experts.engine) are blocks of the ep group along dim 0, not tensor-parallel slices
+    slices = engine.expert_slices() if hasattr(engine, "expert_slices") else {}
     for name, p in getattr(getattr(runner, "stage", None), "tied", {}).items():  # tied copies outside the engine
         held.append((p, ((name, tuple(p.shape), 0, p.numel(), 0),)))
     pieces: list[_Piece] = []
     shapes: dict[str, tuple[int, ...]] = {}
     for holder, ranges in held:
         for name, local_shape, a, b, at in ranges:
-            spec, fused = placements.get(name, (REPLICATED, 1))
-            d = sharded_dim(spec)
-            shapes[name] = full_shape(local_shape, d, tp_world)
+            if name in slices:
+                (d, index, count), fused = slices[name], 1
+            else:
+                spec, fused = placements.get(name, (REPLICATED, 1))
+                d, index, count = sharded_dim(spec), tp_rank, tp_world
+            shapes[name] = full_shape(local_shape, d, count)
             pos = at
             for box in range_boxes(local_shape, a, b):
                 n = math.prod(box.sizes)
-                for lb in local_to_full(box, local_shape, d, tp_rank, tp_world, fused):
+                for lb in local_to_full(box, local_shape, d, index, count, fused):
                     rel = Box(tuple(o - r for o, r in zip(lb.local.offsets, box.offsets)), lb.local.sizes)
                     pieces.append(_Piece(name, holder, lb.full, pos, box.sizes, rel))
                 pos += n

@@ -181,10 +181,33 @@ class ExpertParallel:
         out["total"] += extra + grads
         return out
 
-    def master_pieces(self):
-        raise NotImplementedError("checkpoints of expert-parallel programs are not written yet: the expert slices "
-                                  "would need their boxes of the full [E, ...] tensors; train without save_dir, or "
-                                  "compile with ep=1")
+    def master_pieces(self) -> list[tuple[torch.Tensor, tuple[tuple[str, tuple[int, ...], int, int, int], ...]]]:
+        """What a checkpoint saves and loads (as DataParallel.master_pieces): the dense engine's pieces, then
+        this rank's expert values, the slices themselves or (sharded) its shard of their flat buffer. The
+        ranges are in each slice's shape; `expert_slices` says where a slice sits in the full [E, ...] tensor."""
+        out = list(self.engine.master_pieces())
+        if not self.sharded:
+            return out + [(p, ((n, tuple(p.shape), 0, p.numel(), 0),)) for n, p in self.experts.items()]
+        ranges, off, lo, hi = [], 0, self._lo, self._lo + self._shard.numel()
+        for (n, p), k in zip(self.experts.items(), self._numels):
+            a, b = max(off, lo), min(off + k, hi)
+            if a < b:
+                ranges.append((n, tuple(p.shape), a - off, b - off, a - lo))
+            off += k
+        return out + [(self._shard, tuple(ranges))]
+
+    def expert_slices(self) -> dict[str, tuple[int, int, int]]:
+        """name -> (dim, index, count): each expert slice is block `ep_rank` of `ep` along dim 0 of its full
+        tensor (the order `full_state_dict` gathers them in), whatever the tensor-parallel placements say."""
+        return {n: (0, self.ep_rank, self.ep) for n in self.experts}
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """After a checkpoint was loaded into `master_pieces`: the dense engine's refresh, and (sharded) the
+        expert shards gathered into the slices the code reads."""
+        self.engine.refresh_params()
+        if self.sharded:
+            self._gather()
 
     def __str__(self) -> str:
         return f"ExpertParallel({self.engine}, ep={self.ep} rank {self.ep_rank}, {len(self.experts)} expert params)"
