@@ -232,3 +232,24 @@ def test_a_checkpoint_saved_under_ep_resumes_under_another_plan(tmp_path, name, 
     trained = train_one_process(model_fn, sgd, loss_fn, data)
     torch.testing.assert_close(torch.tensor(a.losses), torch.tensor(trained.losses[:2]), rtol=1e-5, atol=1e-6)
     assert_trains_like(b, trained.losses[2:], trained.model.state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, pins", [
+    ("mixtral", dict(dp=2, ep=2, zero=0)),        # the data-parallel runner; expert squares summed over ep
+    ("mixtral", dict(dp=4, ep=2, zero=1)),        # expert shards: every rank's squares summed over dp
+    ("mixtral", dict(dp=2, ep=2, tp=2, zero=0)),  # the tensor-parallel runner: experts counted once per slice
+])
+def test_clipping_counts_every_expert_once(name, pins):
+    """clip_grad_norm at a norm the gradients exceed: the global norm over the dense parameters and every
+    expert (each held by one ep rank, or sharded, or replicated over the tensor group), as torch's
+    clip_grad_norm_ computes it over one process's whole model."""
+    from ranks import assert_trains_like
+    from runtime import launch_local
+
+    clip, data = 0.5, batches()
+    out = launch_local(plan_for(name, clip_grad_norm=clip, **pins), mixtral_seeded, sgd, moe_loss, data,
+                       timeout_s=240)
+    trained = train_one_process(mixtral_seeded, sgd, moe_loss, data, clip_grad_norm=clip)
+    assert min(trained.grad_norms) > clip, trained.grad_norms  # it does clip
+    assert_trains_like(out, trained.losses, trained.model.state_dict())

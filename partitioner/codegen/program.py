@@ -92,7 +92,7 @@ def not_runnable_ep(plan: "Plan") -> str:
     plan's model code (partitioner.codegen.segment_ep) with data, pipeline and tensor parallelism (cp = 1, no
     sequence parallelism; the load-balancing loss with pp = 1 only), fp32 or bf16-mixed,
     any ZeRO stage (the experts' optimizer state and gradients sharded over the ranks holding the same experts,
-    runtime.experts.engine), without recomputation or gradient clipping."""
+    runtime.experts.engine), without recomputation."""
     c = plan.config
     if c.ep == 1:
         return ""
@@ -121,9 +121,6 @@ def not_runnable_ep(plan: "Plan") -> str:
     if c.recompute != "none":
         return (f"{what} with recompute={c.recompute!r}: a recomputed MoE layer would record its router logits "
                 f"twice for the load-balancing loss; compile with recompute='none'{fix}")
-    if plan.clip_grad_norm is not None:
-        return (f"{what} with clip_grad_norm={plan.clip_grad_norm}: the global norm would need the expert slices' "
-                f"squares summed over the ep group, which the engine does not do yet; compile without clipping{fix}")
     return ""
 
 

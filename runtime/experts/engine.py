@@ -141,9 +141,56 @@ class ExpertParallel:
         if self.sharded:
             self._gather()
 
+    def _shard_ranges(self) -> list[tuple[str, tuple[int, ...], int, int, int]]:
+        """(name, slice shape, start, stop, offset): elements [start, stop) of each expert slice's flattening
+        that this rank's shard holds, at [offset, offset + stop - start) of the shard."""
+        ranges, off, lo, hi = [], 0, self._lo, self._lo + self._shard.numel()
+        for (n, p), k in zip(self.experts.items(), self._numels):
+            a, b = max(off, lo), min(off + k, hi)
+            if a < b:
+                ranges.append((n, tuple(p.shape), a - off, b - off, a - lo))
+            off += k
+        return ranges
+
+    @torch.no_grad()
+    def grad_square_sum(self, weight) -> torch.Tensor:
+        """The dense engine's sum of weight(name) * |g|^2 plus this rank's expert gradients', after
+        finish_gradients, to be summed over the same groups as the dense engine's (PipelineRunner._clip):
+        over dp x cp when the dense engine is ZeRO >= 1, where every rank holds other expert elements (other
+        experts, or another shard of the same ones). Under ZeRO-0 the ranks holding the same experts hold the
+        same gradients and the caller sums nothing over dp, so the ep group's are summed here."""
+        sq = self.engine.grad_square_sum(weight)
+        ex = torch.zeros_like(sq)
+        if self.sharded:
+            if self._shard.grad is not None:
+                for n, _shape, a, b, at in self._shard_ranges():
+                    ex += weight(n) * torch.linalg.vector_norm(self._shard.grad[at:at + b - a], dtype=torch.float64) ** 2
+        else:
+            for n, p in self.experts.items():
+                if p.grad is not None:
+                    ex += weight(n) * torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2
+        if self.engine.zero_stage == 0 and self.ep > 1:
+            self.collectives.all_reduce(ex, self.ep_group, op="sum")
+        return sq + ex
+
+    @torch.no_grad()
+    def scale_grads_(self, coef: torch.Tensor) -> None:
+        """Every gradient the optimizer will step, dense and expert, times coef."""
+        self.engine.scale_grads_(coef)
+        for p in ([self._shard] if self.sharded else self.experts.values()):
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
-        raise NotImplementedError("gradient clipping under expert parallelism: the norm would need the expert "
-                                  "slices' squares summed over the ep group; compile with clip_grad_norm=None")
+        """torch's clip_grad_norm_ over the dense and the expert gradients together (DataParallel's, for a
+        program with no tensor or pipeline group): the norm before clipping, the same on every rank."""
+        sq = self.grad_square_sum(lambda name: 1.0)
+        if self.engine.zero_stage > 0:
+            self.collectives.all_reduce(sq, self.engine.group, op="sum")
+        norm = sq.sqrt().float()
+        self.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return float(norm.item())
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
@@ -188,13 +235,7 @@ class ExpertParallel:
         out = list(self.engine.master_pieces())
         if not self.sharded:
             return out + [(p, ((n, tuple(p.shape), 0, p.numel(), 0),)) for n, p in self.experts.items()]
-        ranges, off, lo, hi = [], 0, self._lo, self._lo + self._shard.numel()
-        for (n, p), k in zip(self.experts.items(), self._numels):
-            a, b = max(off, lo), min(off + k, hi)
-            if a < b:
-                ranges.append((n, tuple(p.shape), a - off, b - off, a - lo))
-            off += k
-        return out + [(self._shard, tuple(ranges))]
+        return out + [(self._shard, tuple(self._shard_ranges()))]
 
     def expert_slices(self) -> dict[str, tuple[int, int, int]]:
         """name -> (dim, index, count): each expert slice is block `ep_rank` of `ep` along dim 0 of its full
