@@ -92,7 +92,7 @@ def not_runnable_ep(plan: "Plan") -> str:
     plan's model code (partitioner.codegen.segment_ep) with data, pipeline and tensor parallelism (cp = 1, no
     sequence parallelism; the load-balancing loss with pp = 1 only), fp32 or bf16-mixed,
     any ZeRO stage (the experts' optimizer state and gradients sharded over the ranks holding the same experts,
-    runtime.experts.engine), without recomputation."""
+    runtime.experts.engine)."""
     c = plan.config
     if c.ep == 1:
         return ""
@@ -118,9 +118,6 @@ def not_runnable_ep(plan: "Plan") -> str:
         return (f"{what} with precision={plan.precision!r}: the expert slices are kept outside the data-parallel "
                 f"engine as fp32 masters, cast to the compute dtype as the code reads them, and unscaled by no loss "
                 f"scaler; compile with precision='fp32' or 'bf16-mixed'{fix}")
-    if c.recompute != "none":
-        return (f"{what} with recompute={c.recompute!r}: a recomputed MoE layer would record its router logits "
-                f"twice for the load-balancing loss; compile with recompute='none'{fix}")
     return ""
 
 
