@@ -133,6 +133,8 @@ CASES = [
     ("gpt", 2, 1, 2, "zb-v", 2, 0),
     # four pipeline ranks, eight virtual stages: interleaved-zb's rounds of pp microbatches; zb-v with m = 4 <
     # 2 pp - 1, its V not filled (the lists built for 2 pp - 1 microbatches, the missing ones dropped)
+    ("gpt8", 4, 1, 1, "zb-h1", 1, 0),
+    ("llama8", 4, 1, 1, "zb-h1", 1, 0),
     ("gpt8", 4, 1, 1, "interleaved-zb", 2, 0),
     ("gpt8", 4, 1, 1, "zb-v", 2, 0),
     ("llama8", 4, 1, 1, "interleaved-zb", 2, 0),
