@@ -130,9 +130,10 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                     zeros = [d.zero_stage] if d.zero_stage is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
                     recomputes = [d.recompute] if d.recompute is not None else ["none", "selective", "full"]
                     if sched in SPLIT_BACKWARD:  # what a split backward does not run with (declarations.py)
-                        # ZeRO-3 runs when pinned with this schedule, but each W gathers its units again
-                        # (zero3.split_backward), which the cost model does not charge: the search does not
-                        # pick the pair by itself (ZeRO-3 pinned alone keeps the schedules costed right)
+                        # ZeRO-3 runs when pinned with this schedule, each W gathering its units again
+                        # (zero3.split_backward); the cost model charges that gather, but measured on Gloo the
+                        # pair ran 1.3-1.45x slower than ZeRO-3 with 1F1B where it predicts 0.91x: the search
+                        # does not pick it by itself until W's cost is understood
                         zeros = [z for z in zeros if z != 3 or (d.zero_stage == 3 and d.schedule == sched)]
                         recomputes = [rc for rc in recomputes if rc != "selective"]
                     for z, rc in itertools.product(zeros, recomputes):

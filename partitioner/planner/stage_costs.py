@@ -67,6 +67,7 @@ from cost_models.memory import (
 from cost_models.mesh import Mesh
 from cost_models.powersgd import LowRank
 from partitioner.planner.context_split import local
+from partitioner.planner.declarations import SPLIT_BACKWARD
 from partitioner.planner.expert_split import edp_ranks
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.schedule import chunk_peaks, stage_rank
@@ -584,12 +585,11 @@ class StageEvaluator:
         elif cand.replicas > 1:
             per_step = m if z >= 2 else 1
             n = max(1, units) if z == 3 else 1
-            # per-module units are gathered again for a recomputed forward (runtime.engines.zero3)
-            regather = z == 3 and cand.zero3_unit == "module" and cand.recompute != "none"
+            regathers = self._zero3_regathers() if z == 3 else 0
             gather = self._param_gather(params) if z in (1, 2) else 0.0  # the updated parameters', in the compute dtype
             for option in self.options:
                 if z == 3:
-                    exposed[option] = m * self._zero3_exposed(params / n, n, f, b, option, regather=regather)
+                    exposed[option] = m * self._zero3_exposed(params / n, n, f, b, option, regathers=regathers)
                     continue
                 wire, kernel = self._reduction(params, option, lr)
                 exposed[option] = per_step * (max(0.0, wire - overlap * b) + kernel) + gather
@@ -616,7 +616,9 @@ class StageEvaluator:
                 n = max(1, units)
                 g = gather_time(expert / n, ranks, comm, "none", param_bytes=self._param_bytes)
                 r = reduce_scatter_time(expert / n, ranks, comm, "none", reduce_bytes=self._grad_bytes)
-                exposed = m * (max(0.0, n * g.wire_s - overlap * f) + max(0.0, n * (g.wire_s + r.wire_s) - overlap * b))
+                gathers = 1 + self._zero3_regathers()
+                exposed = m * (max(0.0, n * g.wire_s - overlap * f) +
+                               max(0.0, n * (gathers * g.wire_s + r.wire_s) - overlap * b))
             else:
                 t = all_reduce_time(expert, ranks, comm, {}, reduce_bytes=self._grad_bytes) if z <= 1 else \
                     reduce_scatter_time(expert, ranks, comm, "none", reduce_bytes=self._grad_bytes)
@@ -627,8 +629,16 @@ class StageEvaluator:
         hit = self._reduce_memo[key] = (exposed, shard * self._optim_bytes / self._hbm)
         return hit
 
+    def _zero3_regathers(self) -> int:
+        """How many more times than once a ZeRO-3 unit is gathered in each microbatch's backward: again for a
+        recomputed forward where units are per module (runtime.engines.zero3; a block unit is still whole from
+        the backward's own gather), and again for W where the schedule splits the backward (each W gathers the
+        units it reaches, freed after I: runtime.engines.zero3 split_backward)."""
+        cand = self.cand
+        return int(cand.zero3_unit == "module" and cand.recompute != "none") + int(cand.schedule in SPLIT_BACKWARD)
+
     def _zero3_exposed(self, unit_params: float, n: int, f: float, b: float, option: tuple[str, str], *,
-                       regather: bool = False) -> float:
+                       regathers: int = 0) -> float:
         """Exposed seconds of one microbatch's ZeRO-3 traffic: n units of `unit_params` each, gathered
         for the forward and again for the backward, their gradients reduce-scattered in the backward.
 
@@ -638,16 +648,16 @@ class StageEvaluator:
         of it (the ZeRO paper's 3 transfers of the parameters per step, 1.5x DDP's volume, where
         a pass of data parallelism's all-reduce is 2). Not each behind the whole backward, as if
         the link carried a gather and a reduce-scatter at once. Kernel time (int8 codes) never
-        hides. With `regather` (per-module units under recomputation) the backward also gathers
-        each unit for its recomputed forward: n more gathers behind b (the backward's time counts the
-        recomputation), 4 transfers of the parameters per step. Each collective pays its link's
+        hides. `regathers` (`_zero3_regathers`: per-module units under recomputation, a split backward's W)
+        adds that many more gathers of each unit behind b (the backward's time counts the recomputation and
+        W), 4 or 5 transfers of the parameters per step. Each collective pays its link's
         latency (the alpha of `gather_time` and `reduce_scatter_time`), so n units of P/n cost more
         than one of P: what finer units pay for holding less.
         """
         overlap = self.ctx.cal.dp_overlap
         g_wire, g_kernel = self._gather(unit_params, group_compressor(option))
         r_wire, r_kernel = self._reduction(unit_params, option, None)
-        gathers = 2 if regather else 1  # in the backward
+        gathers = 1 + regathers  # in the backward
         forward = max(0.0, n * g_wire - overlap * f)
         backward = max(0.0, n * (gathers * g_wire + r_wire) - overlap * b)
         return forward + backward + n * ((1 + gathers) * g_kernel + r_kernel)
