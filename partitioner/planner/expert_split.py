@@ -180,8 +180,9 @@ def summary(experts: Experts, c: "ParallelConfig", *, numel: dict[str, int], all
     total = experts.expert_params(numel)
     if c.ep == 1:
         why = experts.why_not or (
-            "ep > 1 was not faster: its all-to-alls of routed tokens and the busiest rank's extra expert load cost "
-            "more than the expert memory and gradient traffic it saves" if math.gcd(c.dp, e) > 1
+            "ep > 1 was not faster: its all-to-alls of routed tokens and the busiest rank's extra expert load "
+            f"({cal_imbalance:g} x the mean, Calibration.expert_imbalance) cost more than the expert memory and "
+            "gradient traffic it saves" if math.gcd(c.dp, e) > 1
             else f"no ep > 1 divides both dp={c.dp} and the {e} experts")
         return (f"expert parallelism: ep=1 ({'as declared' if declared else why}); the {len(layers)} MoE layers' "
                 f"{_count(total)} expert parameters are held whole on every data-parallel rank")
