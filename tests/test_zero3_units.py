@@ -312,3 +312,18 @@ def test_bf16_mixed_per_module_is_bit_identical_to_per_block():
     assert out["module"].losses == out["block"].losses
     for name, value in out["block"].state_dict.items():
         assert torch.equal(out["module"].state_dict[name], value), name
+
+
+def test_a_split_backward_is_charged_ws_gather_of_every_unit(graph):
+    """Under a zero-bubble schedule each W gathers its units again (runtime.engines.zero3's split_backward): with
+    nothing hidden (dp_overlap 0) a microbatch's ZeRO-3 traffic is 3 gathers and a reduce-scatter of each unit,
+    not 1F1B's 2 and 1, so the exposed time is about 4/3 of 1F1B's (the same gathers and reduce-scatters)."""
+    from cost_models.calibration import Calibration
+
+    def exposed(schedule):
+        return compile(graph, "2x2xA100-80GB", global_batch_size=8, pp=2, dp=2, zero_stage=3, schedule=schedule,
+                       microbatch_size=2, alternatives=0,
+                       calibration=Calibration(dp_overlap=0.0)).predicted.exposed_comm_s
+
+    ratio = exposed("zb-h1") / exposed("1f1b")
+    assert 1.25 < ratio < 1.4, ratio
