@@ -5,7 +5,7 @@ Benchmark script, not a test: figures are printed, never asserted. Usage (from a
     python bench/runtime_3d.py                                   # gpipe/1f1b at pp 2 and 4, tp 2 (a few minutes)
     python bench/runtime_3d.py --rows pp2-gpipe,tp2 --steps 20
     python bench/runtime_3d.py --rounds 3                        # alternate compiled/torch 3 times, pool the steps
-    python bench/runtime_3d.py --torch-same-work                 # torch pipeline also syncs the tie and the loss
+    python bench/runtime_3d.py --torch-same-work                 # torch pipeline also sums the tie and the loss
     python bench/runtime_3d.py --rows tp2 --losses               # and print both sides' loss at every step
 
 Rows (the name is what ``--rows`` takes):
@@ -14,6 +14,11 @@ Rows (the name is what ``--rows`` takes):
     pp2-zb-h1 pp4-zb-h1                     the same, zero bubble (torch: ScheduleInterleavedZeroBubble, one stage per rank)
     pp2-interleaved-zb                      two stages per rank at stage % pp (torch: ScheduleInterleavedZeroBubble)
     pp2-zb-v                                two stages per rank in a V, 0 and 3 on rank 0 (torch: ScheduleZBVZeroBubble)
+    pp2-dualpipe-v                          the same V, DualPipe-V's order (torch: ScheduleDualPipeV; its overlapped
+                                            F/B pairs run as forward then backward on both sides). In both V rows
+                                            the losses part from step 2 (~1e-3): torch's split backward and the
+                                            tied wte / lm_head held as one Parameter by two stages of rank 0
+                                            (docs/benchmarks.md, zero-bubble rows)
     tp2                                     tensor parallel, pp = dp = 1, one microbatch of 8
 
 Pipeline rows. Model: the benchmark model of docs/torch-notes.md,
@@ -62,13 +67,22 @@ optimizer calls and ``float(loss)``. Reported is rank 0's time on both sides
 stage, which runs the last backward, so its step spans the whole pipeline.
 
 Work the compiled pipeline step does that torch's does not (by default): it
-all-reduces the tied wte/lm_head gradient between the first and last stage
-(2.1M floats, 8 MB) and sums the scalar loss over the pipeline (its contract
-is to return the global loss on every rank); before each activation it also
-sends a small shape header (one extra Gloo message per microbatch and stage
-boundary). ``--torch-same-work`` makes the torch pipeline do the first two as
-well (then the two sides train the identical tied model and their losses agree
-at every step). The compiled TP plan shards the embedding by vocabulary rows
+sums the tied wte/lm_head gradient over the first and last stage (2.1M floats,
+8 MB) and sums the scalar loss over the pipeline (its contract is to return the
+global loss on every rank). ``--torch-same-work`` makes the torch pipeline do
+both as well (then the two sides train the identical tied model and their
+losses agree at every step), as a torch user would write them: after
+``schedule.step``, a blocking ``all_reduce`` of the tied gradient, then the
+optimizer, then a blocking ``all_reduce`` of the loss. Where the compiled step
+places the same two reductions is its own decision (runtime/pipeline/runner.py):
+the tied gradient goes to the first stage as one message whose receive is posted
+before that stage's last backward, so it travels while that backward runs, and
+the sum comes back as another; the loss's sum is launched as soon as the last
+backward is done and waited for after the optimizer. In the V rows (zb-v,
+dualpipe-v) both ends of the V are on rank 0, so neither side has a tied
+gradient to exchange. Both sides size received activations without a message
+(torch from its shape inference, the compiled program from the microbatch's
+own sizes). The compiled TP plan shards the embedding by vocabulary rows
 (a vocab-parallel embedding, one more all-reduce per step); the torch side
 keeps it replicated.
 
@@ -108,16 +122,21 @@ class Row:
     """One comparison: a compiled plan and torch's implementation of the same parallelism."""
 
     name: str
-    schedule: str  # "gpipe", "1f1b", "zb-h1", "interleaved-zb" or "zb-v"; the tp row runs one microbatch
+    schedule: str  # "gpipe", "1f1b", "zb-h1", "interleaved-zb", "zb-v" or "dualpipe-v"; the tp row: one microbatch
     pp: int
     tp: int
     interleave: int = 1  # virtual stages per pipeline rank
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The virtual stages pipeline rank `rank` holds: rank + k pp, or zb-v's V (rank, 2 pp - 1 - rank)."""
-        if self.schedule == "zb-v":
+        """The virtual stages pipeline rank `rank` holds: rank + k pp, or the V (rank, 2 pp - 1 - rank) of
+        zb-v and dualpipe-v."""
+        if self.v_shaped:
             return (rank, 2 * self.pp - 1 - rank)
         return tuple(range(rank, self.pp * self.interleave, self.pp))
+
+    @property
+    def v_shaped(self) -> bool:
+        return self.schedule in ("zb-v", "dualpipe-v")
 
     @property
     def world(self) -> int:
@@ -128,7 +147,7 @@ class Row:
         if self.tp > 1:
             return "DTensor parallelize_module (Colwise q/k/v/gate/up, Rowwise o/down)"
         return {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble",
-                "interleaved-zb": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble"}[self.schedule] \
+                "interleaved-zb": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble", "dualpipe-v": "ScheduleDualPipeV"}[self.schedule] \
             + " + PipelineStage"
 
 
@@ -141,6 +160,7 @@ ROWS = {r.name: r for r in (
     Row(name="pp4-zb-h1", schedule="zb-h1", pp=4, tp=1),
     Row(name="pp2-interleaved-zb", schedule="interleaved-zb", pp=2, tp=1, interleave=2),
     Row(name="pp2-zb-v", schedule="zb-v", pp=2, tp=1, interleave=2),
+    Row(name="pp2-dualpipe-v", schedule="dualpipe-v", pp=2, tp=1, interleave=2),  # m = 4 >= 2 pp, as it needs
     Row(name="tp2", schedule="1f1b", pp=1, tp=2),
 )}
 
@@ -204,6 +224,7 @@ def _torch_pipeline(row: Row, rank: int, batches: list, stage_blocks: list, same
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
+        ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleavedZeroBubble,
         ScheduleZBVZeroBubble,
@@ -214,20 +235,21 @@ def _torch_pipeline(row: Row, rank: int, batches: list, stage_blocks: list, same
     pp, S = row.pp, row.pp * row.interleave
     mine = row.stages_of(rank)
     first, last = 0 in mine, S - 1 in mine
-    model = gpt_small_seeded()  # one model per rank: zb-v's stages 0 and S - 1 share its tied wte / lm_head
+    model = gpt_small_seeded()  # one model per rank: the V's stages 0 and S - 1 share its tied wte / lm_head
     modules = [_gpt_stage(model, tuple(stage_blocks[s])) for s in mine]
     stages = [PipelineStage(mod, s, S, device=torch.device("cpu")) for mod, s in zip(modules, mine)]
     n = GLOBAL_BATCH // MICROBATCH
     if row.schedule in ("zb-h1", "interleaved-zb"):  # with one stage per rank torch's interleaved ZB is ZB-H1
         schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=n, loss_fn=_logits_loss)
-    elif row.schedule == "zb-v":
-        schedule = ScheduleZBVZeroBubble(stages, n_microbatches=n, loss_fn=_logits_loss)
+    elif row.v_shaped:
+        cls = ScheduleZBVZeroBubble if row.schedule == "zb-v" else ScheduleDualPipeV
+        schedule = cls(stages, n_microbatches=n, loss_fn=_logits_loss)
     else:
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[row.schedule]
         schedule = cls(stages[0], n_microbatches=n, loss_fn=_logits_loss)
     params = list({id(p): p for mod in modules for p in mod.parameters()}.values())  # a shared tie once
     optimizer = adamw(params)
-    ends = sorted({0, pp - 1} if row.schedule != "zb-v" else {0})  # the ranks holding stage 0 and stage S - 1
+    ends = sorted({0, pp - 1} if not row.v_shaped else {0})  # the ranks holding stage 0 and stage S - 1
     tie_group = dist.new_group(ends) if same_work and len(ends) > 1 else None  # every rank calls new_group
     tied = (modules[0].wte.weight if first else modules[-1].lm_head.weight if last else None) \
         if tie_group is not None else None
@@ -235,7 +257,7 @@ def _torch_pipeline(row: Row, rank: int, batches: list, stage_blocks: list, same
     for idx, targets in batches:
         t0 = time.perf_counter()
         mb_losses: list = []
-        if first and last:   # zb-v: the V's two ends on rank 0
+        if first and last:   # zb-v, dualpipe-v: the V's two ends on rank 0
             schedule.step(idx, target=targets, losses=mb_losses, return_outputs=False)
         elif first:
             schedule.step(idx, return_outputs=False)

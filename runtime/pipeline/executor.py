@@ -184,6 +184,9 @@ class PipelineExecutor:
     feed_inputs: call every stage as stage(x, model inputs of the microbatch)
         (stage 0 with x None), for stages that read the model's inputs (labels,
         masks); every rank then passes microbatches_in.
+    before_last_backward: called right before the rank's last B or W (the one that launches the
+        gradient reductions), e.g. to post the receive of a gradient summed after it
+        (`runtime.pipeline.runner`'s tied gradient).
     """
 
     def __init__(self, *, actions: Sequence[Any], stages: dict[int, Callable], num_stages: int,
@@ -195,13 +198,15 @@ class PipelineExecutor:
                  split_backward: Callable[[str, Sequence[torch.Tensor]], contextlib.AbstractContextManager]
                  | None = None,
                  activation_shape: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]] | None = None,
-                 timeout: datetime.timedelta | None = None, feed_inputs: bool = False):
+                 timeout: datetime.timedelta | None = None, feed_inputs: bool = False,
+                 before_last_backward: Callable[[], None] | None = None):
         self.actions = tuple(parse_action(a) for a in actions)
         self.stages, self.num_stages, self.m = dict(stages), num_stages, num_microbatches
         self.stage_to_rank, self.collectives, self.loss_fn, self.group = stage_to_rank, collectives, loss_fn, group
         self.grad_sync, self.optim, self.activation_shape, self.timeout = grad_sync, optim, activation_shape, timeout
         self.unshard, self.reshard, self.no_sync, self.split_backward = unshard, reshard, no_sync, split_backward
-        self.feed_inputs = feed_inputs
+        self.feed_inputs, self.before_last_backward = feed_inputs, before_last_backward
+        self._loss_total: torch.Tensor | None = None
         # the one backward that launches the gradient reductions: the rank's last B or W, the last to add to
         # the weight gradients
         self._syncing_b = max((i for i, a in enumerate(self.actions) if a.op in ("B", "W")), default=-1)
@@ -452,16 +457,18 @@ class PipelineExecutor:
                 raise ValueError(f"this rank holds stage {stage}: pass {name} as a list of "
                                  f"num_microbatches={self.m} items, got {'None' if given is None else len(given)}")
         self._reset()
-        total = None
+        self._loss_total = None
         try:
             logged = recording_now()
             for step, a in enumerate(self.actions):
                 start = time.perf_counter() if logged else 0.0
+                if step == self._syncing_b and self.before_last_backward is not None:
+                    self.before_last_backward()
                 loss = self._execute(a, step, microbatches_in, targets)
                 if logged:
                     log_action(str(a), start, time.perf_counter())
                 if loss is not None:
-                    total = loss if total is None else total + loss
+                    self._loss_total = loss if self._loss_total is None else self._loss_total + loss
             for work, _, step, peer in self._sends:
                 self._wait(work, step, peer)
             left = sorted(self._outputs) + sorted(k[1:] for k in self._recvs) + sorted(self._grad_in) + \
@@ -472,4 +479,10 @@ class PipelineExecutor:
                                     f"an input gradient never sent, or an I without its W")
         finally:
             self._reset()   # free every activation, also after an error
+        total = self._loss_total
         return None if total is None else total.item()
+
+    def loss_sum(self) -> torch.Tensor | None:
+        """The losses of the backwards run so far in this `run` (what `run` returns, as a tensor): on the
+        rank holding the last stage, complete once its last B (or I) has run; None elsewhere."""
+        return self._loss_total

@@ -12,7 +12,17 @@ head on the first and last stage) are summed over their holders; at its
 last OPTIM the gradients are clipped by the global norm over every shard of
 every stage and slice, and the optimizer steps; UNSHARD and RESHARD are the
 engine's ZeRO parameter gathers and frees. The reported loss is the last
-stage's mean over microbatches, averaged over replicas, on every rank.
+stage's mean over microbatches, averaged over replicas, on every rank: its sum over the pipeline is launched
+at the last GRAD_SYNC (the last stage knows it then) and waited for after the optimizer step, so no rank
+waits at the end of its step for another's optimizer.
+
+The tied gradient with two holders (the usual embedding / LM head pair) is summed by two messages rather
+than an all-reduce, so that its transfer overlaps the first stage's last backward: the holder of the
+later pipeline rank (the last stage, whose backwards end first) sends its gradient at its GRAD_SYNC into a
+receive the first holder posts right before its last backward; the first holder adds it when that backward
+is done and sends the sum back (the all-reduce made both wait for the later of the two backwards, then
+moved the gradient both ways). With two holders the sum is a + b either way (IEEE addition commutes), so
+the result is bit-identical to the all-reduce's; three or more holders all-reduce as before.
 """
 
 from __future__ import annotations
@@ -65,10 +75,20 @@ class PipelineRunner:
             unshard=lambda s: engine.unshard(), reshard=lambda s: engine.reshard(), no_sync=engine.no_sync,
             feed_inputs=True, activation_shape=self._activation_shape if hidden_shape is not None else None,
             # ZeRO-3 frees a unit after each backward, and a split backward's W still reads its gathered views
-            split_backward=engine.split_backward if getattr(engine, "zero_stage", 0) == 3 else None)
+            split_backward=engine.split_backward if getattr(engine, "zero_stage", 0) == 3 else None,
+            before_last_backward=self._post_tied_recvs)
         self._after_optim = implicit_after_step(engine, self.executor.actions)
         self.hidden_shape, self.hidden_dtype = hidden_shape, hidden_dtype or torch.float32
         self._xs: list[Any] = []
+        # the tied gradient's two-message sum: the other holder's global rank, the step's receive buffers
+        # (one per tied parameter) and pending Work handles
+        holders = dist.get_process_group_ranks(tie_group) if tie_group is not None and stage.tied else []
+        self._tie_peer = next((r for r in holders if r != dist.get_rank()), None) if len(holders) == 2 else None
+        self._tie_tag = 3 * num_microbatches * num_stages  # above every executor message's (executor.message_tag)
+        self._tie_bufs: dict[str, torch.Tensor] = {}
+        self._tie_recvs: dict[str, Any] = {}
+        self._tie_sends: list[Any] = []
+        self._loss_work: Any = None
         self.last_grad_norm: float | None = None
         self._peak = PeakHeld()
 
@@ -81,13 +101,25 @@ class PipelineRunner:
         xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
         self._synced = self._stepped = 0
         self._xs = xs
-        loss = self.executor.run(xs, ys if self.num_stages - 1 in self.stage.stages else None)
-        mean = torch.tensor([0.0 if loss is None else float(loss)], device=rank_device())
-        if self.groups.pp is not None:  # only the last stage knows the loss
-            self.collectives.all_reduce(mean, self.groups.pp, op="sum")
+        self._loss_work, self._mean = None, None
+        self.executor.run(xs, ys if self.num_stages - 1 in self.stage.stages else None)
+        self._finish_tied_sends()
+        if self._mean is None:  # an instruction list without GRAD_SYNC: the loss is reduced here
+            self._reduce_loss()
+        if self._loss_work is not None:
+            self._loss_work.wait()
+        mean = self._mean
         if self._replicas > 1:
             self.collectives.all_reduce(mean, self.groups.dp, op="avg")
         return float(mean.item())
+
+    def _reduce_loss(self) -> None:
+        """Launch the sum of the loss over the pipeline (only the last stage knows it; zero elsewhere)."""
+        loss = self.executor.loss_sum()
+        self._mean = torch.zeros(1, device=rank_device()) if loss is None else \
+            loss.detach().reshape(1).to(device=rank_device(), dtype=torch.float32)
+        if self.groups.pp is not None:
+            self._loss_work = self.collectives.all_reduce(self._mean, self.groups.pp, op="sum", async_op=True)
 
     def _activation_shape(self, s: int, i: int) -> tuple[tuple[int, ...], torch.dtype]:
         """The hidden state's shape on microbatch i, from its inputs' sizes: no shape message needed."""
@@ -101,14 +133,65 @@ class PipelineRunner:
         self._synced += 1
         if self._synced < self._local_stages:
             return  # one reduction for all of this rank's virtual stages, at the last one's GRAD_SYNC
+        self._reduce_loss()  # every backward of this rank has run: the last stage's loss is complete
         self.engine.finish_gradients()
         for p in self.stage.tied.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if self.tie_group is not None:
+        if self._tie_peer is not None:
+            self._sum_tied()
+        elif self.tie_group is not None:
+            for p in self.stage.tied.values():
                 self.collectives.all_reduce(p.grad, self.tie_group, op="sum")
-            if self._replicas > 1:
+        if self._replicas > 1:
+            for p in self.stage.tied.values():
                 self.collectives.all_reduce(p.grad, self.groups.dp, op="avg")
+
+    # ---- the tied gradient's sum over its two holders -------------------------------------------
+    def _tied_buf(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        buf = self._tie_bufs.get(name)
+        if buf is None:  # for this step only: held from the last backward to the optimizer step
+            buf = self._tie_bufs[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        return buf
+
+    def _post_tied_recvs(self) -> None:
+        """First holder, right before its last backward: post the receive of the other holder's tied
+        gradients, which then arrive while that backward runs."""
+        if self._tie_peer is None or not self.tie_first:
+            return
+        for j, (name, p) in enumerate(sorted(self.stage.tied.items())):
+            self._tie_recvs[name] = self.collectives.recv(self._tied_buf(name, p), self._tie_peer,
+                                                          tag=self._tie_tag + 2 * j)
+
+    def _sum_tied(self) -> None:
+        """p.grad = the sum of both holders' gradients, on both (module docstring)."""
+        tied = sorted(self.stage.tied.items())
+        if self.tie_first:  # received (mostly during the last backward): add, send the sum back
+            for j, (name, p) in enumerate(tied):
+                buf = self._tied_buf(name, p)
+                self._tie_recvs.pop(name).wait()
+                buf.add_(p.grad)  # other + mine == mine + other, bit for bit
+                self._tie_sends.append(self.collectives.send(buf, self._tie_peer, tag=self._tie_tag + 2 * j + 1))
+                p.grad.copy_(buf)  # the optimizer may write p.grad; buf stays as sent
+            return
+        works = []
+        for j, (name, p) in enumerate(tied):
+            g = p.grad.contiguous()
+            works.append((self.collectives.send(g, self._tie_peer, tag=self._tie_tag + 2 * j), g))
+            buf = self._tied_buf(name, p)
+            works.append((self.collectives.recv(buf, self._tie_peer, tag=self._tie_tag + 2 * j + 1), buf))
+        for work, _ in works:
+            work.wait()
+        for name, p in tied:
+            p.grad.copy_(self._tie_bufs[name])
+
+    def _finish_tied_sends(self) -> None:
+        """Wait for the sums sent back and any receive left posted; free the step's buffers."""
+        for work in self._tie_sends:
+            work.wait()
+        for work in self._tie_recvs.values():
+            work.wait()
+        self._tie_sends, self._tie_recvs, self._tie_bufs = [], {}, {}
 
     def _optim(self, s: int) -> None:
         self._stepped += 1
