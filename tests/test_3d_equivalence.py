@@ -334,3 +334,17 @@ def test_a_loss_computed_inside_the_model_reads_the_labels_on_the_last_stage(on)
     # gpt_loss is the model's own cross entropy (its ignore_index -1 matches no target)
     losses, model, _ = train_one_process(model_fn, sgd, gpt_loss, batches())
     assert_trains_like(out, losses, model.state_dict())
+
+
+def test_a_list_without_grad_sync_is_refused_where_a_tied_gradient_needs_it():
+    """The tied embedding / LM-head gradient is summed over its two holders at GRAD_SYNC (the first holder posts
+    its receive before its last backward); an edited list without it would train each holder on half the
+    gradient. It is refused when the runner is built, naming the fix, before any step."""
+    from runtime.launch.env import LaunchError
+
+    plan = plan_for("gpt", pp=2, dp=1, tp=1)
+    programs = {r: re.sub(rf"\b{r}GRAD_SYNC ?", "", plan.program(r).source) for r in range(2)}
+    assert all(re.search(r"\dGRAD_SYNC", src) is None for src in programs.values())
+    model_fn, loss_fn = MODELS["gpt"]
+    with pytest.raises(LaunchError, match="has no GRAD_SYNC"):
+        launch_local(plan, model_fn, sgd, loss_fn, batches(1), programs=programs, timeout_s=60)

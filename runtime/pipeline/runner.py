@@ -37,7 +37,7 @@ from cost_models.placements import REPLICATED, is_sharded
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
 from runtime.engines.step import PeakHeld, implicit_after_step, replica_microbatches
-from runtime.pipeline.executor import PipelineExecutor
+from runtime.pipeline.executor import PipelineError, PipelineExecutor
 from runtime.pipeline.stage import StageModel
 from runtime.pipeline.tensor_parallel import unshard_parameter
 
@@ -78,6 +78,10 @@ class PipelineRunner:
             split_backward=engine.split_backward if getattr(engine, "zero_stage", 0) == 3 else None,
             before_last_backward=self._post_tied_recvs)
         self._after_optim = implicit_after_step(engine, self.executor.actions)
+        if stage.tied and tie_group is not None and not any(a.op == "GRAD_SYNC" for a in self.executor.actions):
+            raise PipelineError(f"rank {dist.get_rank()} holds tied parameters {sorted(stage.tied)} shared with another "
+                                "pipeline rank, and its instruction list has no GRAD_SYNC, where their gradients are "
+                                "summed over both holders: add sGRAD_SYNC after the rank's last backward")
         self.hidden_shape, self.hidden_dtype = hidden_shape, hidden_dtype or torch.float32
         self._xs: list[Any] = []
         # the tied gradient's two-message sum: the other holder's global rank, the step's receive buffers
