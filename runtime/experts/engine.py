@@ -29,7 +29,6 @@ program builds it as `ExpertParallel(DataParallel(model, ...), stage.experts, ep
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -38,6 +37,7 @@ from torch import nn
 
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import group_size
+from runtime.engines.flat import FlatLayout
 
 __all__ = ["ExpertParallel"]
 
@@ -62,19 +62,17 @@ class ExpertParallel:
 
     @torch.no_grad()
     def _build_flat(self) -> None:
-        """The expert slices as views of one flat buffer; this rank's shard of it, what the optimizer steps."""
+        """The expert slices as views of one flat buffer (runtime.engines.flat.FlatLayout over the ranks holding
+        the same experts); this rank's shard of it, what the optimizer steps."""
         params = list(self.experts.values())
-        self._numels = [p.numel() for p in params]
-        padded = math.ceil(sum(self._numels) / self.edp) * self.edp
-        self._flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-        off = 0
-        for p, n in zip(params, self._numels):
-            self._flat[off:off + n].copy_(p.data.reshape(-1))
-            p.data = self._flat[off:off + n].view(p.shape)
-            off += n
-        n = padded // self.edp
-        self._lo = dist.get_rank(self.edp_group) * n
-        self._shard = nn.Parameter(self._flat[self._lo:self._lo + n].clone())
+        self._layout = FlatLayout(names=tuple(self.experts), shapes=tuple(tuple(p.shape) for p in params),
+                                  world=self.edp)
+        self._flat = self._layout.flatten(params, params[0].dtype)
+        for p, view in zip(params, self._layout.views(self._flat)):
+            p.data = view
+        self._edp_rank = dist.get_rank(self.edp_group)
+        self._lo, hi = self._layout.shard_range(self._edp_rank)
+        self._shard = nn.Parameter(self._flat[self._lo:hi].clone())
         self._flat_bytes = self._flat.untyped_storage().nbytes()
 
     @torch.no_grad()
@@ -144,13 +142,9 @@ class ExpertParallel:
     def _shard_ranges(self) -> list[tuple[str, tuple[int, ...], int, int, int]]:
         """(name, slice shape, start, stop, offset): elements [start, stop) of each expert slice's flattening
         that this rank's shard holds, at [offset, offset + stop - start) of the shard."""
-        ranges, off, lo, hi = [], 0, self._lo, self._lo + self._shard.numel()
-        for (n, p), k in zip(self.experts.items(), self._numels):
-            a, b = max(off, lo), min(off + k, hi)
-            if a < b:
-                ranges.append((n, tuple(p.shape), a - off, b - off, a - lo))
-            off += k
-        return ranges
+        shape = dict(zip(self._layout.names, self._layout.shapes))
+        offset = dict(zip(self._layout.names, self._layout.offsets))
+        return [(n, shape[n], a, b, offset[n] + a - self._lo) for n, a, b in self._layout.owned_pieces(self._edp_rank)]
 
     @torch.no_grad()
     def grad_square_sum(self, weight) -> torch.Tensor:
