@@ -167,19 +167,10 @@ def gpu_rows(write: str | None) -> list[str]:
     spec = get_device(name.replace("NVIDIA ", "").split()[0].split("-")[0])  # "NVIDIA H100 80GB HBM3" -> H100
     peak = spec.hbm_bytes_per_s
 
+    from cuda_timing import cuda_seconds  # bench/, the script's folder
+
     def best(fn, reps: int = 20) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
-        return min(ts)
+        return min(cuda_seconds(fn, reps, warmup=3))
 
     out, eff_big = [f"gpu       {name} ({spec.name}), datasheet HBM {peak / 1e9:,.0f} GB/s"], []
     launch = None

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: the repository root
 
+from cuda_timing import cuda_seconds  # noqa: E402
+
 from cost_models.calibration import Calibration  # noqa: E402
 from cost_models.compute import RooflineCompute  # noqa: E402
 from cost_models.devices import get_device  # noqa: E402
@@ -42,18 +44,7 @@ SHAPES = ((8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 
 
 def timed(fn, reps: int = 20) -> float:
     """Median seconds of fn() on the current stream, by CUDA events."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+    return statistics.median(cuda_seconds(fn, reps, warmup=5))
 
 
 def predicted(m: int, k: int, n: int, cal: Calibration, device) -> tuple[float, float]:
