@@ -325,5 +325,7 @@ def test_a_split_backward_is_charged_ws_gather_of_every_unit(graph):
                        microbatch_size=2, alternatives=0,
                        calibration=Calibration(dp_overlap=0.0)).predicted.exposed_comm_s
 
+    # 4/3 exactly if a gather and a reduce-scatter of a unit cost the same; they differ by their bytes and
+    # latency (measured 1.32). The band excludes 1.0 (W's gather not charged) and 5/3 (charged twice).
     ratio = exposed("zb-h1") / exposed("1f1b")
     assert 1.25 < ratio < 1.4, ratio
