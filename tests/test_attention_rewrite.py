@@ -89,13 +89,10 @@ def test_rewritten_graph_computes_what_the_module_computes(family):
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _block_bytes(g, s: int) -> float:
-    return sum(n.cost.activation_bytes(1, s) for n in g.block_nodes(1))
-
-
-def _s_squared(g) -> float:
-    """The s^2 coefficient of one block's saved bytes at b = 1 (a second difference: exact for a quadratic)."""
-    return (_block_bytes(g, 256) - 2 * _block_bytes(g, 128) + _block_bytes(g, 0)) / (2 * 128 ** 2)
+def _s_squared(g, b: int = 1) -> float:
+    """The s^2 coefficient of one block's saved bytes at batch b (a second difference: exact for a quadratic)."""
+    saved = [sum(n.cost.activation_bytes(b, s) for n in g.block_nodes(1)) for s in (256, 128, 0)]
+    return (saved[0] - 2 * saved[1] + saved[2]) / (2 * 128 ** 2)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -107,13 +104,18 @@ def test_a_rewritten_block_keeps_bytes_linear_in_s(family):
     assert max(j for n in graph(family).block_nodes(1) for (_, j), _ in n.cost.activation_bytes.terms) == 1
 
 
-@pytest.mark.parametrize("family", ["bloom", "mpt"])
-def test_an_alibi_block_keeps_only_its_mask(family):
-    """ALiBi plus the causal mask is one additive mask per block, made inside it, which the fused kernel
-    keeps for backward: its s x s bytes (4 heads, fp32; MPT's ALiBi does not depend on the batch) are all
-    that is left of the eager softmax, its fp32 copy and the dropout's."""
+@pytest.mark.parametrize("family,per_sequence", [("bloom", False), ("mpt", True)])
+def test_an_alibi_block_keeps_only_its_mask(family, per_sequence):
+    """ALiBi plus the causal mask is one additive mask per block, which the fused kernel keeps for backward: its
+    s x s bytes (4 heads, fp32) are all that is left of the eager softmax, its fp32 copy and the dropout's.
+    MPT's ALiBi and causal mask do not depend on the batch, so its mask is made for one sequence and
+    broadcast by the fused op (the batch expand Hugging Face applies is left out); BLOOM's ALiBi reads the
+    attention mask's values, so its mask is the batch's."""
     assert _s_squared(graph(family)) == 4 * 4
+    assert _s_squared(graph(family), b=2) == (1 if per_sequence else 2) * 4 * 4
     assert _s_squared(graph(family, rewrite=False)) >= 2 * 4 * 4
+    sdpa = [n for n in graph(family).graph_module.graph.nodes if n.name.startswith("attention_sdpa")]
+    assert all(n.kwargs["attn_mask"].meta["val"].shape[0] == (1 if per_sequence else 2) for n in sdpa)  # traced b = 2
 
 
 def test_dropout_and_a_read_probability_matrix():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from cost_models.errors import DeclarationError
 from cost_models.topology import Topology
@@ -88,3 +89,22 @@ def test_sp_false_keeps_the_all_reduces(small_graph):
     src = plan.code.block.source
     assert "tp_reduce" in src and "sp_scatter" not in src
     assert "no sequence parallelism, as declared" in plan.explain()
+
+
+def test_a_recomputed_block_keeps_its_input_once_per_stage():
+    """Full recomputation keeps each block's input. What the blocks all read from before them (Llama's causal
+    mask and rotary tables, made once in the prefix) is one tensor per stage: held at the stage's first
+    unit (stage_start_bytes), not again in every block's checkpoint, where only the hidden state is new."""
+    s, b, h = 128, 2, 64
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=h, intermediate_size=128, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=s,
+                                             use_cache=False))
+    g = trace(model, (torch.empty(b, s, dtype=torch.long, device="meta"),))
+    ctx = CostContext(g, Topology.parse("8xA100-80GB"), find_splits(g), precision="bf16-mixed", optimizer="adam",
+                      seq_len=s, memory_cap=72e9)
+    first, middle = (ctx.unit_cost(u, tp=1, mb=b, recompute="full") for u in (1, 2))
+    hidden = s * b * h * 2  # the block input, bf16
+    assert middle.activation_bytes == hidden
+    assert first.activation_bytes - hidden == middle.stage_start_bytes > b * s * s / 2  # the s x s mask among them
+    assert ctx.unit_cost(2, tp=1, mb=b, recompute="none").stage_start_bytes == 0.0

@@ -80,6 +80,11 @@ class UnitCost:
     # cp > 1: the largest buffers one of its attention nodes' context-parallel kernel holds while it runs, beyond
     # the activations (context_split.attention_buffer_bytes; bytes per microbatch and tensor rank)
     context_buffer_bytes: float = 0.0
+    # recompute full/selective, a unit whose first node starts a block: what it holds beyond activation_bytes
+    # when it is the first unit of its stage (bytes per microbatch and tensor rank). Its block's input is
+    # activation_bytes' share only as far as the previous unit made it; tensors made before that and read on
+    # (a mask, rotary tables every block reads) are one tensor each, held once per stage: here, at its start.
+    stage_start_bytes: float = 0.0
 
 
 class CostContext:
@@ -126,7 +131,7 @@ class CostContext:
         # costs are evaluated once per setting and memo keys stay small.
         ids: dict[tuple, int] = {}
         self._keys = [ids.setdefault(self._unit_key(a, b), len(ids)) for a, b in self.units]
-        self._boundary = self._boundary_bytes()
+        self._boundary, self._boundary_new = self._boundary_bytes()
         self._memo: dict[tuple, UnitCost] = {}
         self._outputs = {n.name: n.output for n in g.nodes}
         self._kv = kv_blocks(g)  # per attention node, the k and v a context-parallel kernel sends
@@ -188,8 +193,9 @@ class CostContext:
                        and not (c.node in gathered_by_tp and c.what == WHAT_F)] for node, cs in tensor.items()}
         return {node: kept.get(node, []) + out.get(node, []) for node in {*kept, *out}}
 
-    def _boundary_bytes(self) -> list[Poly]:
-        """Bytes crossing each unit boundary: outputs made before it and read after it."""
+    def _boundary_bytes(self) -> tuple[list[Poly], list[Poly]]:
+        """Bytes crossing each unit boundary (outputs made before it and read after it), and of those the
+        ones the unit just before the boundary made."""
         last_use: dict[str, int] = {}
         for i, n in enumerate(self.g.nodes):
             for x in n.inputs:
@@ -201,11 +207,16 @@ class CostContext:
                 nbytes = n.output.nbytes_poly()
                 diff[u] = diff[u] + nbytes
                 diff[last] = diff[last] + nbytes * -1
+        made = [Poly() for _ in self.units]
+        for i, n in enumerate(self.g.nodes):
+            u = self._unit_of[i]
+            if last_use.get(n.name, -1) > u and n.output is not None:
+                made[u] = made[u] + n.output.nbytes_poly()
         out, acc = [], Poly()
         for u in range(len(self.units) - 1):
             acc = acc + diff[u]
             out.append(acc)
-        return out
+        return out, made[:-1]
 
     def _param_sizes(self) -> dict[int, list[tuple[str, float]]]:
         """Per unit: (parameter, elements per tensor rank at tp=1) for each parameter its nodes read."""
@@ -257,6 +268,11 @@ class CostContext:
         hit = self._memo.get(key)
         if hit is None:
             hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind, ep)
+        if hit.stage_start_bytes:  # a unit starting a block under recomputation: its input, as it lies here
+            made = local(self._boundary_new[u - 1], mb, self.seq, cp) * self.scale / (tp if sp else 1)
+            held = local(self._boundary[u - 1], mb, self.seq, cp) * self.scale / (tp if sp else 1)
+            hit = dataclasses.replace(hit, activation_bytes=hit.activation_bytes + made,
+                                      stage_start_bytes=max(0.0, held - made))
         if not self._expert_param:
             params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
             return dataclasses.replace(hit, params=params)
@@ -324,6 +340,7 @@ class CostContext:
         # norms that do not touch the s x s attention scores, every other op runs again in backward.
         outside = block_f = kept_sel = recomputed_f = 0.0
         block_input = None  # the inputs of the blocks the unit holds (None: it holds none)
+        starts_block = False  # its first node starts a block whose input comes from the unit before
         prev = self.g.nodes[a - 1] if a > 0 else None
         for i in range(a, b):
             n = self.g.nodes[i]
@@ -381,8 +398,8 @@ class CostContext:
                 outside += kept
             else:
                 if i == a or prev.block != n.block:  # a block starts: what is its input
-                    if i == a:
-                        ins = at(self._boundary[u - 1]) * sc / (tp if sp else 1) if u > 0 else 0.0
+                    if i == a:  # added by unit_cost: unit u's share depends on u, not only on the unit's shape
+                        ins, starts_block = 0.0, u > 0
                     else:
                         ins = nbytes(prev.output) * sc / (tp if sp and prev.name in self._seq else 1) \
                             if prev.output is not None else 0.0
@@ -394,14 +411,17 @@ class CostContext:
                     recomputed_f += tf + collective_f
             fwd, bwd, act = fwd + tf + collective_f, bwd + tb, act + kept
             prev = n
+        # a nonzero stage_start_bytes marks the unit for unit_cost, which fills in its input's bytes
+        start = 1.0 if starts_block else 0.0
         if recompute == "selective" and block_input is not None:
             return UnitCost(forward_s=fwd, backward_s=bwd + recomputed_f, activation_bytes=outside + block_input + kept_sel,
                             working_bytes=max(0.0, act - outside - kept_sel), params=0.0, largest_output=biggest,
-                            weight_s=wgt, weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers)
+                            weight_s=wgt, weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers,
+                            stage_start_bytes=start)
         if recompute == "full" and block_input is not None:
             return UnitCost(forward_s=fwd, backward_s=bwd + block_f, activation_bytes=outside + block_input,
                             working_bytes=act - outside, params=0.0, largest_output=biggest, weight_s=wgt,
-                            weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers)
+                            weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers, stage_start_bytes=start)
         return UnitCost(forward_s=fwd, backward_s=bwd, activation_bytes=act, working_bytes=0.0, params=0.0,
                         largest_output=biggest, weight_s=wgt, weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers)
 
@@ -502,6 +522,7 @@ class CostContext:
                 shared_in_block=tuple(self._param_block[p] is not None for p in shared),
                 block_par=tuple(in_block), max_param=tuple(largest), rest=tuple(_prefix([x.params - y for x, y in zip(uc, in_block)])),
                 biggest=tuple(x.largest_output for x in uc), unit_act=tuple(x.activation_bytes for x in uc),
+                start=tuple(x.stage_start_bytes for x in uc),
                 cp_buffers=tuple(x.context_buffer_bytes for x in uc),
                 blocks=tuple(_prefix([1.0 if x > 0 else 0.0 for x in in_block])),
                 total_c=sum(x.forward_s + x.backward_s for x in uc), total_w=sum(x.weight_s for x in uc),
@@ -608,6 +629,7 @@ class UnitArrays:
     total_w: float = 0.0  # the weight-gradient part of the backward (UnitCost.weight_s), all units
     total_b: float = 0.0  # the backward, all units
     wgrad: tuple[float, ...] = (0.0,)  # prefix sums of UnitCost.weight_grad_bytes
+    start: tuple[float, ...] = ()  # per unit: UnitCost.stage_start_bytes (held when a stage starts there)
     epar: tuple[float, ...] = ()  # prefix sums of UnitCost.expert_params under ep > 1 (empty at ep = 1)
     # ZeRO-3 with zero3_unit="module": prefix sums of the modules holding parameters directly (its units), and
     # per unit the parameters of its largest such module (per tensor rank)

@@ -13,7 +13,12 @@ replaces each such chain by `aten.scaled_dot_product_attention(q, k, v, attn_mas
 the same math (softmax(q k^T * scale + mask) v), computed by a kernel that keeps O(s) per row. The
 mask is the chain's additive terms gathered into one tensor in their broadcast shape (a boolean keep-mask
 when the only term is a masked_fill / where with a value that removes the position); it is computed
-inside the region and saved by the fused kernel, so the cost rule counts it.
+inside the region and saved by the fused kernel, so the cost rule counts it. It is made at the shape its
+inputs have before they are expanded over the batch (`_unbroadcast_masks`): the fused op broadcasts the
+mask itself, so MPT's ALiBi (one bias per head) with the causal mask keeps an (h, s, s) mask per layer,
+not a (b, h, s, s) one (which put MPT-7B at microbatch 6 over 100 GiB per GPU, and MPT-3B at microbatch 3
+and 8K tokens near 500 GiB). BLOOM's ALiBi reads the attention mask, whose values are the batch's: its
+mask stays (b, h, s, s).
 
 `causal_attention` reads whether a fused attention node attends causally: `is_causal=True`, or a mask the
 graph computes from shapes alone through an ordering comparison of positions (Hugging Face's
@@ -80,9 +85,90 @@ def rewrite_attention(gm: fx.GraphModule) -> int:
             if m is not None and _rewrite(gm.graph, m, erased):
                 count += 1
     if count:
+        _unbroadcast_masks(gm.graph)
         gm.graph.lint()
         gm.recompile()
     return count
+
+
+# ops whose result is not a function of their arguments alone (random draws, uninitialised memory)
+_IMPURE = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential",
+           "geometric", "cauchy", "empty")
+
+
+def _pure(n: fx.Node) -> bool:
+    """A call that two nodes with the same target and arguments compute identically: an ATen op that
+    mutates nothing and draws nothing."""
+    t = n.target
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    return not t._schema.is_mutable and not any(w in t._schema.name for w in _IMPURE)
+
+
+# elementwise ops that broadcast their tensor arguments (and one cast): a mask built from them out of an
+# expanded tensor equals the same ops on the tensor before its expansion, broadcast later by the fused op
+_BROADCASTING = {_aten.where.self, _aten.where.ScalarSelf, _aten.where.ScalarOther, _aten.where.Scalar,
+                 _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.logical_not.default,
+                 _aten.logical_and.default, _aten.logical_or.default, _aten.bitwise_not.default,
+                 _aten.bitwise_and.Tensor, _aten.bitwise_or.Tensor, _aten.eq.Tensor, _aten.ne.Tensor,
+                 _aten.le.Tensor, _aten.lt.Tensor, _aten.ge.Tensor, _aten.gt.Tensor, _aten.eq.Scalar, _aten.ne.Scalar,
+                 _aten.masked_fill.Scalar, _aten.neg.default, *_CASTS}
+
+
+def _unbroadcast_masks(graph: fx.Graph) -> int:
+    """Build each fused attention's mask at the shape its inputs have before any `expand` (a causal mask
+    made for one sequence and expanded over the batch): scaled_dot_product_attention broadcasts the mask
+    itself, so the (1, h, s, s) mask MPT's ALiBi and the causal mask make is kept instead of a (b, h, s, s)
+    one. Only where every op from the expand to the fused attention broadcasts elementwise and nothing
+    else reads them; returns how many expands went."""
+    fused = [n for n in graph.nodes if n.target is _aten.scaled_dot_product_attention.default
+             and n.name.startswith(SDPA_NAME) and isinstance(n.kwargs.get("attn_mask"), fx.Node)]
+    masks = {n.kwargs["attn_mask"] for n in fused}
+    gone = 0
+    for e in [n for n in graph.nodes if n.target is _aten.expand.default]:
+        src = e.args[0]
+        if not isinstance(src, fx.Node) or _rank(src) != _rank(e) or not _downstream_broadcasts(e, masks, fused):
+            continue
+        e.replace_all_uses_with(src)
+        graph.erase_node(e)
+        gone += 1
+    if gone:
+        fake = next((n.meta["val"].fake_mode for n in graph.nodes
+                     if hasattr(n.meta.get("val"), "fake_mode")), None)
+        for n in graph.nodes:  # the masks' shapes from their new inputs, in graph order
+            if n.op == "call_function" and n.target in _BROADCASTING and isinstance(n.meta.get("val"), torch.Tensor):
+                args, kwargs = torch.utils._pytree.tree_map(
+                    lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
+                if fake is not None:
+                    with fake:
+                        n.meta["val"] = n.target(*args, **kwargs)
+                else:
+                    n.meta["val"] = n.target(*args, **kwargs)
+    return gone
+
+
+def _downstream_broadcasts(e: fx.Node, masks: set[fx.Node], fused: list[fx.Node]) -> bool:
+    """Whether everything that reads `e`, down to the fused attentions' masks, is a broadcasting elementwise
+    op read by nothing else, and the masks are only read as masks."""
+    todo, seen = list(_users(e)), set()
+    if not todo:
+        return False
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target not in _BROADCASTING or not _pure(n):
+            return False
+        users = _users(n)
+        if n in masks:
+            if any(u not in fused or u.kwargs.get("attn_mask") is not n or n in u.args for u in users):
+                return False
+        elif not users:
+            return False
+        else:
+            todo += users
+    return True
 
 
 def _users(n: fx.Node) -> list[fx.Node]:

@@ -38,7 +38,7 @@ from partitioner.tracer.symbolic import Poly
 
 __all__ = ["load_trace", "save_trace", "source_key"]
 
-_FORMAT = 3  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal
+_FORMAT = 4  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one shared attention mask
 _GRAPH, _ARCHIVE = "opgraph.json", "graph.pt2"
 
 
