@@ -101,12 +101,39 @@ def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
 @pytest.mark.parametrize("pins, words", [
     (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2, sp=True), "tp=2 and sequence parallelism: each tensor slice"),
     (dict(dp=2, ep=2, precision="bf16"), "precision=.bf16.: the expert slices are kept outside"),
-    (dict(dp=2, ep=2, pp=2, mb=2), "pp=2: the model's load-balancing loss reads every MoE layer's router logits"),
 ])
 def test_what_does_not_run_yet_is_refused_before_anything_runs(pins, words):
     plan = plan_for(**pins)
     with pytest.raises(CodegenError, match=words):
         plan.program(0)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_load_balancing_loss_is_not_pipelined(ep):
+    """It reads every MoE layer's router logits, which pipeline stages would hold apart: pp pinned is refused
+    (and left out of the search)."""
+    from cost_models.errors import DeclarationError
+
+    with pytest.raises(DeclarationError, match="pp=2: .*the model's load-balancing loss reads every MoE layer's "
+                                               "router logits"):
+        plan_for(dp=2, ep=ep, pp=2, mb=2)
+
+
+def test_replicated_experts_compute_the_load_balancing_loss_over_the_data_parallel_ranks():
+    """ep=1 over dp2: the module's own forward would compute each rank's load-balancing loss (and the mean of
+    two ranks' is not the batch's), so the program runs the model's code, each MoE block recording its router
+    logits and the suffix's loss summed over groups.dp."""
+    plan = plan_for(dp=2, ep=1)
+    assert plan.load_balancing_loss and plan.code is not None
+    src = plan.program(1).source
+    block = src.split("def block", 1)[1].split("def suffix", 1)[0]
+    assert "ep_record_router_logits(" in block and "ep_experts(" not in block and "grouped_mm" in block
+    assert "= ep_aux_loss(ep)" in src.split("def suffix", 1)[1]
+    assert "world=1, num_experts=4,\n                   top_k=2, layers=2, token_group=groups.dp)" in src
+    assert "make_stage(model, None, ep).run_as_model()" in src and "ExpertParallel" not in src
+    from partitioner.codegen.program import expected_collectives
+
+    assert expected_collectives(plan) == {"all_reduce": 3}  # gradients, the reported loss, the loss's sums
 
 
 def test_a_pipeline_rank_holds_its_stages_experts():
@@ -143,6 +170,16 @@ def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
         want = expected_collectives(plan_for(name, dp=dp, ep=ep, zero=zero))
         assert want["all_to_all"] == 2 * 5
         assert all(c["all_reduce"] == STEPS * want["all_reduce"] for c in out.collective_counts), (want, out.collective_counts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, zero", [("mixtral", 0), ("qwen3_moe", 3)])
+def test_replicated_experts_train_like_one_process(name, zero):
+    """ep=1, dp2: the load-balancing loss over both ranks' tokens, as one process computes it on the batch (the
+    model's own forward on each rank's half differs by ~3e-5 in the loss)."""
+    out = assert_same_training(plan_for(name, dp=2, ep=1, zero=zero), name)
+    if zero == 0:
+        assert all(c["all_reduce"] == STEPS * 3 for c in out.collective_counts), out.collective_counts
 
 
 @pytest.mark.slow
