@@ -78,6 +78,7 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def plan_for(name: str = "mixtral", *, dp: int = 2, ep: int = 2, zero: int = 0, pp: int = 1, tp: int = 1,
              mb: int | None = None, precision: str = "fp32", **kw):
     # one microbatch per rank by default: the load-balancing loss of a batch is not the mean of its microbatches'
+    # (with several, the plan says it is computed per microbatch, and one process accumulates the same ones)
     return compile({**MODELS, **OTHERS}[name](), f"local:{dp * pp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
                    global_batch_size=BATCH, precision=precision, dp=dp, ep=ep, pp=pp, tp=tp, zero_stage=zero,
                    microbatch_size=mb or BATCH // dp, alternatives=0, **kw)
@@ -180,6 +181,27 @@ def test_replicated_experts_train_like_one_process(name, zero):
     out = assert_same_training(plan_for(name, dp=2, ep=1, zero=zero), name)
     if zero == 0:
         assert all(c["all_reduce"] == STEPS * 3 for c in out.collective_counts), out.collective_counts
+
+
+def test_the_plan_says_the_load_balancing_loss_is_per_microbatch():
+    """Its expert counts are known only after every forward of a step, so with gradient accumulation the programs
+    compute it per microbatch (as Megatron-Core does), and the plan says so where anyone reads it."""
+    plan = plan_for(dp=2, ep=1, mb=2)
+    for text in (str(plan), plan.explain()):
+        assert "load-balancing loss over the 2 data-parallel ranks' tokens" in text
+        assert "mean of its 2 microbatches' losses" in " ".join(text.split())
+    whole = str(plan_for(dp=2, ep=2))
+    assert "on the step's whole batch, as one process computes it" in " ".join(whole.split())
+    assert "aux loss" not in str(plan_for("mixtral_no_aux", dp=2, ep=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_several_microbatches_train_like_one_process_accumulating_them(ep):
+    """dp2, 2 microbatches of 2 rows per rank: the load-balancing loss of each global microbatch (both ranks'
+    i-th), as one process computes it running the same microbatches with gradient accumulation
+    (examples.training.global_microbatches; the whole batch's loss differs by ~2e-5)."""
+    assert_same_training(plan_for(dp=2, ep=ep, mb=2), "mixtral")
 
 
 @pytest.mark.slow
