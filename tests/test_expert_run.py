@@ -75,12 +75,13 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def plan_for(name: str = "mixtral", *, dp: int = 2, ep: int = 2, zero: int = 0, pp: int = 1, tp: int = 1,
+def plan_for(name: str = "mixtral", *, dp: int = 2, ep: int = 2, zero: int = 0, pp: int = 1, tp: int = 1, cp: int = 1,
              mb: int | None = None, precision: str = "fp32", **kw):
     # one microbatch per rank by default: the load-balancing loss of a batch is not the mean of its microbatches'
     # (with several, the plan says it is computed per microbatch, and one process accumulates the same ones)
-    return compile({**MODELS, **OTHERS}[name](), f"local:{dp * pp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
-                   global_batch_size=BATCH, precision=precision, dp=dp, ep=ep, pp=pp, tp=tp, zero_stage=zero,
+    return compile({**MODELS, **OTHERS}[name](), f"local:{dp * pp * tp * cp}",
+                   example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),), global_batch_size=BATCH, precision=precision,
+                   dp=dp, ep=ep, pp=pp, tp=tp, cp=cp, zero_stage=zero,
                    microbatch_size=mb or BATCH // dp, alternatives=0, **kw)
 
 
@@ -102,6 +103,7 @@ def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
 @pytest.mark.parametrize("pins, words", [
     (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2, sp=True), "tp=2 and sequence parallelism: each tensor slice"),
     (dict(dp=2, ep=2, precision="bf16"), "precision=.bf16.: the expert slices are kept outside"),
+    (dict(dp=1, ep=1, cp=2, mb=8), "load-balancing loss .* with cp=2: context-parallel programs do not run MoE"),
 ])
 def test_what_does_not_run_yet_is_refused_before_anything_runs(pins, words):
     plan = plan_for(**pins)
@@ -174,12 +176,14 @@ def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, zero", [("mixtral", 0), ("qwen3_moe", 3)])
-def test_replicated_experts_train_like_one_process(name, zero):
-    """ep=1, dp2: the load-balancing loss over both ranks' tokens, as one process computes it on the batch (the
-    model's own forward on each rank's half differs by ~3e-5 in the loss)."""
-    out = assert_same_training(plan_for(name, dp=2, ep=1, zero=zero), name)
-    if zero == 0:
+@pytest.mark.parametrize("name, pins", [("mixtral", dict(zero=0)), ("qwen3_moe", dict(zero=3)),
+                                        ("mixtral", dict(tp=2, sp=False))])
+def test_replicated_experts_train_like_one_process(name, pins):
+    """ep=1, dp2 (DDP, ZeRO-3, and tp2 x dp2, whose tensor slices hold the same tokens): the load-balancing loss
+    over both replicas' tokens, as one process computes it on the batch (the model's own forward on each rank's
+    half differs by ~3e-5 in the loss)."""
+    out = assert_same_training(plan_for(name, dp=2, ep=1, **pins), name)
+    if pins == dict(zero=0):
         assert all(c["all_reduce"] == STEPS * 3 for c in out.collective_counts), out.collective_counts
 
 

@@ -118,11 +118,6 @@ def recompute_lines(plan: "Plan", call: str) -> str:
 def torch_compile_refusal(plan: "Plan") -> str:
     """Why a plan's programs cannot run under torch.compile ("" when they can)."""
     c = plan.config
-    if plan.torch_compile and ep_context(plan) and c.ep == 1:
-        return (f"torch_compile={plan.torch_compile!r} with the router's load-balancing loss over {c.replicas} ranks: "
-                "each MoE block's code hands its router logits to the ep context (a Python-side record, "
-                "runtime.experts.program), which runtime.engines.compiled does not compile around yet; compile "
-                "without torch_compile, or build the model without the loss (output_router_logits=False)")
     if not plan.torch_compile or (c.tp == 1 and c.cp == 1 and c.ep == 1):
         return ""
     what = " and ".join(x for x in (f"tp={c.tp}" if c.tp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "",

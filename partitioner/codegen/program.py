@@ -130,6 +130,9 @@ def not_runnable_aux(plan: "Plan") -> str:
     if c.pp > 1:
         return (f"{what} with pp={c.pp}: it reads every MoE layer's router logits, which live on other pipeline "
                 f"ranks; {fix} or pin pp=1")
+    if c.cp > 1:  # the experts' token counts are read at the whole sequence length there (fails at run time)
+        return (f"{what} with cp={c.cp}: context-parallel programs do not run MoE layers on each rank's share of "
+                f"the tokens yet; pin cp=1")
     if c.replicas > 1 and (plan.code is None or not plan.code.aux_loss):
         return (f"{what} over {c.replicas} data-parallel ranks: a statistic of the whole batch (tokens per expert "
                 f"times mean router probability), which the program computes over every rank's tokens as generated "
