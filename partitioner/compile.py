@@ -673,7 +673,8 @@ def _load_balancing_loss(g: OpGraph) -> bool:
     """Whether the model computes its routers' load-balancing loss (the suffix reads the MoE layers' router
     logits, partitioner.codegen.segments): a statistic of the batch, which only the generated code computes over
     the data-parallel ranks' tokens (at ep = 1 the module's own forward would compute each rank's)."""
-    return bool(g.blocks) and isinstance(g.graph_module, torch.export.ExportedProgram) and reads_router_logits(g.graph_module, g)
+    return bool(g.blocks) and isinstance(g.graph_module, torch.export.ExportedProgram) and \
+        reads_router_logits(g.graph_module, g)
 
 
 def _segment_name(g: OpGraph, n: int) -> str:

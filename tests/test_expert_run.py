@@ -187,6 +187,18 @@ def test_replicated_experts_train_like_one_process(name, pins):
         assert all(c["all_reduce"] == STEPS * 3 for c in out.collective_counts), out.collective_counts
 
 
+def test_the_code_computes_the_models_loss_and_refuses_a_batch_it_was_not_traced_with():
+    """make_stage's default ep context is this process alone (what plan.verify runs): the code's load-balancing
+    loss is the module's own. A batch with other inputs cannot fall back to the module's forward."""
+    ns = plan_for(dp=2, ep=1).program(0).namespace()
+    model, reference = mixtral_seeded(), mixtral_seeded()
+    ns["make_stage"](model, None).run_as_model()
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    torch.testing.assert_close(model(x).aux_loss, reference(x).aux_loss, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="own forward cannot stand in"):
+        model(x, torch.ones_like(x))
+
+
 def test_the_plan_says_the_load_balancing_loss_is_per_microbatch():
     """Its expert counts are known only after every forward of a step, so with gradient accumulation the programs
     compute it per microbatch (as Megatron-Core does), and the plan says so where anyone reads it."""

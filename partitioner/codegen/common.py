@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
 __all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "SegmentTables",
-           "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines", "params_table", "program_header", "ranks_text",
-           "recompute_lines", "reduce_scatter_impl", "segment_tables", "torch_compile_import", "torch_compile_lines",
-           "torch_compile_refusal"]
+           "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines",
+           "params_table", "program_header", "ranks_text", "recompute_lines", "reduce_scatter_impl", "segment_tables",
+           "torch_compile_import", "torch_compile_lines", "torch_compile_refusal"]
 
 ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
@@ -328,7 +328,9 @@ def make_stage(model, tp{", cp" if cp else ""}{ep_param}):
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"
-           "    # (a batch without the traced inputs runs the module's own forward instead, with a warning).\n"
+           + ("    # (a batch without the traced inputs runs the module's own forward instead, with a warning).\n"
+              if not ctx else "    # (a batch without the traced inputs is refused: the module's own forward would run neither the\n"
+              "    # experts over the ep group nor the load-balancing loss over the ranks' tokens).\n")
            + (f"    make_stage(model, None{', cp' if cp else ''}).run_as_model()\n" if not ctx else
               f"    make_stage(model, None{', cp' if cp else ''}{'' if plan.async_sgd else ', ep'}).run_as_model()"
               f"{'  # each replica its own loss' if plan.async_sgd else ''}\n" if not ep else

@@ -229,8 +229,8 @@ def expert_lines(plan: "Plan", rank: int) -> str:
         return ""
     code = plan.code
     if c.ep == 1:
-        return (f"    # The router's load-balancing loss is a statistic of the batch: its sums are all-reduced over the "
-                f"{c.replicas}\n    # ranks' tokens of each microbatch (groups.dp), as one process computes it on "
+        return ("    # The router's load-balancing loss is a statistic of the batch: its sums are all-reduced "
+                f"over the {c.replicas}\n    # ranks' tokens of each microbatch (groups.dp), as one process computes it on "
                 "that microbatch\n    # (runtime.experts.aux_loss); the experts are replicated (ep=1).\n"
                 f"    ep = EPContext(group=None, collectives=collectives, rank=0, world=1, "
                 f"num_experts={max(e for _, e in code.experts)},\n                   top_k={code.top_k}, "
@@ -289,8 +289,8 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
     plus one all-reduce of the reported loss, and one of the squared norm when
     clipping at ZeRO >= 1; an all-reduce per microbatch for the router's load-balancing loss, where the model
     computes one (at any ep). Under expert parallelism the buckets and units hold the dense parameters only,
-    plus 5 all-to-alls per MoE layer and microbatch, and one all-reduce (and under ZeRO one all-gather) of the experts over the ranks holding the same
-    ones when there are several. Tests compare these with the counting shim.
+    plus 5 all-to-alls per MoE layer and microbatch, and one all-reduce (and under ZeRO one all-gather) of the
+    experts over the ranks holding the same ones when there are several. Tests compare these with the counting shim.
     """
     from runtime.engines.flat import bucket  # the engine's own bucketing rule, not a copy of it
 

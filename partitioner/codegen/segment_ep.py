@@ -22,12 +22,13 @@ the scalar computed from them becomes `ep_aux_loss(ep)`: the same loss over ever
 process computes it (Switch Transformer's, as Hugging Face's `load_balancing_loss_func`; `plan.verify` and
 the equivalence tests check it is the model's).
 
-The loss is a batch statistic at any ep: with the experts replicated (ep = 1) over dp x cp > 1 ranks the model's
-own loss would be each rank's, and their mean not one process's. So wherever the suffix reads the router logits
-the code takes the ep context (at ep = 1 a group of one: `runtime.experts.program.EPContext`), each MoE block
-records its logits there instead (`ep_record_router_logits(router_logits, ep)`, the experts as traced), and the
-suffix computes `ep_aux_loss(ep)` as above. Per forward, that is per microbatch: with several microbatches a step
-the loss is the mean of their losses (as Megatron-Core computes it), which the plan states.
+The loss is a statistic of the batch at any ep: with the experts replicated (ep = 1) over several
+data-parallel ranks, the model's own loss would be each rank's, and their mean is not one process's. So
+wherever the suffix reads the router logits the code takes the ep context (at ep = 1 a group of one,
+`runtime.experts.program.EPContext`), each MoE block records its logits there
+(`ep_record_router_logits(router_logits, ep)`, its experts as traced), and the suffix computes
+`ep_aux_loss(ep)` as above. Per forward, that is per microbatch: with several microbatches a step, the
+step's loss is the mean of theirs (as Megatron-Core computes it), which the plan states.
 
 Refused, with the node named: experts of another form (a list of expert modules, biases, an activation
 other than SiLU), a region with other inputs or outputs, a suffix that computes anything but one scalar
@@ -79,9 +80,9 @@ def in_scope(n: fx.Node, scope: str) -> bool:
 
 class ExpertParallelRewrite:
     """Mixed into the segment builder, which provides graph, env, value(), src, ep (the degree), ep_arg (the
-    `ep` placeholder, None where the code takes no ep context), expert_scopes (the experts modules of the MoE layers), router_out (block builder: this
-    block's router logits handed on, or None) and router_values (suffix builder: the blocks' router logits, in
-    layer order)."""
+    `ep` placeholder, None where the code takes no ep context), expert_scopes (the experts modules of the MoE
+    layers), router_out (block builder: this block's router logits handed on, or None) and router_values (suffix
+    builder: the blocks' router logits, in layer order)."""
 
     def scope_of(self, n: fx.Node) -> str | None:
         if self.ep == 1:

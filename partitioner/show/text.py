@@ -28,7 +28,8 @@ from partitioner.tracer.opgraph_table import human
 if TYPE_CHECKING:
     from partitioner.planner.plan import Alternative, Baseline, Plan
 
-__all__ = ["explain_plan", "format_plan", "blocks_text", "compression_text", "load_balancing_text", "ranges_text", "sequence_text"]
+__all__ = ["explain_plan", "format_plan", "blocks_text", "compression_text", "load_balancing_text", "ranges_text",
+           "sequence_text"]
 
 WIDTH = 120
 GiB, MiB = 2**30, 2**20
