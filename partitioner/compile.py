@@ -627,9 +627,12 @@ def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
     if t is None or not splits.sequence.scatters or not isinstance(g.graph_module, torch.export.ExportedProgram):
         return ""
     try:
-        extract(g.graph_module, g, splits=splits, tp=t, sp=True)
+        code = extract(g.graph_module, g, splits=splits, tp=t, sp=True)
     except SegmentError as e:
         return str(e)
+    if code.aux_loss:  # codegen.program.not_runnable_aux
+        return ("each tensor slice would route its own share of the tokens, and the model's load-balancing loss is "
+                "summed over the data-parallel ranks only")
     return ""
 
 

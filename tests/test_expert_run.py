@@ -111,6 +111,16 @@ def test_what_does_not_run_yet_is_refused_before_anything_runs(pins, words):
         plan.program(0)
 
 
+def test_the_load_balancing_loss_is_not_sequence_parallel():
+    """Under sp each tensor slice routes its share of the tokens, and the loss is summed over dp only (a 5e-6 error
+    in the loss here, under the equivalence tests' tolerance): sp pinned is refused, and never chosen."""
+    from cost_models.errors import DeclarationError
+
+    with pytest.raises(DeclarationError, match="sp=True: .*load-balancing loss is summed over the data-parallel"):
+        plan_for(dp=2, ep=1, tp=2, sp=True)
+    assert not plan_for(dp=2, ep=1, tp=2).config.sp
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_the_load_balancing_loss_is_not_pipelined(ep):
     """It reads every MoE layer's router logits, which pipeline stages would hold apart: pp pinned is refused

@@ -130,6 +130,9 @@ def not_runnable_aux(plan: "Plan") -> str:
     if c.pp > 1:
         return (f"{what} with pp={c.pp}: it reads every MoE layer's router logits, which live on other pipeline "
                 f"ranks; {fix} or pin pp=1")
+    if c.tp > 1 and c.sp:
+        return (f"{what} with tp={c.tp} and sequence parallelism: each tensor slice routes its own share of the "
+                "tokens, and the loss is summed over the data-parallel ranks only; pin sp=False")
     if c.cp > 1:  # the experts' token counts are read at the whole sequence length there (fails at run time)
         return (f"{what} with cp={c.cp}: context-parallel programs do not run MoE layers on each rank's share of "
                 f"the tokens yet; pin cp=1")
