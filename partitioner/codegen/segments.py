@@ -584,8 +584,9 @@ def _expert_fields(g: Any) -> dict[str, Any]:
 
     layers = find_experts(g)
     if len({m.top_k for m in layers}) != 1:
-        raise SegmentError(f"expert parallelism: the MoE layers route to {sorted({m.top_k for m in layers})} experts "
-                           "per token; the load-balancing loss over ranks takes one k: compile with ep=1")
+        raise SegmentError(f"the MoE layers route to {sorted({m.top_k for m in layers})} experts per token; the "
+                           "ep context and the load-balancing loss over ranks take one k: compile with ep=1, and "
+                           "without the loss (output_router_logits=False) to train on several ranks")
     return {"experts": tuple((p, m.num_experts) for m in layers for p in m.experts), "moe_layers": len(layers),
             "top_k": layers[0].top_k}
 
