@@ -20,7 +20,7 @@ from examples import gpt
 
 __all__ = ["gpt_tiny_seeded", "gpt_small_seeded", "gpt_4l_seeded", "gpt_8l_seeded", "hf_gpt2_seeded",
            "hf_gpt2_4l_seeded", "hf_llama_seeded", "adamw", "sgd", "gpt_loss", "hf_loss", "in_model_loss",
-           "Trained", "train_one_process"]
+           "Trained", "global_microbatches", "train_one_process"]
 
 
 def gpt_tiny_seeded() -> gpt.GPT:
@@ -119,16 +119,49 @@ class Trained(NamedTuple):
     grad_norms: list[float]  # before clipping, each step; empty without clipping
 
 
+def global_microbatches(x: Any, y: Any, *, dp: int, num_microbatches: int) -> list[tuple[Any, Any]]:
+    """A global batch (x, y) as a plan with `dp` replicas and `num_microbatches` microbatches a step runs it:
+    microbatch i is the i-th microbatch of every replica's rows (replica r holds rows [r*B/dp, (r+1)*B/dp),
+    runtime.engines.step.replica_microbatches), in replica order.
+
+    >>> x = torch.arange(8)
+    >>> [mb[0].tolist() for mb in global_microbatches(x, x, dp=2, num_microbatches=2)]
+    [[0, 1, 4, 5], [2, 3, 6, 7]]
+    """
+    import torch.utils._pytree as pytree
+
+    rows = pytree.tree_leaves(x)[0].shape[0]
+    per = rows // dp
+    mb = per // num_microbatches
+    idx = [torch.cat([torch.arange(r * per + i * mb, r * per + (i + 1) * mb) for r in range(dp)])
+           for i in range(num_microbatches)]
+    take = lambda t, i: pytree.tree_map(lambda v: v[i] if isinstance(v, torch.Tensor) else v, t)  # noqa: E731
+    return [(take(x, i), take(y, i)) for i in idx]
+
+
 def train_one_process(model_fn: Callable[[], torch.nn.Module], optimizer_fn: Callable[[Any], torch.optim.Optimizer],
                       loss_fn: Callable, batches: Iterable[tuple[Any, Any]], *,
-                      clip_grad_norm: float | None = None) -> Trained:
-    """The truth every plan must reproduce: the same seed and data, each whole global batch, in one process."""
+                      clip_grad_norm: float | None = None, dp: int = 1, num_microbatches: int = 1) -> Trained:
+    """The truth every plan must reproduce: the same seed and data, each whole global batch, in one process.
+
+    With num_microbatches > 1, each batch as that plan's global microbatches (`global_microbatches` of its `dp`
+    replicas), each microbatch's loss divided by their number and the gradients accumulated: one process
+    training as a plan does whose loss holds statistics of each microbatch (a router's load-balancing loss,
+    computed per microbatch as the plan states: Plan.load_balancing_loss). The loss of a batch of means
+    over equal microbatches (a cross entropy) is the same either way."""
     model = model_fn()
     opt = optimizer_fn(model.parameters())
     losses, norms = [], []
     for x, y in batches:
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        if num_microbatches > 1:
+            loss = torch.zeros(())
+            for mx, my in global_microbatches(x, y, dp=dp, num_microbatches=num_microbatches):
+                part = loss_fn(model(mx), my) / num_microbatches
+                part.backward()
+                loss = loss + part.detach()
+        else:
+            loss = loss_fn(model(x), y)
+            loss.backward()
         if clip_grad_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)))
         opt.step()

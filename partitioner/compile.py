@@ -40,7 +40,7 @@ from cost_models.placements import REPLICATED
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
-from partitioner.codegen.segments import SegmentError, extract
+from partitioner.codegen.segments import SegmentError, extract, reads_router_logits
 from partitioner.planner.context_split import LONG_SEQUENCE, attention_heads, cp_options, local
 from partitioner.planner.expert_split import Experts, check_experts, ep_options, ep_ranks, experts_of, summary
 from partitioner.planner.comparisons import (
@@ -282,17 +282,18 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     splits = find_splits(g)
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
-    # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them.
+    # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them (where no
+    # code can be cut at all, both are; a load-balancing loss rules out pipelining only).
     no_pp, no_tp = _code_limits(g, splits, valid_tp, ep=decl.ep or 1)
     no_sp = no_tp or _sp_code_limit(g, splits, valid_tp)
-    for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp or no_pp)):
+    for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp)):
         if why and value not in (None, 1):
             raise DeclarationError(f"{axis}={value}: no per-rank program can be generated for this model with "
                                    f"{axis} > 1 ({why}); leave {axis} unpinned or pin {axis}=1")
     forced: dict[str, int] = {}  # restrictions that are not the user's choice
     if no_pp or no_tp:
-        valid_tp = (1,)
-        forced = {"tp": 1, **({"pp": 1} if no_pp else {})}
+        valid_tp = (1,) if no_tp else valid_tp
+        forced = {**({"tp": 1} if no_tp else {}), **({"pp": 1} if no_pp else {})}
         decl = dataclasses.replace(decl, **forced)
     unit_name = "blocks" if g.blocks and opts.cut_granularity == "block" else "nodes"
     num_units = len(units_of(g, opts.cut_granularity))
@@ -572,7 +573,8 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 attention_rewrites=g.attention_rewrites, experts=experts_text(g), block_kinds=_block_kinds(g),
                 expert_parallel=_expert_note(ctx, cand, topo, declared="ep" in (declared or decl.pinned())),
                 block_container=g.block_container if _block_kinds(g) else None, torch_compile=decl.torch_compile,
-                **_model_code(g, splits, cand, fp8=decl.precision in FP8_PRECISIONS))
+                load_balancing_loss=_load_balancing_loss(g),
+                **_model_code(g, splits, cand, fp8=decl.precision in FP8_PRECISIONS, async_sgd=bool(decl.async_sgd)))
 
 
 def _expert_note(ctx: CostContext, cand: ParallelConfig, topo: Topology, *, declared: bool) -> str:
@@ -596,21 +598,27 @@ def _block_kinds(g: OpGraph) -> tuple[int, ...]:
 
 def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) -> tuple[str, str]:
     """(why pp > 1 cannot run, why tp > 1 cannot run), "" where it can or where the graph is not at hand; `ep`:
-    the pinned expert-parallel degree (its code hands the router logits to the ep context, not across cuts)."""
+    the pinned expert-parallel degree (its code hands the router logits to the ep context, not across cuts).
+    A graph that cannot be cut runs neither; a model computing its routers' load-balancing loss is not
+    pipelined (the loss reads every stage's router logits: codegen.program.not_runnable_aux)."""
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         return "", ""
     try:
-        extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=ep)
+        code = extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=ep)
     except SegmentError as e:
         return str(e), str(e)
+    no_pp = ""
+    if code.aux_loss:
+        no_pp = ("the model's load-balancing loss reads every MoE layer's router logits, which would live on other "
+                 "pipeline ranks; build the model without it (output_router_logits=False) to pipeline it")
     t = next((t for t in valid_tp if t > 1), None)
     if t is None:
-        return "", ""
+        return no_pp, ""
     try:
         extract(g.graph_module, g, splits=splits, tp=t, expert_parallel=ep)
     except SegmentError as e:
-        return "", str(e)
-    return "", ""
+        return no_pp, str(e)
+    return no_pp, ""
 
 
 def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
@@ -619,9 +627,12 @@ def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
     if t is None or not splits.sequence.scatters or not isinstance(g.graph_module, torch.export.ExportedProgram):
         return ""
     try:
-        extract(g.graph_module, g, splits=splits, tp=t, sp=True)
+        code = extract(g.graph_module, g, splits=splits, tp=t, sp=True)
     except SegmentError as e:
         return str(e)
+    if code.aux_loss:  # codegen.program.not_runnable_aux
+        return ("each tensor slice would route its own share of the tokens, and the model's load-balancing loss is "
+                "summed over the data-parallel ranks only")
     return ""
 
 
@@ -642,11 +653,13 @@ def _runs_code(g: OpGraph) -> bool:
     return True
 
 
-def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False) -> dict:
+def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False, async_sgd: bool = False) -> dict:
     """The prefix/block/suffix code that pipeline and tensor-parallel programs run; data-parallel and async
     SGD programs run it too when the graph's attention was rewritten (the module's own forward would run
-    it eagerly)."""
-    if cand.pp == 1 and cand.tp == 1 and cand.cp == 1 and cand.ep == 1 and not g.attention_rewrites:
+    it eagerly), and data-parallel ones where the model computes its routers' load-balancing loss (the
+    module's own forward would compute each replica's, not the batch's)."""
+    if cand.pp == 1 and cand.tp == 1 and cand.cp == 1 and cand.ep == 1 and not g.attention_rewrites and \
+            not (cand.replicas > 1 and not async_sgd and _load_balancing_loss(g)):
         return {}
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         how = "traced with torch.fx" if g.graph_module is not None else "given as an OpGraph without its graph"
@@ -657,6 +670,14 @@ def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False) 
                                 expert_parallel=cand.ep)}
     except SegmentError as e:
         return {"code_note": str(e)}
+
+
+def _load_balancing_loss(g: OpGraph) -> bool:
+    """Whether the model computes its routers' load-balancing loss (the suffix reads the MoE layers' router
+    logits, partitioner.codegen.segments): a statistic of the batch, which only the generated code computes over
+    the data-parallel ranks' tokens (at ep = 1 the module's own forward would compute each rank's)."""
+    return bool(g.blocks) and isinstance(g.graph_module, torch.export.ExportedProgram) and \
+        reads_router_logits(g.graph_module, g)
 
 
 def _segment_name(g: OpGraph, n: int) -> str:

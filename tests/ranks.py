@@ -153,12 +153,16 @@ def assert_plan_trains_like_one_process(plan, model_fn: Callable, optimizer_fn: 
                                         data: list, *, timeout_s: float = 180):
     """Run `plan` on real Gloo processes (runtime.launch_local) and check it trains as one process does on the
     same data (examples.training.train_one_process): the same parameter names, losses and final parameters
-    (`assert_trains_like`, SGD tolerances). Returns launch_local's result."""
+    (`assert_trains_like`, SGD tolerances). A plan whose model computes a router's load-balancing loss with
+    several microbatches a step computes it per microbatch, as it states (Plan.load_balancing_loss): one
+    process then runs the same global microbatches, accumulating gradients. Returns launch_local's result."""
     from examples.training import train_one_process
     from runtime import launch_local
 
     out = launch_local(plan, model_fn, optimizer_fn, loss_fn, data, timeout_s=timeout_s)
-    trained = train_one_process(model_fn, optimizer_fn, loss_fn, data)
+    c = plan.config
+    per_microbatch = dict(dp=c.dp, num_microbatches=c.num_microbatches) if plan.load_balancing_loss else {}
+    trained = train_one_process(model_fn, optimizer_fn, loss_fn, data, **per_microbatch)
     assert sorted(out.state_dict) == sorted(trained.model.state_dict())
     assert_trains_like(out, trained.losses, trained.model.state_dict())
     return out

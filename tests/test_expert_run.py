@@ -75,11 +75,13 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def plan_for(name: str = "mixtral", *, dp: int = 2, ep: int = 2, zero: int = 0, pp: int = 1, tp: int = 1,
+def plan_for(name: str = "mixtral", *, dp: int = 2, ep: int = 2, zero: int = 0, pp: int = 1, tp: int = 1, cp: int = 1,
              mb: int | None = None, precision: str = "fp32", **kw):
     # one microbatch per rank by default: the load-balancing loss of a batch is not the mean of its microbatches'
-    return compile({**MODELS, **OTHERS}[name](), f"local:{dp * pp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
-                   global_batch_size=BATCH, precision=precision, dp=dp, ep=ep, pp=pp, tp=tp, zero_stage=zero,
+    # (with several, the plan says it is computed per microbatch, and one process accumulates the same ones)
+    return compile({**MODELS, **OTHERS}[name](), f"local:{dp * pp * tp * cp}",
+                   example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),), global_batch_size=BATCH, precision=precision,
+                   dp=dp, ep=ep, pp=pp, tp=tp, cp=cp, zero_stage=zero,
                    microbatch_size=mb or BATCH // dp, alternatives=0, **kw)
 
 
@@ -101,12 +103,50 @@ def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
 @pytest.mark.parametrize("pins, words", [
     (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2, sp=True), "tp=2 and sequence parallelism: each tensor slice"),
     (dict(dp=2, ep=2, precision="bf16"), "precision=.bf16.: the expert slices are kept outside"),
-    (dict(dp=2, ep=2, pp=2, mb=2), "pp=2: the model's load-balancing loss reads every MoE layer's router logits"),
+    (dict(dp=1, ep=1, cp=2, mb=8), "load-balancing loss .* with cp=2: context-parallel programs do not run MoE"),
 ])
 def test_what_does_not_run_yet_is_refused_before_anything_runs(pins, words):
     plan = plan_for(**pins)
     with pytest.raises(CodegenError, match=words):
         plan.program(0)
+
+
+def test_the_load_balancing_loss_is_not_sequence_parallel():
+    """Under sp each tensor slice routes its share of the tokens, and the loss is summed over dp only (a 5e-6 error
+    in the loss here, under the equivalence tests' tolerance): sp pinned is refused, and never chosen."""
+    from cost_models.errors import DeclarationError
+
+    with pytest.raises(DeclarationError, match="sp=True: .*load-balancing loss is summed over the data-parallel"):
+        plan_for(dp=2, ep=1, tp=2, sp=True)
+    assert not plan_for(dp=2, ep=1, tp=2).config.sp
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_load_balancing_loss_is_not_pipelined(ep):
+    """It reads every MoE layer's router logits, which pipeline stages would hold apart: pp pinned is refused
+    (and left out of the search)."""
+    from cost_models.errors import DeclarationError
+
+    with pytest.raises(DeclarationError, match="pp=2: .*the model's load-balancing loss reads every MoE layer's "
+                                               "router logits"):
+        plan_for(dp=2, ep=ep, pp=2, mb=2)
+
+
+def test_replicated_experts_compute_the_load_balancing_loss_over_the_data_parallel_ranks():
+    """ep=1 over dp2: the module's own forward would compute each rank's load-balancing loss (and the mean of
+    two ranks' is not the batch's), so the program runs the model's code, each MoE block recording its router
+    logits and the suffix's loss summed over groups.dp."""
+    plan = plan_for(dp=2, ep=1)
+    assert plan.load_balancing_loss and plan.code is not None
+    src = plan.program(1).source
+    block = src.split("def block", 1)[1].split("def suffix", 1)[0]
+    assert "ep_record_router_logits(" in block and "ep_experts(" not in block and "grouped_mm" in block
+    assert "= ep_aux_loss(ep)" in src.split("def suffix", 1)[1]
+    assert "world=1, num_experts=4,\n                   top_k=2, layers=2, token_group=groups.dp)" in src
+    assert "make_stage(model, None, ep).run_as_model()" in src and "ExpertParallel" not in src
+    from partitioner.codegen.program import expected_collectives
+
+    assert expected_collectives(plan) == {"all_reduce": 3}  # gradients, the reported loss, the loss's sums
 
 
 def test_a_pipeline_rank_holds_its_stages_experts():
@@ -143,6 +183,51 @@ def test_expert_parallel_trains_like_one_process(name, dp, ep, zero):
         want = expected_collectives(plan_for(name, dp=dp, ep=ep, zero=zero))
         assert want["all_to_all"] == 2 * 5
         assert all(c["all_reduce"] == STEPS * want["all_reduce"] for c in out.collective_counts), (want, out.collective_counts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, pins", [("mixtral", dict(zero=0)), ("qwen3_moe", dict(zero=3)),
+                                        ("mixtral", dict(tp=2, sp=False))])
+def test_replicated_experts_train_like_one_process(name, pins):
+    """ep=1, dp2 (DDP, ZeRO-3, and tp2 x dp2, whose tensor slices hold the same tokens): the load-balancing loss
+    over both replicas' tokens, as one process computes it on the batch (the model's own forward on each rank's
+    half differs by ~3e-5 in the loss)."""
+    out = assert_same_training(plan_for(name, dp=2, ep=1, **pins), name)
+    if pins == dict(zero=0):
+        assert all(c["all_reduce"] == STEPS * 3 for c in out.collective_counts), out.collective_counts
+
+
+def test_the_code_computes_the_models_loss_and_refuses_a_batch_it_was_not_traced_with():
+    """make_stage's default ep context is this process alone (what plan.verify runs): the code's load-balancing
+    loss is the module's own. A batch with other inputs cannot fall back to the module's forward."""
+    ns = plan_for(dp=2, ep=1).program(0).namespace()
+    model, reference = mixtral_seeded(), mixtral_seeded()
+    ns["make_stage"](model, None).run_as_model()
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    torch.testing.assert_close(model(x).aux_loss, reference(x).aux_loss, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="own forward cannot stand in"):
+        model(x, torch.ones_like(x))
+
+
+def test_the_plan_says_the_load_balancing_loss_is_per_microbatch():
+    """Its expert counts are known only after every forward of a step, so with gradient accumulation the programs
+    compute it per microbatch (as Megatron-Core does), and the plan says so where anyone reads it."""
+    plan = plan_for(dp=2, ep=1, mb=2)
+    for text in (str(plan), plan.explain()):
+        assert "load-balancing loss over the 2 data-parallel ranks' tokens" in text
+        assert "mean of its 2 microbatches' losses" in " ".join(text.split())
+    whole = str(plan_for(dp=2, ep=2))
+    assert "on the step's whole batch, as one process computes it" in " ".join(whole.split())
+    assert "aux loss" not in str(plan_for("mixtral_no_aux", dp=2, ep=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_several_microbatches_train_like_one_process_accumulating_them(ep):
+    """dp2, 2 microbatches of 2 rows per rank: the load-balancing loss of each global microbatch (both ranks'
+    i-th), as one process computes it running the same microbatches with gradient accumulation
+    (examples.training.global_microbatches; the whole batch's loss differs by ~2e-5)."""
+    assert_same_training(plan_for(dp=2, ep=ep, mb=2), "mixtral")
 
 
 @pytest.mark.slow

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
 __all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "SegmentTables",
-           "dp_compression", "literal", "mesh_lines", "model_code_lines", "params_table", "program_header", "ranks_text",
-           "recompute_lines", "reduce_scatter_impl", "segment_tables", "torch_compile_import", "torch_compile_lines",
-           "torch_compile_refusal"]
+           "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines",
+           "params_table", "program_header", "ranks_text", "recompute_lines", "reduce_scatter_impl", "segment_tables",
+           "torch_compile_import", "torch_compile_lines", "torch_compile_refusal"]
 
 ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
@@ -290,13 +290,17 @@ def model_code_lines(plan: "Plan") -> ModelCodeLines:
     cp = plan.config.cp > 1
     tc = f", torch_compile={plan.torch_compile!r}" if plan.torch_compile else ""
     ep = plan.config.ep > 1
+    ctx = ep_context(plan)  # the ep context: ep > 1, or the load-balancing loss at ep = 1
     t = segment_tables(code)
     n = code.num_blocks
     why = (f"its {plan.attention_rewrites} eager attention(s) run as one fused scaled_dot_product_attention\n# each, as "
-           "the plan's time and memory assume (partitioner.tracer.attention)") if not ep else \
+           "the plan's time and memory assume (partitioner.tracer.attention)") if not ctx else \
         ("each MoE layer's experts run over the ep group (ep_experts: the\n# all-to-alls of "
-         "runtime.experts.expert_parallel) on this rank's experts only (partitioner.codegen.segment_ep)")
-    ep_kw = ",\n                      ep=ep, experts=EXPERTS" if ep else ""
+         "runtime.experts.expert_parallel) on this rank's experts only (partitioner.codegen.segment_ep)") if ep else \
+        (f"the router's load-balancing loss, a statistic of the batch, is computed over the\n# "
+         f"{plan.config.replicas} ranks' tokens (ep_aux_loss, partitioner.codegen.segment_ep), as one process does")
+    ep_kw = ",\n                      ep=ep, experts=EXPERTS" if ep else ", ep=ep" if ctx else ""
+    ep_param, ep_default = ep_stage_lines(plan)
     text = f'''
 inf, nan = float("inf"), float("nan")
 
@@ -314,9 +318,9 @@ OUTPUT_SPEC = {code.output_spec!r}
 STAGES = {{0: (0, {n}, True, True)}}
 
 
-def make_stage(model, tp{", cp" if cp else ""}{", ep" if ep else ""}):
+def make_stage(model, tp{", cp" if cp else ""}{ep_param}):
     """`model` running the code above (the whole model on this rank); `plan.verify` calls it too."""
-    return StageModel(model, functions={{{t.fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
+{ep_default}    return StageModel(model, functions={{{t.fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
                       block_inputs={t.block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={t.block_args}, suffix_args={t.suffix_args},
@@ -324,8 +328,12 @@ def make_stage(model, tp{", cp" if cp else ""}{", ep" if ep else ""}):
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"
-           "    # (a batch without the traced inputs runs the module's own forward instead, with a warning).\n"
-           + (f"    make_stage(model, None{', cp' if cp else ''}).run_as_model()\n" if not ep else
+           + ("    # (a batch without the traced inputs runs the module's own forward instead, with a warning).\n"
+              if not ctx else "    # (a batch without the traced inputs is refused: the module's own forward would run neither the\n"
+              "    # experts over the ep group nor the load-balancing loss over the ranks' tokens).\n")
+           + (f"    make_stage(model, None{', cp' if cp else ''}).run_as_model()\n" if not ctx else
+              f"    make_stage(model, None{', cp' if cp else ''}{'' if plan.async_sgd else ', ep'}).run_as_model()"
+              f"{'  # each replica its own loss' if plan.async_sgd else ''}\n" if not ep else
               f"    stage = make_stage(model, None{', cp' if cp else ''}, ep)  # this rank's expert slices: stage.experts\n"
               "    stage.run_as_model()\n"))
     return ModelCodeLines(imports="import torch\nfrom torch import device\n\n",
@@ -341,10 +349,35 @@ def cp_import(plan: "Plan") -> str:
             "attention over the cp group, this rank's positions\n")
 
 
+def ep_context(plan: "Plan") -> bool:
+    """Whether the plan's code takes the ep context (runtime.experts.program.EPContext): under ep > 1, and at
+    ep = 1 where the model computes its routers' load-balancing loss, which the code computes over every rank's
+    tokens (partitioner.codegen.segment_ep; the code's MoE fields are set exactly then)."""
+    return plan.code is not None and plan.code.moe_layers > 0
+
+
+def ep_stage_lines(plan: "Plan") -> tuple[str, str]:
+    """(make_stage's ep parameter, its first line) for a program whose code takes the ep context: at ep = 1 the
+    parameter defaults to a context of this process alone, so `plan.verify`, which calls make_stage(model, tp),
+    replays the load-balancing loss over the tokens it runs, as the module computes it."""
+    if not ep_context(plan):
+        return "", ""
+    if plan.config.ep > 1:
+        return ", ep", ""
+    code = plan.code
+    return ", ep=None", (f"    if ep is None:  # plan.verify: one process, the loss over its own tokens\n"
+                         f"        ep = EPContext(group=None, collectives=None, rank=0, world=1, "
+                         f"num_experts={max(e for _, e in code.experts)}, top_k={code.top_k}, "
+                         f"layers={code.moe_layers})\n")
+
+
 def ep_import(plan: "Plan") -> str:
     """The imports of what the code and engine of an expert-parallel plan call (partitioner.codegen.segment_ep)."""
-    if plan.config.ep == 1:
+    if not ep_context(plan):
         return ""
+    if plan.config.ep == 1:
+        return ("from runtime.experts.program import EPContext, ep_aux_loss, ep_record_router_logits, "
+                "ep_router_logits  # the load-balancing loss over every rank's tokens\n")
     return ("from runtime.experts.engine import ExpertParallel  # expert parallelism: the expert slices beside the "
             "dense engine\n"
             "from runtime.experts.program import EPContext, ep_aux_loss, ep_experts, ep_router_logits\n")

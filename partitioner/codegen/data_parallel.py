@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from partitioner.codegen.common import (
     ZERO_WHAT,
     dp_compression,
+    ep_context,
     literal,
     mesh_lines,
     model_code_lines,
@@ -221,17 +222,24 @@ EXPERTS = {{
 
 
 def expert_lines(plan: "Plan", rank: int) -> str:
-    """The build() lines that make an expert-parallel program's groups and context ("" without ep)."""
+    """The build() lines that make an expert-parallel program's groups and context; at ep = 1 the context of a
+    program computing the load-balancing loss ("" for neither)."""
     c = plan.config
-    if c.ep == 1:
+    if not ep_context(plan):
         return ""
+    code = plan.code
+    if c.ep == 1:
+        return ("    # The router's load-balancing loss is a statistic of the batch: its sums are all-reduced "
+                f"over the {c.replicas}\n    # ranks' tokens of each microbatch (groups.dp), as one process computes it on "
+                "that microbatch\n    # (runtime.experts.aux_loss); the experts are replicated (ep=1).\n"
+                f"    ep = EPContext(group=None, collectives=collectives, rank=0, world=1, "
+                f"num_experts={max(e for _, e in code.experts)},\n                   top_k={code.top_k}, "
+                f"layers={code.moe_layers}, token_group=groups.dp)\n")
     eps, edps = expert_groups(plan)
     mine = next(g for g in eps if rank in g)
     same = next(g for g in edps if rank in g)
-    code = plan.code
     aux = (f"; the router's load-balancing loss\n    # summed over the {c.replicas} ranks' tokens of the batch "
-           "(groups.dp), as one process computes it") if any("ep_aux_loss(" in s.source for s in (code.suffix,)
-                                                                 if s is not None) else ""
+           "(groups.dp), as one process computes it") if code.aux_loss else ""
     return (f"    # Expert parallelism over ranks {ranks_text(mine)} (this rank is {_ep_rank(plan, rank)} of {c.ep}): "
             f"tokens travel to\n    # their experts and back by all-to-alls with variable split sizes{aux}.\n"
             f"    # Ranks {ranks_text(same)} hold the same experts.\n"
@@ -279,10 +287,10 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
                its k modules but the last two again (gathered for their backward by
                then, runtime.engines.zero3): m * sum(k - 2) more
     plus one all-reduce of the reported loss, and one of the squared norm when
-    clipping at ZeRO >= 1. Under expert parallelism the buckets and units hold the dense parameters only,
-    plus 5 all-to-alls per MoE layer and microbatch, an all-reduce per microbatch for the load-balancing
-    loss, and one all-reduce (and under ZeRO one all-gather) of the experts over the ranks holding the same
-    ones when there are several. Tests compare these with the counting shim.
+    clipping at ZeRO >= 1; an all-reduce per microbatch for the router's load-balancing loss, where the model
+    computes one (at any ep). Under expert parallelism the buckets and units hold the dense parameters only,
+    plus 5 all-to-alls per MoE layer and microbatch, and one all-reduce (and under ZeRO one all-gather) of the
+    experts over the ranks holding the same ones when there are several. Tests compare these with the counting shim.
     """
     from runtime.engines.flat import bucket  # the engine's own bucketing rule, not a copy of it
 
@@ -311,12 +319,13 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
            2: {"reduce_scatter": m * B, "all_gather": B},
            3: {"reduce_scatter": m * U, "all_gather": m * gathers}}[c.zero_stage]
     out["all_reduce"] = out.get("all_reduce", 0) + 1 + (1 if plan.clip_grad_norm and c.zero_stage >= 1 else 0)
+    if plan.code is not None and plan.code.aux_loss:  # the load-balancing loss's sums: an all-reduce per microbatch
+        out["all_reduce"] += m
     if apart:  # expert parallelism (runtime.experts): per MoE layer and microbatch 3 all-to-alls forward, 2 backward;
-        # the load-balancing loss's sums, one all-reduce per microbatch; the experts' gradients over the ranks
-        # holding the same experts (and, under ZeRO, their updated shards gathered back)
-        aux = plan.code.suffix is not None and "ep_aux_loss(" in plan.code.suffix.source
+        # the experts' gradients over the ranks holding the same experts (and, under ZeRO, their updated shards
+        # gathered back)
         out["all_to_all"] = 5 * plan.code.moe_layers * m
-        out["all_reduce"] += (m if aux else 0) + (1 if c.replicas > c.ep else 0)
+        out["all_reduce"] += 1 if c.replicas > c.ep else 0
         if c.replicas > c.ep and c.zero_stage > 0:
             out["all_gather"] = out.get("all_gather", 0) + 1
     return out

@@ -19,7 +19,9 @@ from partitioner.codegen.common import (
     ZERO_WHAT,
     CodegenError,
     cp_import,
+    ep_context,
     ep_import,
+    ep_stage_lines,
     dp_compression,
     fp8_import,
     literal,
@@ -176,7 +178,9 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                   f"compression={comp.arg}, nodes={comp.nodes},\n"
                   f"                          compression_warmup={plan.compression_warmup})  # {comp.why}\n")
 
-    ep_kw = ", ep=ep,\n                      experts=EXPERTS" if c.ep > 1 else ""
+    ctx = ep_context(plan)  # the ep context: ep > 1, or the load-balancing loss at ep = 1
+    ep_kw = ", ep=ep,\n                      experts=EXPERTS" if c.ep > 1 else ", ep=ep" if ctx else ""
+    ep_param, ep_default = ep_stage_lines(plan)
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size} (pipeline rank {me.pp}, replica {me.dp}, tensor slice {me.tp}).
 
 Plan {h[:12]} for {plan.model_name} on {plan.topology_name}: {c}.
@@ -240,10 +244,10 @@ OUTPUT_SPEC = {code.output_spec!r}
 HIDDEN_SHAPE = {code.hidden_shape!r}
 
 
-def make_stage(model, tp{", cp" if c.cp > 1 else ""}{", ep" if c.ep > 1 else ""}):
+def make_stage(model, tp{", cp" if c.cp > 1 else ""}{ep_param}):
     """This rank's stages of `model` (pruned in place), running the code above; `tp` is the tensor-parallel
     context (None when tp = 1){"; `cp` the context-parallel one" if c.cp > 1 else ""}. `build` calls it; so does `plan.verify`, with its collectives simulated."""
-    return StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
+{ep_default}    return StageModel(model, functions={{{fn_table}}}, stack={code.stack!r}, input_names={code.prefix.inputs!r},
                       block_inputs={block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
@@ -260,7 +264,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     runtime.engines.step.check_parameters(model, PARAMS)
     full_keys = state_keys(model)
     {f"tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp})  # this rank is tensor slice {me.tp} of {c.tp}" if c.tp > 1 else "tp = None  # tp = 1: the code calls no tensor-parallel collective"}
-{context_lines(plan, rank)}{expert_lines(plan, rank)}    stage = make_stage(model, tp{", cp" if c.cp > 1 else ""}{", ep" if c.ep > 1 else ""})
+{context_lines(plan, rank)}{expert_lines(plan, rank)}    stage = make_stage(model, tp{", cp" if c.cp > 1 else ""}{", ep" if ctx else ""})
 
 {engine}{expert_engine_lines(plan)}    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
     optimizer = optimizer_fn(engine.optimizer_params() + list(stage.tied.values()))

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
 __all__ = ["RankProgram", "program", "write_programs", "expected_collectives", "CodegenError", "not_runnable",
-           "not_runnable_ep"]
+           "not_runnable_aux", "not_runnable_ep"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,7 +90,7 @@ def not_runnable(plan: "Plan") -> str:
 def not_runnable_ep(plan: "Plan") -> str:
     """Why no program is generated for an expert-parallel plan ("" when one is): programs run ep > 1 from the
     plan's model code (partitioner.codegen.segment_ep) with data, pipeline and tensor parallelism (cp = 1, no
-    sequence parallelism; the load-balancing loss with pp = 1 only), fp32 or bf16-mixed,
+    sequence parallelism; the load-balancing loss with pp = 1 only: not_runnable_aux), fp32 or bf16-mixed,
     any ZeRO stage (the experts' optimizer state and gradients sharded over the ranks holding the same experts,
     runtime.experts.engine)."""
     c = plan.config
@@ -110,14 +110,36 @@ def not_runnable_ep(plan: "Plan") -> str:
     if plan.code is None:
         return (f"{what}: an expert-parallel program runs the model as generated code (each MoE layer's experts "
                 f"over the ep group), and this plan has none: {plan.code_note or 'no traced graph'}")
-    if c.pp > 1 and plan.code.suffix is not None and "ep_aux_loss(" in plan.code.suffix.source:
-        return (f"{what} with pp={c.pp}: the model's load-balancing loss reads every MoE layer's router logits, "
-                f"which live on other pipeline ranks; build the model without it (output_router_logits=False) or "
-                f"pin pp=1{fix}")
     if plan.precision not in ("fp32", "bf16-mixed"):
         return (f"{what} with precision={plan.precision!r}: the expert slices are kept outside the data-parallel "
                 f"engine as fp32 masters, cast to the compute dtype as the code reads them, and unscaled by no loss "
                 f"scaler; compile with precision='fp32' or 'bf16-mixed'{fix}")
+    return ""
+
+
+def not_runnable_aux(plan: "Plan") -> str:
+    """Why no program is generated for a plan of a model that computes its routers' load-balancing loss (""
+    when one is): the loss is a statistic of the batch, which the generated code computes over the dp x cp
+    ranks' tokens (partitioner.codegen.segment_ep), so a plan with several such ranks needs that code, and
+    the loss reads every MoE layer's router logits, which pipeline stages would hold apart."""
+    c = plan.config
+    if not plan.load_balancing_loss or plan.async_sgd:
+        return ""
+    what = "the model's load-balancing loss (output_router_logits=True)"
+    fix = "build the model without it (output_router_logits=False)"
+    if c.pp > 1:
+        return (f"{what} with pp={c.pp}: it reads every MoE layer's router logits, which live on other pipeline "
+                f"ranks; {fix} or pin pp=1")
+    if c.tp > 1 and c.sp:
+        return (f"{what} with tp={c.tp} and sequence parallelism: each tensor slice routes its own share of the "
+                "tokens, and the loss is summed over the data-parallel ranks only; pin sp=False")
+    if c.cp > 1:  # the experts' token counts are read at the whole sequence length there (fails at run time)
+        return (f"{what} with cp={c.cp}: context-parallel programs do not run MoE layers on each rank's share of "
+                f"the tokens yet; pin cp=1")
+    if c.replicas > 1 and (plan.code is None or not plan.code.aux_loss):
+        return (f"{what} over {c.replicas} data-parallel ranks: a statistic of the whole batch (tokens per expert "
+                f"times mean router probability), which the program computes over every rank's tokens as generated "
+                f"code, and this plan has none ({plan.code_note or 'no traced graph'}); {fix}, or train on one rank")
     return ""
 
 
@@ -128,7 +150,7 @@ def program(plan: "Plan", rank: int) -> RankProgram:
     why = not_runnable(plan)
     if why:
         raise CodegenError(why)
-    why = not_runnable_ep(plan) or torch_compile_refusal(plan)
+    why = not_runnable_aux(plan) or not_runnable_ep(plan) or torch_compile_refusal(plan)
     if why:
         raise CodegenError(why)
     if c.pp > 1 or c.tp > 1:

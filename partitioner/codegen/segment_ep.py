@@ -22,6 +22,14 @@ the scalar computed from them becomes `ep_aux_loss(ep)`: the same loss over ever
 process computes it (Switch Transformer's, as Hugging Face's `load_balancing_loss_func`; `plan.verify` and
 the equivalence tests check it is the model's).
 
+The loss is a statistic of the batch at any ep: with the experts replicated (ep = 1) over several
+data-parallel ranks, the model's own loss would be each rank's, and their mean is not one process's. So
+wherever the suffix reads the router logits the code takes the ep context (at ep = 1 a group of one,
+`runtime.experts.program.EPContext`), each MoE block records its logits there
+(`ep_record_router_logits(router_logits, ep)`, its experts as traced), and the suffix computes
+`ep_aux_loss(ep)` as above. Per forward, that is per microbatch: with several microbatches a step, the
+step's loss is the mean of theirs (as Megatron-Core computes it), which the plan states.
+
 Refused, with the node named: experts of another form (a list of expert modules, biases, an activation
 other than SiLU), a region with other inputs or outputs, a suffix that computes anything but one scalar
 from the router logits.
@@ -34,7 +42,8 @@ from torch import fx
 
 from partitioner.planner.model_code import SegmentError, describe
 
-__all__ = ["EP_FUNCTIONS", "ExpertParallelRewrite", "ep_aux_loss", "ep_experts", "ep_router_logits", "in_scope"]
+__all__ = ["EP_FUNCTIONS", "ExpertParallelRewrite", "ep_aux_loss", "ep_experts", "ep_record_router_logits",
+           "ep_router_logits", "in_scope"]
 
 _aten = torch.ops.aten
 
@@ -51,7 +60,12 @@ def ep_router_logits(ep, layer):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
-EP_FUNCTIONS = ("ep_experts", "ep_aux_loss", "ep_router_logits")
+@fx.node.has_side_effect  # returns nothing: dead-code elimination must keep it
+def ep_record_router_logits(router_logits, ep):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+EP_FUNCTIONS = ("ep_experts", "ep_aux_loss", "ep_router_logits", "ep_record_router_logits")
 
 
 def path_of(n: fx.Node) -> str:
@@ -66,9 +80,9 @@ def in_scope(n: fx.Node, scope: str) -> bool:
 
 class ExpertParallelRewrite:
     """Mixed into the segment builder, which provides graph, env, value(), src, ep (the degree), ep_arg (the
-    `ep` placeholder), expert_scopes (the experts modules of the MoE layers), router_out (block builder: this
-    block's router logits handed on, or None) and router_values (suffix builder: the blocks' router logits, in
-    layer order)."""
+    `ep` placeholder, None where the code takes no ep context), expert_scopes (the experts modules of the MoE
+    layers), router_out (block builder: this block's router logits handed on, or None) and router_values (suffix
+    builder: the blocks' router logits, in layer order)."""
 
     def scope_of(self, n: fx.Node) -> str | None:
         if self.ep == 1:
@@ -78,7 +92,7 @@ class ExpertParallelRewrite:
     def rewrite_ep(self, n: fx.Node) -> bool:
         """Copy `n` in its expert-parallel form: the experts region as one ep_experts call at its output node,
         its other nodes dropped; the suffix's use of the router logits; False otherwise."""
-        if self.ep == 1:
+        if self.ep_arg is None:
             return False
         if n in self.aux_nodes:
             self._aux(n)
@@ -96,6 +110,13 @@ class ExpertParallelRewrite:
             out.meta = dict(n.meta)
             self.env[n] = out
         return True
+
+    def record_router_logits(self) -> None:
+        """At ep = 1, a block that hands its router logits on records them on the ep context (under ep > 1
+        ep_experts does)."""
+        if self.ep == 1 and self.router_out is not None:
+            self.graph.create_node("call_function", ep_record_router_logits, (self.value(self.router_out), self.ep_arg),
+                                   name="record_router_logits")
 
     def _router_arg(self):
         return self.value(self.router_out) if self.router_out is not None else None
@@ -156,11 +177,13 @@ class ExpertParallelRewrite:
                 dep.add(m)
         scalars = [m for m in dep if isinstance(m.meta.get("val"), torch.Tensor) and m.meta["val"].dim() == 0
                    and any(u.op == "output" or (u in inside and u not in dep) for u in m.users)]
-        if len(scalars) != 1:
-            raise SegmentError(f"expert parallelism: the model computes {len(scalars)} scalars from its layers' "
-                               f"router logits ({', '.join(describe(m) for m in scalars)}), where one (the "
-                               "load-balancing loss) is computed over every rank's tokens; compile with ep=1")
-        self.aux_nodes = {scalars[0]: True}
+        if len(scalars) > 1 or (not scalars and self.ep > 1):
+            fix = "compile with ep=1" if self.ep > 1 else \
+                "build the model without it (output_router_logits=False), or compile for one rank"
+            raise SegmentError(f"the model computes {len(scalars)} scalars from its layers' router logits "
+                               f"({', '.join(describe(m) for m in scalars)}), where one (the load-balancing loss) is "
+                               f"computed over every rank's tokens; {fix}")
+        self.aux_nodes = {scalars[0]: True} if scalars else {}
 
     def _aux(self, n: fx.Node) -> None:
         if self.aux_nodes[n]:

@@ -58,7 +58,7 @@ from partitioner.planner.model_code import ModelCode, Segment, SegmentError, des
 from partitioner.tracer.block_kinds import mutates
 from partitioner.tracer.blocks import block_index
 
-__all__ = ["ModelCode", "Segment", "SegmentError", "extract"]
+__all__ = ["ModelCode", "Segment", "SegmentError", "extract", "reads_router_logits"]
 
 _aten = torch.ops.aten
 _CASTS = {_aten.to.dtype_layout, _aten.to.dtype, _aten._to_copy.default}
@@ -141,7 +141,8 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
                  placements: dict[str, Any], dims: dict[str, int], chunks: dict[str, list[tuple[str, int]]],
                  tp: int, seq_dims: dict[str, int], scatters: dict[str, int],
                  seq_gathers: dict[str, list[tuple[str, int, str]]], fp8: bool = False, cp: int = 1,
-                 seq_syms: frozenset[str] = frozenset(), ep: int = 1, moe: tuple[tuple[str, str, int], ...] = ()):
+                 seq_syms: frozenset[str] = frozenset(), ep: int = 1, moe: tuple[tuple[str, str, int], ...] = (),
+                 routed: bool = False):
         self.src, self.name, self.carried, self.block = src, name, carried, block
         self.fp8 = fp8
         self.placements, self.dims, self.chunks, self.tp = placements, dims, chunks, tp
@@ -163,10 +164,12 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         self.full_env: dict[fx.Node, Any] = {}
         self.pos_env: dict[fx.Node, fx.Node] = {}
         # expert parallelism (partitioner.codegen.segment_ep): the ep group, the MoE layers' (module, experts
-        # module), the experts regions found, the block's router logits and the suffix's reads of them
+        # module), the experts regions found, the block's router logits and the suffix's reads of them. The ep
+        # context is an argument under ep > 1, and (`routed`) wherever the model hands its routers' logits to
+        # the suffix (the load-balancing loss), ep = 1 included
         self.ep, self.moe = ep, moe
         self.expert_scopes = tuple(x for _, x, _ in moe)
-        self.ep_arg = self.graph.placeholder("ep") if ep > 1 else None
+        self.ep_arg = self.graph.placeholder("ep") if ep > 1 or routed else None
         self.regions: dict[str, Any] = {}
         self.router_out: fx.Node | None = None
         self.router_values: list[fx.Node] = []
@@ -458,7 +461,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp,
               seq_dims=dict(seq.dims) if seq else {}, scatters=dict(seq.scatters) if seq else {},
               seq_gathers=seq_gathers, fp8=fp8, cp=cp, seq_syms=sequence_symbols(src.inputs) if cp > 1 else frozenset(),
-              ep=expert_parallel, moe=_moe_scopes(g) if expert_parallel > 1 else ())
+              ep=expert_parallel, moe=_moe_scopes(g))
 
     def run(b: _Builder, members: list[fx.Node]) -> None:
         members = sorted(members, key=_order(src))
@@ -474,6 +477,9 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         return ModelCode(stack=None, num_blocks=0, tp=tp, prefix=prefix, block=None, suffix=None, output_spec=spec)
 
     # prefix -> block 0: one tensor
+    # the suffix reads the MoE layers' router logits (a load-balancing loss): they reach it through the ep
+    # context, at any ep (partitioner.codegen.segment_ep)
+    kw["routed"] = expert_parallel > 1 or bool(_router_outs(src.crossing(src.members("suffix"))[0], kw["moe"]))
     pre = src.members("prefix")
     reads, outs = src.crossing(pre)
     if len(outs) != 1:
@@ -518,6 +524,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         b.cut_dim = cut_dim
         b.router_out = next(iter(router), None)
         run(b, members)
+        b.record_router_logits()
         templates.append(b.finish(b.value(x_out)))
         cuts += [x_in, x_out]
 
@@ -546,7 +553,21 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
                      prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec, sp_dim=cut_dim,
                      hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds,
-                     **(_expert_fields(g) if expert_parallel > 1 else {}))
+                     **(_expert_fields(g) if kw["routed"] else {}))
+
+
+def reads_router_logits(ep: Any, g: Any) -> bool:
+    """Whether what follows the layer stack of `ep` (the ExportedProgram `trace` captured for OpGraph `g`)
+    reads the MoE layers' router logits: the model computes its routers' load-balancing loss (Hugging Face's
+    `output_router_logits=True`), a statistic of the batch. False for a dense model, or a graph not cut here."""
+    moe = _moe_scopes(g)
+    if not moe:
+        return False
+    try:
+        src = _Source(ep, g)
+    except SegmentError:
+        return False
+    return bool(_router_outs(src.crossing(src.members("suffix"))[0], moe))
 
 
 def _moe_scopes(g: Any) -> tuple[tuple[str, str, int], ...]:
@@ -563,14 +584,15 @@ def _expert_fields(g: Any) -> dict[str, Any]:
 
     layers = find_experts(g)
     if len({m.top_k for m in layers}) != 1:
-        raise SegmentError(f"expert parallelism: the MoE layers route to {sorted({m.top_k for m in layers})} experts "
-                           "per token; the load-balancing loss over ranks takes one k: compile with ep=1")
+        raise SegmentError(f"the MoE layers route to {sorted({m.top_k for m in layers})} experts per token; the "
+                           "ep context and the load-balancing loss over ranks take one k: compile with ep=1, and "
+                           "without the loss (output_router_logits=False) to train on several ranks")
     return {"experts": tuple((p, m.num_experts) for m in layers for p in m.experts), "moe_layers": len(layers),
             "top_k": layers[0].top_k}
 
 
 def _router_outs(values: set[fx.Node], moe: tuple[tuple[str, str, int], ...]) -> set[fx.Node]:
-    """Under ep > 1, the values among `values` computed inside a MoE module (outside its experts) of shape
+    """The values among `values` computed inside a MoE module (outside its experts) of shape
     (tokens, E): the router logits a block hands on for the load-balancing loss (partitioner.codegen.segment_ep)."""
     def logits(v: fx.Node, e: int) -> bool:
         val = v.meta.get("val")

@@ -64,10 +64,17 @@ class ModelCode:
     sp_dim: int | None = None
     # expert parallelism (partitioner.codegen.segment_ep): the code runs each MoE layer's experts over the ep group;
     # experts: every batched expert weight (name, number of experts along dim 0), moe_layers: MoE layers per
-    # forward, top_k: the router's k; all empty without ep
+    # forward, top_k: the router's k; all empty without ep, except where the model computes its routers'
+    # load-balancing loss (at ep = 1 too: the code then takes the ep context and computes the loss over every
+    # rank's tokens)
     experts: tuple[tuple[str, int], ...] = dataclasses.field(default=(), metadata={"omit_default": True})
     moe_layers: int = dataclasses.field(default=0, metadata={"omit_default": True})
     top_k: int = dataclasses.field(default=0, metadata={"omit_default": True})
+
+    @property
+    def aux_loss(self) -> bool:
+        """Whether the suffix computes the router's load-balancing loss over every rank's tokens (ep_aux_loss)."""
+        return self.suffix is not None and "ep_aux_loss(" in self.suffix.source
 
     @property
     def templates(self) -> tuple[Segment, ...]:

@@ -325,6 +325,10 @@ class Plan:
     # why the plan divides the experts over ep ranks, or why it cannot (partitioner.planner.expert_split); "" for
     # a dense model. Written in plan JSON only when set.
     expert_parallel: str = dataclasses.field(default="", metadata={"omit_default": True})
+    # the model computes its routers' load-balancing loss (Switch Transformer's, Hugging Face's
+    # output_router_logits=True): a statistic of the batch, which the programs compute over the dp x cp ranks'
+    # tokens of each microbatch (partitioner.codegen.segment_ep). Written in plan JSON only when set.
+    load_balancing_loss: bool = dataclasses.field(default=False, metadata={"omit_default": True})
     # torch.compile of the model code every rank runs, by this backend ("inductor", "aot_eager"); "": eager.
     # Each block (and a stage's prefix and suffix code) is compiled on its own, recomputation, collectives and
     # engine hooks outside (runtime.engines.compiled). Written in plan JSON only when set: older plans load as eager.

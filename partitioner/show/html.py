@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 from cost_models.mesh import Mesh
 from partitioner.planner.schedule import stage_rank
-from partitioner.show.text import blocks_text, compression_text, context_text, ranges_text, sequence_text
+from partitioner.show.text import (blocks_text, compression_text, context_text, load_balancing_text, ranges_text,
+                                   sequence_text)
 from partitioner.show.timeline import Timeline, build_timeline, event_style, stage_color
 from partitioner.tracer.opgraph_table import human
 
@@ -87,6 +88,7 @@ def _summary(plan: Plan) -> str:
             *([("sequence", sequence_text(plan))] if c.sp else []),
             *([("context", context_text(plan))] if c.cp > 1 else []),
             *([("experts", plan.expert_parallel)] if plan.expert_parallel else []),
+            *([("aux loss", load_balancing_text(plan))] if plan.load_balancing_loss else []),
             ("compression", compression_text(plan)),
             ("search", f"{plan.candidates_evaluated} of {plan.search_space} configurations evaluated exactly"),
             ("declared", ", ".join(f"{k}={v}" for k, v in plan.declarations.items()) or "nothing pinned")]

@@ -28,7 +28,8 @@ from partitioner.tracer.opgraph_table import human
 if TYPE_CHECKING:
     from partitioner.planner.plan import Alternative, Baseline, Plan
 
-__all__ = ["explain_plan", "format_plan", "blocks_text", "compression_text", "ranges_text", "sequence_text"]
+__all__ = ["explain_plan", "format_plan", "blocks_text", "compression_text", "load_balancing_text", "ranges_text",
+           "sequence_text"]
 
 WIDTH = 120
 GiB, MiB = 2**30, 2**20
@@ -166,6 +167,25 @@ def _experts(p: Plan) -> str:
                 f"rank{'s' if c.replicas > c.ep else ''}")
     return (f"{p.experts}. ep=1: experts planned like every other parameter (replicated over data parallelism, "
             "sharded by ZeRO, split by tp)")
+
+
+def load_balancing_text(p: Plan) -> str:
+    """How the programs compute the model's router load-balancing loss ("" for a model without one): a
+    statistic of the tokens, so of each microbatch (partitioner.codegen.segment_ep)."""
+    c = p.config
+    if not p.load_balancing_loss:
+        return ""
+    if p.async_sgd:
+        return "the routers' load-balancing loss: each replica's own, on its rows (asynchronous replicas train apart)"
+    where = (f"over the {c.replicas} data-parallel ranks' tokens (its sums all-reduced)" if c.replicas > 1
+             else "on this rank's tokens")
+    m = c.num_microbatches
+    if m == 1:
+        return f"the routers' load-balancing loss {where}; on the step's whole batch, as one process computes it"
+    return (f"the routers' load-balancing loss {where}, per microbatch; a step's is the mean of its {m} "
+            "microbatches' losses, as Megatron-Core computes it; not the loss of the whole batch (expert counts "
+            "are known only after every forward); one process matches it accumulating gradients over the same "
+            "microbatches")
 
 
 def _every(k: int) -> str:
@@ -348,6 +368,7 @@ def format_plan(p: Plan) -> str:
             *([("async sgd", _async_sgd(p))] if p.async_sgd else []),
             *([("attention", _attention(p))] if p.attention_rewrites else []),
             *([("experts", _experts(p))] if p.experts else []),
+            *([("aux loss", load_balancing_text(p))] if p.load_balancing_loss else []),
             *([("compiled", _compiled(p))] if p.torch_compile else []),
             ("predicted", (f"{_ms(pr.step_time_s)} ms/step, {human(pr.tokens_per_s)} tokens/s, "
                           f"{pr.model_tflops_per_device:.1f} TFLOP/s per device, MFU {100 * pr.mfu:.1f} %")),
@@ -437,6 +458,8 @@ def explain_plan(p: Plan) -> str:
                    "kernels.")
     if p.expert_parallel:
         out.append(f"- {p.expert_parallel}")
+    if p.load_balancing_loss:
+        out.append(f"- {load_balancing_text(p)}.")
     if c.replicas > 1 and c.dp == 1:
         out.append(f"- ZeRO stage {c.zero_stage} over the {c.replicas} context ranks; exposed communication "
                    f"{_ms(pr.exposed_comm_s)} ms per step; gradient compression: {compression_text(p)}.")

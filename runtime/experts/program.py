@@ -10,7 +10,10 @@ all-to-alls) over the ep group. The router and shared experts stay as traced, re
 When the model computes the router's auxiliary load-balancing loss from every layer's router logits
 (Hugging Face's `output_router_logits=True`), the layers' logits do not travel through the code from block to
 block: `ep_experts` records them on the `EPContext`, and the suffix's loss computation becomes
-`ep_aux_loss`, the loss over all ranks' tokens (`runtime.experts.aux_loss`), equal to one process's.
+`ep_aux_loss`, the loss over all ranks' tokens (`runtime.experts.aux_loss`), equal to one process's. A plan
+that replicates the experts (ep = 1) over several data-parallel ranks runs the same loss: its code takes an
+`EPContext` of one rank (group None, world 1), the experts run as traced, and each MoE layer hands its logits
+over by `ep_record_router_logits`.
 
 >>> ctx = EPContext(group=None, collectives=None, rank=0, world=1, num_experts=2, top_k=1, layers=1)
 >>> gate_up, down = torch.ones(2, 2, 1), torch.ones(2, 1, 1)           # E=2, I=1, H=1
@@ -34,7 +37,7 @@ from runtime.experts.aux_loss import load_balancing_loss
 from runtime.experts.expert_parallel import ep_moe
 from runtime.experts.grouped_experts import batched_experts
 
-__all__ = ["EPContext", "ep_aux_loss", "ep_experts", "ep_router_logits"]
+__all__ = ["EPContext", "ep_aux_loss", "ep_experts", "ep_record_router_logits", "ep_router_logits"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,12 +67,18 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tenso
     experts (SiLU-gated, as Mixtral, Qwen3-MoE and DeepSeek-V3 compute them). router_logits (T, E): recorded
     for `ep_aux_loss` (None when the model computes no auxiliary loss)."""
     if router_logits is not None:
-        if len(ep.router_logits) >= ep.layers:  # the first MoE layer of the next forward
-            ep.router_logits = []
-        ep.router_logits.append(router_logits)
+        ep_record_router_logits(router_logits, ep)
     coll = ep.collectives if ep.collectives is not None else Collectives()
     group = ep.group if ep.world > 1 else None
     return ep_moe(x, topk_idx, topk_weight, batched_experts(gate_up_proj, down_proj), ep.num_experts, group, coll)
+
+
+def ep_record_router_logits(router_logits: torch.Tensor, ep: EPContext) -> None:
+    """Record a MoE layer's router logits (T, E) of this forward for `ep_aux_loss` (a forward's first layer
+    starts a new record: `ep.layers` per forward)."""
+    if len(ep.router_logits) >= ep.layers:  # the first MoE layer of the next forward
+        ep.router_logits = []
+    ep.router_logits.append(router_logits)
 
 
 class _GradTimes(torch.autograd.Function):

@@ -84,6 +84,7 @@ class StageModel:
         # after `tp`, bound here so that every caller passes tp first as it does without cp
         functions = {k: _WithContext(f, cp) for k, f in functions.items()} if cp is not None else functions
         functions = {k: _WithContext(f, ep) for k, f in functions.items()} if ep is not None else functions
+        self.has_ep = ep is not None  # the module's own forward computes neither ep nor the loss over ranks
         self.module, self.functions, self.stack, self.stages = model, dict(functions), stack, dict(stages)
         # per kind of block (kind 0 runs functions["block"], kind k functions[f"block_{k}"]): its
         # parameter arguments and the model inputs it reads; block_kinds: the kind of every block
@@ -235,7 +236,9 @@ class StageModel:
         The code computes what the module computed for the traced inputs. A batch with other inputs (a model
         traced with its targets, trained without: its forward takes them as optional) runs the module's own
         forward from then on, with a warning: the same training, but its attention runs as written, not as
-        the plan costed it."""
+        the plan costed it. Not where the code takes the ep context (expert parallelism, or the router's
+        load-balancing loss over every rank's tokens): the module's own forward would train otherwise, so such
+        a batch is refused."""
         if len(self.stages) != 1 or not all(pre and suf for _, _, pre, suf in self.stages.values()):
             raise ValueError(f"run_as_model needs one stage holding the whole model, not stages {self.stages}")
         stage = next(iter(self.stages))
@@ -244,6 +247,12 @@ class StageModel:
         def forward(*args: Any, **kwargs: Any) -> Any:
             given = tuple(kwargs) if kwargs else len(args)
             if not self.eager and given not in (len(self.input_names), tuple(self.input_names)):
+                if self.has_ep:
+                    raise ValueError(
+                        f"the batch gives {given if kwargs else f'{given} input(s)'}, but the plan's code was traced "
+                        f"with {', '.join(self.input_names)}, and the model's own forward cannot stand in for it: "
+                        "the code runs the experts over the ep group or the router's load-balancing loss over "
+                        "every rank's tokens; compile with example inputs shaped as the training passes them")
                 warnings.warn(f"the batch gives {given if kwargs else f'{given} input(s)'}, but the plan's code was "
                               f"traced with {', '.join(self.input_names)}: the model runs its own forward, so its "
                               "eager attention does not run fused as the plan's time and memory assume; trace "
