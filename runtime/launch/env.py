@@ -30,10 +30,13 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 # cost_models imports nothing of the project, so the runtime may share its base error (one direction holds).
 from cost_models.errors import PartitionerError
+
+if TYPE_CHECKING:  # the launcher imports torch only where it runs (backend, choose_device)
+    import torch
 
 __all__ = ["DistEnv", "LaunchError", "Launcher", "backend", "choose_device", "discover", "expand_nodelist", "check_bind_address",
            "is_loopback", "DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "ALLOW_EXTERNAL_BIND"]

@@ -67,7 +67,7 @@ from runtime.verify.run import (
 )
 
 __all__ = ["MAX_VERIFY_ELEMENTS", "VerifyError", "VerifyReport", "first_microbatch", "num_parameters", "verify_plan",
-           "verify_skip_reason"]
+           "verify_skip_reason", "program_hash"]
 
 # Launchers verify by default up to this many parameter elements: verify builds the model pp * tp + 1
 # times on the CPU (1.6 GB of fp32 each at this size) and runs one microbatch.
