@@ -148,6 +148,25 @@ def test_refuses_bad_instruction_lists():
         ex.run([torch.zeros(2, D)] * M, None)
 
 
+def test_receives_are_posted_one_compute_early():
+    """A RECV goes out before the compute ahead of it in the list (Gloo moves a message only once both ends are
+    posted, so it then travels while that compute runs); a RECV_F only when no shape header must be waited for."""
+    rank0 = build_schedule("zb-v", pp=2, num_microbatches=4, interleave=2).ranks[0]
+    kw = {"actions": rank0, "stages": {0: nn.Identity(), 3: nn.Identity()}, "num_stages": 4,
+          "stage_to_rank": lambda s: 0 if s in (0, 3) else 1, "collectives": Collectives(),
+          "loss_fn": F.cross_entropy, "num_microbatches": 4}
+
+    def early(ex):
+        return {str(ex.actions[c]): [str(ex.actions[r]) for r in rs] for c, rs in ex._early_recvs.items()}
+
+    assert " ".join(map(str, rank0[:9])) == "0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 3RECV_F0 3F0 3I0"
+    sized = early(PipelineExecutor(activation_shape=lambda s, i: ((2, D), torch.float32), **kw))
+    assert sized["0F2"] == ["3RECV_F0"] and sized["0F3"] == ["0RECV_B0"]
+    assert sorted(r for rs in sized.values() for r in rs) == sorted(str(a) for a in rank0 if a.op in (Op.RECV_F, Op.RECV_B))
+    headers = early(PipelineExecutor(**kw))   # a header receive blocks: a RECV_F stays at its place
+    assert "0F2" not in headers and headers["0F3"] == ["0RECV_B0"]
+
+
 def test_the_list_places_every_data_parallel_action():
     """The executor runs UNSHARD, GRAD_SYNC, RESHARD and OPTIM where the list puts them, and only the rank's last
     B runs outside no_sync (the one that launches the gradient reductions)."""

@@ -16,7 +16,9 @@ schedule kind, then `_add_p2p` (a RECV right before the compute that needs
 it, a SEND right after the compute that produces it), then
 `_add_grad_sync` (after a stage's last backward), then `_add_optim` (at the
 end of the list). Sends are assumed non-blocking (isend), receives blocking;
-`validate` checks that no receive waits forever. Code generation lowers one
+`validate` checks that no receive waits forever. A RECV's place is where the
+receive is posted at the latest: the runtime posts it one compute earlier
+where it can (`runtime.pipeline.executor`), so the message moves meanwhile. Code generation lowers one
 step further with `add_unshard_reshard`: the ZeRO parameter all-gathers and
 frees as UNSHARD / RESHARD actions (torch's `_add_unshard_reshard`), so a
 rank's program lists every data-parallel collective it issues.

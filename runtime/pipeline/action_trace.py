@@ -4,8 +4,8 @@
 (`runtime.pipeline.executor.PipelineExecutor.run`, which every generated program's step goes through): each
 action is logged as (action, start, end), seconds of `time.perf_counter` on this rank. What an action's span
 holds is what it did on this rank: F, B, I and W their compute and the waits for the messages they read (a
-receive is posted by RECV_F/RECV_B and waited for inside the F or B that needs it), SEND_* the posting of a
-send, GRAD_SYNC the wait for the rank's gradient reductions (launched by its last backward, so the part that
+receive is posted by RECV_F/RECV_B, logged when it is posted, which is one compute early where it can be, and
+waited for inside the F, B or I that needs it), SEND_* the posting of a send, GRAD_SYNC the wait for the rank's gradient reductions (launched by its last backward, so the part that
 overlapped compute is not in it), OPTIM the optimizer step, UNSHARD/RESHARD the ZeRO parameter gathers and
 frees that code generation added.
 

@@ -41,10 +41,18 @@ gathers each unit inside F and B, one ahead, as its modules run.)
 One action at a time: DualPipe-V's pairs (a forward of one stage beside a backward of the other) run as
 the forward, then the backward, as torch's runtime runs an OVERLAP_F_B without an overlap function.
 
-Receives are posted at their RECV and waited right before the compute that
-needs them; sends keep their tensor and Work handle until completed (all are
-waited before `run` returns). Neighbouring stages on the same rank (pp = 1
-with several virtual stages) hand tensors over in memory, without messages.
+Receives are posted one compute early and waited right before the compute that needs them: a RECV
+the list places after compute action c (and before the next compute) is posted right before c runs,
+where it can be (a RECV_B once its stage's forward has run; a RECV_F when `activation_shape` sizes its
+buffer, since a shape header is a blocking receive), else at its own place. Gloo moves a message only
+once both ends are posted (its TCP pairs rendezvous: the sender announces, the receiver answers ready,
+then the data goes), so a receive posted right before its compute made that compute wait for the whole
+exchange, every message on the critical path; posted one compute early, it completes while that compute
+runs, as torch's pipelining posts each receive when its sender sends (`_add_send_recv`). The list's RECV
+is thus where the receive is posted at the latest, which is what `validate` and `simulate` assume
+(a receive blocking at its place), and it holds one receive buffer one compute longer. Sends keep their
+tensor and Work handle until completed (all are waited before `run` returns). Neighbouring stages on the
+same rank (pp = 1 with several virtual stages) hand tensors over in memory, without messages.
 
 Tags. Gloo matches point-to-point messages by (source, tag) only
 (docs/torch-notes.md#gloo-matches-point-to-point-messages-by-source-and-tag-only), so every message
@@ -84,7 +92,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_models.actions import Action
+from cost_models.actions import COMPUTE_OPS, Action, Op
 from runtime.device import rank_device
 from runtime.pipeline.action_trace import log_action, recording_now
 from runtime.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
@@ -211,7 +219,21 @@ class PipelineExecutor:
         # the weight gradients
         self._syncing_b = max((i for i, a in enumerate(self.actions) if a.op in ("B", "W")), default=-1)
         self._check()
+        self._early_recvs = self._plan_early_recvs()
         self._reset()
+
+    def _plan_early_recvs(self) -> dict[int, tuple[int, ...]]:
+        """Compute action index -> the RECVs posted right before it: those the list places after it, before
+        the next compute (the module docstring). A RECV_F only with `activation_shape` (no header to wait for)."""
+        early: dict[int, list[int]] = {}
+        last_compute = None
+        for i, a in enumerate(self.actions):
+            if a.op in COMPUTE_OPS:
+                last_compute = i
+            elif a.op in (Op.RECV_F, Op.RECV_B) and last_compute is not None and \
+                    (a.op is Op.RECV_B or self.activation_shape is not None):
+                early.setdefault(last_compute, []).append(i)
+        return {c: tuple(rs) for c, rs in early.items()}
 
     def _check(self) -> None:
         S, m = self.num_stages, self.m
@@ -241,6 +263,7 @@ class PipelineExecutor:
         self._grad_in: dict[tuple[int, int], torch.Tensor | None] = {}  # gradient of its input, for SEND_B
         self._pending_w: dict[tuple[int, int], PendingWeightGrad] = {}   # after I, what W needs
         self._recvs: dict[tuple[str, int, int], tuple[Any, torch.Tensor, int]] = {}  # (op, s, mb) -> work, buf, step
+        self._posted: set[int] = set()   # indices of the RECVs posted early this step
         self._sends: list[tuple[Any, torch.Tensor, int, int]] = []  # work, tensor kept alive, step, peer stage
 
     def held(self) -> list[tuple[int, int]]:
@@ -309,6 +332,19 @@ class PipelineExecutor:
         work, buf, step = posted
         self._wait(work, step, peer, now)
         return buf
+
+    def _post_early(self, recvs: tuple[int, ...], logged: bool) -> None:
+        """Post the receives `recvs` (indices of RECV actions) now, before the compute ahead of them; a RECV_B
+        whose forward has not run yet waits for its own place."""
+        for step in recvs:
+            a = self.actions[step]
+            if a.op is Op.RECV_B and (a.stage, a.microbatch) not in self._outputs:
+                continue
+            start = time.perf_counter() if logged else 0.0
+            self._post_recv(a, step)
+            self._posted.add(step)
+            if logged:
+                log_action(str(a), start, time.perf_counter())
 
     # ---- compute ----------------------------------------------------------------------------------
     def _forward(self, a: Action, step: int, microbatches_in) -> None:
@@ -429,7 +465,8 @@ class PipelineExecutor:
                 with self.no_sync():
                     self._backward_weight(a, step)
         elif a.op in ("RECV_F", "RECV_B"):
-            self._post_recv(a, step)
+            if step not in self._posted:
+                self._post_recv(a, step)
         elif a.op == "SEND_F":
             self._send_output(a, step)
         elif a.op == "SEND_B":
@@ -461,6 +498,10 @@ class PipelineExecutor:
         try:
             logged = recording_now()
             for step, a in enumerate(self.actions):
+                if step in self._early_recvs:
+                    self._post_early(self._early_recvs[step], logged)
+                if step in self._posted:
+                    continue   # a RECV posted before the compute ahead of it (logged then)
                 start = time.perf_counter() if logged else 0.0
                 if step == self._syncing_b and self.before_last_backward is not None:
                     self.before_last_backward()
