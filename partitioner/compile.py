@@ -556,6 +556,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
         plain = StageEvaluator(ctx, cand, ("none", "none"))
         saving = simulate(sched, durations(plain, evaluate_cut(plain, cut.bounds))).step_time_s - sim.step_time_s
     predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving)
+    aux_loss = _load_balancing_loss(g)
     alternatives = tuple(Alternative(config=o.cand, step_time_s=o.cut.step_time_s,
                                      peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp, o.cand.schedule).values()),
                                      fits=True, why=_why(best, o), compression=dict(zip(LEVELS, o.compression)))
@@ -573,8 +574,9 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 attention_rewrites=g.attention_rewrites, experts=experts_text(g), block_kinds=_block_kinds(g),
                 expert_parallel=_expert_note(ctx, cand, topo, declared="ep" in (declared or decl.pinned())),
                 block_container=g.block_container if _block_kinds(g) else None, torch_compile=decl.torch_compile,
-                load_balancing_loss=_load_balancing_loss(g),
-                **_model_code(g, splits, cand, fp8=decl.precision in FP8_PRECISIONS, async_sgd=bool(decl.async_sgd)))
+                load_balancing_loss=aux_loss,
+                **_model_code(g, splits, cand, fp8=decl.precision in FP8_PRECISIONS,
+                              aux_loss=aux_loss and not decl.async_sgd))
 
 
 def _expert_note(ctx: CostContext, cand: ParallelConfig, topo: Topology, *, declared: bool) -> str:
@@ -653,13 +655,13 @@ def _runs_code(g: OpGraph) -> bool:
     return True
 
 
-def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False, async_sgd: bool = False) -> dict:
+def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False, aux_loss: bool = False) -> dict:
     """The prefix/block/suffix code that pipeline and tensor-parallel programs run; data-parallel and async
     SGD programs run it too when the graph's attention was rewritten (the module's own forward would run
-    it eagerly), and data-parallel ones where the model computes its routers' load-balancing loss (the
-    module's own forward would compute each replica's, not the batch's)."""
+    it eagerly), and data-parallel ones where the model computes its routers' load-balancing loss (`aux_loss`,
+    async SGD's replicas excepted: the module's own forward would compute each replica's, not the batch's)."""
     if cand.pp == 1 and cand.tp == 1 and cand.cp == 1 and cand.ep == 1 and not g.attention_rewrites and \
-            not (cand.replicas > 1 and not async_sgd and _load_balancing_loss(g)):
+            not (cand.replicas > 1 and aux_loss):
         return {}
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         how = "traced with torch.fx" if g.graph_module is not None else "given as an OpGraph without its graph"

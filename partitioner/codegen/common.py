@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 
 __all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "SegmentTables",
            "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines",
-           "params_table", "program_header", "ranks_text", "recompute_lines", "reduce_scatter_impl", "segment_tables",
-           "torch_compile_import", "torch_compile_lines", "torch_compile_refusal"]
+           "one_rank_ep_context", "params_table", "program_header", "ranks_text", "recompute_lines",
+           "reduce_scatter_impl", "segment_tables", "torch_compile_import", "torch_compile_lines",
+           "torch_compile_refusal"]
 
 ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
@@ -364,11 +365,17 @@ def ep_stage_lines(plan: "Plan") -> tuple[str, str]:
         return "", ""
     if plan.config.ep > 1:
         return ", ep", ""
-    code = plan.code
     return ", ep=None", (f"    if ep is None:  # plan.verify: one process, the loss over its own tokens\n"
-                         f"        ep = EPContext(group=None, collectives=None, rank=0, world=1, "
-                         f"num_experts={max(e for _, e in code.experts)}, top_k={code.top_k}, "
-                         f"layers={code.moe_layers})\n")
+                         f"        ep = {one_rank_ep_context(plan, 'None')}\n")
+
+
+def one_rank_ep_context(plan: "Plan", collectives: str, token_group: str = "", wrap: str = " ") -> str:
+    """The EPContext expression of an ep = 1 program's code (a group of this rank alone, which the
+    load-balancing loss's sums are all-reduced over `token_group`, if given); `wrap` goes before top_k."""
+    code = plan.code
+    group = f", token_group={token_group}" if token_group else ""
+    return (f"EPContext(group=None, collectives={collectives}, rank=0, world=1, "
+            f"num_experts={max(e for _, e in code.experts)},{wrap}top_k={code.top_k}, layers={code.moe_layers}{group})")
 
 
 def ep_import(plan: "Plan") -> str:

@@ -13,6 +13,7 @@ from partitioner.codegen.common import (
     literal,
     mesh_lines,
     model_code_lines,
+    one_rank_ep_context,
     program_header,
     ranks_text,
     recompute_lines,
@@ -221,6 +222,10 @@ EXPERTS = {{
 '''
 
 
+# a continuation line of "    ep = EPContext(": aligned under its first argument
+_UNDER_EP_CONTEXT = "\n" + " " * 19
+
+
 def expert_lines(plan: "Plan", rank: int) -> str:
     """The build() lines that make an expert-parallel program's groups and context; at ep = 1 the context of a
     program computing the load-balancing loss ("" for neither)."""
@@ -232,9 +237,7 @@ def expert_lines(plan: "Plan", rank: int) -> str:
         return ("    # The router's load-balancing loss is a statistic of the batch: its sums are all-reduced "
                 f"over the {c.replicas}\n    # ranks' tokens of each microbatch (groups.dp), as one process computes it on "
                 "that microbatch\n    # (runtime.experts.aux_loss); the experts are replicated (ep=1).\n"
-                f"    ep = EPContext(group=None, collectives=collectives, rank=0, world=1, "
-                f"num_experts={max(e for _, e in code.experts)},\n                   top_k={code.top_k}, "
-                f"layers={code.moe_layers}, token_group=groups.dp)\n")
+                f"    ep = {one_rank_ep_context(plan, 'collectives', 'groups.dp', wrap=_UNDER_EP_CONTEXT)}\n")
     eps, edps = expert_groups(plan)
     mine = next(g for g in eps if rank in g)
     same = next(g for g in edps if rank in g)

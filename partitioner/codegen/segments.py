@@ -479,7 +479,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     # prefix -> block 0: one tensor
     # the suffix reads the MoE layers' router logits (a load-balancing loss): they reach it through the ep
     # context, at any ep (partitioner.codegen.segment_ep)
-    kw["routed"] = expert_parallel > 1 or bool(_router_outs(src.crossing(src.members("suffix"))[0], kw["moe"]))
+    kw["routed"] = expert_parallel > 1 or _suffix_reads_routers(src, kw["moe"])
     pre = src.members("prefix")
     reads, outs = src.crossing(pre)
     if len(outs) != 1:
@@ -567,6 +567,11 @@ def reads_router_logits(ep: Any, g: Any) -> bool:
         src = _Source(ep, g)
     except SegmentError:
         return False
+    return _suffix_reads_routers(src, moe)
+
+
+def _suffix_reads_routers(src: _Source, moe: tuple[tuple[str, str, int], ...]) -> bool:
+    """Whether the suffix reads router logits the MoE layers `moe` compute (partitioner.codegen.segment_ep)."""
     return bool(_router_outs(src.crossing(src.members("suffix"))[0], moe))
 
 

@@ -91,20 +91,6 @@ def rewrite_attention(gm: fx.GraphModule) -> int:
     return count
 
 
-# ops whose result is not a function of their arguments alone (random draws, uninitialised memory)
-_IMPURE = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential",
-           "geometric", "cauchy", "empty")
-
-
-def _pure(n: fx.Node) -> bool:
-    """A call that two nodes with the same target and arguments compute identically: an ATen op that
-    mutates nothing and draws nothing."""
-    t = n.target
-    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-        return False
-    return not t._schema.is_mutable and not any(w in t._schema.name for w in _IMPURE)
-
-
 # elementwise ops that broadcast their tensor arguments (and one cast): a mask built from them out of an
 # expanded tensor equals the same ops on the tensor before its expansion, broadcast later by the fused op
 _BROADCASTING = {_aten.where.self, _aten.where.ScalarSelf, _aten.where.ScalarOther, _aten.where.Scalar,
@@ -124,51 +110,56 @@ def _unbroadcast_masks(graph: fx.Graph) -> int:
     fused = [n for n in graph.nodes if n.target is _aten.scaled_dot_product_attention.default
              and n.name.startswith(SDPA_NAME) and isinstance(n.kwargs.get("attn_mask"), fx.Node)]
     masks = {n.kwargs["attn_mask"] for n in fused}
+    reshaped: set[fx.Node] = set()
     gone = 0
     for e in [n for n in graph.nodes if n.target is _aten.expand.default]:
         src = e.args[0]
-        if not isinstance(src, fx.Node) or _rank(src) != _rank(e) or not _downstream_broadcasts(e, masks, fused):
+        down = _broadcast_readers(e, masks, fused) if isinstance(src, fx.Node) and _rank(src) == _rank(e) else None
+        if down is None:
             continue
         e.replace_all_uses_with(src)
         graph.erase_node(e)
+        reshaped |= down
         gone += 1
-    if gone:
-        fake = next((n.meta["val"].fake_mode for n in graph.nodes
-                     if hasattr(n.meta.get("val"), "fake_mode")), None)
-        for n in graph.nodes:  # the masks' shapes from their new inputs, in graph order
-            if n.op == "call_function" and n.target in _BROADCASTING and isinstance(n.meta.get("val"), torch.Tensor):
-                args, kwargs = torch.utils._pytree.tree_map(
-                    lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
-                if fake is not None:
-                    with fake:
-                        n.meta["val"] = n.target(*args, **kwargs)
-                else:
-                    n.meta["val"] = n.target(*args, **kwargs)
+    if reshaped:
+        fake = next((n.meta["val"].fake_mode for n in graph.nodes if hasattr(n.meta.get("val"), "fake_mode")), None)
+        for n in graph.nodes:  # their shapes from their new inputs, in graph order
+            if n in reshaped:
+                n.meta["val"] = _value_of(n.target, n.args, n.kwargs, fake)
     return gone
 
 
-def _downstream_broadcasts(e: fx.Node, masks: set[fx.Node], fused: list[fx.Node]) -> bool:
-    """Whether everything that reads `e`, down to the fused attentions' masks, is a broadcasting elementwise
-    op read by nothing else, and the masks are only read as masks."""
+def _broadcast_readers(e: fx.Node, masks: set[fx.Node], fused: list[fx.Node]) -> set[fx.Node] | None:
+    """Everything that reads `e`, down to the fused attentions' masks, where all of it is broadcasting
+    elementwise ops read by nothing else and the masks are only read as masks; None otherwise."""
     todo, seen = list(_users(e)), set()
     if not todo:
-        return False
+        return None
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         seen.add(n)
-        if n.target not in _BROADCASTING or not _pure(n):
-            return False
+        if n.target not in _BROADCASTING:
+            return None
         users = _users(n)
         if n in masks:
             if any(u not in fused or u.kwargs.get("attn_mask") is not n or n in u.args for u in users):
-                return False
+                return None
         elif not users:
-            return False
+            return None
         else:
             todo += users
-    return True
+    return seen
+
+
+def _value_of(target: Any, args: tuple, kwargs: dict, fake: Any) -> Any:
+    """The meta value `target` gives on its arguments' meta values (under the graph's fake mode, if any)."""
+    vals = torch.utils._pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (args, kwargs))
+    if fake is None:
+        return target(*vals[0], **vals[1])
+    with fake:
+        return target(*vals[0], **vals[1])
 
 
 def _users(n: fx.Node) -> list[fx.Node]:
@@ -286,13 +277,7 @@ class _Emit:
         kwargs = kwargs or {}
         with self.graph.inserting_before(self.m.out):
             node = self.graph.create_node("call_function", target, args, kwargs, name=name)
-        val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
-        real_args = torch.utils._pytree.tree_map(val, (args, kwargs))
-        if self.fake is not None:
-            with self.fake:
-                node.meta["val"] = target(*real_args[0], **real_args[1])
-        else:
-            node.meta["val"] = target(*real_args[0], **real_args[1])
+        node.meta["val"] = _value_of(target, args, kwargs, self.fake)
         node.meta.update(self.meta)
         return node
 
