@@ -272,6 +272,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         if g.attention_rewrites and not _runs_code(g):  # no program can run the rewritten code: cost what runs
             g = trace(model, example_inputs or (), example_kwargs, rewrite_attention=False)
     plan = plan_graph(g, topo, decl, opts)
+    if verify and plan.config.pp > 1 and plan.load_balancing_loss:
+        raise DeclarationError(f"verify=True with pp={plan.config.pp} and the model's load-balancing loss "
+                               "(output_router_logits=True): each pipeline stage hands its MoE layers' sums to the "
+                               "next (runtime.experts.pipeline_aux), which plan.verify, building each pipeline rank "
+                               "apart, does not; compile without verify (such programs are checked against one "
+                               "process by running them, tests/test_expert_run.py), or pin pp=1")
     if verify:
         _verify(plan, model, example_inputs, example_kwargs)
     return plan
@@ -283,7 +289,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
     # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them (where no
-    # code can be cut at all, both are; a load-balancing loss rules out pipelining only).
+    # code can be cut at all, both are).
     no_pp, no_tp = _code_limits(g, splits, valid_tp, ep=decl.ep or 1)
     no_sp = no_tp or _sp_code_limit(g, splits, valid_tp)
     for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp)):
@@ -601,18 +607,14 @@ def _block_kinds(g: OpGraph) -> tuple[int, ...]:
 def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) -> tuple[str, str]:
     """(why pp > 1 cannot run, why tp > 1 cannot run), "" where it can or where the graph is not at hand; `ep`:
     the pinned expert-parallel degree (its code hands the router logits to the ep context, not across cuts).
-    A graph that cannot be cut runs neither; a model computing its routers' load-balancing loss is not
-    pipelined (the loss reads every stage's router logits: codegen.program.not_runnable_aux)."""
+    A graph that cannot be cut runs neither."""
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         return "", ""
     try:
-        code = extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=ep)
+        extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=ep)
     except SegmentError as e:
         return str(e), str(e)
     no_pp = ""
-    if code.aux_loss:
-        no_pp = ("the model's load-balancing loss reads every MoE layer's router logits, which would live on other "
-                 "pipeline ranks; build the model without it (output_router_logits=False) to pipeline it")
     t = next((t for t in valid_tp if t > 1), None)
     if t is None:
         return no_pp, ""
