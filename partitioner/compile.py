@@ -42,7 +42,8 @@ from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
 from partitioner.codegen.segments import SegmentError, extract, reads_router_logits
 from partitioner.planner.context_split import LONG_SEQUENCE, attention_heads, cp_options, local
-from partitioner.planner.expert_split import Experts, check_experts, ep_options, ep_ranks, experts_of, summary
+from partitioner.planner.expert_split import (Experts, check_context, check_experts, ep_options, ep_ranks, experts_of,
+                                              summary)
 from partitioner.planner.comparisons import (
     durations,
     hand_baselines,
@@ -309,7 +310,11 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                        seq_len=g.traced_seq_len, heads=heads)
     experts = experts_of(g)
     check_experts(decl, experts)
+    no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
+    if no_cp:
+        forced = {**forced, "cp": 1}
+        decl = dataclasses.replace(decl, cp=1)
     if decl.async_sgd:  # checked above: nothing pinned contradicts these
         forced = {**forced, **ASYNC_SGD_FORCED}
         decl = dataclasses.replace(decl, **ASYNC_SGD_FORCED)
