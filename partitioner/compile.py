@@ -84,6 +84,7 @@ from partitioner.planner.search import (
 from partitioner.planner.simulate import simulate
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
+from partitioner.tracer.batch_statistics import describe_statistic, nonlinear_batch_statistics
 from partitioner.tracer.experts import experts_text
 from partitioner.planner.unit_costs import CostContext, units_of
 from partitioner.tracer.opgraph import OpGraph
@@ -311,10 +312,11 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     experts = experts_of(g)
     check_experts(decl, experts)
     no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
+    one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
-    if no_cp:
-        forced = {**forced, "cp": 1}
-        decl = dataclasses.replace(decl, cp=1)
+    if no_cp or one_replica:
+        forced = {**forced, "cp": 1, **({"dp": 1} if one_replica else {})}
+        decl = dataclasses.replace(decl, cp=1, **({"dp": 1} if one_replica else {}))
     if decl.async_sgd:  # checked above: nothing pinned contradicts these
         forced = {**forced, **ASYNC_SGD_FORCED}
         decl = dataclasses.replace(decl, **ASYNC_SGD_FORCED)
@@ -357,6 +359,13 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
     if allowed and not cands:
         _refuse_compression(ctx, allowed, decl)
+    if not cands and one_replica:
+        raise DeclarationError(
+            f"no configuration with dp = cp = 1 runs on {topo.world_size} devices: the model's forward combines "
+            f"statistics of the whole batch non-linearly ({one_replica}), which ranks splitting the batch would each "
+            "compute on their own tokens, so the batch is not split, and no pipeline or tensor-parallel plan fills "
+            "them for this model; compile for fewer devices, or compute the loss from "
+            "router logits the model returns (Hugging Face's output_router_logits=True), which programs split")
     if not cands:
         raise DeclarationError(
             f"no configuration satisfies the declarations {decl.pinned()} with global_batch_size="
@@ -628,6 +637,32 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) 
     except SegmentError as e:
         return no_pp, str(e)
     return no_pp, ""
+
+
+def _check_batch_statistics(g: OpGraph, decl: Declarations) -> str:
+    """A model whose own forward combines statistics of the batch non-linearly (partitioner.tracer.batch_statistics:
+    a product of two means over the tokens, as a router's load-balancing loss computed inside the model) trains
+    the same as one process only on unsplit batches: dp or cp pinned > 1 is refused; where the search must keep
+    dp = cp = 1, the nodes that say why ("" where it need not). Hugging Face's router loss (output_router_logits=True) is computed over every rank's tokens
+    by the programs (codegen.segment_ep), and async SGD's replicas train apart: both left alone."""
+    if decl.async_sgd or not isinstance(g.graph_module, torch.export.ExportedProgram) or _load_balancing_loss(g):
+        return ""
+    found = nonlinear_batch_statistics(g.graph_module)
+    if not found:
+        return ""
+    what = ", ".join(describe_statistic(n) for n in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    for axis in ("dp", "cp"):
+        value = getattr(decl, axis)
+        if value not in (None, 1):
+            raise DeclarationError(
+                f"{axis}={value}: the model's forward combines statistics of the whole batch non-linearly ({what}: "
+                "e.g. a product of two means over the tokens, as a router's load-balancing loss E * sum_e f_e * P_e "
+                "computed inside the model); each of the ranks splitting the batch would compute it on its own "
+                "tokens, and the mean of those is not the batch's, so training would differ from one process. Pin "
+                f"{axis}=1 (pipeline and tensor parallelism keep each microbatch's tokens together), or compute the "
+                "loss from router logits the model returns, as Hugging Face's output_router_logits=True does (the "
+                "programs compute that one over every rank's tokens)")
+    return what
 
 
 def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
