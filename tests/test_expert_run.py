@@ -290,6 +290,7 @@ def test_pipeline_and_expert_parallel_train_like_one_process(name, zero):
     ("mixtral4", dict(dp=1, ep=1, mb=2, schedule="interleaved-1f1b")),
     ("mixtral", dict(dp=2, ep=2, mb=2, zero=1, recompute="full")),  # recomputed blocks record their logits again
     ("qwen3_moe", dict(dp=2, ep=1, mb=2, zero=3, schedule="gpipe")),
+    ("mixtral", dict(dp=1, ep=1, tp=2, mb=4)),     # each tensor slice's stages carry their own (equal) sums
 ])
 def test_a_pipelined_load_balancing_loss_trains_like_one_process(name, pins):
     """pp2: each stage's MoE layers' sums (top-k picks, probabilities, rows) reach the last stage with the
