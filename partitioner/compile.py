@@ -650,7 +650,8 @@ def _check_batch_statistics(g: OpGraph, decl: Declarations) -> str:
     found = nonlinear_batch_statistics(g.graph_module)
     if not found:
         return ""
-    what = ", ".join(describe_statistic(n) for n in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    what = ", ".join(describe_statistic(n) for n in found[:3])
+    what += f" and {len(found) - 3} more" if len(found) > 3 else ""
     for axis in ("dp", "cp"):
         value = getattr(decl, axis)
         if value not in (None, 1):

@@ -90,8 +90,9 @@ def test_the_tracer_finds_a_load_balancing_loss_computed_inside_the_model():
 
 @pytest.mark.parametrize("pins", [dict(dp=2), dict(cp=2)])
 def test_splitting_the_batch_is_refused_before_anything_runs(pins):
-    with pytest.raises(DeclarationError, match=f"{next(iter(pins))}=2: the model's forward combines statistics of the "
-                                               r"whole batch non-linearly \(mul_\d+ \(aten.mul.Tensor in blocks.0.moe\)"):
+    axis = next(iter(pins))
+    with pytest.raises(DeclarationError, match=f"{axis}=2: the model's forward combines statistics of the whole batch "
+                                               r"non-linearly \(mul_\d+ \(aten.mul.Tensor in blocks.0.moe\)"):
         compile(net(), "local:2", example_inputs=TOKENS, global_batch_size=8, precision="fp32", alternatives=0, **pins)
 
 

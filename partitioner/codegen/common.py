@@ -366,10 +366,10 @@ def ep_stage_lines(plan: "Plan") -> tuple[str, str]:
     if plan.config.ep > 1:
         return ", ep", ""
     if pipelined_aux(plan):
-        return ", ep=None", ("    if ep is None:  # plan.verify\n"
-                             "        raise ValueError('plan.verify replays each pipeline rank apart, without the links that "
-                             "carry the load-balancing loss\\'s sums from stage to stage: check this plan by running it '\n"
-                             "                         '(tests/test_expert_run.py), or verify a plan with pp=1')\n")
+        return ", ep=None", ('    if ep is None:  # plan.verify\n'
+                             '        raise ValueError("plan.verify builds each pipeline rank apart, without the links that carry "\n'
+                             '                         "the load-balancing loss\'s sums from stage to stage: check this plan by "\n'
+                             '                         "running it, or verify a plan with pp=1")\n')
     return ", ep=None", (f"    if ep is None:  # plan.verify: one process, the loss over its own tokens\n"
                          f"        ep = {one_rank_ep_context(plan, 'None')}\n")
 

@@ -103,7 +103,8 @@ def _has(val: torch.Tensor, symbols: set) -> bool:
 def _batch_symbols(ep: torch.export.ExportedProgram) -> set:
     """The symbols of the user inputs' first dimension (the batch)."""
     kinds = torch.export.graph_signature.InputKind
-    users = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == kinds.USER_INPUT and hasattr(s.arg, "name")}
+    users = {s.arg.name for s in ep.graph_signature.input_specs
+             if s.kind == kinds.USER_INPUT and hasattr(s.arg, "name")}
     out: set = set()
     for n in ep.graph.nodes:
         val = n.meta.get("val")

@@ -92,8 +92,9 @@ class AuxPipeline:
         if self.stage_ranks[sender] == self.rank:
             held = self._local[(sender, direction)]
             if not held:
-                raise RuntimeError(f"the load-balancing loss's sums from stage {sender} ({'forward' if direction == _FORWARD else 'backward'}) "
-                                   "were never handed over on this rank: a stage ran out of microbatch order")
+                way = "forward" if direction == _FORWARD else "backward"
+                raise RuntimeError(f"the load-balancing loss's sums from stage {sender} ({way}) were never handed "
+                                   "over on this rank: a stage ran out of microbatch order")
             return held.popleft()
         buf = torch.zeros(size, dtype=torch.float32, device=device if device is not None else rank_device())
         self.collectives.recv(buf, self.stage_ranks[sender], tag=_TAG_BASE + 2 * sender + direction).wait()
