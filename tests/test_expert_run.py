@@ -152,7 +152,8 @@ def test_a_pipelined_load_balancing_loss_carries_each_stages_sums_to_the_last(ep
     plan = plan_for(dp=2, ep=ep, pp=2, mb=2)
     for rank in (0, 3):
         src = plan.program(rank).source
-        assert "ep.pipeline = AuxPipeline(stage_ranks=STAGE_RANKS, rank=RANK, collectives=collectives)" in src
+        assert ("ep.pipeline = AuxPipeline(stage_ranks=STAGE_RANKS, rank=RANK, collectives=collectives, "
+                "group=groups.pp)") in src
     assert "= ep_aux_loss(ep)" in src.split("def suffix", 1)[1]
     with pytest.raises(DeclarationError, match="verify=True with pp=2 and the model's load-balancing loss"):
         plan_for(dp=1, ep=1, pp=2, mb=4, verify=True)

@@ -237,7 +237,7 @@ def expert_lines(plan: "Plan", rank: int) -> str:
     pipe = ("    # Pipelined, each stage adds its MoE layers' sums to those of the stages before and hands them on\n"
             "    # with the activation, their gradient coming back with the activation's (runtime.experts.pipeline_aux);\n"
             "    # the last stage forms the loss.\n"
-            "    ep.pipeline = AuxPipeline(stage_ranks=STAGE_RANKS, rank=RANK, collectives=collectives)\n"
+            "    ep.pipeline = AuxPipeline(stage_ranks=STAGE_RANKS, rank=RANK, collectives=collectives, group=groups.pp)\n"
             ) if pipelined_aux(plan) else ""
     if c.ep == 1:
         return ("    # The router's load-balancing loss is a statistic of the batch: its sums are all-reduced "

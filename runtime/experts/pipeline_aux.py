@@ -17,8 +17,9 @@ input is tied to the sums it received (`_Enter`), whose gradient it sends back t
 summed it. A stage's backward runs after the next stage's (the executor waits for the activation gradient
 the next stage sends after its backward), so each receive finds its message posted.
 
-Messages: one (2E + 2,) fp32 tensor each way per stage boundary and microbatch, beside the executor's, on tags
-of their own (`_TAG_BASE`, per sending stage and direction). Every schedule runs a stage's forwards, and its
+Messages: one (2E + 2,) fp32 tensor each way per stage boundary and microbatch, beside the executor's, on the
+pipeline group (not the executor's world group) and on tags of their own (`_TAG_BASE`, per sending stage and
+direction). Every schedule runs a stage's forwards, and its
 backwards, in microbatch order, so the n-th message of a (sender, tag) is microbatch n's (Gloo delivers one
 (source, tag)'s messages in order). Neighbouring stages on one rank (ZB-V's turn) hand the sums over in memory.
 
@@ -53,11 +54,14 @@ _FORWARD, _BACKWARD = 0, 1
 @dataclasses.dataclass(kw_only=True)
 class AuxPipeline:
     """The sums' links between this rank's stages and their neighbours. stage_ranks: the global rank of every
-    virtual stage of this replica and tensor slice (the program's STAGE_RANKS); rank: this process's."""
+    virtual stage of this replica and tensor slice (the program's STAGE_RANKS); rank: this process's; group:
+    the pipeline group holding them (its own communicator: where a backend matches messages by order rather
+    than tag, as NCCL does, the sums do not pair with the executor's activations; None: the world)."""
 
     stage_ranks: tuple[int, ...]
     rank: int
     collectives: Collectives | None
+    group: object = None
     _local: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(collections.deque))
     _sends: list = dataclasses.field(default_factory=list)
 
@@ -85,7 +89,8 @@ class AuxPipeline:
             self._local[(sender, direction)].append(t.clone())
             return
         t = t.contiguous()
-        work = self.collectives.send(t, self.stage_ranks[peer], tag=_TAG_BASE + 2 * sender + direction)
+        work = self.collectives.send(t, self.stage_ranks[peer], tag=_TAG_BASE + 2 * sender + direction,
+                                     group=self.group)
         self._sends = [(w, b) for w, b in self._sends if not w.is_completed()] + [(work, t)]
 
     def _take(self, sender: int, direction: int, size: int | None, device: torch.device) -> torch.Tensor:
@@ -97,7 +102,8 @@ class AuxPipeline:
                                    "over on this rank: a stage ran out of microbatch order")
             return held.popleft()
         buf = torch.zeros(size, dtype=torch.float32, device=device if device is not None else rank_device())
-        self.collectives.recv(buf, self.stage_ranks[sender], tag=_TAG_BASE + 2 * sender + direction).wait()
+        self.collectives.recv(buf, self.stage_ranks[sender], tag=_TAG_BASE + 2 * sender + direction,
+                             group=self.group).wait()
         return buf
 
 
