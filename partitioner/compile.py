@@ -42,7 +42,8 @@ from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
 from partitioner.codegen.segments import SegmentError, extract, reads_router_logits
 from partitioner.planner.context_split import LONG_SEQUENCE, attention_heads, cp_options, local
-from partitioner.planner.expert_split import Experts, check_experts, ep_options, ep_ranks, experts_of, summary
+from partitioner.planner.expert_split import (Experts, check_context, check_experts, ep_options, ep_ranks, experts_of,
+                                              summary)
 from partitioner.planner.comparisons import (
     durations,
     hand_baselines,
@@ -83,6 +84,7 @@ from partitioner.planner.search import (
 from partitioner.planner.simulate import simulate
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
+from partitioner.tracer.batch_statistics import describe_statistic, nonlinear_batch_statistics
 from partitioner.tracer.experts import experts_text
 from partitioner.planner.unit_costs import CostContext, units_of
 from partitioner.tracer.opgraph import OpGraph
@@ -272,6 +274,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         if g.attention_rewrites and not _runs_code(g):  # no program can run the rewritten code: cost what runs
             g = trace(model, example_inputs or (), example_kwargs, rewrite_attention=False)
     plan = plan_graph(g, topo, decl, opts)
+    if verify and plan.config.pp > 1 and plan.load_balancing_loss:
+        raise DeclarationError(f"verify=True with pp={plan.config.pp} and the model's load-balancing loss "
+                               "(output_router_logits=True): each pipeline stage hands its MoE layers' sums to the "
+                               "next (runtime.experts.pipeline_aux), which plan.verify, building each pipeline rank "
+                               "apart, does not; compile without verify (such programs are checked against one "
+                               "process by running them, tests/test_expert_run.py), or pin pp=1")
     if verify:
         _verify(plan, model, example_inputs, example_kwargs)
     return plan
@@ -283,7 +291,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
     # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them (where no
-    # code can be cut at all, both are; a load-balancing loss rules out pipelining only).
+    # code can be cut at all, both are).
     no_pp, no_tp = _code_limits(g, splits, valid_tp, ep=decl.ep or 1)
     no_sp = no_tp or _sp_code_limit(g, splits, valid_tp)
     for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp)):
@@ -303,7 +311,12 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                        seq_len=g.traced_seq_len, heads=heads)
     experts = experts_of(g)
     check_experts(decl, experts)
+    no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
+    one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
+    if no_cp or one_replica:
+        forced = {**forced, "cp": 1, **({"dp": 1} if one_replica else {})}
+        decl = dataclasses.replace(decl, cp=1, **({"dp": 1} if one_replica else {}))
     if decl.async_sgd:  # checked above: nothing pinned contradicts these
         forced = {**forced, **ASYNC_SGD_FORCED}
         decl = dataclasses.replace(decl, **ASYNC_SGD_FORCED)
@@ -346,6 +359,13 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
     if allowed and not cands:
         _refuse_compression(ctx, allowed, decl)
+    if not cands and one_replica:
+        raise DeclarationError(
+            f"no configuration with dp = cp = 1 runs on {topo.world_size} devices: the model's forward combines "
+            f"statistics of the whole batch non-linearly ({one_replica}), which ranks splitting the batch would each "
+            "compute on their own tokens, so the batch is not split, and no pipeline or tensor-parallel plan fills "
+            "them for this model; compile for fewer devices, or compute the loss from "
+            "router logits the model returns (Hugging Face's output_router_logits=True), which programs split")
     if not cands:
         raise DeclarationError(
             f"no configuration satisfies the declarations {decl.pinned()} with global_batch_size="
@@ -601,18 +621,14 @@ def _block_kinds(g: OpGraph) -> tuple[int, ...]:
 def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) -> tuple[str, str]:
     """(why pp > 1 cannot run, why tp > 1 cannot run), "" where it can or where the graph is not at hand; `ep`:
     the pinned expert-parallel degree (its code hands the router logits to the ep context, not across cuts).
-    A graph that cannot be cut runs neither; a model computing its routers' load-balancing loss is not
-    pipelined (the loss reads every stage's router logits: codegen.program.not_runnable_aux)."""
+    A graph that cannot be cut runs neither."""
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         return "", ""
     try:
-        code = extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=ep)
+        extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=ep)
     except SegmentError as e:
         return str(e), str(e)
     no_pp = ""
-    if code.aux_loss:
-        no_pp = ("the model's load-balancing loss reads every MoE layer's router logits, which would live on other "
-                 "pipeline ranks; build the model without it (output_router_logits=False) to pipeline it")
     t = next((t for t in valid_tp if t > 1), None)
     if t is None:
         return no_pp, ""
@@ -621,6 +637,33 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) 
     except SegmentError as e:
         return no_pp, str(e)
     return no_pp, ""
+
+
+def _check_batch_statistics(g: OpGraph, decl: Declarations) -> str:
+    """A model whose own forward combines statistics of the batch non-linearly (partitioner.tracer.batch_statistics:
+    a product of two means over the tokens, as a router's load-balancing loss computed inside the model) trains
+    the same as one process only on unsplit batches: dp or cp pinned > 1 is refused; where the search must keep
+    dp = cp = 1, the nodes that say why ("" where it need not). Hugging Face's router loss (output_router_logits=True) is computed over every rank's tokens
+    by the programs (codegen.segment_ep), and async SGD's replicas train apart: both left alone."""
+    if decl.async_sgd or not isinstance(g.graph_module, torch.export.ExportedProgram) or _load_balancing_loss(g):
+        return ""
+    found = nonlinear_batch_statistics(g.graph_module)
+    if not found:
+        return ""
+    what = ", ".join(describe_statistic(n) for n in found[:3])
+    what += f" and {len(found) - 3} more" if len(found) > 3 else ""
+    for axis in ("dp", "cp"):
+        value = getattr(decl, axis)
+        if value not in (None, 1):
+            raise DeclarationError(
+                f"{axis}={value}: the model's forward combines statistics of the whole batch non-linearly ({what}: "
+                "e.g. a product of two means over the tokens, as a router's load-balancing loss E * sum_e f_e * P_e "
+                "computed inside the model); each of the ranks splitting the batch would compute it on its own "
+                "tokens, and the mean of those is not the batch's, so training would differ from one process. Pin "
+                f"{axis}=1 (pipeline and tensor parallelism keep each microbatch's tokens together), or compute the "
+                "loss from router logits the model returns, as Hugging Face's output_router_logits=True does (the "
+                "programs compute that one over every rank's tokens)")
+    return what
 
 
 def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:

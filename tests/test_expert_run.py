@@ -22,11 +22,11 @@ from ranks import assert_plan_trains_like_one_process
 VOCAB, SEQ, BATCH, STEPS, AUX = 128, 16, 8, 3, 0.1
 
 
-def mixtral_seeded(aux: bool = True):
+def mixtral_seeded(aux: bool = True, layers: int = 2):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                      num_experts_per_tok=2, max_position_embeddings=64, use_cache=False,
                                      router_jitter_noise=0.0, output_router_logits=aux, router_aux_loss_coef=AUX,
@@ -56,6 +56,11 @@ def mixtral_no_aux_seeded():
     return mixtral_seeded(aux=False)
 
 
+def mixtral4_seeded():
+    """Four layers, for schedules with two stages per pipeline rank."""
+    return mixtral_seeded(layers=4)
+
+
 def deepseek_v3_seeded():
     """DeepSeek-V3's shape (examples.hf_families): the first layer dense, then MoE layers with a shared expert
     beside 4 routed ones (top-2, a sigmoid router with grouped top-k and a bias correction; no auxiliary loss)."""
@@ -65,7 +70,7 @@ def deepseek_v3_seeded():
 
 
 MODELS = {"mixtral": mixtral_seeded, "qwen3_moe": qwen3_moe_seeded}
-OTHERS = {"mixtral_no_aux": mixtral_no_aux_seeded, "deepseek_v3": deepseek_v3_seeded}
+OTHERS = {"mixtral_no_aux": mixtral_no_aux_seeded, "deepseek_v3": deepseek_v3_seeded, "mixtral4": mixtral4_seeded}
 LOSSES = {"deepseek_v3": hf_loss, "mixtral_no_aux": hf_loss}
 
 
@@ -103,12 +108,28 @@ def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
 @pytest.mark.parametrize("pins, words", [
     (dict(name="mixtral_no_aux", dp=2, ep=2, tp=2, sp=True), "tp=2 and sequence parallelism: each tensor slice"),
     (dict(dp=2, ep=2, precision="bf16"), "precision=.bf16.: the expert slices are kept outside"),
-    (dict(dp=1, ep=1, cp=2, mb=8), "load-balancing loss .* with cp=2: context-parallel programs do not run MoE"),
 ])
 def test_what_does_not_run_yet_is_refused_before_anything_runs(pins, words):
     plan = plan_for(**pins)
     with pytest.raises(CodegenError, match=words):
         plan.program(0)
+
+
+@pytest.mark.parametrize("name, ep", [("mixtral", 1), ("mixtral_no_aux", 1), ("mixtral_no_aux", 2)])
+def test_context_parallelism_with_moe_layers_is_refused_and_never_chosen(name, ep):
+    """Under cp each rank runs its share of the sequence, and the MoE layers' code is not rewritten for it (at
+    ep=1 without the aux loss the program failed at run time: the whole sequence's (token, choice) pairs
+    put into the rank's): refused when pinned, before anything runs, and left out of the search."""
+    from cost_models.errors import DeclarationError
+
+    with pytest.raises(DeclarationError, match="cp=2 with mixture-of-experts layers .*pin cp=1"):
+        plan_for(name, dp=ep, ep=ep, cp=2, mb=8 // ep)
+    from partitioner.planner.declarations import Declarations
+    from partitioner.planner.expert_split import check_context, experts_of
+    from partitioner import trace
+
+    g = trace({**MODELS, **OTHERS}[name](), (torch.randint(0, VOCAB, (2, SEQ)),))
+    assert check_context(Declarations(global_batch_size=8), experts_of(g))  # unpinned: the search pins cp=1
 
 
 def test_the_load_balancing_loss_is_not_sequence_parallel():
@@ -122,14 +143,20 @@ def test_the_load_balancing_loss_is_not_sequence_parallel():
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_the_load_balancing_loss_is_not_pipelined(ep):
-    """It reads every MoE layer's router logits, which pipeline stages would hold apart: pp pinned is refused
-    (and left out of the search)."""
+def test_a_pipelined_load_balancing_loss_carries_each_stages_sums_to_the_last(ep):
+    """Each stage hands its MoE layers' sums on with the activation (runtime.experts.pipeline_aux): the programs
+    link the stages, the last stage's suffix forms the loss; plan.verify, which builds the pipeline ranks apart,
+    is refused before anything runs."""
     from cost_models.errors import DeclarationError
 
-    with pytest.raises(DeclarationError, match="pp=2: .*the model's load-balancing loss reads every MoE layer's "
-                                               "router logits"):
-        plan_for(dp=2, ep=ep, pp=2, mb=2)
+    plan = plan_for(dp=2, ep=ep, pp=2, mb=2)
+    for rank in (0, 3):
+        src = plan.program(rank).source
+        assert ("ep.pipeline = AuxPipeline(stage_ranks=STAGE_RANKS, rank=RANK, collectives=collectives, "
+                "group=groups.pp)") in src
+    assert "= ep_aux_loss(ep)" in src.split("def suffix", 1)[1]
+    with pytest.raises(DeclarationError, match="verify=True with pp=2 and the model's load-balancing loss"):
+        plan_for(dp=1, ep=1, pp=2, mb=4, verify=True)
 
 
 def test_replicated_experts_compute_the_load_balancing_loss_over_the_data_parallel_ranks():
@@ -251,6 +278,27 @@ def test_pipeline_and_expert_parallel_train_like_one_process(name, zero):
     """pp2 x dp2 x ep2 (world 4), 2 microbatches of 2 rows per replica: each pipeline rank's MoE layers run over
     its own ep group, in the schedule's order on both ranks of the group."""
     assert_same_training(plan_for(name, dp=2, ep=2, pp=2, zero=zero, mb=2), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, pins", [
+    ("mixtral", dict(dp=2, ep=2, mb=2)),           # pp2 x dp2 x ep2, world 4
+    ("qwen3_moe", dict(dp=2, ep=2, mb=2)),
+    ("mixtral", dict(dp=1, ep=1, mb=4)),           # pp2 alone, world 2
+    ("qwen3_moe", dict(dp=1, ep=1, mb=4)),
+    ("mixtral", dict(dp=1, ep=1, mb=4, schedule="1f1b")),
+    ("mixtral4", dict(dp=1, ep=1, mb=4, schedule="zb-v")),  # stages 1 and 2 on one rank: sums handed in memory
+    ("mixtral4", dict(dp=1, ep=1, mb=2, schedule="interleaved-1f1b")),
+    ("mixtral", dict(dp=2, ep=2, mb=2, zero=1, recompute="full")),  # recomputed blocks record their logits again
+    ("qwen3_moe", dict(dp=2, ep=1, mb=2, zero=3, schedule="gpipe")),
+    ("mixtral", dict(dp=1, ep=1, tp=2, mb=4)),     # each tensor slice's stages carry their own (equal) sums
+])
+def test_a_pipelined_load_balancing_loss_trains_like_one_process(name, pins):
+    """pp2: each stage's MoE layers' sums (top-k picks, probabilities, rows) reach the last stage with the
+    activations, the gradient of the loss back to every stage's routers: losses (cross entropy plus the
+    load-balancing loss of each microbatch) and parameters as one process accumulating the same microbatches."""
+    out = assert_same_training(plan_for(name, pp=2, **pins), name)
+    assert out.losses[0] != out.losses[-1]
 
 
 def test_a_list_of_expert_modules_is_refused_by_name():

@@ -365,6 +365,11 @@ def ep_stage_lines(plan: "Plan") -> tuple[str, str]:
         return "", ""
     if plan.config.ep > 1:
         return ", ep", ""
+    if pipelined_aux(plan):
+        return ", ep=None", ('    if ep is None:  # plan.verify\n'
+                             '        raise ValueError("plan.verify builds each pipeline rank apart, without the links that carry "\n'
+                             '                         "the load-balancing loss\'s sums from stage to stage: check this plan by "\n'
+                             '                         "running it, or verify a plan with pp=1")\n')
     return ", ep=None", (f"    if ep is None:  # plan.verify: one process, the loss over its own tokens\n"
                          f"        ep = {one_rank_ep_context(plan, 'None')}\n")
 
@@ -382,12 +387,20 @@ def ep_import(plan: "Plan") -> str:
     """The imports of what the code and engine of an expert-parallel plan call (partitioner.codegen.segment_ep)."""
     if not ep_context(plan):
         return ""
+    pipe = ("from runtime.experts.pipeline_aux import AuxPipeline  # the load-balancing loss's sums from stage to "
+            "stage\n") if pipelined_aux(plan) else ""
     if plan.config.ep == 1:
         return ("from runtime.experts.program import EPContext, ep_aux_loss, ep_record_router_logits, "
-                "ep_router_logits  # the load-balancing loss over every rank's tokens\n")
+                "ep_router_logits  # the load-balancing loss over every rank's tokens\n" + pipe)
     return ("from runtime.experts.engine import ExpertParallel  # expert parallelism: the expert slices beside the "
             "dense engine\n"
-            "from runtime.experts.program import EPContext, ep_aux_loss, ep_experts, ep_router_logits\n")
+            "from runtime.experts.program import EPContext, ep_aux_loss, ep_experts, ep_router_logits\n" + pipe)
+
+
+def pipelined_aux(plan: "Plan") -> bool:
+    """Whether the load-balancing loss's sums travel from pipeline stage to stage (pp > 1 with the loss:
+    runtime.experts.pipeline_aux)."""
+    return plan.config.pp > 1 and plan.code is not None and plan.code.aux_loss
 
 
 def fp8_import(plan: "Plan") -> str:

@@ -14,6 +14,7 @@ from partitioner.codegen.common import (
     mesh_lines,
     model_code_lines,
     one_rank_ep_context,
+    pipelined_aux,
     program_header,
     ranks_text,
     recompute_lines,
@@ -233,11 +234,16 @@ def expert_lines(plan: "Plan", rank: int) -> str:
     if not ep_context(plan):
         return ""
     code = plan.code
+    pipe = ("    # Pipelined, each stage adds its MoE layers' sums to those of the stages before and hands them on\n"
+            "    # with the activation, their gradient coming back with the activation's (runtime.experts.pipeline_aux);\n"
+            "    # the last stage forms the loss.\n"
+            "    ep.pipeline = AuxPipeline(stage_ranks=STAGE_RANKS, rank=RANK, collectives=collectives, group=groups.pp)\n"
+            ) if pipelined_aux(plan) else ""
     if c.ep == 1:
         return ("    # The router's load-balancing loss is a statistic of the batch: its sums are all-reduced "
                 f"over the {c.replicas}\n    # ranks' tokens of each microbatch (groups.dp), as one process computes it on "
                 "that microbatch\n    # (runtime.experts.aux_loss); the experts are replicated (ep=1).\n"
-                f"    ep = {one_rank_ep_context(plan, 'collectives', 'groups.dp', wrap=_UNDER_EP_CONTEXT)}\n")
+                f"    ep = {one_rank_ep_context(plan, 'collectives', 'groups.dp', wrap=_UNDER_EP_CONTEXT)}\n" + pipe)
     eps, edps = expert_groups(plan)
     mine = next(g for g in eps if rank in g)
     same = next(g for g in edps if rank in g)
@@ -250,7 +256,7 @@ def expert_lines(plan: "Plan", rank: int) -> str:
             "    edp_group = make_group_among(RANK, EDP_GROUPS)\n"
             f"    ep = EPContext(group=ep_group, collectives=collectives, rank={_ep_rank(plan, rank)}, world={c.ep}, "
             f"num_experts={max(e for _, e in code.experts)},\n                   top_k={code.top_k}, "
-            f"layers={code.moe_layers}, token_group=groups.dp)\n")
+            f"layers={code.moe_layers}, token_group=groups.dp)\n" + pipe)
 
 
 def expert_engine_lines(plan: "Plan") -> str:

@@ -90,7 +90,7 @@ def not_runnable(plan: "Plan") -> str:
 def not_runnable_ep(plan: "Plan") -> str:
     """Why no program is generated for an expert-parallel plan ("" when one is): programs run ep > 1 from the
     plan's model code (partitioner.codegen.segment_ep) with data, pipeline and tensor parallelism (cp = 1, no
-    sequence parallelism; the load-balancing loss with pp = 1 only: not_runnable_aux), fp32 or bf16-mixed,
+    sequence parallelism), fp32 or bf16-mixed,
     any ZeRO stage (the experts' optimizer state and gradients sharded over the ranks holding the same experts,
     runtime.experts.engine)."""
     c = plan.config
@@ -120,16 +120,13 @@ def not_runnable_ep(plan: "Plan") -> str:
 def not_runnable_aux(plan: "Plan") -> str:
     """Why no program is generated for a plan of a model that computes its routers' load-balancing loss (""
     when one is): the loss is a statistic of the batch, which the generated code computes over the dp x cp
-    ranks' tokens (partitioner.codegen.segment_ep), so a plan with several such ranks needs that code, and
-    the loss reads every MoE layer's router logits, which pipeline stages would hold apart."""
+    ranks' tokens (partitioner.codegen.segment_ep), so a plan with several such ranks needs that code (under
+    pp > 1 each stage's sums travel to the last stage: runtime.experts.pipeline_aux)."""
     c = plan.config
     if not plan.load_balancing_loss or plan.async_sgd:
         return ""
     what = "the model's load-balancing loss (output_router_logits=True)"
     fix = "build the model without it (output_router_logits=False)"
-    if c.pp > 1:
-        return (f"{what} with pp={c.pp}: it reads every MoE layer's router logits, which live on other pipeline "
-                f"ranks; {fix} or pin pp=1")
     if c.tp > 1 and c.sp:
         return (f"{what} with tp={c.tp} and sequence parallelism: each tensor slice routes its own share of the "
                 "tokens, and the loss is summed over the data-parallel ranks only; pin sp=False")

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from partitioner.planner.plan import ParallelConfig
     from partitioner.tracer.opgraph import OpGraph
 
-__all__ = ["Experts", "MAX_EP_ACROSS_NODES", "check_experts", "edp_ranks", "ep_options", "ep_ranks", "exchange_bytes",
-           "experts_of", "summary"]
+__all__ = ["Experts", "MAX_EP_ACROSS_NODES", "check_context", "check_experts", "edp_ranks", "ep_options", "ep_ranks",
+           "exchange_bytes", "experts_of", "summary"]
 
 MAX_EP_ACROSS_NODES = 2  # ep degrees searched beyond a node: the smallest and the largest (the search stays small)
 
@@ -131,6 +131,27 @@ def check_experts(d: Declarations, experts: Experts) -> None:
             f"ep={ep} does not divide dp={d.dp}: expert-parallel groups are taken inside the data-parallel group "
             f"(Megatron-Core's), so dp must be a multiple of ep; pin dp to a multiple of {ep}, or ep in "
             f"{', '.join(str(x) for x in divisors(math.gcd(d.dp, e)))}")
+
+
+def check_context(d: Declarations, experts: Experts) -> bool:
+    """Context parallelism does not run MoE layers (at any ep): refused where pinned; True where the search must
+    leave it out (a MoE model, cp unpinned). The code of a MoE layer sizes its token bookkeeping (the (token,
+    choice) pairs sorted by expert) from the traced batch and sequence, which under cp > 1 is each rank's share:
+    the program fails at run time (an index_put of the whole sequence's pairs into the rank's), and a load-
+    balancing loss would be each rank's share's.
+
+    >>> check_context(Declarations(global_batch_size=8), Experts())   # a dense model: cp searched as ever
+    False
+    """
+    if not experts.layers:
+        return False
+    if d.cp not in (None, 1):
+        raise DeclarationError(
+            f"cp={d.cp} with mixture-of-experts layers ({len(experts.layers)} found): context-parallel programs "
+            "run each rank's share of the sequence, and the MoE layers' code (its tokens sorted by expert, the "
+            "router's load-balancing loss) is not rewritten for it, so the program would fail at run time; pin "
+            "cp=1 (dp, tp, pp and ep run MoE models)")
+    return d.cp is None
 
 
 def ep_options(d: Declarations, experts: Experts, *, dp: int, tp: int, cp: int, devices_per_node: int

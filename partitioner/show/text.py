@@ -179,6 +179,8 @@ def load_balancing_text(p: Plan) -> str:
         return "the routers' load-balancing loss: each replica's own, on its rows (asynchronous replicas train apart)"
     where = (f"over the {c.replicas} data-parallel ranks' tokens (its sums all-reduced)" if c.replicas > 1
              else "on this rank's tokens")
+    if c.pp > 1:
+        where += f", its sums carried through the {c.pp} pipeline stages' layers to the last"
     m = c.num_microbatches
     if m == 1:
         return f"the routers' load-balancing loss {where}; on the step's whole batch, as one process computes it"

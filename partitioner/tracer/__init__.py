@@ -8,7 +8,8 @@ Read first: `trace.py` (`trace()`, the whole stage in one function). Then:
 - `capture.py`: torch.export of the model with its first blocks, sizes made symbolic (B, S);
 - `blocks.py`, `block_kinds.py`: which sub-modules are the repeated blocks, which of them compute alike;
 - `op_rules.py`: the cost of each ATen op; `symbolic.py`: polynomials in B and S;
-- `opgraph.py` (the data), `opgraph_table.py` (as text), `cache.py` (a trace saved by source hash).
+- `opgraph.py` (the data), `opgraph_table.py` (as text), `cache.py` (a trace saved by source hash);
+- `batch_statistics.py`: values the model's forward computes that a split batch cannot reproduce.
 
 Imports nothing above it: the planner, code generator and presentations read its output.
 """

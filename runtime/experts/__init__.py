@@ -10,7 +10,8 @@ the collectives shim (`runtime.comm.collectives`):
 - `expert_parallel`: `ep_moe`, permute, all-to-all of counts, all-to-all of tokens with variable split
   sizes, the local experts, all-to-all back, un-permute and weight; the backward through the same path.
 - `aux_loss`: the router's load-balancing loss (Switch Transformer, as Hugging Face computes it) from each
-  rank's tokens, equal to the one-process value.
+  rank's tokens, equal to the one-process value; `pipeline_aux`: under pp > 1, each stage's sums carried to
+  the last stage with the activations, their gradient back with the activations' gradients.
 - `program`: what generated code calls (`ep_experts` per MoE layer, `ep_aux_loss`, `EPContext`), the
   code generator (`partitioner.codegen.segment_ep`) rewriting each MoE layer's experts into it;
 - `engine`: `ExpertParallel`, the rank's expert slices beside the data-parallel engine, their gradients

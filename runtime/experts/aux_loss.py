@@ -32,31 +32,55 @@ import torch
 from runtime.comm.collectives import Collectives
 from runtime.pipeline.tensor_parallel import reduce_from_tp
 
-__all__ = ["load_balancing_loss"]
+__all__ = ["load_balancing_loss", "loss_from_sums", "router_sums"]
 
 
-def load_balancing_loss(router_logits: torch.Tensor | Sequence[torch.Tensor], num_experts: int, top_k: int,
-                        group, collectives: Collectives) -> torch.Tensor:
-    """E * sum_e f_e * P_e over every token of the group (module docstring). router_logits: this rank's
-    (T, E) logits of one layer, or a sequence of layers' (as the model's `router_logits` output). Group None:
-    this rank's tokens are the whole batch."""
-    layers = [router_logits] if isinstance(router_logits, torch.Tensor) else list(router_logits)
-    if not layers:
-        raise ValueError("load_balancing_loss got no router logits: pass a (T, E) tensor or one per MoE layer")
+def router_sums(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                device: torch.device | None = None) -> torch.Tensor:
+    """What the loss needs of some layers' router logits (each (T, E), this rank's rows), summed over the layers:
+    (2E + 2,) = top-k picks per expert (E), softmax probabilities per expert (E), rows, layers. Only the
+    probabilities carry a gradient. Hugging Face sums picks, probabilities and rows over the concatenation of
+    every layer's logits, so the sums of disjoint sets of layers (pipeline stages) or rows (ranks) add up to
+    the whole model's. No layers: zeros (on `device`).
+
+    >>> router_sums([torch.tensor([[2.0, 0.0]])], num_experts=2, top_k=1)
+    tensor([1.0000, 0.0000, 0.8808, 0.1192, 1.0000, 1.0000])
+    """
     sums = []
-    for logits in layers:
+    for logits in router_logits:
         if logits.dim() != 2 or logits.shape[1] != num_experts:
             raise ValueError(f"router logits of shape {tuple(logits.shape)}: expected (tokens, {num_experts}), "
                              f"one row per token of this rank and one column per expert")
         probs = torch.softmax(logits.float(), dim=-1)                               # (T, E)
         picks = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)                # (T*k,)
         counts = torch.bincount(picks, minlength=num_experts).to(probs.dtype)      # (E,) not differentiable
-        rows = probs.new_tensor([float(logits.shape[0])])
-        sums.append(torch.cat([counts, probs.sum(0), rows]))                        # (2E + 1,)
-    total = reduce_from_tp(torch.stack(sums).sum(0), group, collectives)            # (2E + 1,) global sums
-    n = total[-1]
+        sums.append(torch.cat([counts, probs.sum(0), probs.new_tensor([float(logits.shape[0]), 1.0])]))
+    if not sums:
+        return torch.zeros(2 * num_experts + 2, device=device)
+    return torch.stack(sums).sum(0)                                                 # (2E + 2,)
+
+
+def loss_from_sums(total: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """E * sum_e f_e * P_e from the global sums (picks (E), probabilities (E), rows: `router_sums`' first 2E + 1)."""
+    n = total[2 * num_experts]
     if float(n.detach()) == 0:
         raise ValueError("load_balancing_loss over no tokens at all: no rank of the group passed a router row")
     tokens_per_expert = total[:num_experts] / n                                     # f_e
     prob_per_expert = total[num_experts:2 * num_experts] / n                       # P_e
     return num_experts * torch.sum(tokens_per_expert * prob_per_expert)
+
+
+def load_balancing_loss(router_logits: torch.Tensor | Sequence[torch.Tensor], num_experts: int, top_k: int,
+                        group, collectives: Collectives, carried: torch.Tensor | None = None) -> torch.Tensor:
+    """E * sum_e f_e * P_e over every token of the group (module docstring). router_logits: this rank's
+    (T, E) logits of one layer, or a sequence of layers' (as the model's `router_logits` output). Group None:
+    this rank's tokens are the whole batch. carried: the `router_sums` of the layers earlier pipeline stages
+    ran on this rank's rows (runtime.experts.pipeline_aux), added before the all-reduce."""
+    layers = [router_logits] if isinstance(router_logits, torch.Tensor) else list(router_logits)
+    if not layers and carried is None:
+        raise ValueError("load_balancing_loss got no router logits: pass a (T, E) tensor or one per MoE layer")
+    sums = router_sums(layers, num_experts, top_k, device=carried.device if carried is not None else None)
+    if carried is not None:
+        sums = sums + carried
+    total = reduce_from_tp(sums[:2 * num_experts + 1], group, collectives)         # (2E + 1,) global sums
+    return loss_from_sums(total, num_experts)

@@ -33,9 +33,11 @@ import torch
 
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import group_size
-from runtime.experts.aux_loss import load_balancing_loss
+from runtime.device import rank_device
+from runtime.experts.aux_loss import load_balancing_loss, router_sums
 from runtime.experts.expert_parallel import ep_moe
 from runtime.experts.grouped_experts import batched_experts
+from runtime.experts.pipeline_aux import AuxPipeline
 
 __all__ = ["EPContext", "ep_aux_loss", "ep_experts", "ep_record_router_logits", "ep_router_logits"]
 
@@ -46,8 +48,10 @@ class EPContext:
     ep > 1 plan). group / rank / world: the ep group and this rank's index in it (it holds experts
     rank*E/world .. (rank+1)*E/world - 1); token_group: the ranks whose tokens make one batch (the dp x cp
     group), over which the load-balancing loss is summed; router_logits: this forward's layers' logits,
-    recorded by `ep_experts` (a forward's first layer starts a new record: `layers` per forward) and read by
-    `ep_aux_loss` and `ep_router_logits`."""
+    recorded by `ep_experts` (a forward's first layer starts a new record: `layers` per forward; a stage's
+    forward starts one too, `enter_stage`) and read by `ep_aux_loss` and `ep_router_logits`. pipeline: under
+    pp > 1 with the load-balancing loss, the links that carry each stage's sums to the last stage
+    (runtime.experts.pipeline_aux); carried: the sums this forward's stage received (None on the first)."""
 
     group: object
     collectives: Collectives | None
@@ -58,6 +62,28 @@ class EPContext:
     layers: int = 1
     token_group: object = None
     router_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    pipeline: AuxPipeline | None = None
+    carried: torch.Tensor | None = None
+
+    def enter_stage(self, stage: int, x, first: bool):
+        """`runtime.pipeline.stage.StageModel` starts virtual stage `stage`'s forward on input x (None on the
+        stage running the prefix): a new record of router logits and, under pp > 1, the sums the stage before
+        handed on, tied to x (runtime.experts.pipeline_aux). Returns x."""
+        self.router_logits, self.carried = [], None
+        if self.pipeline is None or first:
+            return x
+        x, self.carried = self.pipeline.enter(stage, x, size=2 * self.num_experts + 2)
+        return x
+
+    def leave_stage(self, stage: int, x, last: bool):
+        """The end of stage `stage`'s forward with output x: under pp > 1 (not on the last stage) its layers'
+        sums, with those carried in, handed to the next stage. Returns x, tied to them."""
+        if self.pipeline is None or last:
+            return x
+        sums = router_sums(self.router_logits, self.num_experts, self.top_k, device=x.device)
+        if self.carried is not None:
+            sums = sums + self.carried
+        return self.pipeline.leave(stage, x, sums)
 
 
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -103,16 +129,23 @@ def ep_aux_loss(ep: EPContext) -> torch.Tensor:
     cross-entropy, which would leave this sum's share 1/n of one process's: the gradient is multiplied by n
     on the way in, so the average restores it."""
     layers = ep.router_logits
-    if len(layers) != ep.layers:
-        raise ValueError(f"ep_aux_loss: {len(layers)} MoE layers recorded their router logits in this forward, "
-                         f"not the model's {ep.layers}; the code runs ep_experts with the router logits before the "
-                         "loss, and only once per layer (no recomputation)")
+    before = 0 if ep.carried is None else int(ep.carried[-1].detach())  # the earlier stages' layers (pp > 1)
+    if len(layers) + before != ep.layers:
+        raise ValueError(f"ep_aux_loss: {len(layers) + before} MoE layers recorded their router logits in this "
+                         f"forward ({before} on earlier pipeline stages), not the model's {ep.layers}; the code runs "
+                         "ep_experts with the router logits before the loss, and only once per layer (no "
+                         "recomputation)")
     coll = ep.collectives if ep.collectives is not None else Collectives()
-    loss = load_balancing_loss(layers, ep.num_experts, ep.top_k, ep.token_group, coll)
+    loss = load_balancing_loss(layers, ep.num_experts, ep.top_k, ep.token_group, coll, carried=ep.carried)
     n = group_size(ep.token_group)
     return _GradTimes.apply(loss, float(n)) if n > 1 else loss
 
 
 def ep_router_logits(ep: EPContext, layer: int) -> torch.Tensor:
-    """The router logits layer `layer` recorded in this forward (this rank's tokens), where the model returns them."""
-    return ep.router_logits[layer]
+    """The router logits layer `layer` recorded in this forward (this rank's tokens), where the model returns them.
+    Under pp > 1 the last stage holds its own layers' only: an earlier stage's layer gives an empty (0, E)
+    tensor (its logits stayed there; the load-balancing loss has their sums)."""
+    first = ep.layers - len(ep.router_logits)  # the first MoE layer this stage ran (0 without pipelining)
+    if layer < first:
+        return torch.zeros(0, ep.num_experts, device=rank_device())
+    return ep.router_logits[layer - first]

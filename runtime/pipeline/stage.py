@@ -85,6 +85,9 @@ class StageModel:
         functions = {k: _WithContext(f, cp) for k, f in functions.items()} if cp is not None else functions
         functions = {k: _WithContext(f, ep) for k, f in functions.items()} if ep is not None else functions
         self.has_ep = ep is not None  # the module's own forward computes neither ep nor the loss over ranks
+        # the ep context sees each stage's forward start and end (a new record of router logits; under pp > 1
+        # the load-balancing loss's sums carried from stage to stage: runtime.experts.pipeline_aux)
+        self.ep = ep if hasattr(ep, "enter_stage") else None
         self.module, self.functions, self.stack, self.stages = model, dict(functions), stack, dict(stages)
         # per kind of block (kind 0 runs functions["block"], kind k functions[f"block_{k}"]): its
         # parameter arguments and the model inputs it reads; block_kinds: the kind of every block
@@ -215,11 +218,15 @@ class StageModel:
     def _run_stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
         a, b, pre, suf = self.stages[_stage]
         named = self.named_inputs(inputs)
+        if self.ep is not None:
+            x = self.ep.enter_stage(_stage, x, first=pre)
         if pre:
             x = self.functions["prefix"](self.tp, *(named[n] for n in self.input_names), **self._args(self.prefix_args))
         container = self.module.get_submodule(self.stack) if self.stack is not None else None
         for i in range(a, b):
             x = container[i](x, **{f"input_{n}": named[n] for n in self.block_inputs[self.kind(i)]})
+        if self.ep is not None:
+            x = self.ep.leave_stage(_stage, x, last=suf)
         if suf and "suffix" in self.functions:
             x = self.functions["suffix"](self.tp, x, **{f"input_{n}": named[n] for n in self.suffix_inputs},
                                          **self._args(self.suffix_args))

@@ -133,6 +133,11 @@ def verify_skip_reason(plan: Any, *, max_elements: float = MAX_VERIFY_ELEMENTS) 
         return "cp > 1: the code's attention runs over the context group, which one process does not have"
     if _degree(plan, "ep") > 1:
         return "ep > 1: the code's experts run over the ep group, which one process does not have"
+    aux = plan.get("load_balancing_loss", False) if isinstance(plan, dict) else \
+        getattr(plan, "load_balancing_loss", False)
+    if _degree(plan, "pp") > 1 and aux:
+        return ("pp > 1 with the routers' load-balancing loss: its sums travel between the pipeline ranks "
+                "(runtime.experts.pipeline_aux), which plan.verify builds apart")
     if not f.has_code:
         return "pp = tp = 1: the programs hold no model code"
     n = num_parameters(plan)
