@@ -52,7 +52,7 @@ def saturating_efficiency(flops: float, *, eff_max: float, half_flops: float) ->
 
 _FRACTIONS = (  # fields that are a fraction in (0, 1]
     "matmul_eff_max", "conv_eff_max", "attention_eff_max", "vector_eff",
-    "mem_eff", "compress_mem_eff",
+    "mem_eff", "optimizer_eff", "compress_mem_eff",
 )
 # Not numbers: checked by their own rules in __post_init__.
 _STRUCTURED = ("source", "matmul_eff_by_dtype", "probe")
@@ -61,23 +61,28 @@ _STRUCTURED = ("source", "matmul_eff_by_dtype", "probe")
 _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     # The CPU runtime quantizes with the torch reference (runtime.compression.quantize), not a fused kernel:
     # ~1.7 GB/s of fp32 per pass measured on this project's machine, of its 20 GB/s "HBM" (devices.py).
-    "CPU": {"compress_mem_eff": 0.085},  # 1.7e9 / 20e9
+    # torch.optim.AdamW (foreach, torch's default on CPU too) steps gpt_small's 5.29M fp32 parameters in 23.9 ms on one
+    # thread of this machine: 6.2 GB/s at 28 B per parameter, 0.31 of the 20 GB/s (for-loop 6.4, fused=True 32).
+    "CPU": {"compress_mem_eff": 0.085, "optimizer_eff": 0.31},  # 1.7e9 / 20e9; 6.2e9 / 20e9
     # Measured by `partitioner probe` on one H100 80GB HBM3 (SXM) with torch 2.11 (docs/benchmarks.md, "On a lent
     # H100"): large GEMMs at 73 % (bf16), 69 % (fp16), 77 % (fp32) of the datasheet peaks; torch's elementwise
     # kernels at 82 % of HBM; fused causal attention (SDPA, 2 x 16 heads x 4096 x 128, fwd+bwd) at 690 TFLOP/s
     # counted over the full L x S products, 345 TFLOP/s over the causal half the tracer counts now (FlashAttention-2's
     # convention; the ~35 % of peak Shah et al. 2024 report for it on an H100): attention_eff_max = 0.365 (0.73 / 2).
     # fp8: not probed on the H100; its GEMMs (torch._scaled_mm, e4m3) as measured on the H200 below, the same chip.
+    # optimizer_eff: not probed on the H100; torch's foreach AdamW as measured on the H200 below (its fraction of HBM
+    # is set by its kernel count, the same on the same chip).
     "H100-80GB": {"matmul_eff_by_dtype": {"bf16": 0.73, "fp16": 0.69, "fp32": 0.77, "fp8": 0.64}, "mem_eff": 0.82,
-                  "attention_eff_max": 0.365},
+                  "attention_eff_max": 0.365, "optimizer_eff": 0.26},
     # Measured by `partitioner probe` on one H200 (SXM, 141 GB HBM3e) with torch 2.11 (docs/benchmarks.md, "On a
     # lent H200"): the same GH100 chip at the same clocks (devices.py), and its GEMM plateaus agree with the H100's
     # within 2 points (bf16 72 %, fp16 69 %, fp32 75 %); fp8 GEMMs at 64 % of the 1,979 TFLOP/s fp8 peak
     # (1,269 TFLOP/s, against bf16's 711: 1.78x); elementwise kernels at 83 % of its 4.8 TB/s; fused causal
     # attention at 745 TFLOP/s over the full products, 372 over the causal half the tracer counts
-    # (attention_eff_max 0.40, 0.80 / 2).
+    # (attention_eff_max 0.40, 0.80 / 2); torch.optim.AdamW (foreach, its default) stepped 1.49e9 fp32 parameters in
+    # 32.8 ms inside the runtime: 1.27 TB/s at 28 B per parameter, 0.26 of 4.8 TB/s.
     "H200-141GB": {"matmul_eff_by_dtype": {"bf16": 0.72, "fp16": 0.69, "fp32": 0.75, "fp8": 0.64}, "mem_eff": 0.83,
-                   "attention_eff_max": 0.40},
+                   "attention_eff_max": 0.40, "optimizer_eff": 0.26},
 }
 
 
@@ -108,6 +113,15 @@ class Calibration:
       mem_eff: achieved fraction of HBM bandwidth for streaming kernels:
           STREAM-like measurements (BabelStream, Deakin et al. 2018) reach
           ~80-90 % of the datasheet bandwidth on V100/A100.
+      optimizer_eff: the optimizer step's rate as a fraction of HBM bandwidth (x device_speed), its
+          bytes counted as the least the update moves (cost_models.optimizer.optimizer_step_bytes: 28 B
+          per fp32 Adam parameter). torch's default implementation, what the runtime runs for a
+          torch.optim.AdamW, is foreach: eight elementwise kernels (decay, lerp into m, scale and addcmul
+          into v, sqrt, divide, add eps, addcdiv into p) that move ~80 B per fp32 parameter, so at a
+          STREAM-like 0.8 of HBM it reaches 0.8 x 28 / 80 = 0.28; measured on an H200 1.27 TB/s of
+          4.8 (0.26), fused=True 1.6 TB/s (0.34); on the CPU preset (for_device("CPU")) 6.2 GB/s of
+          20, 0.31. `partitioner probe` times torch.optim.AdamW. Plain SGD's step is one kernel that
+          moves just its bytes: priced at mem_eff (cost_models.optimizer.optimizer_bytes_per_s).
       launch_overhead_s: seconds per kernel; CUDA launch costs a few
           microseconds per kernel (NVIDIA blog "Getting Started with CUDA
           Graphs", 2019).
@@ -214,6 +228,7 @@ class Calibration:
     gemm_half_flops: float = 1e9
     vector_eff: float = 1.0
     mem_eff: float = 0.8
+    optimizer_eff: float = 0.28
     launch_overhead_s: float = 5e-6
 
     same_device_bw_eff: float = 1.0

@@ -64,6 +64,9 @@ TIME_FACTORS: dict[str, tuple[float, float]] = {
     "device_speed": (1e-2, 1e2),
     "gemm_half_flops": (1e3, 1e14),
     "mem_eff": (1e-3, 1.0),
+    # the optimizer step: trials separate it where they shard or split the parameters differently (ZeRO >= 1,
+    # pp, tp: its share of the step moves) from the compute that scales with FLOPs per rank
+    "optimizer_eff": (1e-3, 1.0),
     "launch_overhead_s": (1e-8, 1e-2),
     "intra_node_bw_eff": (1e-3, 1e2),
     "inter_node_bw_eff": (1e-3, 1e2),

@@ -58,12 +58,22 @@ def test_calibration_from_partial_dict_keeps_defaults():
     assert c.mem_eff == 0.9 and c.matmul_eff_max == Calibration().matmul_eff_max
 
 
+def test_a_calibration_file_from_before_optimizer_eff_loads_with_the_device_default(tmp_path):
+    """Files written before the field existed (a probe's, autotune's) lack it: they load with the default."""
+    old = {k: v for k, v in Calibration(mem_eff=0.5, source="probe before").to_dict().items() if k != "optimizer_eff"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    c = Calibration.load(path)
+    assert c.optimizer_eff == Calibration().optimizer_eff and c.mem_eff == 0.5
+    assert Calibration.for_device("H200-141GB").optimizer_eff == 0.26  # torch's foreach AdamW measured there
+
+
 def test_calibration_unknown_keys_are_named():
     with pytest.raises(PartitionerError, match=r"\['mem_efff', 'zzz'\].*valid keys"):
         Calibration.from_dict({"mem_efff": 0.9, "zzz": 1, "dp_overlap": 0.5})
 
 
-@pytest.mark.parametrize("field,value", [("mem_eff", 1.5), ("matmul_eff_max", 0.0),
+@pytest.mark.parametrize("field,value", [("mem_eff", 1.5), ("matmul_eff_max", 0.0), ("optimizer_eff", 0.0),
                                          ("dp_overlap", -0.1), ("gemm_half_flops", 0.0),
                                          ("launch_overhead_s", -1e-6),
                                          ("intra_node_bw_eff", "fast"),

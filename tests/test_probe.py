@@ -98,6 +98,8 @@ def test_probe_fits_bandwidths_that_independent_transfers_agree_with(tmp_path, c
     ev = cal.probe
     assert ev["ranks"] == 2 and ev["fixed_process_bytes"] > 50 * 2 ** 20  # torch and a process group
     assert ev["matmul"]["fp32"]["plateau_flops_per_s"] > 1e8 and cal.device_speed > 0
+    # torch.optim.AdamW's step: slower than a copy, since torch's foreach kernels move more than its 28 B
+    assert 0 < cal.optimizer_eff <= 1 and 0 < ev["optimizer_bytes_per_s"] < 2 * ev["memory_bytes_per_s"]
 
 
 LATENCY = {"all_reduce": 210e-6, "p2p": 100e-6}
@@ -114,6 +116,7 @@ def _records(topo: Topology) -> list[dict]:
           for n in (64, 128, 256, 512)]
     return [{"rank": r, "device": "cpu", "fixed_process_bytes": 300 * 2 ** 20, "matmul": mm, "op_overhead_s": 4e-6,
              "stream": {"bytes": 2e9, "seconds": 0.2}, "elementwise": {"bytes": 1e9, "seconds": 0.25},
+             "optimizer": {"bytes": 2.8e8, "seconds": 0.2},
              "overlap": {"compute_s": 0.01, "comm_s": 0.01, "both_s": 0.016}, "collectives": colls}
             for r in range(2)]
 
@@ -130,6 +133,7 @@ def test_alpha_beta_fits_and_the_derived_calibration(tmp_path):
     cal = derive_calibration(topo, ev, source="test")
     dev = topo.device
     assert cal.mem_eff * cal.device_speed * dev.hbm_bytes_per_s == pytest.approx(4e9)
+    assert cal.optimizer_eff * cal.device_speed * dev.hbm_bytes_per_s == pytest.approx(1.4e9)  # 28 B x 5e6 / s
     assert dict(cal.matmul_eff_by_dtype)["fp32"] * cal.device_speed * dev.peak_flops["fp32"] == pytest.approx(40e9)
     assert cal.dp_overlap == pytest.approx(0.4) and cal.launch_overhead_s == 4e-6
     # the planner's own comm formulas reproduce the sweep they were fitted to

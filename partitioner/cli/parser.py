@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = command("probe", "measure this machine's compute, memory and links into a calibration",
                  "Measure the machine TOPOLOGY runs on in about a minute: matmul FLOP/s by dtype and size, memory "
-                 "bandwidth, the fixed memory of a process, and all-reduce / all-gather / reduce-scatter / all-to-all "
+                 "bandwidth, an AdamW step's, the fixed memory of a process, and all-reduce / all-gather / reduce-scatter / all-to-all "
                  "/ send bandwidth and latency per link level and group size (alpha-beta fits); write the cost "
                  "models' factors fitted to them, with the measurements, as one calibration JSON. local:N spawns N "
                  "ranks here; on a cluster, run it under torchrun or srun (one process per device).",

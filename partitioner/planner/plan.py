@@ -12,7 +12,7 @@ for, so a plan for another model or cluster is refused on load.
 >>> x, = example_inputs(model)
 >>> plan = compile(model, Topology.parse("8xA100-80GB"), example_inputs=(x,), global_batch_size=64)
 >>> plan.dp, plan.tp, plan.pp, plan.zero_stage
-(2, 2, 2, 0)
+(1, 4, 2, 0)
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ from cost_models.memory import (
     process_fixed_bytes,
 )
 from cost_models.mesh import Mesh
+from cost_models.optimizer import optimizer_bytes_per_s, optimizer_step_bytes
 from cost_models.powersgd import LowRank
 from partitioner.planner.context_split import local
 from partitioner.planner.declarations import SPLIT_BACKWARD
@@ -75,10 +76,6 @@ from partitioner.planner.unit_costs import CostContext
 
 __all__ = ["StageCost", "StageEvaluator", "StageMemory"]
 
-# Bytes the optimizer step moves per parameter it steps (Adam: reads the parameter, gradient, m and v, writes
-# the parameter, m and v): 7 fp32 tensors, 28 B; pure bf16 steps bf16 parameters with bf16 state, 14 B.
-_OPTIM_BYTES_PER_PARAM = {"bf16": 14}
-_OPTIM_BYTES_FP32 = 28
 _FP32_GRADIENTS = ("bf16-mixed", "fp16-mixed", "fp8-mixed")  # 16-bit compute whose gradients the engine accumulates in fp32
 _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
@@ -206,8 +203,9 @@ class StageEvaluator:
                                  cand.tp if cand.sp else 1, cand.cp)
         self._param_bytes = 4 if ctx.precision == "fp32" else 2  # parameters gathered in the compute dtype
         self._grad_bytes = REDUCE_BYTES_OF_PRECISION[ctx.precision]  # the engine's gradient buffers, reduced as such
-        self._optim_bytes = _OPTIM_BYTES_PER_PARAM.get(ctx.precision, _OPTIM_BYTES_FP32)
-        self._hbm = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
+        # seconds of the optimizer step per parameter this rank steps (cost_models.optimizer)
+        self._optim_s = optimizer_step_bytes(ctx.optimizer, ctx.precision) / optimizer_bytes_per_s(
+            ctx.optimizer, ctx.topo.device, ctx.cal)
         dev = ctx.topo.device  # the context and the collective buffers of each group this rank talks in
         self._fixed = process_fixed_bytes(process_bytes=dev.process_bytes, comm_buffer_bytes=dev.comm_buffer_bytes,
                                           communicators=sum(d > 1 for d in (cand.replicas, cand.tp, cand.pp, cand.cp)))
@@ -259,7 +257,7 @@ class StageEvaluator:
                                   zero_stage=c.zero_stage, dp=c.replicas).total
         if state * v + self._fixed > ctx.memory_cap:
             return math.inf
-        tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_bytes / self._hbm
+        tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_s
         if c.zero_stage in (1, 2) and c.replicas > 1 and c.ep == 1:
             # (under ep the expert parameters gather over a smaller group: left out, so this stays a bound)
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
@@ -600,7 +598,7 @@ class StageEvaluator:
                 wire, kernel = self._reduction(params, option, lr)
                 exposed[option] = per_step * (max(0.0, wire - overlap * b) + kernel) + gather
         shard = params / (cand.replicas if z >= 1 else 1)
-        optim = shard * self._optim_bytes / self._hbm
+        optim = shard * self._optim_s
         return exposed, optim
 
     def _expert_tail(self, expert: float, f: float, b: float, units: int) -> tuple[float, float]:
@@ -632,7 +630,7 @@ class StageEvaluator:
                 if z in (1, 2):
                     exposed += comm.all_gather(expert * self._param_bytes, ranks)
         shard = expert / (len(ranks) if z >= 1 else 1)
-        hit = self._reduce_memo[key] = (exposed, shard * self._optim_bytes / self._hbm)
+        hit = self._reduce_memo[key] = (exposed, shard * self._optim_s)
         return hit
 
     def _zero3_regathers(self) -> int:

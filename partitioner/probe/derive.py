@@ -7,8 +7,9 @@
   algorithm bandwidth, and busbw = B x nccl-tests' bus factor (PERFORMANCE.md: 2(p-1)/p for all-reduce,
   (p-1)/p for all-gather, reduce-scatter and all-to-all, 1 for a send).
 * The factors: device_speed, matmul_eff_by_dtype, mem_eff and gemm_half_flops from the curves and the
-  elementwise ops' bytes/s against the device preset's peaks; attention_eff_max from the fused attention's
-  rate (FLOP as the tracer counts them); launch_overhead_s the per-op overhead; dp_overlap
+  elementwise ops' bytes/s against the device preset's peaks; optimizer_eff from torch.optim.AdamW's step
+  (bytes as cost_models.optimizer counts them) against the same bandwidth; attention_eff_max from the fused
+  attention's rate (FLOP as the tracer counts them); launch_overhead_s the per-op overhead; dp_overlap
   the share of an all-reduce that hid behind matmuls; then per link level its bw_eff and
   extra latency, and collective_base_latency_s, fitted by cost_models.fit to every measured collective as
   cost_models.comm.CommModel prices it, so the planner's own formulas reproduce the sweep.
@@ -77,11 +78,12 @@ def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
                       "points": [{"bytes": b, "seconds": s} for b, s, _ in pts]})
     stream = statistics.median(r["stream"]["bytes"] / r["stream"]["seconds"] for r in records)
     elementwise = statistics.median(r["elementwise"]["bytes"] / r["elementwise"]["seconds"] for r in records)
+    optimizer = statistics.median(r["optimizer"]["bytes"] / r["optimizer"]["seconds"] for r in records)
     ov = {k: statistics.median(r["overlap"][k] for r in records) for k in records[0]["overlap"]}
     return {"ranks": len(records), "devices": sorted({r["device"] for r in records}),
             "fixed_process_bytes": int(statistics.median(r["fixed_process_bytes"] for r in records)),
             "op_overhead_s": statistics.median(r["op_overhead_s"] for r in records),
-            "memory_bytes_per_s": stream, "elementwise_bytes_per_s": elementwise,
+            "memory_bytes_per_s": stream, "elementwise_bytes_per_s": elementwise, "optimizer_bytes_per_s": optimizer,
             "overlap": {**ov, "hidden_fraction": min(1.0, max(0.0, (ov["compute_s"] + ov["comm_s"] - ov["both_s"])
                                                               / ov["comm_s"]))},
             "matmul": curves, "attention": _attention_summary(records), "collectives": lines}
@@ -122,6 +124,7 @@ def derive_calibration(topo: Topology, evidence: dict[str, Any], *, source: str)
     start = Calibration.for_device(dev.name)
     cal = dataclasses.replace(
         start, device_speed=speed, mem_eff=bw / (dev.hbm_bytes_per_s * speed),
+        optimizer_eff=min(1.0, evidence["optimizer_bytes_per_s"] / (dev.hbm_bytes_per_s * speed)),
         dp_overlap=evidence["overlap"]["hidden_fraction"],
         matmul_eff_by_dtype=tuple((d, r / speed) for d, r in zip(curves, ratios)),
         gemm_half_flops=min(hi, max(lo, statistics.median(half))) if half else start.gemm_half_flops,

@@ -1,5 +1,6 @@
 """What one rank of the probe measures, with the default process group up: the rank's device (matmul FLOP/s
-by dtype and size, a per-op overhead, a stream copy's bandwidth, the fixed memory of the process) and its share
+by dtype and size, a per-op overhead, a stream copy's bandwidth, an optimizer step's, the fixed memory of the
+process) and its share
 of the collectives (every group of `sweep.groups_by_level` at once, through the runtime's collectives shim,
 the calls the generated programs make).
 
@@ -19,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from cost_models.optimizer import optimizer_step_bytes
 from partitioner.probe.sweep import Sweep
 from runtime.comm.collectives import Collectives
 
@@ -35,6 +37,7 @@ def measure_rank(sweep: Sweep, groups: dict[str, dict[int, list[list[int]]]], de
     out: dict[str, Any] = {"rank": dist.get_rank(), "device": str(device), "fixed_process_bytes": fixed,
                            "matmul": _matmuls(sweep, device), "op_overhead_s": _op_overhead(device),
                            "stream": _stream(sweep, device), "elementwise": _elementwise(sweep, device),
+                           "optimizer": _optimizer_step(sweep, device),
                            "overlap": _overlap(sweep, device), "attention": _attention(sweep, device),
                            "collectives": []}
     comm = Collectives()
@@ -150,6 +153,22 @@ def _stream(sweep: Sweep, device: torch.device) -> dict[str, float]:
     dist.barrier()
     s = _time(lambda: dst.copy_(src), device, sweep.repeats)
     return {"bytes": 2.0 * sweep.stream_bytes, "seconds": s}
+
+
+def _optimizer_step(sweep: Sweep, device: torch.device, tensors: int = 8) -> dict[str, float]:
+    """A step of torch.optim.AdamW(lr=1e-3) over about `stream_bytes` of fp32 parameters in `tensors` tensors, its
+    gradients set: torch's default implementation for the device (foreach on CUDA and on CPU), what the runtime
+    steps when a plan's optimizer is "adamw". Counted as the bytes the cost model charges it
+    (cost_models.optimizer.optimizer_step_bytes, 28 per parameter); `_time`'s untimed first call is the first
+    step, which creates m and v."""
+    n = max(1, sweep.stream_bytes // 4 // tensors)
+    params = [torch.randn(n, device=device).requires_grad_() for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    dist.barrier()
+    s = _time(opt.step, device, sweep.repeats)
+    return {"bytes": float(optimizer_step_bytes("adamw", "fp32") * n * tensors), "seconds": s}
 
 
 def _elementwise(sweep: Sweep, device: torch.device) -> dict[str, float]:

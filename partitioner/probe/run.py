@@ -13,7 +13,9 @@ Where the ranks come from:
 >>> cal.source.startswith("partitioner probe local:2"), out.exists(), Calibration.load(out) == cal
 (True, True, True)
 >>> sorted(cal.probe)   # the evidence beside the factors
-['attention', 'collectives', 'devices', 'elementwise_bytes_per_s', 'fixed_process_bytes', 'matmul', 'memory_bytes_per_s', 'op_overhead_s', 'overlap', 'ranks']
+['attention', 'collectives', 'devices', 'elementwise_bytes_per_s', 'fixed_process_bytes', 'matmul', 'memory_bytes_per_s', 'op_overhead_s', 'optimizer_bytes_per_s', 'overlap', 'ranks']
+>>> 0 < cal.optimizer_eff <= 1   # torch.optim.AdamW's step, as a fraction of the memory bandwidth
+True
 """
 
 from __future__ import annotations

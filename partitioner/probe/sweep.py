@@ -32,7 +32,7 @@ class Sweep:
     message_bytes: the collectives' full buffers (nccl-tests' sizes, 4 KiB to 16 MiB by 4x; a cluster run may
         pass larger). matmul_sizes: n of the n x n x n products per dtype
         ("fp8": e4m3 codes through torch._scaled_mm, measured only where the device has FP8 tensor cores). stream_bytes: the buffer the memory
-        bandwidth copy moves; elementwise_bytes:
+        bandwidth copy moves, and the fp32 parameters the optimizer step is timed on; elementwise_bytes:
         the operands of the memory-bound ops timed; overlap_bytes: the all-reduce hidden behind matmuls;
         attention_shape: (batch, heads, sequence, head dim) of the fused attention timed. repeats: timed runs per
         point (the median is kept), after one untimed.
