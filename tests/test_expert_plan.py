@@ -256,7 +256,7 @@ def test_expert_gemms_read_their_experts_weights_and_pay_only_the_rank_imbalance
         topo = Topology.coerce("1x8xH100-80GB")
         c = CostContext(g, topo, find_splits(g), precision="bf16-mixed", optimizer="adam", seq_len=seq,
                         memory_cap=topo.device.memory_bytes, calibration=Calibration(expert_imbalance=1.25))
-        return sum(c.unit_cost(u, tp=1, mb=mb, recompute="none", ep=ep).forward_s for u in range(len(c.units))) - \
+        return sum(c.unit_cost(u, tp=1, mb=mb, recompute="none", ep=ep).forward_s for u in c._moe_units) - \
             c.expert_exchange_s(mb, 1, 1, ep) / 2
 
     # few tokens: the GEMMs are bound by reading the weights, and under ep = 8 a rank reads one expert's
@@ -266,3 +266,7 @@ def test_expert_gemms_read_their_experts_weights_and_pay_only_the_rank_imbalance
     # through every expert) and the busiest rank's 1.25 x under ep = 8 with one expert each, 1.125 x at ep = 2
     many = {ep: experts_s(ep, 8, 4096) for ep in (1, 2, 8)}
     assert many[1] < many[2] < many[8]
+    # other units are costed once for every ep
+    dense_u = next(u for u in range(len(ctx.units)) if u not in ctx._moe_units)
+    assert ctx.unit_cost(dense_u, tp=1, mb=2, recompute="none", ep=8) == \
+        ctx.unit_cost(dense_u, tp=1, mb=2, recompute="none")

@@ -136,6 +136,10 @@ class CostContext:
         self._expert_param = self.experts.params
         self._exchange = dict(self.experts.exchanges)
         self._expert_w = {name: (w, k) for name, w, k in self.experts.weights}
+        moe_nodes = self.experts.nodes | self._exchange.keys()
+        # the units ep changes (their expert ops and all-to-alls); every other unit costs what it does at ep = 1
+        self._moe_units = frozenset(u for u, (a, b) in enumerate(self.units)
+                                    if any(n.name in moe_nodes for n in g.nodes[a:b]))
         ids: dict[tuple, int] = {}
         self._keys = [ids.setdefault(self._unit_key(a, b), len(ids)) for a, b in self.units]
         self._boundary, self._boundary_new = self._boundary_bytes()
@@ -266,10 +270,11 @@ class CostContext:
     def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
                   cp_kind: str = "ring", ep: int = 1) -> UnitCost:
         sp = sp and tp > 1
-        key = (self._keys[u], tp, mb, recompute, sp, cp, cp_kind if cp > 1 else "ring", ep)
+        unit_ep = ep if u in self._moe_units else 1  # a unit without experts is evaluated once for every ep
+        key = (self._keys[u], tp, mb, recompute, sp, cp, cp_kind if cp > 1 else "ring", unit_ep)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind, ep)
+            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind, unit_ep)
         if hit.stage_start_bytes:  # a unit starting a block under recomputation: its input, as it lies here
             made = local(self._boundary_new[u - 1], mb, self.seq, cp) * self.scale / (tp if sp else 1)
             held = local(self._boundary[u - 1], mb, self.seq, cp) * self.scale / (tp if sp else 1)
