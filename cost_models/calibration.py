@@ -201,11 +201,14 @@ class Calibration:
           idle rank yields its core to busy peers, so less is lost; fitted.
 
     Mixture of experts (partitioner/planner/expert_split.py):
-      expert_imbalance: the busiest expert-parallel rank's routed tokens over the mean (>= 1), under
-          expert parallelism (ep > 1): its expert FLOPs and kept activations are the balanced share times
-          this, and the all-to-alls wait for it. 1.25, the capacity factor Switch Transformer trains with
-          (Fedus et al. 2022, "Switch Transformers", section 2.2: at 1.25 under 1 % of tokens overflow
-          their expert with its load-balancing loss), i.e. the busiest expert ~25 % above the mean;
+      expert_imbalance: the busiest expert's routed tokens over the mean (>= 1), f: under expert
+          parallelism (ep > 1) a rank holding one expert runs its expert FLOPs and keeps activations at the
+          balanced share times f, one holding k experts at 1 + (f - 1) / sqrt(k) times it (the sum of k
+          experts' loads: expert_split.rank_imbalance), and the all-to-alls wait for it; at ep = 1 no rank
+          waits (each runs its own tokens through every expert). 1.25, the capacity factor Switch
+          Transformer trains with (Fedus et al. 2022, "Switch Transformers", section 2.2: at 1.25 under
+          1 % of tokens overflow their expert with its load-balancing loss), i.e. the busiest expert ~25 %
+          above the mean;
           fitted (a time factor, seen only by ep > 1 trials).
 
     Measured by `partitioner probe` (partitioner/probe/):

@@ -98,6 +98,18 @@ _DEVICES = (
         source="NVIDIA H100 datasheet and architecture whitepaper (SXM5); DGX H100 datasheet",
     ),
     DeviceSpec(
+        # The export variant of H100 SXM5 (the GPU DeepSeek-V3 was trained on): the same GH100 compute and
+        # 80 GB HBM3, NVLink cut to 400 GB/s bidirectional (NVIDIA H800 SXM5 datasheet).
+        name="H800-80GB",
+        peak_flops=_GH100_FLOPS,
+        memory_bytes=80 * GiB,            # 80 GB HBM3
+        hbm_bytes_per_s=3.35e12,          # datasheet, SXM: 3.35 TB/s
+        nvlink_bytes_per_s=200e9,         # datasheet: NVLink 400 GB/s bidirectional
+        nic_bytes_per_s=50e9,             # 400 Gb/s InfiniBand per GPU (DeepSeek-V3 report, 3.2.2: IB 50 GB/s)
+        **_GPU_FIXED,
+        source="NVIDIA H800 SXM5 datasheet; NIC as DeepSeek-V3 technical report section 3.2.2",
+    ),
+    DeviceSpec(
         name="H200-141GB",
         peak_flops=_GH100_FLOPS,
         memory_bytes=141 * GiB,           # 141 GB HBM3e

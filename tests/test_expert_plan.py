@@ -23,7 +23,7 @@ from partitioner.cli.common import plan_options
 from partitioner.cli.parser import add_plan_options
 from partitioner.codegen.common import CodegenError
 from partitioner.planner.declarations import Declarations
-from partitioner.planner.expert_split import Experts, edp_ranks, ep_options, ep_ranks, experts_of
+from partitioner.planner.expert_split import Experts, edp_ranks, ep_options, ep_ranks, experts_of, rank_imbalance
 from partitioner.planner.plan import ParallelConfig, Plan
 from partitioner.planner.tensor_split import find_splits
 from test_experts import Net  # embedding, blocks of a norm and a list-of-experts MoE, a head
@@ -222,3 +222,51 @@ def test_the_cli_pins_ep():
     p = argparse.ArgumentParser()
     add_plan_options(p)
     assert plan_options(p.parse_args(["--ep", "4"]))["ep"] == 4 and "ep" not in plan_options(p.parse_args([]))
+
+
+# ---- expert compute: imbalance per rank, weights read, GEMM per local expert --------------------------------
+def test_a_rank_holding_more_experts_is_less_imbalanced():
+    assert rank_imbalance(1.25, 8, 1) == 1.0  # replicated experts: each rank runs its own tokens, however routed
+    assert rank_imbalance(1.25, 8, 8) == 1.25  # one expert per rank: the busiest expert's load
+    assert rank_imbalance(1.25, 8, 2) == pytest.approx(1.125)  # 4 experts: the excess / sqrt(4)
+    assert rank_imbalance(1.25, 256, 64) == pytest.approx(1.125) and rank_imbalance(1.25, 256, 8) < 1.05
+
+
+@pytest.fixture(scope="module")
+def wide_moe():
+    """One Mixtral layer, 8 experts of 1024 x 4096 (top-2) on the meta device: big enough for H100 GEMMs."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=256, hidden_size=1024, intermediate_size=4096, num_hidden_layers=1,
+                        num_attention_heads=8, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=4096, use_cache=False)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(cfg)
+    return trace(model, (torch.zeros(1, 64, dtype=torch.long, device="meta"),))
+
+
+def test_expert_gemms_read_their_experts_weights_and_pay_only_the_rank_imbalance(wide_moe):
+    g = wide_moe
+    ctx = _ctx(g, "1x8xH100-80GB", Calibration(expert_imbalance=1.25))
+    weights = {name: (w, held) for name, w, held in ctx.experts.weights}
+    gemms = [n for n in g.nodes if n.name in ctx.experts.nodes and n.cost.op_class == "matmul"]
+    assert len(gemms) == 2 and all(weights[n.name] == (8 * 1024 * 4096 * 4 * (2 if i == 0 else 1), 8)
+                                   for i, n in enumerate(gemms))  # [E, 1024, 2 x 4096] and [E, 4096, 1024], fp32
+
+    def experts_s(ep: int, mb: int, seq: int) -> float:  # a microbatch's forward of the MoE layer, all-to-alls off
+        topo = Topology.coerce("1x8xH100-80GB")
+        c = CostContext(g, topo, find_splits(g), precision="bf16-mixed", optimizer="adam", seq_len=seq,
+                        memory_cap=topo.device.memory_bytes, calibration=Calibration(expert_imbalance=1.25))
+        return sum(c.unit_cost(u, tp=1, mb=mb, recompute="none", ep=ep).forward_s for u in c._moe_units) - \
+            c.expert_exchange_s(mb, 1, 1, ep) / 2
+
+    # few tokens: the GEMMs are bound by reading the weights, and under ep = 8 a rank reads one expert's
+    few = {ep: experts_s(ep, 1, 64) for ep in (1, 8)}
+    assert few[8] < few[1]
+    # many tokens: compute bound; the same rows per rank at ep = 1 (no imbalance: a rank runs its own tokens
+    # through every expert) and the busiest rank's 1.25 x under ep = 8 with one expert each, 1.125 x at ep = 2
+    many = {ep: experts_s(ep, 8, 4096) for ep in (1, 2, 8)}
+    assert many[1] < many[2] < many[8]
+    # other units are costed once for every ep
+    dense_u = next(u for u in range(len(ctx.units)) if u not in ctx._moe_units)
+    assert ctx.unit_cost(dense_u, tp=1, mb=2, recompute="none", ep=8) == \
+        ctx.unit_cost(dense_u, tp=1, mb=2, recompute="none")

@@ -254,7 +254,7 @@ FORMS = "accepted forms"
 
 
 @pytest.mark.parametrize("text, message", [
-    ("4x8xB300", r"unknown device 'B300': presets are V100-32GB, A100-40GB, A100-80GB, H100-80GB, "
+    ("4x8xB300", r"unknown device 'B300': presets are V100-32GB, A100-40GB, A100-80GB, H100-80GB, H800-80GB, "
                  r"H200-141GB, CPU; or pass a DeviceSpec"),
     ("4x0xA100-80GB", "devices_per_node=0: must be >= 1"),
     ("0x8xA100-80GB", "nodes=0: must be >= 1"),

@@ -11,8 +11,13 @@ cp * tp ranks apart, so it stays inside a node while ep * cp * tp <= devices per
 - expert FLOPs: the ep group's tokens x top_k / E per expert, times E / ep local experts, is this rank's
   own tokens x top_k at a balanced load, which is what the trace counts (its grouped GEMMs run on the
   routed tokens); the busiest rank sets the pace, so under ep > 1 the experts' ops (and the activations
-  they keep) are that times `Calibration.expert_imbalance` (default 1.25, Switch Transformer's capacity
-  factor; no token dropping);
+  they keep) are that times `rank_imbalance`: `Calibration.expert_imbalance` f (default 1.25, Switch
+  Transformer's capacity factor; no token dropping) for a rank holding one expert, 1 + (f - 1) / sqrt(k)
+  for a rank holding k (its load is the sum of k experts'); at ep = 1 there is none (each rank runs its
+  own tokens through every expert: the same rows however they are routed);
+- an expert GEMM (`Experts.weights`) reads 1/ep of the expert weights and runs as one GEMM per local
+  expert, each at the efficiency of its own rows (unit_costs.CostContext._expert_gemm_times): at ep = 1,
+  E small GEMMs reading every expert's weights; under ep, E / ep bigger ones;
 - two all-to-alls forward per MoE layer (dispatch the routed tokens, combine them back) and two backward
   (their gradients), each of this rank's tokens x top_k x hidden x the compute dtype's bytes, (ep-1)/ep
   of it leaving the rank (`CommModel.all_to_all` over the link level the ep group spans), not overlapped;
@@ -39,7 +44,7 @@ if TYPE_CHECKING:
     from partitioner.tracer.opgraph import OpGraph
 
 __all__ = ["Experts", "MAX_EP_ACROSS_NODES", "check_context", "check_experts", "edp_ranks", "ep_options", "ep_ranks",
-           "exchange_bytes", "experts_of", "summary"]
+           "exchange_bytes", "experts_of", "rank_imbalance", "summary"]
 
 MAX_EP_ACROSS_NODES = 2  # ep degrees searched beyond a node: the smallest and the largest (the search stays small)
 
@@ -58,6 +63,9 @@ class Experts:
     nodes: frozenset[str] = frozenset()
     exchanges: tuple[tuple[str, int], ...] = ()
     why_not: str = ""
+    # per expert op that reads expert weights: (node, the weights' bytes as traced, the experts they hold):
+    # a batched weight [E, ...] read by a grouped GEMM holds E, one expert's own linear 1
+    weights: tuple[tuple[str, float, int], ...] = ()
 
     @property
     def num_experts(self) -> int:
@@ -91,8 +99,50 @@ def experts_of(g: "OpGraph") -> Experts:
             scope = scope.rsplit(".", 1)[0] if scope.rsplit(".", 1)[-1].isdigit() else scope
         if scope and scope != m.module:
             nodes.update(n.name for n in g.nodes if n.module_path == scope or n.module_path.startswith(scope + "."))
-    return Experts(layers=layers, params=frozenset(p for m in layers for p in m.experts), nodes=frozenset(nodes),
-                   exchanges=tuple((m.combine, m.top_k) for m in layers if m.combine is not None), why_not=why)
+    params = frozenset(p for m in layers for p in m.experts)
+    return Experts(layers=layers, params=params, nodes=frozenset(nodes),
+                   exchanges=tuple((m.combine, m.top_k) for m in layers if m.combine is not None), why_not=why,
+                   weights=_expert_weights(g, nodes, params))
+
+
+def _expert_weights(g: "OpGraph", nodes: set[str], params: frozenset[str]) -> tuple[tuple[str, float, int], ...]:
+    """(node, weight bytes, experts held) of each expert op reading expert weights: directly (a linear of one
+    expert of a module list: its own parameters, 1 expert) or through an input computed from them (a grouped
+    GEMM reading a view of the batched [E, ...] weight: that input's bytes, E experts)."""
+    by_name = {n.name: n for n in g.nodes}
+    param_bytes = {p.name: p.nbytes for p in g.params}
+    out = []
+    for n in g.nodes:
+        if n.name not in nodes or n.cost.op_class != "matmul":
+            continue
+        own = [p for p in n.params if p in params]
+        if own:
+            out.append((n.name, float(sum(param_bytes.get(p, 0) for p in own)), 1))
+            continue
+        for i in n.inputs:
+            m = by_name.get(i)
+            if m is not None and m.output is not None and any(p in params for p in m.params) and m.output.shape:
+                out.append((n.name, float(m.output.nbytes(1, 1)), int(m.output.shape[0](1, 1))))
+                break
+    return tuple(out)
+
+
+def rank_imbalance(expert_imbalance: float, num_experts: int, ep: int) -> float:
+    """The busiest rank's routed tokens over the mean, from the busiest expert's (`expert_imbalance`, f).
+
+    At ep = 1 it is 1: every rank runs its own tokens through all the experts, tokens x top_k rows however the
+    router spreads them. Under ep > 1 a rank holds k = E / ep experts and runs the sum of their loads: where
+    the experts' loads deviate from the mean independently and alike, the sum's deviation grows as sqrt(k)
+    while its mean grows as k, so the relative excess shrinks as 1/sqrt(k): 1 + (f - 1) / sqrt(k), f at one
+    expert per rank. (The busiest of ep ranks is a maximum over fewer candidates than the busiest of E
+    experts, which f describes: a smaller one, left out, so this stays an upper bound.)
+
+    >>> rank_imbalance(1.25, 8, 1), rank_imbalance(1.25, 8, 8), rank_imbalance(1.25, 8, 2)
+    (1.0, 1.25, 1.125)
+    """
+    if ep <= 1 or num_experts < ep:
+        return 1.0
+    return 1.0 + (expert_imbalance - 1.0) / math.sqrt(num_experts / ep)
 
 
 def check_experts(d: Declarations, experts: Experts) -> None:
@@ -202,8 +252,8 @@ def summary(experts: Experts, c: "ParallelConfig", *, numel: dict[str, int], all
     if c.ep == 1:
         why = experts.why_not or (
             "ep > 1 was not faster: its all-to-alls of routed tokens and the busiest rank's extra expert load "
-            f"({cal_imbalance:g} x the mean, Calibration.expert_imbalance) cost more than the expert memory and "
-            "gradient traffic it saves" if math.gcd(c.dp, e) > 1
+            f"({cal_imbalance:g} x the mean for a rank holding one expert, Calibration.expert_imbalance) cost more "
+            "than the expert memory and gradient traffic it saves" if math.gcd(c.dp, e) > 1
             else f"no ep > 1 divides both dp={c.dp} and the {e} experts")
         return (f"expert parallelism: ep=1 ({'as declared' if declared else why}); the {len(layers)} MoE layers' "
                 f"{_count(total)} expert parameters are held whole on every data-parallel rank")
@@ -217,7 +267,8 @@ def summary(experts: Experts, c: "ParallelConfig", *, numel: dict[str, int], all
             + f", groups of {c.ep} data-parallel ranks {c.cp * c.tp} apart, {level}; "
             + (f"expert gradients reduced over dp x cp / ep = {c.replicas // c.ep} ranks, dense ones over {c.replicas}"
                if c.replicas > c.ep else "expert gradients not reduced (no other rank holds the same experts)")
-            + f"; expert FLOPs at the busiest rank's load ({cal_imbalance:g} x the mean, "
+            + f"; expert FLOPs at the busiest rank's load ({rank_imbalance(cal_imbalance, e, c.ep):.3g} x the mean: "
+            f"1 + (f - 1) / sqrt({e // c.ep}) for its {e // c.ep} experts, f = {cal_imbalance:g} "
             "Calibration.expert_imbalance).")
 
 

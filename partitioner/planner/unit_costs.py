@@ -37,7 +37,7 @@ from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
 from partitioner.planner.context_split import (ATTENTION_OP, RING_MESSAGE_ITEMSIZE, all_to_all_time, attention_buffer_bytes,
                                                kv_blocks, local, ring_exposed)
-from partitioner.planner.expert_split import exchange_bytes, experts_of
+from partitioner.planner.expert_split import exchange_bytes, experts_of, rank_imbalance
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.tensor_split import WHAT_F, WHAT_G, WHAT_VOCAB_EMBEDDING, TPCollective, TensorSplits
 from partitioner.tracer.opgraph import OpGraph
@@ -129,6 +129,17 @@ class CostContext:
         self._sp_collectives = self._sequence_collectives(g, splits, self._collectives)
         # Units with the same nodes, costs and splits (copied blocks) share one id, so their
         # costs are evaluated once per setting and memo keys stay small.
+        # mixture of experts (partitioner.planner.expert_split): under ep > 1 the expert parameters are 1/ep per
+        # rank, the experts' ops run at the busiest rank's load, each MoE layer's combine node pays the all-to-alls;
+        # an expert GEMM runs one GEMM per local expert and reads only the local experts' weights
+        self.experts = experts_of(g)
+        self._expert_param = self.experts.params
+        self._exchange = dict(self.experts.exchanges)
+        self._expert_w = {name: (w, k) for name, w, k in self.experts.weights}
+        moe_nodes = self.experts.nodes | self._exchange.keys()
+        # the units ep changes (their expert ops and all-to-alls); every other unit costs what it does at ep = 1
+        self._moe_units = frozenset(u for u, (a, b) in enumerate(self.units)
+                                    if any(n.name in moe_nodes for n in g.nodes[a:b]))
         ids: dict[tuple, int] = {}
         self._keys = [ids.setdefault(self._unit_key(a, b), len(ids)) for a, b in self.units]
         self._boundary, self._boundary_new = self._boundary_bytes()
@@ -142,11 +153,6 @@ class CostContext:
         self._param_block = {p.name: p.block for p in g.params}
         self._sharded = {pl.param: is_sharded(pl.spec) for pl in splits.placements}
         self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
-        # mixture of experts (partitioner.planner.expert_split): under ep > 1 the expert parameters are 1/ep per
-        # rank, the experts' ops run at the busiest rank's load, each MoE layer's combine node pays the all-to-alls
-        self.experts = experts_of(g)
-        self._expert_param = self.experts.params
-        self._exchange = dict(self.experts.exchanges)
 
     # ---- static structure ------------------------------------------------
     def _unit_key(self, a: int, b: int) -> tuple:
@@ -154,7 +160,7 @@ class CostContext:
         return tuple((n.cost, n.op in FP8_GEMM_OPS, n.name in self.splits.sharded_nodes, n.name in self._seq,
                       tuple((c.phase, c.bytes) for c in self._collectives.get(n.name, ())),
                       tuple((c.phase, c.kind, c.bytes) for c in self._sp_collectives.get(n.name, ())),
-                      n.output.nbytes(1, 1) if n.output else 0) for n in nodes)
+                      n.output.nbytes(1, 1) if n.output else 0, self._expert_w.get(n.name)) for n in nodes)
 
     @staticmethod
     def _sequence_collectives(g: OpGraph, splits: TensorSplits,
@@ -264,10 +270,11 @@ class CostContext:
     def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
                   cp_kind: str = "ring", ep: int = 1) -> UnitCost:
         sp = sp and tp > 1
-        key = (self._keys[u], tp, mb, recompute, sp, cp, cp_kind if cp > 1 else "ring", ep)
+        unit_ep = ep if u in self._moe_units else 1  # a unit without experts is evaluated once for every ep
+        key = (self._keys[u], tp, mb, recompute, sp, cp, cp_kind if cp > 1 else "ring", unit_ep)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind, ep)
+            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind, unit_ep)
         if hit.stage_start_bytes:  # a unit starting a block under recomputation: its input, as it lies here
             made = local(self._boundary_new[u - 1], mb, self.seq, cp) * self.scale / (tp if sp else 1)
             held = local(self._boundary[u - 1], mb, self.seq, cp) * self.scale / (tp if sp else 1)
@@ -309,6 +316,29 @@ class CostContext:
             self.compute.op_time(0.0, cast_bytes(dy + operands, fused=fused), "elementwise")
         return tf, tb
 
+    def _expert_gemm_times(self, flops: float, bflops: float, moved: float, weight_bytes: float, held: int,
+                           ep: int, imbalance: float) -> tuple[float, float]:
+        """(forward, backward) seconds of an expert GEMM on one rank, traced as `flops` over this rank's own
+        tokens x top_k rows, moving `moved` bytes of which `weight_bytes` are the weights of the `held` experts
+        it reads. Under ep the rank reads 1/ep of the expert weights (a batched [E, ...] weight's E / ep local
+        experts; of a module list's E expert linears it runs E / ep, ep times the rows each: summed over the
+        E traced linears, 1/ep of each one's weight) and runs the busiest rank's rows (x `imbalance`, 1 at
+        ep = 1). A batched weight's kernel is one GEMM per local expert (torch._grouped_mm, or Hugging Face's
+        loop over experts), each at the efficiency of its own size, the rows routed to that expert: `groups`
+        = held / ep GEMMs of 1/groups of the work, one launch.
+
+        Mixtral-like (E = 8): at ep = 1, 8 GEMMs of 1/8 of the rank's routed rows each, all 8 experts' weights
+        read; at ep = 8, 1 GEMM of every row the ep group routed to this rank's expert, 1/8 of the weights."""
+        groups = max(1, held // ep)
+        tokens = max(0.0, moved - weight_bytes) * imbalance  # activations in and out, at the busiest rank's load
+        mine = tokens + weight_bytes / ep
+        launch = self.compute.calibration.launch_overhead_s
+
+        def run(f: float, b: float) -> float:
+            return groups * (self.compute.op_time(f * imbalance / groups, b / groups, "matmul") - launch) + launch
+
+        return run(flops, mine), (run(bflops, 2 * mine) if bflops else 0.0)
+
     def _eval_unit(self, u: int, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
                    cp_kind: str = "ring", ep: int = 1) -> UnitCost:
         """One unit's costs on one rank. Under context parallelism (cp > 1) every token-dependent quantity is
@@ -324,7 +354,7 @@ class CostContext:
         tp_ranks = Mesh(1, 1, tp).tp_ranks()  # every tensor group sits alike: consecutive ranks
         cp_ranks = Mesh(1, 1, tp, cp).cp_ranks()  # ring neighbours tp ranks apart
         # ep consecutive data-parallel ranks, cp * tp apart; 1 where the layer has no experts
-        imbalance = self.cal.expert_imbalance if ep > 1 else 1.0
+        imbalance = rank_imbalance(self.cal.expert_imbalance, self.experts.num_experts, ep)
         ep_ranks = tuple(range(0, ep * cp * tp, cp * tp)) if ep > 1 else ()
 
         def at(p: Poly) -> float:  # this rank's share of a per-microbatch quantity
@@ -359,7 +389,10 @@ class CostContext:
                 dy = nbytes(n.output) / n.output.itemsize / d if n.output is not None else 0.0
                 tf, tb = self._fp8_linear_times(flops, bflops, moved, operands, dy)
             expert_op = ep > 1 and n.name in self.experts.nodes
-            if expert_op:
+            if n.name in self._expert_w and not (self.fp8 and n.op in FP8_GEMM_OPS):
+                w, held = self._expert_w[n.name]
+                tf, tb = self._expert_gemm_times(flops, bflops, moved, w * sc / d, held, ep, imbalance)
+            elif expert_op:
                 tf, tb = tf * imbalance, tb * imbalance
             if c.op_class == "matmul" and n.params and bflops:
                 wgt += tb * min(1.0, flops / bflops)
