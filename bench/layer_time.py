@@ -70,8 +70,8 @@ def optimizer_seconds(runner, batches, device: torch.device) -> float:
             runner.step(b)
         synchronize()
     steps = [e for e in prof.events() if e.name.startswith("Optimizer.step")]
-    if cuda:  # the annotation appears on the host and the device timelines: the device's is the kernels'
-        return sum(e.device_time_total for e in steps if e.device_time_total > 0) / 1e6 / len(batches)
+    if cuda:  # the annotation is on the host and on the device timeline, each with the kernels' time: one of them
+        return sum(e.self_device_time_total for e in steps) / 1e6 / len(batches)
     return sum(e.cpu_time_total for e in steps) / 1e6 / len(batches)
 
 
