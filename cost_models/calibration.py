@@ -84,6 +84,8 @@ _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "H200-141GB": {"matmul_eff_by_dtype": {"bf16": 0.72, "fp16": 0.69, "fp32": 0.75, "fp8": 0.64}, "mem_eff": 0.83,
                    "attention_eff_max": 0.40, "optimizer_eff": 0.26},
 }
+# The H800 is an H100 SXM5 with NVLink cut (devices.py): the same chip, clocks and HBM, so the H100's measured factors.
+_DEVICE_DEFAULTS["H800-80GB"] = _DEVICE_DEFAULTS["H100-80GB"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
