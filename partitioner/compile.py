@@ -309,7 +309,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     check_declarations(decl, world_size=topo.world_size, topology_name=str(topo), num_units=num_units,
                        unit_name=unit_name, valid_tp=valid_tp, tp_divisors=splits.divisors,
                        seq_len=g.traced_seq_len, heads=heads)
-    experts = experts_of(g)
+    experts = _runnable_experts(g, experts_of(g), splits, decl.ep)
     check_experts(decl, experts)
     no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
     one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
@@ -325,7 +325,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
         return CostContext(g, topo, splits, precision=decl.precision, optimizer=decl.optimizer,
                            seq_len=g.traced_seq_len, memory_cap=decl.max_memory_fraction * topo.device.memory_bytes,
                            calibration=opts.calibration, granularity=opts.cut_granularity, compression=compression,
-                           async_sgd=async_sgd)
+                           async_sgd=async_sgd, experts=experts)
 
     reduction = reduction_pins(decl)  # the compression pins, grad_reduce_dtype's included
     ctx = context(reduction, decl.async_sgd)
@@ -637,6 +637,20 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) 
     except SegmentError as e:
         return no_pp, str(e)
     return no_pp, ""
+
+
+def _runnable_experts(g: OpGraph, experts: Experts, splits, ep: int | None) -> Experts:
+    """`experts`, with why no expert-parallel program can be generated for them where none can (the code generator
+    runs batched experts; a list of expert modules, or experts with biases, it refuses): a pinned ep > 1 is then
+    refused before anything is searched (check_experts), and the search keeps ep = 1 and says why."""
+    if ep == 1 or not experts.layers or experts.why_not or not isinstance(g.graph_module, torch.export.ExportedProgram):
+        return experts
+    degree = ep or min(d for d in range(2, experts.num_experts + 1) if experts.num_experts % d == 0)
+    try:
+        extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=degree)
+    except SegmentError as e:
+        return dataclasses.replace(experts, why_not=f"no expert-parallel program can be generated for them ({e})")
+    return experts
 
 
 def _check_batch_statistics(g: OpGraph, decl: Declarations) -> str:

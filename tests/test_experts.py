@@ -123,3 +123,15 @@ def test_the_plan_says_what_it_found():
     text = str(plan)
     assert "experts      4 MoE layers" in text and "ep=1: experts planned like every other parameter" in text
     assert Plan.from_json(plan.to_json()).experts == plan.experts
+
+
+def test_experts_no_program_runs_divided_stay_whole_and_say_why():
+    # a list of expert modules is found, but the code generator runs batched experts only: a pinned ep > 1 is
+    # refused before anything is searched (not at program time), and the free choice keeps ep=1 and says why
+    from cost_models.errors import DeclarationError
+
+    with pytest.raises(DeclarationError, match=r"ep=2: no expert-parallel program can be generated .*a list of "
+                                               r"expert modules"):
+        compile(Net(), "local:2", example_inputs=TOKENS, global_batch_size=4, ep=2)
+    plan = compile(Net(), "local:2", example_inputs=TOKENS, global_batch_size=4, alternatives=0)
+    assert plan.config.ep == 1 and "ep=1 (no expert-parallel program can be generated" in plan.explain()

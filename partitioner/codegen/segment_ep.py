@@ -134,7 +134,8 @@ class ExpertParallelRewrite:
         if sorted(short) != ["down_proj", "gate_up_proj"]:
             raise SegmentError(f"expert parallelism runs batched SiLU-gated experts (gate_up_proj (E, 2I, H) and "
                                f"down_proj (E, H, I), as Mixtral, Qwen3-MoE and DeepSeek-V3 keep them), but {form} "
-                               f"read {params} (a list of expert modules, biases or other weights are not run yet); "
+                               f"read {', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} "
+                               "(a list of expert modules, biases or other weights are not run yet); "
                                "compile with ep=1")
         if len(outs) != 1:
             raise SegmentError(f"expert parallelism: {form} hand on {len(outs)} values "

@@ -37,7 +37,7 @@ from cost_models.powersgd import LowRank, low_rank
 from cost_models.topology import Topology
 from partitioner.planner.context_split import (ATTENTION_OP, RING_MESSAGE_ITEMSIZE, all_to_all_time, attention_buffer_bytes,
                                                kv_blocks, local, ring_exposed)
-from partitioner.planner.expert_split import exchange_bytes, experts_of, rank_imbalance
+from partitioner.planner.expert_split import Experts, exchange_bytes, experts_of, rank_imbalance
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.tensor_split import WHAT_F, WHAT_G, WHAT_VOCAB_EMBEDDING, TPCollective, TensorSplits
 from partitioner.tracer.opgraph import OpGraph
@@ -97,7 +97,9 @@ class CostContext:
     def __init__(self, g: OpGraph, topo: Topology, splits: TensorSplits, *, precision: str, optimizer: str,
                  seq_len: int | None, memory_cap: float, calibration: Calibration | None = None,
                  granularity: str = "block", compression: dict[str, str] | None = None,
-                 async_sgd: dict[str, int] | None = None):
+                 async_sgd: dict[str, int] | None = None, experts: Experts | None = None):
+        """experts: the graph's MoE layers as compile() found them (with why they cannot be divided, where it
+        found that out); default: expert_split.experts_of(g)."""
         self.g, self.topo, self.splits = g, topo, splits
         self.async_sgd = dict(async_sgd) if async_sgd else None  # {"every": k} or {"staleness": s}
         self.compression_pins = dict(compression or {})  # level -> compressor the user pinned
@@ -132,7 +134,7 @@ class CostContext:
         # mixture of experts (partitioner.planner.expert_split): under ep > 1 the expert parameters are 1/ep per
         # rank, the experts' ops run at the busiest rank's load, each MoE layer's combine node pays the all-to-alls;
         # an expert GEMM runs one GEMM per local expert and reads only the local experts' weights
-        self.experts = experts_of(g)
+        self.experts = experts_of(g) if experts is None else experts
         self._expert_param = self.experts.params
         self._exchange = dict(self.experts.exchanges)
         self._expert_w = {name: (w, k) for name, w, k in self.experts.weights}
