@@ -81,6 +81,12 @@ _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
 
 
+def _compressed(option: tuple[str, str]) -> bool:
+    """Whether a gradient reduction with this (intra_node, inter_node) compression runs through the compressors,
+    which the engine calls synchronously (runtime.compression.grad_compression: any level but "none")."""
+    return any(c != "none" for c in option)
+
+
 class StageMemory(NamedTuple):
     """Bytes one rank holds at its peak for one (virtual) stage: a tuple, cheap in the search's inner loop."""
 
@@ -561,8 +567,9 @@ class StageEvaluator:
               units: int = 1, expert: float = 0.0) -> tuple[dict[tuple[str, str], float], float]:
         """(exposed data-parallel communication per compression option, optimizer step) of one stage, per step.
 
-        Wire time hides behind compute up to dp_overlap of it, kernel time never:
-        DDP/ZeRO-1 all-reduce behind the last backward; ZeRO-2/3 reduce-scatter
+        Wire time hides behind compute up to dp_overlap of it, kernel time never, and a compressed
+        reduction's not at all (the engine runs it synchronously inside the backward's gradient hooks:
+        runtime.engines.dp_buckets, data_parallel._reduce_scatter): DDP/ZeRO-1 all-reduce behind the last backward; ZeRO-2/3 reduce-scatter
         every microbatch (runtime.engines.data_parallel: no_sync only defers stages 0
         and 1), each behind its backward; ZeRO-3 gathers and reduce-scatters
         per unit (block), so a stage of `units` issues that many of each per
@@ -596,7 +603,8 @@ class StageEvaluator:
                     exposed[option] = m * self._zero3_exposed(params / n, n, f, b, option, regathers=regathers)
                     continue
                 wire, kernel = self._reduction(params, option, lr)
-                exposed[option] = per_step * (max(0.0, wire - overlap * b) + kernel) + gather
+                hidden = 0.0 if _compressed(option) else overlap * b
+                exposed[option] = per_step * (max(0.0, wire - hidden) + kernel) + gather
         shard = params / (cand.replicas if z >= 1 else 1)
         optim = shard * self._optim_s
         return exposed, optim
@@ -656,14 +664,18 @@ class StageEvaluator:
         adds that many more gathers of each unit behind b (the backward's time counts the recomputation and
         W), 4 or 5 transfers of the parameters per step. Each collective pays its link's
         latency (the alpha of `gather_time` and `reduce_scatter_time`), so n units of P/n cost more
-        than one of P: what finer units pay for holding less.
+        than one of P: what finer units pay for holding less. A compressed reduce-scatter hides behind
+        nothing (the engine runs it synchronously); the (quantized) gathers still prefetch.
         """
         overlap = self.ctx.cal.dp_overlap
         g_wire, g_kernel = self._gather(unit_params, group_compressor(option))
         r_wire, r_kernel = self._reduction(unit_params, option, None)
         gathers = 1 + regathers  # in the backward
         forward = max(0.0, n * g_wire - overlap * f)
-        backward = max(0.0, n * (gathers * g_wire + r_wire) - overlap * b)
+        if _compressed(option):  # the compressed reduce-scatter runs synchronously in the backward; gathers still prefetch
+            backward = max(0.0, n * gathers * g_wire - overlap * b) + n * r_wire
+        else:
+            backward = max(0.0, n * (gathers * g_wire + r_wire) - overlap * b)
         return forward + backward + n * ((1 + gathers) * g_kernel + r_kernel)
 
     def _async_sync(self, params: float, f: float, b: float) -> float:

@@ -599,15 +599,25 @@ class CostContext:
     def p2p_times(self, pp: int, stride: int, mb: int, split: int = 1, cp: int = 1) -> tuple[float, ...]:
         """Time to send one microbatch's activations across each unit boundary.
 
-        Pipeline neighbours sit dp*cp*tp ranks apart in the mesh; every adjacent
-        pair is equally far, so ranks 0 -> stride stand for all of them.
+        Pipeline neighbours sit dp*cp*tp ranks apart in the mesh (pp outermost). Where the stages span
+        several nodes, some neighbours talk across a node boundary, and that link paces the pipeline (every
+        microbatch crosses every boundary): each boundary is charged at the slowest pair's link, whichever
+        stage it ends up between.
         """
-        key = (stride, mb, split, cp) if pp > 1 else None  # one object per key: range_codes keys on its identity
+        key = (pp, stride, mb, split, cp) if pp > 1 else None  # one object per key: range_codes keys on its identity
         hit = self._p2p.get(key)
         if hit is None:
-            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb, split, cp), 0, stride) if pp > 1
-                                         else 0.0 for u in range(len(self.units) - 1))
+            src = self._slowest_neighbour(pp, stride) if pp > 1 else 0
+            hit = self._p2p[key] = tuple(self.comm.p2p(self.boundary_bytes(u, mb, split, cp), src, src + stride)
+                                         if pp > 1 else 0.0 for u in range(len(self.units) - 1))
         return hit
+
+    def _slowest_neighbour(self, pp: int, stride: int) -> int:
+        """A rank whose next pipeline stage (`stride` ranks on) is across a node boundary where one is (the
+        last rank of the first node, when it sends to a later stage), else 0."""
+        per_node = self.topo.devices_per_node
+        last = per_node - 1
+        return last if stride < per_node and last < (pp - 1) * stride and last + stride < self.topo.world_size else 0
 
     def compression_options(self, cand: ParallelConfig) -> tuple[tuple[str, str], ...]:
         """The (intra_node, inter_node) compressors `cand` may use, the user's pins honoured.
