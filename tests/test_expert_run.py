@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cost_models.errors import DeclarationError
 from examples.training import hf_loss, sgd, train_one_process
 from partitioner import compile
 from partitioner.codegen.program import CodegenError
@@ -302,15 +303,17 @@ def test_a_pipelined_load_balancing_loss_trains_like_one_process(name, pins):
 
 
 def test_a_list_of_expert_modules_is_refused_by_name():
-    """test_experts' CapacityMoE keeps its experts as a ModuleList of MLPs: planned and costed with ep, but its
-    program is refused, naming the experts module and what runs."""
+    """test_experts' CapacityMoE keeps its experts as a ModuleList of MLPs, which no expert-parallel program runs:
+    a pinned ep=2 is refused when compiling (not when the program is generated), naming the experts module and
+    what runs."""
     from test_experts import Net
 
     torch.manual_seed(0)
-    plan = compile(Net(moe_every=1), "local:2", example_inputs=(torch.zeros(2, 16, dtype=torch.long),),
-                   global_batch_size=8, dp=2, ep=2, alternatives=0)
-    with pytest.raises(CodegenError, match=r"runs batched SiLU-gated experts .* but the experts of layers.1.mlp.experts read .*a list of expert modules"):
-        plan.program(0)
+    with pytest.raises(DeclarationError, match=r"ep=2: no expert-parallel program .*runs batched SiLU-gated experts "
+                                               r".* but the experts of layers.1.mlp.experts read .*a list of expert "
+                                               r"modules"):
+        compile(Net(moe_every=1), "local:2", example_inputs=(torch.zeros(2, 16, dtype=torch.long),),
+                global_batch_size=8, dp=2, ep=2, alternatives=0)
 
 
 @pytest.mark.slow
