@@ -122,8 +122,9 @@ class Calibration:
           into v, sqrt, divide, add eps, addcdiv into p) that move ~80 B per fp32 parameter, so at a
           STREAM-like 0.8 of HBM it reaches 0.8 x 28 / 80 = 0.28; measured on an H200 1.27 TB/s of
           4.8 (0.26; the probe there 0.262), fused=True 3.2 TB/s (0.67); on the CPU preset
-          (for_device("CPU")) 6.2 GB/s of 20, 0.31. `partitioner probe` times torch.optim.AdamW. Plain SGD's step is one kernel that
-          moves just its bytes: priced at mem_eff (cost_models.optimizer.optimizer_bytes_per_s).
+          (for_device("CPU")) 6.2 GB/s of 20, 0.31. `partitioner probe` times torch.optim.AdamW. Plain
+          SGD's step is one kernel that moves just its bytes: priced at mem_eff
+          (cost_models.optimizer.optimizer_bytes_per_s).
       launch_overhead_s: seconds per kernel; CUDA launch costs a few
           microseconds per kernel (NVIDIA blog "Getting Started with CUDA
           Graphs", 2019).

@@ -657,8 +657,9 @@ def _check_batch_statistics(g: OpGraph, decl: Declarations) -> str:
     """A model whose own forward combines statistics of the batch non-linearly (partitioner.tracer.batch_statistics:
     a product of two means over the tokens, as a router's load-balancing loss computed inside the model) trains
     the same as one process only on unsplit batches: dp or cp pinned > 1 is refused; where the search must keep
-    dp = cp = 1, the nodes that say why ("" where it need not). Hugging Face's router loss (output_router_logits=True) is computed over every rank's tokens
-    by the programs (codegen.segment_ep), and async SGD's replicas train apart: both left alone."""
+    dp = cp = 1, the nodes that say why ("" where it need not). Hugging Face's router loss
+    (output_router_logits=True) is computed over every rank's tokens by the programs (codegen.segment_ep), and
+    async SGD's replicas train apart: both left alone."""
     if decl.async_sgd or not isinstance(g.graph_module, torch.export.ExportedProgram) or _load_balancing_loss(g):
         return ""
     found = nonlinear_batch_statistics(g.graph_module)

@@ -4,26 +4,24 @@ nothing), and pipeline neighbours across a node boundary talk over the inter-nod
 from __future__ import annotations
 
 import pytest
-import torch
 
 from examples import gpt as gpt_mod
-from partitioner import Topology, trace
+from partitioner import Topology
 from partitioner.planner.declarations import Declarations
 from partitioner.planner.search import enumerate_candidates
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import find_splits
 from partitioner.planner.unit_costs import CostContext
+from conftest import _traced_on_meta
 
 SLOW = Topology(nodes=2, devices_per_node=4, device="A100-80GB", inter_node_GBps=0.5)
 
 
 @pytest.fixture(scope="module")
 def graph():
+    """Wide enough (256) that a pipeline boundary's bytes, not the link's latency, set its time."""
     cfg = gpt_mod.GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=512, dropout=0.0)
-    with torch.device("meta"):
-        model = gpt_mod.GPT(cfg)
-    idx = torch.empty(2, 128, dtype=torch.long, device="meta")
-    return trace(model, (idx, idx))
+    return _traced_on_meta(lambda: gpt_mod.GPT(cfg), 2, 128)
 
 
 def _context(g, topo: Topology) -> CostContext:

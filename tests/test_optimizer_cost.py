@@ -4,13 +4,11 @@ the time a stage's tail charges for it, against the closed form."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cost_models.calibration import Calibration
 from cost_models.errors import PartitionerError
 from cost_models.optimizer import optimizer_bytes_per_s, optimizer_step_bytes
-from examples import gpt as gpt_mod
-from partitioner import Topology, trace
+from partitioner import Topology
 from partitioner.planner.declarations import Declarations
 from partitioner.planner.search import enumerate_candidates
 from partitioner.planner.stage_costs import StageEvaluator
@@ -33,15 +31,6 @@ def test_unknown_optimizer_or_precision_is_refused_naming_the_choices():
         optimizer_step_bytes("adam", "int8")
 
 
-@pytest.fixture(scope="module")
-def graph():
-    cfg = gpt_mod.GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256, dropout=0.0)
-    with torch.device("meta"):
-        model = gpt_mod.GPT(cfg)
-    idx = torch.empty(2, 64, dtype=torch.long, device="meta")
-    return trace(model, (idx, idx))
-
-
 def _optimizer_s(g, *, optimizer="adam", precision="fp32", cal=None, dp=1, zero_stage=0) -> tuple[float, float]:
     """(the optimizer step's seconds in the one stage's tail, the parameters it holds) on dp x A100s."""
     topo = Topology.parse(f"{dp}xA100-80GB")
@@ -56,27 +45,28 @@ def _optimizer_s(g, *, optimizer="adam", precision="fp32", cal=None, dp=1, zero_
     return st.tail_s - st.exposed_comm_s, st.params
 
 
-def test_the_stage_tail_charges_the_closed_form(graph):
+def test_the_stage_tail_charges_the_closed_form(meta_gpt_graph):
     cal = Calibration(optimizer_eff=0.25, device_speed=2.0)
-    t, params = _optimizer_s(graph, cal=cal)
+    t, params = _optimizer_s(meta_gpt_graph, cal=cal)
     assert t == pytest.approx(params * 28 / (2039e9 * 2.0 * 0.25), rel=1e-12)  # A100-80GB: 2,039 GB/s
     assert optimizer_bytes_per_s("adam", Topology.parse("1xA100-80GB").device, cal) == pytest.approx(2039e9 * 0.5)
 
 
-def test_optimizer_time_scales_with_the_factor_the_bytes_and_zero(graph):
-    adam, _ = _optimizer_s(graph, cal=Calibration(optimizer_eff=0.3))
-    slower, _ = _optimizer_s(graph, cal=Calibration(optimizer_eff=0.15))
+def test_optimizer_time_scales_with_the_factor_the_bytes_and_zero(meta_gpt_graph):
+    adam, _ = _optimizer_s(meta_gpt_graph, cal=Calibration(optimizer_eff=0.3))
+    slower, _ = _optimizer_s(meta_gpt_graph, cal=Calibration(optimizer_eff=0.15))
     assert slower == pytest.approx(2 * adam, rel=1e-12)
     # mem_eff prices the elementwise ops, not the optimizer step
-    assert _optimizer_s(graph, cal=Calibration(optimizer_eff=0.3, mem_eff=0.4))[0] == pytest.approx(adam, rel=1e-12)
+    same = _optimizer_s(meta_gpt_graph, cal=Calibration(optimizer_eff=0.3, mem_eff=0.4))[0]
+    assert same == pytest.approx(adam, rel=1e-12)
     # plain SGD: 12 B, one kernel at the elementwise rate
-    sgd, _ = _optimizer_s(graph, optimizer="sgd", cal=Calibration(optimizer_eff=0.3, mem_eff=0.6))
+    sgd, _ = _optimizer_s(meta_gpt_graph, optimizer="sgd", cal=Calibration(optimizer_eff=0.3, mem_eff=0.6))
     assert sgd == pytest.approx(adam * 12 / 28 * 0.3 / 0.6, rel=1e-12) and sgd < adam
-    assert _optimizer_s(graph, optimizer="sgd", cal=Calibration(optimizer_eff=0.3, mem_eff=0.3))[0] == \
+    assert _optimizer_s(meta_gpt_graph, optimizer="sgd", cal=Calibration(optimizer_eff=0.3, mem_eff=0.3))[0] == \
         pytest.approx(adam * 12 / 28, rel=1e-12)
-    assert _optimizer_s(graph, optimizer="adamw", cal=Calibration(optimizer_eff=0.3))[0] == pytest.approx(adam)
-    pure, _ = _optimizer_s(graph, precision="bf16", cal=Calibration(optimizer_eff=0.3))
+    assert _optimizer_s(meta_gpt_graph, optimizer="adamw", cal=Calibration(optimizer_eff=0.3))[0] == pytest.approx(adam)
+    pure, _ = _optimizer_s(meta_gpt_graph, precision="bf16", cal=Calibration(optimizer_eff=0.3))
     assert pure == pytest.approx(adam / 2, rel=1e-12)
     # ZeRO >= 1 steps this rank's shard only
-    sharded, _ = _optimizer_s(graph, cal=Calibration(optimizer_eff=0.3), dp=2, zero_stage=1)
+    sharded, _ = _optimizer_s(meta_gpt_graph, cal=Calibration(optimizer_eff=0.3), dp=2, zero_stage=1)
     assert sharded == pytest.approx(adam / 2, rel=1e-12)

@@ -81,12 +81,6 @@ _NO_STATE = ModelStateBytes(params=0.0, grads=0.0, optimizer=0.0)
 _NO_BUFFERS = ReductionMemory()  # an uncompressed reduction's: the engine's own buffers are in the moments
 
 
-def _compressed(option: tuple[str, str]) -> bool:
-    """Whether a gradient reduction with this (intra_node, inter_node) compression runs through the compressors,
-    which the engine calls synchronously (runtime.compression.grad_compression: any level but "none")."""
-    return any(c != "none" for c in option)
-
-
 class StageMemory(NamedTuple):
     """Bytes one rank holds at its peak for one (virtual) stage: a tuple, cheap in the search's inner loop."""
 
@@ -569,8 +563,8 @@ class StageEvaluator:
 
         Wire time hides behind compute up to dp_overlap of it, kernel time never, and a compressed
         reduction's not at all (the engine runs it synchronously inside the backward's gradient hooks:
-        runtime.engines.dp_buckets, data_parallel._reduce_scatter): DDP/ZeRO-1 all-reduce behind the last backward; ZeRO-2/3 reduce-scatter
-        every microbatch (runtime.engines.data_parallel: no_sync only defers stages 0
+        runtime.engines.dp_buckets, data_parallel._reduce_scatter): DDP/ZeRO-1 all-reduce behind the last
+        backward; ZeRO-2/3 reduce-scatter every microbatch (runtime.engines.data_parallel: no_sync only defers stages 0
         and 1), each behind its backward; ZeRO-3 gathers and reduce-scatters
         per unit (block), so a stage of `units` issues that many of each per
         microbatch, the forward's gathers behind its forward, the backward's
@@ -603,7 +597,7 @@ class StageEvaluator:
                     exposed[option] = m * self._zero3_exposed(params / n, n, f, b, option, regathers=regathers)
                     continue
                 wire, kernel = self._reduction(params, option, lr)
-                hidden = 0.0 if _compressed(option) else overlap * b
+                hidden = 0.0 if group_compressor(option) != "none" else overlap * b  # compressed: synchronous
                 exposed[option] = per_step * (max(0.0, wire - hidden) + kernel) + gather
         shard = params / (cand.replicas if z >= 1 else 1)
         optim = shard * self._optim_s
@@ -672,7 +666,7 @@ class StageEvaluator:
         r_wire, r_kernel = self._reduction(unit_params, option, None)
         gathers = 1 + regathers  # in the backward
         forward = max(0.0, n * g_wire - overlap * f)
-        if _compressed(option):  # the compressed reduce-scatter runs synchronously in the backward; gathers still prefetch
+        if group_compressor(option) != "none":  # a synchronous reduce-scatter; the gathers still prefetch
             backward = max(0.0, n * gathers * g_wire - overlap * b) + n * r_wire
         else:
             backward = max(0.0, n * (gathers * g_wire + r_wire) - overlap * b)
