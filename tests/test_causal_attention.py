@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from examples.training import hf_llama_seeded
 from partitioner import trace
-from partitioner.tracer.attention import causal_attention
+from partitioner.tracer.attention import causal_attention, causal_shape_mask
+from runtime.pipeline.attention import mask_verdict, shape_mask_attention
 
 SEQ = 16
 
@@ -65,3 +66,83 @@ def test_hf_llama_s_mask_from_shapes_runs_half_the_products_and_a_padding_mask_a
         run_c = c.cost.forward_flops(b, s) * c.cost.executed
         run_p = p.cost.forward_flops(b, s) * p.cost.executed
         assert run_c == pytest.approx(run_p / 2)
+
+
+class _Window(torch.nn.Module):
+    """Attention under a mask built from the length: causal, and within `window` positions when given."""
+
+    def __init__(self, window: int | None = None, offset: int = 0):
+        super().__init__()
+        self.window, self.offset = window, offset
+
+    def forward(self, x):                                          # (B, H, T, D)
+        i = torch.arange(x.shape[2], device=x.device)
+        mask = i[:, None] + self.offset >= i[None, :]
+        if self.window is not None:
+            mask = mask & (i[:, None] - i[None, :] < self.window)
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+
+@pytest.mark.parametrize("window, offset, exact", [(None, 0, True), (SEQ, 0, True), (4, 0, False), (None, 1, False)],
+                         ids=["causal", "window-longer-than-traced", "window", "shifted"])
+def test_a_shape_only_mask_is_causal_only_where_its_values_are_the_causal_one(window, offset, exact):
+    """causal_shape_mask evaluates the mask at the traced sizes: a window shorter than the sequence or a shifted
+    diagonal is not the causal mask, though both read as causal to causal_attention."""
+    x = torch.randn(1, 2, SEQ, 8)
+    ep = torch.export.export(_Window(window, offset), (x,))
+    sdpa = next(n for n in ep.graph.nodes if "scaled_dot_product" in str(n.target))
+    examples = {n: x for n in ep.graph.nodes if n.op == "placeholder"}
+    assert causal_attention(sdpa)
+    assert causal_shape_mask(sdpa, examples) is exact
+
+
+@pytest.mark.parametrize("window, offset", [(None, 0), (4, 0), (None, 1), (SEQ, 0)])
+def test_shape_mask_attention_is_the_masked_attention(window, offset):
+    """The runtime's attention under a shape-only mask: is_causal where the mask is causal, the mask as it is
+    otherwise; the same values and gradients as the masked call either way."""
+    q, k, v = (torch.randn(2, 2, SEQ, 8, requires_grad=True) for _ in range(3))
+    i = torch.arange(SEQ)
+    mask = (i[:, None] + offset >= i[None, :]) & (i[:, None] - i[None, :] < (window or SEQ + 1))
+    mask = mask.view(1, 1, SEQ, SEQ).expand(2, 1, SEQ, SEQ)
+    site = f"test {window} {offset}"  # one site per mask: a site's mask is a function of its shape
+    got = shape_mask_attention(q, k, v, mask, site=site)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, want)
+    g_got = torch.autograd.grad(got.square().sum(), (q, k, v))
+    g_want = torch.autograd.grad(want.square().sum(), (q, k, v))
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b)
+    assert mask_verdict(mask, site) == ("causal" if window in (None, SEQ) and offset == 0 else "other")
+    assert mask_verdict(torch.ones(1, 1, 3, 5, dtype=torch.bool), site) == "full"
+
+
+def test_two_sites_with_masks_of_one_shape_keep_their_own_verdicts():
+    """Layers that alternate a sliding window and full causal attention compute different masks of one shape:
+    the verdict is per call site, so the window's site never runs as is_causal."""
+    i = torch.arange(SEQ)
+    causal = (i[:, None] >= i[None, :]).view(1, 1, SEQ, SEQ)
+    window = causal & (i[:, None] - i[None, :] < 4).view(1, 1, SEQ, SEQ)
+    q = torch.randn(1, 2, SEQ, 8)
+    for site, mask in (("full layer", causal), ("window layer", window), ("full layer", causal)):
+        torch.testing.assert_close(shape_mask_attention(q, q, q, mask, site=site),
+                                   F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    assert (mask_verdict(causal, "full layer"), mask_verdict(window, "window layer")) == ("causal", "other")
+
+
+def test_hf_llama_s_causal_mask_is_not_kept_and_its_code_attends_with_is_causal():
+    """HF Llama's mask from shapes is the causal one: the attention's cost keeps no mask (the padded model's
+    keeps its (b, 1, s, s) mask, made float per call), and the generated tensor-parallel code attends through
+    shape_mask_attention. The padded model's mask is the data's: the code passes it to the plain call."""
+    from partitioner import compile
+
+    model, ids = hf_llama_seeded(layers=2), torch.randint(0, 512, (2, SEQ))
+    causal = _attention(trace(model, (ids,)))
+    padded = _attention(trace(model, (ids,), example_kwargs={"attention_mask": torch.ones(2, SEQ, dtype=torch.long)}))
+    b, s = 2, SEQ
+    for c, p in zip(causal, padded):
+        kept_mask = p.cost.activation_bytes(b, s) - c.cost.activation_bytes(b, s)
+        assert kept_mask == b * s * s * 4  # a float32 (b, 1, s, s) mask per call, counted only where padded
+    plan = compile(model, "local:2", example_inputs=(ids,), global_batch_size=2, tp=2)
+    source = plan.program(0).source
+    assert "shape_mask_attention(" in source and "scaled_dot_product_attention.default(" not in source
+    assert "from runtime.pipeline.attention import shape_mask_attention" in source

@@ -338,7 +338,7 @@ def make_stage(model, tp{", cp" if cp else ""}{ep_param}):
               f"    stage = make_stage(model, None{', cp' if cp else ''}, ep)  # this rank's expert slices: stage.experts\n"
               "    stage.run_as_model()\n"))
     return ModelCodeLines(imports="import torch\nfrom torch import device\n\n",
-                          runtime_import=fp8_import(plan) + cp_import(plan) + ep_import(plan) +
+                          runtime_import=fp8_import(plan) + attention_import(plan) + cp_import(plan) + ep_import(plan) +
                           "from runtime.pipeline.stage import StageModel\n", text=text, run=run)
 
 
@@ -401,6 +401,15 @@ def pipelined_aux(plan: "Plan") -> bool:
     """Whether the load-balancing loss's sums travel from pipeline stage to stage (pp > 1 with the loss:
     runtime.experts.pipeline_aux)."""
     return plan.config.pp > 1 and plan.code is not None and plan.code.aux_loss
+
+
+def attention_import(plan: "Plan") -> str:
+    """The import of the attention the code calls under a mask computed from shapes alone
+    (partitioner.codegen.segment_attention)."""
+    return "from runtime.pipeline.attention import shape_mask_attention  # a causal mask runs as is_causal\n" \
+        if plan.code is not None and any("shape_mask_attention(" in s.source for s in (
+            plan.code.prefix, *plan.code.templates, plan.code.suffix) if s is not None) \
+        else ""
 
 
 def fp8_import(plan: "Plan") -> str:

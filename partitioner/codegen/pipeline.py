@@ -18,6 +18,7 @@ from cost_models.placements import is_sharded
 from partitioner.codegen.common import (
     ZERO_WHAT,
     CodegenError,
+    attention_import,
     cp_import,
     ep_context,
     ep_import,
@@ -200,7 +201,7 @@ from runtime.pipeline.runner import PipelineRunner
 from runtime.pipeline.stage import StageModel, state_keys
 from runtime.pipeline.tensor_parallel import (TPContext, sp_gather, sp_scatter, sp_vocab_embedding, tp_chunk,
                                               tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding)
-{fp8_import(plan)}{cp_import(plan)}{ep_import(plan)}
+{fp8_import(plan)}{attention_import(plan)}{cp_import(plan)}{ep_import(plan)}
 inf, nan = float("inf"), float("nan")
 
 {program_header(plan, rank, h)}

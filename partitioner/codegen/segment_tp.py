@@ -108,10 +108,11 @@ RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_ent
 
 def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """fx names a non-torch function by its module path; the program imports these bare."""
-    from partitioner.codegen import segment_cp, segment_ep
+    from partitioner.codegen import segment_attention, segment_cp, segment_ep
 
     for module, fns in ((__name__, RUNTIME_FUNCTIONS), (segment_cp.__name__, segment_cp.CP_FUNCTIONS),
-                        (segment_ep.__name__, segment_ep.EP_FUNCTIONS)):
+                        (segment_ep.__name__, segment_ep.EP_FUNCTIONS),
+                        (segment_attention.__name__, segment_attention.ATTENTION_FUNCTIONS)):
         for fn in fns:
             mangled = f"{module.replace('.', '_')}_{fn}"
             src = src.replace(mangled, fn)

@@ -51,6 +51,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from partitioner.codegen.segment_attention import ATTENTION_FUNCTIONS, shape_mask, shape_mask_attention
 from partitioner.codegen.segment_cp import CP_FUNCTIONS, ContextParallelRewrite, sequence_symbols
 from partitioner.codegen.segment_ep import EP_FUNCTIONS, ExpertParallelRewrite, in_scope
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
@@ -324,6 +325,9 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         if not isinstance(new, fx.Node):  # an inlined nested graph, or an item of one
             self.env[n] = new
             return
+        if shape_mask(n):  # the fused kernel's causal path where the mask is causal
+            new.target = shape_mask_attention
+            new.kwargs = {**new.kwargs, "site": f"{self.name}: {n.name}"}
         if cast:
             if "dtype" in new.kwargs:
                 new.kwargs = {**new.kwargs, "dtype": self.dtype}
@@ -420,7 +424,7 @@ DEVICE_NEUTRAL = True
 CONSTANTS_IN_CODE = True
 
 _KNOWN_GLOBALS = {"torch", "device", "inf", "nan", "fx_pytree", "pytree", "NoneType", "getattr", *RUNTIME_FUNCTIONS,
-                  *CP_FUNCTIONS, *EP_FUNCTIONS}
+                  *CP_FUNCTIONS, *EP_FUNCTIONS, *ATTENTION_FUNCTIONS}
 
 
 def _check_globals(globs: dict[str, Any], name: str) -> None:

@@ -20,6 +20,10 @@ not a (b, h, s, s) one (which put MPT-7B at microbatch 6 over 100 GiB per GPU, a
 and 8K tokens near 500 GiB). BLOOM's ALiBi reads the attention mask, whose values are the batch's: its
 mask stays (b, h, s, s).
 
+`causal_shape_mask` says whether such a node's mask, computed from shapes alone, is exactly the causal one
+at the traced sizes (evaluated there): generated code then attends with `is_causal=True` and no mask
+(runtime.pipeline.attention), so the cost rule keeps no mask for it.
+
 `causal_attention` reads whether a fused attention node attends causally: `is_causal=True`, or a mask the
 graph computes from shapes alone through an ordering comparison of positions (Hugging Face's
 create_causal_mask: `kv_idx <= q_idx` over aranges); the cost rule then counts half the products.
@@ -41,8 +45,9 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
-__all__ = ["causal_attention", "rewrite_attention", "SDPA_NAME"]
+__all__ = ["causal_attention", "causal_shape_mask", "from_shapes", "rewrite_attention", "SDPA_NAME"]
 
 _aten = torch.ops.aten
 SDPA_NAME = "attention_sdpa"  # rewritten nodes are named so; the OpGraph counts them
@@ -399,18 +404,76 @@ def causal_attention(node: fx.Node) -> bool:
     if causal is True:
         return True
     mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-    if not isinstance(mask, fx.Node):
-        return False
-    ordered, seen, todo = False, set(), [mask]
+    ancestors = from_shapes(mask) if isinstance(mask, fx.Node) else None
+    return bool(ancestors) and any(n.target in _ORDER and all(isinstance(a, fx.Node) for a in n.args[:2])
+                                   for n in ancestors)
+
+
+def from_shapes(value: fx.Node) -> list[fx.Node] | None:
+    """The nodes `value` is computed from, up to the size reads, where it is computed from shapes alone: its
+    ancestors read no graph input, parameter, buffer or constant but for their sizes. None otherwise."""
+    seen, todo = [], [value]
     while todo:
         n = todo.pop()
         if n in seen:
             continue
-        seen.add(n)
         if n.op != "call_function":  # a placeholder (input, parameter, buffer, constant) or get_attr read whole
+            return None
+        seen.append(n)
+        if n.target not in _SIZE_READS:
+            todo += n.all_input_nodes
+    return seen
+
+
+# the most bytes any tensor of a mask's computation may take for `causal_shape_mask` to evaluate it when tracing
+# (a (b, 1, s, s) bool mask: s = 16384 at b = 1)
+_EVALUATED_BYTES = 2 ** 28
+
+
+def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any]) -> bool:
+    """Whether the attn_mask of a scaled_dot_product_attention node is computed from shapes alone and, evaluated
+    at the traced sizes (`examples`: graph input -> example tensor, read for its sizes only), is exactly the
+    causal mask `is_causal=True` applies (`torch.ones(L, S).tril()`, broadcast over batch and heads).
+
+    Generated code attends through runtime.pipeline.attention.shape_mask_attention, which makes the same
+    check on the mask it computes at run time, per mask shape, so a sliding window longer than the traced
+    sequence still runs as its mask says; this verdict only tells the cost rule that no mask is kept at the
+    traced size. A mask whose computation makes a tensor of more than 256 MiB is not evaluated (False: it
+    is charged as kept).
+    """
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    if not isinstance(mask, fx.Node) or not causal_attention(node):
+        return False
+    val = mask.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() < 2:
+        return False
+    order = from_shapes(mask)
+    index = {n: i for i, n in enumerate(node.graph.nodes)}
+    order.sort(key=index.__getitem__)
+    try:
+        shapes = _evaluate(order, examples, torch.device("meta"))  # sizes first, at no cost
+        if max((t.numel() * t.element_size() for t in shapes.values() if isinstance(t, torch.Tensor)),
+               default=0) > _EVALUATED_BYTES:
             return False
+        keep = _evaluate(order, examples, torch.device("cpu"))[mask]
+    except Exception:  # noqa: BLE001 - a mask this evaluation cannot compute is charged as kept
+        return False
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
+        return False
+    L, S = keep.shape[-2:]
+    return bool((keep == torch.ones(L, S, dtype=torch.bool).tril()).all())
+
+
+def _evaluate(order: list[fx.Node], examples: dict[fx.Node, Any], device: torch.device) -> dict[fx.Node, Any]:
+    """The values of `order` (a shape-only computation, in graph order), every factory on `device`."""
+    values: dict[fx.Node, Any] = {}
+    for n in order:
         if n.target in _SIZE_READS:
+            src = examples[n.args[0]]
+            values[n] = n.target(torch.empty(src.shape, dtype=src.dtype, device="meta"), *n.args[1:])
             continue
-        ordered = ordered or (n.target in _ORDER and all(isinstance(a, fx.Node) for a in n.args[:2]))
-        todo += n.all_input_nodes
-    return ordered
+        args, kwargs = pytree.tree_map(
+            lambda a: values[a] if isinstance(a, fx.Node) else device if isinstance(a, torch.device) else a,
+            (n.args, n.kwargs))
+        values[n] = n.target(*args, **kwargs)
+    return values

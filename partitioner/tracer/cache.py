@@ -38,7 +38,8 @@ from partitioner.tracer.symbolic import Poly
 
 __all__ = ["load_trace", "save_trace", "source_key"]
 
-_FORMAT = 4  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one shared attention mask
+_FORMAT = 5  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one shared attention mask;
+# 5: no mask kept where a shape-only mask is the causal one
 _GRAPH, _ARCHIVE = "opgraph.json", "graph.pt2"
 
 

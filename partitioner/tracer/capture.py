@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from cost_models.errors import TraceError
-from partitioner.tracer.attention import causal_attention
+from partitioner.tracer.attention import causal_attention, causal_shape_mask
 from partitioner.tracer.attention import rewrite_attention as rewrite_attention_in
 from partitioner.tracer.symbolic import B, S
 
@@ -65,6 +65,9 @@ class RawNode:
     module_type: str
     scalars: tuple[Any, ...] = ()  # non-tensor positional args, for rules that need them (dropout p)
     causal: bool = False  # attention that attends causally (attention.causal_attention): half the products
+    # attention whose mask, computed from shapes alone, is the causal one at the traced sizes
+    # (attention.causal_shape_mask): generated code attends with is_causal and keeps no mask
+    causal_mask: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -191,6 +194,7 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
         [(n.meta.get("val"), _dims_for(ex, dynamic_seq)) for n, ex in zip(user_inputs, flat_examples)]
     )
     hints = _hints(ep.graph)
+    examples = dict(zip(user_inputs, flat_examples))
 
     refs: dict[str, RawArg] = {}
     inputs: list[tuple[str, RawSpec]] = []
@@ -217,9 +221,11 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
             op = _canonical(getattr(tgt, "__name__", str(tgt)))
         path, typ = _module_path_and_type(n)
         node_args, scalars = _collect_args(n, refs)
+        attention = op == "scaled_dot_product_attention"
         raw = RawNode(name=n.name, op=op, target=str(tgt), args=node_args, outputs=outs,
                       module_path=path, module_type=typ, scalars=scalars,
-                      causal=op == "scaled_dot_product_attention" and causal_attention(n))
+                      causal=attention and causal_attention(n),
+                      causal_mask=attention and causal_shape_mask(n, examples))
         if outs:
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)

@@ -186,8 +186,10 @@ def op_cost(node: RawNode, arg_rg: list[bool]) -> SymCost:
         # Flash/efficient kernels keep q, k, v, the output and a logsumexp per row, not the L x S matrix.
         # A float attn_mask is kept as it is (counted once where several calls share it); a boolean one
         # is first turned into a float one in q's dtype, made (and kept) by each call.
+        # A mask computed from shapes alone that is the causal one (node.causal_mask) is not passed: generated
+        # code attends with is_causal (runtime.pipeline.attention.shape_mask_attention).
         saved, extra = [0, 1, 2], rows * 4
-        mask = args[3] if len(args) > 3 else None
+        mask = args[3] if len(args) > 3 and not node.causal_mask else None
         if mask is not None and mask.spec is not None and mask.spec.dtype == torch.bool:
             extra = extra + _numel(mask) * args[0].spec.itemsize
         elif mask is not None:

@@ -1,0 +1,47 @@
+"""Attention under a mask computed from shapes alone, in segment code: the fused kernel's causal path.
+
+Used by `partitioner.codegen.segments` while it copies a segment's nodes (at cp = 1; context parallelism
+has its own attention, `partitioner.codegen.segment_cp`). A traced Hugging Face model passes the mask it
+builds from positions (`kv_idx <= q_idx` over aranges) to `scaled_dot_product_attention` as a boolean
+tensor, which keeps the fused kernels off their causal path (FlashAttention) and is kept for backward. Such a
+call becomes
+
+    shape_mask_attention(q, k, v, mask, ..., site="<segment>.<node>")
+
+(runtime.pipeline.attention): the same arguments, the mask dropped for `is_causal=True` where it is exactly the
+causal one, as the code runs (checked once per call site and mask shape). The cost rule counts no mask where the tracer
+found it causal at the traced sizes (partitioner.tracer.attention.causal_shape_mask). A mask read from the
+inputs (padding) or from a buffer (nanoGPT's tril) is left to the plain call: the runtime keeps one verdict
+per call site and mask shape, which holds only for values that are a function of the shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from partitioner.tracer.attention import from_shapes
+
+__all__ = ["ATTENTION_FUNCTIONS", "shape_mask", "shape_mask_attention"]
+
+_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def shape_mask_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                         enable_gqa=False, site):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
+ATTENTION_FUNCTIONS = ("shape_mask_attention",)
+
+
+def shape_mask(n: fx.Node) -> bool:
+    """Whether `n` is a scaled_dot_product_attention whose boolean mask is computed from shapes alone (no
+    buffer either: the runtime keeps one verdict per mask shape, which a buffer's values could outlive)."""
+    if n.target is not _ATTENTION:
+        return False
+    mask: Any = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+    val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype == torch.bool and from_shapes(mask) is not None

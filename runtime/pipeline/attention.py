@@ -1,0 +1,60 @@
+"""Attention under a mask the model computes from shapes alone: the fused kernel's causal path where the mask is
+the causal one.
+
+Hugging Face's models build their attention mask from positions (`create_causal_mask`: `kv_idx <= q_idx` over
+aranges, a sliding window, packed documents from the position ids), and a traced graph passes it to
+`scaled_dot_product_attention` as a boolean tensor. With a mask, the fused kernels fall back from
+FlashAttention to a masked kernel, and the mask is turned into an additive one and kept for backward, an
+(L, S) tensor per layer and microbatch. Where the code generator sees a mask computed from shapes alone
+(partitioner.codegen.segments), the generated code calls `shape_mask_attention` instead: a mask that is
+exactly the causal one (`torch.ones(L, S).tril()`, top-left aligned, as `is_causal=True` applies it) is
+dropped for `is_causal=True`, an all-true one for no mask, and any other is passed as it is. Same math, so the
+same values up to the kernel's rounding.
+
+The mask's values depend only on its shape and on the code that computes it (that is what "from shapes alone"
+means), so the verdict is made once per call site (`site`, the generated code's name for the call), shape and
+device, and cached: one comparison per shape, not per call. Two sites may compute different masks of one
+shape (a model whose layers alternate sliding-window and full attention): each has its own verdict.
+
+>>> q = k = v = torch.randn(1, 2, 4, 8)
+>>> tri = torch.ones(4, 4, dtype=torch.bool).tril().view(1, 1, 4, 4)
+>>> out = shape_mask_attention(q, k, v, tri, site="doc")
+>>> torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, tri))
+True
+>>> mask_verdict(tri, "doc")
+'causal'
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mask_verdict", "shape_mask_attention"]
+
+_VERDICTS: dict[tuple, str] = {}  # (site, mask shape, device) -> "causal" | "full" | "other"
+
+
+def mask_verdict(mask: torch.Tensor, site: str) -> str:
+    """"causal", "full" or "other" for a boolean mask computed from shapes alone at call site `site` (cached
+    per site, shape and device)."""
+    key = (site, tuple(mask.shape), mask.device)
+    verdict = _VERDICTS.get(key)
+    if verdict is None:
+        L, S = mask.shape[-2:]
+        tri = torch.ones(L, S, dtype=torch.bool, device=mask.device).tril()
+        verdict = "causal" if bool((mask == tri).all()) else "full" if bool(mask.all()) else "other"
+        _VERDICTS[key] = verdict
+    return verdict
+
+
+def shape_mask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                         *, scale: float | None = None, enable_gqa: bool = False, site: str) -> torch.Tensor:
+    """`aten.scaled_dot_product_attention` for a mask computed from shapes alone by the code at `site`: a causal
+    mask runs as `is_causal=True`, an all-true one as none, any other as it is."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.dim() >= 2:
+        verdict = mask_verdict(attn_mask, site)
+        if verdict != "other":
+            attn_mask, is_causal = None, verdict == "causal"
+    return torch.ops.aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal,
+                                                               scale=scale, enable_gqa=enable_gqa)
