@@ -206,6 +206,21 @@ def test_a_cluster_topology_outside_a_launcher_is_refused_with_the_command_to_ru
         probe("2x8xH100-80GB")
 
 
+def test_a_machine_faster_than_its_preset_gets_factors_of_at_most_one():
+    """Elementwise kernels faster than the preset's memory: device_speed takes up the difference and mem_eff is 1,
+    not 1.0000000000000002 (bw / (hbm * (bw / hbm)) rounds up for some bw; the probe of a 2-core machine stopped
+    on Calibration's range check so)."""
+    topo = Topology.parse("local:2")
+    hbm = topo.device.hbm_bytes_per_s
+    records = _records(topo)
+    for r in records:
+        r["elementwise"] = {"bytes": 57102139800.5199, "seconds": 1.0}
+    assert 57102139800.5199 / (hbm * (57102139800.5199 / hbm)) > 1.0  # the rounding this test is about
+    cal = derive_calibration(topo, summarise(records), source="test")
+    assert cal.mem_eff == 1.0 and cal.device_speed == pytest.approx(57102139800.5199 / hbm)
+    assert all(0 < eff <= 1.0 for _, eff in cal.matmul_eff_by_dtype)
+
+
 def test_a_measured_fp8_curve_prices_the_fp8_gemms():
     """On a device with FP8 tensor cores the probe times torch._scaled_mm as dtype "fp8"; its plateau becomes
     the fp8 GEMMs' efficiency (precision="fp8-mixed"), beside the bf16 one, each against its own peak."""

@@ -123,10 +123,11 @@ def derive_calibration(topo: Topology, evidence: dict[str, Any], *, source: str)
     half = [c["half_flops"] for c in curves.values() if c["half_flops"] > 0]
     start = Calibration.for_device(dev.name)
     cal = dataclasses.replace(
-        start, device_speed=speed, mem_eff=bw / (dev.hbm_bytes_per_s * speed),
+        # speed is the largest of these ratios, so each factor is at most 1 but for rounding (1.0000000000000002)
+        start, device_speed=speed, mem_eff=min(1.0, bw / (dev.hbm_bytes_per_s * speed)),
         optimizer_eff=min(1.0, evidence["optimizer_bytes_per_s"] / (dev.hbm_bytes_per_s * speed)),
         dp_overlap=evidence["overlap"]["hidden_fraction"],
-        matmul_eff_by_dtype=tuple((d, r / speed) for d, r in zip(curves, ratios)),
+        matmul_eff_by_dtype=tuple((d, min(1.0, r / speed)) for d, r in zip(curves, ratios)),
         gemm_half_flops=min(hi, max(lo, statistics.median(half))) if half else start.gemm_half_flops,
         launch_overhead_s=evidence["op_overhead_s"], probe=evidence, source=source)
     cal = dataclasses.replace(cal, attention_eff_max=_attention_eff_max(cal, dev, evidence.get("attention")))
