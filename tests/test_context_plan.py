@@ -205,7 +205,7 @@ def test_long_sequences_search_cp(long8k):
 
 # ---- text and programs ------------------------------------------------------------------------------------
 def test_plan_text_names_cp(small, tmp_path):
-    plan = compile(small, "local:4", global_batch_size=8, cp=2, cp_kind="ring", alternatives=0)
+    plan = compile(small, "local:4", global_batch_size=8, cp=2, cp_kind="ring", tp=1, alternatives=0)
     text = str(plan)
     assert " cp2 " in text.splitlines()[1]
     assert "x cp 2 x" in text and "cp*1" in text

@@ -15,7 +15,8 @@ from partitioner.planner.plan import Plan
 from partitioner.codegen.segments import SegmentError, extract
 from partitioner.planner.tensor_split import find_splits
 
-HEADER = "import torch\nfrom torch import device\ninf, nan = float('inf'), float('nan')\n"
+HEADER = ("import torch\nfrom torch import device\nfrom runtime.pipeline.attention import shape_mask_attention\n"
+          "inf, nan = float('inf'), float('nan')\n")
 
 
 def _code(model, tp=1, rewrite_attention=True):

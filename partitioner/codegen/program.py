@@ -20,7 +20,8 @@ apart (`runtime.experts.engine.ExpertParallel`); `not_runnable_ep` says which ep
 >>> from partitioner import compile
 >>> from examples.mlp import mlp, example_inputs
 >>> model = mlp()
->>> plan = compile(model, "local:4", example_inputs(model), global_batch_size=32, dp=4)
+>>> plan = compile(model, "local:4", example_inputs(model), global_batch_size=32, dp=4, zero_stage=3,
+...                zero3_unit="block")
 >>> print(plan.program(1).source)
 \"\"\"Per-rank program: rank 1 of 4.
 <BLANKLINE>

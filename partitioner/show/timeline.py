@@ -11,7 +11,7 @@ collective). The trace (`plan.timeline()`) and the HTML page
 >>> from partitioner import compile
 >>> from examples.mlp import mlp, example_inputs
 >>> model = mlp()
->>> plan = compile(model, "local:2", example_inputs(model), global_batch_size=16, microbatch_size=4)
+>>> plan = compile(model, "local:2", example_inputs(model), global_batch_size=16, microbatch_size=4, dp=2)
 >>> out = Path(tempfile.mkdtemp())
 >>> trace = plan.timeline(out / "step.json", png=out / "step.png")
 >>> sorted({e["name"] for e in trace["traceEvents"] if e["ph"] == "X"})[:4]

@@ -7,7 +7,7 @@
 >>> mse = torch.nn.functional.mse_loss
 >>> model = mlp()
 >>> plan = compile(model, "local:2", example_inputs(model), global_batch_size=8, precision="fp32", dp=2,
-...                zero_stage=0)
+...                zero_stage=0, compression="none")
 >>> g = torch.Generator().manual_seed(0)
 >>> batches = [(torch.randn(8, 784, generator=g), torch.randn(8, 10, generator=g)) for _ in range(2)]
 >>> result = launch_local(plan, mlp, sgd, mse, batches, timeout_s=60)
