@@ -430,7 +430,8 @@ def from_shapes(value: fx.Node) -> list[fx.Node] | None:
 _EVALUATED_BYTES = 2 ** 28
 
 
-def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any]) -> bool:
+def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any],
+                      verdicts: dict[fx.Node, bool] | None = None) -> bool:
     """Whether the attn_mask of a scaled_dot_product_attention node is computed from shapes alone and, evaluated
     at the traced sizes (`examples`: graph input -> example tensor, read for its sizes only), is exactly the
     causal mask `is_causal=True` applies (`torch.ones(L, S).tril()`, broadcast over batch and heads).
@@ -439,11 +440,16 @@ def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any]) -> bool:
     check on the mask it computes at run time, per mask shape, so a sliding window longer than the traced
     sequence still runs as its mask says; this verdict only tells the cost rule that no mask is kept at the
     traced size. A mask whose computation makes a tensor of more than 256 MiB is not evaluated (False: it
-    is charged as kept).
+    is charged as kept). `verdicts`: mask node -> verdict, kept across the calls of one graph (a mask every
+    layer reads is evaluated once).
     """
     mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
     if not isinstance(mask, fx.Node) or not causal_attention(node):
         return False
+    if verdicts is not None:
+        if mask not in verdicts:
+            verdicts[mask] = causal_shape_mask(node, examples)
+        return verdicts[mask]
     val = mask.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() < 2:
         return False

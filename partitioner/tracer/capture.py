@@ -195,6 +195,7 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
     )
     hints = _hints(ep.graph)
     examples = dict(zip(user_inputs, flat_examples))
+    verdicts: dict[Any, bool] = {}  # per mask node: one mask is often every layer's (Hugging Face builds it once)
 
     refs: dict[str, RawArg] = {}
     inputs: list[tuple[str, RawSpec]] = []
@@ -225,7 +226,7 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
         raw = RawNode(name=n.name, op=op, target=str(tgt), args=node_args, outputs=outs,
                       module_path=path, module_type=typ, scalars=scalars,
                       causal=attention and causal_attention(n),
-                      causal_mask=attention and causal_shape_mask(n, examples))
+                      causal_mask=attention and causal_shape_mask(n, examples, verdicts))
         if outs:
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)
