@@ -63,11 +63,7 @@ _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     # ~1.7 GB/s of fp32 per pass measured on this project's machine, of its 20 GB/s "HBM" (devices.py).
     # torch.optim.AdamW (foreach, torch's default on CPU too) steps gpt_small's 5.29M fp32 parameters in 23.9 ms on one
     # thread of this machine: 6.2 GB/s at 28 B per parameter, 0.31 of the 20 GB/s (for-loop 6.4, fused=True 32).
-    # `partitioner probe --topology local:2` on this machine (docs/benchmarks.md, "The CPU's GEMM curve"): a
-    # matmul reaches half its plateau at 1.9e5 FLOP in fp32 and 5.9e6 in bf16, not the 1e9 of a GPU, whose
-    # default priced every small GEMM of a CPU run at >= 27 ms (the example GPT on local:2 at 1.18 s a step,
-    # measured 16 ms); 1e6 lies between the two.
-    "CPU": {"compress_mem_eff": 0.085, "optimizer_eff": 0.31, "gemm_half_flops": 1e6},  # 1.7e9 / 20e9; 6.2e9 / 20e9
+    "CPU": {"compress_mem_eff": 0.085, "optimizer_eff": 0.31},  # 1.7e9 / 20e9; 6.2e9 / 20e9
     # Measured by `partitioner probe` on one H100 80GB HBM3 (SXM) with torch 2.11 (docs/benchmarks.md, "On a lent
     # H100"): large GEMMs at 73 % (bf16), 69 % (fp16), 77 % (fp32) of the datasheet peaks; torch's elementwise
     # kernels at 82 % of HBM; fused causal attention (SDPA, 2 x 16 heads x 4096 x 128, fwd+bwd) at 690 TFLOP/s

@@ -69,7 +69,7 @@ def test_stage_bounds_pin_costs_the_measured_cut_under_another_calibration(tiny_
 
 
 def test_fit_recovers_step_times_made_under_another_calibration(tiny_graph):
-    truth = dataclasses.replace(Calibration.for_device("CPU"), device_speed=3.0, gemm_half_flops=2e4,
+    truth = dataclasses.replace(Calibration.for_device("CPU"), device_speed=3.0, gemm_half_flops=2e8,
                                 launch_overhead_s=2e-5, pipeline_idle_cost=0.4, intra_node_bw_eff=0.3)
     measured = [_predict(tiny_graph, truth, c).predicted.step_time_s for c in CONFIGS]
     start = Calibration.for_device("CPU")
