@@ -146,3 +146,24 @@ def test_hf_llama_s_causal_mask_is_not_kept_and_its_code_attends_with_is_causal(
     source = plan.program(0).source
     assert "shape_mask_attention(" in source and "scaled_dot_product_attention.default(" not in source
     assert "from runtime.pipeline.attention import shape_mask_attention" in source
+
+
+@pytest.mark.slow
+def test_hf_llama_pipeline_under_torch_compile_trains_like_one_process():
+    """pp 2 over HF Llama's generated code, each block under torch.compile (aot_eager): shape_mask_attention's
+    verdict runs outside the compiled graph, and the two ranks train like one process (SGD, fp32)."""
+    from examples.training import hf_loss, sgd, train_one_process
+    from partitioner import compile
+    from runtime.launch.local import launch_local
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(1, 512, (4, SEQ), generator=g), torch.randint(0, 512, (4, SEQ), generator=g))
+            for _ in range(2)]
+    plan = compile(hf_llama_seeded(), "local:2", example_inputs=(data[0][0][:2],), global_batch_size=4,
+                   precision="fp32", pp=2, tp=1, dp=1, microbatch_size=2, schedule="1f1b", torch_compile="aot_eager")
+    assert "shape_mask_attention(" in plan.program(0).source
+    out = launch_local(plan, hf_llama_seeded, sgd, hf_loss, data, timeout_s=300)
+    want = train_one_process(hf_llama_seeded, sgd, hf_loss, data)
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(want.losses), rtol=1e-5, atol=1e-6)
+    for name, p in want.model.state_dict().items():
+        torch.testing.assert_close(out.state_dict[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

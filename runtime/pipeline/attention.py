@@ -34,6 +34,7 @@ __all__ = ["mask_verdict", "shape_mask_attention"]
 _VERDICTS: dict[tuple, str] = {}  # (site, mask shape, device) -> "causal" | "full" | "other"
 
 
+@torch.compiler.disable  # a verdict is a Python value read off the mask: torch.compile runs it as it is
 def mask_verdict(mask: torch.Tensor, site: str) -> str:
     """"causal", "full" or "other" for a boolean mask computed from shapes alone at call site `site` (cached
     per site, shape and device)."""
