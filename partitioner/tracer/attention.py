@@ -437,9 +437,9 @@ def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any],
     causal mask `is_causal=True` applies (`torch.ones(L, S).tril()`, broadcast over batch and heads).
 
     Generated code attends through runtime.pipeline.attention.shape_mask_attention, which makes the same
-    check on the mask it computes at run time, per mask shape, so a sliding window longer than the traced
-    sequence still runs as its mask says; this verdict only tells the cost rule that no mask is kept at the
-    traced size. A mask whose computation makes a tensor of more than 256 MiB is not evaluated (False: it
+    check on the mask it computes at run time, per call site and mask shape, so a sliding window longer than
+    the traced sequence still runs as its mask says; this verdict only tells the cost rule that no mask is kept
+    at the traced size. A mask whose computation makes a tensor of more than 256 MiB is not evaluated (False: it
     is charged as kept). `verdicts`: mask node -> verdict, kept across the calls of one graph (a mask every
     layer reads is evaluated once).
     """
