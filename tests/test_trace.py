@@ -7,6 +7,7 @@ import dataclasses
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -438,10 +439,11 @@ def test_table_prints_blocks_and_totals():
 
 
 def test_cli_trace_prints_the_table_and_exits_cleanly():
+    root = Path(__file__).resolve().parent.parent  # the example's path is the repository's, wherever pytest runs
     ok = subprocess.run([sys.executable, "-m", "partitioner", "trace", "examples/gpt.py:gpt_tiny"],
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=300, cwd=root)
     assert ok.returncode == 0, ok.stderr
     assert "transformer.h.0" in ok.stdout and "traced in" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "partitioner", "trace", "examples/gpt.py:nope"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd=root)
     assert bad.returncode == 2 and "has no 'nope'" in bad.stderr and "Traceback" not in bad.stderr
