@@ -403,18 +403,20 @@ def pipelined_aux(plan: "Plan") -> bool:
     return plan.config.pp > 1 and plan.code is not None and plan.code.aux_loss
 
 
+def _code_calls(plan: "Plan", fn: str) -> bool:
+    """Whether the plan's model code (prefix, block templates, suffix) calls `fn`."""
+    return plan.code is not None and any(f"{fn}(" in s.source for s in (plan.code.prefix, *plan.code.templates,
+                                                                        plan.code.suffix) if s is not None)
+
+
 def attention_import(plan: "Plan") -> str:
     """The import of the attention the code calls under a mask computed from shapes alone
     (partitioner.codegen.segment_attention)."""
     return "from runtime.pipeline.attention import shape_mask_attention  # a causal mask runs as is_causal\n" \
-        if plan.code is not None and any("shape_mask_attention(" in s.source for s in (
-            plan.code.prefix, *plan.code.templates, plan.code.suffix) if s is not None) \
-        else ""
+        if _code_calls(plan, "shape_mask_attention") else ""
 
 
 def fp8_import(plan: "Plan") -> str:
     """The import of the fp8 linear the code of an fp8-mixed plan calls (partitioner.codegen.segments)."""
     return "from runtime.engines.fp8 import fp8_linear  # fp8-mixed: the linears' GEMMs in float8\n" \
-        if plan.code is not None and any("fp8_linear(" in s.source for s in (plan.code.prefix, *plan.code.templates,
-                                                                            plan.code.suffix) if s is not None) \
-        else ""
+        if _code_calls(plan, "fp8_linear") else ""

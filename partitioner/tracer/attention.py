@@ -412,17 +412,18 @@ def causal_attention(node: fx.Node) -> bool:
 def from_shapes(value: fx.Node) -> list[fx.Node] | None:
     """The nodes `value` is computed from, up to the size reads, where it is computed from shapes alone: its
     ancestors read no graph input, parameter, buffer or constant but for their sizes. None otherwise."""
-    seen, todo = [], [value]
+    seen: dict[fx.Node, None] = {}  # ordered, and O(1) to look up
+    todo = [value]
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         if n.op != "call_function":  # a placeholder (input, parameter, buffer, constant) or get_attr read whole
             return None
-        seen.append(n)
+        seen[n] = None
         if n.target not in _SIZE_READS:
             todo += n.all_input_nodes
-    return seen
+    return list(seen)
 
 
 # the most bytes any tensor of a mask's computation may take for `causal_shape_mask` to evaluate it when tracing

@@ -23,7 +23,7 @@ from runtime.context.ring_attention import ring_attention
 from runtime.context.sequence import positions
 from runtime.context.ulysses import ulysses_attention
 
-__all__ = ["CPContext", "cp_attention", "cp_positions"]
+__all__ = ["CPContext", "cp_attention", "cp_positions", "mask_pattern"]
 
 
 class CPContext(NamedTuple):
@@ -56,19 +56,30 @@ def mask_kind(mask: torch.Tensor, seq_len: int) -> str:
     >>> mask_kind(torch.ones(4, 4, dtype=torch.bool).tril().view(1, 1, 4, 4), 4)
     'causal'
     """
-    keep = mask if mask.dtype == torch.bool else mask == 0
-    if tuple(keep.shape[-2:]) != (seq_len, seq_len):
+    if tuple(mask.shape[-2:]) != (seq_len, seq_len):
         raise ValueError(f"context parallelism: an attention mask of shape {tuple(mask.shape)} for a sequence of "
                          f"{seq_len} tokens; the ring and Ulysses kernels take a causal mask or none")
-    flat = keep.reshape(-1, seq_len, seq_len)
-    tri = torch.ones(seq_len, seq_len, dtype=torch.bool, device=mask.device).tril()
-    if bool((flat == tri).all()):
-        return "causal"
-    if bool(flat.all()):
-        return "full"
+    kind = mask_pattern(mask)
+    if kind != "other":
+        return kind
     raise ValueError("context parallelism: the model's attention mask is neither causal nor full (a sliding "
                      "window, a prefix or block mask, an additive bias such as ALiBi), which the ring and Ulysses "
                      "kernels cannot split over the sequence; compile with cp=1")
+
+
+def mask_pattern(mask: torch.Tensor) -> str:
+    """"causal" where every (L, S) slice of `mask` is `torch.ones(L, S).tril()` (top-left aligned, as
+    `is_causal=True` attends), "full" where it attends everywhere, "other" otherwise (bool: True attends;
+    float: added to the scores, 0 attends).
+
+    >>> mask_pattern(torch.ones(3, 5, dtype=torch.bool)), mask_pattern(torch.zeros(2, 2).fill_(-1e9).triu(1))
+    ('full', 'causal')
+    """
+    keep = mask if mask.dtype == torch.bool else mask == 0
+    tri = torch.ones(*keep.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+    if bool((keep == tri).all()):
+        return "causal"
+    return "full" if bool(keep.all()) else "other"
 
 
 def cp_positions(full: torch.Tensor, dim: int, cp: CPContext) -> torch.Tensor:

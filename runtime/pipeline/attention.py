@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.context.program import mask_pattern
+
 __all__ = ["mask_verdict", "shape_mask_attention"]
 
 _VERDICTS: dict[tuple, str] = {}  # (site, mask shape, device) -> "causal" | "full" | "other"
@@ -41,10 +43,7 @@ def mask_verdict(mask: torch.Tensor, site: str) -> str:
     key = (site, tuple(mask.shape), mask.device)
     verdict = _VERDICTS.get(key)
     if verdict is None:
-        L, S = mask.shape[-2:]
-        tri = torch.ones(L, S, dtype=torch.bool, device=mask.device).tril()
-        verdict = "causal" if bool((mask == tri).all()) else "full" if bool(mask.all()) else "other"
-        _VERDICTS[key] = verdict
+        verdict = _VERDICTS[key] = mask_pattern(mask)
     return verdict
 
 
