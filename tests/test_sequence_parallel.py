@@ -108,3 +108,23 @@ def test_a_recomputed_block_keeps_its_input_once_per_stage():
     assert middle.activation_bytes == hidden
     assert first.activation_bytes - hidden == middle.stage_start_bytes > b * s * s / 2  # the s x s mask among them
     assert ctx.unit_cost(2, tp=1, mb=b, recompute="none").stage_start_bytes == 0.0
+
+
+def test_readers_of_one_value_share_its_gathers():
+    """Llama's q, k and v projections read one normed input, its gate and up projections another: each value
+    is gathered once per block forward, its gradient reduce-scattered once and gathered again once, as the
+    generated code runs them (runtime.pipeline.tensor_parallel.sp_gather), not once per reader."""
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    torch.manual_seed(0)
+    g = trace(LlamaForCausalLM(cfg), (torch.randint(0, 128, (2, 16)),))
+    ctx = CostContext(g, Topology.parse("local:2"), find_splits(g), precision="fp32", optimizer="adam", seq_len=16,
+                      memory_cap=1e12)
+    a, b = ctx.units[1]
+    block = [n for n in g.nodes[a:b] if n.block == g.nodes[a].block]  # the last unit also holds the LM head
+    colls = [c for n in block for c in ctx._sp_collectives.get(n.name, ())]
+    gathers = [c for c in colls if c.phase == "forward" and c.kind == "all_gather"]
+    assert len([n for n in block if n.op == "linear"]) == 7
+    assert len(gathers) == 2 and len({c.what for c in gathers}) == 2  # the attention's input, the MLP's
+    assert sum(c.phase == "backward" and c.kind == "reduce_scatter" for c in colls) == 2
+    assert sum(c.phase == "backward" and c.kind == "all_gather" for c in colls) == 2 + 2  # re-gathers, row grads

@@ -28,11 +28,14 @@ from runtime.pipeline.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_to_tp,
+    TPContext,
     gather_from_tp,
+    keep_token_shards,
     parse_spec,
     reduce_from_tp,
     scatter_to_tp,
     shard_parameter,
+    sp_gather,
     unshard_parameter,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
@@ -182,6 +185,28 @@ def _run_sequence(rank: int, world: int, group, coll: Collectives) -> dict:
             "counts": dict(coll.counts)}
 
 
+def _shared_gather_case():
+    torch.manual_seed(11)
+    return torch.randn(B, T, CFG.n_embd), [torch.randn(CFG.n_embd, CFG.n_embd) for _ in range(3)]
+
+
+def _run_shared_gather(rank: int, world: int, group, coll: Collectives) -> dict:
+    """Three column-parallel readers (q, k, v) of one sequence-parallel value, as generated code runs them:
+    one sp_gather, each reader saving the gathered tokens, kept as shards (keep_token_shards)."""
+    full, weights = _shared_gather_case()
+    x = full.chunk(world, dim=1)[rank].clone().requires_grad_()
+    local = [w.chunk(world, dim=0)[rank].clone().requires_grad_() for w in weights]
+    tp = TPContext(group, coll, rank, world)
+    coll.reset()
+    with keep_token_shards():
+        gathered = sp_gather(x, 1, tp)
+        outs = [F.linear(gathered, w) for w in local]
+    counts_forward = dict(coll.counts)
+    sum((o * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+    return {"x_grad": x.grad, "w_grads": [w.grad for w in local], "counts_forward": counts_forward,
+            "counts": dict(coll.counts)}
+
+
 def _run_dtensor(rank: int, world: int) -> dict:
     """torch's DTensor TP on the same MLP: the oracle."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -206,6 +231,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
                    "attn": _run_attention(rank, world, group, coll),
                    "vocab": _run_vocab(rank, world, group, coll),
                    "seq": _run_sequence(rank, world, group, coll),
+                   "shared": _run_shared_gather(rank, world, group, coll),
                    "dtensor": _run_dtensor(rank, world)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
@@ -286,6 +312,23 @@ def test_sequence_parallel_gather_and_scatter(worlds, world):
         _close(got["scattered"], partial.chunk(world, dim=1)[r], f"reduce-scatter on rank {r}")
         _close(got["z_grad"], gathered_grads, f"all-gathered gradient on rank {r}")
         assert got["counts"] == {"all_gather": 2, "reduce_scatter": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_readers_of_one_sequence_parallel_value_gather_it_once_each_way(worlds, world):
+    """q, k and v read one gathered value: forward gathers it once, backward once (for all three saved
+    copies), and its gradient is reduce-scattered once, as Megatron-LM's fused qkv does."""
+    full, weights = _shared_gather_case()
+    x = full.clone().requires_grad_()
+    ws = [w.clone().requires_grad_() for w in weights]
+    sum((F.linear(x, w) * (i + 1)).sum() for i, w in enumerate(ws)).backward()
+    for r, got in enumerate(w["shared"] for w in worlds(world)):
+        _close(got["x_grad"], x.grad.chunk(world, dim=1)[r], f"input gradient on rank {r}")
+        for i, g in enumerate(got["w_grads"]):
+            _close(g, ws[i].grad.chunk(world, dim=0)[r], f"grad of weight {i} on rank {r}")
+        assert got["counts_forward"] == {"all_gather": 1}
+        assert got["counts"] == {"all_gather": 2, "reduce_scatter": 1}
 
 
 @pytest.mark.slow

@@ -128,7 +128,7 @@ class CostContext:
         for c in splits.collectives:
             self._collectives.setdefault(c.node, []).append(c)
         self._seq = splits.sequence.nodes
-        self._sp_collectives = self._sequence_collectives(g, splits, self._collectives)
+        self._sp_collectives = self._sequence_collectives(g, splits, self._collectives, self._unit_of)
         # Units with the same nodes, costs and splits (copied blocks) share one id, so their
         # costs are evaluated once per setting and memo keys stay small.
         # mixture of experts (partitioner.planner.expert_split): under ep > 1 the expert parameters are 1/ep per
@@ -165,15 +165,21 @@ class CostContext:
                       n.output.nbytes(1, 1) if n.output else 0, self._expert_w.get(n.name)) for n in nodes)
 
     @staticmethod
-    def _sequence_collectives(g: OpGraph, splits: TensorSplits,
-                              tensor: dict[str, list[TPCollective]]) -> dict[str, list[TPCollective]]:
+    def _sequence_collectives(g: OpGraph, splits: TensorSplits, tensor: dict[str, list[TPCollective]],
+                              unit_of: Sequence[int]) -> dict[str, list[TPCollective]]:
         """Per node, the tensor group's collectives under sequence parallelism (partitioner.planner.sequence_split):
         those of `tensor` (the same per node without it) less the ones it replaces, and what it runs. A
         reduce-scatter where a row-parallel (or vocab embedding) output was all-reduced, its all-gather in
         backward; an all-gather before
         each tensor-split reader, and in backward a reduce-scatter of its gradient and the same all-gather again
         (the reader keeps only this rank's tokens for backward, Megatron's choice, so the activations are 1/tp);
-        the gradients of replicated parameters applied to 1/tp of the tokens summed."""
+        the gradients of replicated parameters applied to 1/tp of the tokens summed.
+
+        A value several readers gather (the q, k and v projections of one normed input) is gathered once, its
+        gradient reduce-scattered once and gathered again once, as the generated code does
+        (partitioner.codegen.segment_tp: one gather per value and kind in a segment;
+        runtime.pipeline.tensor_parallel: one re-gather for all its saved copies): charged at its first reader in
+        each unit (`unit_of`: node index -> unit), a segment being whole units."""
         seq = splits.sequence
         out: dict[str, list[TPCollective]] = {}
         nbytes = {n.name: n.output.nbytes_poly() for n in g.nodes if n.output is not None}
@@ -187,7 +193,12 @@ class CostContext:
         for n, _ in seq.scatters:
             add(n, "forward", "reduce_scatter", nbytes[n], "sequence parallel: output reduce-scattered over tokens")
             add(n, "backward", "all_gather", nbytes[n], "sequence parallel: its gradient all-gathered")
-        for n, x, _, kind in seq.gathers:
+        index = {n.name: i for i, n in enumerate(g.nodes)}
+        gathered: set[tuple[str, str, int]] = set()
+        for n, x, _, kind in sorted(seq.gathers, key=lambda t: index[t[0]]):
+            if (x, kind, unit_of[index[n]]) in gathered:
+                continue
+            gathered.add((x, kind, unit_of[index[n]]))
             add(n, "forward", "all_gather", nbytes[x], f"sequence parallel: {x} all-gathered over tokens")
             if kind == "tp" and needs_grad.get(x, False):
                 add(n, "backward", "reduce_scatter", nbytes[x], "sequence parallel: input gradient reduce-scattered")

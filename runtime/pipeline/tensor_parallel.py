@@ -439,20 +439,42 @@ def sp_gather(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
         x = x.to(torch.get_autocast_dtype(device))
     full = gather_from_tp(x, dim, tp.group, tp.collectives)
     if _REGATHER_ON and group_size(tp.group) > 1:
-        _GATHERED[full] = (x.detach(), dim, tp)
+        _GATHERED[full] = _Gathered(x.detach(), dim, tp)
     return full
 
 
+class _Gathered:
+    """One sp_gather's shard, and its all-gather again while backward still unpacks what its readers saved.
+
+    Several readers save the same gathered tensor (the q, k and v projections of one normed input; a gated
+    MLP's gate and up): the first unpack gathers, the others reuse it, and the last one packed lets it go,
+    so backward re-gathers a value once, as Megatron-LM's fused qkv does. A tensor unpacked more often than
+    it was packed (a split backward's I and then W run a node twice) is gathered again: every rank of the
+    tensor group unpacks in the same order, so the gathers still pair up."""
+
+    __slots__ = ("shard", "dim", "tp", "pending", "full")
+
+    def __init__(self, shard: torch.Tensor, dim: int, tp: TPContext):
+        self.shard, self.dim, self.tp = shard, dim, tp
+        self.pending = 0  # saved tensors packed and not yet unpacked
+        self.full: torch.Tensor | None = None
+
+    def unpack(self) -> torch.Tensor:
+        full = self.full if self.full is not None else \
+            _all_gather(self.shard, self.dim, self.tp.group, self.tp.collectives)
+        self.pending -= 1
+        self.full = full if self.pending > 0 else None
+        return full
+
+
 class _Regather(NamedTuple):
-    shard: torch.Tensor
-    dim: int
-    tp: TPContext
+    gathered: _Gathered
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
 
 
-# tensors sp_gather made -> (the shard it gathered, dim, tp), for as long as they live
+# tensors sp_gather made -> their _Gathered, for as long as they live
 _GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _REGATHER_ON = True  # tests switch it off to measure what keeping the whole tokens costs
 
@@ -461,16 +483,16 @@ def _pack(t: torch.Tensor) -> Any:
     base = t if t in _GATHERED else t._base if t._base is not None and t._base in _GATHERED else None
     if base is None:
         return t
-    shard, dim, tp = _GATHERED[base]
-    return _Regather(shard, dim, tp, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+    gathered = _GATHERED[base]
+    gathered.pending += 1
+    return _Regather(gathered, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
 
 def _unpack(p: Any) -> torch.Tensor:
     if not isinstance(p, _Regather):
         return p
     # the gather is contiguous, as the first one was: the saved view is the same window of it
-    full = _all_gather(p.shard, p.dim, p.tp.group, p.tp.collectives)
-    return full.as_strided(p.size, p.stride, p.offset)
+    return p.gathered.unpack().as_strided(p.size, p.stride, p.offset)
 
 
 def keep_token_shards() -> torch.autograd.graph.saved_tensors_hooks:
