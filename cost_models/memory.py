@@ -20,7 +20,7 @@ from cost_models.errors import PartitionerError
 __all__ = [
     "PRECISIONS", "OPTIMIZERS", "ZERO_STAGES", "RECOMPUTE_POLICIES", "SCHEDULES",
     "DDP_BUCKET_BYTES", "SELECTIVE_KEEPS", "ModelStateBytes", "model_state_bytes",
-    "transformer_activation_bytes", "inflight_microbatches", "chunk_inflight",
+    "transformer_activation_bytes", "inflight_microbatches", "chunk_inflight", "chunk_live",
     "TemporaryBytes", "temporary_buffer_bytes", "process_fixed_bytes",
 ]
 
@@ -226,30 +226,48 @@ def chunk_inflight(*, pp: int, stage: int, num_microbatches: int, interleave: in
     forward of a rank runs chunk (k mod pp v) // pp, the k-th backward chunk v - 1 - (k mod pp v) // pp).
 
     What the rank's total (`inflight_microbatches`) does not say is how it splits: the first chunks
-    fill during the warm-up, the last (holding the loss, often the largest) hardly. After the warm-up
-    both sequences repeat every pp v steps, so two periods find every chunk's peak.
+    fill during the warm-up, the last (holding the loss, often the largest) hardly. The chunks peak at
+    different moments, so these peaks summed exceed the rank's total; `chunk_live` gives the moments.
 
     >>> chunk_inflight(pp=2, stage=1, num_microbatches=2, interleave=2)    # 3 in all: 2 + 1, not 2 + 2
     (2, 1)
     >>> chunk_inflight(pp=4, stage=0, num_microbatches=8, interleave=2)   # 11 in all, 12 chunk peaks
     (8, 4)
     """
+    live = chunk_live(pp=pp, stage=stage, num_microbatches=num_microbatches, interleave=interleave)
+    return tuple(max(vec[c] for vec in live) for c in range(interleave))
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_live(*, pp: int, stage: int, num_microbatches: int, interleave: int) -> tuple[tuple[int, ...], ...]:
+    """Interleaved 1F1B: the microbatches in flight per model chunk of pipeline rank `stage` right after each of
+    its forwards (the moments its activations peak), those no other moment covers chunk by chunk. A rank whose
+    chunks keep a_c bytes per microbatch holds at most max over these of sum_c live_c a_c: the exact peak, where
+    `chunk_inflight`'s per-chunk peaks summed count microbatches no moment holds together (63 for the 47 of
+    rank 0 at pp 8, 5 chunks, 64 microbatches). After the warm-up both sequences repeat every pp v steps, so
+    two periods find every moment.
+
+    >>> chunk_live(pp=2, stage=1, num_microbatches=2, interleave=2)
+    ((2, 1),)
+    >>> chunk_live(pp=4, stage=0, num_microbatches=8, interleave=2)      # the rank's 11 together, or chunk 0's 8
+    ((7, 4), (8, 3))
+    """
     _positive(pp=pp, num_microbatches=num_microbatches, interleave=interleave)
     pv, total = pp * interleave, num_microbatches * interleave
     warmup = min(_interleaved_warmup(pp, stage, interleave), total)
-    live, peak = [0] * interleave, [0] * interleave
+    live, seen = [0] * interleave, set()
 
     def forward(k: int) -> None:
-        c = (k % pv) // pp
-        live[c] += 1
-        peak[c] = max(peak[c], live[c])
+        live[(k % pv) // pp] += 1
+        seen.add(tuple(live))
 
     for k in range(warmup):
         forward(k)
     for k in range(min(total - warmup, 2 * pv + 1)):
         forward(warmup + k)
         live[interleave - 1 - (k % pv) // pp] -= 1
-    return tuple(peak)
+    covered = lambda u, w: u != w and all(a <= b for a, b in zip(u, w))  # noqa: E731
+    return tuple(sorted(u for u in seen if not any(covered(u, w) for w in seen)))
 
 
 # --- temporary buffers ------------------------------------------------------

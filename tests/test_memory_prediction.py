@@ -85,6 +85,12 @@ def test_last_stage_drops_its_output_before_the_loss_backward():
                                   {"dp": 2, "pp": 2, "zero_stage": 1, "microbatch_size": 4,  # 4 chunks: 4 blocks
                                    "schedule": "interleaved-1f1b", "interleave": 2, "model": "gpt_small",
                                    "global_batch_size": 16},  # 2 microbatches: the last chunk holds 1
+                                  # 4 microbatches: a rank's chunks peak at different moments (rank 0 holds 5
+                                  # together, its chunks' own peaks are 4 and 2): -1.3 % and +0.2 % measured,
+                                  # +7.3 % and +6.9 % with the chunks' own peaks summed
+                                  {"dp": 2, "pp": 2, "zero_stage": 1, "microbatch_size": 4,
+                                   "schedule": "interleaved-1f1b", "interleave": 2, "model": "gpt_small",
+                                   "global_batch_size": 32, "within": 0.04},
                                   # zb-h1: the last stage keeps 2 microbatches and the gradients into their
                                   # matmuls from I to W (measured 14.9 MiB against 1f1b's 9.8)
                                   {"dp": 2, "pp": 2, "zero_stage": 1, "microbatch_size": 2, "schedule": "zb-h1"},
@@ -109,7 +115,8 @@ def test_last_stage_drops_its_output_before_the_loss_backward():
                                   {"dp": 2, "pp": 2, "zero_stage": 3, "zero3_unit": "module", "microbatch_size": 4,
                                    "model": "gpt_small", "global_batch_size": 16, "schedule": "1f1b"}],
                          ids=["dp2-pp2-zero3", "dp4-zero2", "dp4-zero0-int8", "dp4-zero2-int4", "dp4-zero1-powersgd",
-                              "dp2-pp2-interleaved", "dp2-pp2-zb-h1", "pp2-tp2-sp", "pp2-tp2", "pp2-tp2-sp-bf16",
+                              "dp2-pp2-interleaved", "dp2-pp2-interleaved-m4", "dp2-pp2-zb-h1", "pp2-tp2-sp", "pp2-tp2",
+                              "pp2-tp2-sp-bf16",
                               "dp4-zero3-block", "dp4-zero3-module", "dp4-zero3-module-recompute",
                               "dp2-pp2-zero3-module"])
 def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
@@ -125,6 +132,7 @@ def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     g = trace(model, (gpt.example_batch(model, 2)[0],))
     batch = pins.pop("global_batch_size", 8)
     precision = pins.pop("precision", "fp32")
+    within = pins.pop("within", None)
     plan = compile(g, Topology.parse("local:4"), global_batch_size=batch, precision=precision, **pins)
     per_stage = plan.rank_memory()
     predicted = [per_stage[m.pp].total for m in sorted(plan.mesh, key=lambda m: m.rank)]
@@ -134,7 +142,7 @@ def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     # Known: since the example GPT's attention runs fused, the interleaved schedule's first stage is
     # over-predicted by 10.9 % (89.2 MiB predicted, 80.4 measured): the eager scores the old prediction
     # under-counted had hidden an over-count elsewhere in that stage, not yet found. 12 % for that case only.
-    limit = 0.12 if pins.get("schedule") == "interleaved-1f1b" else 0.10
+    limit = within or (0.12 if pins.get("schedule") == "interleaved-1f1b" else 0.10)
     assert max(map(abs, errors)) <= limit, \
         f"{plan.config}: predicted / measured - 1 per rank {[f'{e:+.1%}' for e in errors]} " \
         f"(measured MiB {[round(m / MiB, 2) for m in res.peak_step_bytes]})"

@@ -61,6 +61,7 @@ def evaluate_cut(ev: StageEvaluator, bounds: tuple[int, ...]) -> Cut | None:
     stages = tuple(ev.stage(bounds[k], bounds[k + 1], k) for k in range(len(bounds) - 1))
     if not all(s.fits for s in stages):
         return None
+    stages = ev.settle(bounds, stages)
     c = ev.cand
     return Cut(bounds=bounds, stages=stages, step_time_s=step_time(stages, c.num_microbatches, c.interleave,
                                                                     idle_cost=ev.ctx.cal.pipeline_idle_cost,

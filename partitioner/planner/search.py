@@ -283,7 +283,7 @@ def _balanced_cut(ev) -> Cut | None:
     if S > n:
         return None
     bounds = tuple(round(k * n / S) for k in range(S + 1))
-    stages = tuple(ev.stage(bounds[k], bounds[k + 1], k) for k in range(S))
+    stages = ev.settle(bounds, tuple(ev.stage(bounds[k], bounds[k + 1], k) for k in range(S)))
     return Cut(bounds=bounds, stages=stages, step_time_s=step_time(stages, ev.cand.num_microbatches, ev.cand.interleave,
                                                                     idle_cost=ev.ctx.cal.pipeline_idle_cost,
                                                                     sum_weight=ev.sum_weight))

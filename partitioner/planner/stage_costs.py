@@ -60,6 +60,7 @@ from cost_models.memory import (
     DDP_BUCKET_BYTES,
     ModelStateBytes,
     chunk_inflight,
+    chunk_live,
     inflight_microbatches,
     model_state_bytes,
     process_fixed_bytes,
@@ -268,6 +269,32 @@ class StageEvaluator:
 
     def dp_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
         return self._dp_groups[pipeline_rank]
+
+    def settle(self, bounds: tuple[int, ...], stages: tuple[StageCost, ...]) -> tuple[StageCost, ...]:
+        """A whole cut's stages with each interleaved rank's activations at its true peak.
+
+        Alone, virtual stage k counts the most microbatches its own chunk ever holds (chunk_inflight): safe
+        for a stage checked on its own, but a rank's chunks peak at different moments, and their sum counts
+        microbatches never in flight together (63 for 47 on the first rank at pp 8, 5 chunks, 64
+        microbatches). Here each stage keeps what it holds at the moment its rank's kept activations are
+        largest (cost_models.memory.chunk_live), so that a rank's stages sum to its peak; `fits` stays the
+        stage's own, safe, verdict."""
+        c = self.cand
+        if c.schedule != "interleaved-1f1b" or c.interleave < 2:
+            return stages
+        pp, v, scale = c.pp, c.interleave, self.ctx.cal.activation_mem_scale
+        out = list(stages)
+        for rank in range(pp):
+            ks = [rank + chunk * pp for chunk in range(v)]
+            kept = [(self._act[bounds[k + 1]] - self._act[bounds[k]] + self._held(bounds[k])) * scale for k in ks]
+            moments = chunk_live(pp=pp, stage=rank, num_microbatches=c.num_microbatches, interleave=v)
+            peak = max(moments, key=lambda live: sum(n * a for n, a in zip(live, kept)))
+            for k, a, n in zip(ks, kept, peak):
+                over = a * (self._inflight[k] - n)
+                if over > 0:
+                    mem = stages[k].memory
+                    out[k] = dataclasses.replace(stages[k], memory=mem._replace(activations=mem.activations - over))
+        return tuple(out)
 
     def stage(self, i: int, j: int, k: int) -> StageCost:
         """Units [i, j) as virtual stage k of num_stages.
