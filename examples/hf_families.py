@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FAMILIES", "qwen3_seeded", "qwen3_moe_seeded", "gemma3_seeded", "gpt_oss_seeded", "deepseek_v3_seeded",
-           "falcon_seeded", "ALIBI_FAMILIES", "mpt_seeded", "bloom_seeded"]
+           "falcon_seeded", "ALIBI_FAMILIES", "mpt_seeded", "bloom_seeded", "MORE_FAMILIES"]
 
 _COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, max_position_embeddings=64, use_cache=False,
                bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -115,3 +115,50 @@ def bloom_seeded():
 
 
 ALIBI_FAMILIES = {"mpt": mpt_seeded, "bloom": bloom_seeded}
+
+
+def _from_config(config: str, model: str, **kw):
+    """A builder of `transformers.<model>(transformers.<config>(...))`, seeded, with the small common sizes."""
+
+    def build():
+        import transformers
+
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config)(**{**_COMMON, "num_attention_heads": 4, "intermediate_size": 128, **kw})
+        return getattr(transformers, model)(cfg)
+
+    build.__name__ = build.__qualname__ = f"{model}_seeded"
+    return build
+
+
+_GPT_STYLE = dict(n_embd=64, n_layer=4, n_head=4, n_positions=64)  # GPT-2's config names, as GPT-J, CodeGen use
+
+# More families a new user tries, each with its own way to lay out attention and the residual stream; plan.verify
+# checks their programs against the module (tests/test_hf_verify_families.py).
+MORE_FAMILIES = {
+    # sliding-window attention shorter than the sequence, grouped-query attention
+    "mistral": _from_config("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, sliding_window=8),
+    # partial rotary, attention and MLP side by side off one layer norm, a biased LM head
+    "phi": _from_config("PhiConfig", "PhiForCausalLM"),
+    # one fused qkv linear laid out per head ([q_h; k_h; v_h] for each head h)
+    "gpt_neox": _from_config("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    # parallel residual, rotary on interleaved pairs of a head's first dims
+    "gptj": _from_config("GPTJConfig", "GPTJForCausalLM", rotary_dim=8, **_GPT_STYLE),
+    # a fused qkv in mp_num groups, CodeGen's own layout
+    "codegen": _from_config("CodeGenConfig", "CodeGenForCausalLM", rotary_dim=8, n_ctx=64, **_GPT_STYLE),
+    # multi-query attention in one fused c_attn (h + 2 head dims wide)
+    "gpt_bigcode": _from_config("GPTBigCodeConfig", "GPTBigCodeForCausalLM", **_GPT_STYLE),
+    # layer norms on q and k per head, a fused qkv, partial rotary
+    "persimmon": _from_config("PersimmonConfig", "PersimmonForCausalLM"),
+    # norms after attention and MLP as well as before, logit soft-capping, alternating sliding windows
+    "gemma2": _from_config("Gemma2Config", "Gemma2ForCausalLM", num_key_value_heads=2, head_dim=16, sliding_window=8),
+    # attention and MLP in parallel, bias-free layer norm, scaled logits
+    "cohere": _from_config("CohereConfig", "CohereForCausalLM", num_key_value_heads=2),
+    # RMSNorm over all of q and of k (not per head) after their projections
+    "olmo2": _from_config("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2),
+    # a mixture of experts in every layer
+    "mixtral": _from_config("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4,
+                            num_experts_per_tok=2),
+    # learned positions offset by 2, tokens flattened to (b s, h) inside each layer
+    "opt": _from_config("OPTConfig", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=64),
+}
