@@ -19,10 +19,13 @@ the batch dim around `baddbmm`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["FAMILIES", "qwen3_seeded", "qwen3_moe_seeded", "gemma3_seeded", "gpt_oss_seeded", "deepseek_v3_seeded",
-           "falcon_seeded", "ALIBI_FAMILIES", "mpt_seeded", "bloom_seeded", "MORE_FAMILIES"]
+           "falcon_seeded", "ALIBI_FAMILIES", "mpt_seeded", "bloom_seeded", "MORE_FAMILIES",
+           "from_config"]
 
 _COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, max_position_embeddings=64, use_cache=False,
                bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -117,18 +120,18 @@ def bloom_seeded():
 ALIBI_FAMILIES = {"mpt": mpt_seeded, "bloom": bloom_seeded}
 
 
+def from_config(config: str, model: str, **kw):
+    """`transformers.<model>(transformers.<config>(...))`, seeded, with the small common sizes; bound to a family
+    with functools.partial, which a spawned rank can unpickle (a closure it cannot)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config)(**{**_COMMON, "num_attention_heads": 4, "intermediate_size": 128, **kw})
+    return getattr(transformers, model)(cfg)
+
+
 def _from_config(config: str, model: str, **kw):
-    """A builder of `transformers.<model>(transformers.<config>(...))`, seeded, with the small common sizes."""
-
-    def build():
-        import transformers
-
-        torch.manual_seed(0)
-        cfg = getattr(transformers, config)(**{**_COMMON, "num_attention_heads": 4, "intermediate_size": 128, **kw})
-        return getattr(transformers, model)(cfg)
-
-    build.__name__ = build.__qualname__ = f"{model}_seeded"
-    return build
+    return functools.partial(from_config, config, model, **kw)
 
 
 _GPT_STYLE = dict(n_embd=64, n_layer=4, n_head=4, n_positions=64)  # GPT-2's config names, as GPT-J, CodeGen use

@@ -19,6 +19,7 @@ from cost_models.errors import DeclarationError
 from examples.hf_families import MORE_FAMILIES
 from examples.training import hf_loss
 from partitioner import compile, trace
+from runtime.launch.local import check_sendable
 
 VOCAB, SEQ = 512, 16
 NO_SP = {"opt": "the blocks' input is not split along the tokens"}  # OPT flattens (b, s) inside each layer
@@ -53,3 +54,10 @@ def test_sequence_parallel_programs_compute_the_module(family):
     assert plan.config.sp
     x, y = _batch()
     plan.verify(MORE_FAMILIES[family], (x,), hf_loss, targets=y)
+
+
+def test_each_builder_can_be_sent_to_spawned_ranks():
+    """launch_local sends model_fn to processes it spawns: the builders are partials of a module-level function
+    (three of them trained like one process on 2-4 ranks: gpt_neox pp2 tp2, mixtral tp2+sp, codegen pp2 tp2+sp)."""
+    for name, build in MORE_FAMILIES.items():
+        check_sendable(f"MORE_FAMILIES[{name!r}]", build)
