@@ -104,28 +104,43 @@ def _all_reduce(x: torch.Tensor, group, coll: Collectives, op: str = "sum") -> t
 
 
 def _all_gather(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Tensor:
-    """Every rank's x concatenated along dim, in group-rank order."""
+    """Every rank's x concatenated along dim, in group-rank order.
+
+    Gathered as they are (rank k's x is block k of a (p, *x.shape) buffer), then laid out with one copy whose
+    runs are the dims after `dim`, contiguous: moving `dim` to the front first and back after (as torch.cat's
+    transposes would) copied twice with a transposed read, 2.4x the time of a tensor-parallel forward on CPU
+    where it gathers vocab-parallel logits along their last dim."""
     p = group_size(group)
     if p == 1:
         return x
-    front = x.movedim(dim, 0).contiguous()                        # (n, ...)
-    out = front.new_empty((p * front.shape[0], *front.shape[1:]))  # (p*n, ...)
-    coll.all_gather(out, front, group)
-    return out.movedim(0, dim).contiguous()  # generated code views it as the traced (contiguous) tensor
+    x = x.contiguous()
+    flat = x.new_empty((p * x.shape[0], *x.shape[1:]))  # the collective's layout: the blocks along dim 0
+    coll.all_gather(flat, x, group)
+    if dim % x.dim() == 0:
+        return flat
+    shape = list(x.shape)
+    shape[dim] *= p
+    # generated code views it as the traced (contiguous) tensor
+    return flat.view(p, *x.shape).movedim(0, dim).reshape(shape)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Tensor:
-    """This rank's 1/p slice along dim of the sum over ranks of x."""
+    """This rank's 1/p slice along dim of the sum over ranks of x: rank k's slice is block k of x, cut along dim
+    and laid out as (p, ...) with one copy whose runs are the dims after `dim`, so the slice arrives in its
+    final (contiguous) layout."""
     p = group_size(group)
     if p == 1:
         return x
+    dim %= x.dim()
     if x.shape[dim] % p:
         raise ValueError(f"reduce-scatter along dim {dim}: size {x.shape[dim]} is not divisible by the "
                          f"tensor-parallel degree {p}; pad that dim to a multiple of {p}")
-    front = x.movedim(dim, 0).contiguous()                          # (p*n, ...)
-    out = front.new_empty((front.shape[0] // p, *front.shape[1:]))  # (n, ...)
-    coll.reduce_scatter(out, front, group)
-    return out.movedim(0, dim).contiguous()
+    shape = list(x.shape)
+    shape[dim] //= p
+    blocks = x.reshape(*x.shape[:dim], p, *shape[dim:]).movedim(dim, 0).contiguous()  # (p, *shape)
+    out = x.new_empty(shape)
+    coll.reduce_scatter(out, blocks.view(p * shape[0], *shape[1:]), group)
+    return out
 
 
 class _CopyToTP(torch.autograd.Function):
