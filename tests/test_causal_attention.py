@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from examples.training import hf_llama_seeded
 from partitioner import trace
-from partitioner.tracer.attention import causal_attention, causal_shape_mask
+from partitioner.tracer.attention import causal_attention, causal_shape_mask, shape_mask_key
 from runtime.pipeline.attention import mask_verdict, shape_mask_attention
 
 SEQ = 16
@@ -127,6 +127,37 @@ def test_two_sites_with_masks_of_one_shape_keep_their_own_verdicts():
         torch.testing.assert_close(shape_mask_attention(q, q, q, mask, site=site),
                                    F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
     assert (mask_verdict(causal, "full layer"), mask_verdict(window, "window layer")) == ("causal", "other")
+
+
+def test_a_site_names_how_its_mask_is_computed():
+    """shape_mask_key digests a mask's computation without node names: the same in two traces of one model,
+    different for another window or a shifted diagonal."""
+    x = torch.randn(1, 2, SEQ, 8)
+
+    def key(window=None, offset=0):
+        ep = torch.export.export(_Window(window, offset), (x,))
+        sdpa = next(n for n in ep.graph.nodes if "scaled_dot_product" in str(n.target))
+        return shape_mask_key(sdpa.args[3] if len(sdpa.args) > 3 else sdpa.kwargs["attn_mask"])
+
+    assert key() == key() and key(4) == key(4)
+    assert len({key(), key(4), key(8), key(None, 1)}) == 4
+
+
+def test_two_models_in_one_process_keep_their_own_verdicts():
+    """Programs of two models run in one process (two compiles, plan.verify, a notebook) may name a call site
+    alike: Llama's causal mask and Mistral's sliding window of 8 over 16 tokens, both `block: scaled_dot_product
+    _attention...` with masks of one shape. The site carries a digest of the mask's computation, so Mistral's
+    window is never run as Llama's is_causal (it was, after Llama's verdict: plan.verify found o_proj off by
+    22 %)."""
+    from examples.hf_families import MORE_FAMILIES
+    from examples.training import hf_loss
+    from partitioner import compile
+
+    x = torch.randint(1, 512, (2, SEQ))
+    for build in (hf_llama_seeded, MORE_FAMILIES["mistral"]):
+        plan = compile(trace(build(), (x,)), "local:2", global_batch_size=2, microbatch_size=2, precision="fp32",
+                       tp=2, sp=False)
+        plan.verify(build, (x,), hf_loss, targets=x)
 
 
 def test_hf_llama_s_causal_mask_is_not_kept_and_its_code_attends_with_is_causal():

@@ -6,13 +6,15 @@ builds from positions (`kv_idx <= q_idx` over aranges) to `scaled_dot_product_at
 tensor, which keeps the fused kernels off their causal path (FlashAttention) and is kept for backward. Such a
 call becomes
 
-    shape_mask_attention(q, k, v, mask, ..., site="<segment>: <node>")
+    shape_mask_attention(q, k, v, mask, ..., site="<segment>: <node> <digest of the mask's computation>")
 
 (runtime.pipeline.attention): the same arguments, the mask dropped for `is_causal=True` where it is exactly the
 causal one, as the code runs (checked once per call site and mask shape). The cost rule counts no mask where
 the tracer found it causal at the traced sizes (partitioner.tracer.attention.causal_shape_mask). A mask read
 from the inputs (padding) or from a buffer (nanoGPT's tril) is left to the plain call: the runtime keeps one
-verdict per call site and mask shape, which holds only for values that are a function of the shape.
+verdict per call site and mask shape, which holds only for values that are a function of the shape. The digest
+(partitioner.tracer.attention.shape_mask_key) keeps the verdicts of two models apart where a process runs the
+programs of both and their sites share a name (Llama's causal mask, Mistral's sliding window).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ from partitioner.codegen.segment_cp import CP_FUNCTIONS, ContextParallelRewrite,
 from partitioner.codegen.segment_ep import EP_FUNCTIONS, ExpertParallelRewrite, in_scope
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
+from partitioner.tracer.attention import shape_mask_key
 from partitioner.tracer.block_kinds import mutates
 from partitioner.tracer.blocks import block_index
 
@@ -327,7 +328,8 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
             return
         if shape_mask(n):  # the fused kernel's causal path where the mask is causal
             new.target = shape_mask_attention
-            new.kwargs = {**new.kwargs, "site": f"{self.name}: {n.name}"}
+            mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+            new.kwargs = {**new.kwargs, "site": f"{self.name}: {n.name} {shape_mask_key(mask)}"}
         if cast:
             if "dtype" in new.kwargs:
                 new.kwargs = {**new.kwargs, "dtype": self.dtype}

@@ -41,6 +41,7 @@ the user's module is never touched.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import torch
@@ -424,6 +425,27 @@ def from_shapes(value: fx.Node) -> list[fx.Node] | None:
         if n.target not in _SIZE_READS:
             todo += n.all_input_nodes
     return list(seen)
+
+
+def shape_mask_key(value: fx.Node) -> str:
+    """A digest of how `value` (computed from shapes alone, `from_shapes`) is computed: its ops in graph order,
+    their constant arguments and which of them feeds which, with no node name. Equal for two computations that
+    make the same values from the same sizes; a sliding window of 8 and of 16, or a causal mask, differ. The
+    runtime's verdict for a mask is cached per call site (runtime.pipeline.attention), and a process may run the
+    programs of two models whose sites share a name: the digest in the site keeps their verdicts apart."""
+    nodes = from_shapes(value)
+    if nodes is None:
+        raise ValueError(f"{value.name} is not computed from shapes alone")
+    where = {n: i for i, n in enumerate(value.graph.nodes)}
+    order = {n: i for i, n in enumerate(sorted(nodes, key=where.__getitem__))}
+    lines = []
+    for n in order:
+        def ref(a: fx.Node) -> str:  # a size read's tensor is an input: its sizes, not its name, matter
+            return f"%{order[a]}" if a in order else "input"
+        args = fx.node.map_arg((n.args, n.kwargs), ref)
+        lines.append(f"{getattr(n.target, '__name__', n.target)}{args!r}")
+    lines.append(f"out %{order[value]}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
 
 
 # the most bytes any tensor of a mask's computation may take for `causal_shape_mask` to evaluate it when tracing

@@ -14,7 +14,9 @@ same values up to the kernel's rounding.
 The mask's values depend only on its shape and on the code that computes it (that is what "from shapes alone"
 means), so the verdict is made once per call site (`site`, the generated code's name for the call), shape and
 device, and cached: one comparison per shape, not per call. Two sites may compute different masks of one
-shape (a model whose layers alternate sliding-window and full attention): each has its own verdict.
+shape (a model whose layers alternate sliding-window and full attention): each has its own verdict. The code
+generator's site names the call and carries a digest of the mask's computation, so the programs of two models
+run in one process never share a verdict.
 
 >>> q = k = v = torch.randn(1, 2, 4, 8)
 >>> tri = torch.ones(4, 4, dtype=torch.bool).tril().view(1, 1, 4, 4)
