@@ -130,8 +130,8 @@ def test_two_sites_with_masks_of_one_shape_keep_their_own_verdicts():
 
 
 def test_a_site_names_how_its_mask_is_computed():
-    """shape_mask_key digests a mask's computation without node names: the same in two traces of one model,
-    different for another window or a shifted diagonal."""
+    """shape_mask_key digests a mask's computation: the same in two traces of one model, different for another
+    window or a shifted diagonal."""
     x = torch.randn(1, 2, SEQ, 8)
 
     def key(window=None, offset=0):

@@ -429,8 +429,9 @@ def from_shapes(value: fx.Node) -> list[fx.Node] | None:
 
 def shape_mask_key(value: fx.Node) -> str:
     """A digest of how `value` (computed from shapes alone, `from_shapes`) is computed: its ops in graph order,
-    their constant arguments and which of them feeds which, with no node name. Equal for two computations that
-    make the same values from the same sizes; a sliding window of 8 and of 16, or a causal mask, differ. The
+    their constant arguments, which of them feeds which, and the tensors whose sizes they read (by name: masks
+    made alike from different tensors' sizes need not agree). Equal for two traces of one model; a sliding
+    window of 8 and of 16, or a causal mask, differ. The
     runtime's verdict for a mask is cached per call site (runtime.pipeline.attention), and a process may run the
     programs of two models whose sites share a name: the digest in the site keeps their verdicts apart."""
     nodes = from_shapes(value)
@@ -440,8 +441,8 @@ def shape_mask_key(value: fx.Node) -> str:
     order = {n: i for i, n in enumerate(sorted(nodes, key=where.__getitem__))}
     lines = []
     for n in order:
-        def ref(a: fx.Node) -> str:  # a size read's tensor is an input: its sizes, not its name, matter
-            return f"%{order[a]}" if a in order else "input"
+        def ref(a: fx.Node) -> str:  # outside the computation: a tensor a size read reads
+            return f"%{order[a]}" if a in order else f"sizes of {a.name}"
         args = fx.node.map_arg((n.args, n.kwargs), ref)
         lines.append(f"{getattr(n.target, '__name__', n.target)}{args!r}")
     lines.append(f"out %{order[value]}")
