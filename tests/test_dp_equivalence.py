@@ -91,9 +91,9 @@ def test_recomputing_plans_train_like_one_process_and_hold_less(tiny_graph, zero
         out = launch_local(plan, training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches, probe_step=1,
                            timeout_s=120)
         check_equal(out, *reference(training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches))
-        # ZeRO-3 with recomputation: now and then one rank holds one more block's fp32 buffer at its peak (timing; a guess:
-        # a reduction still in flight as the recomputation gathers; measured [8217108, 8999956] bytes per rank,
-        # 8217108 on both mostly; the full suite failed on it twice): the other rank shows what recomputation saves
+        # ZeRO-3 with recomputation: now and then one rank holds one more block's fp32 buffer at its peak (timing;
+        # a guess: a reduction still in flight as the recomputation gathers; measured [8217108, 8999956] bytes per
+        # rank, 8217108 on both mostly; the full suite failed on it twice): the other rank shows what it saves
         peaks[r] = (min if zero == 3 and r != "none" else max)(out.peak_step_bytes)
         saved[r] = plan.predicted.memory.activations
     # ZeRO-2's peak on this model is the end of the backward (the bucket being reduce-scattered), after the
