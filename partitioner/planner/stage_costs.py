@@ -290,9 +290,10 @@ class StageEvaluator:
             moments = chunk_live(pp=pp, stage=rank, num_microbatches=c.num_microbatches, interleave=v)
             peak = max(moments, key=lambda live: sum(n * a for n, a in zip(live, kept)))
             for k, a, n in zip(ks, kept, peak):
-                over = a * (self._inflight[k] - n)
+                mem = stages[k].memory
+                # (a stage whose own peak is the end of a backward counts one microbatch fewer: never below 0)
+                over = min(a * (self._inflight[k] - n), mem.activations)
                 if over > 0:
-                    mem = stages[k].memory
                     out[k] = dataclasses.replace(stages[k], memory=mem._replace(activations=mem.activations - over))
         return tuple(out)
 
