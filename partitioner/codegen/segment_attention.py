@@ -26,7 +26,7 @@ from torch import fx
 
 from partitioner.tracer.attention import from_shapes
 
-__all__ = ["ATTENTION_FUNCTIONS", "shape_mask", "shape_mask_attention"]
+__all__ = ["ATTENTION_FUNCTIONS", "attention_mask", "shape_mask", "shape_mask_attention"]
 
 _ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
 
@@ -39,11 +39,16 @@ def shape_mask_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
 ATTENTION_FUNCTIONS = ("shape_mask_attention",)
 
 
+def attention_mask(n: fx.Node) -> Any:
+    """The attn_mask argument of a scaled_dot_product_attention node (None where it has none)."""
+    return n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+
+
 def shape_mask(n: fx.Node) -> bool:
     """Whether `n` is a scaled_dot_product_attention whose boolean mask is computed from shapes alone (no
     buffer either: the runtime keeps one verdict per mask shape, which a buffer's values could outlive)."""
     if n.target is not _ATTENTION:
         return False
-    mask: Any = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+    mask = attention_mask(n)
     val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
     return isinstance(val, torch.Tensor) and val.dtype == torch.bool and from_shapes(mask) is not None

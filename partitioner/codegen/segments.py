@@ -51,7 +51,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from partitioner.codegen.segment_attention import ATTENTION_FUNCTIONS, shape_mask, shape_mask_attention
+from partitioner.codegen.segment_attention import ATTENTION_FUNCTIONS, attention_mask, shape_mask, shape_mask_attention
 from partitioner.codegen.segment_cp import CP_FUNCTIONS, ContextParallelRewrite, sequence_symbols
 from partitioner.codegen.segment_ep import EP_FUNCTIONS, ExpertParallelRewrite, in_scope
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
@@ -328,8 +328,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
             return
         if shape_mask(n):  # the fused kernel's causal path where the mask is causal
             new.target = shape_mask_attention
-            mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
-            new.kwargs = {**new.kwargs, "site": f"{self.name}: {n.name} {shape_mask_key(mask)}"}
+            new.kwargs = {**new.kwargs, "site": f"{self.name}: {n.name} {shape_mask_key(attention_mask(n))}"}
         if cast:
             if "dtype" in new.kwargs:
                 new.kwargs = {**new.kwargs, "dtype": self.dtype}

@@ -286,7 +286,7 @@ class StageEvaluator:
         out = list(stages)
         for rank in range(pp):
             ks = [rank + chunk * pp for chunk in range(v)]
-            kept = [(self._act[bounds[k + 1]] - self._act[bounds[k]] + self._held(bounds[k])) * scale for k in ks]
+            kept = [self._microbatch_act(bounds[k], bounds[k + 1]) * scale for k in ks]
             moments = chunk_live(pp=pp, stage=rank, num_microbatches=c.num_microbatches, interleave=v)
             peak = max(moments, key=lambda live: sum(n * a for n, a in zip(live, kept)))
             for k, a, n in zip(ks, kept, peak):
@@ -459,7 +459,7 @@ class StageEvaluator:
         before = reduction if carried else 0.0  # the previous microbatch's last reduction, still in flight
         kept = rest * pb if z == 3 else 0.0
         gathered = min(live, blocks) * block * pb if z == 3 else 0.0  # the unit, the one prefetched (recomputed)
-        act1 = self._act[j] - self._act[i] + self._held(i)  # one microbatch's
+        act1 = self._microbatch_act(i, j)
         acts = act1 * inflight + max(self._work[i:j], default=0.0)
         if k > 0 and cand.schedule in _SPLIT_CHUNKED:
             # as zb-h1 below, the count of microbatches between I and W read off the rank's order
@@ -528,6 +528,10 @@ class StageEvaluator:
                      if len(inside := [size for u, size in users if i <= u < j]) > 1), default=0.0)
         return big, twice
 
+    def _microbatch_act(self, i: int, j: int) -> float:
+        """What units [i, j) as one stage keep per microbatch in flight: their activations and what _held adds."""
+        return self._act[j] - self._act[i] + self._held(i)
+
     def _held(self, i: int) -> float:
         """What a stage starting at unit i keeps per microbatch beyond its units' own activations: the tensors
         made before the unit ahead of it that its blocks read, under recomputation (UnitCost.stage_start_bytes)."""
@@ -542,7 +546,7 @@ class StageEvaluator:
         buffer."""
         ctx, cal = self.ctx, self.ctx.cal
         state = model_state_bytes(params, precision=ctx.precision, optimizer=ctx.optimizer, zero_stage=0, dp=1)
-        acts = (self._act[j] - self._act[i] + self._held(i)) * inflight + max(self._work[i:j], default=0.0)
+        acts = self._microbatch_act(i, j) * inflight + max(self._work[i:j], default=0.0)
         loss = self._loss_kept * inflight + self._loss_work if k == self.num_stages - 1 else 0.0
         s = ctx.async_sgd.get("staleness")
         flat = (1 if s is None else 2 * s + 1) * params * 4 if self.cand.dp > 1 else 0.0

@@ -431,20 +431,19 @@ def shape_mask_key(value: fx.Node) -> str:
     """A digest of how `value` (computed from shapes alone, `from_shapes`) is computed: its ops in graph order,
     their constant arguments, which of them feeds which, and the tensors whose sizes they read (by name: masks
     made alike from different tensors' sizes need not agree). Equal for two traces of one model; a sliding
-    window of 8 and of 16, or a causal mask, differ. The
-    runtime's verdict for a mask is cached per call site (runtime.pipeline.attention), and a process may run the
-    programs of two models whose sites share a name: the digest in the site keeps their verdicts apart."""
+    window of 8 and of 16, or a causal mask, differ. The runtime's verdict for a mask is cached per call site
+    (runtime.pipeline.attention), and a process may run the programs of two models whose sites share a name:
+    the digest in the site keeps their verdicts apart."""
     nodes = from_shapes(value)
     if nodes is None:
         raise ValueError(f"{value.name} is not computed from shapes alone")
     where = {n: i for i, n in enumerate(value.graph.nodes)}
     order = {n: i for i, n in enumerate(sorted(nodes, key=where.__getitem__))}
-    lines = []
-    for n in order:
-        def ref(a: fx.Node) -> str:  # outside the computation: a tensor a size read reads
-            return f"%{order[a]}" if a in order else f"sizes of {a.name}"
-        args = fx.node.map_arg((n.args, n.kwargs), ref)
-        lines.append(f"{getattr(n.target, '__name__', n.target)}{args!r}")
+    def ref(a: fx.Node) -> str:  # outside the computation: a tensor a size read reads
+        return f"%{order[a]}" if a in order else f"sizes of {a.name}"
+
+    lines = [f"{getattr(n.target, '__name__', n.target)}{fx.node.map_arg((n.args, n.kwargs), ref)!r}"
+             for n in order]
     lines.append(f"out %{order[value]}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
 

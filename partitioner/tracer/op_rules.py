@@ -73,7 +73,8 @@ _NORM_FLOPS = {"layer_norm": 8, "native_layer_norm": 8, "rms_norm": 4, "group_no
 _EW: dict[str, tuple[float, str]] = {
     "add": (1, "none"), "sub": (1, "none"), "rsub": (1, "none"), "neg": (1, "none"),
     "mul": (1, "operands"), "div": (1, "operands"), "true_divide": (1, "operands"),
-    "pow": (1, "input"), "square": (1, "input"), "exp": (1, "output"), "log": (1, "input"), "sqrt": (1, "output"), "rsqrt": (1, "output"),
+    "pow": (1, "input"), "square": (1, "input"), "exp": (1, "output"), "log": (1, "input"), "sqrt": (1, "output"),
+    "rsqrt": (1, "output"),
     "abs": (1, "input"), "reciprocal": (1, "output"), "maximum": (1, "operands"), "minimum": (1, "operands"),
     "clamp": (1, "input"), "where": (1, "mask"), "masked_fill": (1, "mask"), "relu": (1, "output"),
     "gelu": (8, "input"), "silu": (4, "input"), "sigmoid": (4, "output"), "tanh": (4, "output"),

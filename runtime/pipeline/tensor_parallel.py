@@ -107,16 +107,17 @@ def _all_gather(x: torch.Tensor, dim: int, group, coll: Collectives) -> torch.Te
     """Every rank's x concatenated along dim, in group-rank order.
 
     Gathered as they are (rank k's x is block k of a (p, *x.shape) buffer), then laid out with one copy whose
-    runs are the dims after `dim`, contiguous: moving `dim` to the front first and back after (as torch.cat's
-    transposes would) copied twice with a transposed read, 2.4x the time of a tensor-parallel forward on CPU
-    where it gathers vocab-parallel logits along their last dim."""
+    runs are the dims after `dim`, contiguous: moving `dim` to the front first and back after copied twice
+    with a transposed read, 2.4x the time of a tensor-parallel forward on CPU where it gathers vocab-parallel
+    logits along their last dim."""
     p = group_size(group)
     if p == 1:
         return x
+    dim %= x.dim()  # a dim of x, also in the (p, *x.shape) view below
     x = x.contiguous()
     flat = x.new_empty((p * x.shape[0], *x.shape[1:]))  # the collective's layout: the blocks along dim 0
     coll.all_gather(flat, x, group)
-    if dim % x.dim() == 0:
+    if dim == 0:
         return flat
     shape = list(x.shape)
     shape[dim] *= p
