@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from cost_models.errors import PartitionerError
 
-__all__ = ["Calibration", "saturating_efficiency"]
+__all__ = ["COLLECTIVE_OPS", "Calibration", "saturating_efficiency"]
 
 
 def saturating_efficiency(flops: float, *, eff_max: float, half_flops: float) -> float:
@@ -52,10 +52,12 @@ def saturating_efficiency(flops: float, *, eff_max: float, half_flops: float) ->
 
 _FRACTIONS = (  # fields that are a fraction in (0, 1]
     "matmul_eff_max", "conv_eff_max", "attention_eff_max", "vector_eff",
-    "mem_eff", "optimizer_eff", "compress_mem_eff",
+    "mem_eff", "optimizer_eff", "compress_mem_eff", "lowrank_eff",
 )
 # Not numbers: checked by their own rules in __post_init__.
-_STRUCTURED = ("source", "matmul_eff_by_dtype", "probe")
+_STRUCTURED = ("source", "matmul_eff_by_dtype", "collective_bw_eff", "probe")
+# The collectives cost_models.comm.CommModel prices, by the names collective_bw_eff takes.
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
 
 # Per device preset: the fields whose literature default does not hold there.
 _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -162,10 +164,15 @@ class Calibration:
           `launch_overhead_s` each), 10 us. Also the per-gather kernels of
           ZeRO-3's int8 parameter gathers (quantize the shard, dequantize
           the gathered buffer), which stream at `compress_mem_eff` too.
-      PowerSGD (powersgd.py) needs no factor of its own: its products are
-          torch fp32 matmuls of a matrix by r = 4 columns, memory bound (2 r
-          FLOP per 4 bytes, under every device's ridge point), so they and
-          the residual stream at `mem_eff`, the FLOP term uses
+      lowrank_eff: PowerSGD's products (powersgd.py), fp32 matmuls of a
+          matrix by r = 4 columns, as a fraction of the elementwise rate
+          (HBM x device_speed x mem_eff) their passes over the matrix reach.
+          They are memory bound (2 r FLOP per 4 bytes, under every device's
+          ridge point); 1 where they stream like the elementwise kernels (the
+          presets). A CPU's GEMM library runs them far slower: one thread of
+          this project's machine multiplies at ~4.5 GB/s where its
+          elementwise kernels stream ~20 (`partitioner probe` measures it).
+          The residual's passes stream at `mem_eff`, the FLOP term uses
           `matmul_eff_max` of the fp32 peak, and each of its ~10 kernels per
           batch of same-shape matrices costs `launch_overhead_s`.
 
@@ -218,6 +225,12 @@ class Calibration:
       matmul_eff_by_dtype: per dtype ("fp32", "bf16", ...), the plateau of that dtype's
           measured matmul curve as a fraction of its peak (x device_speed); overrides
           matmul_eff_max for that dtype, and scales conv/attention alike. JSON: an object.
+      collective_bw_eff: per collective (COLLECTIVE_OPS: "all_gather", ...), its own
+          bandwidth against the link model's after the level's bw_eff: the ring formulas give
+          every collective the link's rate, which NCCL comes near, but a backend's
+          implementation need not (Gloo on a CPU gathers and reduce-scatters 1.5-2.5x slower
+          than the ring all-reduce's rate predicts, at the sizes plans send). Absent: 1. JSON:
+          an object.
       probe: what the probe measured and fitted (matmul curves, memory bandwidth, the fixed
           per-process memory, alpha-beta per collective, level and group size), kept as
           evidence beside the factors derived from it; never read by a cost formula, and
@@ -249,6 +262,7 @@ class Calibration:
 
     compress_mem_eff: float = 0.7
     compress_launch_s: float = 10e-6
+    lowrank_eff: float = 1.0
 
     device_speed: float = 1.0
     activation_mem_scale: float = 1.0
@@ -260,6 +274,7 @@ class Calibration:
     expert_imbalance: float = 1.25
 
     matmul_eff_by_dtype: tuple[tuple[str, float], ...] = ()
+    collective_bw_eff: tuple[tuple[str, float], ...] = ()
     probe: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     source: str = "literature defaults"
@@ -307,18 +322,32 @@ class Calibration:
         if name == "probe" and value is not None and not isinstance(value, dict):
             raise PartitionerError(f"Calibration.probe must be a JSON object (what `partitioner probe` wrote) or "
                                    f"null, got {type(value).__name__}")
-        if name == "matmul_eff_by_dtype":
+        if name in ("matmul_eff_by_dtype", "collective_bw_eff"):
+            what, example = ("dtype -> fraction", '{"fp32": 0.6}') if name == "matmul_eff_by_dtype" else \
+                ("collective -> factor", '{"all_gather": 0.5}')
             pairs = value.items() if isinstance(value, Mapping) else value
             try:
                 pairs = tuple((str(k), v) for k, v in pairs)
             except (TypeError, ValueError):
-                raise PartitionerError(f"Calibration.matmul_eff_by_dtype must map dtype -> fraction, e.g. "
-                                       f'{{"fp32": 0.6}}, got {value!r}') from None
+                raise PartitionerError(f"Calibration.{name} must map {what}, e.g. {example}, got {value!r}") from None
             for k, v in pairs:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise PartitionerError(f"Calibration.{name}[{k!r}] = {v!r} must be a number")
+                if name == "matmul_eff_by_dtype" and not 0 < v <= 1:
                     raise PartitionerError(f"Calibration.matmul_eff_by_dtype[{k!r}] = {v!r} is a fraction of the "
                                            "dtype's peak and must lie in (0, 1]")
+                if name == "collective_bw_eff" and (k not in COLLECTIVE_OPS or v <= 0):
+                    raise PartitionerError(f"Calibration.collective_bw_eff[{k!r}] = {v!r}: keys are "
+                                           f"{list(COLLECTIVE_OPS)}, factors > 0 (achieved / modelled bytes/s)")
             object.__setattr__(self, name, tuple(sorted(pairs)))  # a dict from JSON -> hashable, ordered pairs
+
+    def collective_factor(self, op: str) -> float:
+        """collective_bw_eff of `op` (1 where unmeasured).
+
+        >>> Calibration(collective_bw_eff={"all_gather": 0.5}).collective_factor("all_gather")
+        0.5
+        """
+        return dict(self.collective_bw_eff).get(op, 1.0)
 
     def plateau(self, op_class: str, dtype: str) -> float:
         """The efficiency plateau of a tensor-core class ("matmul", "conv", "attention") at `dtype`: the
@@ -345,6 +374,7 @@ class Calibration:
         """All fields as a plain dict (JSON-ready)."""
         d = dataclasses.asdict(self)
         d["matmul_eff_by_dtype"] = dict(self.matmul_eff_by_dtype)
+        d["collective_bw_eff"] = dict(self.collective_bw_eff)
         return d
 
     @classmethod

@@ -193,13 +193,14 @@ def hierarchical_all_gather(nbytes: float, nodes: int, per_node: int,
     return hierarchical_reduce_scatter(nbytes, nodes, per_node, intra, inter)
 
 
-def calibrated_link(link: LinkSpec, calibration: Calibration) -> LinkSpec:
-    """The link as achieved: bytes/s * <level>_bw_eff, latency + <level>_extra_latency_s."""
+def calibrated_link(link: LinkSpec, calibration: Calibration, op: str = "all_reduce") -> LinkSpec:
+    """The link as achieved by collective `op`: bytes/s * <level>_bw_eff * collective_bw_eff[op], latency +
+    <level>_extra_latency_s."""
     prefix = {LinkLevel.SAME_DEVICE: "same_device", LinkLevel.INTRA_NODE: "intra_node",
               LinkLevel.INTER_NODE: "inter_node"}[LinkLevel(link.level)]
     return dataclasses.replace(
         link,
-        bytes_per_s=link.bytes_per_s * getattr(calibration, f"{prefix}_bw_eff"),
+        bytes_per_s=link.bytes_per_s * getattr(calibration, f"{prefix}_bw_eff") * calibration.collective_factor(op),
         latency_s=link.latency_s + getattr(calibration, f"{prefix}_extra_latency_s"))
 
 
@@ -215,8 +216,8 @@ class _GroupShape:
 
 
 @functools.lru_cache(maxsize=256)
-def _calibrated_link_of(model: "CommModel", level: LinkLevel) -> LinkSpec:
-    return calibrated_link(model.topology.link(level), model.calibration)
+def _calibrated_link_of(model: "CommModel", level: LinkLevel, op: str) -> LinkSpec:
+    return calibrated_link(model.topology.link(level), model.calibration, op)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -256,8 +257,8 @@ class CommModel:
     topology: "Topology"
     calibration: Calibration = Calibration()
 
-    def _link(self, level: LinkLevel) -> LinkSpec:
-        return _calibrated_link_of(self, level)
+    def _link(self, level: LinkLevel, op: str) -> LinkSpec:
+        return _calibrated_link_of(self, level, op)
 
     def _check_ranks(self, ranks: Sequence[int]) -> None:
         world = self.topology.world_size
@@ -276,12 +277,12 @@ class CommModel:
         shape = _group_shape(self, op, tuple(ranks))
         if _empty(nbytes, shape.p):
             return 0.0
-        link = self._link(shape.level)
+        link = self._link(shape.level, op)
         times = {name: f(nbytes, shape.p, link) for name, f in flat.items()}
         if hier and shape.uniform_per_node:
             # One node: both phases on the group's own link (the inter phase is empty).
-            intra = self._link(LinkLevel.INTRA_NODE) if shape.nodes > 1 else link
-            inter = self._link(LinkLevel.INTER_NODE) if shape.nodes > 1 else link
+            intra = self._link(LinkLevel.INTRA_NODE, op) if shape.nodes > 1 else link
+            inter = self._link(LinkLevel.INTER_NODE, op) if shape.nodes > 1 else link
             times["hierarchical"] = hier(nbytes, shape.nodes, shape.per_node, intra, inter)
         elif algorithm == "hierarchical":
             raise PartitionerError(
@@ -330,4 +331,4 @@ class CommModel:
         self._check_ranks([src, dst])
         if src == dst:
             return 0.0
-        return p2p_time(nbytes, self._link(self.topology.link_level(src, dst)))
+        return p2p_time(nbytes, self._link(self.topology.link_level(src, dst), "p2p"))

@@ -23,13 +23,16 @@ Kernel time, a roofline over the whole sequence (the products are
 device's ridge point, so the memory term decides on GPUs):
 
     K = compress_launch_s + L * batches * launch_overhead_s
-        + max(FLOP / (fp32 peak * matmul_eff_max), 6 * 4 sum(n m) / (HBM bytes/s * mem_eff))
+        + max(FLOP / (fp32 peak * matmul_eff_max), 3 * 4 sum(n m) / (bw * lowrank_eff) + 3 * 4 sum(n m) / bw)
+    bw = HBM bytes/s * device_speed * mem_eff
 
-with FLOP = 6 r sum(n m) + 2 r^2 sum(n), six passes over each matrix (M = G +
-E and P = M Q read G and E and write M, Q = M^T P reads M, the residual reads
-M and writes E: the runtime's fused prologue, product and epilogue), fp32
-products (torch's default: no TF32 for matmul) streaming like torch's own
-kernels, hence `mem_eff` rather than the quantizer's `compress_mem_eff`.
+with FLOP = 6 r sum(n m) + 2 r^2 sum(n), six passes over each matrix: three
+products (P = M Q and Q = M^T P read M, approx = P Q^T writes it), at the
+products' own rate (`lowrank_eff` of the elementwise one: a GPU streams them,
+a CPU's GEMM library does not), and three elementwise passes (M = G + E reads
+G and E, the residual writes E: the runtime's fused prologue and epilogue) at
+torch's elementwise rate, hence `mem_eff` rather than the quantizer's
+`compress_mem_eff`; fp32 products (torch's default: no TF32 for matmul).
 `runtime.compression.powersgd` stacks the matrices of one bucket by shape and works on
 each stack batched, so launches go per (bucket, shape): at most one per
 matrix, and about one per bucket of DDP_BUCKET_BYTES when a bucket holds one
@@ -58,7 +61,8 @@ __all__ = ["POWERSGD_RANK", "LowRank", "compressible", "low_rank", "powersgd_ker
 
 POWERSGD_RANK = 4  # runtime default rank (Vogels et al. use 1-4 for their language models)
 _FP32 = 4
-_PASSES = 6  # passes of the fp32 matrix through memory (module docstring)
+_PRODUCT_PASSES = 3  # passes of the fp32 matrix the products make, and the elementwise ones (module docstring)
+_STREAM_PASSES = 3
 # Kernels per batch of same-shape matrices in runtime.compression.powersgd: the fused prologue (M = G + E, P = M Q), two
 # batched QRs (orthonormalise Q, then P; a few kernels each), Q = M^T P, the fused epilogue (approx, residual),
 # the copies into and out of the bucket.
@@ -142,7 +146,8 @@ def powersgd_kernel_time(lr: LowRank, comm: CommModel) -> float:
     cal, dev = comm.calibration, comm.topology.device
     r = lr.rank
     flops = 6 * r * lr.matrix + 2 * r * r * lr.rows
-    moved = _PASSES * _FP32 * lr.matrix
-    body = max(flops / (dev.flops("fp32") * cal.matmul_eff_max), moved / (dev.hbm_bytes_per_s * cal.mem_eff))
+    bw = dev.hbm_bytes_per_s * cal.device_speed * cal.mem_eff
+    streamed = _FP32 * lr.matrix * (_PRODUCT_PASSES / cal.lowrank_eff + _STREAM_PASSES) / bw
+    body = max(flops / (dev.flops("fp32") * cal.device_speed * cal.matmul_eff_max), streamed)
     batches = min(lr.matrices, math.ceil(_FP32 * lr.numel / DDP_BUCKET_BYTES))
     return cal.compress_launch_s + _LAUNCHES_PER_BATCH * batches * cal.launch_overhead_s + body

@@ -102,21 +102,24 @@ def test_probe_fits_bandwidths_that_independent_transfers_agree_with(tmp_path, c
     assert 0 < cal.optimizer_eff <= 1 and 0 < ev["optimizer_bytes_per_s"] < 2 * ev["memory_bytes_per_s"]
 
 
-LATENCY = {"all_reduce": 210e-6, "p2p": 100e-6}
+LATENCY = {"all_reduce": 210e-6, "p2p": 100e-6, "all_gather": 110e-6}
+SECONDS_PER_BYTE = {"all_reduce": 1e-9, "p2p": 1e-9, "all_gather": 1e-9}  # the ring all-gather would take half
 
 
 def _records(topo: Topology) -> list[dict]:
     """Two ranks' records of a machine with known lines, as the comm model prices them: a send 100 us + n / 1 GB/s;
-    an all-reduce of two ranks two such latencies, a 10 us base, and the same bandwidth term."""
+    an all-reduce of two ranks two such latencies, a 10 us base, and the same bandwidth term; an all-gather one
+    latency and the base, and half the bandwidth the ring formula gives it (as Gloo's)."""
     groups = groups_by_level(topo)
-    colls = [{"op": op, "level": lvl, "p": p, "ranks": members[0], "bytes": n, "seconds": LATENCY[op] + n / 1e9}
+    colls = [{"op": op, "level": lvl, "p": p, "ranks": members[0], "bytes": n,
+              "seconds": LATENCY[op] + n * SECONDS_PER_BYTE[op]}
              for lvl, by in groups.items() for p, members in by.items()
-             for op in ("all_reduce", "p2p") for n in (4096, 65536, 2 ** 20)]
+             for op in LATENCY for n in (4096, 65536, 2 ** 20, 2 ** 24)]
     mm = [{"dtype": "fp32", "n": n, "flops": 2.0 * n ** 3, "seconds": (1e6 + 2.0 * n ** 3) / 40e9}
           for n in (64, 128, 256, 512)]
     return [{"rank": r, "device": "cpu", "fixed_process_bytes": 300 * 2 ** 20, "matmul": mm, "op_overhead_s": 4e-6,
              "stream": {"bytes": 2e9, "seconds": 0.2}, "elementwise": {"bytes": 1e9, "seconds": 0.25},
-             "optimizer": {"bytes": 2.8e8, "seconds": 0.2},
+             "optimizer": {"bytes": 2.8e8, "seconds": 0.2}, "lowrank": {"bytes": 1e9, "seconds": 1.0},
              "overlap": {"compute_s": 0.01, "comm_s": 0.01, "both_s": 0.016}, "collectives": colls}
             for r in range(2)]
 
@@ -138,9 +141,15 @@ def test_alpha_beta_fits_and_the_derived_calibration(tmp_path):
     assert cal.dp_overlap == pytest.approx(0.4) and cal.launch_overhead_s == 4e-6
     # the planner's own comm formulas reproduce the sweep they were fitted to
     m = CommModel(topo, cal)
-    for n in (4096, 2 ** 20):
+    for n in (4096, 2 ** 20, 2 ** 24):
         assert m.all_reduce(n, [0, 1]) == pytest.approx(210e-6 + n / 1e9, rel=0.02)
         assert m.p2p(n, 0, 1) == pytest.approx(100e-6 + n / 1e9, rel=0.02)
+        assert m.all_gather(n, [0, 1]) == pytest.approx(110e-6 + n / 1e9, rel=0.02)  # by its own factor
+    assert cal.collective_factor("all_gather") == pytest.approx(0.5, rel=0.02)
+    # PowerSGD's products at 1 GB/s against the elementwise ops' 4: a quarter of their rate
+    assert cal.lowrank_eff == pytest.approx(0.25)
+    older = [{k: v for k, v in r.items() if k != "lowrank"} for r in _records(topo)]  # a probe file before them
+    assert derive_calibration(topo, summarise(older), source="test").lowrank_eff == 1.0
     assert fit_alpha_beta([1, 2, 3], [0.5, 0.5, 0.5]) == (0.5, math.inf)  # no size dependence: all latency
 
 
@@ -159,6 +168,8 @@ def test_calibration_json_round_trips_and_compile_takes_it(tmp_path, tiny_graph)
     assert default.predicted.step_time_s != plans[0].predicted.step_time_s
     with pytest.raises(PartitionerError, match="matmul_eff_by_dtype"):
         Calibration.from_dict({**cal.to_dict(), "matmul_eff_by_dtype": {"fp32": 1.5}})
+    with pytest.raises(PartitionerError, match=r"collective_bw_eff\['allgather'\].*keys are"):
+        Calibration.from_dict({**cal.to_dict(), "collective_bw_eff": {"allgather": 0.5}})
 
 
 WORK = [1.0, 2.0, 4.0, 3.0]

@@ -20,9 +20,10 @@ def probe_command(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(format_probe(cal.probe))
     print(f"\ncalibration: device_speed {cal.device_speed:.3g}, mem_eff {cal.mem_eff:.3g}, optimizer_eff "
-          f"{cal.optimizer_eff:.3g}, launch "
+          f"{cal.optimizer_eff:.3g}, lowrank_eff {cal.lowrank_eff:.3g}, launch "
           f"{cal.launch_overhead_s * 1e6:.2f} us, intra_node_bw_eff {cal.intra_node_bw_eff:.3g}, "
           f"collective base latency {cal.collective_base_latency_s * 1e6:.0f} us"
+          + "".join(f", {op} bandwidth x{f:.3g}" for op, f in cal.collective_bw_eff)
           + (f"; written to {args.output}" if args.output else ""))
     return EXIT_OK
 
@@ -32,7 +33,9 @@ def format_probe(evidence: dict) -> str:
     rows = [f"{evidence['ranks']} ranks on {', '.join(evidence['devices'])}: fixed memory per process "
             f"{evidence['fixed_process_bytes'] / 2**20:.0f} MiB, copy {evidence['memory_bytes_per_s'] / 1e9:.1f} GB/s, "
             f"AdamW step {evidence['optimizer_bytes_per_s'] / 1e9:.1f} GB/s (28 B per parameter), "
-            f"op overhead {evidence['op_overhead_s'] * 1e6:.2f} us"]
+            + (f"PowerSGD product {evidence['lowrank_bytes_per_s'] / 1e9:.1f} GB/s, "
+               if "lowrank_bytes_per_s" in evidence else "")  # older probe files lack it
+            + f"op overhead {evidence['op_overhead_s'] * 1e6:.2f} us"]
     for dtype, c in evidence["matmul"].items():
         rows.append(f"matmul {dtype}: plateau {c['plateau_flops_per_s'] / 1e9:.1f} GFLOP/s, half at "
                     f"{c['half_flops']:.3g} FLOP")

@@ -8,11 +8,15 @@
   (p-1)/p for all-gather, reduce-scatter and all-to-all, 1 for a send).
 * The factors: device_speed, matmul_eff_by_dtype, mem_eff and gemm_half_flops from the curves and the
   elementwise ops' bytes/s against the device preset's peaks; optimizer_eff from torch.optim.AdamW's step
-  (bytes as cost_models.optimizer counts them) against the same bandwidth; attention_eff_max from the fused
+  (bytes as cost_models.optimizer counts them) against the same bandwidth; lowrank_eff from PowerSGD's product
+  (a matrix by r columns) against the elementwise ops' rate; attention_eff_max from the fused
   attention's rate (FLOP as the tracer counts them); launch_overhead_s the per-op overhead; dp_overlap
   the share of an all-reduce that hid behind matmuls; then per link level its bw_eff and
-  extra latency, and collective_base_latency_s, fitted by cost_models.fit to every measured collective as
-  cost_models.comm.CommModel prices it, so the planner's own formulas reproduce the sweep.
+  extra latency, and collective_base_latency_s, fitted by cost_models.fit as
+  cost_models.comm.CommModel prices it, to the all-reduces, so the planner's own formulas
+  reproduce the sweep; last, each other collective's own bandwidth factor against that fit
+  (collective_bw_eff: Gloo's all-gather and reduce-scatter are slower than its all-reduce, where the ring
+  formulas price them alike).
 
 >>> fit_alpha_beta([1e3, 1e6, 1e7], [1e-4 + 1e3 / 1e9, 1e-4 + 1e6 / 1e9, 1e-4 + 1e7 / 1e9])
 (0.0001, 1000000000.0)
@@ -79,11 +83,13 @@ def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     stream = statistics.median(r["stream"]["bytes"] / r["stream"]["seconds"] for r in records)
     elementwise = statistics.median(r["elementwise"]["bytes"] / r["elementwise"]["seconds"] for r in records)
     optimizer = statistics.median(r["optimizer"]["bytes"] / r["optimizer"]["seconds"] for r in records)
+    lowrank = [r["lowrank"]["bytes"] / r["lowrank"]["seconds"] for r in records if "lowrank" in r]
     ov = {k: statistics.median(r["overlap"][k] for r in records) for k in records[0]["overlap"]}
     return {"ranks": len(records), "devices": sorted({r["device"] for r in records}),
             "fixed_process_bytes": int(statistics.median(r["fixed_process_bytes"] for r in records)),
             "op_overhead_s": statistics.median(r["op_overhead_s"] for r in records),
             "memory_bytes_per_s": stream, "elementwise_bytes_per_s": elementwise, "optimizer_bytes_per_s": optimizer,
+            **({"lowrank_bytes_per_s": statistics.median(lowrank)} if lowrank else {}),  # older records lack it
             "overlap": {**ov, "hidden_fraction": min(1.0, max(0.0, (ov["compute_s"] + ov["comm_s"] - ov["both_s"])
                                                               / ov["comm_s"]))},
             "matmul": curves, "attention": _attention_summary(records), "collectives": lines}
@@ -126,6 +132,8 @@ def derive_calibration(topo: Topology, evidence: dict[str, Any], *, source: str)
         # speed is the largest of these ratios, so each factor is at most 1 but for rounding (1.0000000000000002)
         start, device_speed=speed, mem_eff=min(1.0, bw / (dev.hbm_bytes_per_s * speed)),
         optimizer_eff=min(1.0, evidence["optimizer_bytes_per_s"] / (dev.hbm_bytes_per_s * speed)),
+        # PowerSGD's products against the elementwise rate bw (= hbm x speed x mem_eff); older files lack them
+        lowrank_eff=min(1.0, evidence.get("lowrank_bytes_per_s", bw) / bw),
         dp_overlap=evidence["overlap"]["hidden_fraction"],
         matmul_eff_by_dtype=tuple((d, min(1.0, r / speed)) for d, r in zip(curves, ratios)),
         gemm_half_flops=min(hi, max(lo, statistics.median(half))) if half else start.gemm_half_flops,
@@ -134,8 +142,12 @@ def derive_calibration(topo: Topology, evidence: dict[str, Any], *, source: str)
     return _fit_links(topo, cal, evidence["collectives"])
 
 
+_LINK_OPS = ("all_reduce",)  # what the links' factors are fitted to; each other collective gets its own
+
+
 def _fit_links(topo: Topology, cal: Calibration, lines: list[dict[str, Any]]) -> Calibration:
-    points = [(ln, pt) for ln in lines for pt in ln["points"]]
+    points = [(ln, pt) for ln in lines for pt in ln["points"] if ln["op"] in _LINK_OPS] \
+        or [(ln, pt) for ln in lines for pt in ln["points"]]
     if not points:
         return cal
     levels = sorted({ln["level"] for ln in lines})
@@ -152,4 +164,31 @@ def _fit_links(topo: Topology, cal: Calibration, lines: list[dict[str, Any]]) ->
     seeded = dataclasses.replace(cal, **{f"{lvl}_extra_latency_s": 1e-5 for lvl in levels})
     res = fit_step_times(predict, [pt["seconds"] for _, pt in points], seeded, factors=factors, prior_sigma=None,
                          max_free=len(factors), max_iter=40, source=cal.source)
-    return res.calibration
+    return _fit_collective_factors(topo, res.calibration, [ln for ln in lines if ln["op"] not in _LINK_OPS])
+
+
+def _fit_collective_factors(topo: Topology, cal: Calibration, lines: list[dict[str, Any]]) -> Calibration:
+    """Each measured collective's own bandwidth factor (Calibration.collective_bw_eff) on top of the shared fit.
+
+    With the shared factors fixed, a point of `op` takes t(g) = l + g b, g = 1 / factor: b its bandwidth term
+    (twice what halving the time's bandwidth term saves), l the rest. Over the points where b is at least
+    half the modelled time, the g that minimises their squared relative error has a closed form."""
+    factors = {}
+    for op in sorted({ln["op"] for ln in lines}):
+        num = den = 0.0
+        for ln in (x for x in lines if x["op"] == op):
+            for pt in ln["points"]:
+                t1, t2 = (_op_time(topo, cal, op, ln["ranks"], pt["bytes"], f) for f in (1.0, 2.0))
+                b = 2 * (t1 - t2)
+                if b < t1 - b:
+                    continue  # latency-bound: the shared fit's latencies price it, and noise would set the factor
+                u, v = b / pt["seconds"], 1 - (t1 - b) / pt["seconds"]
+                num, den = num + u * v, den + u * u
+        if den > 0 and num > 0:
+            factors[op] = float(f"{min(20.0, max(0.05, den / num)):.4g}")
+    return dataclasses.replace(cal, collective_bw_eff=factors)
+
+
+def _op_time(topo: Topology, cal: Calibration, op: str, ranks: list[int], nbytes: float, factor: float) -> float:
+    m = CommModel(topo, dataclasses.replace(cal, collective_bw_eff={op: factor}))
+    return m.p2p(nbytes, *ranks) if op == "p2p" else getattr(m, op)(nbytes, ranks)

@@ -1,6 +1,6 @@
 """What one rank of the probe measures, with the default process group up: the rank's device (matmul FLOP/s
-by dtype and size, a per-op overhead, a stream copy's bandwidth, an optimizer step's, the fixed memory of the
-process) and its share
+by dtype and size, a per-op overhead, a stream copy's bandwidth, an optimizer step's, PowerSGD's product's, the
+fixed memory of the process) and its share
 of the collectives (every group of `sweep.groups_by_level` at once, through the runtime's collectives shim,
 the calls the generated programs make).
 
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cost_models.optimizer import optimizer_step_bytes
+from cost_models.powersgd import POWERSGD_RANK
 from partitioner.probe.sweep import Sweep
 from runtime.comm.collectives import Collectives
 
@@ -37,7 +38,7 @@ def measure_rank(sweep: Sweep, groups: dict[str, dict[int, list[list[int]]]], de
     out: dict[str, Any] = {"rank": dist.get_rank(), "device": str(device), "fixed_process_bytes": fixed,
                            "matmul": _matmuls(sweep, device), "op_overhead_s": _op_overhead(device),
                            "stream": _stream(sweep, device), "elementwise": _elementwise(sweep, device),
-                           "optimizer": _optimizer_step(sweep, device),
+                           "optimizer": _optimizer_step(sweep, device), "lowrank": _lowrank(sweep, device),
                            "overlap": _overlap(sweep, device), "attention": _attention(sweep, device),
                            "collectives": []}
     comm = Collectives()
@@ -169,6 +170,19 @@ def _optimizer_step(sweep: Sweep, device: torch.device, tensors: int = 8) -> dic
     dist.barrier()
     s = _time(opt.step, device, sweep.repeats)
     return {"bytes": float(optimizer_step_bytes("adamw", "fp32") * n * tensors), "seconds": s}
+
+
+def _lowrank(sweep: Sweep, device: torch.device) -> dict[str, float]:
+    """PowerSGD's product P = M Q on about `stream_bytes` of fp32 matrices (1024 x 1024, batched as the runtime
+    stacks same-shape gradients) by r = 4 columns (cost_models.powersgd.POWERSGD_RANK): the bytes of M it reads.
+    Memory bound, but a CPU's GEMM library does not stream it as its elementwise kernels stream."""
+    n = 1024
+    batch = max(1, sweep.stream_bytes // (4 * n * n))
+    m = torch.randn(batch, n, n, device=device)
+    q = torch.randn(batch, n, POWERSGD_RANK, device=device)
+    dist.barrier()
+    s = _time(lambda: torch.bmm(m, q), device, sweep.repeats)
+    return {"bytes": float(4 * m.numel()), "seconds": s}
 
 
 def _elementwise(sweep: Sweep, device: torch.device) -> dict[str, float]:

@@ -29,10 +29,12 @@ MATMUL_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 class Sweep:
     """The probe's sizes and repeats.
 
-    message_bytes: the collectives' full buffers (nccl-tests' sizes, 4 KiB to 16 MiB by 4x; a cluster run may
-        pass larger). matmul_sizes: n of the n x n x n products per dtype
+    message_bytes: the collectives' full buffers (nccl-tests' sizes, 4 KiB to 64 MiB by 4x, as large as the
+        gradient buckets and gathered logits a small model's plan sends; a cluster run may pass larger).
+        matmul_sizes: n of the n x n x n products per dtype
         ("fp8": e4m3 codes through torch._scaled_mm, measured only where the device has FP8 tensor cores). stream_bytes: the buffer the memory
-        bandwidth copy moves, and the fp32 parameters the optimizer step is timed on; elementwise_bytes:
+        bandwidth copy moves, the fp32 parameters the optimizer step and the matrices PowerSGD's product are
+        timed on; elementwise_bytes:
         the operands of the memory-bound ops timed; overlap_bytes: the all-reduce hidden behind matmuls;
         attention_shape: (batch, heads, sequence, head dim) of the fused attention timed. repeats: timed runs per
         point (the median is kept), after one untimed.
@@ -40,7 +42,7 @@ class Sweep:
         probe stays within about a minute on a slow machine.
     """
 
-    message_bytes: tuple[int, ...] = tuple(4096 * 4 ** k for k in range(7))
+    message_bytes: tuple[int, ...] = tuple(4096 * 4 ** k for k in range(8))
     matmul_sizes: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     stream_bytes: int = 32 * 2 ** 20
