@@ -3,6 +3,7 @@ request, refused where the runtime cannot run it, saved and printed with the pla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -226,3 +227,20 @@ def test_powersgd_cost_model_needs_shapes_and_the_one_hierarchical_form():
     int4 = all_reduce_time(lr.numel, range(32), cm, {"inter_node": "int4"})
     assert hier.wire_s < int4.wire_s and hier.kernel_s > int4.kernel_s  # fewer bytes, more matrix work
     assert wire_bytes("powersgd", low_rank=lr) == pytest.approx(4 * lr.fraction)
+
+
+def test_powersgd_products_run_at_their_measured_rate():
+    """lowrank_eff (partitioner probe: a matrix by r columns against the elementwise ops) slows the three product
+    passes alone: at 1/4 of the elementwise rate the six passes cost 3 x 4 + 3 = 15 where they cost 6."""
+    from cost_models.calibration import Calibration
+    from cost_models.memory import DDP_BUCKET_BYTES
+    from cost_models.powersgd import powersgd_kernel_time
+
+    topo = Topology.parse("local:4")
+    lr = low_rank([(1024, 1024)] * 8)
+    streaming = Calibration.for_device("CPU")
+    slow = dataclasses.replace(streaming, lowrank_eff=0.25)
+    batches = min(lr.matrices, math.ceil(4 * lr.numel / DDP_BUCKET_BYTES))  # 10 launches each
+    body = [powersgd_kernel_time(lr, CommModel(topo, c)) - c.compress_launch_s - 10 * batches * c.launch_overhead_s
+            for c in (streaming, slow)]
+    assert body[1] / body[0] == pytest.approx(15 / 6)
