@@ -65,7 +65,8 @@ _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     # ~1.7 GB/s of fp32 per pass measured on this project's machine, of its 20 GB/s "HBM" (devices.py).
     # torch.optim.AdamW (foreach, torch's default on CPU too) steps gpt_small's 5.29M fp32 parameters in 23.9 ms on one
     # thread of this machine: 6.2 GB/s at 28 B per parameter, 0.31 of the 20 GB/s (for-loop 6.4, fused=True 32).
-    "CPU": {"compress_mem_eff": 0.085, "optimizer_eff": 0.31},  # 1.7e9 / 20e9; 6.2e9 / 20e9
+    # PowerSGD's product (bmm of gpt_small's 5.28M gradient elements by 4 columns, 3 passes) runs at ~4.5 GB/s there.
+    "CPU": {"compress_mem_eff": 0.085, "optimizer_eff": 0.31, "lowrank_eff": 0.22},  # 1.7, 6.2, 4.5 GB/s / 20e9
     # Measured by `partitioner probe` on one H100 80GB HBM3 (SXM) with torch 2.11 (docs/benchmarks.md, "On a lent
     # H100"): large GEMMs at 73 % (bf16), 69 % (fp16), 77 % (fp32) of the datasheet peaks; torch's elementwise
     # kernels at 82 % of HBM; fused causal attention (SDPA, 2 x 16 heads x 4096 x 128, fwd+bwd) at 690 TFLOP/s
@@ -169,9 +170,10 @@ class Calibration:
           (HBM x device_speed x mem_eff) their passes over the matrix reach.
           They are memory bound (2 r FLOP per 4 bytes, under every device's
           ridge point); 1 where they stream like the elementwise kernels (the
-          presets). A CPU's GEMM library runs them far slower: one thread of
-          this project's machine multiplies at ~4.5 GB/s where its
-          elementwise kernels stream ~20 (`partitioner probe` measures it).
+          GPU presets). A CPU's GEMM library runs them far slower: one thread
+          of this project's machine multiplies at ~4.5 GB/s where its
+          elementwise kernels stream ~20, the CPU preset's 0.22; four ranks on
+          its two cores at 2.5 (`partitioner probe` measures it).
           The residual's passes stream at `mem_eff`, the FLOP term uses
           `matmul_eff_max` of the fp32 peak, and each of its ~10 kernels per
           batch of same-shape matrices costs `launch_overhead_s`.

@@ -238,7 +238,7 @@ def test_powersgd_products_run_at_their_measured_rate():
 
     topo = Topology.parse("local:4")
     lr = low_rank([(1024, 1024)] * 8)
-    streaming = Calibration.for_device("CPU")
+    streaming = dataclasses.replace(Calibration.for_device("CPU"), lowrank_eff=1.0)
     slow = dataclasses.replace(streaming, lowrank_eff=0.25)
     batches = min(lr.matrices, math.ceil(4 * lr.numel / DDP_BUCKET_BYTES))  # 10 launches each
     body = [powersgd_kernel_time(lr, CommModel(topo, c)) - c.compress_launch_s - 10 * batches * c.launch_overhead_s
