@@ -2,7 +2,7 @@
 
     python bench/autotune_fidelity.py                    # the example GPT on local:4 (about 5 minutes)
     python bench/autotune_fidelity.py --model examples/gpt.py:gpt_tiny --topology local:2 --trials 4
-    python bench/autotune_fidelity.py --model examples/mlp.py:mlp --trials 3 --calibration probe.json
+    python bench/autotune_fidelity.py --model examples/gpt.py:gpt_tiny --trials 3 --calibration probe.json
 
 Runs `autotune` in a fresh database, then prints per trial the step time and
 the worst rank's peak memory: measured, predicted before calibration and

@@ -156,8 +156,7 @@ def _fit_links(topo: Topology, cal: Calibration, lines: list[dict[str, Any]]) ->
 
     def predict(c: Calibration) -> list[float]:
         m = CommModel(topo, c)
-        return [m.p2p(pt["bytes"], *ln["ranks"]) if ln["op"] == "p2p" else
-                getattr(m, ln["op"])(pt["bytes"], ln["ranks"]) for ln, pt in points]
+        return [_priced(m, ln["op"], ln["ranks"], pt["bytes"]) for ln, pt in points]
 
     # Start the extra latencies off their floor: the fit works on log factors, and a factor at 1e-8 s moves no
     # time enough for its effect to be seen. Many points per factor and no prior: the sweep is the truth.
@@ -190,5 +189,9 @@ def _fit_collective_factors(topo: Topology, cal: Calibration, lines: list[dict[s
 
 
 def _op_time(topo: Topology, cal: Calibration, op: str, ranks: list[int], nbytes: float, factor: float) -> float:
-    m = CommModel(topo, dataclasses.replace(cal, collective_bw_eff={op: factor}))
+    return _priced(CommModel(topo, dataclasses.replace(cal, collective_bw_eff={op: factor})), op, ranks, nbytes)
+
+
+def _priced(m: CommModel, op: str, ranks: list[int], nbytes: float) -> float:
+    """What the comm model says one measured point of the sweep takes (a send goes between its two ranks)."""
     return m.p2p(nbytes, *ranks) if op == "p2p" else getattr(m, op)(nbytes, ranks)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from cost_models.calibration import COLLECTIVE_OPS
 from cost_models.errors import PartitionerError
 from cost_models.topology import Topology
 
 __all__ = ["COLLECTIVES", "MATMUL_DTYPES", "Sweep", "groups_by_level"]
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+COLLECTIVES = tuple(op for op in COLLECTIVE_OPS if op != "broadcast")  # no plan prices a broadcast
 
 
 MATMUL_DTYPES = ("fp32", "bf16", "fp16", "fp8")
