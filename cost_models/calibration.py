@@ -73,19 +73,21 @@ _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     # counted over the full L x S products, 345 TFLOP/s over the causal half the tracer counts now (FlashAttention-2's
     # convention; the ~35 % of peak Shah et al. 2024 report for it on an H100): attention_eff_max = 0.365 (0.73 / 2).
     # fp8: not probed on the H100; its GEMMs (torch._scaled_mm, e4m3) as measured on the H200 below, the same chip.
-    # optimizer_eff: not probed on the H100; torch's foreach AdamW as measured on the H200 below (its fraction of HBM
-    # is set by its kernel count, the same on the same chip).
+    # optimizer_eff and lowrank_eff: not probed on the H100; torch's foreach AdamW and PowerSGD's product as measured
+    # on the H200 below (each a fraction of HBM set by its kernels, the same on the same chip).
     "H100-80GB": {"matmul_eff_by_dtype": {"bf16": 0.73, "fp16": 0.69, "fp32": 0.77, "fp8": 0.64}, "mem_eff": 0.82,
-                  "attention_eff_max": 0.365, "optimizer_eff": 0.26},
+                  "attention_eff_max": 0.365, "optimizer_eff": 0.26, "lowrank_eff": 0.52},
     # Measured by `partitioner probe` on one H200 (SXM, 141 GB HBM3e) with torch 2.11 (docs/benchmarks.md, "On a
     # lent H200"): the same GH100 chip at the same clocks (devices.py), and its GEMM plateaus agree with the H100's
     # within 2 points (bf16 72 %, fp16 69 %, fp32 75 %); fp8 GEMMs at 64 % of the 1,979 TFLOP/s fp8 peak
     # (1,269 TFLOP/s, against bf16's 711: 1.78x); elementwise kernels at 83 % of its 4.8 TB/s; fused causal
     # attention at 745 TFLOP/s over the full products, 372 over the causal half the tracer counts
     # (attention_eff_max 0.40, 0.80 / 2); torch.optim.AdamW (foreach, its default) stepped 1.49e9 fp32 parameters in
-    # 32.8 ms inside the runtime: 1.27 TB/s at 28 B per parameter, 0.26 of 4.8 TB/s.
+    # 32.8 ms inside the runtime: 1.27 TB/s at 28 B per parameter, 0.26 of 4.8 TB/s. PowerSGD's product (torch.bmm of
+    # 1024 x 1024 fp32 matrices by 4 columns, the probe's lowrank_bytes_per_s) at 2.02 TB/s, 0.52 of the elementwise
+    # kernels' 3.92 TB/s (a later H200 probe, torch 2.11, 2026-11-26; docs/benchmarks.md).
     "H200-141GB": {"matmul_eff_by_dtype": {"bf16": 0.72, "fp16": 0.69, "fp32": 0.75, "fp8": 0.64}, "mem_eff": 0.83,
-                   "attention_eff_max": 0.40, "optimizer_eff": 0.26},
+                   "attention_eff_max": 0.40, "optimizer_eff": 0.26, "lowrank_eff": 0.52},
 }
 # The H800 is an H100 SXM5 with NVLink cut (devices.py): the same chip, clocks and HBM, so the H100's measured factors.
 _DEVICE_DEFAULTS["H800-80GB"] = _DEVICE_DEFAULTS["H100-80GB"]
