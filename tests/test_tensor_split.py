@@ -140,23 +140,26 @@ def test_example_gpt_without_bias():
     assert len(sp.collectives) == 4 * 4 + 1 + 1 + 3
 
 
-def test_logits_returned_without_a_loss_are_gathered_from_a_vocab_parallel_head():
-    """No loss in the graph: the LM head is column-parallel and its logits all-gathered for the caller (Megatron's
-    gather_output), so the tied matrix is split by vocab in both uses instead of kept whole on every rank."""
+def test_logits_returned_without_a_loss_reach_the_callers_loss_from_a_vocab_parallel_head():
+    """No loss in the graph: the LM head is column-parallel and its logits go to the caller's loss split over the
+    vocab, where a cross entropy all-reduces three numbers per token (torch's loss_parallel; an all-gather of the
+    logits only if the loss reads them otherwise), so the tied matrix is split by vocab in both uses instead of kept
+    whole on every rank."""
     model = gpt_mod.gpt_tiny()
     g = trace(model, gpt_mod.example_inputs(model, 2, 16))  # no targets: the logits are the output
     sp = find_splits(g)
     wte = sp.placement("transformer.wte.weight")
     assert (wte.spec, wte.role) == ("S(0)", "vocab_embedding") and "lm_head" in wte.reason
-    gathers = [c for c in sp.collectives if c.kind == "all_gather"]
-    assert len(gathers) == 1 and gathers[0].bytes(2, 16) == 2 * 16 * 1024 * 4  # b * s * vocab fp32 logits
+    assert not [c for c in sp.collectives if c.kind == "all_gather"]  # the logits are never gathered
+    stats = [c for c in sp.collectives if "split logits" in c.what]
+    assert len(stats) == 3 and all(c.kind == "all_reduce" and c.bytes(2, 16) == 2 * 16 * 4 for c in stats)
     assert sp.placement("transformer.h.0.mlp.c_fc.weight").role == "column"  # the blocks still split
     assert 1024 % max(sp.valid_tp()) == 0
 
 
 def test_a_vocab_that_would_narrow_the_tensor_degrees_keeps_the_tied_matrix_whole():
     """Vocab 1000 divides by 8 but not 16, while the 4 heads allow tp 4: fine. Vocab 1022 does not divide by 4:
-    gathering its logits would forbid tp 4, so the head and the tied embedding stay whole, saying how to fix it."""
+    splitting its logits would forbid tp 4, so the head and the tied embedding stay whole, saying how to fix it."""
     for vocab, split in ((1000, True), (1022, False)):
         model = gpt_mod.GPT(dataclasses.replace(gpt_mod.CONFIGS["gpt_tiny"], vocab_size=vocab))
         sp = find_splits(trace(model, gpt_mod.example_inputs(model, 2, 16)))

@@ -201,6 +201,7 @@ from runtime.pipeline.runner import PipelineRunner
 from runtime.pipeline.stage import StageModel, state_keys
 from runtime.pipeline.tensor_parallel import (TPContext, sp_gather, sp_scatter, sp_vocab_embedding, tp_chunk,
                                               tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding)
+from runtime.pipeline.vocab_logits import tp_vocab_logits
 {fp8_import(plan)}{attention_import(plan)}{cp_import(plan)}{ep_import(plan)}
 inf, nan = float("inf"), float("nan")
 

@@ -13,7 +13,13 @@ Used by `partitioner.codegen.segments` while it copies a segment's nodes:
 - a view, reshape, expand or split of a split tensor has its size on the
   split dim divided by tp (12 heads -> 12/tp; a fused 3*768 qkv split at 768
   -> split at 768/tp);
-- a model output that is split (vocab-parallel logits) is gathered by
+- a model output split along its last dim by the tensor splits
+  (vocab-parallel logits) is returned as this rank's slice, wrapped by
+  `tp_vocab_logits` (runtime.pipeline.vocab_logits): the user's loss_fn
+  sees the full logits, and its cross entropy runs vocab-parallel on the
+  slice, never gathering them, as the plan's memory assumes; any other use
+  reads them all-gathered. Any other split output (a token-split one under
+  sequence parallelism, a split along another dim) is gathered by
   `tp_gather`;
 - a replicated operand that needs no gradient and spans the split dim (an
   ALiBi bias or a mask with a heads dim) is read by `tp_chunk`: this rank's
@@ -33,7 +39,8 @@ not token-local reads the tokens gathered (`tp_gather`), a replicated operand
 that meets them is read by chunk (`tp_chunk`), and a replicated parameter
 applied to them through f.
 
-The functions named here live in `runtime.pipeline.tensor_parallel`; the planner must
+The functions named here live in `runtime.pipeline.tensor_parallel` (`tp_vocab_logits` in
+`runtime.pipeline.vocab_logits`); the planner must
 not import the runtime, so stand-ins with the same names carry them into the
 graph and the generated program imports the real ones.
 """
@@ -78,6 +85,10 @@ def tp_gather(x, dim, tp):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
+def tp_vocab_logits(x, tp):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
 def tp_chunk(x, dim, tp):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
@@ -102,8 +113,8 @@ def fp8_linear(x, weight, bias=None):
 # Tests switch this off to check that plan.verify catches the partial gradients it prevents.
 SUM_REPLICATED_GRADS = True
 
-RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather", "tp_chunk",
-                     "sp_gather", "sp_scatter", "sp_vocab_embedding", "fp8_linear")
+RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather", "tp_vocab_logits",
+                     "tp_chunk", "sp_gather", "sp_scatter", "sp_vocab_embedding", "fp8_linear")
 
 
 def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -285,11 +296,19 @@ class TensorParallelRewrite:
         return out
 
     def output(self, x: Any) -> Any:
-        """A model output; one split over the tensor group (vocab-parallel logits) is gathered for it."""
+        """A model output. One split over the tensor group along its last dim (vocab-parallel logits) is returned
+        as this rank's slice, which the loss_fn's cross entropy reads without a gather (`tp_vocab_logits`); one
+        split otherwise (by tokens, or along another dim) is gathered for it (`tp_gather`)."""
         if not isinstance(x, fx.Node):
             return x
         v = self.value(x)
-        d = self.dims.get(x.name, self.seq_dims.get(x.name))
-        if self.tp > 1 and d is not None:
+        if self.tp == 1:
+            return v
+        d = self.dims.get(x.name)
+        nd = getattr(x.meta.get("val"), "ndim", None)
+        if d is not None and nd and d % nd == nd - 1:
+            return self.graph.create_node("call_function", tp_vocab_logits, (v, self.tp_arg), name=f"{x.name}_logits")
+        d = self.seq_dims.get(x.name) if d is None else d
+        if d is not None:
             v = self.graph.create_node("call_function", tp_gather, (v, d, self.tp_arg), name=f"{x.name}_full")
         return v

@@ -54,10 +54,11 @@ split over the vocab, and the parallel cross entropy all-reduces three
 per-token fp32 numbers (max logit, sum of exp, target logit). A matmul
 that widens (output features >= input features, as vocab >= hidden) whose
 split output is a model output itself (logits returned, the loss computed
-outside the model) is a gathered LM head: column-parallel, its output
-all-gathered over the tensor group for the caller (Megatron's
-`gather_output`), when the vocab divides by every degree the rest of the
-model allows. A tied embedding / LM head is one parameter, S(0) in both
+outside the model) is an output LM head: column-parallel, its logits handed
+to the caller's loss split over the vocab, where a cross entropy runs
+vocab-parallel as above and any other op gathers them first
+(runtime.pipeline.vocab_logits; torch's `loss_parallel`), when the vocab
+divides by every degree the rest of the model allows. A tied embedding / LM head is one parameter, S(0) in both
 uses; uses that need different splits of one parameter replicate it.
 
 Limitations, from what an OpGraph records (shapes, not an op's dim
@@ -336,9 +337,10 @@ def _propagate(ctx: _Context, forbidden: dict[str, str], no_vocab: dict[str, str
 
 
 def _gathered_head(ctx: _Context, reg: _Region) -> bool:
-    """Whether a region ending at model outputs is an LM head worth gathering: outputs made after every block
-    (logits, not a block's value), by matmuls that widen (the gathered output is then cheaper than keeping the
-    weight whole on every rank: b*s*V bytes moved against V*h parameters, their gradients and optimizer state)."""
+    """Whether a region ending at model outputs is an LM head worth splitting: outputs made after every block
+    (logits, not a block's value), by matmuls that widen (split logits handed to the loss, which a cross entropy
+    reduces with three numbers per token and anything else gathers, b*s*V bytes at worst, are then cheaper than
+    keeping the weight whole on every rank: V*h parameters, their gradients and optimizer state)."""
     if any(ctx.node[o].block is not None for o in reg.outputs):
         return False
     for a in reg.producers:
@@ -416,7 +418,7 @@ def _check_gathered_vocab(ctx: _Context, res: _Pass) -> None:
             w = ctx.weighted[a]
             vocab = ctx.pshape[w.weight][w.out_dim]
             if any(vocab % t for t in allowed):
-                reg.failure = (f"its output reaches the model output at {reg.outputs[0]}, and gathering it splits "
+                reg.failure = (f"its output reaches the model output at {reg.outputs[0]}, and splitting it splits "
                                f"the vocab {vocab} over tp, which the other splits allow up to {max(allowed)}: pad "
                                f"the vocabulary to a multiple of {max(allowed)} to split it")
 
@@ -478,7 +480,7 @@ def _want(ctx: _Context, res: _Pass, n: OpNode, w: _Weighted | None, p: str,
                 return Placement(param=p, spec=str(Shard(0)), role="vocab_head",
                                  reason="bias of the vocab-parallel LM head: split with the vocab")
             where = ("into a parallel cross entropy, never gathered" if col.sinks else
-                     "and all-gathered for the model output (the loss is computed outside the model)")
+                     "into the caller's loss (a cross entropy there runs vocab-parallel; other ops gather them)")
             return Placement(param=p, spec=wspec, role="vocab_head",
                              reason=f"vocab-parallel LM head: logits split over the vocab {where}")
         if p != w.weight:
@@ -572,8 +574,13 @@ def _collectives(ctx: _Context, res: _Pass) -> tuple[TPCollective, ...]:
             out.append((pos[b], TPCollective(node=b, phase="forward", kind="all_reduce",
                                              bytes=_nbytes(ctx.node[b]), what=WHAT_G)))
         for o in reg.outputs:
-            out.append((pos[o], TPCollective(node=o, phase="forward", kind="all_gather", bytes=_nbytes(ctx.node[o]),
-                                             what="split model output gathered (logits)")))
+            # the logits go to the caller's loss split over the vocab (runtime.pipeline.vocab_logits); a cross
+            # entropy there, the loss of a model that returns logits, runs vocab-parallel: its three statistics
+            tokens = _prod(ctx.shape(o)[:-1])
+            for what in _CE_STATS:
+                out.append((pos[o], TPCollective(node=o, phase="forward", kind="all_reduce",
+                                                 bytes=tokens * _CE_STAT_BYTES,
+                                                 what=f"cross entropy over split logits: {what}")))
         for c in reg.sinks:
             logits = ctx.shape(ctx.node[c].inputs[0])
             tokens = _prod(x for i, x in enumerate(logits) if i != (1 if len(logits) >= 2 else 0))

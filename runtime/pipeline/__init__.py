@@ -8,4 +8,6 @@
   model's parameters;
 - `tensor_parallel.py`: the tensor group's collectives inside stage code (Megatron's f and g, the
   vocab-parallel embedding and cross entropy) and parameter sharding by placement.
+- `vocab_logits.py`: the vocab-split logits a tensor-parallel model returns, handed to the user's loss_fn
+  looking whole, so that its cross entropy runs vocab-parallel instead of gathering them.
 """

@@ -573,5 +573,8 @@ def tp_chunk(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
 
 
 def tp_gather(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
-    """A model output split over the tensor group (vocab-parallel logits), whole on every rank."""
+    """A value split over the tensor group along `dim`, whole on every rank, for a reader that needs it whole (a
+    model output split by tokens; vocab-split logits a loss_fn reads other than by a cross entropy:
+    runtime.pipeline.vocab_logits). Backward keeps this rank's slice of the gradient, which every rank computes
+    alike."""
     return _GatherOutput.apply(x, dim % x.dim(), tp)

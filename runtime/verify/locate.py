@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from runtime.pipeline.tensor_parallel import unshard_parameter
+from runtime.pipeline.vocab_logits import VocabSplitLogits, full_logits
 from runtime.verify.compare import Diff, compare, gathered_grads, leaves
 from runtime.verify.run import NoDropout, Setup, call_module, on_slices, zero_grads
 
@@ -226,7 +227,8 @@ def _gen_forward(st: Setup, stack: str | None, n: int, ref: dict[str, Any], t: i
             args = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
             for k, v in frame.f_locals.items():
                 if isinstance(v, torch.Tensor) and k not in rec and k not in args:
-                    rec[k] = v.detach().clone()
+                    # vocab-split logits as the slice they are, as the other split values: read outside the thread
+                    rec[k] = (v.to_local() if isinstance(v, VocabSplitLogits) else v).detach().clone()
         return local
 
     def tracer(frame, event, arg):  # only the generated functions: verify_run compiles them under this file name
@@ -245,7 +247,10 @@ def _gen_forward(st: Setup, stack: str | None, n: int, ref: dict[str, Any], t: i
     finally:
         sys.settrace(previous)
         cuts.remove()
-    return {"cuts": cuts, "out": x, "loss": st.loss(x), "traced": traced}
+    loss = st.loss(x)
+    with torch.no_grad():  # vocab-split logits gathered in the slice's thread: they are compared outside it
+        x = full_logits(x)
+    return {"cuts": cuts, "out": x, "loss": loss, "traced": traced}
 
 
 def _isolate(st: Setup, stack: str | None) -> tuple[str, str]:

@@ -30,6 +30,7 @@ from cost_models.errors import PartitionerError
 from runtime.engines.step import check_parameters
 from runtime.pipeline.program_module import exec_program
 from runtime.pipeline.tensor_parallel import TPContext
+from runtime.pipeline.vocab_logits import full_logits
 from runtime.verify.local_collectives import LocalCollectiveError, LocalCollectives, LocalGroup
 
 __all__ = ["Facts", "NoDropout", "Setup", "VerifyError", "call_module", "generic_loss", "on_slices", "plan_facts",
@@ -137,7 +138,8 @@ class Setup:
     def loss(self, out: Any) -> torch.Tensor:
         if self.loss_fn is not None:
             return self.loss_fn(out, self.targets) if self.targets is not None else self.loss_fn(out)
-        return generic_loss(out)
+        # a weighting of every element reads vocab-split logits whole: gathered on purpose, not warned about
+        return generic_loss(full_logits(out))
 
 
 def generic_loss(out: Any) -> torch.Tensor:
@@ -307,6 +309,10 @@ def run_generated(st: Setup, t: int) -> tuple[Any, torch.Tensor]:
     with _raising(st, st.num_stages - 1, t, "loss and backward"):
         loss = st.loss(x)
         loss.backward()
+        # vocab-split logits (runtime.pipeline.vocab_logits) gathered here, in every slice's thread: the caller
+        # compares the outputs outside them, where a gather would wait for ever for the other slices
+        with torch.no_grad():
+            x = full_logits(x)
     for s in range(st.num_stages - 2, -1, -1):
         nxt = ins[s + 1]
         if outs[s].requires_grad:
