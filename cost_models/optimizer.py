@@ -21,7 +21,7 @@ from cost_models.errors import PartitionerError
 from cost_models.memory import OPTIMIZERS as STATE_KINDS, model_state_bytes
 from cost_models.specs import DeviceSpec
 
-__all__ = ["optimizer_step_bytes", "optimizer_bytes_per_s"]
+__all__ = ["gradient_buffer_bytes", "optimizer_step_bytes", "optimizer_bytes_per_s"]
 
 
 def optimizer_step_bytes(optimizer: str, precision: str) -> int:
@@ -70,3 +70,34 @@ def optimizer_bytes_per_s(optimizer: str, device: DeviceSpec, cal: Calibration) 
     """
     eff = cal.mem_eff if optimizer == "sgd" else cal.optimizer_eff
     return device.hbm_bytes_per_s * cal.device_speed * eff
+
+
+def gradient_buffer_bytes(precision: str, zero_stage: int) -> tuple[int, int]:
+    """(bytes per parameter per microbatch, per step) the data-parallel engine moves around its gradient
+    buffers, beyond the model's ops and the optimizer step: elementwise, at the memory rate.
+
+    Per microbatch, each parameter's gradient (the compute dtype, e_c bytes an element) is added into its
+    flat buffer in the gradients' dtype (e_m: fp32, or the compute dtype under pure bf16), in the hook of its
+    accumulation (runtime.engines.dp_buckets): e_c read, e_m read and written. ZeRO-2 also zeroes a fresh
+    buffer each microbatch (its reduce-scatter takes the last one); ZeRO-3 casts each unit's gradient to
+    e_m for its reduce-scatter (runtime.engines.zero3) and adds nothing. Per step, DDP and ZeRO-1 zero their
+    buffers, and mixed-precision DDP copies the fp32 masters into the 16-bit parameters (e_m read, e_c
+    written; at ZeRO >= 1 the updated shards reach the parameters through the all-gather). On an H200 these
+    were about a third of what one Llama layer took beyond the plan (docs/benchmarks.md, "The third lent
+    H200").
+
+    >>> gradient_buffer_bytes("bf16-mixed", 0), gradient_buffer_bytes("fp32", 0), gradient_buffer_bytes("bf16", 0)
+    ((10, 10), (12, 4), (6, 2))
+    >>> gradient_buffer_bytes("bf16-mixed", 2), gradient_buffer_bytes("bf16-mixed", 3)
+    ((14, 0), (6, 0))
+    """
+    if precision not in PRECISIONS:
+        raise PartitionerError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
+    e_c = 4 if precision == "fp32" else 2
+    e_m = 2 if precision == "bf16" else 4
+    if zero_stage == 3:
+        return e_c + e_m, 0
+    if zero_stage == 2:
+        return e_c + 3 * e_m, 0
+    mixed = e_c != e_m
+    return e_c + 2 * e_m, e_m + ((e_m + e_c) if zero_stage == 0 and mixed else 0)

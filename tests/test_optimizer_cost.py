@@ -7,7 +7,7 @@ import pytest
 
 from cost_models.calibration import Calibration
 from cost_models.errors import PartitionerError
-from cost_models.optimizer import optimizer_bytes_per_s, optimizer_step_bytes
+from cost_models.optimizer import gradient_buffer_bytes, optimizer_bytes_per_s, optimizer_step_bytes
 from partitioner import Topology
 from partitioner.planner.declarations import Declarations
 from partitioner.planner.search import enumerate_candidates
@@ -31,8 +31,8 @@ def test_unknown_optimizer_or_precision_is_refused_naming_the_choices():
         optimizer_step_bytes("adam", "int8")
 
 
-def _optimizer_s(g, *, optimizer="adam", precision="fp32", cal=None, dp=1, zero_stage=0) -> tuple[float, float]:
-    """(the optimizer step's seconds in the one stage's tail, the parameters it holds) on dp x A100s."""
+def _stage(g, *, optimizer="adam", precision="fp32", cal=None, dp=1, zero_stage=0):
+    """The one stage's StageCost on dp x A100s, and the elementwise rate its engine's buffers are priced at."""
     topo = Topology.parse(f"{dp}xA100-80GB")
     splits = find_splits(g)
     ctx = CostContext(g, topo, splits, precision=precision, optimizer=optimizer, seq_len=g.traced_seq_len,
@@ -41,8 +41,37 @@ def _optimizer_s(g, *, optimizer="adam", precision="fp32", cal=None, dp=1, zero_
     cand = next(iter(enumerate_candidates(decl, world_size=dp, devices_per_node=dp, num_units=len(ctx.units),
                                           valid_tp=(1,))))
     ev = StageEvaluator(ctx, cand)
-    st = ev.stage(0, len(ctx.units), 0)
-    return st.tail_s - st.exposed_comm_s, st.params
+    return ev.stage(0, len(ctx.units), 0), topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
+
+
+def _optimizer_s(g, *, optimizer="adam", precision="fp32", cal=None, dp=1, zero_stage=0) -> tuple[float, float]:
+    """(the optimizer step's seconds in the one stage's tail, the parameters it holds) on dp x A100s: the tail
+    less its exposed communication and the engine's per-step work on its buffers (the test below)."""
+    st, rate = _stage(g, optimizer=optimizer, precision=precision, cal=cal, dp=dp, zero_stage=zero_stage)
+    settle = st.params * gradient_buffer_bytes(precision, zero_stage)[1] / rate
+    return st.tail_s - st.exposed_comm_s - settle, st.params
+
+
+@pytest.mark.parametrize("precision,zero_stage", [("fp32", 0), ("bf16-mixed", 0), ("bf16-mixed", 2),
+                                                  ("bf16-mixed", 3)])
+def test_the_engines_gradient_buffers_are_charged_per_microbatch_and_per_step(meta_gpt_graph, precision, zero_stage,
+                                                                             monkeypatch):
+    """Each microbatch's gradients added into the engine's buckets lengthen the backward; the step's zeroing and
+    master copy lengthen the tail (cost_models.optimizer.gradient_buffer_bytes, at the elementwise rate)."""
+    import partitioner.planner.stage_costs as stage_costs
+
+    cal = Calibration(mem_eff=0.5)
+    per_mb, per_step = gradient_buffer_bytes(precision, zero_stage)
+    assert per_mb > 0 and (per_step > 0) == (zero_stage <= 1)
+    st, rate = _stage(meta_gpt_graph, precision=precision, cal=cal, dp=2, zero_stage=zero_stage)
+    monkeypatch.setattr(stage_costs, "gradient_buffer_bytes", lambda precision, zero_stage: (0, 0))
+    bare, _ = _stage(meta_gpt_graph, precision=precision, cal=cal, dp=2, zero_stage=zero_stage)
+    assert st.forward_s == bare.forward_s
+    assert st.backward_s - bare.backward_s == pytest.approx(st.params * per_mb / rate, rel=1e-9)
+    shard = st.params / (2 if zero_stage else 1)
+    optim = shard * optimizer_step_bytes("adam", precision) / optimizer_bytes_per_s(
+        "adam", Topology.parse("2xA100-80GB").device, cal)
+    assert st.tail_s - st.exposed_comm_s == pytest.approx(optim + st.params * per_step / rate, rel=1e-9)
 
 
 def test_the_stage_tail_charges_the_closed_form(meta_gpt_graph):

@@ -229,6 +229,19 @@ def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5,
             ranked.append((cut.step_time_s, simple, cand, cut))
             ranked.sort(key=lambda x: (x[0], x[1]))
             del ranked[keep:]
+    if bounds is None:
+        # The first pass's rule (each chunk within 1/v of the memory) can force a rank's chunks apart in size where
+        # one chunk holds more than the others (the embedding's), so the cut it finds may be far slower than one
+        # the looser rule accepts: the leaders with several chunks per rank whose slowest chunk is well above the
+        # average are cut again the loose way (a balanced cut has nothing to gain, and is the common case).
+        evs = {id(cand): ev for _, _, cand, ev in order}
+        for k, (t, simple, cand, cut) in enumerate(ranked):
+            ev, cs = evs[id(cand)], [st.c for st in cut.stages]
+            if ev.num_stages > cand.pp and max(cs) > 1.02 * max(sum(cs) / len(cs), ev.arrays.max_unit_c):
+                better = _cut_loose(ctx, ev, incumbent=t * (1 - 1e-9))
+                if better is not None and better.step_time_s < t:
+                    ranked[k] = (better.step_time_s, simple, cand, better)
+        ranked.sort(key=lambda x: (x[0], x[1]))
     scored = tuple(Scored(cand=c, cut=cut, compression=cut.stages[0].compression) for _, _, c, cut in ranked)
     missed = _over_memory(ctx, order, scored, limit=over_memory) if over_memory and scored else ()
     return SearchResult(ranked=scored, evaluated=evaluated, space=len(candidates), over_memory=missed)

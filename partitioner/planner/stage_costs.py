@@ -66,7 +66,7 @@ from cost_models.memory import (
     process_fixed_bytes,
 )
 from cost_models.mesh import Mesh
-from cost_models.optimizer import optimizer_bytes_per_s, optimizer_step_bytes
+from cost_models.optimizer import gradient_buffer_bytes, optimizer_bytes_per_s, optimizer_step_bytes
 from cost_models.powersgd import LowRank
 from partitioner.planner.context_split import local
 from partitioner.planner.declarations import SPLIT_BACKWARD
@@ -207,6 +207,14 @@ class StageEvaluator:
         # seconds of the optimizer step per parameter this rank steps (cost_models.optimizer)
         self._optim_s = optimizer_step_bytes(ctx.optimizer, ctx.precision) / optimizer_bytes_per_s(
             ctx.optimizer, ctx.topo.device, ctx.cal)
+        # seconds per parameter the engine's gradient buffers take per microbatch (in the backward's hooks) and per
+        # step (cost_models.optimizer.gradient_buffer_bytes), at the elementwise rate; none where no engine runs
+        # (async SGD's own; runtime.engines.unreplicated: pipeline / tensor-parallel programs at dp = 1 in fp32)
+        engine = not ctx.async_sgd and not (cand.replicas == 1 and ctx.precision == "fp32" and
+                                            (cand.pp > 1 or cand.tp > 1))
+        per_mb, per_step = gradient_buffer_bytes(ctx.precision, cand.zero_stage) if engine else (0, 0)
+        rate = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
+        self._accum_s, self._settle_s = per_mb / rate, per_step / rate
         dev = ctx.topo.device  # the context and the collective buffers of each group this rank talks in
         self._fixed = process_fixed_bytes(process_bytes=dev.process_bytes, comm_buffer_bytes=dev.comm_buffer_bytes,
                                           communicators=sum(d > 1 for d in (cand.replicas, cand.tp, cand.pp, cand.cp)))
@@ -236,11 +244,15 @@ class StageEvaluator:
         # microbatch in flight it keeps one output-sized tensor (the pipeline executor the output
         # until that microbatch's backward, the step runner a cross-entropy's log-softmax); the
         # backward of a cross-entropy then holds two more output-sized tensors at once (the
-        # gradients of the log-softmax and of the logits); full size under tensor parallelism, where
-        # the loss sees gathered outputs. Measured on the example GPT with runtime.launch.memory_probe.
-        # Under context parallelism each rank's loss sees its own tokens' outputs.
-        out = local(ctx.g.nodes[-1].cost.bytes_written, cand.microbatch_size, ctx.seq, cand.cp) * ctx.scale \
-            if ctx.g.nodes else 0.0
+        # gradients of the log-softmax and of the logits). Measured on the example GPT with
+        # runtime.launch.memory_probe. Under context parallelism each rank's loss sees its own tokens' outputs.
+        # Logits split over the vocab (tp > 1, an output LM head) reach the loss split: a cross entropy then runs
+        # vocab-parallel (runtime.pipeline.vocab_logits) on this rank's 1/tp, in fp32 (its softmax kept for the
+        # backward, as Megatron's), so the same three tensors at 4 B an element.
+        last = ctx.g.nodes[-1] if ctx.g.nodes else None
+        out = local(last.cost.bytes_written, cand.microbatch_size, ctx.seq, cand.cp) * ctx.scale if last else 0.0
+        if last is not None and cand.tp > 1 and last.name in ctx.splits.sharded_nodes:
+            out *= (4 / self._param_bytes) / cand.tp
         self._loss_kept, self._loss_work = out, 2 * out
 
     def lower_bound(self) -> float:
@@ -258,13 +270,14 @@ class StageEvaluator:
                                   zero_stage=c.zero_stage, dp=c.replicas).total
         if state * v + self._fixed > ctx.memory_cap:
             return math.inf
-        tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_s
+        tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_s + avg * self._settle_s
         if c.zero_stage in (1, 2) and c.replicas > 1 and c.ep == 1:
             # (under ep the expert parameters gather over a smaller group: left out, so this stays a bound)
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
-        full = (m * v - 1) * max(self.total_c / S, self.arrays.max_unit_c) + self.total_c * self.sum_weight + tail
+        total_c = self.total_c + self._par[-1] * self._accum_s  # the engine's gradient buffers, every microbatch
+        full = (m * v - 1) * max(total_c / S, self.arrays.max_unit_c) + total_c * self.sum_weight + tail
         # with part of the idle time charged, the least the busiest rank works (the average) bounds it
-        busy = m * self.total_c / c.pp + tail
+        busy = m * total_c / c.pp + tail
         return busy + ctx.cal.pipeline_idle_cost * (full - busy) if c.pp > 1 else full
 
     def dp_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
@@ -335,6 +348,7 @@ class StageEvaluator:
                 root += inside[0] if len(inside) > 1 and not in_block else 0.0
             params -= drop
             rest -= 0.0 if in_block else drop_rest
+        b += params * self._accum_s  # the engine's gradient buffers, each parameter's once (a tied one too)
         v = cand.interleave
         inflight = self._inflight[k]
         expert = self._epar[j] - self._epar[i] if self._epar else 0.0
@@ -632,7 +646,7 @@ class StageEvaluator:
                 hidden = 0.0 if group_compressor(option) != "none" else overlap * b  # compressed: synchronous
                 exposed[option] = per_step * (max(0.0, wire - hidden) + kernel) + gather
         shard = params / (cand.replicas if z >= 1 else 1)
-        optim = shard * self._optim_s
+        optim = shard * self._optim_s + params * self._settle_s
         return exposed, optim
 
     def _expert_tail(self, expert: float, f: float, b: float, units: int) -> tuple[float, float]:
