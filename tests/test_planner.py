@@ -146,6 +146,26 @@ def test_interleaved_ranks_fit_by_the_sum_of_their_stages():
     assert max(m.total for m in tight.rank_memory().values()) <= cap
 
 
+def test_interleaved_chunks_stay_balanced_where_the_first_memory_rule_would_force_them_apart():
+    """Llama-3-70B, tp4 pp8 x 5 chunks on 64 H100s, as Megatron-Bridge trains it: under the first pass's rule (each
+    chunk within 1/5 of the cap) the chunk holding the embedding cannot take two layers, which pushed a third layer
+    onto other chunks (1-3 layers each, 38.0 s a step by the plan). The leader is cut again under the rank-sum
+    rule: every chunk two layers, the chunks with the embedding or the head within a layer of the rest."""
+    import transformers as T
+
+    cfg = T.LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, use_cache=False)
+    with torch.device("meta"):
+        model = T.LlamaForCausalLM(cfg)
+    plan = compile(model, "8x8xH100-80GB", example_inputs=(torch.zeros(1, 8192, dtype=torch.long, device="meta"),),
+                   global_batch_size=256, tp=4, pp=8, dp=2, zero_stage=0, microbatch_size=1, precision="bf16-mixed",
+                   schedule="interleaved-1f1b", interleave=5, recompute="full")
+    layers = [sum(b.startswith("model.layers.") for b in st.blocks) for st in plan.stages]
+    assert layers == [2] * 40, layers
+    cs = [st.forward_s + st.backward_s for st in plan.stages]
+    assert max(cs) < 1.5 * min(cs)  # the head's chunk: its two layers and the LM head
+
+
 def test_memory_cap_is_respected_and_binds(small):
     loose = compile(small, "local:4", global_batch_size=32, max_memory_fraction=0.9)
     cap = loose.predicted.peak_memory_bytes * 0.6 / (8 * GiB)
