@@ -72,7 +72,7 @@ def _balanced(ev: StageEvaluator, n: int, S: int) -> Cut | None:
     """Equal-time cut by cumulative compute: a quick incumbent for pruning."""
     total = ev.total_c
     bounds = [0]
-    acc = [ev._f[u] + ev._b[u] for u in range(n + 1)]
+    acc = [ev._f[u] + ev._b[u] + ev.engine_floor[u] for u in range(n + 1)]
     for k in range(1, S):
         target = total * k / S
         u = min(range(bounds[-1] + 1, n - (S - k) + 1), key=lambda x: abs(acc[x] - target))
@@ -104,7 +104,7 @@ def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf,
     slope = m * v - 1
     c_min_total = ev.total_c  # sum of c without p2p; any cut has sum c >= this
     c_limit = (bound - c_min_total * ev.sum_weight) / slope * (1 + 1e-12) if slope > 0 and math.isfinite(bound) else math.inf
-    pre = [ev._f[u] + ev._b[u] for u in range(n + 1)]  # compute without p2p: a lower bound on c
+    pre = [ev._f[u] + ev._b[u] + ev.engine_floor[u] for u in range(n + 1)]  # without p2p: a lower bound on c
     # front[j]: points (max_c, max_tail, sum_c, bounds) reaching unit j with k stages
     front: dict[int, list[tuple[float, float, float, tuple[int, ...]]]] = {0: [(0.0, 0.0, 0.0, (0,))]}
     for k in range(S):

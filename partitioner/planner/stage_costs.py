@@ -215,6 +215,18 @@ class StageEvaluator:
         per_mb, per_step = gradient_buffer_bytes(ctx.precision, cand.zero_stage) if engine else (0, 0)
         rate = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
         self._accum_s, self._settle_s = per_mb / rate, per_step / rate
+        # a floor on the units' share of that per microbatch, as prefix sums: their parameters less every one read
+        # by several units (a stage holds those once, or not at all where another stage ties them), so the cut
+        # search's bounds stay bounds
+        floor = [0.0] * len(arr.par)
+        for users in arr.shared:
+            for u, size in users:
+                floor[u + 1] += size
+        less = 0.0
+        self.engine_floor = []
+        for u, par in enumerate(arr.par):
+            less += floor[u]
+            self.engine_floor.append(max(0.0, par - less) * self._accum_s)
         dev = ctx.topo.device  # the context and the collective buffers of each group this rank talks in
         self._fixed = process_fixed_bytes(process_bytes=dev.process_bytes, comm_buffer_bytes=dev.comm_buffer_bytes,
                                           communicators=sum(d > 1 for d in (cand.replicas, cand.tp, cand.pp, cand.cp)))
@@ -274,7 +286,7 @@ class StageEvaluator:
         if c.zero_stage in (1, 2) and c.replicas > 1 and c.ep == 1:
             # (under ep the expert parameters gather over a smaller group: left out, so this stays a bound)
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
-        total_c = self.total_c + self._par[-1] * self._accum_s  # the engine's gradient buffers, every microbatch
+        total_c = self.total_c + self.engine_floor[-1]  # the engine's gradient buffers, every microbatch
         full = (m * v - 1) * max(total_c / S, self.arrays.max_unit_c) + total_c * self.sum_weight + tail
         # with part of the idle time charged, the least the busiest rank works (the average) bounds it
         busy = m * total_c / c.pp + tail
