@@ -440,6 +440,16 @@ def test_cross_entropy_shape_error():
         vocab_parallel_cross_entropy(torch.zeros(2, 3, 5), torch.zeros(6, dtype=torch.long), 0, None, Collectives())
 
 
+def test_cross_entropy_sum_matches_torch_and_per_token_is_refused():
+    logits, targets = torch.randn(6, 5, dtype=torch.float64), torch.tensor([0, 4, IGNORE, 2, 1, IGNORE])
+    z, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    vocab_parallel_cross_entropy(z, targets, 0, None, Collectives(), ignore_index=IGNORE, reduction="sum").backward()
+    F.cross_entropy(ref, targets, ignore_index=IGNORE, reduction="sum").backward()
+    torch.testing.assert_close(z.grad, ref.grad)
+    with pytest.raises(ValueError, match="reduction='none': 'mean' or 'sum'"):
+        vocab_parallel_cross_entropy(logits, targets, 0, None, Collectives(), reduction="none")
+
+
 def test_embedding_alone_matches_torch():
     wte, ids, _ = _vocab_case()
     w = wte.clone().requires_grad_()

@@ -6,10 +6,11 @@ in-place ops and targets outside the vocabulary are refused; repr and hash run n
 with no peer breaks on one, as the ops that read the logits gathered show); the code returns vocab-split
 logits wrapped and still gathers a token-split output; plan.verify hands the split logits to the loss_fn in
 each slice's thread and compares them, and locates a wrong suffix, gathered there. Tier (c), 2 Gloo processes: a
-loss_fn's cross entropy through view/reshape/flatten/slicing, `nn.CrossEntropyLoss`, `transformers`'
-causal-LM loss and the fp16 loss scale gives the loss and the gradient of the local logits of one process on
-the full logits (rtol 1e-5, atol 1e-6) with no fallback warning; anything else (mse, argmax, sum, a cross
-entropy with reduction="sum", smoothing or weights) reads them gathered, exactly, and warns once. End to
+loss_fn's cross entropy (mean or sum) through view/reshape/flatten/slicing, `nn.CrossEntropyLoss`,
+`transformers`' causal-LM loss (with and without num_items_in_batch) and the fp16 loss scale gives the loss and
+the gradient of the local logits of one process on the full logits (rtol 1e-5, atol 1e-6) with no fallback
+warning; anything else (mse, argmax, sum, a cross entropy with smoothing or weights) reads them gathered,
+exactly, and warns once. End to
 end: tp2 plans of the example GPT (logits only) and a Hugging Face Llama (HF's shifted loss), trained 3 steps
 with SGD (momentum), train as one process does, the cross entropy vocab-parallel in every worker.
 """
@@ -187,10 +188,11 @@ def test_the_code_returns_vocab_split_logits_wrapped_and_gathers_a_token_split_o
 
 # ---- (c) two Gloo processes: the loss and its gradient --------------------------------------------------
 
-def _causal_lm_loss(out, y):
+def _causal_lm_loss(out, y, **kwargs):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    return ForCausalLMLoss(out, y, vocab_size=V)  # HF's shift: labels padded with -100, logits.view(-1, V)
+    # HF's shift: labels padded with -100, logits.view(-1, V); with num_items_in_batch, the sum over that count
+    return ForCausalLMLoss(out, y, vocab_size=V, **kwargs)
 
 
 FAST = {  # loss_fn(logits, targets): the vocab-parallel cross entropy, nothing gathered
@@ -202,6 +204,10 @@ FAST = {  # loss_fn(logits, targets): the vocab-parallel cross entropy, nothing 
     "ignore_index=3": lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten().clamp(min=0), ignore_index=3),
     "nn.CrossEntropyLoss": lambda o, y: torch.nn.CrossEntropyLoss()(o.view(B * T, V), y.view(B * T)),
     "transformers ForCausalLMLoss": _causal_lm_loss,
+    "reduction='sum'": lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), reduction="sum"),
+    "sum, every token ignored": lambda o, y: F.cross_entropy(o.flatten(0, 1), torch.full_like(y.flatten(), -100),
+                                                             reduction="sum"),
+    "transformers ForCausalLMLoss, num_items_in_batch": lambda o, y: _causal_lm_loss(o, y, num_items_in_batch=5),
     "two cross entropies": lambda o, y: F.cross_entropy(o[0], y[0]) + 0.5 * F.cross_entropy(o[1, 1:], y[1, 1:]),
     "fp16 loss scale (x8)": lambda o, y: F.cross_entropy(scale_grad(o, LossScaler(scale=8.0)).flatten(0, 1),
                                                            y.flatten()) / 8,
@@ -209,7 +215,6 @@ FAST = {  # loss_fn(logits, targets): the vocab-parallel cross entropy, nothing 
 GATHERED = {  # loss_fn(logits, targets) that reads the logits through something else: exact, warned
     "mse on float()": lambda o, y: F.mse_loss(o.float(), torch.ones(B, T, V)),
     "argmax and sum": lambda o, y: (o.argmax(-1) == y).float().mean() + o.sum() / o.numel(),
-    "reduction='sum'": lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), reduction="sum"),
     "label_smoothing": lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), label_smoothing=0.1),
     "class weights": lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), weight=torch.linspace(0.5, 2, V)),
     "(B, V, T) input": lambda o, y: F.cross_entropy(o.transpose(1, 2), y),

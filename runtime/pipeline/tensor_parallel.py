@@ -306,11 +306,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     loss_i = log(sum_v exp(z_iv - m_i)) - (z_i,t_i - m_i), m_i = max_v z_iv, each sum over every
     rank's slice by an all-reduce. d loss / d z_iv = (softmax_iv - [v == t_i]) / N on this
-    rank's v, with N the number of tokens not ignored; no collective in backward.
+    rank's v, with N the number of tokens not ignored (1 for the sum reduction); no collective in backward.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, ignore_index, group, coll):
+    def forward(ctx, logits, targets, vocab_start, ignore_index, group, coll, reduction="mean"):
         v_local = logits.shape[-1]
         z = logits.reshape(-1, v_local)                                          # (N, V/tp)
         z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z       # fp16/bf16 in fp32
@@ -325,7 +325,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = _all_reduce(exp.sum(dim=-1), group, coll)                      # (N,)
         valid = t != ignore_index
         n = valid.sum()
-        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0).sum() / n
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0).sum()
+        if reduction == "mean":
+            loss = loss / n
+        else:  # the sum: N is 1 in the gradient
+            n = torch.ones_like(n)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_t, inside & valid, valid, n)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
@@ -338,13 +342,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_t] -= hit.to(grad.dtype)
         grad *= (valid.to(grad.dtype) * (grad_loss.to(grad.dtype) / n)).unsqueeze(-1)
-        return grad.to(ctx.logits_dtype).view(ctx.logits_shape), None, None, None, None, None
+        return grad.to(ctx.logits_dtype).view(ctx.logits_shape), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group,
-                                 collectives: Collectives, *, ignore_index: int = -100) -> torch.Tensor:
-    """`F.cross_entropy(full_logits.view(-1, V), targets.view(-1), ignore_index=...)` (mean over the
-    tokens not ignored) from this rank's vocabulary slice (..., V/tp) of the logits, which hold
+                                 collectives: Collectives, *, ignore_index: int = -100,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """`F.cross_entropy(full_logits.view(-1, V), targets.view(-1), ignore_index=..., reduction=...)` (the mean
+    over the tokens not ignored, or their sum) from this rank's vocabulary slice (..., V/tp) of the logits, which hold
     classes vocab_start .. vocab_start + V/tp - 1. Three all-reduces of one fp32 number per
     token (max, sum of exp, target logit); the full logits are never gathered. fp16/bf16 logits
     are computed in fp32, the gradient returned in their dtype.
@@ -352,7 +357,11 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     if local_logits.shape[:-1] != targets.shape:
         raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(local_logits.shape)} need targets of "
                          f"shape {tuple(local_logits.shape[:-1])} (one class per row), got {tuple(targets.shape)}")
-    return _VocabParallelCrossEntropy.apply(local_logits, targets, vocab_start, ignore_index, group, collectives)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction={reduction!r}: 'mean' or 'sum' (a per-token "
+                         "loss, 'none', needs the full logits: gather them first)")
+    return _VocabParallelCrossEntropy.apply(local_logits, targets, vocab_start, ignore_index, group, collectives,
+                                            reduction)
 
 
 # ---------------------------------------------------------------- layers

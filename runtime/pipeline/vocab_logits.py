@@ -19,7 +19,7 @@ this rank's slice wrapped (`tp_vocab_logits`); to the loss_fn it looks like the 
   (`out[:, :-1]`, `out[..., :-1, :]`), `contiguous`, `detach`, `clone`, `float()` (`half`, `bfloat16`,
   `double`), `to(dtype)`, `type_as`;
 - `F.cross_entropy(logits, targets)` (so `nn.CrossEntropyLoss`) on 2-d (N, V) logits with class-index
-  targets, no class weights, the mean reduction and no label smoothing (`ignore_index` kept): the
+  targets, no class weights, the mean or sum reduction and no label smoothing (`ignore_index` kept): the
   vocab-parallel cross entropy on the slice, never the logits gathered;
 - anything else reads the full logits: every wrapped argument is all-gathered (autograd-aware: the gradient
   keeps this rank's slice), the function runs on plain tensors and returns plain tensors, so results and
@@ -78,7 +78,8 @@ def _warn_gathered(func: Callable) -> None:
     warnings.warn(f"{_name(func)} read the model's vocab-split logits, so they were all-gathered (V/tp -> V per "
                   "rank): the loss_fn reads them through something other than a cross entropy. The plan's memory "
                   "assumes a vocab-parallel cross entropy: F.cross_entropy(logits.view(-1, V), targets.view(-1)) "
-                  "with no class weights, the mean reduction and no label smoothing. Results are exact either way",
+                  "with no class weights, the mean or sum reduction and no label smoothing. Results are exact "
+                  "either way",
                   VocabLogitsGatheredWarning, stacklevel=_callers_level())
 
 
@@ -395,7 +396,7 @@ def _cross_entropy(args: tuple, kwargs: dict) -> Any:
             and logits.dim() == 2 and isinstance(target, torch.Tensor) and target.dtype == torch.long
             and target.dim() == 1 and target.shape[0] == _Tensor.size(logits, 0)
             and a["weight"] is None and a["size_average"] is None and a["reduce"] is None
-            and a["reduction"] == "mean" and a["label_smoothing"] == 0.0 and type(a["ignore_index"]) is int)
+            and a["reduction"] in ("mean", "sum") and a["label_smoothing"] == 0.0 and type(a["ignore_index"]) is int)
     if not fast:
         return _fallback(F.cross_entropy, args, kwargs)
     tp = logits._tp
@@ -406,4 +407,4 @@ def _cross_entropy(args: tuple, kwargs: dict) -> Any:
     torch._assert_async(((target >= 0) & (target < vocab) | (target == ignore)).all(),
                         f"cross_entropy: a target is outside the classes 0..{vocab - 1} and is not ignore_index")
     return vocab_parallel_cross_entropy(local, target, tp.rank * local.shape[-1], tp.group, tp.collectives,
-                                        ignore_index=ignore)
+                                        ignore_index=ignore, reduction=a["reduction"])
