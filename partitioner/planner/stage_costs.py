@@ -360,7 +360,9 @@ class StageEvaluator:
                 root += inside[0] if len(inside) > 1 and not in_block else 0.0
             params -= drop
             rest -= 0.0 if in_block else drop_rest
-        b += params * self._accum_s  # the engine's gradient buffers, each parameter's once (a tied one too)
+        # the engine's gradient buffers, each parameter's once (a tied one, whose gradient is summed outside the
+        # engine between the pipeline ranks holding it, counted as if inside: small beside the rest)
+        b += params * self._accum_s
         v = cand.interleave
         inflight = self._inflight[k]
         expert = self._epar[j] - self._epar[i] if self._epar else 0.0
