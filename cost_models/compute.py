@@ -26,7 +26,7 @@ from cost_models.choices import PRECISIONS
 from cost_models.errors import PartitionerError
 from cost_models.specs import DeviceSpec, canonical_dtype
 
-__all__ = ["OP_CLASSES", "OpClass", "ComputeModel", "RooflineCompute", "dtype_for",
+__all__ = ["OP_CLASSES", "OpClass", "ComputeModel", "RooflineCompute", "dtype_for", "elementwise_bytes_per_s",
            "PRECISIONS"]
 
 OpClass = Literal["matmul", "conv", "attention", "elementwise", "reduction",
@@ -132,5 +132,11 @@ class RooflineCompute:
         eff = self.compute_efficiency(op_class, flops)
         c = self.calibration
         t_compute = flops / (self.peak_flops(op_class) * c.device_speed * eff) if flops > 0 else 0.0
-        t_memory = bytes_moved / (self.device.hbm_bytes_per_s * c.device_speed * c.mem_eff)
+        t_memory = bytes_moved / elementwise_bytes_per_s(self.device, c)
         return max(t_compute, t_memory) + c.launch_overhead_s
+
+
+def elementwise_bytes_per_s(device: DeviceSpec, cal: Calibration) -> float:
+    """Bytes/s the device's elementwise kernels stream: HBM x device_speed x mem_eff (the roofline's memory side,
+    PowerSGD's elementwise passes, the engine's gradient buffers)."""
+    return device.hbm_bytes_per_s * cal.device_speed * cal.mem_eff

@@ -52,6 +52,7 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from cost_models.compute import elementwise_bytes_per_s
 from cost_models.memory import DDP_BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def powersgd_kernel_time(lr: LowRank, comm: CommModel) -> float:
     cal, dev = comm.calibration, comm.topology.device
     r = lr.rank
     flops = 6 * r * lr.matrix + 2 * r * r * lr.rows
-    bw = dev.hbm_bytes_per_s * cal.device_speed * cal.mem_eff
+    bw = elementwise_bytes_per_s(dev, cal)
     streamed = _FP32 * lr.matrix * (_PRODUCT_PASSES / cal.lowrank_eff + _STREAM_PASSES) / bw
     body = max(flops / (dev.flops("fp32") * cal.device_speed * cal.matmul_eff_max), streamed)
     batches = min(lr.matrices, math.ceil(_FP32 * lr.numel / DDP_BUCKET_BYTES))

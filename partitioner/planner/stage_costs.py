@@ -56,6 +56,7 @@ from cost_models.compression import (
     reduce_scatter_time,
 )
 from cost_models.compression_memory import ReductionMemory, reduction_memory
+from cost_models.compute import elementwise_bytes_per_s
 from cost_models.memory import (
     DDP_BUCKET_BYTES,
     ModelStateBytes,
@@ -213,7 +214,7 @@ class StageEvaluator:
         engine = not ctx.async_sgd and not (cand.replicas == 1 and ctx.precision == "fp32" and
                                             (cand.pp > 1 or cand.tp > 1))
         per_mb, per_step = gradient_buffer_bytes(ctx.precision, cand.zero_stage) if engine else (0, 0)
-        rate = ctx.topo.device.hbm_bytes_per_s * ctx.cal.device_speed * ctx.cal.mem_eff
+        rate = elementwise_bytes_per_s(ctx.topo.device, ctx.cal)
         self._accum_s, self._settle_s = per_mb / rate, per_step / rate
         # a floor on the units' share of that per microbatch, as prefix sums: their parameters less every one read
         # by several units (a stage holds those once, or not at all where another stage ties them), so the cut
