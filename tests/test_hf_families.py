@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from examples.hf_families import ALIBI_FAMILIES, FAMILIES
+from examples.hf_families import ALIBI_FAMILIES, FAMILIES, from_config
 from examples.training import hf_loss, sgd, train_one_process
 from partitioner import compile, trace
 from partitioner.planner.tensor_split import find_splits
@@ -173,3 +173,31 @@ def test_rotary_family_trains_with_sequence_parallelism(precision):
         assert_trains_like(out, want_losses, want)
     else:
         assert out.losses == pytest.approx(want_losses, rel=1e-3)
+
+
+# As a new user builds it: the config's defaults, use_cache=True among them (every Hugging Face causal LM's default)
+_CACHED_LLAMA = functools.partial(from_config, "LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, use_cache=True)
+
+
+@pytest.mark.slow
+def test_a_model_that_returns_a_kv_cache_traces_and_trains_like_one_process():
+    """Its forward returns a DynamicCache unless told not to, which export cannot hold: the tracer passes
+    use_cache=False (training never reads the cache), the generated code takes the tokens alone, and a tp2
+    program trains like one process; pp2 x tp2 programs compute the module (plan.verify). An explicit
+    use_cache=True is the caller's: kept, and the trace fails."""
+    model = _CACHED_LLAMA()
+    assert model.config.use_cache is True
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    g = trace(model, (tokens,))
+    assert len(g.inputs) == 1
+    assert model.config.use_cache is True  # the caller's module is not changed
+    x, y = batches()[0]
+    compile(g, "local:4", global_batch_size=2, microbatch_size=2, precision="fp32", pp=2, tp=2, dp=1,
+            sp=False).verify(_CACHED_LLAMA, (x,), hf_loss, targets=y)
+    plan = compile(g, "local:2", global_batch_size=BATCH, precision="fp32", tp=2, dp=1, pp=1, microbatch_size=4)
+    assert "use_cache" not in plan.program(0).source
+    out = launch_local(plan, _CACHED_LLAMA, sgd, hf_loss, batches(), timeout_s=180)
+    trained = train_one_process(_CACHED_LLAMA, sgd, hf_loss, batches())
+    assert_trains_like(out, trained.losses, trained.model.state_dict())
+    with pytest.raises(Exception, match="DynamicCache"):
+        trace(model, (tokens,), dict(use_cache=True))

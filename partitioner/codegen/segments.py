@@ -90,6 +90,13 @@ class _Source:
                 self.buffer[node] = spec.target
             elif kind == "CONSTANT_TENSOR":  # a tensor made inside forward (torch.tensor([-1])), lifted by export
                 self.const[node] = (spec.target, ep.constants.get(spec.target))
+            elif kind == "USER_INPUT" and not isinstance(node.meta.get("val"), torch.Tensor):
+                # a non-tensor argument of the traced call (use_cache=False): export specialised the graph on
+                # its value, so nothing reads it and the stage code takes no such input
+                if node.users:
+                    raise SegmentError(f"input {spec.arg.name} is not a tensor ({node.meta.get('val')!r}) and the "
+                                       "graph reads it: stage code takes tensors only; pass it as a tensor, or "
+                                       "leave it out of the traced call")
             elif kind == "USER_INPUT":
                 self.inputs.append(node)
             else:

@@ -188,7 +188,9 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
     kinds = torch.export.graph_signature.InputKind
 
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
-    user_inputs = [n for n in placeholders if sig[n.name].kind == kinds.USER_INPUT]
+    # a non-tensor argument (use_cache=False) is a constant the graph was specialised on: no input of it
+    user_inputs = [n for n in placeholders if sig[n.name].kind == kinds.USER_INPUT
+                   and isinstance(n.meta.get("val"), torch.Tensor)]
     flat_examples = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
     symbols, batch_symbolic = _symbol_map(
         [(n.meta.get("val"), _dims_for(ex, dynamic_seq)) for n, ex in zip(user_inputs, flat_examples)]

@@ -13,6 +13,7 @@ copy), and nothing is cached between calls.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Literal, Sequence
 
@@ -73,6 +74,7 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     kwargs = dict(example_kwargs or {})
     if not example_inputs and not kwargs:
         raise TraceError("example_inputs: empty; pass the inputs of one forward call, e.g. trace(model, (tokens,))")
+    kwargs = _without_kv_cache(model, kwargs)
     args, kwargs = _batch_of_two(tuple(example_inputs), kwargs)
     tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
     traced_b = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
@@ -96,6 +98,25 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     if unknown:
         warnings.warn(f"trace: no cost rule for {unknown}; counted as one FLOP per output element", stacklevel=2)
     return _assemble(costed, cap, model, stack, traced_b, seq, expanded_from, kinds)
+
+
+def _without_kv_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with use_cache=False where the model would return a key/value cache and the caller did not say.
+
+    A Hugging Face model whose config asks for a cache (its default: `config.use_cache` is True) returns one
+    from forward, a DynamicCache object that export cannot hold as an output; training never reads it. So a
+    model built from a default config traces as it trains, with use_cache=False (an argument the graph is
+    specialised on, not an input of the generated code). An explicit use_cache in `kwargs` is kept.
+    """
+    if "use_cache" in kwargs or getattr(getattr(model, "config", None), "use_cache", None) is not True:
+        return kwargs
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return kwargs
+    if "use_cache" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {**kwargs, "use_cache": False}
 
 
 def _expanded(model: nn.Module, stack: LayerStack, args: tuple, kwargs: dict, seq: int | None,
