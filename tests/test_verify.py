@@ -329,3 +329,40 @@ def test_local_collectives_refuse_mismatched_calls_without_hanging():
     assert errors[0] is None and isinstance(errors[1], LocalCollectiveError), errors
     assert "slice 0 finished" in str(errors[1]) or "after slices [0] finished" in str(errors[1]), errors[1]
     assert time.perf_counter() - start < 5  # broken at once, not at the 10 s timeout
+
+
+def test_randomness_off_fixes_every_draw_in_eager_and_aten_forms():
+    """verify runs the module and the generated code with each random draw fixed (runtime.verify.no_randomness):
+    the eager methods a module calls and the aten ops its generated code calls give the same values."""
+    from runtime.verify.no_randomness import NoRandomness
+
+    aten = torch.ops.aten
+    x = torch.empty(2, 3)
+    probs = torch.tensor([[0.1, 0.7, 0.2]])
+    with NoRandomness():
+        cases = {
+            "uniform_": (x.clone().uniform_(2.0, 4.0), 3.0),
+            "aten.uniform": (aten.uniform.default(x, 2.0, 4.0), 3.0),
+            "exponential_": (x.clone().exponential_(4.0), 0.25),
+            "aten.exponential": (aten.exponential.default(x, 4.0), 0.25),
+            "normal_": (x.clone().normal_(1.5, 2.0), 1.5),
+            "normal": (torch.normal(torch.full((2, 3), -1.0), 1.0), -1.0),
+            "rand_like": (torch.rand_like(x), 0.5),
+            "randn": (torch.randn(2, 3), 0.0),
+            "bernoulli_": (x.clone().bernoulli_(0.25), 0.25),
+            "bernoulli": (torch.bernoulli(torch.full((2, 3), 0.75)), 0.75),
+            "geometric_": (x.clone().geometric_(0.5), 2.0),
+            "cauchy_": (x.clone().cauchy_(0.5, 1.0), 0.5),
+            "randint": (torch.randint(3, 9, (2, 3)), 3),
+            "random_": (torch.empty(2, 3, dtype=torch.long).random_(5), 0),
+        }
+        perm = torch.randperm(5)
+        picks = torch.multinomial(probs, 2)
+        dropped = torch.nn.functional.dropout(torch.ones(4), 0.5, training=True)
+    for what, (got, want) in cases.items():
+        assert torch.equal(got, torch.full_like(got, want)), what
+    assert perm.tolist() == [0, 1, 2, 3, 4] and picks.tolist() == [[1, 2]] and dropped.tolist() == [1.0] * 4
+    assert not torch.equal(torch.rand(4), torch.rand(4))  # outside the mode, draws are random again
+    with NoRandomness():  # a seeded generator of the caller's (verify's own inputs and loss weights) is kept
+        seeded = torch.rand(4, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(seeded, torch.rand(4, generator=torch.Generator().manual_seed(5))) and seeded.unique().numel() == 4

@@ -5,7 +5,8 @@ microbatch forward and backward, and compares outputs, loss and every gradient. 
 - `run.py`: running generated stage code with no process group (tensor slices as threads);
 - `local_collectives.py`: the collectives of those threads, met in memory;
 - `compare.py`: what is compared and how (ties, shards, replicated gradients);
-- `locate.py`: where a difference first appears (block, sub-module, parameter).
+- `locate.py`: where a difference first appears (block, sub-module, parameter);
+- `no_randomness.py`: randomness off on both sides (dropout the identity, every random draw a fixed value).
 """
 
 from runtime.verify.check import (

@@ -54,9 +54,9 @@ from torch import nn
 
 from runtime.engines.fp8 import exact_gemms
 from runtime.verify.compare import compare_all, leaves
+from runtime.verify.no_randomness import NoRandomness
 from runtime.verify.run import (
     Facts,
-    NoDropout,
     VerifyError,
     call_module,
     on_slices,
@@ -229,7 +229,7 @@ def _intra_op_threads(threads: int, tp: int, elements: int | None) -> int:
 def _verify(facts: Facts, plan: Any, model_fn: Callable, inputs: Any, loss_fn: Callable | None, targets: Any,
             sources: Mapping[int, str] | None, rtol: float, atol: float, start: float) -> VerifyReport:
     st = setup(plan, model_fn, inputs, targets, loss_fn, sources, rtol, atol)
-    with NoDropout():
+    with NoRandomness():
         ref_out = call_module(st.reference, st.inputs)
         ref_loss = st.loss(ref_out)
         ref_loss.backward()

@@ -31,7 +31,8 @@ from torch import nn
 from runtime.pipeline.tensor_parallel import unshard_parameter
 from runtime.pipeline.vocab_logits import VocabSplitLogits, full_logits
 from runtime.verify.compare import Diff, compare, gathered_grads, leaves
-from runtime.verify.run import NoDropout, Setup, call_module, on_slices, zero_grads
+from runtime.verify.no_randomness import NoRandomness
+from runtime.verify.run import Setup, call_module, on_slices, zero_grads
 
 __all__ = ["locate"]
 
@@ -184,7 +185,7 @@ def _reference(st: Setup, stack: str | None, n: int) -> dict[str, Any]:
     grads: dict[Any, dict[str, torch.Tensor]] = {}
     in_grads: dict[Any, torch.Tensor | None] = {}
     try:
-        with NoDropout():
+        with NoRandomness():
             out = call_module(ref, st.inputs)
             loss = st.loss(out)
             for seg in _order(stack, n)[::-1]:

@@ -7,8 +7,9 @@ program's, never re-implemented here). Tensor slices run as threads of this
 process whose collectives meet in a `LocalGroup` (runtime.verify.local_collectives);
 `run_generated` runs virtual stages 0..S-1 in order on one microbatch, hands
 the hidden state on as the pipeline executor does (detached, its gradient
-sent back), then the loss and backward. Dropout is the identity on both
-sides (`NoDropout`): the module's masks and the code's cannot agree.
+sent back), then the loss and backward. Randomness is off on both sides
+(`runtime.verify.no_randomness`): dropout is the identity and every draw a fixed value, since the module's
+draws and the code's cannot agree.
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from cost_models.errors import PartitionerError
 from runtime.engines.step import check_parameters
@@ -32,8 +31,9 @@ from runtime.pipeline.program_module import exec_program
 from runtime.pipeline.tensor_parallel import TPContext
 from runtime.pipeline.vocab_logits import full_logits
 from runtime.verify.local_collectives import LocalCollectiveError, LocalCollectives, LocalGroup
+from runtime.verify.no_randomness import NoRandomness
 
-__all__ = ["Facts", "NoDropout", "Setup", "VerifyError", "call_module", "generic_loss", "on_slices", "plan_facts",
+__all__ = ["Facts", "Setup", "VerifyError", "call_module", "generic_loss", "on_slices", "plan_facts",
            "program_hash", "run_generated", "setup", "zero_grads"]
 
 
@@ -71,32 +71,6 @@ def plan_facts(plan: Any) -> Facts:
     return Facts(pp=pp, tp=tp, dp=get(c, "dp"), microbatch_size=get(c, "microbatch_size"),
                  seq_len=get(plan, "seq_len"), ranks=ranks, has_code=code is not None or pp > 1 or tp > 1,
                  cut_dim=cut_dim)
-
-
-# ---- dropout off -----------------------------------------------------------------------------
-
-
-_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-             torch.dropout, torch.ops.aten.dropout.default}
-_SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
-
-
-class NoDropout(TorchFunctionMode):
-    """Dropout as the identity, on the module and the generated code alike: their random masks cannot agree.
-    Thread-local, as torch function modes are: every slice's thread enters it."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _DROPOUTS:
-            return args[0] if args else kwargs["input"]
-        if func is torch.ops.aten.native_dropout.default:
-            return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
-        if func in _SDPA:
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
-            elif "dropout_p" in kwargs:
-                kwargs = {**kwargs, "dropout_p": 0.0}
-        return func(*args, **kwargs)
 
 
 # ---- the setup: the module and every program's stages ------------------------------------
@@ -262,10 +236,10 @@ def call_module(model: nn.Module, inputs: Any) -> Any:
 
 
 def on_slices(st: Setup, fn: Callable[[int], Any]) -> list[Any]:
-    """fn(t) for every tensor slice t, each in its own thread (the main thread when tp = 1), dropout off."""
+    """fn(t) for every tensor slice t, each in its own thread (the main thread when tp = 1), randomness off."""
     tp = st.facts.tp
     if st.group is None:
-        with NoDropout():
+        with NoRandomness():
             return [fn(0)]
     st.group.reset()
     results: list[Any] = [None] * tp
@@ -273,7 +247,7 @@ def on_slices(st: Setup, fn: Callable[[int], Any]) -> list[Any]:
 
     def run(t: int) -> None:
         try:
-            with NoDropout():
+            with NoRandomness():
                 results[t] = fn(t)
         except BaseException as exc:  # reported by the caller, after every slice has stopped
             errors[t] = exc

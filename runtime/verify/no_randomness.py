@@ -1,0 +1,125 @@
+"""Randomness off, for plan.verify: the module's forward and the generated code's draw the same numbers.
+
+A module that draws random numbers in its forward (dropout; a router that samples its experts, as PhiMoE's
+sparsemixer does with `exponential_` and `rand_like`; noisy gates) draws them in an order and with shapes the
+per-rank programs cannot repeat: a pipeline stage starts from its own generator state, a tensor slice draws
+for its own heads. Their outputs could then never agree, and verify would blame the split. So verify runs
+both sides with every draw fixed, as dropout is fixed to the identity:
+
+- dropout (and scaled_dot_product_attention's dropout_p) is the identity;
+- a draw from a distribution is its mean (uniform, normal, exponential, geometric rounded, log-normal,
+  Bernoulli, Poisson) or its median (Cauchy);
+- integer draws take their lowest value (randint, random_), randperm is the identity permutation, and
+  multinomial takes the most likely outcomes.
+
+The same fixed value for the same call on both sides keeps the comparison exact wherever the math is the
+same. A draw from a generator the caller passes (`generator=`, seeded) repeats on both sides and is left as
+it is. Thread-local, as torch function modes are: every slice's thread enters it.
+
+>>> with NoRandomness():
+...     x = torch.empty(3).exponential_(2.0)
+...     y = torch.rand(2)
+>>> x.tolist(), y.tolist()
+([0.5, 0.5, 0.5], [0.5, 0.5])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["NoRandomness"]
+
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+             torch.dropout, torch.ops.aten.dropout.default}
+_SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _fixed(name: str, out: Any, args: tuple, kwargs: dict) -> Any:
+    """`out` (what the draw returned) overwritten with the draw's fixed value; `name` is the op's, without
+    the in-place underscore. Arguments are read as the Tensor methods and aten ops take them (self first)."""
+    if name == "uniform":
+        lo, hi = _arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0)
+        return out.fill_((lo + hi) / 2)
+    if name == "exponential":
+        return out.fill_(1.0 / _arg(args, kwargs, 1, "lambd", 1.0))
+    if name == "geometric":
+        return out.fill_(round(1.0 / _arg(args, kwargs, 1, "p", 0.5)))
+    if name == "log_normal":
+        return out.fill_(math.exp(_arg(args, kwargs, 1, "mean", 1.0)))
+    if name == "cauchy":
+        return out.fill_(_arg(args, kwargs, 1, "median", 0.0))
+    if name in ("rand", "rand_like"):
+        return out.fill_(0.5)
+    if name in ("randn", "randn_like"):
+        return out.fill_(0.0)
+    if name in ("randint", "randint_like", "random"):
+        ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+        low = kwargs.get("low", kwargs.get("from", ints[0] if len(ints) >= 2 else 0))
+        return out.fill_(low)
+    if name == "randperm":
+        return out.copy_(torch.arange(out.numel(), dtype=out.dtype, device=out.device))
+    if name == "multinomial":
+        probs, k = args[0], _arg(args, kwargs, 1, "num_samples", 1)
+        return out.copy_(torch.topk(probs, k, dim=-1).indices)
+    if name == "poisson":
+        return out.copy_(args[0])
+    if name == "bernoulli":
+        p = _arg(args, kwargs, 1, "p", None)
+        if p is None:  # torch.bernoulli(probs): the probabilities are the input
+            p = args[0]
+        return out.copy_(p) if isinstance(p, torch.Tensor) else out.fill_(p)
+    if name == "normal":
+        mean = _arg(args, kwargs, 1, "mean", 0.0) if isinstance(args[0], torch.Tensor) and \
+            out is args[0] else _arg(args, kwargs, 0, "mean", 0.0)  # Tensor.normal_(mean, std) / normal(mean, std)
+        return out.copy_(mean) if isinstance(mean, torch.Tensor) else out.fill_(mean)
+    return out
+
+
+_DRAWS = frozenset({"uniform", "exponential", "geometric", "log_normal", "cauchy", "rand", "rand_like", "randn",
+                    "randn_like", "randint", "randint_like", "random", "randperm", "multinomial", "poisson",
+                    "bernoulli", "normal"})
+
+
+def _draw_name(func: Any) -> str | None:
+    """The distribution `func` draws from (its name without a trailing underscore), None if it draws nothing."""
+    packet = getattr(func, "overloadpacket", None)  # aten ops in generated code
+    name = getattr(packet if packet is not None else func, "__name__", "")
+    name = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    return name if name in _DRAWS else None
+
+
+def _own_generator(args: tuple, kwargs: dict) -> bool:
+    """A draw from a generator the caller passes (seeded by it: verify's own inputs and loss weights) repeats
+    as it is; only the global generator's draws are the ones the two sides cannot share."""
+    return kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args)
+
+
+class NoRandomness(TorchFunctionMode):
+    """Every random draw fixed (see the module's docstring), on the module and the generated code alike."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is torch.ops.aten.native_dropout.default:
+            return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
+        if func in _SDPA:
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            elif "dropout_p" in kwargs:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+        name = _draw_name(func)
+        out = func(*args, **kwargs)
+        if name is None or not isinstance(out, torch.Tensor) or _own_generator(args, kwargs):
+            return out
+        with torch.no_grad():
+            return _fixed(name, out, args, kwargs)
