@@ -93,6 +93,30 @@ def test_pipeline_programs_need_the_exported_graph(graph):
         dp_plan(graph, 0).program(7)
 
 
+def test_each_pipeline_rank_draws_from_its_own_random_stream(graph):
+    """Every rank builds the model from one seed; a pipeline rank > 0 then reseeds (seed + 100 x its rank), so its
+    layers' dropout masks are not the first rank's again. The tensor slices of a stage share its stream (a
+    replicated activation is dropped alike), and programs without a pipeline leave the stream alone."""
+    import torch
+
+    from runtime.pipeline.random_streams import seed_pipeline_rank
+
+    plan = compile(graph, "local:4", global_batch_size=16, pp=2, tp=2, dp=1, precision="fp32")
+    for rank in range(4):
+        src = plan.program(rank).source
+        assert src.count("seed_pipeline_rank(") == 1 and f"seed_pipeline_rank({rank // 2})" in src, rank
+        assert src.index("model = model_fn()") < src.index("seed_pipeline_rank(") < src.index("stage = make_stage")
+    for flat in (dp_plan(graph, 1), compile(graph, "local:2", global_batch_size=16, pp=1, tp=2, precision="fp32")):
+        assert "seed_pipeline_rank" not in flat.program(0).source
+
+    def masks(pp_rank):
+        torch.manual_seed(0)
+        seed_pipeline_rank(pp_rank)
+        return torch.nn.functional.dropout(torch.ones(64), 0.5)
+    assert torch.equal(masks(0), masks(0)) and torch.equal(masks(1), masks(1))
+    assert not torch.equal(masks(0), masks(1))
+
+
 def test_no_line_of_a_program_grows_with_the_world(meta_gpt_graph):
     """The mesh, the node of every rank, tie groups and data-parallel ranks are written as formulas (grid,
     nodes_of, stage_peers, groups.dp_ranks) and long tables wrapped, so a 1024-rank program's longest line

@@ -36,6 +36,7 @@ from partitioner.codegen.common import (
 from partitioner.codegen.data_parallel import context_lines, expert_engine_lines, expert_lines, expert_tables
 from partitioner.codegen.instructions import instruction_lines
 from runtime.comm.groups import stage_peers  # the rule the program will use
+from runtime.pipeline.random_streams import SEED_STRIDE
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
@@ -179,6 +180,13 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                   f"compression={comp.arg}, nodes={comp.nodes},\n"
                   f"                          compression_warmup={plan.compression_warmup})  # {comp.why}\n")
 
+    # pp > 1: each pipeline rank draws from its own random stream (runtime.pipeline.random_streams)
+    random_import = "from runtime.pipeline.random_streams import seed_pipeline_rank\n" if c.pp > 1 else ""
+    stream = "keeps the stream the build left" if me.pp == 0 else f"draws from its own stream, seed + {SEED_STRIDE * me.pp}"
+    random_lines = "" if c.pp == 1 else (
+        f"    # Random draws (dropout): pipeline rank {me.pp} {stream}\n"
+        "    # (each rank's layers draw afresh, as in one process); this stage's tensor slices and replicas share it.\n"
+        f"    seed_pipeline_rank({me.pp})\n")
     ctx = ep_context(plan)  # the ep context: ep > 1, or the load-balancing loss at ep = 1
     ep_kw = ", ep=ep,\n                      experts=EXPERTS" if c.ep > 1 else ", ep=ep" if ctx else ""
     ep_param, ep_default = ep_stage_lines(plan)
@@ -197,7 +205,7 @@ from runtime.comm.collectives import Collectives
 from runtime.comm.groups import {group_imports}
 from runtime.engines.data_parallel import DataParallel
 from runtime.engines.unreplicated import Unreplicated
-from runtime.pipeline.runner import PipelineRunner
+{random_import}from runtime.pipeline.runner import PipelineRunner
 from runtime.pipeline.stage import StageModel, state_keys
 from runtime.pipeline.tensor_parallel import (TPContext, sp_gather, sp_scatter, sp_vocab_embedding, tp_chunk,
                                               tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding)
@@ -264,7 +272,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     collectives = Collectives(reduce_scatter_impl={impl!r})
     model = model_fn()
     runtime.engines.step.check_parameters(model, PARAMS)
-    full_keys = state_keys(model)
+{random_lines}    full_keys = state_keys(model)
     {f"tp = TPContext(groups.tp, collectives, {me.tp}, {c.tp})  # this rank is tensor slice {me.tp} of {c.tp}" if c.tp > 1 else "tp = None  # tp = 1: the code calls no tensor-parallel collective"}
 {context_lines(plan, rank)}{expert_lines(plan, rank)}    stage = make_stage(model, tp{", cp" if c.cp > 1 else ""}{", ep" if ctx else ""})
 
