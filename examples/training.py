@@ -113,6 +113,11 @@ def in_model_loss(output, targets) -> torch.Tensor:
     return output[1]
 
 
+def hf_model_loss(output, targets=None) -> torch.Tensor:
+    """The loss a Hugging Face model computed itself, called with labels (its output's `loss`)."""
+    return output.loss
+
+
 class Trained(NamedTuple):
     losses: list[float]
     model: torch.nn.Module

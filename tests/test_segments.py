@@ -110,13 +110,23 @@ class _TwoOut(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        self.inp = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(_TwoOutBlock() for _ in range(4))
 
     def forward(self, x):
-        a, b = x, x * 2
+        a = b = self.inp(x)  # (a value made from the input alone would be computed again by each reader)
         for blk in self.blocks:
-            a, b = blk(a) + b, a
+            a, b = blk(a, b)
         return a + b
+
+
+class _TwoOutBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, a, b):
+        return self.lin(a) + b, a
 
 
 def test_a_block_handing_on_two_tensors_is_refused_by_name():

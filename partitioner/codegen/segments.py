@@ -103,6 +103,7 @@ class _Source:
                 raise SegmentError(f"input {spec.arg.name} of kind {kind} is not supported in stage code")
         self.stack = g.block_container
         self.shape_only: dict[fx.Node, bool] = {}
+        self.input_only = self._input_only()
         self.segment: dict[fx.Node, Any] = {}  # "prefix" | block index | "suffix"
         seen_block = False
         for n in self.gm.graph.nodes:
@@ -116,7 +117,7 @@ class _Source:
             elif n.op == "call_function":
                 self.shape_only[n] = n.target is _aten.sym_size.int or \
                     all(self.shape_only[a] for a in n.all_input_nodes)
-                if self.shape_only[n] or not (n.users or mutates(n)):
+                if self.shape_only[n] or self.input_only.get(n, False) or not (n.users or mutates(n)):
                     continue  # an in-place write into a tensor (x[:, :k] = y) has no users and must stay
                 b = block_index(self._path(n), self.stack) if self.stack is not None else None
                 if b is not None:
@@ -125,6 +126,26 @@ class _Source:
                 else:
                     self.segment[n] = "suffix" if seen_block else "prefix"
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
+
+    def _input_only(self) -> dict[fx.Node, bool]:
+        """The values computed from the model's inputs, buffers, constants and shapes alone (an attention mask
+        made from the padding mask, shifted labels), which read no parameter and no hidden state: like the
+        shape-only ones they belong to no segment, and every segment that reads one computes it again from the
+        model inputs it takes (each stage has them), so only the hidden state crosses a cut. Not where such a
+        value is written in place (its readers would recompute it without the write): then none is."""
+        inputs = set(self.inputs)
+        only: dict[fx.Node, bool] = {}
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                only[n] = n in inputs or n in self.buffer or n in self.const
+            elif n.op == "get_attr":
+                only[n] = True
+            elif n.op == "call_function":
+                args = n.all_input_nodes
+                only[n] = bool(args) and all(only.get(a, False) for a in args)
+                if mutates(n) and any(only.get(a, False) and a not in inputs for a in args):
+                    return {}
+        return {n: v for n, v in only.items() if v and n.op == "call_function"}
 
     @staticmethod
     def _path(n: fx.Node) -> str:
@@ -138,7 +159,7 @@ class _Source:
         """(outside values the members read, member values read outside), shape-only values excluded."""
         inside = set(members)
         reads = {a for m in members for a in m.all_input_nodes
-                 if a not in inside and a.op != "placeholder" and not self.shape_only[a]}
+                 if a not in inside and a.op != "placeholder" and not self.shape_only[a] and a not in self.input_only}
         out = {m for m in members for u in m.users if u not in inside and (u.op == "output" or u in self.segment)}
         return reads, out
 
@@ -236,9 +257,9 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
             node.meta = dict(n.meta)
             self.model_inputs.append(n.name)
             return node
-        if not self.src.shape_only.get(n, False):
+        if not (self.src.shape_only.get(n, False) or n in self.src.input_only):
             raise SegmentError(f"the {self.name} reads {describe(n)}, computed outside it: only the hidden state "
-                               "may cross a stage boundary (plus values computed from shapes alone)")
+                               "may cross a stage boundary (plus values computed from shapes and inputs alone)")
         if n.target is _aten.sym_size.int and n.args[0] not in self.env and self.carried is not None:
             # a batch or sequence size read from a tensor this segment does not have: read it from its input
             want = str(n.meta.get("val"))
