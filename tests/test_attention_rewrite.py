@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from cost_models.errors import DeclarationError
-from examples.training import hf_loss, sgd, train_one_process
+from examples.training import hf_loss, hf_model_loss, sgd, train_one_process
 from partitioner import compile, trace
 from runtime import launch_local
 
@@ -213,3 +213,19 @@ def test_rewritten_bloom_trains_like_one_process(pp, dp, tp, zero, recompute):
     out = launch_local(plan, model_fn, sgd, hf_loss, batches(), timeout_s=180)
     trained = train_one_process(model_fn, sgd, hf_loss, batches())
     assert_trains_like(out, trained.losses, trained.model.state_dict())
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_a_padding_mask_read_from_the_inputs_keeps_attention_as_traced(family):
+    """A left-padded row's pads see no key. Eager attention spreads such a row evenly over the keys; the fused
+    kernel's forward does too, but not its backward (gradients up to 2x off, torch 2.13 on CPU). So a chain whose
+    mask reads the attention_mask input is left as traced, and the programs of a left-padded batch compute the
+    module at pp2 x tp2 with the model's own loss; without that input the same attention is rewritten."""
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    g = trace(FAMILIES[family](2), (), batch)
+    assert g.attention_rewrites == 0 and graph(family).attention_rewrites == 4
+    plan = compile(g, "local:4", global_batch_size=2, microbatch_size=2, precision="fp32", pp=2, tp=2, dp=1, sp=False)
+    plan.verify(functools.partial(FAMILIES[family], 2), batch, hf_model_loss)

@@ -17,7 +17,7 @@ import torch
 
 from cost_models.errors import DeclarationError
 from examples.hf_families import MORE_FAMILIES
-from examples.training import hf_loss
+from examples.training import hf_loss, hf_model_loss
 from partitioner import compile, trace
 from runtime.launch.local import check_sendable
 
@@ -61,3 +61,23 @@ def test_each_builder_can_be_sent_to_spawned_ranks():
     (three of them trained like one process on 2-4 ranks: gpt_neox pp2 tp2, mixtral tp2+sp, codegen pp2 tp2+sp)."""
     for name, build in MORE_FAMILIES.items():
         check_sendable(f"MORE_FAMILIES[{name!r}]", build)
+
+
+def _padded():
+    """A left-padded batch (row 1: 5 pads) with labels -100 on the pads, as fine-tuning data comes."""
+    x, _ = _batch()
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    return dict(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100))
+
+
+@pytest.mark.parametrize("family", list(MORE_FAMILIES))
+def test_left_padded_batches_with_the_models_own_loss_compute_the_module(family):
+    """The masks the model makes from the padding are computed again from the inputs by each block that reads
+    them (these plans were refused: more than the hidden state left the prefix); blocks whose masks differ (a
+    sliding window beside full attention) stay different kinds."""
+    batch = _padded()
+    g = trace(MORE_FAMILIES[family](), (), batch)
+    assert [b.kind for b in g.blocks] == [b.kind for b in _graph(family).blocks]  # as without the padding
+    plan = compile(g, "local:4", global_batch_size=2, microbatch_size=2, precision="fp32", pp=2, tp=2, dp=1, sp=False)
+    plan.verify(MORE_FAMILIES[family], batch, hf_model_loss)

@@ -141,9 +141,8 @@ class _Source:
             elif n.op == "get_attr":
                 only[n] = True
             elif n.op == "call_function":
-                args = n.all_input_nodes
-                only[n] = bool(args) and all(only.get(a, False) for a in args)
-                if mutates(n) and any(only.get(a, False) and a not in inputs for a in args):
+                only[n] = all(only.get(a, False) for a in n.all_input_nodes)
+                if any(only.get(a, False) for a in _written(n)):
                     return {}
         return {n: v for n, v in only.items() if v and n.op == "call_function"}
 
@@ -162,6 +161,19 @@ class _Source:
                  if a not in inside and a.op != "placeholder" and not self.shape_only[a] and a not in self.input_only}
         out = {m for m in members for u in m.users if u not in inside and (u.op == "output" or u in self.segment)}
         return reads, out
+
+
+def _written(n: fx.Node) -> list[fx.Node]:
+    """The arguments `n` writes into (copy_'s and index_put_'s self), from its schema."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+            out.append(value)
+    return out
 
 
 class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewrite):

@@ -29,8 +29,9 @@ graph computes from shapes alone through an ordering comparison of positions (Hu
 create_causal_mask: `kv_idx <= q_idx` over aranges); the cost rule then counts half the products.
 
 Nothing is matched by module or model name. A chain whose intermediate values are read elsewhere (the
-attention probabilities returned as an output), whose softmax runs over another dim, or whose bias is
-not additive is left as traced. A 3-d layout (BLOOM's (b*h, s, d) baddbmm, viewed to (b, h, s, s) for
+attention probabilities returned as an output), whose softmax runs over another dim, whose bias is
+not additive, or whose mask is read from a model input (a padding mask, which can remove a whole row:
+`_reads_inputs`) is left as traced. A 3-d layout (BLOOM's (b*h, s, d) baddbmm, viewed to (b, h, s, s) for
 the mask) is lifted to the 4-d layout the mask lives in, so the fused op sees heads as a dim (tensor
 parallelism splits it).
 
@@ -80,15 +81,15 @@ class _Match:
     region: tuple[fx.Node, ...]  # every node replaced, in graph order
 
 
-def rewrite_attention(gm: fx.GraphModule) -> int:
+def rewrite_attention(gm: fx.GraphModule, inputs: frozenset[str] = frozenset()) -> int:
     """Rewrite every exact eager attention of `gm`'s graph to scaled_dot_product_attention, in place;
-    returns how many were rewritten."""
+    returns how many were rewritten. `inputs`: the names of the graph's model-input placeholders."""
     count = 0
     erased: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SCORES and node not in erased:
             m = _match(node)
-            if m is not None and _rewrite(gm.graph, m, erased):
+            if m is not None and not _reads_inputs(m.terms, inputs) and _rewrite(gm.graph, m, erased):
                 count += 1
     if count:
         _unbroadcast_masks(gm.graph)
@@ -105,6 +106,30 @@ _BROADCASTING = {_aten.where.self, _aten.where.ScalarSelf, _aten.where.ScalarOth
                  _aten.bitwise_and.Tensor, _aten.bitwise_or.Tensor, _aten.eq.Tensor, _aten.ne.Tensor,
                  _aten.le.Tensor, _aten.lt.Tensor, _aten.ge.Tensor, _aten.gt.Tensor, _aten.eq.Scalar, _aten.ne.Scalar,
                  _aten.masked_fill.Scalar, _aten.neg.default, *_CASTS}
+
+
+def _reads_inputs(terms: tuple[tuple[str, Any, Any, bool], ...], inputs: frozenset[str]) -> bool:
+    """Whether a mask term is computed from a model input's values (a padding mask), not only its sizes.
+
+    Such a mask can remove every key of a row (a left-padded row's pads). Eager attention then fills the
+    whole row with the same large negative and spreads it evenly over the keys; the fused kernel's forward
+    does too, but its backward recomputes the row's probabilities from a log-sum-exp that the fill swamps,
+    so its gradients differ (torch 2.13's CPU kernel: BLOOM and MPT with a left-padded batch, up to 2x on a
+    layer norm's weight gradient). A mask computed from shapes alone (causal, a sliding window) keeps each
+    row's own position, so only such chains are rewritten; these stay as traced, and are costed so."""
+    todo = [a for _, a, _, _ in terms if isinstance(a, fx.Node)]
+    seen: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if n.name in inputs:
+                return True
+        elif n.target not in _SIZE_READS:  # a size read is not a value read
+            todo += n.all_input_nodes
+    return False
 
 
 def _unbroadcast_masks(graph: fx.Graph) -> int:

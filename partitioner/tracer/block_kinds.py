@@ -185,21 +185,24 @@ def graph_kinds(ep: Any, stack: LayerStack, num_blocks: int, canonical: dict[str
 
     canonical: parameter name -> its first (tied) name. A value read from outside the block is named
     by what it is: the hidden state (the one value that is neither the block's own nor computed from
-    shapes alone), a parameter or buffer relative to the block, a constant by value, anything else
-    (a mask or position table computed from shapes) by how it is computed.
+    shapes and inputs alone), a parameter or buffer relative to the block, a constant by value, anything
+    else (a mask or position table computed from shapes, a mask made from the padding) by how it is computed.
     """
     gm = ep.graph_module
     sig = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
     shape_only: dict[fx.Node, bool] = {}
+    input_only: dict[fx.Node, bool] = {}  # computed from the model's inputs (and shapes) alone: a padding mask
     member: dict[fx.Node, int] = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             kind = sig[n.name].kind.name if n.name in sig else "USER_INPUT"
             shape_only[n] = kind in ("BUFFER", "CONSTANT_TENSOR")
+            input_only[n] = shape_only[n] or kind == "USER_INPUT"
         elif n.op == "get_attr":
-            shape_only[n] = True
+            shape_only[n] = input_only[n] = True
         elif n.op == "call_function":
             shape_only[n] = n.target is torch.ops.aten.sym_size.int or all(shape_only[a] for a in n.all_input_nodes)
+            input_only[n] = shape_only[n] or all(input_only[a] for a in n.all_input_nodes)
             stack_meta = n.meta.get("nn_module_stack") or {}
             path = list(stack_meta.values())[-1][0] if stack_meta else ""
             b = block_index(path, stack.path)
@@ -233,9 +236,10 @@ def graph_kinds(ep: Any, stack: LayerStack, num_blocks: int, canonical: dict[str
                     return ("local", pos[a])
                 if a.op == "placeholder":
                     return param_name(a, b)
-                if not shape_only.get(a, False):
+                if not input_only.get(a, False):
                     return ("hidden",)
-                if a not in shapes:  # computed from shapes, buffers, constants: by how, not by name
+                if a not in shapes:  # computed from shapes, buffers, constants, inputs: by how, not by name
+                    # (two masks made from one padding mask, a sliding window's and the causal one, differ)
                     shapes[a] = ("shape", str(a.target), arg(a.args), arg(a.kwargs)) if a.op == "call_function" \
                         else ("attr", a.name)
                 return shapes[a]

@@ -38,8 +38,9 @@ from partitioner.tracer.symbolic import Poly
 
 __all__ = ["load_trace", "save_trace", "source_key"]
 
-_FORMAT = 6  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one shared attention mask;
-# 5: no mask kept where a shape-only mask is the causal one; 6: cost rules for square, repeat_interleave, tile
+_FORMAT = 7  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one shared attention mask;
+# 5: no mask kept where a shape-only mask is the causal one; 6: cost rules for square, repeat_interleave, tile;
+# 7: no attention rewrite under a mask read from the inputs; block kinds tell masks made from the inputs apart
 _GRAPH, _ARCHIVE = "opgraph.json", "graph.pt2"
 
 

@@ -183,7 +183,9 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
     ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes)
     # before anything reads the graph, so costs and generated code see the same (fused) attention
     if rewrite:
-        rewrite_attention_in(ep.graph_module)  # OpGraph.attention_rewrites counts what it did
+        user = frozenset(s.arg.name for s in ep.graph_signature.input_specs
+                         if s.kind == torch.export.graph_signature.InputKind.USER_INPUT and hasattr(s.arg, "name"))
+        rewrite_attention_in(ep.graph_module, user)  # OpGraph.attention_rewrites counts what it did
     sig = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
     kinds = torch.export.graph_signature.InputKind
 
