@@ -134,6 +134,25 @@ def test_no_line_of_a_program_grows_with_the_world(meta_gpt_graph):
     assert longest["128x8xA100-80GB"] <= longest["1x8xA100-80GB"] + 16 <= 300, longest
 
 
+def test_no_line_of_a_program_grows_with_the_model_depth():
+    """The blocks that recompute are a formula over the stack (a 96-layer data-parallel program named each block
+    on one line of 1,948 characters): a 48-block model's longest line is a 4-block one's."""
+    from conftest import _traced_on_meta
+    from examples import gpt
+
+    longest = {}
+    for layers in (4, 48):
+        cfg = gpt.GPTConfig(n_layer=layers, n_head=4, n_embd=64, block_size=64, vocab_size=256)
+        g = _traced_on_meta(lambda: gpt.GPT(cfg), 2, 64)
+        for zero in (1, 3):
+            plan = compile(g, "1x8xA100-80GB", global_batch_size=16, pp=1, tp=1, zero_stage=zero, recompute="full",
+                           precision="fp32")
+            src = plan.program(0).source
+            assert f"engine.checkpoint_blocks(tuple(f'transformer.h.{{i}}' for i in range({layers})), 'full')" in src
+            longest[layers] = max(longest.get(layers, 0), max(map(len, src.splitlines())))
+    assert longest[48] == longest[4], longest
+
+
 # ---- golden programs ----------------------------------------------------------------------------------------
 # tests/golden/program_*.txt hold whole generated programs, as tests/golden/plan_*.txt hold printed plans: a
 # change to what a rank runs shows as a diff to review. Regenerate with

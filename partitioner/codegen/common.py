@@ -113,7 +113,12 @@ def recompute_lines(plan: "Plan", call: str) -> str:
     names = tuple(dict.fromkeys(p.block for p in plan.placements if p.block is not None))
     why = textwrap.fill(f"Recompute ({mode}, runtime.engines.recompute): {_RECOMPUTE_WHAT[mode]}.", width=100,
                         initial_indent="    # ", subsequent_indent="    # ")
-    return f"{why}\n    {call}{names!r}, {mode!r})\n"
+    stack = names[0].rpartition(".")[0] if names else ""
+    if len(names) > 2 and names == tuple(f"{stack}.{i}" for i in range(len(names))):
+        blocks = f"tuple(f'{stack}.{{i}}' for i in range({len(names)}))"  # a formula: no line grows with depth
+    else:
+        blocks = literal(names, indent=4 + len(call))
+    return f"{why}\n    {call}{blocks}, {mode!r})\n"
 
 
 def torch_compile_refusal(plan: "Plan") -> str:

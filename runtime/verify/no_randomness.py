@@ -84,17 +84,29 @@ def _fixed(name: str, out: Any, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-_DRAWS = frozenset({"uniform", "exponential", "geometric", "log_normal", "cauchy", "rand", "rand_like", "randn",
-                    "randn_like", "randint", "randint_like", "random", "randperm", "multinomial", "poisson",
-                    "bernoulli", "normal"})
+_NAMES = ("uniform", "exponential", "geometric", "log_normal", "cauchy", "rand", "rand_like", "randn", "randn_like",
+          "randint", "randint_like", "random", "randperm", "multinomial", "poisson", "bernoulli", "normal")
 
 
-def _draw_name(func: Any) -> str | None:
-    """The distribution `func` draws from (its name without a trailing underscore), None if it draws nothing."""
-    packet = getattr(func, "overloadpacket", None)  # aten ops in generated code
-    name = getattr(packet if packet is not None else func, "__name__", "")
-    name = name[:-1] if name.endswith("_") and not name.endswith("__") else name
-    return name if name in _DRAWS else None
+def _draws() -> dict[Any, str]:
+    """Every callable that draws, by the distribution's name: the torch functions and Tensor methods a module
+    calls, and every overload of the aten ops generated code calls (in place or not). A table looked up by the
+    callable, so that the mode stays a dictionary lookup where torch.compile traces through it."""
+    table: dict[Any, str] = {}
+    for name in _NAMES:
+        for spelling in (name, name + "_"):
+            for owner in (torch, torch.Tensor):
+                f = getattr(owner, spelling, None)
+                if callable(f):
+                    table[f] = name
+            packet = getattr(torch.ops.aten, spelling, None)
+            if packet is not None:
+                for overload in packet.overloads():
+                    table[getattr(packet, overload)] = name
+    return table
+
+
+_DRAWS = _draws()
 
 
 def _own_generator(args: tuple, kwargs: dict) -> bool:
@@ -117,7 +129,7 @@ class NoRandomness(TorchFunctionMode):
                 args = (*args[:4], 0.0, *args[5:])
             elif "dropout_p" in kwargs:
                 kwargs = {**kwargs, "dropout_p": 0.0}
-        name = _draw_name(func)
+        name = _DRAWS.get(func)
         out = func(*args, **kwargs)
         if name is None or not isinstance(out, torch.Tensor) or _own_generator(args, kwargs):
             return out
