@@ -365,4 +365,5 @@ def test_randomness_off_fixes_every_draw_in_eager_and_aten_forms():
     assert not torch.equal(torch.rand(4), torch.rand(4))  # outside the mode, draws are random again
     with NoRandomness():  # a seeded generator of the caller's (verify's own inputs and loss weights) is kept
         seeded = torch.rand(4, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(seeded, torch.rand(4, generator=torch.Generator().manual_seed(5))) and seeded.unique().numel() == 4
+    assert torch.equal(seeded, torch.rand(4, generator=torch.Generator().manual_seed(5)))
+    assert seeded.unique().numel() == 4

@@ -182,7 +182,8 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
 
     # pp > 1: each pipeline rank draws from its own random stream (runtime.pipeline.random_streams)
     random_import = "from runtime.pipeline.random_streams import seed_pipeline_rank\n" if c.pp > 1 else ""
-    stream = "keeps the stream the build left" if me.pp == 0 else f"draws from its own stream, seed + {SEED_STRIDE * me.pp}"
+    stream = ("keeps the stream the build left" if me.pp == 0
+              else f"draws from its own stream, seed + {SEED_STRIDE * me.pp}")
     random_lines = "" if c.pp == 1 else (
         f"    # Random draws (dropout): pipeline rank {me.pp} {stream}\n"
         "    # (each rank's layers draw afresh, as in one process); this stage's tensor slices and replicas share it.\n"
