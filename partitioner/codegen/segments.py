@@ -117,7 +117,7 @@ class _Source:
             elif n.op == "call_function":
                 self.shape_only[n] = n.target is _aten.sym_size.int or \
                     all(self.shape_only[a] for a in n.all_input_nodes)
-                if self.shape_only[n] or self.input_only.get(n, False) or not (n.users or mutates(n)):
+                if self.shape_only[n] or not (n.users or mutates(n)):
                     continue  # an in-place write into a tensor (x[:, :k] = y) has no users and must stay
                 b = block_index(self._path(n), self.stack) if self.stack is not None else None
                 if b is not None:
@@ -126,13 +126,19 @@ class _Source:
                 else:
                     self.segment[n] = "suffix" if seen_block else "prefix"
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        # what the prefix hands on, when it is made from the inputs alone (an MLP's flattened input), is the hidden
+        # state itself: handed on as it is, not computed again
+        pre = set(self.members("prefix"))
+        handed = {m for m in pre for u in m.users if u not in pre and (u.op == "output" or u in self.segment)}
+        if len(handed) == 1 and all(m in self.input_only for m in handed):
+            del self.input_only[next(iter(handed))]
 
     def _input_only(self) -> dict[fx.Node, bool]:
         """The values computed from the model's inputs, buffers, constants and shapes alone (an attention mask
         made from the padding mask, shifted labels), which read no parameter and no hidden state: like the
-        shape-only ones they belong to no segment, and every segment that reads one computes it again from the
-        model inputs it takes (each stage has them), so only the hidden state crosses a cut. Not where such a
-        value is written in place (its readers would recompute it without the write): then none is."""
+        shape-only ones, every other segment that reads one computes it again from the model inputs it takes
+        (each stage has them), so only the hidden state crosses a cut (`crossing`). Not where such a value is
+        written in place (its readers would recompute it without the write): then none is."""
         inputs = set(self.inputs)
         only: dict[fx.Node, bool] = {}
         for n in self.gm.graph.nodes:
@@ -159,7 +165,8 @@ class _Source:
         inside = set(members)
         reads = {a for m in members for a in m.all_input_nodes
                  if a not in inside and a.op != "placeholder" and not self.shape_only[a] and a not in self.input_only}
-        out = {m for m in members for u in m.users if u not in inside and (u.op == "output" or u in self.segment)}
+        out = {m for m in members for u in m.users if u not in inside and (u.op == "output" or u in self.segment)
+               and m not in self.input_only}  # a value made from the inputs alone is computed again by its reader
         return reads, out
 
 
