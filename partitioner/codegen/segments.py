@@ -57,7 +57,7 @@ from partitioner.codegen.segment_ep import EP_FUNCTIONS, ExpertParallelRewrite, 
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.attention import shape_mask_key
-from partitioner.tracer.block_kinds import mutates
+from partitioner.tracer.block_kinds import mutates, written
 from partitioner.tracer.blocks import block_index
 
 __all__ = ["ModelCode", "Segment", "SegmentError", "extract", "reads_router_logits"]
@@ -148,7 +148,7 @@ class _Source:
                 only[n] = True
             elif n.op == "call_function":
                 only[n] = all(only.get(a, False) for a in n.all_input_nodes)
-                if any(only.get(a, False) for a in _written(n)):
+                if any(only.get(a, False) for a in written(n)):
                     return {}
         return {n: v for n, v in only.items() if v and n.op == "call_function"}
 
@@ -168,19 +168,6 @@ class _Source:
         out = {m for m in members for u in m.users if u not in inside and (u.op == "output" or u in self.segment)
                and m not in self.input_only}  # a value made from the inputs alone is computed again by its reader
         return reads, out
-
-
-def _written(n: fx.Node) -> list[fx.Node]:
-    """The arguments `n` writes into (copy_'s and index_put_'s self), from its schema."""
-    schema = getattr(n.target, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-            out.append(value)
-    return out
 
 
 class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewrite):
