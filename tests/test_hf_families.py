@@ -203,6 +203,30 @@ def test_a_model_that_returns_a_kv_cache_traces_and_trains_like_one_process():
         trace(model, (tokens,), dict(use_cache=True))
 
 
+# Forwards that take use_cache only through **kwargs: BERT's (an encoder: it ignores the flag, which its config
+# still sets) and GraniteMoE's causal LM (which returns a cache unless its config says not)
+_KWARGS_CACHE = {
+    "bert": functools.partial(from_config, "BertConfig", "BertForMaskedLM", use_cache=True),
+    "granitemoe": functools.partial(from_config, "GraniteMoeConfig", "GraniteMoeForCausalLM", use_cache=True,
+                                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_KWARGS_CACHE))
+def test_a_forward_that_takes_use_cache_through_kwargs_traces_from_its_default_config(family):
+    """Export cannot take a bool among **kwargs, so passing use_cache=False there made every BERT-like encoder
+    fail to trace, for a flag it ignores: the tracer turns the config's flag off while it traces instead, and
+    restores it. The pp2 x tp2 programs compute the module."""
+    build = _KWARGS_CACHE[family]
+    model = build()
+    assert model.config.use_cache is True
+    g = trace(model, (torch.randint(0, VOCAB, (2, SEQ)),))
+    assert model.config.use_cache is True  # the caller's module is not changed
+    x, y = batches()[0]
+    compile(g, "local:4", global_batch_size=2, microbatch_size=2, precision="fp32", pp=2, tp=2, dp=1,
+            sp=False).verify(build, (x,), hf_loss, targets=y)
+
+
 def _padded_batches(steps: int = STEPS) -> list[tuple[dict[str, torch.Tensor], None]]:
     """Fine-tuning batches as users make them: left padding (rows of 16 with 0-7 pads), labels -100 on the pads."""
     g = torch.Generator().manual_seed(2)

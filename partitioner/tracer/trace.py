@@ -13,7 +13,7 @@ copy), and nothing is cached between calls.
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import warnings
 from typing import Any, Literal, Sequence
 
@@ -74,49 +74,52 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     kwargs = dict(example_kwargs or {})
     if not example_inputs and not kwargs:
         raise TraceError("example_inputs: empty; pass the inputs of one forward call, e.g. trace(model, (tokens,))")
-    kwargs = _without_kv_cache(model, kwargs)
-    args, kwargs = _batch_of_two(tuple(example_inputs), kwargs)
-    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-    traced_b = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
-    seq = next((int(x.shape[1]) for x in tensors if x.dim() >= 2 and not x.dtype.is_floating_point and x.dtype != torch.bool), None)
-    seq = seq if dynamic_seq else None
+    with _without_kv_cache(model, kwargs):
+        args, kwargs = _batch_of_two(tuple(example_inputs), kwargs)
+        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        traced_b = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
+        seq = next((int(x.shape[1]) for x in tensors if x.dim() >= 2 and not x.dtype.is_floating_point and x.dtype != torch.bool), None)
+        seq = seq if dynamic_seq else None
 
-    stack = find_layer_stack(model)
-    leaf = tuple(leaf_modules)
-    kw = dict(method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf, rewrite_attention=rewrite_attention)
-    costed, cap, expanded_from, kinds = None, None, None, None
-    if expand_repeated and stack is not None and not stack.shared and stack.size > TRACED_BLOCKS:
-        try:
-            costed, cap, kinds, expanded_from = _expanded(model, stack, args, kwargs, seq, **kw)
-        except (TraceError, NotRepeating):
-            costed = None  # the model does not repeat, or its forward needs every block: trace all of it
-    if costed is None:
-        cap = _capture(model, args, kwargs, **kw)
-        costed = _cost(cap, model, stack, seq)
-        kinds = _full_trace_kinds(cap, model, stack)
-    unknown = sorted({n.op for n in costed if not known_op(n.op)})
-    if unknown:
-        warnings.warn(f"trace: no cost rule for {unknown}; counted as one FLOP per output element", stacklevel=2)
-    return _assemble(costed, cap, model, stack, traced_b, seq, expanded_from, kinds)
+        stack = find_layer_stack(model)
+        leaf = tuple(leaf_modules)
+        kw = dict(method=method, dynamic_seq=dynamic_seq, leaf_modules=leaf, rewrite_attention=rewrite_attention)
+        costed, cap, expanded_from, kinds = None, None, None, None
+        if expand_repeated and stack is not None and not stack.shared and stack.size > TRACED_BLOCKS:
+            try:
+                costed, cap, kinds, expanded_from = _expanded(model, stack, args, kwargs, seq, **kw)
+            except (TraceError, NotRepeating):
+                costed = None  # the model does not repeat, or its forward needs every block: trace all of it
+        if costed is None:
+            cap = _capture(model, args, kwargs, **kw)
+            costed = _cost(cap, model, stack, seq)
+            kinds = _full_trace_kinds(cap, model, stack)
+        unknown = sorted({n.op for n in costed if not known_op(n.op)})
+        if unknown:
+            warnings.warn(f"trace: no cost rule for {unknown}; counted as one FLOP per output element", stacklevel=2)
+        return _assemble(costed, cap, model, stack, traced_b, seq, expanded_from, kinds)
 
 
-def _without_kv_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` with use_cache=False where the model would return a key/value cache and the caller did not say.
+@contextlib.contextmanager
+def _without_kv_cache(model: nn.Module, kwargs: dict[str, Any]):
+    """Trace with the model's `config.use_cache` False where it would return a key/value cache and the caller
+    did not pass use_cache; restored after.
 
     A Hugging Face model whose config asks for a cache (its default: `config.use_cache` is True) returns one
     from forward, a DynamicCache object that export cannot hold as an output; training never reads it. So a
-    model built from a default config traces as it trains, with use_cache=False (an argument the graph is
-    specialised on, not an input of the generated code). An explicit use_cache in `kwargs` is kept.
+    model built from a default config traces as it trains. The config, not an argument: a forward may take
+    use_cache only through **kwargs (GraniteMoE), where export cannot take a bool, and an encoder's (BERT's)
+    takes it there and ignores it. An explicit use_cache in `kwargs` is kept.
     """
-    if "use_cache" in kwargs or getattr(getattr(model, "config", None), "use_cache", None) is not True:
-        return kwargs
+    config = getattr(model, "config", None)
+    if "use_cache" in kwargs or getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
     try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a forward without a signature Python can read
-        return kwargs
-    if "use_cache" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {**kwargs, "use_cache": False}
+        yield
+    finally:
+        config.use_cache = True
 
 
 def _expanded(model: nn.Module, stack: LayerStack, args: tuple, kwargs: dict, seq: int | None,
