@@ -169,6 +169,31 @@ def test_a_vocab_that_would_narrow_the_tensor_degrees_keeps_the_tied_matrix_whol
     assert "needs another split" in wte.reason and "lm_head" in wte.reason
 
 
+def _vit(classes: int = 5) -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
+        patch_size=8, num_labels=classes))
+
+
+def test_a_classifier_whose_classes_would_narrow_the_tensor_degrees_stays_whole_with_its_loss_too():
+    """5 classes divide by no tp, while the 4 heads allow tp 4. With its labels the model's cross entropy reads
+    the logits inside the graph; the classifier must stay whole there as it does when the logits are the output,
+    not refuse every tp > 1 ("tp=2 does not divide vocab of classifier.weight (5)"). Its tp2 programs compute
+    the module, loss included."""
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    labelled = dict(pixel_values=pixels, labels=torch.tensor([1, 4]))
+    for inputs in (dict(pixel_values=pixels), labelled):
+        sp = find_splits(trace(_vit(), (), inputs))
+        assert sp.valid_tp() == (1, 2, 4), inputs.keys()
+        assert sp.placement("classifier.weight").spec == "R"
+        assert sp.placement("vit.layers.0.attention.q_proj.weight").role == "column"
+    from partitioner import compile
+    plan = compile(trace(_vit(), (), labelled), "local:2", global_batch_size=2, microbatch_size=2,
+                   precision="fp32", tp=2, pp=1, dp=1)
+    plan.verify(_vit, labelled, lambda output, targets=None: output.loss)
+
+
 # ---------------------------------------------------------------- Hugging Face
 
 
@@ -183,20 +208,27 @@ def test_hf_gpt2_conv1d_is_split_on_the_other_dim(gpt2):
         assert got[f"{h}.attn.c_proj.bias"] == ("R", "replicated", 1)
         assert got[f"{h}.mlp.c_fc.weight"] == ("S(1)", "column", 1)
         assert got[f"{h}.mlp.c_proj.weight"] == ("S(0)", "row", 1)
-    assert got["transformer.wte.weight"] == ("S(0)", "vocab_embedding", 1)
+    # vocab 1010 would allow tp 2 alone, where the 12 heads allow 12: the tied head stays whole (next test)
+    assert got["transformer.wte.weight"] == ("R", "replicated", 1)
     assert got["transformer.wpe.weight"] == ("R", "replicated", 1)
     for blk in range(2):
         assert len(per_block(sp, g, blk)) == 4
 
 
-def test_hf_gpt2_valid_tp_needs_heads_and_vocab(gpt2):
+def test_hf_gpt2_valid_tp_needs_heads_and_a_vocab_that_narrows_nothing(gpt2):
+    """The model's own loss reads the logits inside the graph. Vocab 1010 divides by 2 of the degrees the 12 heads
+    allow: split, it would forbid tp 3, 4, 6 and 12, so the head stays whole, and with it the tied embedding (as
+    the nanoGPT's above); vocab 1008 divides by them all and is split."""
     _, sp = gpt2
     d = dict(sp.divisors)
-    assert d["heads of transformer.h.0.attn"] == 12 and d["vocab of transformer.wte.weight"] == 1010
+    assert d["heads of transformer.h.0.attn"] == 12 and "vocab of transformer.wte.weight" not in d
     assert 5 not in sp.valid_tp(range(1, 13))  # divides the vocab 1010, not the 12 heads
-    assert sp.valid_tp(range(1, 13)) == (1, 2)  # 3, 4, 6, 12 divide the 12 heads but not the vocab 1010
-    g = hf_trace(hf_gpt2(V=1008), 1008)
-    assert find_splits(g).valid_tp(range(1, 13)) == (1, 2, 3, 4, 6, 12)
+    assert sp.valid_tp(range(1, 13)) == (1, 2, 3, 4, 6, 12)
+    assert "needs another split" in sp.placement("transformer.wte.weight").reason
+    split = find_splits(hf_trace(hf_gpt2(V=1008), 1008))
+    assert dict(split.divisors)["vocab of transformer.wte.weight"] == 1008
+    assert split.placement("transformer.wte.weight").spec == "S(0)"
+    assert split.valid_tp(range(1, 13)) == (1, 2, 3, 4, 6, 12)
 
 
 def test_hf_llama_gqa_swiglu_untied_head(llama):

@@ -405,12 +405,14 @@ def find_splits(g: OpGraph) -> TensorSplits:
 
 
 def _check_gathered_vocab(ctx: _Context, res: _Pass) -> None:
-    """A gathered LM head must not narrow the tensor degrees the rest of the model allows: its vocab must divide
-    by the gcd of the other divisors (heads, ffn widths), else the head stays whole (with why)."""
-    heads = [reg for reg in res.regions if reg.failure is None and reg.outputs]
+    """An LM or classifier head must not narrow the tensor degrees the rest of the model allows: its vocab (or
+    class count) must divide by the gcd of the other divisors (heads, ffn widths), else the head stays whole
+    (with why). A head whose logits go to the model output or to a cross entropy inside the graph alike: a
+    ViT's 5 classes with its labels must not refuse tp=2, when the same model without labels runs it."""
+    heads = [reg for reg in res.regions if reg.failure is None and (reg.outputs or reg.sinks)]
     if not heads:
         return
-    rest = [reg for reg in res.regions if reg.failure is None and not reg.outputs]
+    rest = [reg for reg in res.regions if reg.failure is None and not (reg.outputs or reg.sinks)]
     g = reduce(math.gcd, (n for _, n in _divisors(ctx, res._replace(regions=rest, vocab_embeddings={}))), 0)
     allowed = [t for t in TP_CANDIDATES if g == 0 or g % t == 0]
     for reg in heads:
@@ -418,9 +420,11 @@ def _check_gathered_vocab(ctx: _Context, res: _Pass) -> None:
             w = ctx.weighted[a]
             vocab = ctx.pshape[w.weight][w.out_dim]
             if any(vocab % t for t in allowed):
-                reg.failure = (f"its output reaches the model output at {reg.outputs[0]}, and splitting it splits "
-                               f"the vocab {vocab} over tp, which the other splits allow up to {max(allowed)}: pad "
-                               f"the vocabulary to a multiple of {max(allowed)} to split it")
+                where = (f"its output reaches the model output at {reg.outputs[0]}" if reg.outputs else
+                         f"its logits reach the cross entropy at {reg.sinks[0]}")
+                reg.failure = (f"{where}, and splitting it splits the vocab {vocab} over tp, which the other splits "
+                               f"allow up to {max(allowed)}: pad the vocabulary to a multiple of {max(allowed)} to "
+                               f"split it")
 
 
 def _conflicts(ctx: _Context, res: _Pass,
