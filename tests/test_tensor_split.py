@@ -194,6 +194,16 @@ def test_a_classifier_whose_classes_would_narrow_the_tensor_degrees_stays_whole_
     plan.verify(_vit, labelled, lambda output, targets=None: output.loss)
 
 
+def test_an_odd_vocab_keeps_the_embedding_and_head_whole_and_narrows_no_degree():
+    """Llama with 1001 tokens (untied): its embedding and LM head stay whole, saying to pad the vocabulary, and it
+    allows the tensor degrees the heads allow, as with 1000 tokens; it refused every tp > 1 (Moshi's 513)."""
+    odd, even = (find_splits(hf_trace(hf_llama(V=v), v)) for v in (1001, 1000))
+    assert odd.valid_tp() == even.valid_tp() == (1, 2)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert odd.placement(name).spec == "R" and "pad the vocabulary" in odd.placement(name).reason
+        assert even.placement(name).spec == "S(0)"
+
+
 # ---------------------------------------------------------------- Hugging Face
 
 

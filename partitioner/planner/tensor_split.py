@@ -383,10 +383,11 @@ def find_splits(g: OpGraph) -> TensorSplits:
     no_vocab: dict[str, str] = {}  # embeddings kept whole -> why
     while True:
         res = _propagate(ctx, forbidden, no_vocab)
-        _check_gathered_vocab(ctx, res)
+        narrowing = _check_gathered_vocab(ctx, res)
         uses = _uses(ctx, res, forbidden)
         new = {p: reg.failure for reg in res.regions if reg.failure for p in reg.producers}
         shared, new_vocab = _conflicts(ctx, res, uses)
+        new_vocab = {**narrowing, **new_vocab}
         new = {k: v for k, v in {**shared, **new}.items() if k not in forbidden}
         new_vocab = {k: v for k, v in new_vocab.items() if k not in no_vocab}
         if not new and not new_vocab:
@@ -404,27 +405,32 @@ def find_splits(g: OpGraph) -> TensorSplits:
                             frozenset(x for reg in res.regions for x in reg.rows), frozenset(res.vocab_embeddings)))
 
 
-def _check_gathered_vocab(ctx: _Context, res: _Pass) -> None:
-    """An LM or classifier head must not narrow the tensor degrees the rest of the model allows: its vocab (or
-    class count) must divide by the gcd of the other divisors (heads, ffn widths), else the head stays whole
-    (with why). A head whose logits go to the model output or to a cross entropy inside the graph alike: a
-    ViT's 5 classes with its labels must not refuse tp=2, when the same model without labels runs it."""
+def _check_gathered_vocab(ctx: _Context, res: _Pass) -> dict[str, str]:
+    """An LM or classifier head, or an input embedding, must not narrow the tensor degrees the rest of the model
+    allows: its vocab (or class count) must divide by the gcd of the other divisors (heads, ffn widths), else it
+    stays whole (with why). A head whose logits go to the model output or to a cross entropy inside the graph
+    alike: a ViT's 5 classes with its labels must not refuse tp=2, when the same model without labels runs it;
+    nor Moshi's embedding of 513 tokens. Marks the heads failed; returns the embeddings to keep whole."""
     heads = [reg for reg in res.regions if reg.failure is None and (reg.outputs or reg.sinks)]
-    if not heads:
-        return
+    if not heads and not res.vocab_embeddings:
+        return {}
     rest = [reg for reg in res.regions if reg.failure is None and not (reg.outputs or reg.sinks)]
     g = reduce(math.gcd, (n for _, n in _divisors(ctx, res._replace(regions=rest, vocab_embeddings={}))), 0)
     allowed = [t for t in TP_CANDIDATES if g == 0 or g % t == 0]
+
+    def why(vocab: int, where: str) -> str:
+        return (f"{where}, and splitting it splits the vocab {vocab} over tp, which the other splits allow up to "
+                f"{max(allowed)}: pad the vocabulary to a multiple of {max(allowed)} to split it")
+
     for reg in heads:
         for a in reg.producers:
             w = ctx.weighted[a]
             vocab = ctx.pshape[w.weight][w.out_dim]
             if any(vocab % t for t in allowed):
-                where = (f"its output reaches the model output at {reg.outputs[0]}" if reg.outputs else
-                         f"its logits reach the cross entropy at {reg.sinks[0]}")
-                reg.failure = (f"{where}, and splitting it splits the vocab {vocab} over tp, which the other splits "
-                               f"allow up to {max(allowed)}: pad the vocabulary to a multiple of {max(allowed)} to "
-                               f"split it")
+                reg.failure = why(vocab, f"its output reaches the model output at {reg.outputs[0]}" if reg.outputs
+                                  else f"its logits reach the cross entropy at {reg.sinks[0]}")
+    return {e: why(ctx.pshape[p][0], f"embedding {p} looks tokens up in its rows")
+            for e, p in res.vocab_embeddings.items() if any(ctx.pshape[p][0] % t for t in allowed)}
 
 
 def _conflicts(ctx: _Context, res: _Pass,
