@@ -20,7 +20,7 @@ from examples import gpt
 
 __all__ = ["gpt_tiny_seeded", "gpt_small_seeded", "gpt_4l_seeded", "gpt_8l_seeded", "hf_gpt2_seeded",
            "hf_gpt2_4l_seeded", "hf_llama_seeded", "adamw", "sgd", "gpt_loss", "hf_loss", "in_model_loss",
-           "Trained", "global_microbatches", "train_one_process"]
+           "labelled_tokens", "target_tokens", "Trained", "global_microbatches", "train_one_process"]
 
 
 def gpt_tiny_seeded() -> gpt.GPT:
@@ -118,6 +118,17 @@ def hf_model_loss(output, targets=None) -> torch.Tensor:
     return output.loss
 
 
+def labelled_tokens(inputs, targets=None) -> torch.Tensor:
+    """The tokens a Hugging Face causal LM's own loss averages over on a batch: its labels after the shift to the
+    next token, those not -100 (for `runtime.per_token(hf_model_loss, labelled_tokens)`)."""
+    return (inputs["labels"][..., 1:] != -100).sum()
+
+
+def target_tokens(inputs, targets) -> torch.Tensor:
+    """The tokens `hf_loss` (a cross entropy, ignore_index -100) averages over: the targets not -100."""
+    return (targets != -100).sum()
+
+
 class Trained(NamedTuple):
     losses: list[float]
     model: torch.nn.Module
@@ -144,6 +155,12 @@ def global_microbatches(x: Any, y: Any, *, dp: int, num_microbatches: int) -> li
     return [(take(x, i), take(y, i)) for i in idx]
 
 
+def _forward(model: torch.nn.Module, x: Any) -> Any:
+    """The model on one batch: a dict of inputs as keywords (a Hugging Face model's input_ids, labels), as the
+    runtime calls it."""
+    return model(**x) if isinstance(x, dict) else model(x)
+
+
 def train_one_process(model_fn: Callable[[], torch.nn.Module], optimizer_fn: Callable[[Any], torch.optim.Optimizer],
                       loss_fn: Callable, batches: Iterable[tuple[Any, Any]], *,
                       clip_grad_norm: float | None = None, dp: int = 1, num_microbatches: int = 1) -> Trained:
@@ -161,11 +178,11 @@ def train_one_process(model_fn: Callable[[], torch.nn.Module], optimizer_fn: Cal
         if num_microbatches > 1:
             loss = torch.zeros(())
             for mx, my in global_microbatches(x, y, dp=dp, num_microbatches=num_microbatches):
-                part = loss_fn(model(mx), my) / num_microbatches
+                part = loss_fn(_forward(model, mx), my) / num_microbatches
                 part.backward()
                 loss = loss + part.detach()
         else:
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(_forward(model, x), y)
             loss.backward()
         if clip_grad_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)))

@@ -426,3 +426,19 @@ def test_a_checkpoint_resumes_every_replica_exactly_and_saving_changes_nothing(t
     common = load_full_state_dict(step4)
     for k, want in four.state_dict.items():
         torch.testing.assert_close(common[k], want, rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _all_rows(inputs, targets) -> int:
+    return targets.numel()
+
+
+@pytest.mark.slow
+def test_a_per_token_loss_is_refused_before_the_first_step():
+    """Each replica steps on its own rows: a loss averaged over every token of the global batch has no meaning
+    there (runtime.engines.token_loss), and the program's build() says so before anything is updated."""
+    from runtime import per_token
+    from runtime.launch.env import LaunchError
+
+    with pytest.raises(LaunchError, match="per_token loss averages over every token"):
+        launch_local(regression_plan(2, {"every": 2}), regression_mlp, sgd, per_token(mse, _all_rows),
+                     regression_batches(2, 32), timeout_s=60)

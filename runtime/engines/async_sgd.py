@@ -77,6 +77,7 @@ import torch
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
 from runtime.engines.step import PeakHeld, _call, replica_microbatches
+from runtime.engines.token_loss import PerToken
 from runtime.engines.unreplicated import Unreplicated
 
 __all__ = ["AsyncSGDRunner"]
@@ -138,6 +139,9 @@ class AsyncSGDRunner:
             raise ValueError(f"async_sgd={mode!r}: every must be >= 1, staleness >= 0")
         if len(dp_ranks) < 2:
             raise ValueError(f"dp_ranks={tuple(dp_ranks)}: async SGD averages replicas and needs at least two")
+        if isinstance(loss_fn, PerToken):
+            raise ValueError("a per_token loss averages over every token of the global batch, and async SGD steps "
+                             "each replica on its own rows: pass the loss function itself (loss_fn.loss_fn)")
         self.engine, self.optimizer, self.loss_fn = engine, optimizer, loss_fn
         self.collectives, self.dp_group, self.dp_ranks = collectives, dp_group, tuple(dp_ranks)
         self.dp_rank, self.dp_size = dp_rank, len(dp_ranks)

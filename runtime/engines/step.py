@@ -25,10 +25,11 @@ from cost_models.actions import Action, Op
 from cost_models.errors import PartitionerError
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
+from runtime.engines.token_loss import microbatch_weights
 from runtime.pipeline.executor import PipelineExecutor
 
-__all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "PeakHeld",
-           "implicit_after_step"]
+__all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "step_weights",
+           "PeakHeld", "implicit_after_step"]
 
 
 class ModelMismatchError(PartitionerError):
@@ -108,8 +109,12 @@ class StepRunner:
                  replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                       microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
                                       cp_rank=self.cp_rank, cp_size=self.cp_size)]
-        # this replica's mean over its microbatches (the executor sums loss / m)
-        loss = self.executor.run([x for x, _ in pairs], [y for _, y in pairs])
+        # this replica's mean over its microbatches (the executor sums loss / m), or its share of the mean over
+        # every token of the batch (a per_token loss)
+        weights = step_weights(self.loss_fn, batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                               microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
+                               cp_rank=self.cp_rank, cp_size=self.cp_size)
+        loss = self.executor.run([x for x, _ in pairs], [y for _, y in pairs], weights)
         # The global loss: the mean over replicas (and context slices, each as many tokens) of each one's mean
         # over its microbatches.
         mean = torch.tensor([loss], dtype=torch.float32, device=rank_device())  # NCCL reduces device tensors
@@ -172,6 +177,16 @@ def replica_microbatches(batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, 
     if cp_size == 1:
         return out
     return [(_tokens(x, cp_rank, cp_size), _tokens(y, cp_rank, cp_size)) for x, y in out]
+
+
+def step_weights(loss_fn: Any, batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, microbatch_size: int,
+                 num_microbatches: int, cp_rank: int = 0, cp_size: int = 1) -> tuple[float, ...] | None:
+    """This rank's loss weight per microbatch of `batch` (runtime.engines.token_loss), every rank's microbatches
+    sliced as `replica_microbatches` slices this one's; None unless `loss_fn` is a per_token loss."""
+    return microbatch_weights(
+        loss_fn, lambda r, c: replica_microbatches(batch, dp_rank=r, dp_size=dp_size, microbatch_size=microbatch_size,
+                                                   num_microbatches=num_microbatches, cp_rank=c, cp_size=cp_size),
+        dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, cp_size=cp_size)
 
 
 def _tokens(x: Any, cp_rank: int, cp_size: int) -> Any:

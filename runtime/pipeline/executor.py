@@ -213,6 +213,7 @@ class PipelineExecutor:
         self.stage_to_rank, self.collectives, self.loss_fn, self.group = stage_to_rank, collectives, loss_fn, group
         self.grad_sync, self.optim, self.activation_shape, self.timeout = grad_sync, optim, activation_shape, timeout
         self.unshard, self.reshard, self.no_sync, self.split_backward = unshard, reshard, no_sync, split_backward
+        self._weights: tuple[float, ...] | None = None  # this run's loss weight per microbatch (None: 1 / m)
         self.feed_inputs, self.before_last_backward = feed_inputs, before_last_backward
         self._loss_total: torch.Tensor | None = None
         # the one backward that launches the gradient reductions: the rank's last B or W, the last to add to
@@ -384,7 +385,8 @@ class PipelineExecutor:
         if s == self.num_stages - 1:
             if targets is None:
                 raise ValueError(f"this rank holds the last stage {s}: pass run(targets=[...])")
-            loss = self.loss_fn(out, targets[i]) / self.m
+            loss = self.loss_fn(out, targets[i])
+            loss = loss / self.m if self._weights is None else loss * self._weights[i]
             # the loss keeps what its backward needs (a cross-entropy its log-softmax, not the logits):
             # holding the output through the backward would keep one more output-sized tensor at the peak
             del out
@@ -482,11 +484,16 @@ class PipelineExecutor:
         return None
 
     # ---- the step ---------------------------------------------------------------------------------
-    def run(self, microbatches_in: list | None = None, targets: list | None = None) -> float | None:
+    def run(self, microbatches_in: list | None = None, targets: list | None = None,
+            weights: Sequence[float] | None = None) -> float | None:
         """Run the instruction list once. Returns, on the rank holding the last
         stage, the sum over microbatches of loss_fn(output, target) / m (the
         mean microbatch loss: the full batch's mean loss for equal microbatches);
-        None on other ranks."""
+        None on other ranks. `weights`: one per microbatch, instead of 1 / m
+        (runtime.engines.token_loss: each microbatch's share of the tokens)."""
+        if weights is not None and len(weights) != self.m:
+            raise ValueError(f"weights: one per microbatch, {self.m}, got {len(weights)}")
+        self._weights = None if weights is None else tuple(float(w) for w in weights)
         for name, given, stage in (("microbatches_in", microbatches_in, 0),
                                    ("targets", targets, self.num_stages - 1)):
             if (stage in self.stages or (self.feed_inputs and name == "microbatches_in")) and \

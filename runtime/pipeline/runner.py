@@ -36,7 +36,7 @@ import torch.distributed as dist
 from cost_models.placements import REPLICATED, is_sharded
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
-from runtime.engines.step import PeakHeld, implicit_after_step, replica_microbatches
+from runtime.engines.step import PeakHeld, implicit_after_step, replica_microbatches, step_weights
 from runtime.pipeline.executor import PipelineError, PipelineExecutor
 from runtime.pipeline.stage import StageModel
 from runtime.pipeline.tensor_parallel import unshard_parameter
@@ -106,7 +106,11 @@ class PipelineRunner:
         self._synced = self._stepped = 0
         self._xs = xs
         self._loss_work, self._mean = None, None
-        self.executor.run(xs, ys if self.num_stages - 1 in self.stage.stages else None)
+        last = self.num_stages - 1 in self.stage.stages  # only the last stage computes the loss
+        weights = step_weights(self.loss_fn, batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                               microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
+                               cp_rank=self.cp_rank, cp_size=self.cp_size) if last else None
+        self.executor.run(xs, ys if last else None, weights)
         self._finish_tied_sends()
         if self._mean is None:  # an instruction list without GRAD_SYNC: the loss is reduced here
             self._reduce_loss()
