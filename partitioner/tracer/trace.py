@@ -78,7 +78,8 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
         args, kwargs = _batch_of_two(tuple(example_inputs), kwargs)
         tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
         traced_b = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
-        seq = next((int(x.shape[1]) for x in tensors if x.dim() >= 2 and not x.dtype.is_floating_point and x.dtype != torch.bool), None)
+        seq = next((int(x.shape[1]) for x in tensors
+                    if x.dim() >= 2 and not x.dtype.is_floating_point and x.dtype != torch.bool), None)
         seq = seq if dynamic_seq else None
 
         stack = find_layer_stack(model)
