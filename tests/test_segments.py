@@ -135,6 +135,66 @@ def test_a_block_handing_on_two_tensors_is_refused_by_name():
         extract(g.graph_module, g)
 
 
+class _Residual(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _RootStack(nn.Module):
+    """Residual blocks from the input on, a head after them: nothing before the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Residual() for _ in range(4))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def root_stack_seeded() -> _RootStack:
+    torch.manual_seed(0)
+    return _RootStack()
+
+
+def sequential_stack_seeded() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(_Residual() for _ in range(4)))
+
+
+@pytest.mark.parametrize("model_fn", [root_stack_seeded, sequential_stack_seeded], ids=["modulelist", "sequential"])
+def test_blocks_that_start_at_the_input_are_handed_it_by_an_empty_prefix(model_fn):
+    """A first toy model: residual blocks from the input on (a ModuleList, or an nn.Sequential of blocks at the
+    root). Nothing runs before the blocks, so there was nothing to hand on, and every tp and pp plan was
+    refused ("the prefix hands 0 values"): the prefix hands on the input the first block reads."""
+    x = torch.randn(4, 32)
+    g = trace(model_fn(), (x,))
+    code = extract(g.graph_module, g)
+    assert code.prefix.params == () and len(code.prefix.source.splitlines()) <= 3  # returns its input
+    for pp, tp in ((2, 1), (1, 2), (2, 2), (4, 1)):
+        plan = compile(g, f"local:{pp * tp}", global_batch_size=4, microbatch_size=4, precision="fp32", dp=1,
+                       pp=pp, tp=tp)
+        plan.verify(model_fn, (x,))
+
+
+@pytest.mark.slow
+def test_blocks_that_start_at_the_input_train_like_one_process():
+    from examples.training import sgd
+    from ranks import assert_plan_trains_like_one_process
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 32, generator=g), torch.randn(8, 10, generator=g)) for _ in range(2)]
+    plan = compile(trace(root_stack_seeded(), (data[0][0][:2],)), "local:2", global_batch_size=8,
+                   microbatch_size=2, precision="fp32", dp=1, pp=2, tp=1)
+    assert_plan_trains_like_one_process(plan, root_stack_seeded, sgd, torch.nn.functional.mse_loss, data)
+
+
 def test_plans_carry_code_only_when_they_need_it_and_round_trip():
     m = gpt_4l_seeded()
     g = trace(m, (torch.randint(0, 100, (2, 16)),))

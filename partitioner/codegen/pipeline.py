@@ -64,7 +64,9 @@ def stage_blocks(plan: Plan) -> dict[int, tuple[int, int, bool, bool]]:
             raise CodegenError(f"stage {st.index} shares a block with an earlier stage: the cut falls inside a block "
                                "(cut_granularity='node'); code is generated for block-granularity cuts only")
         seen |= set(idx)
-        pre, suf = "prefix" in st.blocks, "suffix" in st.blocks
+        # the first stage runs the prefix even where it computes nothing: it hands on the input the first block
+        # reads (segments.extract), a model whose blocks start at its input
+        pre, suf = "prefix" in st.blocks or st.index == 0, "suffix" in st.blocks
         if (pre and st.index != 0) or (suf and st.index != len(plan.stages) - 1):
             raise CodegenError(f"stage {st.index} holds part of the prefix or suffix: cut at block boundaries")
         out[st.index] = (idx[0], idx[-1] + 1, pre, suf) if idx else (0, 0, pre, suf)

@@ -521,6 +521,10 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     kw["routed"] = expert_parallel > 1 or _suffix_reads_routers(src, kw["moe"])
     pre = src.members("prefix")
     reads, outs = src.crossing(pre)
+    if not outs:
+        # nothing before the blocks (a stack of residual blocks at the model's root): the prefix hands on the
+        # model input the first block reads, as it is
+        outs = _first_block_input(src, blocks[0])
     if len(outs) != 1:
         raise SegmentError(f"the prefix (before {src.stack}) hands {len(outs)} values to what follows "
                            f"({', '.join(sorted(o.name for o in outs))}); a pipeline cut passes exactly one tensor")
@@ -593,6 +597,14 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
                      prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec, sp_dim=cut_dim,
                      hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds,
                      **(_expert_fields(g) if kw["routed"] else {}))
+
+
+def _first_block_input(src: _Source, first: int) -> set[fx.Node]:
+    """The model input block `first` reads as its hidden state, when it reads exactly one floating-point input
+    (token ids or masks are not a hidden state); else none."""
+    read = {a for m in src.members(first) for a in m.all_input_nodes if a in src.inputs}
+    floats = {a for a in read if a.meta["val"].is_floating_point()}
+    return floats if len(floats) == 1 else set()
 
 
 def reads_router_logits(ep: Any, g: Any) -> bool:
