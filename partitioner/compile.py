@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,7 +85,7 @@ from partitioner.planner.search import (
 from partitioner.planner.simulate import simulate
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
-from partitioner.tracer.batch_statistics import describe_statistic, nonlinear_batch_statistics
+from partitioner.tracer.batch_statistics import describe_statistic, nonlinear_batch_statistics, training_batch_norms
 from partitioner.tracer.experts import experts_text
 from partitioner.planner.unit_costs import CostContext, units_of
 from partitioner.tracer.opgraph import OpGraph
@@ -274,6 +275,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
         if g.attention_rewrites and not _runs_code(g):  # no program can run the rewritten code: cost what runs
             g = trace(model, example_inputs or (), example_kwargs, rewrite_attention=False)
     plan = plan_graph(g, topo, decl, opts)
+    _warn_batch_norm(g, plan)
     if verify and plan.config.pp > 1 and plan.load_balancing_loss:
         raise DeclarationError(f"verify=True with pp={plan.config.pp} and the model's load-balancing loss "
                                "(output_router_logits=True): each pipeline stage hands its MoE layers' sums to the "
@@ -651,6 +653,28 @@ def _runnable_experts(g: OpGraph, experts: Experts, splits, ep: int | None) -> E
     except SegmentError as e:
         return dataclasses.replace(experts, why_not=f"no expert-parallel program can be generated for them ({e})")
     return experts
+
+
+def _warn_batch_norm(g: OpGraph, plan: Plan) -> None:
+    """Say so where the plan splits the batch of a model whose batch norms normalise with the batch's statistics:
+    each replica, context slice and microbatch then normalises its own share, as torch's DDP does, and training
+    differs from one process on the whole batch (partitioner.tracer.batch_statistics.training_batch_norms)."""
+    c = plan.config
+    if c.dp * c.cp == 1 and c.num_microbatches == 1:
+        return
+    found = training_batch_norms(g.graph_module)
+    if not found:
+        return
+    where = sorted({describe_statistic(n).rpartition(" in ")[2].rstrip(")") for n in found})
+    shown = where[0] + (", ..." if len(where) > 1 else "")  # the trace may hold a few of a stack's blocks
+    split = ", ".join(x for x in (f"dp={c.dp}" if c.dp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "",
+                                  f"{c.num_microbatches} microbatches" if c.num_microbatches > 1 else "") if x)
+    warnings.warn(
+        f"batch norm in training mode ({shown}): this plan splits each batch of {plan.global_batch_size} ({split}), "
+        f"so every microbatch of {c.microbatch_size} normalises with its own statistics, as torch's DDP does, and "
+        "training differs from one process on the whole batch; pin dp=1, cp=1 and "
+        f"microbatch_size={plan.global_batch_size} to keep batches whole, or freeze the statistics (model.eval())",
+        stacklevel=3)
 
 
 def _check_batch_statistics(g: OpGraph, decl: Declarations) -> str:

@@ -104,3 +104,75 @@ def test_unpinned_the_batch_stays_whole():
     # without the loss the same model splits its batch as any other
     assert compile(net(aux=False), "local:2", example_inputs=TOKENS, global_batch_size=8, precision="fp32",
                    alternatives=0).config.replicas == 2
+
+
+# ---- batch norm: one op normalising with the statistics of the batch it sees ------------------------------------
+class _NormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.lin(x)))
+
+
+class _NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.layers = nn.ModuleList(_NormBlock() for _ in range(4))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def norm_net_seeded() -> _NormNet:
+    torch.manual_seed(0)
+    return _NormNet()
+
+
+def _norm_graph(train: bool = True):
+    model = norm_net_seeded().train(train)
+    return trace(model, (torch.randn(4, 8),))
+
+
+def test_a_plan_splitting_the_batch_of_a_training_batch_norm_says_it_differs_from_one_process():
+    """DDP-style batch norm: each replica or microbatch normalises its own share. Allowed, as torch's DDP does it,
+    but never silently: compile warns where the plan splits the batch, naming the layers and how to keep it whole;
+    not where it keeps the batch whole, nor for a model in eval mode (its statistics frozen)."""
+    import warnings
+
+    from partitioner.tracer.batch_statistics import training_batch_norms
+
+    assert training_batch_norms(_norm_graph().graph_module) and not training_batch_norms(_norm_graph(False).graph_module)
+    for train, pins, warned in ((True, dict(dp=2, pp=1, microbatch_size=4), True),
+                                (True, dict(dp=1, pp=2, microbatch_size=4), True),
+                                (True, dict(dp=1, pp=2, microbatch_size=8), False),
+                                (False, dict(dp=2, pp=1, microbatch_size=4), False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compile(_norm_graph(train), "local:2", global_batch_size=8, precision="fp32", tp=1, alternatives=0,
+                    **pins)
+        said = [str(w.message) for w in caught if "batch norm in training mode" in str(w.message)]
+        assert bool(said) == warned, (train, pins)
+        if said:
+            assert "layers.0.bn" in said[0] and "microbatch_size=8" in said[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp, tp", [(2, 1), (1, 2)])
+def test_batch_norm_on_whole_batches_trains_like_one_process_buffers_included(pp, tp):
+    """Its running statistics and num_batches_tracked too: the count's += 1 reads buffers alone, and the
+    generated code dropped it with the values computed from shapes (it stayed 0)."""
+    from examples.training import sgd
+    from ranks import assert_plan_trains_like_one_process
+
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)) for _ in range(2)]
+    plan = compile(_norm_graph(), "local:2", global_batch_size=8, microbatch_size=8, precision="fp32", dp=1,
+                   pp=pp, tp=tp)
+    out = assert_plan_trains_like_one_process(plan, norm_net_seeded, sgd, F.mse_loss, data)
+    assert int(out.state_dict["layers.3.bn.num_batches_tracked"]) == 2

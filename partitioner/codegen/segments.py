@@ -117,8 +117,10 @@ class _Source:
             elif n.op == "call_function":
                 self.shape_only[n] = n.target is _aten.sym_size.int or \
                     all(self.shape_only[a] for a in n.all_input_nodes)
-                if self.shape_only[n] or not (n.users or mutates(n)):
-                    continue  # an in-place write into a tensor (x[:, :k] = y) has no users and must stay
+                if (self.shape_only[n] and not mutates(n)) or not (n.users or mutates(n)):
+                    # an in-place write into a tensor (x[:, :k] = y) has no users and must stay; one into a buffer
+                    # from buffers alone (BatchNorm's num_batches_tracked += 1) too, where its module runs
+                    continue
                 b = block_index(self._path(n), self.stack) if self.stack is not None else None
                 if b is not None:
                     seen_block = True

@@ -28,10 +28,12 @@ out: they only route each rank's own tokens):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import fx
 
-__all__ = ["describe_statistic", "nonlinear_batch_statistics"]
+__all__ = ["describe_statistic", "nonlinear_batch_statistics", "training_batch_norms"]
 
 _aten = torch.ops.aten
 # Uses linear in their batch-statistic operand (each with at most one such operand for mul, div's numerator).
@@ -71,6 +73,27 @@ def nonlinear_batch_statistics(ep: torch.export.ExportedProgram) -> list[fx.Node
             continue
         if tainted or any(_has(a.meta["val"], batch) for a in ins):
             stat.add(n)
+    return out
+
+
+def training_batch_norms(graph_module: Any) -> list[fx.Node]:
+    """The batch norms of the graph that normalise with the statistics of the batch they see (training mode):
+    one op, so the rule above never sees its mean and variance. A plan that splits the batch (replicas, context
+    slices, microbatches) has each normalise its own share, as torch's DDP does, not the whole batch."""
+    graph = graph_module.graph if isinstance(graph_module, (torch.export.ExportedProgram, fx.GraphModule)) else None
+    out = []
+    for n in graph.nodes if graph is not None else ():
+        if n.op != "call_function" or "batch_norm" not in str(n.target):
+            continue
+        schema = getattr(n.target, "_schema", None)
+        names = [a.name for a in schema.arguments] if schema is not None else []
+        if "training" in names:
+            i = names.index("training")
+            training = n.kwargs.get("training", n.args[i] if i < len(n.args) else False)
+        else:
+            training = "with_update" in str(n.target)  # _batch_norm_with_update: the training variant
+        if training is True:
+            out.append(n)
     return out
 
 
