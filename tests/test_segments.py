@@ -195,6 +195,49 @@ def test_blocks_that_start_at_the_input_train_like_one_process():
     assert_plan_trains_like_one_process(plan, root_stack_seeded, sgd, torch.nn.functional.mse_loss, data)
 
 
+class _MaskedNormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+    def forward(self, x, keep):
+        return x + torch.relu(self.bn(self.lin(x))) * keep
+
+
+class _MaskedNormNet(nn.Module):
+    """Batch norm in every block, and a mask made from an input that every block reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.layers = nn.ModuleList(_MaskedNormBlock() for _ in range(4))
+
+    def forward(self, x, valid):
+        keep = (valid > 0).to(x.dtype).unsqueeze(-1)
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x, keep)
+        return self.head(x)
+
+
+def masked_norm_seeded() -> _MaskedNormNet:
+    torch.manual_seed(0)
+    return _MaskedNormNet()
+
+
+def test_a_value_made_from_inputs_is_recomputed_though_the_model_writes_a_buffer_elsewhere():
+    """The mask is made from an input alone, so every stage computes it again and only the hidden state crosses a
+    cut. Batch norm's num_batches_tracked += 1 writes a buffer in place; that write took the rule away from every
+    value of the graph, and the plans were refused ("the prefix hands 2 values"). Only what is made from a
+    written tensor is kept from being recomputed now."""
+    inputs = (torch.randn(4, 8), torch.tensor([1, 0, 2, 0]))
+    g = trace(masked_norm_seeded(), inputs)
+    for pp, tp in ((2, 1), (1, 2)):
+        plan = compile(g, f"local:{pp * tp}", global_batch_size=4, microbatch_size=4, precision="fp32", dp=1,
+                       pp=pp, tp=tp)
+        plan.verify(masked_norm_seeded, inputs)
+
+
 def test_plans_carry_code_only_when_they_need_it_and_round_trip():
     m = gpt_4l_seeded()
     g = trace(m, (torch.randint(0, 100, (2, 16)),))

@@ -66,6 +66,10 @@ _aten = torch.ops.aten
 _CASTS = {_aten.to.dtype_layout, _aten.to.dtype, _aten._to_copy.default}
 
 
+# in-place ops that change a tensor's metadata, not its values: a value made from it may still be recomputed
+_METADATA_WRITES = frozenset({_aten.detach_.default})
+
+
 def _argname(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
@@ -139,19 +143,28 @@ class _Source:
         """The values computed from the model's inputs, buffers, constants and shapes alone (an attention mask
         made from the padding mask, shifted labels), which read no parameter and no hidden state: like the
         shape-only ones, every other segment that reads one computes it again from the model inputs it takes
-        (each stage has them), so only the hidden state crosses a cut (`crossing`). Not where such a value is
-        written in place (its readers would recompute it without the write): then none is."""
+        (each stage has them), so only the hidden state crosses a cut (`crossing`). Not a value made from one
+        the graph writes in place (a reader would recompute it without the write): a written tensor, the bases
+        it views, and what is computed from them are not recomputed. A write that changes no value (XLM's
+        `detach_` of a constant it made) counts for nothing; a written hidden state leaves the rest alone."""
         inputs = set(self.inputs)
+        tainted: set[fx.Node] = set()
+        todo = [a for n in self.gm.graph.nodes if n.op == "call_function" and n.target not in _METADATA_WRITES
+                for a in written(n)]
+        while todo:  # a write into a view writes its base
+            x = todo.pop()
+            if x not in tainted:
+                tainted.add(x)
+                if x.op == "call_function" and getattr(x.target, "is_view", False):
+                    todo.extend(x.all_input_nodes)
         only: dict[fx.Node, bool] = {}
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
-                only[n] = n in inputs or n in self.buffer or n in self.const
+                only[n] = (n in inputs or n in self.buffer or n in self.const) and n not in tainted
             elif n.op == "get_attr":
                 only[n] = True
             elif n.op == "call_function":
-                only[n] = all(only.get(a, False) for a in n.all_input_nodes)
-                if any(only.get(a, False) for a in written(n)):
-                    return {}
+                only[n] = n not in tainted and all(only.get(a, False) for a in n.all_input_nodes)
         return {n: v for n, v in only.items() if v and n.op == "call_function"}
 
     @staticmethod
