@@ -147,7 +147,8 @@ def test_a_plan_splitting_the_batch_of_a_training_batch_norm_says_it_differs_fro
 
     from partitioner.tracer.batch_statistics import training_batch_norms
 
-    assert training_batch_norms(_norm_graph().graph_module) and not training_batch_norms(_norm_graph(False).graph_module)
+    assert training_batch_norms(_norm_graph().graph_module)
+    assert not training_batch_norms(_norm_graph(False).graph_module)
     for train, pins, warned in ((True, dict(dp=2, pp=1, microbatch_size=4), True),
                                 (True, dict(dp=1, pp=2, microbatch_size=4), True),
                                 (True, dict(dp=1, pp=2, microbatch_size=8), False),
