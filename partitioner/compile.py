@@ -85,7 +85,8 @@ from partitioner.planner.search import (
 from partitioner.planner.simulate import simulate
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
-from partitioner.tracer.batch_statistics import describe_statistic, nonlinear_batch_statistics, training_batch_norms
+from partitioner.tracer.batch_statistics import (describe_statistic, module_path, nonlinear_batch_statistics,
+                                                 training_batch_norms)
 from partitioner.tracer.experts import experts_text
 from partitioner.planner.unit_costs import CostContext, units_of
 from partitioner.tracer.opgraph import OpGraph
@@ -665,7 +666,7 @@ def _warn_batch_norm(g: OpGraph, plan: Plan) -> None:
     found = training_batch_norms(g.graph_module)
     if not found:
         return
-    where = sorted({describe_statistic(n).rpartition(" in ")[2].rstrip(")") for n in found})
+    where = sorted({module_path(n) for n in found})
     shown = where[0] + (", ..." if len(where) > 1 else "")  # the trace may hold a few of a stack's blocks
     split = ", ".join(x for x in (f"dp={c.dp}" if c.dp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "",
                                   f"{c.num_microbatches} microbatches" if c.num_microbatches > 1 else "") if x)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["describe_statistic", "nonlinear_batch_statistics", "training_batch_norms"]
+__all__ = ["describe_statistic", "module_path", "nonlinear_batch_statistics", "training_batch_norms"]
 
 _aten = torch.ops.aten
 # Uses linear in their batch-statistic operand (each with at most one such operand for mul, div's numerator).
@@ -138,8 +138,13 @@ def _batch_symbols(ep: torch.export.ExportedProgram) -> set:
     return out
 
 
+def module_path(n: fx.Node) -> str:
+    """The module `n` ran in ("" for the root's own forward)."""
+    stack = n.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
 def describe_statistic(n: fx.Node) -> str:
     """`n` named for an error message: its op and the module it ran in."""
-    stack = n.meta.get("nn_module_stack") or {}
-    where = list(stack.values())[-1][0] if stack else ""
+    where = module_path(n)
     return f"{n.name} ({n.target}{f' in {where}' if where else ''})"

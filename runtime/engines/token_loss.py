@@ -64,8 +64,8 @@ def microbatch_weights(loss_fn: Any, microbatches: Callable[[int, int], Sequence
     def counts(r: int, c: int) -> list[int]:
         return [_tokens(loss_fn.count(x, y)) for x, y in microbatches(r, c)]
 
-    mine = counts(dp_rank, cp_rank)
-    total = sum(sum(counts(r, c)) for r in range(dp_size) for c in range(cp_size))
+    every = {(r, c): counts(r, c) for r in range(dp_size) for c in range(cp_size)}
+    mine, total = every[(dp_rank, cp_rank)], sum(sum(n) for n in every.values())
     replicas = dp_size * cp_size
     return tuple(replicas * n / total if total else 0.0 for n in mine)
 
