@@ -80,6 +80,7 @@ from partitioner.planner.search import (
     enumerate_candidates,
     least_memory,
     module_units_run,
+    recompute_part,
     search,
 )
 from partitioner.planner.simulate import simulate
@@ -115,7 +116,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             precision: str = "bf16-mixed", optimizer: str = "adam", dp: int | None = None, tp: int | None = None,
             pp: int | None = None, zero_stage: int | None = None, microbatch_size: int | None = None,
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
-            sp: bool | None = None, cp: int | None = None, cp_kind: str | None = None, ep: int | None = None,
+            recompute_blocks: tuple[int, int] | str | None = None, sp: bool | None = None, cp: int | None = None,
+            cp_kind: str | None = None, ep: int | None = None,
             zero3_unit: str | None = None, max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
@@ -163,8 +165,14 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     its 2*cp chunks, the causal load balance), `cp_kind` "ring" (ring attention) or "all-to-all"
     (DeepSpeed-Ulysses); dp * cp * tp * pp is the world size, and gradients are reduced over dp x cp.
     Unpinned, the planner considers cp > 1 from LONG_SEQUENCE tokens on, or where nothing fits without
-    it (partitioner.planner.context_split). Such plans are costed; their programs cannot be generated yet
-    (`plan.program` refuses them).
+    it (partitioner.planner.context_split).
+
+    `recompute` is "none", "selective" (a block's matrix products and norms kept, the rest, the s x s
+    attention scores included, run again in backward) or "full" (a block keeps only its input). Pinned
+    "full" recomputes every block; `recompute_blocks` (k, n) or "k/n" recomputes only the first k of every n
+    consecutive blocks and lets the others keep their activations (Megatron-LM's recompute_num_layers,
+    torchtitan's selective_ac_option=N as (1, N)); it pins recompute="full". Unpinned, a plan that would
+    recompute every block is tried with part of them (1/4, 1/3, 1/2, 2/3, 3/4), the least that fits.
 
     `zero3_unit` is what ZeRO-3 gathers and frees at once: "block" (a repeated block, FSDP2's per-layer
     wrapping) or "module" (each module holding parameters, DeepSpeed ZeRO-3's granularity: a few Linear
@@ -177,8 +185,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     experts by all-to-alls; expert gradients are reduced over the dp / ep ranks holding the same experts).
     Unpinned, the planner searches it for models whose traced graph has MoE layers
     (partitioner.planner.expert_split), preferring groups inside a node; a model whose experts cannot be
-    divided is planned with ep=1 and `plan.explain()` says why. Such plans are costed; their programs
-    cannot be generated yet.
+    divided is planned with ep=1 and `plan.explain()` says why.
 
     `rewrite_attention` (default True) traces eager attention (a matmul of q and k^T, a scale, an
     additive bias or mask such as ALiBi or causal, softmax, dropout, a matmul with v) as one
@@ -229,8 +236,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     topo = Topology.coerce(topology)
     pins = dict(global_batch_size=global_batch_size, precision=precision, optimizer=optimizer, dp=dp, tp=tp, pp=pp,
                 zero_stage=zero_stage, microbatch_size=microbatch_size, schedule=schedule, interleave=interleave,
-                recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, ep=ep, zero3_unit=zero3_unit,
-                max_memory_fraction=max_memory_fraction,
+                recompute=recompute, recompute_blocks=recompute_blocks, sp=sp, cp=cp, cp_kind=cp_kind, ep=ep,
+                zero3_unit=zero3_unit, max_memory_fraction=max_memory_fraction,
                 compression=compression,
                 async_sgd=async_sgd, rewrite_attention=rewrite_attention, clip_grad_norm=clip_grad_norm,
                 compression_warmup=compression_warmup, grad_reduce_dtype=grad_reduce_dtype,
@@ -388,6 +395,8 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                             over_memory=min(opts.alternatives, _OVER_MEMORY_SHOWN), bounds=bounds)
     if not result.ranked:
         _infeasible(ctx, cands, decl, topo)
+    if decl.recompute is None:  # pinned "full" recomputes every block, as Megatron's --recompute-granularity full
+        result = recompute_part(ctx, result, bounds=bounds)
     best = result.ranked[0]
     rejected = over_memory_alternatives(best, result.over_memory, ctx.memory_cap)
     if opts.alternatives > 0:
@@ -485,6 +494,8 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
         hints.append("ZeRO-3 (zero_stage=3)")
     if decl.recompute != "full":
         hints.append("activation recomputation (recompute='full')")
+    elif decl.recompute_blocks not in (None, (1, 1)):
+        hints.append("recomputing every block (drop recompute_blocks)")
     if decl.microbatch_size not in (None, 1):
         hints.append("a smaller microbatch_size")
     if decl.cp in (None, 1) and (ctx.g.traced_seq_len or 1) % 4 == 0:
@@ -518,8 +529,10 @@ def _why(best: Scored, other: Scored) -> str:
     a, b = best.cand, other.cand
     diffs = [f"{k}={getattr(b, k)} vs {getattr(a, k)}" for k in
              ("dp", "ep", "cp", "cp_kind", "tp", "pp", "zero_stage", "zero3_unit", "microbatch_size", "schedule",
-              "interleave", "recompute")
+              "interleave")
              if getattr(a, k) != getattr(b, k)]
+    if a.recompute_text != b.recompute_text:
+        diffs.append(f"recompute={b.recompute_text} vs {a.recompute_text}")
     diffs += [f"{level} compression {y} vs {x}" for level, x, y in zip(LEVELS, best.compression, other.compression)
               if x != y]
     if t1 > t0:
@@ -795,7 +808,8 @@ def _context_buffers(ctx: CostContext, cand: ParallelConfig) -> float:
     """The largest context-parallel attention buffers of any unit, as the memory model scales buffers (0 at cp = 1)."""
     if cand.cp == 1:
         return 0.0
-    arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute, cand.sp, cand.cp, cand.cp_kind, cand.ep)
+    arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute, cand.sp, cand.cp, cand.cp_kind, cand.ep,
+                          cand.recompute_blocks)
     return max(arr.cp_buffers, default=0.0) * ctx.cal.buffer_mem_scale
 
 

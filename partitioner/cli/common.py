@@ -38,7 +38,8 @@ def plan_options(args: argparse.Namespace) -> dict[str, Any]:
     """compile()'s keyword arguments from the planning flags `add_plan_options` declares."""
     out = {k: getattr(args, k) for k in ("precision", "optimizer", "max_memory_fraction", "dp", "tp", "pp",
                                          "zero_stage", "microbatch_size", "schedule", "interleave", "recompute",
-                                         "grad_reduce_dtype", "optimizer_layout", "cp", "cp_kind", "ep", "zero3_unit")
+                                         "grad_reduce_dtype", "optimizer_layout", "cp", "cp_kind", "ep", "zero3_unit",
+                                         "recompute_blocks")
            if getattr(args, k) is not None}
     if args.compression is not None:
         out["compression"] = compression_arg(args.compression)

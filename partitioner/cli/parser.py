@@ -86,6 +86,10 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                         "(default: the planner chooses)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pin the schedule")
     p.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default=None, help="pin recomputation")
+    p.add_argument("--recompute-blocks", default=None, metavar="K/N",
+                   help="full recomputation of the first K of every N blocks only, the others keeping their "
+                        "activations (e.g. 1/2: every second block; pins --recompute full) (default: every block "
+                        "where recompute is pinned, else the planner chooses)")
     p.add_argument("--compression", default=None, metavar="NAME|LEVEL=NAME,...",
                    help="pin the data-parallel gradient compressor (none, bf16, int8, int4, powersgd) on every link "
                         "level, or per level, e.g. inter_node=int8,intra_node=none (default: the planner chooses)")

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
 __all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "SegmentTables",
-           "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines",
+           "block_names", "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines",
            "one_rank_ep_context", "params_table", "program_header", "ranks_text", "recompute_lines",
-           "reduce_scatter_impl", "segment_tables", "torch_compile_import", "torch_compile_lines",
+           "recomputed_blocks", "reduce_scatter_impl", "segment_tables", "torch_compile_import", "torch_compile_lines",
            "torch_compile_refusal"]
 
 ZERO_WHAT = {
@@ -104,18 +104,34 @@ _RECOMPUTE_WHAT = {
                  "again in backward, the s x s attention scores included"}
 
 
+def block_names(plan: "Plan") -> tuple[str, ...]:
+    """The model's repeated blocks, in their order (their index in the block stack)."""
+    return tuple(b for st in plan.stages for b in st.blocks if b not in ("prefix", "suffix"))
+
+
+def recomputed_blocks(plan: "Plan") -> tuple[str, ...]:
+    """The blocks the plan's recomputation runs on: all of them, or those ParallelConfig.recompute_blocks picks."""
+    return tuple(b for i, b in enumerate(block_names(plan)) if plan.config.recomputes_block(i))
+
+
 def recompute_lines(plan: "Plan", call: str) -> str:
     """The program lines that make the plan's blocks recompute (none without recomputation): a comment
     saying how, then `call` (ending in "(") applied to the block names and the mode."""
-    mode = plan.config.recompute
+    c = plan.config
+    mode = c.recompute
     if mode == "none":
         return ""
-    names = tuple(dict.fromkeys(p.block for p in plan.placements if p.block is not None))
-    why = textwrap.fill(f"Recompute ({mode}, runtime.engines.recompute): {_RECOMPUTE_WHAT[mode]}.", width=100,
+    every = block_names(plan)
+    names = recomputed_blocks(plan)
+    k, n = c.recompute_blocks
+    which = "" if (k, n) == (1, 1) else f" Only the first {k} of every {n} blocks; the others keep their activations."
+    why = textwrap.fill(f"Recompute ({mode}, runtime.engines.recompute): {_RECOMPUTE_WHAT[mode]}.{which}", width=100,
                         initial_indent="    # ", subsequent_indent="    # ")
-    stack = names[0].rpartition(".")[0] if names else ""
-    if len(names) > 2 and names == tuple(f"{stack}.{i}" for i in range(len(names))):
-        blocks = f"tuple(f'{stack}.{{i}}' for i in range({len(names)}))"  # a formula: no line grows with depth
+    stack = every[0].rpartition(".")[0] if every else ""
+    if len(every) > 2 and every == tuple(f"{stack}.{i}" for i in range(len(every))):
+        # a formula: no line grows with depth
+        pick = "" if (k, n) == (1, 1) else f" if i % {n} < {k}"
+        blocks = f"tuple(f'{stack}.{{i}}' for i in range({len(every)}){pick})"
     else:
         blocks = literal(names, indent=4 + len(call))
     return f"{why}\n    {call}{blocks}, {mode!r})\n"

@@ -18,6 +18,7 @@ from partitioner.codegen.common import (
     program_header,
     ranks_text,
     recompute_lines,
+    recomputed_blocks,
     reduce_scatter_impl,
     torch_compile_import,
     torch_compile_lines,
@@ -318,10 +319,11 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
     if c.zero_stage == 3 and c.zero3_unit == "module":
         aliases = {p.param: p.aliases for p in plan.placements}
         gathers = 2 * U - sum(_on_root([a for n in names for a in (n, *aliases[n])]) for names in units.values())
-        if c.recompute != "none":  # per block, all but the two gathered for its backward go again
+        if c.recompute != "none":  # per recomputed block, all but the two gathered for its backward go again
             blocks: dict[str, set[str]] = {}
+            again = set(recomputed_blocks(plan))
             for p in plan.placements:
-                if p.block is not None:
+                if p.block in again:
                     blocks.setdefault(p.block, set()).add(p.param.rpartition(".")[0])
             gathers += sum(max(0, len(mods) - 2) for mods in blocks.values())
     out = {0: {"all_reduce": B}, 1: {"all_reduce": B, "all_gather": 1},

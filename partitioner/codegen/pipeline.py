@@ -192,6 +192,8 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
         f"    seed_pipeline_rank({me.pp})\n")
     ctx = ep_context(plan)  # the ep context: ep > 1, or the load-balancing loss at ep = 1
     ep_kw = ", ep=ep,\n                      experts=EXPERTS" if c.ep > 1 else ", ep=ep" if ctx else ""
+    # recomputation of the first k of every n blocks only (ParallelConfig.recompute_blocks)
+    blocks_kw = f", recompute_blocks={c.recompute_blocks!r}" if c.recompute_blocks != (1, 1) else ""
     ep_param, ep_default = ep_stage_lines(plan)
     source = f'''"""Per-rank program: rank {rank} of {plan.world_size} (pipeline rank {me.pp}, replica {me.dp}, tensor slice {me.tp}).
 
@@ -265,7 +267,7 @@ def make_stage(model, tp{", cp" if c.cp > 1 else ""}{ep_param}):
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
                       placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
-                      recompute={c.recompute!r}{", cp=cp" if c.cp > 1 else ""}{ep_kw}{tc})
+                      recompute={c.recompute!r}{blocks_kw}{", cp=cp" if c.cp > 1 else ""}{ep_kw}{tc})
 
 
 def build(model_fn, optimizer_fn, loss_fn):

@@ -48,7 +48,7 @@ NO_COMPRESSION = ("none", "none")
 # candidates it visits first (lowest bound) are the likely winners.
 _UNPINNED_MAX_CUTS = 24
 _PINNABLE = ("dp", "tp", "pp", "cp", "cp_kind", "ep", "zero_stage", "zero3_unit", "microbatch_size", "schedule",
-             "interleave", "recompute")
+             "interleave", "recompute", "recompute_blocks")
 
 
 def durations(ev: StageEvaluator, cut: Cut) -> Durations:

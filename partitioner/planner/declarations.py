@@ -30,6 +30,7 @@ __all__ = [
     "compression_pins",
     "compression_refusal",
     "divisors",
+    "recompute_blocks_pin",
     "reduction_pins",
     "torch_compile_backend",
 ]
@@ -60,6 +61,10 @@ class Declarations:
     schedule: str | None = None
     interleave: int | None = None
     recompute: str | None = None
+    # Full recomputation of part of the blocks (ParallelConfig.recompute_blocks): (k, n), of every n consecutive
+    # blocks the first k (pins recompute="full"). None: every block where recompute is pinned; unpinned, the
+    # planner may recompute part of the blocks where that fits and full recomputation is the alternative.
+    recompute_blocks: tuple[int, int] | None = None
     # Megatron sequence parallelism in each tensor group (partitioner.planner.sequence_split): True needs tp > 1,
     # False keeps the ops between tensor-split regions whole; None: on wherever tp > 1 and the model allows it
     # (Megatron-LM, torchtitan and NeMo turn it on with tensor parallelism).
@@ -103,6 +108,8 @@ class Declarations:
             object.__setattr__(self, "zero_stage", LAYOUT_ZERO_STAGE[self.optimizer_layout])
         if self.zero_stage is None and self.zero3_unit == "module":  # units of ZeRO-3: it pins the stage
             object.__setattr__(self, "zero_stage", 3)
+        if self.recompute is None and self.recompute_blocks is not None:  # part of the blocks, fully
+            object.__setattr__(self, "recompute", "full")
 
     @classmethod
     def declare(cls, **values: Any) -> Declarations:
@@ -162,19 +169,28 @@ class Declarations:
             raise DeclarationError(f"zero3_unit='module' with ep={ep}: expert-parallel programs gather ZeRO-3 units "
                                    "per block (per module is not run with experts held apart yet); drop zero3_unit "
                                    "or pin ep=1")
+        blocks = recompute_blocks_pin(values.get("recompute_blocks"))
+        if blocks == (1, 1) and values.get("recompute") is not None:
+            blocks = None  # every block: what the pinned recomputation does anyway
+        if blocks is not None and values.get("recompute") not in (None, "full"):
+            raise DeclarationError(f"recompute_blocks={values['recompute_blocks']!r} with recompute="
+                                   f"{values['recompute']!r}: part of the blocks run under full recomputation, the "
+                                   "others keep their activations; pin recompute='full' (or leave it out), or drop "
+                                   "recompute_blocks")
         warmup = values.get("compression_warmup", 0)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise DeclarationError(f"compression_warmup={warmup!r}: the number of first steps that reduce "
                                    "uncompressed, an int >= 0 (e.g. compression_warmup=100)")
         tc = torch_compile_backend(values.get("torch_compile", ""))
-        return cls(**{**values, "torch_compile": tc, "compression": compression_pins(values.get("compression")),
+        return cls(**{**values, "torch_compile": tc, "recompute_blocks": blocks,
+                      "compression": compression_pins(values.get("compression")),
                       "async_sgd": async_sgd_pin(values.get("async_sgd")),
                       "clip_grad_norm": None if clip is None else float(clip)})
 
     def pinned(self) -> dict[str, Any]:
         """The declarations that pin something, for the plan's record."""
         names = ("dp", "tp", "pp", "cp", "cp_kind", "ep", "zero_stage", "microbatch_size", "schedule", "interleave",
-                 "recompute", "sp", "grad_reduce_dtype", "optimizer_layout", "zero3_unit")
+                 "recompute", "recompute_blocks", "sp", "grad_reduce_dtype", "optimizer_layout", "zero3_unit")
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.compression:
             out["compression"] = dict(self.compression)
@@ -440,6 +456,27 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+def recompute_blocks_pin(value: Any) -> tuple[int, int] | None:
+    """A `recompute_blocks` declaration as (k, n): the first k of every n consecutive blocks recompute. Takes
+    (k, n), "k/n", or None; k = n (every block) reads as (1, 1).
+
+    >>> recompute_blocks_pin("1/2"), recompute_blocks_pin((3, 4)), recompute_blocks_pin("2/2")
+    ((1, 2), (3, 4), (1, 1))
+    """
+    if value is None:
+        return None
+    parts = value.split("/") if isinstance(value, str) else value
+    try:
+        k, n = (int(x) if not isinstance(x, bool) and float(x) == int(x) else None for x in parts)
+    except (TypeError, ValueError):
+        k = n = None
+    if k is None or n is None or not 1 <= k <= n:
+        raise DeclarationError(f"recompute_blocks={value!r}: must be (k, n) or 'k/n' with 1 <= k <= n, the first k "
+                               "of every n consecutive blocks recomputed (e.g. '1/2': every second block, torchtitan's "
+                               "selective_ac_option=2; '3/4': three blocks in four)")
+    return (1, 1) if k == n else (k, n)
+
+
 def _int(name: str, v: Any, lo: int = 1) -> None:
     if v is None:
         return
@@ -481,6 +518,10 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
     _check_precision_recipe(d)
     _choice("schedule", d.schedule, SCHEDULES)
     _choice("recompute", d.recompute, RECOMPUTE)
+    if d.recompute_blocks is not None and (recompute_blocks_pin(d.recompute_blocks) != tuple(d.recompute_blocks)
+                                           or d.recompute != "full"):
+        raise DeclarationError(f"recompute_blocks={d.recompute_blocks!r} with recompute={d.recompute!r}: must be "
+                               "(k, n) with 1 <= k < n (Declarations.declare reads 'k/n'), with recompute='full'")
     if isinstance(d.max_memory_fraction, bool) or not isinstance(d.max_memory_fraction, (int, float)) \
             or not 0 < d.max_memory_fraction <= 1:
         raise DeclarationError(f"max_memory_fraction={d.max_memory_fraction!r}: must be in (0, 1], e.g. 0.9")

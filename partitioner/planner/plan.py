@@ -65,6 +65,12 @@ class ParallelConfig:
     microbatch_size x num_microbatches per data-parallel rank = global batch / dp.
     schedule/interleave: the pipeline schedule and virtual stages per rank.
     recompute: activation recomputation policy.
+    recompute_blocks: (k, n) under recompute "full": of every n consecutive blocks (by their index in the model's
+        block stack, `OpGraph.blocks`) the first k run under full recomputation and the others keep their
+        activations (`recomputes_block`); (1, 1) every block. Megatron-LM's recompute_num_layers and
+        torchtitan's selective_ac_option=N ((1, N): every N-th block) recompute part of the blocks this way, for
+        a model whose activations fit with some blocks recomputed, not all. Written in plan JSON only when not
+        (1, 1).
     sp: Megatron sequence parallelism inside each tensor group (tp > 1 only): the ops between the
         tensor-split regions run on 1/tp of the tokens (partitioner.planner.sequence_split).
     cp: context parallelism, the sequence split over cp ranks for the whole layer (dp * cp * tp * pp =
@@ -98,6 +104,22 @@ class ParallelConfig:
     cp_kind: CpKind = "ring"
     ep: int = dataclasses.field(default=1, metadata={"omit_default": True})
     zero3_unit: Zero3Unit = dataclasses.field(default="block", metadata={"omit_default": True})
+    recompute_blocks: tuple[int, int] = dataclasses.field(default=(1, 1), metadata={"omit_default": True})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute_blocks, tuple):  # a list, from JSON read by something other than plan_json
+            object.__setattr__(self, "recompute_blocks", tuple(self.recompute_blocks))
+
+    def recomputes_block(self, index: int) -> bool:
+        """Whether block `index` (its place in the model's block stack) runs under the plan's recomputation."""
+        k, n = self.recompute_blocks
+        return self.recompute != "none" and index % n < k
+
+    @property
+    def recompute_text(self) -> str:
+        """The recomputation as the config line shows it: "full", or "full:1/2" for part of the blocks."""
+        k, n = self.recompute_blocks
+        return self.recompute if (k, n) == (1, 1) else f"{self.recompute}:{k}/{n}"
 
     @property
     def replicas(self) -> int:
@@ -110,7 +132,7 @@ class ParallelConfig:
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         unit = "/module" if self.zero3_unit == "module" else ""
         return (f"dp{self.dp}{ep}{cp} tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp} zero{self.zero_stage}{unit} "
-                f"mb{self.microbatch_size}x{self.num_microbatches} {sched} recompute={self.recompute}")
+                f"mb{self.microbatch_size}x{self.num_microbatches} {sched} recompute={self.recompute_text}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -35,9 +35,13 @@ from partitioner.planner.plan import ParallelConfig, per_rank_memory
 from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.unit_costs import CostContext
 
-__all__ = ["Scored", "SearchResult", "enumerate_candidates", "search", "simplicity"]
+__all__ = ["PARTIAL_RECOMPUTE", "Scored", "SearchResult", "enumerate_candidates", "recompute_part", "search",
+           "simplicity"]
 
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+# Shares of the blocks (ParallelConfig.recompute_blocks) a leader that recomputes every block fully is tried with,
+# least recomputation first: Megatron-LM's recompute_num_layers and torchtitan's every-N-th-block AC do the same
+PARTIAL_RECOMPUTE = ((1, 4), (1, 3), (1, 2), (2, 3), (3, 4))
 _SCHEDULE_ORDER = {"1f1b": 0, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 3, "interleaved-zb": 4, "zb-v": 5,
                    "dualpipe-v": 6}
 # Virtual stages per rank tried unpinned (and pinned without interleave): interleaved-1f1b 2-4; interleaved-zb 2
@@ -51,7 +55,7 @@ _OVER_MEMORY_TRIES_PER_SHAPE = 4
 
 def simplicity(c: ParallelConfig) -> tuple:
     return (c.pp, c.tp, c.cp, c.cp_kind != "ring", c.ep, c.zero_stage, c.zero3_unit != "block",
-            _RECOMPUTE_ORDER[c.recompute],
+            _RECOMPUTE_ORDER[c.recompute], c.recompute_blocks[0] / c.recompute_blocks[1],
             _SCHEDULE_ORDER[c.schedule], c.interleave, c.sp, -c.microbatch_size)
 
 
@@ -136,6 +140,7 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                         # does not pick it by itself until W's cost is understood
                         zeros = [z for z in zeros if z != 3 or (d.zero_stage == 3 and d.schedule == sched)]
                         recomputes = [rc for rc in recomputes if rc != "selective"]
+                    share = d.recompute_blocks or (1, 1)
                     for z, rc in itertools.product(zeros, recomputes):
                         sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]
                         units = ["block"]
@@ -148,7 +153,8 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                                 continue  # expert-parallel programs keep block units (per module: not run yet)
                             yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=z, microbatch_size=mb,
                                                  num_microbatches=m, schedule=sched, interleave=v, recompute=rc, sp=sp,
-                                                 cp=cp, cp_kind=cp_kind, ep=ep, zero3_unit=unit)
+                                                 cp=cp, cp_kind=cp_kind, ep=ep, zero3_unit=unit,
+                                                 recompute_blocks=share if rc == "full" else (1, 1))
 
 
 def _schedules(d: Declarations, pp: int, m: int, num_units: int) -> list[tuple[str, int]]:
@@ -245,6 +251,41 @@ def search(ctx: CostContext, candidates: list[ParallelConfig], *, keep: int = 5,
     scored = tuple(Scored(cand=c, cut=cut, compression=cut.stages[0].compression) for _, _, c, cut in ranked)
     missed = _over_memory(ctx, order, scored, limit=over_memory) if over_memory and scored else ()
     return SearchResult(ranked=scored, evaluated=evaluated, space=len(candidates), over_memory=missed)
+
+
+def recompute_part(ctx: CostContext, result: SearchResult, *, bounds: tuple[int, ...] | None = None) -> SearchResult:
+    """`result` with each ranked candidate that recomputes every block fully tried with part of its blocks
+    recomputed (PARTIAL_RECOMPUTE, least first): the first share that fits and is faster takes its place.
+
+    Full recomputation wins where keeping every activation does not fit; keeping some often does, and each
+    block that keeps its activations saves a forward in the backward. The enumeration leaves the shares out
+    (five more candidates for each that recomputes: the planning time of the largest models), so they are
+    tried here, on the configurations that already won with every block recomputed, where the leader is one
+    (a leader that keeps its activations needs no recomputation at all)."""
+    ranked, evaluated, space = list(result.ranked), result.evaluated, result.space
+    if not ranked or (ranked[0].cand.recompute, ranked[0].cand.recompute_blocks) != ("full", (1, 1)):
+        return result  # the leader keeps activations: they fit where it matters
+    for i, s in enumerate(result.ranked):
+        c = s.cand
+        if c.recompute != "full" or c.recompute_blocks != (1, 1):
+            continue
+        for share in PARTIAL_RECOMPUTE:
+            ev = StageEvaluator(ctx, dataclasses.replace(c, recompute_blocks=share))
+            space += 1
+            if ev.lower_bound() >= s.cut.step_time_s:
+                break  # more recomputation only raises the bound
+            evaluated += 1
+            if bounds is not None:
+                cut = evaluate_cut(ev, bounds)
+            else:
+                cut = _one_compression(ctx, ev, incumbent=s.cut.step_time_s)
+                if cut is None and ev.num_stages > c.pp:
+                    cut = _cut_loose(ctx, ev, incumbent=s.cut.step_time_s)
+            if cut is not None and cut.step_time_s < s.cut.step_time_s:
+                ranked[i] = Scored(cand=ev.cand, cut=cut, compression=cut.stages[0].compression)
+                break
+    ranked.sort(key=lambda x: (x.cut.step_time_s, simplicity(x.cand)))
+    return dataclasses.replace(result, ranked=tuple(ranked), evaluated=evaluated, space=space)
 
 
 def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, limit: int) -> tuple[Scored, ...]:

@@ -120,6 +120,10 @@ class CostContext:
         self.scale = (4 if precision == "fp32" else 2) / traced
         self._traced_itemsize = traced
         self.units = units_of(g, granularity)
+        # per unit: the index of the block its nodes belong to (None: prefix or suffix nodes only), which
+        # ParallelConfig.recompute_blocks tells recomputed blocks by
+        self._unit_block = tuple(next((n.block for n in g.nodes[a:b] if n.block is not None), None)
+                                 for a, b in self.units)
         self._unit_of = [0] * len(g.nodes)
         for u, (a, b) in enumerate(self.units):
             for i in range(a, b):
@@ -539,12 +543,19 @@ class CostContext:
                    (self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp) for u in range(len(self.units))))
 
     def unit_arrays(self, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
-                    cp_kind: str = "ring", ep: int = 1) -> UnitArrays:
-        key = (tp, mb, recompute, sp and tp > 1, cp, cp_kind if cp > 1 else "ring", ep)
+                    cp_kind: str = "ring", ep: int = 1, recompute_blocks: tuple[int, int] = (1, 1)) -> UnitArrays:
+        """The units' costs and their prefix sums for one setting; `recompute_blocks` (k, n): under "full", only
+        the first k of every n blocks recompute (ParallelConfig.recompute_blocks), the others keep everything."""
+        if recompute != "full":
+            recompute_blocks = (1, 1)
+        key = (tp, mb, recompute, sp and tp > 1, cp, cp_kind if cp > 1 else "ring", ep, recompute_blocks)
         hit = self._arrays.get(key)
         if hit is None:
-            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp, cp=cp, cp_kind=cp_kind, ep=ep)
+            modes = self.unit_modes(recompute, recompute_blocks)
+            uc = [self.unit_cost(u, tp=tp, mb=mb, recompute=modes[u], sp=sp, cp=cp, cp_kind=cp_kind, ep=ep)
                   for u in range(len(self.units))]
+            if recompute_blocks != (1, 1):
+                uc = self._mixed_boundaries(uc, modes, tp=tp, mb=mb, sp=sp, cp=cp)
             owners: dict[str, list[tuple[int, float]]] = {}
             in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
             largest = [0.0] * len(self.units)
@@ -581,6 +592,31 @@ class CostContext:
                 max_module=tuple(max((v for mod, v in m.items() if mod not in tied_modules), default=0.0)
                                  for m in modules))
         return hit
+
+    def unit_modes(self, recompute: str, recompute_blocks: tuple[int, int] = (1, 1)) -> tuple[str, ...]:
+        """Per unit, the recomputation it runs under: `recompute`, except under "full" with recompute_blocks (k, n)
+        the units of a block whose index is not among the first k of every n, which keep everything ("none")."""
+        k, n = recompute_blocks
+        return tuple(recompute if recompute != "full" or b is None or b % n < k else "none" for b in self._unit_block)
+
+    def _mixed_boundaries(self, uc: list[UnitCost], modes: tuple[str, ...], *, tp: int, mb: int, sp: bool,
+                          cp: int) -> list[UnitCost]:
+        """Where a recomputed block and one that keeps its activations meet, the tensor crossing between them
+        counted once. A recomputed unit keeps its block's input (unit_cost adds the part the unit before made),
+        and a unit that keeps everything counts its outputs that a later unit saves: after such a unit, the
+        recomputed one's addition counts its input twice. A unit that keeps everything saves its input too,
+        which a recomputed unit before it made inside its checkpoint and did not count: there it is added."""
+        out = list(uc)
+        for u in range(1, len(uc)):
+            here, before = self._unit_block[u], self._unit_block[u - 1]
+            if modes[u] == modes[u - 1] or here is None or here == before:
+                continue  # no block starts here between a recomputed block and one that keeps everything
+            made = local(self._boundary_new[u - 1], mb, self.seq, cp) * self.scale / (tp if sp and tp > 1 else 1)
+            if modes[u] == "none" and modes[u - 1] == "full" and before is not None:
+                out[u] = dataclasses.replace(uc[u], activation_bytes=uc[u].activation_bytes + made)
+            elif modes[u] == "full" and modes[u - 1] == "none":
+                out[u] = dataclasses.replace(uc[u], activation_bytes=max(0.0, uc[u].activation_bytes - made))
+        return out
 
     def range_codes(self, arrays: UnitArrays, p2p: tuple[float, ...]) -> tuple[list[int], list[int]]:
         """Prefix codes of the units' contents, so that units [i, j) have the code

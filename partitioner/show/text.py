@@ -257,6 +257,16 @@ _RECOMPUTE = {"none": "every in-flight microbatch keeps its activations",
               "full": "only each block's input kept, its forward rerun in the backward"}
 
 
+def _recompute(c) -> str:
+    k, n = c.recompute_blocks
+    if (k, n) == (1, 1):
+        return f"{c.recompute}: {_RECOMPUTE[c.recompute]}"
+    which = "every second block (0, 2, 4, ...)" if (k, n) == (1, 2) else \
+        f"the first {k} of every {n} blocks (by index in the stack)"
+    return (f"{c.recompute_text}: {which} keep only their input, their forward rerun in the backward; the others "
+            "keep their activations")
+
+
 def _stage_rows(p: Plan) -> list[str]:
     cap = p.predicted.memory_capacity_bytes
     per_rank = p.rank_memory()
@@ -363,7 +373,7 @@ def format_plan(p: Plan) -> str:
             ("batch", _batch(p)),
             ("schedule", _schedule(p)),
             *([("blocks", _kinds(p))] if p.block_kinds else []),
-            ("recompute", f"{c.recompute}: {_RECOMPUTE[c.recompute]}"),
+            ("recompute", _recompute(c)),
             *([("sequence", sequence_text(p))] if c.sp else []),
             *([("context", context_text(p))] if c.cp > 1 else []),
             ("compression", compression_text(p)),
@@ -485,7 +495,10 @@ def explain_plan(p: Plan) -> str:
                    "attention, "
                    "norms and the optimizer as bf16-mixed; memory as bf16-mixed (cost_models.fp8).")
     if c.recompute != "none":
-        out.append(f"- {c.recompute} activation recomputation: it buys the memory this plan needs.")
+        out.append(f"- {c.recompute_text} activation recomputation: it buys the memory this plan needs"
+                   + ("." if c.recompute_blocks == (1, 1) else
+                      f", on {c.recompute_blocks[0]} of every {c.recompute_blocks[1]} blocks; recomputing fewer "
+                      "would not fit, or no faster plan did."))
     out.append(f"- peak memory {_gib(pr.peak_memory_bytes)}: params {_gib(pr.memory.params)}, grads "
                f"{_gib(pr.memory.grads)}, optimizer {_gib(pr.memory.optimizer)}, activations "
                f"{_gib(pr.memory.activations)}, buffers {_gib(pr.memory.buffers)}{_context_buffers(p)}.")

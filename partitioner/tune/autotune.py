@@ -334,11 +334,12 @@ class _Tuner:
 
     # -- compiling ------------------------------------------------------------------
     def pins(self, config: ParallelConfig, compression: dict[str, str]) -> dict[str, Any]:
-        return {**{k: getattr(config, k) for k in _PINS}, "compression": dict(compression)}
+        part = {"recompute_blocks": config.recompute_blocks} if config.recompute_blocks != (1, 1) else {}
+        return {**{k: getattr(config, k) for k in _PINS}, **part, "compression": dict(compression)}
 
     def compile_with(self, pins: dict[str, Any], cal: Calibration, alternatives: int = 0) -> Plan:
         """Compile with `pins` in place of the user's (the other compile arguments stay)."""
-        kw = {k: v for k, v in self.compile_kwargs.items() if k not in (*_PINS, "compression")}
+        kw = {k: v for k, v in self.compile_kwargs.items() if k not in (*_PINS, "recompute_blocks", "compression")}
         return compile(self.g, self.topo, calibration=cal, alternatives=alternatives, **kw, **pins)
 
     def compile_pinned(self, config: ParallelConfig, compression: dict[str, str], cal: Calibration,
@@ -408,9 +409,10 @@ class _Tuner:
         if candidates is not None:
             out = []
             for pins in candidates:
-                unknown = set(pins) - {*_PINS, "compression"}
+                unknown = set(pins) - {*_PINS, "recompute_blocks", "compression"}
                 if unknown:
-                    raise DeclarationError(f"candidates: unknown pin(s) {sorted(unknown)}; use {[*_PINS, 'compression']}")
+                    raise DeclarationError(f"candidates: unknown pin(s) {sorted(unknown)}; use "
+                                           f"{[*_PINS, 'recompute_blocks', 'compression']}")
                 p = self.compile_with(pins, cal)
                 out.append((p.config, dict(p.compression)))
             return out

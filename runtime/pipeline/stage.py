@@ -70,7 +70,8 @@ class StageModel:
                  prefix_args: Sequence[tuple[str, str]], block_args: Sequence[Sequence[tuple[str, str]]],
                  suffix_args: Sequence[tuple[str, str]], output_spec: str | None, stages: Mapping[int, StageSpec],
                  placements: Mapping[str, tuple[str, int]], tied: Sequence[str], tp: Any = None,
-                 tp_rank: int = 0, tp_world: int = 1, recompute: str = "none", cp: Any = None,
+                 tp_rank: int = 0, tp_world: int = 1, recompute: str = "none",
+                 recompute_blocks: tuple[int, int] = (1, 1), cp: Any = None,
                  torch_compile: str = "", ep: Any = None, experts: Mapping[str, tuple[int, int]] | None = None):
         # torch_compile: the backend each segment function (prefix, every block kind, suffix) is compiled with
         # (runtime.engines.compiled); recomputation and the blocks' module hooks stay outside; "": eager
@@ -95,7 +96,8 @@ class StageModel:
             tuple(tuple(a) for a in block_args), tuple(suffix_args)
         self.block_kinds = tuple(block_kinds)
         self.out_spec = pytree.treespec_loads(output_spec) if output_spec else None
-        self.tp, self.recompute = tp, recompute
+        # recompute_blocks (k, n): only the first k of every n blocks (by index in the stack) recompute
+        self.tp, self.recompute, self.recompute_blocks = tp, recompute, tuple(recompute_blocks)
         self.input_names, self.block_inputs, self.suffix_inputs = tuple(input_names), \
             tuple(tuple(x) for x in block_inputs), tuple(suffix_inputs)
         self.cast: torch.dtype | None = None  # mixed precision: tied parameters enter the code in this dtype
@@ -185,7 +187,9 @@ class StageModel:
             return type(block).forward(block, x, *args, **model_inputs)
         k = self.kind(i)
         fn = self.functions["block" if k == 0 else f"block_{k}"]
-        return run_recomputed(self.recompute, fn, self.tp, x, **model_inputs, **self._args(self.block_args[k], i))
+        k_of, n_of = self.recompute_blocks
+        mode = self.recompute if i % n_of < k_of else "none"
+        return run_recomputed(mode, fn, self.tp, x, **model_inputs, **self._args(self.block_args[k], i))
 
     def named_inputs(self, inputs: Any) -> dict[str, Any]:
         """A microbatch's model inputs by the forward's argument names (a dict, a tuple, or one tensor)."""
