@@ -198,3 +198,44 @@ def test_hf_llama_pipeline_under_torch_compile_trains_like_one_process():
     torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(want.losses), rtol=1e-5, atol=1e-6)
     for name, p in want.model.state_dict().items():
         torch.testing.assert_close(out.state_dict[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_example_gpt_s_tril_buffer_mask_runs_causal_and_is_costed_so():
+    """nanoGPT's attention masks with a registered tril buffer sliced to the sequence (the example GPT's
+    `bias`): a mask of a buffer the graph never writes. Built on the CPU, the tracer evaluates it from the
+    buffer's values: causal, half the products run and no mask kept; the generated code passes the buffer to
+    shape_mask_attention. On the meta device there are no values to read: charged as a kept full mask."""
+    from examples import gpt as gpt_mod
+    from examples.training import gpt_tiny_seeded
+    from partitioner import compile
+
+    model = gpt_tiny_seeded()
+    example = (gpt_mod.example_batch(model, 2, seq_len=SEQ)[0],)
+    real = _attention(trace(model, example))
+    with torch.device("meta"):
+        meta_model = gpt_tiny_seeded()
+    meta = _attention(trace(meta_model, (example[0].to("meta"),)))
+    assert real and all(n.cost.causal for n in real) and not any(n.cost.causal for n in meta)
+    b, s = 2, SEQ
+    for c, m in zip(real, meta):
+        assert m.cost.activation_bytes(b, s) > c.cost.activation_bytes(b, s)  # the mask kept where unknown
+    plan = compile(model, "local:2", example_inputs=example, global_batch_size=2, pp=2, precision="fp32")
+    source = plan.program(1).source
+    assert "shape_mask_attention(" in source and "sources = (attn_bias,)" in source, source
+    plan.verify(gpt_tiny_seeded)
+
+
+def test_a_verdict_from_a_buffer_is_read_again_once_the_buffer_changes():
+    """The verdict for a mask made from a buffer is cached per buffer storage and version: written in place
+    (version moves) or replaced, the mask is checked again, and the attention follows its new values."""
+    q = torch.randn(1, 2, SEQ, 8)
+    bias = torch.ones(SEQ, SEQ).tril()
+    site = "test: buffer"
+    def attend(buf):
+        return shape_mask_attention(q, q, q, buf[:SEQ, :SEQ] != 0, site=site, sources=(buf,))
+    torch.testing.assert_close(attend(bias), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert mask_verdict(bias != 0, site, (bias,)) == "causal"
+    bias.fill_(1.0)  # every position now: the verdict must not stay causal
+    torch.testing.assert_close(attend(bias), F.scaled_dot_product_attention(q, q, q))
+    other = torch.ones(SEQ, SEQ).triu()
+    torch.testing.assert_close(attend(other), F.scaled_dot_product_attention(q, q, q, attn_mask=other != 0))

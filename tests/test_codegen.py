@@ -121,7 +121,8 @@ def test_no_line_of_a_program_grows_with_the_world(meta_gpt_graph):
     """The mesh, the node of every rank, tie groups and data-parallel ranks are written as formulas (grid,
     nodes_of, stage_peers, groups.dp_ranks) and long tables wrapped, so a 1024-rank program's longest line
     is as long as an 8-rank one's (a 3072-rank plan's MESH was one line of 60K characters); and the
-    formulas give the plan's own mesh."""
+    formulas give the plan's own mesh. The longest line of either is a line of model code: the fused attention
+    call with its call site and the buffer its mask is made from (shape_mask_attention), as torch.fx writes it."""
     longest = {}
     for topo, gb in (("1x8xA100-80GB", 16), ("128x8xA100-80GB", 2048)):
         plan = compile(meta_gpt_graph, topo, global_batch_size=gb, pp=2, tp=2, precision="fp32")
@@ -131,7 +132,7 @@ def test_no_line_of_a_program_grows_with_the_world(meta_gpt_graph):
             ns = prog.namespace()
             assert ns["MESH"] == tuple((m.rank, m.pp, m.dp, m.tp) for m in plan.mesh)
             assert ns["NODE_OF"] == tuple(m.node for m in plan.mesh)
-    assert longest["128x8xA100-80GB"] <= longest["1x8xA100-80GB"] + 16 <= 300, longest
+    assert longest["128x8xA100-80GB"] <= longest["1x8xA100-80GB"] + 16 <= 360, longest
 
 
 def test_no_line_of_a_program_grows_with_the_model_depth():

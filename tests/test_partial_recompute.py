@@ -142,3 +142,16 @@ def test_pipeline_partial_recompute_trains_like_one_process():
                    recompute_blocks="1/2")
     assert plan.config.recompute_text == "full:1/2"
     assert_same_training(plan, "gpt", optimizer=training.sgd)
+
+
+def test_the_cli_pins_it():
+    """`partitioner compile --recompute-blocks K/N`; a bad share is refused before anything is planned."""
+    from test_cli import TINY, cli_all
+
+    runs = cli_all({"ok": ("compile", TINY, "--topology", "local:2", "--global-batch-size", "8", "--pp", "2",
+                           "--recompute-blocks", "1/2"),
+                    "bad": ("compile", TINY, "--topology", "local:2", "--global-batch-size", "8",
+                            "--recompute-blocks", "3/2")})
+    assert runs["ok"].returncode == 0, runs["ok"].stderr
+    assert "recompute=full:1/2" in runs["ok"].stdout
+    assert runs["bad"].returncode != 0 and "recompute_blocks='3/2'" in runs["bad"].stderr

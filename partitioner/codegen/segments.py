@@ -51,7 +51,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from partitioner.codegen.segment_attention import ATTENTION_FUNCTIONS, attention_mask, shape_mask, shape_mask_attention
+from partitioner.codegen.segment_attention import (ATTENTION_FUNCTIONS, attention_mask, mask_sources, shape_mask,
+                                                   shape_mask_attention)
 from partitioner.codegen.segment_cp import CP_FUNCTIONS, ContextParallelRewrite, sequence_symbols
 from partitioner.codegen.segment_ep import EP_FUNCTIONS, ExpertParallelRewrite, in_scope
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
@@ -105,6 +106,9 @@ class _Source:
                 self.inputs.append(node)
             else:
                 raise SegmentError(f"input {spec.arg.name} of kind {kind} is not supported in stage code")
+        # buffers the graph never writes: a mask made from one runs the fused kernel's causal path where causal
+        written = set(ep.graph_signature.buffers_to_mutate.values())
+        self.unwritten = frozenset(n for n, name in self.buffer.items() if name not in written)
         self.stack = g.block_container
         self.shape_only: dict[fx.Node, bool] = {}
         self.input_only = self._input_only()
@@ -375,9 +379,12 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         if not isinstance(new, fx.Node):  # an inlined nested graph, or an item of one
             self.env[n] = new
             return
-        if shape_mask(n):  # the fused kernel's causal path where the mask is causal
+        if shape_mask(n, self.src.unwritten):  # the fused kernel's causal path where the mask is causal
             new.target = shape_mask_attention
-            new.kwargs = {**new.kwargs, "site": f"{self.name}: {n.name} {shape_mask_key(attention_mask(n))}"}
+            key = shape_mask_key(attention_mask(n), self.src.unwritten)
+            sources = tuple(self.value(b) for b in mask_sources(n, self.src.unwritten))
+            new.kwargs = {**new.kwargs, "site": f"{self.name}: {n.name} {key}",
+                          **({"sources": sources} if sources else {})}
         if cast:
             if "dtype" in new.kwargs:
                 new.kwargs = {**new.kwargs, "dtype": self.dtype}

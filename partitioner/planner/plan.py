@@ -109,6 +109,10 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.recompute_blocks, tuple):  # a list, from JSON read by something other than plan_json
             object.__setattr__(self, "recompute_blocks", tuple(self.recompute_blocks))
+        k, n = self.recompute_blocks
+        if not (isinstance(k, int) and isinstance(n, int) and 1 <= k <= n):
+            raise ValueError(f"recompute_blocks={self.recompute_blocks!r}: must be (k, n) with 1 <= k <= n, the "
+                             "first k of every n blocks recomputed")
 
     def recomputes_block(self, index: int) -> bool:
         """Whether block `index` (its place in the model's block stack) runs under the plan's recomputation."""

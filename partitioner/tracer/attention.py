@@ -20,9 +20,10 @@ not a (b, h, s, s) one (which put MPT-7B at microbatch 6 over 100 GiB per GPU, a
 and 8K tokens near 500 GiB). BLOOM's ALiBi reads the attention mask, whose values are the batch's: its
 mask stays (b, h, s, s).
 
-`causal_shape_mask` says whether such a node's mask, computed from shapes alone, is exactly the causal one
-at the traced sizes (evaluated there): generated code then attends with `is_causal=True` and no mask
-(runtime.pipeline.attention), so the cost rule keeps no mask for it.
+`causal_shape_mask` says whether such a node's mask, computed from shapes alone (or from them and a buffer the
+graph never writes, with the buffer's traced values: nanoGPT's tril `bias`), is exactly the causal one at the
+traced sizes (evaluated there): generated code then attends with `is_causal=True` and no mask
+(runtime.pipeline.attention), so the cost rule keeps no mask for it and counts half the products.
 
 `causal_attention` reads whether a fused attention node attends causally: `is_causal=True`, or a mask the
 graph computes from shapes alone through an ordering comparison of positions (Hugging Face's
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -426,7 +428,8 @@ def causal_attention(node: fx.Node) -> bool:
     position tensors, as Hugging Face's create_causal_mask builds `kv_idx <= q_idx` from aranges (a sliding
     window adds a second comparison: fewer products still, counted as causal). False for no mask (full
     attention) and for a mask read from the inputs (a padding mask): its values are the data's, which the
-    graph does not show. A tril buffer (nanoGPT's registered `bias`) is a buffer's values: False too.
+    graph does not show. A tril buffer (nanoGPT's registered `bias`) is a buffer's values: False here;
+    `causal_shape_mask` evaluates such a mask from the buffer's traced values where the trace has them.
     """
     causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
     if causal is True:
@@ -437,14 +440,20 @@ def causal_attention(node: fx.Node) -> bool:
                                    for n in ancestors)
 
 
-def from_shapes(value: fx.Node) -> list[fx.Node] | None:
+def from_shapes(value: fx.Node, buffers: Collection[fx.Node] = ()) -> list[fx.Node] | None:
     """The nodes `value` is computed from, up to the size reads, where it is computed from shapes alone: its
-    ancestors read no graph input, parameter, buffer or constant but for their sizes. None otherwise."""
+    ancestors read no graph input, parameter, buffer or constant but for their sizes. None otherwise.
+
+    `buffers`: placeholders of buffers the graph never writes, which may be read whole too (a registered tril
+    buffer, nanoGPT's `bias`): they are among the nodes returned, and the value is then a function of theirs."""
     seen: dict[fx.Node, None] = {}  # ordered, and O(1) to look up
     todo = [value]
     while todo:
         n = todo.pop()
         if n in seen:
+            continue
+        if n.op == "placeholder" and n in buffers:
+            seen[n] = None
             continue
         if n.op != "call_function":  # a placeholder (input, parameter, buffer, constant) or get_attr read whole
             return None
@@ -454,14 +463,14 @@ def from_shapes(value: fx.Node) -> list[fx.Node] | None:
     return list(seen)
 
 
-def shape_mask_key(value: fx.Node) -> str:
+def shape_mask_key(value: fx.Node, buffers: Collection[fx.Node] = ()) -> str:
     """A digest of how `value` (computed from shapes alone, `from_shapes`) is computed: its ops in graph order,
     their constant arguments, which of them feeds which, and the tensors whose sizes they read (by name: masks
     made alike from different tensors' sizes need not agree). Equal for two traces of one model; a sliding
     window of 8 and of 16, or a causal mask, differ. The runtime's verdict for a mask is cached per call site
     (runtime.pipeline.attention), and a process may run the programs of two models whose sites share a name:
     the digest in the site keeps their verdicts apart."""
-    nodes = from_shapes(value)
+    nodes = from_shapes(value, buffers)
     if nodes is None:
         raise ValueError(f"{value.name} is not computed from shapes alone")
     where = {n: i for i, n in enumerate(value.graph.nodes)}
@@ -481,7 +490,7 @@ _EVALUATED_BYTES = 2 ** 28
 
 
 def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any],
-                      verdicts: dict[fx.Node, bool] | None = None) -> bool:
+                      verdicts: dict[fx.Node, bool] | None = None, buffers: Collection[fx.Node] = ()) -> bool:
     """Whether the attn_mask of a scaled_dot_product_attention node is computed from shapes alone and, evaluated
     at the traced sizes (`examples`: graph input -> example tensor, read for its sizes only), is exactly the
     causal mask `is_causal=True` applies (`torch.ones(L, S).tril()`, broadcast over batch and heads).
@@ -492,18 +501,24 @@ def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any],
     at the traced size. A mask whose computation makes a tensor of more than 256 MiB is not evaluated (False: it
     is charged as kept). `verdicts`: mask node -> verdict, kept across the calls of one graph (a mask every
     layer reads is evaluated once).
+
+    `buffers`: placeholders of buffers the graph never writes, with their traced values in `examples`: a mask
+    made from one (a tril buffer sliced to the sequence) is evaluated from those values, which the runtime
+    checks again whenever the buffer has changed. On the meta device there are no values: False.
     """
     mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-    if not isinstance(mask, fx.Node) or not causal_attention(node):
+    if not isinstance(mask, fx.Node):
         return False
     if verdicts is not None:
         if mask not in verdicts:
-            verdicts[mask] = causal_shape_mask(node, examples)
+            verdicts[mask] = causal_shape_mask(node, examples, buffers=buffers)
         return verdicts[mask]
     val = mask.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() < 2:
         return False
-    order = from_shapes(mask)
+    order = from_shapes(mask, buffers)
+    if order is None or not (causal_attention(node) or any(n in buffers for n in order)):
+        return False
     index = {n: i for i, n in enumerate(node.graph.nodes)}
     order.sort(key=index.__getitem__)
     try:
@@ -524,6 +539,11 @@ def _evaluate(order: list[fx.Node], examples: dict[fx.Node, Any], device: torch.
     """The values of `order` (a shape-only computation, in graph order), every factory on `device`."""
     values: dict[fx.Node, Any] = {}
     for n in order:
+        if n.op == "placeholder":  # a buffer the graph never writes: its traced values (sizes alone on meta)
+            src = examples[n]
+            values[n] = torch.empty(src.shape, dtype=src.dtype, device="meta") if device.type == "meta" else \
+                src.detach().to(device)
+            continue
         if n.target in _SIZE_READS:
             src = examples[n.args[0]]
             values[n] = n.target(torch.empty(src.shape, dtype=src.dtype, device="meta"), *n.args[1:])

@@ -82,6 +82,17 @@ class Capture:
 # ---------------------------------------------------------------- helpers
 
 
+def unwritten_buffers(ep: Any) -> dict[fx.Node, str]:
+    """The placeholders of `ep`'s buffers (and lifted constant tensors) that its graph never writes, with their
+    names in the state dict (or constants)."""
+    kinds = torch.export.graph_signature.InputKind
+    written = set(ep.graph_signature.buffers_to_mutate.values())
+    by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    return {by_name[s.arg.name]: s.target for s in ep.graph_signature.input_specs
+            if s.kind in (kinds.BUFFER, kinds.CONSTANT_TENSOR) and s.target not in written
+            and (s.target in ep.state_dict or s.target in ep.constants)}
+
+
 def _canonical(name: str) -> str:
     return name.strip("_").removesuffix("_")
 
@@ -200,6 +211,11 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
     hints = _hints(ep.graph)
     examples = dict(zip(user_inputs, flat_examples))
     verdicts: dict[Any, bool] = {}  # per mask node: one mask is often every layer's (Hugging Face builds it once)
+    # buffers the graph never writes, with their traced values: a mask made from one (a registered tril buffer) is
+    # evaluated from them (attention.causal_shape_mask; meta values leave it charged as kept)
+    buffers = unwritten_buffers(ep)
+    for n, target in buffers.items():
+        examples[n] = ep.state_dict[target] if target in ep.state_dict else ep.constants[target]
 
     refs: dict[str, RawArg] = {}
     inputs: list[tuple[str, RawSpec]] = []
@@ -227,10 +243,10 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
         path, typ = _module_path_and_type(n)
         node_args, scalars = _collect_args(n, refs)
         attention = op == "scaled_dot_product_attention"
+        causal_mask = attention and causal_shape_mask(n, examples, verdicts, buffers)
         raw = RawNode(name=n.name, op=op, target=str(tgt), args=node_args, outputs=outs,
                       module_path=path, module_type=typ, scalars=scalars,
-                      causal=attention and causal_attention(n),
-                      causal_mask=attention and causal_shape_mask(n, examples, verdicts))
+                      causal=attention and (causal_mask or causal_attention(n)), causal_mask=causal_mask)
         if outs:
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)

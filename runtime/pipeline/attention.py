@@ -18,6 +18,11 @@ shape (a model whose layers alternate sliding-window and full attention): each h
 generator's site names the call and carries a digest of the mask's computation, so the programs of two models
 run in one process never share a verdict.
 
+A mask made from a buffer the graph never writes as well (nanoGPT's registered tril `bias`, sliced to the
+sequence) is a function of the shape and of that buffer's values: the generated code passes the buffer
+(`sources`), and the verdict is cached per buffer storage and version counter too, so a buffer written (its
+version moves) or replaced since is read again.
+
 >>> q = k = v = torch.randn(1, 2, 4, 8)
 >>> tri = torch.ones(4, 4, dtype=torch.bool).tril().view(1, 1, 4, 4)
 >>> out = shape_mask_attention(q, k, v, tri, site="doc")
@@ -35,14 +40,15 @@ from runtime.context.program import mask_pattern
 
 __all__ = ["mask_verdict", "shape_mask_attention"]
 
-_VERDICTS: dict[tuple, str] = {}  # (site, mask shape, device) -> "causal" | "full" | "other"
+_VERDICTS: dict[tuple, str] = {}  # (site, mask shape, device, sources) -> "causal" | "full" | "other"
 
 
 @torch.compiler.disable  # a verdict is a Python value read off the mask: torch.compile runs it as it is
-def mask_verdict(mask: torch.Tensor, site: str) -> str:
+def mask_verdict(mask: torch.Tensor, site: str, sources: tuple[torch.Tensor, ...] = ()) -> str:
     """"causal", "full" or "other" for a boolean mask computed from shapes alone at call site `site` (cached
-    per site, shape and device)."""
-    key = (site, tuple(mask.shape), mask.device)
+    per site, shape and device), or from shapes and the buffers `sources` (cached per buffer too: its storage
+    and version counter, so a buffer written or replaced since is read again)."""
+    key = (site, tuple(mask.shape), mask.device, *((s.data_ptr(), s._version) for s in sources))
     verdict = _VERDICTS.get(key)
     if verdict is None:
         verdict = _VERDICTS[key] = mask_pattern(mask)
@@ -51,11 +57,12 @@ def mask_verdict(mask: torch.Tensor, site: str) -> str:
 
 def shape_mask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                         *, scale: float | None = None, enable_gqa: bool = False, site: str) -> torch.Tensor:
-    """`aten.scaled_dot_product_attention` for a mask computed from shapes alone by the code at `site`: a causal
-    mask runs as `is_causal=True`, an all-true one as none, any other as it is."""
+                         *, scale: float | None = None, enable_gqa: bool = False, site: str,
+                         sources: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """`aten.scaled_dot_product_attention` for a mask computed from shapes alone by the code at `site` (and from
+    the buffers `sources`): a causal mask runs as `is_causal=True`, an all-true one as none, any other as it is."""
     if attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.dim() >= 2:
-        verdict = mask_verdict(attn_mask, site)
+        verdict = mask_verdict(attn_mask, site, tuple(sources))
         if verdict != "other":
             attn_mask, is_causal = None, verdict == "causal"
     return torch.ops.aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal,
