@@ -697,16 +697,19 @@ class StageEvaluator:
         hit = self._reduce_memo[key] = (exposed, shard * self._optim_s)
         return hit
 
-    def _zero3_regathers(self) -> int:
-        """How many more times than once a ZeRO-3 unit is gathered in each microbatch's backward: again for a
-        recomputed forward where units are per module (runtime.engines.zero3; a block unit is still whole from
-        the backward's own gather), and again for W where the schedule splits the backward (each W gathers the
-        units it reaches, freed after I: runtime.engines.zero3 split_backward)."""
+    def _zero3_regathers(self) -> float:
+        """How many more times than once a ZeRO-3 unit is gathered in each microbatch's backward, on average: again
+        for a recomputed forward where units are per module (runtime.engines.zero3; a block unit is still whole
+        from the backward's own gather), for the share of blocks recomputed (k / n under recompute_blocks), and
+        again for W where the schedule splits the backward (each W gathers the units it reaches, freed after I:
+        runtime.engines.zero3 split_backward)."""
         cand = self.cand
-        return int(cand.zero3_unit == "module" and cand.recompute != "none") + int(cand.schedule in SPLIT_BACKWARD)
+        k, n = cand.recompute_blocks
+        recomputed = k / n if cand.zero3_unit == "module" and cand.recompute != "none" else 0.0
+        return recomputed + int(cand.schedule in SPLIT_BACKWARD)
 
     def _zero3_exposed(self, unit_params: float, n: int, f: float, b: float, option: tuple[str, str], *,
-                       regathers: int = 0) -> float:
+                       regathers: float = 0) -> float:
         """Exposed seconds of one microbatch's ZeRO-3 traffic: n units of `unit_params` each, gathered
         for the forward and again for the backward, their gradients reduce-scattered in the backward.
 
