@@ -249,23 +249,26 @@ def test_pipeline_pp2_dp2_per_module_trains_like_one_process(recompute):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "full", "1/2"])
 @pytest.mark.parametrize("code", ["generated", "module"])
 def test_collectives_per_step_match_the_plan(recompute, code):
     """expected_collectives' count for per-module units: U reduce-scatters and 2U - R all-gathers per
-    microbatch (R = 1: the tied embedding on the root), plus k - 2 per block of k modules when recomputed."""
+    microbatch (R = 1: the tied embedding on the root), plus k - 2 per block of k modules when recomputed
+    ("1/2": the first of the two blocks only, recompute_blocks)."""
     from partitioner.codegen.program import expected_collectives
     from runtime.launch.local import launch_local
 
     model = training.gpt_tiny_seeded()
     ex = gpt_mod.example_batch(model, 2, seq_len=32)
     g = trace(model, ex[:1] if code == "generated" else ex)
+    pins = dict(recompute_blocks=recompute) if "/" in recompute else dict(recompute=recompute)
     plan = compile(g, "local:2", global_batch_size=GB, pp=1, tp=1, zero_stage=3, zero3_unit="module",
-                   microbatch_size=2, precision="fp32", recompute=recompute)
+                   microbatch_size=2, precision="fp32", **pins)
     per_step = expected_collectives(plan)
     units, m = 2 * 6 + 3, plan.num_microbatches
+    recomputed = {"none": 0, "full": 2, "1/2": 1}[recompute]  # of the 2 blocks
     assert per_step["reduce_scatter"] == m * units
-    assert per_step["all_gather"] == m * (2 * units - 1 + (2 * (6 - 2) if recompute != "none" else 0))
+    assert per_step["all_gather"] == m * (2 * units - 1 + recomputed * (6 - 2))
     steps = 2
     out = launch_local(plan, training.gpt_tiny_seeded, training.sgd, training.gpt_loss, _gpt_batches(steps),
                        timeout_s=180)
