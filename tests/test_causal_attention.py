@@ -239,3 +239,21 @@ def test_a_verdict_from_a_buffer_is_read_again_once_the_buffer_changes():
     torch.testing.assert_close(attend(bias), F.scaled_dot_product_attention(q, q, q))
     other = torch.ones(SEQ, SEQ).triu()
     torch.testing.assert_close(attend(other), F.scaled_dot_product_attention(q, q, q, attn_mask=other != 0))
+
+
+def test_a_new_buffer_at_a_freed_one_s_address_gets_its_own_verdict():
+    """Two models' buffers, one causal and one all-true, made without writes torch sees (version 0 both), may
+    come to live at the same address one after the other: the verdict is the buffer object's own, not its
+    address's. (Here the memory is a bytearray both tensors are made over, filled by Python in between.)"""
+    import array
+    q = torch.randn(1, 2, SEQ, 8)
+    site = "test: two buffers"
+    raw = bytearray(SEQ * SEQ * 4)
+    for values, want in ((torch.ones(SEQ, SEQ).tril(), dict(is_causal=True)), (torch.ones(SEQ, SEQ), {}),
+                         (torch.ones(SEQ, SEQ).tril(), dict(is_causal=True))):
+        raw[:] = array.array("f", values.flatten().tolist()).tobytes()
+        buf = torch.frombuffer(raw, dtype=torch.float32).view(SEQ, SEQ)
+        assert buf._version == 0 and torch.equal(buf, values)
+        got = shape_mask_attention(q, q, q, buf != 0, site=site, sources=(buf,))
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, q, q, **want))
+        del buf

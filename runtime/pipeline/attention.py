@@ -20,8 +20,9 @@ run in one process never share a verdict.
 
 A mask made from a buffer the graph never writes as well (nanoGPT's registered tril `bias`, sliced to the
 sequence) is a function of the shape and of that buffer's values: the generated code passes the buffer
-(`sources`), and the verdict is cached per buffer storage and version counter too, so a buffer written (its
-version moves) or replaced since is read again.
+(`sources`), and the verdict is cached per buffer (held weakly, so another model's buffer that comes to live
+at the same address starts afresh) and per its version counter and storage, so a buffer written in place or
+given new storage since is read again.
 
 >>> q = k = v = torch.randn(1, 2, 4, 8)
 >>> tri = torch.ones(4, 4, dtype=torch.bool).tril().view(1, 1, 4, 4)
@@ -35,23 +36,33 @@ True
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.context.program import mask_pattern
 
 __all__ = ["mask_verdict", "shape_mask_attention"]
 
-_VERDICTS: dict[tuple, str] = {}  # (site, mask shape, device, sources) -> "causal" | "full" | "other"
+_VERDICTS: dict[tuple, str] = {}  # (site, mask shape, device) -> "causal" | "full" | "other"
+# masks made from buffers: per first buffer (held weakly: a tensor's address and version may come back on another
+# buffer, its identity may not), (site, mask shape, device, the buffers' versions and storages) -> verdict
+_SOURCE_VERDICTS = WeakIdKeyDictionary()
 
 
 @torch.compiler.disable  # a verdict is a Python value read off the mask: torch.compile runs it as it is
 def mask_verdict(mask: torch.Tensor, site: str, sources: tuple[torch.Tensor, ...] = ()) -> str:
     """"causal", "full" or "other" for a boolean mask computed from shapes alone at call site `site` (cached
-    per site, shape and device), or from shapes and the buffers `sources` (cached per buffer too: its storage
-    and version counter, so a buffer written or replaced since is read again)."""
-    key = (site, tuple(mask.shape), mask.device, *((s.data_ptr(), s._version) for s in sources))
-    verdict = _VERDICTS.get(key)
+    per site, shape and device), or from shapes and the buffers `sources` (cached per buffer object too, and per
+    its version counter and storage, so a buffer written in place or given new storage since is read again;
+    a write through `.data`, which no version counter sees, is not)."""
+    key = (site, tuple(mask.shape), mask.device)
+    if sources:
+        cache = _SOURCE_VERDICTS.setdefault(sources[0], {})
+        key = (*key, *((s.data_ptr(), s._version) for s in sources), *(id(s) for s in sources[1:]))
+    else:
+        cache = _VERDICTS
+    verdict = cache.get(key)
     if verdict is None:
-        verdict = _VERDICTS[key] = mask_pattern(mask)
+        verdict = cache[key] = mask_pattern(mask)
     return verdict
 
 
