@@ -131,18 +131,20 @@ def test_data_parallel_partial_recompute_trains_like_one_process_and_holds_betwe
 
 
 @pytest.mark.slow
-def test_pipeline_partial_recompute_trains_like_one_process():
-    """pp 2 x tp 2 recomputing 1 of 2 blocks (tensor-parallel collectives re-run in the recomputed ones)."""
-    from test_3d_equivalence import MODELS, VOCAB, assert_same_training  # noqa: F401
+@pytest.mark.parametrize("name,pins,opt", [("gpt", dict(pp=2, dp=1, tp=2), "sgd"),
+                                           ("llama", dict(pp=2, dp=2, tp=1, zero_stage=1), "adamw")])
+def test_pipeline_partial_recompute_trains_like_one_process(name, pins, opt):
+    """Recomputing 1 of 2 blocks in pipeline stages: pp 2 x tp 2 (tensor-parallel collectives re-run in the
+    recomputed blocks), and HF Llama at pp 2 x dp 2 with ZeRO-1."""
+    from test_3d_equivalence import MODELS, VOCAB, assert_same_training
 
     with torch.device("meta"):
-        model = MODELS["gpt"][0]()
-    plan = compile(model, "local:4", example_inputs=(torch.randint(0, VOCAB, (2, 16), device="meta"),),
-                   global_batch_size=GB, precision="fp32", pp=2, dp=1, tp=2, microbatch_size=2,
-                   recompute_blocks="1/2")
+        model = MODELS[name][0]()
+    world = pins["pp"] * pins["dp"] * pins["tp"]
+    plan = compile(model, f"local:{world}", example_inputs=(torch.randint(0, VOCAB, (2, 16), device="meta"),),
+                   global_batch_size=GB, precision="fp32", microbatch_size=2, recompute_blocks="1/2", **pins)
     assert plan.config.recompute_text == "full:1/2"
-    assert_same_training(plan, "gpt", optimizer=training.sgd)
-
+    assert_same_training(plan, name, optimizer=getattr(training, opt))
 
 def test_the_cli_pins_it():
     """`partitioner compile --recompute-blocks K/N`; a bad share is refused before anything is planned."""
