@@ -324,6 +324,17 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
     one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
+    frozen = [p.name for p in g.params if not p.trainable]
+    if frozen:  # the data-parallel engine shards trainable parameters only (runtime.engines.data_parallel)
+        if decl.zero_stage not in (None, 0):
+            how = " (optimizer_layout='distributed')" if decl.optimizer_layout == "distributed" else ""
+            raise DeclarationError(
+                f"zero_stage={decl.zero_stage}{how}: ZeRO shards every parameter with its gradient and optimizer "
+                f"state, and this model has {len(frozen)} frozen parameter(s) (requires_grad=False: "
+                f"{', '.join(frozen[:3])}), which the data-parallel engine does not shard yet; pin zero_stage=0, "
+                "or make them trainable")
+        forced = {**forced, "zero_stage": 0}
+        decl = dataclasses.replace(decl, zero_stage=0)
     if no_cp or one_replica:
         forced = {**forced, "cp": 1, **({"dp": 1} if one_replica else {})}
         decl = dataclasses.replace(decl, cp=1, **({"dp": 1} if one_replica else {}))

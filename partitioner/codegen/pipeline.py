@@ -111,7 +111,8 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     stage_ranks = tuple(by_coord[(sched.rank_of(s), me.dp, me.tp, me.cp)] for s in range(len(plan.stages)))
     dp_ranks = tuple(m.rank for m in plan.mesh if m.pp == me.pp and m.tp == me.tp)
     holders = _holders(plan, blocks) if code.block is not None else {}
-    tied = sorted(n for n, rs in holders.items() if len(rs) > 1)
+    # a parameter that trains nothing has no gradient to sum: each stage reading it holds its own copy
+    tied = sorted(n for n, rs in holders.items() if len(rs) > 1 and n not in code.frozen)
     holder_sets = {frozenset(holders[n]) for n in tied}
     if len(holder_sets) > 1:
         raise CodegenError(f"parameters {tied} are shared by different sets of pipeline stages; only one tied "

@@ -82,6 +82,8 @@ class _Source:
         self.ep, self.gm = ep, ep.graph_module
         canonical = {a: p.name for p in g.params for a in (p.name, *p.aliases)}
         self.param: dict[fx.Node, str] = {}
+        # parameters that train nothing (requires_grad=False: RoFormer's sinusoidal position table), read like buffers
+        self.frozen: set[fx.Node] = set()
         self.buffer: dict[fx.Node, str] = {}
         self.const: dict[fx.Node, tuple[str, Any]] = {}
         self.inputs: list[fx.Node] = []
@@ -91,6 +93,9 @@ class _Source:
             kind = spec.kind.name
             if kind == "PARAMETER":
                 self.param[node] = canonical.get(spec.target, spec.target)
+                value = ep.state_dict.get(spec.target)
+                if isinstance(value, torch.Tensor) and not value.requires_grad:
+                    self.frozen.add(node)
             elif kind == "BUFFER":
                 self.buffer[node] = spec.target
             elif kind == "CONSTANT_TENSOR":  # a tensor made inside forward (torch.tensor([-1])), lifted by export
@@ -144,8 +149,9 @@ class _Source:
             del self.input_only[next(iter(handed))]
 
     def _input_only(self) -> dict[fx.Node, bool]:
-        """The values computed from the model's inputs, buffers, constants and shapes alone (an attention mask
-        made from the padding mask, shifted labels), which read no parameter and no hidden state: like the
+        """The values computed from the model's inputs, buffers, constants, frozen parameters and shapes alone (an
+        attention mask made from the padding mask, shifted labels, RoFormer's sinusoidal table from its frozen
+        embedding), which read no trainable parameter and no hidden state: like the
         shape-only ones, every other segment that reads one computes it again from the model inputs it takes
         (each stage has them), so only the hidden state crosses a cut (`crossing`). Not a value made from one
         the graph writes in place (a reader would recompute it without the write): a written tensor, the bases
@@ -164,7 +170,7 @@ class _Source:
         only: dict[fx.Node, bool] = {}
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
-                only[n] = (n in inputs or n in self.buffer or n in self.const) and n not in tainted
+                only[n] = (n in inputs or n in self.buffer or n in self.const or n in self.frozen) and n not in tainted
             elif n.op == "get_attr":
                 only[n] = True
             elif n.op == "call_function":
@@ -618,6 +624,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
                      prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec, sp_dim=cut_dim,
                      hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds,
+                     frozen=tuple(sorted(src.param[n] for n in src.frozen)),
                      **(_expert_fields(g) if kw["routed"] else {}))
 
 

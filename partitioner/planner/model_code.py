@@ -70,6 +70,9 @@ class ModelCode:
     experts: tuple[tuple[str, int], ...] = dataclasses.field(default=(), metadata={"omit_default": True})
     moe_layers: int = dataclasses.field(default=0, metadata={"omit_default": True})
     top_k: int = dataclasses.field(default=0, metadata={"omit_default": True})
+    # parameters that train nothing (requires_grad=False: RoFormer's sinusoidal position table), which every segment
+    # reading them computes from as from a buffer: held by each stage that reads one, never tied between stages
+    frozen: tuple[str, ...] = dataclasses.field(default=(), metadata={"omit_default": True})
 
     @property
     def aux_loss(self) -> bool:

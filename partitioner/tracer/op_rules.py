@@ -53,7 +53,7 @@ ZERO = sympy.Integer(0)
 VIEW_OPS = frozenset(
     "view reshape unsafe_view transpose t permute expand expand_as squeeze unsqueeze split split_with_sizes "
     "chunk getitem slice select unbind flatten unflatten narrow as_strided detach alias view_as movedim "
-    "unfold numpy_T swapaxes real lift_fresh assert_tensor_metadata".split()
+    "unfold numpy_T swapaxes real lift_fresh assert_tensor_metadata reshape_as".split()
 )
 _COPY_OPS = frozenset(
     "contiguous clone to to_copy type float half bfloat16 double repeat cat stack concat pad constant_pad_nd "

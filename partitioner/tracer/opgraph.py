@@ -110,6 +110,7 @@ class ParamSpec:
     aliases: tuple[str, ...] = ()
     owner: str | None = None  # the first node that uses it
     block: int | None = None
+    trainable: bool = True  # requires_grad: False for a frozen parameter (a fixed position table, LoRA's base)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

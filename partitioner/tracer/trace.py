@@ -331,7 +331,7 @@ def _assemble(costed: list[Costed], cap: Capture, model: nn.Module, stack: Layer
         own, blk = owner.get(names[0], (None, None))
         params.append(ParamSpec(name=names[0], shape=tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."),
                                 numel=p.numel(), nbytes=p.numel() * p.element_size(), aliases=tuple(names[1:]),
-                                owner=own, block=blk))
+                                owner=own, block=blk, trainable=p.requires_grad))
     # Parameters no node reads keep owner None and still count in num_params.
 
     blocks = []

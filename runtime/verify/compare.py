@@ -85,13 +85,15 @@ def gathered_grads(st: Setup, names: list[str]) -> tuple[dict[str, torch.Tensor 
                 per_slice.append(None)
                 continue
             tied = holders[0].ns.get("TIED", ())
-            if len(holders) > 1 and name not in tied:
+            # a parameter that trains nothing has no gradient to keep in step: each holder keeps its own copy
+            frozen = not holders[0].params[name].requires_grad
+            if len(holders) > 1 and name not in tied and not frozen:
                 raise VerifyError(f"parameter {name} is read by pipeline ranks {[h.pp for h in holders]} but is not "
                                   f"in their programs' TIED {tuple(tied)}: its copies would get separate gradients "
                                   "and drift apart; the codegen must list it as tied")
             groups = holders[0].ns.get("TIE_GROUPS")
             ranks = tuple(sorted(h.rank for h in holders))
-            if len(holders) > 1 and groups is not None and ranks not in groups:
+            if len(holders) > 1 and groups is not None and ranks not in groups and not frozen:
                 raise VerifyError(f"tied parameter {name} is held by ranks {ranks}, but the programs sum tied "
                                   f"gradients over TIE_GROUPS {tuple(groups)}, which has no such group: the copies "
                                   "would drift apart; the codegen's tie groups are wrong")

@@ -1,0 +1,70 @@
+"""Parameters that train nothing (requires_grad=False): read like buffers by every stage, never tied or
+stepped, and kept out of ZeRO, whose engine shards trainable parameters only.
+
+RoFormer computes its sinusoidal position table once, from a frozen embedding, and hands it to every layer: the
+prefix used to hand two values to the blocks, so every pipeline and tensor-parallel plan was refused."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from examples.hf_families import from_config
+from examples.training import adamw, hf_loss, train_one_process
+from partitioner import DeclarationError, compile, trace
+from ranks import assert_trains_like
+from runtime import launch_local
+
+ROFORMER = functools.partial(from_config, "RoFormerConfig", "RoFormerForMaskedLM", embedding_size=64,
+                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+TABLE = "roformer.encoder.embed_positions.weight"
+VOCAB, SEQ, BATCH = 512, 16, 8
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(ROFORMER(), (torch.randint(5, VOCAB, (2, SEQ)),))
+
+
+def test_the_tracer_records_which_parameters_train(graph):
+    trainable = {p.name: p.trainable for p in graph.params}
+    assert trainable[TABLE] is False and sum(not t for t in trainable.values()) == 1
+
+
+@pytest.mark.parametrize("pins", [dict(pp=2, tp=1), dict(pp=1, tp=2), dict(pp=2, tp=2), dict(pp=4, tp=1)])
+def test_every_stage_computes_the_position_table_from_its_own_copy(graph, pins):
+    """pp and tp programs verify against the module; the frozen table is held by each stage that reads it and is
+    not tied (no gradient to sum), while the word embedding and LM head stay tied."""
+    world = pins["pp"] * pins["tp"]
+    plan = compile(graph, f"local:{world}", global_batch_size=2, microbatch_size=2, precision="fp32", dp=1, **pins)
+    assert TABLE in plan.code.frozen
+    plan.verify(ROFORMER, (torch.randint(5, VOCAB, (2, SEQ)),))
+    if pins["pp"] > 1:
+        ns = plan.program(plan.world_size - 1).namespace()
+        assert TABLE not in ns["TIED"] and "roformer.embeddings.word_embeddings.weight" in ns["TIED"]
+
+
+def test_zero_is_left_out_and_refused_when_pinned(graph):
+    plan = compile(graph, "local:2", global_batch_size=8, precision="fp32", dp=2)
+    assert plan.config.zero_stage == 0
+    for pins in (dict(zero_stage=3), dict(optimizer_layout="distributed")):
+        with pytest.raises(DeclarationError, match=r"frozen parameter.*embed_positions.*pin zero_stage=0"):
+            compile(graph, "local:2", global_batch_size=8, precision="fp32", dp=2, **pins)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pins", [dict(pp=4, dp=1, tp=1), dict(pp=2, dp=2, tp=1)])
+def test_roformer_pipelines_train_like_one_process(graph, pins):
+    """AdamW with weight decay, 3 steps: a frozen table stepped with a zero gradient would decay; it must not."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(5, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(3)]
+    world = pins["pp"] * pins["dp"] * pins["tp"]
+    plan = compile(graph, f"local:{world}", global_batch_size=BATCH, precision="fp32", microbatch_size=2, **pins)
+    out = launch_local(plan, ROFORMER, adamw, hf_loss, data, timeout_s=180)
+    ref = train_one_process(ROFORMER, adamw, hf_loss, data)
+    assert sorted(out.state_dict) == sorted(ref.model.state_dict())
+    assert_trains_like(out, ref.losses, ref.model.state_dict(), adam_steps=3)
+    torch.testing.assert_close(out.state_dict[TABLE], ROFORMER().state_dict()[TABLE])  # untouched
