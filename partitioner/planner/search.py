@@ -285,7 +285,9 @@ def recompute_part(ctx: CostContext, result: SearchResult, *, bounds: tuple[int,
                 ranked[i] = Scored(cand=ev.cand, cut=cut, compression=cut.stages[0].compression)
                 break
     ranked.sort(key=lambda x: (x.cut.step_time_s, simplicity(x.cand)))
-    return dataclasses.replace(result, ranked=tuple(ranked), evaluated=evaluated, space=space)
+    beat = ranked[0].cut.step_time_s  # the faster configurations that do not fit: only those still faster
+    missed = tuple(s for s in result.over_memory if s.cut.step_time_s < beat)
+    return dataclasses.replace(result, ranked=tuple(ranked), evaluated=evaluated, space=space, over_memory=missed)
 
 
 def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, limit: int) -> tuple[Scored, ...]:
