@@ -68,3 +68,10 @@ def test_roformer_pipelines_train_like_one_process(graph, pins):
     assert sorted(out.state_dict) == sorted(ref.model.state_dict())
     assert_trains_like(out, ref.losses, ref.model.state_dict(), adam_steps=3)
     torch.testing.assert_close(out.state_dict[TABLE], ROFORMER().state_dict()[TABLE])  # untouched
+
+
+def test_the_hand_baselines_run_no_zero_either(graph):
+    plan = compile(graph, "local:2", global_batch_size=8, precision="fp32", dp=2)
+    baselines = {b.name: b for b in plan.baselines}
+    assert not baselines["ZeRO-3 only"].fits and "frozen parameters" in baselines["ZeRO-3 only"].note
+    assert all(b.config.zero_stage == 0 for b in plan.baselines if b.config is not None)
