@@ -228,6 +228,8 @@ class StageEvaluator:
         self.engine_floor = []
         for u, par in enumerate(arr.par):
             less += floor[u]
+            if arr.fpar:  # frozen parameters have no gradient buffer
+                par -= arr.fpar[u]
             self.engine_floor.append(max(0.0, par - less) * self._accum_s)
         dev = ctx.topo.device  # the context and the collective buffers of each group this rank talks in
         self._fixed = process_fixed_bytes(process_bytes=dev.process_bytes, comm_buffer_bytes=dev.comm_buffer_bytes,
@@ -248,6 +250,7 @@ class StageEvaluator:
         # expert parallelism: expert gradients reduced, and ZeRO-sharded, over the dp x cp / ep ranks holding the
         # same experts (partitioner.planner.expert_split); None at ep = 1
         self._epar = arr.epar or None
+        self._fpar = arr.fpar or None
         self._edp = edp_ranks(cand) if cand.ep > 1 else ()
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
         crossed = ctx.crossed_levels(cand)
@@ -282,9 +285,13 @@ class StageEvaluator:
         avg = self._par[-1] / S
         state = model_state_bytes(avg, precision=ctx.precision, optimizer=ctx.optimizer,
                                   zero_stage=c.zero_stage, dp=c.replicas).total
+        if self._fpar:  # frozen parameters: the fullest stage may hold only those, with no state but themselves
+            state = avg * self._param_bytes
         if state * v + self._fixed > ctx.memory_cap:
             return math.inf
         tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_s + avg * self._settle_s
+        if self._fpar:
+            tail = 0.0  # (nor need it step anything)
         if c.zero_stage in (1, 2) and c.replicas > 1 and c.ep == 1:
             # (under ep the expert parameters gather over a smaller group: left out, so this stays a bound)
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
@@ -364,18 +371,22 @@ class StageEvaluator:
             rest -= 0.0 if in_block else drop_rest
         # the engine's gradient buffers, each parameter's once (a tied one, whose gradient is summed outside the
         # engine between the pipeline ranks holding it, counted as if inside: small beside the rest)
-        b += params * self._accum_s
+        # frozen parameters (no gradient, no optimizer state): held, never reduced or stepped; one read by several
+        # units is counted once, like the rest
+        frozen = min(self._fpar[j] - self._fpar[i], params) if self._fpar else 0.0
+        trained = params - frozen
+        b += trained * self._accum_s
         v = cand.interleave
         inflight = self._inflight[k]
         expert = self._epar[j] - self._epar[i] if self._epar else 0.0
         per_module = cand.zero_stage == 3 and cand.zero3_unit == "module"
         units = round(self.arrays.modules[j] - self.arrays.modules[i]) if per_module else j - i
-        exposed, optim = self._tail(params, f, b, self.stage_low_rank(i, j), units=units, expert=expert)
+        exposed, optim = self._tail(trained, f, b, self.stage_low_rank(i, j), units=units, expert=expert)
         if ctx.async_sgd:
             memory_of = lambda option: self._async_memory(i, j, k, params, inflight)
         else:
             memory_of = self._peak_memory(i, j, k, params=params, tied=tied, rest=rest, inflight=inflight,
-                                          expert=expert, root=root)
+                                          expert=expert, root=root, frozen=frozen)
         # The compression with the least exposed time of those that fit (a compressor's buffers may not;
         # the fastest when none does); the first, least lossy, on a tie. Interleaved: a rank holds v
         # chunks; each may use 1/v of the memory (safe, if conservative for uneven chunks), or under
@@ -405,7 +416,7 @@ class StageEvaluator:
         return lr
 
     def _peak_memory(self, i: int, j: int, k: int, *, params: float, tied: float, rest: float,
-                     inflight: int, expert: float = 0.0, root: float = 0.0
+                     inflight: int, expert: float = 0.0, root: float = 0.0, frozen: float = 0.0
                      ) -> Callable[[tuple[str, str]], tuple[float, float, float, float, float]]:
         """(params, grads, optimizer, activations, buffers) of units [i, j) as virtual stage k at its peak,
         as a function of the compression option (what all options share is worked out once).
@@ -455,7 +466,10 @@ class StageEvaluator:
         ctx, cand, cal, arr = self.ctx, self.cand, self.ctx.cal, self.arrays
         z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
         kw = dict(precision=ctx.precision, optimizer=ctx.optimizer)
-        own = model_state_bytes(params - tied, zero_stage=z, dp=cand.replicas, **kw)
+        own = model_state_bytes(params - tied - frozen, zero_stage=z, dp=cand.replicas, **kw)
+        if frozen:  # held in the compute dtype (the engine casts every parameter), nothing else: no gradient, no state
+            own = ModelStateBytes(params=own.params + frozen * self._param_bytes, grads=own.grads,
+                                  optimizer=own.optimizer)
         if expert:  # ep > 1: the expert parameters' state is sharded by ZeRO over the ranks holding the same experts
             dense = model_state_bytes(params - tied - expert, zero_stage=z, dp=cand.replicas, **kw)
             mine = model_state_bytes(expert, zero_stage=z, dp=cand.replicas // cand.ep, **kw)
@@ -475,7 +489,7 @@ class StageEvaluator:
         rest_grads = own_grads if flat_grads else 0.0  # held through the step
         step_grads = whole.grads + (0.0 if flat_grads else own_grads)  # formed by the first backward
         carried = cand.num_microbatches > inflight
-        grads = (params - tied) * gb  # what the engine reduces
+        grads = (params - tied - frozen) * gb  # what the engine reduces
         # one reduction's fp32 input (ZeRO-2: a bucket; ZeRO-3: a unit, the largest of blocks and the rest)
         block = max(arr.block_par[i:j], default=0.0)
         if z == 3 and cand.zero3_unit == "module":  # units are modules; blocks count them, `block` is the largest

@@ -77,6 +77,8 @@ class UnitCost:
     weight_grad_bytes: float = 0.0
     # of params, the expert parameters' (per rank: 1/ep of them under expert parallelism)
     expert_params: float = 0.0
+    # of params, the frozen ones' (requires_grad=False: no gradient, no optimizer state)
+    frozen_params: float = 0.0
     # cp > 1: the largest buffers one of its attention nodes' context-parallel kernel holds while it runs, beyond
     # the activations (context_split.attention_buffer_bytes; bytes per microbatch and tensor rank)
     context_buffer_bytes: float = 0.0
@@ -157,6 +159,9 @@ class CostContext:
         self._codes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._param_local = self._param_sizes()
         self._param_block = {p.name: p.block for p in g.params}
+        # parameters that train nothing: held, but no gradient, master or optimizer state (the engine's buckets and
+        # masters are the trainable parameters': runtime.engines.data_parallel)
+        self._frozen = frozenset(p.name for p in g.params if not p.trainable)
         self._sharded = {pl.param: is_sharded(pl.spec) for pl in splits.placements}
         self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
 
@@ -297,9 +302,10 @@ class CostContext:
             held = local(self._boundary[u - 1], mb, self.seq, cp) * self.scale / (tp if sp else 1)
             hit = dataclasses.replace(hit, activation_bytes=hit.activation_bytes + made,
                                       stage_start_bytes=max(0.0, held - made))
+        frozen = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u] if p in self._frozen)
         if not self._expert_param:
             params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
-            return dataclasses.replace(hit, params=params)
+            return dataclasses.replace(hit, params=params, frozen_params=frozen)
         params = expert = 0.0
         for p, n in self._param_local[u]:
             local_n = n / (tp if self._sharded_param(p) else 1)
@@ -307,7 +313,7 @@ class CostContext:
                 local_n /= ep
                 expert += local_n
             params += local_n
-        return dataclasses.replace(hit, params=params, expert_params=expert)
+        return dataclasses.replace(hit, params=params, expert_params=expert, frozen_params=frozen)
 
     def _sharded_param(self, name: str) -> bool:
         return self._sharded[name]
@@ -586,6 +592,7 @@ class CostContext:
                 total_b=sum(x.backward_s for x in uc), wgrad=tuple(_prefix([x.weight_grad_bytes for x in uc])),
                 max_unit_c=max(x.forward_s + x.backward_s for x in uc),
                 epar=tuple(_prefix([x.expert_params for x in uc])) if ep > 1 else (),
+                fpar=tuple(_prefix([x.frozen_params for x in uc])) if self._frozen else (),
                 modules=tuple(_prefix([float(len(m)) for m in modules])),
                 # a module whose parameter other units read too outside the blocks (a tied embedding) is the
                 # root's unit (kept from forward to backward, StageEvaluator's `root`), not one gathered in turn
@@ -723,6 +730,7 @@ class UnitArrays:
     wgrad: tuple[float, ...] = (0.0,)  # prefix sums of UnitCost.weight_grad_bytes
     start: tuple[float, ...] = ()  # per unit: UnitCost.stage_start_bytes (held when a stage starts there)
     epar: tuple[float, ...] = ()  # prefix sums of UnitCost.expert_params under ep > 1 (empty at ep = 1)
+    fpar: tuple[float, ...] = ()  # prefix sums of UnitCost.frozen_params (empty where nothing is frozen)
     # ZeRO-3 with zero3_unit="module": prefix sums of the modules holding parameters directly (its units), and
     # per unit the parameters of its largest such module (per tensor rank)
     modules: tuple[float, ...] = (0.0,)
