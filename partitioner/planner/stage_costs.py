@@ -466,15 +466,16 @@ class StageEvaluator:
         ctx, cand, cal, arr = self.ctx, self.cand, self.ctx.cal, self.arrays
         z, last, mb = cand.zero_stage, k == self.num_stages - 1, cand.microbatch_size
         kw = dict(precision=ctx.precision, optimizer=ctx.optimizer)
-        own = model_state_bytes(params - tied - frozen, zero_stage=z, dp=cand.replicas, **kw)
-        if frozen:  # held in the compute dtype (the engine casts every parameter), nothing else: no gradient, no state
-            own = ModelStateBytes(params=own.params + frozen * self._param_bytes, grads=own.grads,
-                                  optimizer=own.optimizer)
+        # (a frozen parameter several stages read counts among `tied` too: never below none)
+        own = model_state_bytes(max(0.0, params - tied - frozen), zero_stage=z, dp=cand.replicas, **kw)
         if expert:  # ep > 1: the expert parameters' state is sharded by ZeRO over the ranks holding the same experts
-            dense = model_state_bytes(params - tied - expert, zero_stage=z, dp=cand.replicas, **kw)
+            dense = model_state_bytes(max(0.0, params - tied - expert - frozen), zero_stage=z, dp=cand.replicas, **kw)
             mine = model_state_bytes(expert, zero_stage=z, dp=cand.replicas // cand.ep, **kw)
             own = ModelStateBytes(params=dense.params + mine.params, grads=dense.grads + mine.grads,
                                   optimizer=dense.optimizer + mine.optimizer)
+        if frozen:  # held in the compute dtype (the engine casts every parameter), nothing else: no gradient, no state
+            own = ModelStateBytes(params=own.params + frozen * self._param_bytes, grads=own.grads,
+                                  optimizer=own.optimizer)
         own_grads = own.grads
         if z < 3 and ctx.precision in _FP32_GRADIENTS:
             # The engine accumulates the mixed precisions' gradients in fp32 buffers (4 B, where the ZeRO paper's
@@ -489,7 +490,7 @@ class StageEvaluator:
         rest_grads = own_grads if flat_grads else 0.0  # held through the step
         step_grads = whole.grads + (0.0 if flat_grads else own_grads)  # formed by the first backward
         carried = cand.num_microbatches > inflight
-        grads = (params - tied - frozen) * gb  # what the engine reduces
+        grads = max(0.0, params - tied - frozen) * gb  # what the engine reduces
         # one reduction's fp32 input (ZeRO-2: a bucket; ZeRO-3: a unit, the largest of blocks and the rest)
         block = max(arr.block_par[i:j], default=0.0)
         if z == 3 and cand.zero3_unit == "module":  # units are modules; blocks count them, `block` is the largest
