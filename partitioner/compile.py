@@ -501,8 +501,8 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
     need, who = least_memory(ctx, cands)
     have = ctx.memory_cap
     hints = []
-    if decl.zero_stage is None or decl.zero_stage < 3:
-        hints.append("ZeRO-3 (zero_stage=3)")
+    if (decl.zero_stage is None or decl.zero_stage < 3) and all(p.trainable for p in ctx.g.params):
+        hints.append("ZeRO-3 (zero_stage=3)")  # (not for frozen parameters, which ZeRO does not shard yet)
     if decl.recompute != "full":
         hints.append("activation recomputation (recompute='full')")
     elif decl.recompute_blocks not in (None, (1, 1)):

@@ -93,7 +93,8 @@ def test_lora_costs_the_adapters_state_only():
 
 def test_a_lora_model_that_fits_is_not_refused():
     """16 layers at hidden 4096 (3.5B frozen parameters) on 8 A100-40GB: 7 GB of bf16 weights per replica
-    and the adapters' state; counted as 16-18 bytes per parameter it was refused (over 60 GB per rank)."""
+    and the adapters' state; counted as 16-18 bytes per parameter it was refused (51.9 GiB per rank at least,
+    with ZeRO-3 suggested, which such a model cannot run)."""
     from examples.lora import lora_llama_seeded
 
     with torch.device("meta"):
