@@ -324,7 +324,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
     one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
-    frozen = [p.name for p in g.params if not p.trainable]
+    frozen = g.frozen_params
     if frozen:  # the data-parallel engine shards trainable parameters only (runtime.engines.data_parallel)
         if decl.zero_stage not in (None, 0):
             how = " (optimizer_layout='distributed')" if decl.optimizer_layout == "distributed" else ""
@@ -501,7 +501,7 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
     need, who = least_memory(ctx, cands)
     have = ctx.memory_cap
     hints = []
-    if (decl.zero_stage is None or decl.zero_stage < 3) and all(p.trainable for p in ctx.g.params):
+    if (decl.zero_stage is None or decl.zero_stage < 3) and not ctx.g.frozen_params:
         hints.append("ZeRO-3 (zero_stage=3)")  # (not for frozen parameters, which ZeRO does not shard yet)
     if decl.recompute != "full":
         hints.append("activation recomputation (recompute='full')")

@@ -58,6 +58,7 @@ from partitioner.codegen.segment_ep import EP_FUNCTIONS, ExpertParallelRewrite, 
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.attention import shape_mask_key
+from partitioner.tracer.capture import unwritten_buffers
 from partitioner.tracer.block_kinds import mutates, written
 from partitioner.tracer.blocks import block_index
 
@@ -84,6 +85,7 @@ class _Source:
         self.param: dict[fx.Node, str] = {}
         # parameters that train nothing (requires_grad=False: RoFormer's sinusoidal position table), read like buffers
         self.frozen: set[fx.Node] = set()
+        frozen = set(g.frozen_params)
         self.buffer: dict[fx.Node, str] = {}
         self.const: dict[fx.Node, tuple[str, Any]] = {}
         self.inputs: list[fx.Node] = []
@@ -93,8 +95,7 @@ class _Source:
             kind = spec.kind.name
             if kind == "PARAMETER":
                 self.param[node] = canonical.get(spec.target, spec.target)
-                value = ep.state_dict.get(spec.target)
-                if isinstance(value, torch.Tensor) and not value.requires_grad:
+                if self.param[node] in frozen:
                     self.frozen.add(node)
             elif kind == "BUFFER":
                 self.buffer[node] = spec.target
@@ -112,8 +113,7 @@ class _Source:
             else:
                 raise SegmentError(f"input {spec.arg.name} of kind {kind} is not supported in stage code")
         # buffers the graph never writes: a mask made from one runs the fused kernel's causal path where causal
-        written = set(ep.graph_signature.buffers_to_mutate.values())
-        self.unwritten = frozenset(n for n, name in self.buffer.items() if name not in written)
+        self.unwritten = frozenset(n for n in unwritten_buffers(ep) if n in self.buffer)
         self.stack = g.block_container
         self.shape_only: dict[fx.Node, bool] = {}
         self.input_only = self._input_only()

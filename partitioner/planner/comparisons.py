@@ -134,7 +134,7 @@ def hand_baselines(ctx: CostContext, decl: Declarations) -> tuple[Baseline, ...]
     """Pure data parallelism (ZeRO 0), ZeRO-3 only, and Megatron (tp = min(8, devices per node), ZeRO 0
     or 1, the fewest pipeline stages that fit), each at its best microbatch, schedule and recompute."""
     world = ctx.topo.world_size
-    frozen = [p.name for p in ctx.g.params if not p.trainable]  # the engine shards trainable parameters only
+    frozen = ctx.g.frozen_params  # the engine shards trainable parameters only
     return (_flat(ctx, decl, "pure data parallel", zero_stage=0),
             _flat(ctx, decl, "ZeRO-3 only", zero_stage=3) if not frozen else
             Baseline(name="ZeRO-3 only", config=None, step_time_s=None, peak_memory_bytes=None, fits=False,
@@ -197,7 +197,7 @@ def _megatron(ctx: CostContext, decl: Declarations, tp: int) -> Baseline:
         if pp > len(ctx.units):
             break
         # Megatron-LM keeps full optimizer state per replica, or shards it (its distributed optimizer: ZeRO-1).
-        most = 0 if any(not p.trainable for p in ctx.g.params) else 1  # frozen parameters: no ZeRO (hand_baselines)
+        most = 0 if ctx.g.frozen_params else 1  # frozen parameters: no ZeRO (hand_baselines)
         cands = [c for c in _candidates(ctx, _hand(decl, tp=tp, pp=pp)) if c.zero_stage <= most]
         if not cands:
             continue

@@ -161,7 +161,7 @@ class CostContext:
         self._param_block = {p.name: p.block for p in g.params}
         # parameters that train nothing: held, but no gradient, master or optimizer state (the engine's buckets and
         # masters are the trainable parameters': runtime.engines.data_parallel)
-        self._frozen = frozenset(p.name for p in g.params if not p.trainable)
+        self._frozen = frozenset(g.frozen_params)
         self._sharded = {pl.param: is_sharded(pl.spec) for pl in splits.placements}
         self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
 

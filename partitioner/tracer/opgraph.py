@@ -193,6 +193,11 @@ class OpGraph:
     def param_bytes(self) -> int:
         return sum(p.nbytes for p in self.params)
 
+    @property
+    def frozen_params(self) -> tuple[str, ...]:
+        """The parameters that train nothing (requires_grad=False), by name: held, with no gradient or state."""
+        return tuple(p.name for p in self.params if not p.trainable)
+
     def _bs(self, batch_size: int | None, seq_len: int | None) -> tuple[int, int]:
         b = self.traced_batch_size if batch_size is None else batch_size
         if not self.batch_symbolic and b != self.traced_batch_size:
