@@ -104,18 +104,37 @@ def test_a_rewritten_block_keeps_bytes_linear_in_s(family):
     assert max(j for n in graph(family).block_nodes(1) for (_, j), _ in n.cost.activation_bytes.terms) == 1
 
 
-@pytest.mark.parametrize("family,per_sequence", [("bloom", False), ("mpt", True)])
-def test_an_alibi_block_keeps_only_its_mask(family, per_sequence):
-    """ALiBi plus the causal mask is one additive mask per block, which the fused kernel keeps for backward: its
-    s x s bytes (4 heads, fp32) are all that is left of the eager softmax, its fp32 copy and the dropout's.
-    MPT's ALiBi and causal mask do not depend on the batch, so its mask is made for one sequence and
-    broadcast by the fused op (the batch expand Hugging Face applies is left out); BLOOM's ALiBi reads the
-    attention mask's values, so its mask is the batch's."""
-    assert _s_squared(graph(family)) == 4 * 4
-    assert _s_squared(graph(family), b=2) == (1 if per_sequence else 2) * 4 * 4
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_an_alibi_bias_is_folded_into_the_products(family):
+    """ALiBi is a bias per head and key, the same for every query: the rewrite folds it into the products (q takes
+    two columns of ones, k the bias over the scale in two parts, both padded with zeros to a multiple of 8 columns,
+    v too), so the fused op is left with the causal mask alone, which it runs as its causal path: a block keeps no
+    s x s bytes (the eager one keeps at least the fp32 probabilities and their copy, 4 heads), and the products
+    are costed at half."""
+    g = graph(family)
+    assert _s_squared(g) == 0 and _s_squared(g, b=2) == 0
     assert _s_squared(graph(family, rewrite=False)) >= 2 * 4 * 4
-    sdpa = [n for n in graph(family).graph_module.graph.nodes if n.name.startswith("attention_sdpa")]
-    assert all(n.kwargs["attn_mask"].meta["val"].shape[0] == (1 if per_sequence else 2) for n in sdpa)  # traced b = 2
+    sdpa = [n for n in g.graph_module.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert sdpa and g.attention_rewrites == 4  # the graph holds the blocks traced, the OpGraph all four
+    for n in sdpa:
+        q, k, v = (x.meta["val"] for x in n.args[:3])
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] == 24  # head dim 16, + 2 columns, padded to 24
+        assert n.kwargs["attn_mask"].meta["val"].dtype == torch.bool  # the causal mask, from shapes alone
+    assert [n.cost.causal for n in g.nodes if n.op == "scaled_dot_product_attention"] == [True] * 4
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_the_folded_bias_runs_in_bf16_as_close_as_eager(family):
+    """The generated code in bf16 (its casts follow the parameters' dtype): the extra columns take the queries'
+    dtype, and the bias keeps its two parts, so the logits are as close to fp32 as the eager model's in bf16."""
+    plan = compile(graph(family), "local:2", global_batch_size=8, precision="fp32", pp=1, tp=1, dp=2)
+    x = tokens(seed=5, seq=64)
+    want = FAMILIES[family](4)(x).logits
+    eager = FAMILIES[family](4).to(torch.bfloat16)(x).logits.float()
+    model = FAMILIES[family](4).to(torch.bfloat16)
+    plan.program(0).namespace()["make_stage"](model, None).run_as_model()
+    got = model(x).logits.float()
+    assert (got - want).abs().max() <= 1.5 * (eager - want).abs().max() + 1e-3
 
 
 def test_dropout_and_a_read_probability_matrix():
@@ -156,10 +175,11 @@ def test_rewrite_attention_false_keeps_the_eager_costs():
     eager = graph("bloom", rewrite=False)
     assert eager.attention_rewrites == 0 and sum(n.op == "softmax" for n in eager.nodes) == 4
     kw = dict(global_batch_size=8, precision="fp32", dp=2, tp=1, pp=1, zero_stage=0, microbatch_size=4)
-    plan = compile(bloom(4), "local:2", (tokens(),), rewrite_attention=False, **kw)
+    x = (tokens(seq=128),)  # at 16 tokens the products' two extra columns (16 -> 24) weigh more than s x s
+    plan = compile(bloom(4), "local:2", x, rewrite_attention=False, **kw)
     assert plan.attention_rewrites == 0 and plan.declarations["rewrite_attention"] is False
     assert plan.code is None and "attention" not in str(plan)  # the module runs as it is
-    fused = compile(bloom(4), "local:2", (tokens(),), **kw)
+    fused = compile(bloom(4), "local:2", x, **kw)
     assert fused.attention_rewrites == 4 and "rewrite_attention" not in fused.declarations
     assert "4 eager attentions rewritten to fused scaled_dot_product_attention" in str(fused)
     assert fused.predicted.memory.activations < plan.predicted.memory.activations
@@ -174,7 +194,7 @@ def test_rewrite_attention_false_keeps_the_eager_costs():
 def test_rewritten_programs_verify(family, pp, tp):
     """The generated stage code (the heads of ALiBi and mask cut with the heads under tp) against the module."""
     plan = compile(graph(family), "local:4", global_batch_size=8, precision="fp32", pp=pp, tp=tp)
-    assert "scaled_dot_product_attention" in plan.program(0).source
+    assert "shape_mask_attention(" in plan.program(0).source  # the causal mask left after ALiBi is folded
     report = plan.verify(functools.partial(FAMILIES[family], 4))
     assert report.checked
 
@@ -185,7 +205,7 @@ def test_a_data_parallel_plan_runs_the_rewritten_code():
     runs the module's own forward, saying so."""
     plan = compile(graph("bloom"), "local:2", global_batch_size=8, precision="fp32", pp=1, tp=1, dp=2)
     src = plan.program(0).source
-    assert "make_stage(model, None).run_as_model()" in src and "scaled_dot_product_attention" in src
+    assert "make_stage(model, None).run_as_model()" in src and "shape_mask_attention(" in src
     assert plan.verify(functools.partial(bloom, 4)).checked
     ns = plan.program(0).namespace()
     model, x = bloom(4), tokens(seed=3)

@@ -96,6 +96,22 @@ def test_a_shape_only_mask_is_causal_only_where_its_values_are_the_causal_one(wi
     assert causal_shape_mask(sdpa, examples) is exact
 
 
+@pytest.mark.parametrize("window, exact", [(None, True), (4096, False)], ids=["causal", "window"])
+def test_a_mask_too_long_to_evaluate_is_judged_at_a_shorter_length(window, exact):
+    """At 32K tokens the mask is 1 GiB of bools: causal_shape_mask evaluates it at the same sizes over 2 (16K, 256
+    MiB), where a causal mask is still the causal one and a window of 4K still is not. A trace whose length is
+    baked into its aranges (no symbol for it) cannot be shortened: charged as kept."""
+    x = torch.empty(1, 1, 32768, 8)
+    dim = torch.export.Dim("seq", min=2, max=65536)
+    ep = torch.export.export(_Window(window), (x,), dynamic_shapes=({2: dim},))
+    sdpa = next(n for n in ep.graph.nodes if "scaled_dot_product" in str(n.target))
+    examples = {n: x for n in ep.graph.nodes if n.op == "placeholder"}
+    assert causal_shape_mask(sdpa, examples) is exact
+    static = torch.export.export(_Window(window), (x,))
+    sdpa = next(n for n in static.graph.nodes if "scaled_dot_product" in str(n.target))
+    assert causal_shape_mask(sdpa, {n: x for n in static.graph.nodes if n.op == "placeholder"}) is False
+
+
 @pytest.mark.parametrize("window, offset", [(None, 0), (4, 0), (None, 1), (SEQ, 0)])
 def test_shape_mask_attention_is_the_masked_attention(window, offset):
     """The runtime's attention under a shape-only mask: is_causal where the mask is causal, the mask as it is

@@ -108,15 +108,16 @@ def test_generated_code_names_no_trace_device_and_carries_forward_made_constants
                 global_batch_size=BATCH, precision="fp32", pp=2, dp=1, tp=1)
 
 
-@pytest.mark.parametrize("family, qkv", [("mpt", "transformer.blocks.0.attn.Wqkv.weight"),
-                                         ("bloom", "transformer.h.0.self_attention.query_key_value.weight")])
-def test_an_alibi_bias_per_head_is_read_by_heads_under_tensor_parallelism(family, qkv):
-    """The attention mask carries the ALiBi bias of every head (b, nh, s, s): it needs no gradient, so each tensor
-    rank reads its own heads' chunk of it and the attention is split by heads (not kept whole). BLOOM's
-    (b*nh, s, hs) baddbmm is lifted to heads as a dim by the attention rewrite first."""
+@pytest.mark.parametrize("family, qkv, heads_dim",
+                         [("mpt", "transformer.blocks.0.attn.Wqkv.weight", 0),
+                          ("bloom", "transformer.h.0.self_attention.query_key_value.weight", 1)])
+def test_an_alibi_bias_per_head_is_read_by_heads_under_tensor_parallelism(family, qkv, heads_dim):
+    """The ALiBi bias of every head, folded into the keys' extra columns (MPT's (nh, s, 1), BLOOM's (b, nh, s, 1)),
+    needs no gradient: each tensor rank reads its own heads' chunk of it and the attention is split by heads (not
+    kept whole). BLOOM's (b*nh, s, hs) baddbmm is lifted to heads as a dim by the attention rewrite first."""
     splits = find_splits(meta_graph(family))
     assert splits.placement(qkv).role == "column"
-    assert len(splits.chunks) == 4 and all(d == 1 for _, _, d in splits.chunks)  # one mask per block, heads dim
+    assert len(splits.chunks) == 4 and all(d == heads_dim for _, _, d in splits.chunks)  # one bias per block
     plan = compile(meta_graph(family), "local:2", global_batch_size=BATCH, precision="fp32", pp=1, dp=1, tp=2,
                    microbatch_size=2)
     assert "tp_chunk(" in plan.program(0).source

@@ -10,15 +10,21 @@ Hugging Face's eager attention (and nanoGPT's manual one) run as separate ATen o
 
 which keeps the s x s scores, the probabilities and the dropout mask for backward. `rewrite_attention`
 replaces each such chain by `aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, scale=...)`:
-the same math (softmax(q k^T * scale + mask) v), computed by a kernel that keeps O(s) per row. The
-mask is the chain's additive terms gathered into one tensor in their broadcast shape (a boolean keep-mask
-when the only term is a masked_fill / where with a value that removes the position); it is computed
-inside the region and saved by the fused kernel, so the cost rule counts it. It is made at the shape its
-inputs have before they are expanded over the batch (`_unbroadcast_masks`): the fused op broadcasts the
-mask itself, so MPT's ALiBi (one bias per head) with the causal mask keeps an (h, s, s) mask per layer,
-not a (b, h, s, s) one (which put MPT-7B at microbatch 6 over 100 GiB per GPU, and MPT-3B at microbatch 3
-and 8K tokens near 500 GiB). BLOOM's ALiBi reads the attention mask, whose values are the batch's: its
-mask stays (b, h, s, s).
+the same math (softmax(q k^T * scale + mask) v), computed by a kernel that keeps O(s) per row.
+
+An additive term that is a bias per key, the same for every query (ALiBi: a slope per head times the key's
+position, MPT's and BLOOM's), is folded into the products (`_fold_key_bias`): q and k take two more columns
+(ones, and the bias over the scale split in two parts), padded with zeros to a multiple of 8, so the fused
+op needs no s x s tensor for it (FlashAttention's ALiBi does the same inside its kernel). A term that is 0
+where a condition holds and a removing value elsewhere (BLOOM's `where(keep, 0, finfo.min)`) is that
+condition (`_as_removal`). What is left is the mask: the terms gathered into one tensor in their broadcast
+shape (a boolean keep-mask when the only term is a masked_fill / where with a value that removes the
+position); it is computed inside the region and saved by the fused kernel, so the cost rule counts it. It
+is made at the shape its inputs have before they are expanded over the batch (`_unbroadcast_masks`): the
+fused op broadcasts the mask itself. A causal one made from shapes alone is then no tensor at all at run
+time (runtime.pipeline.attention runs the kernel's causal path): before the fold, MPT's ALiBi with the
+causal mask kept an (h, s, s) mask per layer (4 GiB per layer at 16 heads and 16K tokens, fp32), which put
+long-sequence MPT runs that trained on 80 GB at hundreds of GiB.
 
 `causal_shape_mask` says whether such a node's mask, computed from shapes alone (or from them and a buffer the
 graph never writes, with the buffer's traced values: nanoGPT's tril `bias`), is exactly the causal one at the
@@ -49,6 +55,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 __all__ = ["causal_attention", "causal_shape_mask", "from_shapes", "rewrite_attention", "SDPA_NAME"]
@@ -363,9 +370,12 @@ def _rewrite(graph: fx.Graph, m: _Match, erased: set[fx.Node]) -> bool:
     if k is None:
         k = emit(_aten.transpose.int, (kt, -2, -1))
     dtype = q.meta["val"].dtype
+    terms, q, k, v, width = _fold_key_bias(emit, [_as_removal(t) for t in terms], q, k, v, m.scale)
     mask = _mask(emit, terms, dtype)
     out = emit(_aten.scaled_dot_product_attention.default, (q, k, v),
                {"attn_mask": mask, "dropout_p": m.dropout_p, "scale": m.scale}, name=SDPA_NAME)
+    if width is not None:  # the zero columns v was widened by
+        out = emit(_aten.slice.Tensor, (out, -1, 0, width))
     if m.unflatten is not None:
         back = [u for u in m.out.users if u.target in _VIEWS and _shape(u) == _shape(out)]
         if len(m.out.users) == 1 and back:
@@ -377,6 +387,97 @@ def _rewrite(graph: fx.Graph, m: _Match, erased: set[fx.Node]) -> bool:
     m.out.replace_all_uses_with(out)
     _erase(graph, m.region, erased)
     return True
+
+
+_ZEROS = {_aten.zeros.default, _aten.zeros_like.default, _aten.new_zeros.default}
+
+
+def _as_removal(term: tuple[str, Any, Any, bool]) -> tuple[str, Any, Any, bool]:
+    """An additive term that is 0 where a condition holds and a removing value elsewhere (BLOOM's causal mask:
+    `where(keep, zeros, finfo.min)`) as the removal it is: the fused op then takes the boolean condition,
+    which runs as the kernel's causal path where it is the causal one."""
+    kind, a, b, flat = term
+    if kind != "add" or not isinstance(a, fx.Node) or b != 1 or \
+            a.target not in (_aten.where.ScalarOther, _aten.where.Scalar, _aten.where.ScalarSelf):
+        return term
+    cond, x, y = a.args[:3]
+
+    def zero(z: Any) -> bool:
+        return (_number(z) and z == 0) or (isinstance(z, fx.Node) and z.target in _ZEROS)
+
+    def removing(z: Any) -> bool:
+        return _number(z) and z <= _MASKED
+
+    if zero(x) and removing(y):
+        return ("keep", cond, y, flat)
+    if removing(x) and zero(y):
+        return ("fill", cond, x, flat)
+    return term
+
+
+def _key_only(a: Any, k: fx.Node) -> bool:
+    """Whether additive term `a` is a bias per key (and per head or sequence), the same for every query: its
+    query dim is 1, its key dim k's, and its leading dims broadcast to k's (ALiBi: a slope per head times the
+    key's position). Sizes are compared as the shape environment proves them equal (MPT slices its bias to
+    `64 - Max(0, 64 - s)`, which is s for every length the trace allows)."""
+    if not isinstance(a, fx.Node) or not 2 <= _rank(a) <= 4:
+        return False
+    shape, ks = a.meta["val"].shape, k.meta["val"].shape
+    lead = list(zip(reversed(shape[:-2]), reversed(ks[:-2])))
+    return _equal(shape[-2], 1) and _equal(shape[-1], ks[-2]) and all(_equal(d, 1) or _equal(d, e) for d, e in lead)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return bool(statically_known_true(a == b))
+
+
+def _fold_key_bias(emit: _Emit, terms: list[tuple[str, Any, Any, bool]], q: fx.Node, k: fx.Node, v: fx.Node,
+                   scale: float) -> tuple[list[tuple[str, Any, Any, bool]], fx.Node, fx.Node, fx.Node, Any]:
+    """Fold the additive terms that are a bias per key (`_key_only`: ALiBi) into the products themselves, so the
+    fused op takes no s x s mask for them (a causal mask left alone runs as the kernel's causal path):
+
+        q' = [q, 1, 1, 0...]   k' = [k, hi, lo, 0...]   v' = [v, 0...]    with hi + lo = bias / scale
+
+    so q' k'^T * scale = q k^T * scale + bias, exactly where hi and lo hold bias / scale (hi in the queries'
+    dtype, lo the rest of it: bf16 queries keep the bias to ~2^-16 of its size, where one bf16 column would
+    round ALiBi's large negative values by whole logits). Zero columns pad the head dim to a multiple of 8
+    (what FlashAttention takes); v gets as many, and the output drops them (the width returned).
+    Returns (the terms left, q', k', v', the output's width or None when nothing was folded)."""
+    folded = [(a, b) for kind, a, b, _ in terms if kind == "add" and _key_only(a, k)]
+    if not folded or _rank(q) != 4 or _rank(v) != 4:
+        return terms, q, k, v, None
+    e, ev = _shape(q)[-1], _shape(v)[-1]
+    if not (e.isdigit() and ev == e and _shape(k)[-1] == e):
+        return terms, q, k, v, None
+    rest = [t for t in terms if not (t[0] == "add" and _key_only(t[1], k))]
+    bias = None
+    for a, b in folded:
+        t = a if b == 1 else emit(_aten.mul.Tensor, (a, b))
+        bias = t if bias is None else emit(_aten.add.Tensor, (bias, t))
+    dtype = q.meta["val"].dtype
+    col = emit(_aten.mul.Tensor, (emit(_aten.transpose.int, (bias, -2, -1)), 1.0 / scale))  # (.., s, 1)
+    # broadcast to k's (b, h, s, 1) by adding it to zeros of that shape, not by an expand: under tensor
+    # parallelism k holds this rank's heads, and the split analysis reads the bias's chunk of heads off the add
+    col = emit(_aten.add.Tensor, (emit(_aten.full_like.default, (emit(_aten.slice.Tensor, (k, -1, 0, 1)), 0.0)), col))
+    hi = emit(_aten._to_copy.default, (col,), {"dtype": dtype})
+    lo = emit(_aten._to_copy.default, (emit(_aten.sub.Tensor, (col, hi)),), {"dtype": dtype})
+    pad = -(int(e) + 2) % 8
+
+    def wider(x: fx.Node, cols: list[fx.Node], value: float = 0.0) -> fx.Node:
+        """x, the columns `cols`, then `value` in the columns up to the padded width. The new columns are made
+        like x's first column (`full_like`), not from sizes: under tensor parallelism they hold this rank's
+        heads, as x does."""
+        first = emit(_aten.slice.Tensor, (x, -1, 0, 1))
+
+        def columns(v: float, n: int) -> list[fx.Node]:
+            if not n:
+                return []
+            return [emit(_aten.expand.default, (emit(_aten.full_like.default, (first, v)), [-1, -1, -1, n]))]
+
+        fill = columns(value, 2) if value else []
+        return emit(_aten.cat.default, ([x, *cols, *fill, *columns(0.0, pad + 2 - 2 * len(fill) - len(cols))], -1))
+
+    return rest, wider(q, [], 1.0), wider(k, [hi, lo]), wider(v, []), int(e)
 
 
 def _mask(emit: _Emit, terms: list[tuple[str, Any, Any, bool]], dtype: torch.dtype) -> fx.Node | None:
@@ -485,8 +586,15 @@ def shape_mask_key(value: fx.Node, buffers: Collection[fx.Node] = ()) -> str:
 
 
 # the most bytes any tensor of a mask's computation may take for `causal_shape_mask` to evaluate it when tracing
-# (a (b, 1, s, s) bool mask: s = 16384 at b = 1)
+# (a (b, 1, s, s) bool mask: s = 16384 at b = 1). A longer sequence's mask is evaluated with the sequence's sizes
+# divided by 2, 4, ... up to 64 until it fits: a mask made from shapes alone by position comparisons is causal at
+# every length or at none, except through a window or an offset at least as long as the shorter sequence (a sliding
+# window of 4K evaluated at 4K looks causal): a computation that reads a number that large is not shortened (charged
+# as kept). Charging every long causal mask as kept would put every long-sequence plan over its memory (MPT at 64K
+# tokens: 4 GiB of mask per layer); the runtime checks the mask it makes on the real sizes either way
+# (runtime.pipeline.attention).
 _EVALUATED_BYTES = 2 ** 28
+_SHRINKS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any],
@@ -498,8 +606,9 @@ def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any],
     Generated code attends through runtime.pipeline.attention.shape_mask_attention, which makes the same
     check on the mask it computes at run time, per call site and mask shape, so a sliding window longer than
     the traced sequence still runs as its mask says; this verdict only tells the cost rule that no mask is kept
-    at the traced size. A mask whose computation makes a tensor of more than 256 MiB is not evaluated (False: it
-    is charged as kept). `verdicts`: mask node -> verdict, kept across the calls of one graph (a mask every
+    at the traced size. A mask whose computation makes a tensor of more than 256 MiB there is evaluated at shorter
+    lengths (`_SHRINKS`), unless it reads a number as large as them (a window); if none fits, False: it is charged
+    as kept. `verdicts`: mask node -> verdict, kept across the calls of one graph (a mask every
     layer reads is evaluated once).
 
     `buffers`: placeholders of buffers the graph never writes, with their traced values in `examples`: a mask
@@ -522,17 +631,53 @@ def causal_shape_mask(node: fx.Node, examples: dict[fx.Node, Any],
     index = {n: i for i, n in enumerate(node.graph.nodes)}
     order.sort(key=index.__getitem__)
     try:
-        shapes = _evaluate(order, examples, torch.device("meta"))  # sizes first, at no cost
-        if max((t.numel() * t.element_size() for t in shapes.values() if isinstance(t, torch.Tensor)),
-               default=0) > _EVALUATED_BYTES:
+        for shrink in _SHRINKS:  # the traced sizes, else the same sizes over 2, 4, ... (see the note above)
+            at = _shrunk(examples, val.shape[-2:], shrink, buffers)
+            shapes = _evaluate(order, at, torch.device("meta"))  # sizes first, at no cost
+            if max((t.numel() * t.element_size() for t in shapes.values() if isinstance(t, torch.Tensor)),
+                   default=0) <= _EVALUATED_BYTES:
+                break
+        else:
             return False
-        keep = _evaluate(order, examples, torch.device("cpu"))[mask]
+        if shrink > 1 and _largest_constant(order) >= min(int(d) for d in shapes[mask].shape[-2:]):
+            return False  # a window or offset the shorter length may not reach: charged as kept
+        keep = _evaluate(order, at, torch.device("cpu"))[mask]
     except Exception:  # noqa: BLE001 - a mask this evaluation cannot compute is charged as kept
         return False
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
         return False
     L, S = keep.shape[-2:]
     return bool((keep == torch.ones(L, S, dtype=torch.bool).tril()).all())
+
+
+# ops whose numbers are values positions are compared or shifted by (not dims, indices or slice bounds)
+_VALUE_OPS = frozenset("add sub rsub mul div remainder fmod floor_divide le lt ge gt eq ne maximum minimum clamp "
+                       "clamp_min clamp_max where masked_fill".split())
+
+
+def _largest_constant(order: list[fx.Node]) -> float:
+    """The largest magnitude of an integer the computation `order` computes with (a window's 4096, an offset's 1;
+    positions are integers, a fill value such as finfo.min is not one)."""
+    nums = [abs(a) for n in order if n.op == "call_function" and
+            getattr(getattr(n.target, "overloadpacket", None), "__name__", "") in _VALUE_OPS
+            for a in pytree.tree_leaves((n.args, n.kwargs)) if isinstance(a, int) and not isinstance(a, bool)]
+    return max(nums, default=0.0)
+
+
+def _shrunk(examples: dict[fx.Node, Any], sizes: Any, shrink: int, buffers: Collection[fx.Node]) -> dict[fx.Node, Any]:
+    """`examples` with every dim of a model input that has one of the mask's traced sizes (the sequence) divided
+    by `shrink` (as meta tensors: only sizes are read); buffers keep their values."""
+    if shrink == 1:
+        return examples
+    seq = {int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in sizes
+           if not isinstance(d, torch.SymInt) or d.node.hint is not None}
+    out = dict(examples)
+    for n, t in examples.items():
+        if n in buffers or not isinstance(t, torch.Tensor):
+            continue
+        shape = [d // shrink if d in seq and d % shrink == 0 else d for d in t.shape]
+        out[n] = torch.empty(shape, dtype=t.dtype, device="meta")
+    return out
 
 
 def _evaluate(order: list[fx.Node], examples: dict[fx.Node, Any], device: torch.device) -> dict[fx.Node, Any]:
