@@ -249,3 +249,33 @@ def test_a_padding_mask_read_from_the_inputs_keeps_attention_as_traced(family):
     assert g.attention_rewrites == 0 and graph(family).attention_rewrites == 4
     plan = compile(g, "local:4", global_batch_size=2, microbatch_size=2, precision="fp32", pp=2, tp=2, dp=1, sp=False)
     plan.verify(functools.partial(FAMILIES[family], 2), batch, hf_model_loss)
+
+
+class _KeyMaskAttention(torch.nn.Module):
+    """Eager attention under a bias per key made from shapes that removes the last key (finfo.min there): a mask
+    term, not a bias to fold (over the scale it would be -inf in k's columns, and NaN in its low part)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+
+    def forward(self, ids):
+        x = self.emb(ids).view(ids.shape[0], ids.shape[1], 2, 8).transpose(1, 2)  # (b, h, s, d)
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        bias = torch.where(pos == ids.shape[1] - 1, torch.finfo(x.dtype).min, pos * 0.1).view(1, 1, 1, -1)
+        scores = x @ x.transpose(-1, -2) / 8 ** 0.5 + bias
+        return (scores.softmax(-1) @ x).sum()
+
+
+def test_a_bias_per_key_that_removes_a_key_is_not_folded():
+    torch.manual_seed(0)
+    model = _KeyMaskAttention()
+    g = trace(model, (tokens(),))
+    assert g.attention_rewrites == 1
+    sdpa = next(n for n in g.graph_module.graph.nodes
+                if n.target is torch.ops.aten.scaled_dot_product_attention.default)
+    assert sdpa.args[0].meta["val"].shape[-1] == 8 and sdpa.kwargs["attn_mask"] is not None  # left as a mask
+    x = tokens(seed=4)
+    got = g.graph_module.module()(x)
+    assert torch.isfinite(got)
+    torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)

@@ -427,6 +427,24 @@ def _key_only(a: Any, k: fx.Node) -> bool:
     return _equal(shape[-2], 1) and _equal(shape[-1], ks[-2]) and all(_equal(d, 1) or _equal(d, e) for d, e in lead)
 
 
+def _foldable(a: Any, k: fx.Node) -> bool:
+    """A bias per key (`_key_only`) whose computation writes no removing value (finfo.min, -inf): such a value
+    over the scale is -inf in the products' columns, and its low part inf - inf (a NaN), where as a mask term
+    it removes the key."""
+    if not _key_only(a, k):
+        return False
+    todo, seen = [a], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if any(_number(x) and (x <= _MASKED or x != x) for x in pytree.tree_leaves((n.args, n.kwargs))):
+            return False
+        todo += n.all_input_nodes
+    return True
+
+
 def _equal(a: Any, b: Any) -> bool:
     return bool(statically_known_true(a == b))
 
@@ -443,13 +461,13 @@ def _fold_key_bias(emit: _Emit, terms: list[tuple[str, Any, Any, bool]], q: fx.N
     round ALiBi's large negative values by whole logits). Zero columns pad the head dim to a multiple of 8
     (what FlashAttention takes); v gets as many, and the output drops them (the width returned).
     Returns (the terms left, q', k', v', the output's width or None when nothing was folded)."""
-    folded = [(a, b) for kind, a, b, _ in terms if kind == "add" and _key_only(a, k)]
+    folded = [(a, b) for kind, a, b, _ in terms if kind == "add" and _foldable(a, k)]
     if not folded or _rank(q) != 4 or _rank(v) != 4:
         return terms, q, k, v, None
     e, ev = _shape(q)[-1], _shape(v)[-1]
     if not (e.isdigit() and ev == e and _shape(k)[-1] == e):
         return terms, q, k, v, None
-    rest = [t for t in terms if not (t[0] == "add" and _key_only(t[1], k))]
+    rest = [t for t in terms if not (t[0] == "add" and _foldable(t[1], k))]
     bias = None
     for a, b in folded:
         t = a if b == 1 else emit(_aten.mul.Tensor, (a, b))
