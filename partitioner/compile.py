@@ -324,17 +324,6 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
     one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
-    frozen = g.frozen_params
-    if frozen:  # the data-parallel engine shards trainable parameters only (runtime.engines.data_parallel)
-        if decl.zero_stage not in (None, 0):
-            how = " (optimizer_layout='distributed')" if decl.optimizer_layout == "distributed" else ""
-            raise DeclarationError(
-                f"zero_stage={decl.zero_stage}{how}: ZeRO shards every parameter with its gradient and optimizer "
-                f"state, and this model has {len(frozen)} frozen parameter(s) (requires_grad=False: "
-                f"{', '.join(frozen[:3])}), which the data-parallel engine does not shard yet; pin zero_stage=0, "
-                "or make them trainable")
-        forced = {**forced, "zero_stage": 0}
-        decl = dataclasses.replace(decl, zero_stage=0)
     if no_cp or one_replica:
         forced = {**forced, "cp": 1, **({"dp": 1} if one_replica else {})}
         decl = dataclasses.replace(decl, cp=1, **({"dp": 1} if one_replica else {}))
@@ -501,8 +490,8 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
     need, who = least_memory(ctx, cands)
     have = ctx.memory_cap
     hints = []
-    if (decl.zero_stage is None or decl.zero_stage < 3) and not ctx.g.frozen_params:
-        hints.append("ZeRO-3 (zero_stage=3)")  # (not for frozen parameters, which ZeRO does not shard yet)
+    if decl.zero_stage is None or decl.zero_stage < 3:
+        hints.append("ZeRO-3 (zero_stage=3)")
     if decl.recompute != "full":
         hints.append("activation recomputation (recompute='full')")
     elif decl.recompute_blocks not in (None, (1, 1)):
@@ -845,7 +834,9 @@ def _traffic(ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig, cut: Cu
         out[level] = out.get(level, 0.0) + m * sum(ctx.context_bytes(u, mb, cand.tp, cand.cp, cand.cp_kind)
                                                    for u in range(i, j))
     if cand.replicas > 1:
-        dp = _dp_traffic(ctx, cand, ev.dp_ranks(stage_rank(cand.schedule, cand.pp, busiest)), cut.stages[busiest].params,
+        fpar = ev.arrays.fpar  # frozen parameters: never reduced nor gathered (held whole on every replica)
+        trained = max(0.0, cut.stages[busiest].params - (fpar[j] - fpar[i] if fpar else 0.0))
+        dp = _dp_traffic(ctx, cand, ev.dp_ranks(stage_rank(cand.schedule, cand.pp, busiest)), trained,
                          tuple(compression[lv] for lv in LEVELS), ev.stage_low_rank(i, j))
         every = (ctx.async_sgd or {}).get("every", 1)  # local SGD averages the fp32 parameters every k steps
         for level, nbytes in dp.items():

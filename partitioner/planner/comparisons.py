@@ -134,11 +134,8 @@ def hand_baselines(ctx: CostContext, decl: Declarations) -> tuple[Baseline, ...]
     """Pure data parallelism (ZeRO 0), ZeRO-3 only, and Megatron (tp = min(8, devices per node), ZeRO 0
     or 1, the fewest pipeline stages that fit), each at its best microbatch, schedule and recompute."""
     world = ctx.topo.world_size
-    frozen = ctx.g.frozen_params  # the engine shards trainable parameters only
     return (_flat(ctx, decl, "pure data parallel", zero_stage=0),
-            _flat(ctx, decl, "ZeRO-3 only", zero_stage=3) if not frozen else
-            Baseline(name="ZeRO-3 only", config=None, step_time_s=None, peak_memory_bytes=None, fits=False,
-                     note=f"the model has frozen parameters ({frozen[0]}, ...), which ZeRO does not shard"),
+            _flat(ctx, decl, "ZeRO-3 only", zero_stage=3),
             _megatron(ctx, decl, min(8, ctx.topo.devices_per_node)) if world > 1 else
             Baseline(name="Megatron", config=None, step_time_s=None, peak_memory_bytes=None, fits=False,
                      note="one device: no tensor group to form"))
@@ -197,8 +194,7 @@ def _megatron(ctx: CostContext, decl: Declarations, tp: int) -> Baseline:
         if pp > len(ctx.units):
             break
         # Megatron-LM keeps full optimizer state per replica, or shards it (its distributed optimizer: ZeRO-1).
-        most = 0 if ctx.g.frozen_params else 1  # frozen parameters: no ZeRO (hand_baselines)
-        cands = [c for c in _candidates(ctx, _hand(decl, tp=tp, pp=pp)) if c.zero_stage <= most]
+        cands = [c for c in _candidates(ctx, _hand(decl, tp=tp, pp=pp)) if c.zero_stage <= 1]
         if not cands:
             continue
         last = cands

@@ -571,6 +571,8 @@ class CostContext:
                 for p, numel in self._param_local[u]:
                     local = numel / (tp if self._sharded_param(p) else 1) / (ep if p in self._expert_param else 1)
                     owners.setdefault(p, []).append((u, local))
+                    if p in self._frozen:  # held whole outside ZeRO's units: never gathered, no gradient
+                        continue
                     largest[u] = max(largest[u], local)
                     mod = modules[u]
                     mod[p.rpartition(".")[0]] = mod.get(p.rpartition(".")[0], 0.0) + local
@@ -583,7 +585,7 @@ class CostContext:
                 act=tuple(_prefix([x.activation_bytes for x in uc])), par=tuple(_prefix([x.params for x in uc])),
                 work=tuple(x.working_bytes for x in uc), shared=tuple(tuple(owners[p]) for p in shared),
                 shared_in_block=tuple(self._param_block[p] is not None for p in shared),
-                block_par=tuple(in_block), max_param=tuple(largest), rest=tuple(_prefix([x.params - y for x, y in zip(uc, in_block)])),
+                block_par=tuple(in_block), max_param=tuple(largest), rest=tuple(_prefix([x.params - x.frozen_params - y for x, y in zip(uc, in_block)])),
                 biggest=tuple(x.largest_output for x in uc), unit_act=tuple(x.activation_bytes for x in uc),
                 start=tuple(x.stage_start_bytes for x in uc),
                 cp_buffers=tuple(x.context_buffer_bytes for x in uc),

@@ -346,8 +346,10 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
     if m["optimizer"]["type"] != opt_type:
         raise CheckpointError(f"{d}: saved with optimizer {m['optimizer']['type']}, this run uses {opt_type}: "
                               "optimizer state cannot move between optimizer types; use the same optimizer_fn")
-    # Optimizer state is created lazily by torch.optim: create it now so the boxes can be read into it.
-    for h in holders:
+    # Optimizer state is created lazily by torch.optim: create it now so the boxes can be read into it (for the
+    # tensors it steps: a frozen parameter, held whole, has none)
+    stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for h in (h for h in holders if id(h) in stepped):
         st = optimizer.state[h]
         for key in m["optimizer"]["elementwise"]:
             st[key] = torch.zeros_like(h)  # torch.optim's state is in its parameter's dtype (bf16 under pure bf16)
@@ -380,6 +382,8 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
 
     for name in by_name:
         boxes_for(f"model/{name}", name, lambda pc: pc.holder)
+        if any(id(pc.holder) not in stepped for pc in by_name[name]):
+            continue  # frozen: no optimizer state
         for key in m["optimizer"]["elementwise"]:
             boxes_for(f"optim/{key}/{name}", name, lambda pc, key=key: optimizer.state[pc.holder][key])
     module = engine.module

@@ -97,7 +97,7 @@ from runtime.comm.groups import NodeGroups
 from runtime.compression.grad_compression import GradientReducer
 from runtime.device import place_module, rank_device
 from runtime.engines.dp_buckets import Bucket, GradientBuckets
-from runtime.engines.flat import FlatLayout, FlatTensors, grad_key, resolve_units
+from runtime.engines.flat import FlatLayout, FlatTensors, default_units, grad_key, resolve_units
 from runtime.engines.fp8 import convert_linears
 from runtime.engines.mixed_precision import (
     LossScaler,
@@ -162,10 +162,10 @@ class DataParallel(GradientBuckets, ShardedUnits):
         self._alias = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
         self._state_keys = list(model.state_dict().keys())
         trainable = [n for n, p in self._params.items() if p.requires_grad]
-        if zero_stage > 0 and len(trainable) != len(self._params):
-            frozen = [n for n in self._params if n not in trainable]
-            raise ValueError(f"zero_stage={zero_stage} shards every parameter, but {frozen[:3]} are frozen "
-                             f"(requires_grad=False); use zero_stage=0 or unfreeze them")
+        # frozen parameters (requires_grad=False: LoRA's base weights, a fixed position table) have no gradient
+        # to reduce and no state to step: at every stage they stay whole on each replica, outside the flat
+        # buffers and units, in the compute dtype
+        self._frozen = tuple(n for n, p in self._params.items() if not p.requires_grad)
         self._broadcast_state()
 
         self._require_sync = True
@@ -180,12 +180,35 @@ class DataParallel(GradientBuckets, ShardedUnits):
         self._handles = []
         self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._root_post_forward))
+        if zero_stage > 0:
+            with torch.no_grad():
+                for n in self._frozen:
+                    if self._params[n].is_floating_point():
+                        self._params[n].data = self._params[n].data.to(self._dtype)
         if zero_stage == 3:
-            self._build_sharded(resolve_units(model, units), unit_modules, deferred=unit_granularity == "module")
+            units, unit_modules = self._trainable_units(units if units is not None else default_units(model),
+                                                        unit_modules)
+            self._build_sharded(resolve_units(model, units, skip=frozenset(self._frozen)), unit_modules,
+                                deferred=unit_granularity == "module")
         else:
             self._build_replicated(trainable, bucket_bytes)
 
     # ---- construction ---------------------------------------------------------------------
+    def _trainable_units(self, units: Sequence[Sequence[str]], unit_modules: Sequence[str] | None
+                         ) -> tuple[tuple[tuple[str, ...], ...], Sequence[str] | None]:
+        """ZeRO-3's units (names or aliases) without the frozen parameters (held whole, never gathered: a stage
+        that reads one in two places names it in two units); a unit left empty goes, with the module named to
+        gather it."""
+        frozen = set(self._frozen)
+        if not frozen:
+            return tuple(tuple(u) for u in units), unit_modules
+        kept = [tuple(n for n in u if self._alias.get(n, n) not in frozen) for u in units]
+        keep = [i for i, u in enumerate(kept) if u]
+        out = tuple(kept[i] for i in keep)
+        if unit_modules is not None and len(unit_modules) == len(units):
+            unit_modules = [unit_modules[i] for i in keep]
+        return out, unit_modules
+
     @torch.no_grad()
     def _broadcast_state(self) -> None:
         """All replicas start from the group's first rank's parameters and buffers (DDP does the same)."""
@@ -389,6 +412,8 @@ class DataParallel(GradientBuckets, ShardedUnits):
                 full = torch.empty(f.layout.padded_numel, dtype=self._master, device=f.shard.device)
                 self.collectives.all_gather(full, f.shard.detach(), self.group)
                 values.update(zip(f.layout.names, f.layout.views(full.float())))
+            for n in self._frozen:  # whole on every replica
+                values[n] = self._params[n].detach().float().clone()
         if self.rank != 0:
             return None
         return {k: values[self._alias[k]] if k in self._alias else self.module.get_buffer(k).detach().clone()
@@ -396,7 +421,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
 
     def master_pieces(self) -> list[tuple[torch.Tensor, tuple[tuple[str, tuple[int, ...], int, int, int], ...]]]:
         """What a checkpoint saves and loads: each tensor holding this rank's authoritative parameter values
-        (what the optimizer steps: fp32 masters or flat shards; frozen parameters at stage 0 too), with the
+        (what the optimizer steps: fp32 masters or flat shards; frozen parameters, whole, too), with the
         (name, parameter shape, start, stop, offset) ranges it holds: elements [start, stop) of the named
         parameter's flattening live at [offset, offset + stop - start) of the tensor's flattening."""
         if self.zero_stage > 0:
@@ -406,7 +431,8 @@ class DataParallel(GradientBuckets, ShardedUnits):
                 shape, off = dict(zip(f.layout.names, f.layout.shapes)), dict(zip(f.layout.names, f.layout.offsets))
                 out.append((f.shard, tuple((n, shape[n], a, b, off[n] + a - lo)
                                            for n, a, b in f.layout.owned_pieces(self.rank))))
-            return out
+            return out + [(p, ((n, tuple(p.shape), 0, p.numel(), 0),))
+                          for n, p in ((n, self._params[n]) for n in self._frozen)]
         return [(self._masters.get(n, p), ((n, tuple(p.shape), 0, p.numel(), 0),)) for n, p in self._params.items()]
 
     def state_keys(self) -> dict[str, str]:

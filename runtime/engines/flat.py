@@ -170,10 +170,12 @@ def default_units(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(u) for u in [rest, *units] if u)
 
 
-def resolve_units(model: nn.Module, units: Sequence[Sequence[str]] | None) -> tuple[tuple[str, ...], ...]:
+def resolve_units(model: nn.Module, units: Sequence[Sequence[str]] | None,
+                  skip: frozenset[str] = frozenset()) -> tuple[tuple[str, ...], ...]:
     """Validate caller-given units (any alias of a tied parameter may be used),
     map names to first names, and collect parameters no unit names into a last
-    unit. ValueError on unknown names or a parameter in two units."""
+    unit, except those in `skip` (first names: frozen parameters, held outside the units). ValueError on
+    unknown names or a parameter in two units."""
     if units is None:
         return default_units(model)
     first_name = {id(p): n for n, p in model.named_parameters()}
@@ -194,7 +196,7 @@ def resolve_units(model: nn.Module, units: Sequence[Sequence[str]] | None) -> tu
             names.append(n)
         if names:
             out.append(tuple(names))
-    rest = tuple(n for n in first_name.values() if n not in seen)
+    rest = tuple(n for n in first_name.values() if n not in seen and n not in skip)
     return tuple(out) + ((rest,) if rest else ())
 
 

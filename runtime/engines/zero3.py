@@ -152,8 +152,10 @@ class ShardedUnits:
                 self._handles.append(mod.register_forward_pre_hook(functools.partial(self._use, u)))
             self._handles.append(module.register_forward_hook(functools.partial(self._after_forward, u)))
         # The unsharded originals are no longer the model's (their shards are): keeping them here would
-        # hold every parameter whole on every rank, ZeRO-3's saving undone. Shapes are all that is left.
-        self._params = {n: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        # hold every parameter whole on every rank, ZeRO-3's saving undone. Shapes are all that is left
+        # (frozen parameters stay: the model reads them as they are).
+        self._params = {n: p if n in self._frozen else
+                        nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
                         for n, p in self._params.items()}
 
     def _gather(self, u: Unit, *, async_op: bool) -> None:
