@@ -14,7 +14,7 @@ import torch
 
 from examples.hf_families import from_config
 from examples.training import adamw, hf_loss, train_one_process
-from partitioner import DeclarationError, compile, trace
+from partitioner import compile, trace
 from ranks import assert_trains_like
 from runtime import launch_local
 
