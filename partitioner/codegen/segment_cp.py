@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from partitioner.planner.model_code import SegmentError, describe
 
@@ -91,8 +92,13 @@ class ContextParallelRewrite:
     hold the whole-length and this rank's copies of shape-only values."""
 
     def _seq_dims(self, val: Any) -> list[int]:
+        """The dims of `val` as long as the sequence: its size symbol, or a size the trace's shape environment
+        proves equal to it (MPT slices its ALiBi bias to `64 - Max(0, 64 - s)`, s for every traced length)."""
         shape = getattr(val, "shape", ())
-        return [d for d, s in enumerate(shape) if str(s) in self.seq_syms]
+        lengths = [v.shape[1] for n in self.src.inputs for v in [n.meta.get("val")]
+                   if isinstance(v, torch.Tensor) and v.dim() >= 2 and str(v.shape[1]) in self.seq_syms]
+        return [d for d, s in enumerate(shape) if str(s) in self.seq_syms or
+                (isinstance(s, torch.SymInt) and any(statically_known_true(s == n) for n in lengths))]
 
     def positional(self, n: fx.Node) -> bool:
         """Whether `n` is a tensor computed from shapes alone (read at this rank's positions under cp)."""
