@@ -107,10 +107,10 @@ def test_a_rewritten_block_keeps_bytes_linear_in_s(family):
 @pytest.mark.parametrize("family", ["bloom", "mpt"])
 def test_an_alibi_bias_is_folded_into_the_products(family):
     """ALiBi is a bias per head and key, the same for every query: the rewrite folds it into the products (q takes
-    two columns of ones, k the bias over the scale in two parts, both padded with zeros to a multiple of 8 columns,
-    v too), so the fused op is left with the causal mask alone, which it runs as its causal path: a block keeps no
-    s x s bytes (the eager one keeps at least the fp32 probabilities and their copy, 4 heads), and the products
-    are costed at half."""
+    two columns of a power of two near 1 / scale, k the bias over both in two parts, padded with zeros to a
+    multiple of 8 columns, v too), so the fused op is left with the causal mask alone, which it runs as its causal
+    path: a block keeps no s x s bytes (the eager one keeps at least the fp32 probabilities and their copy, 4
+    heads), and the products are costed at half."""
     g = graph(family)
     assert _s_squared(g) == 0 and _s_squared(g, b=2) == 0
     assert _s_squared(graph(family, rewrite=False)) >= 2 * 4 * 4
@@ -123,15 +123,16 @@ def test_an_alibi_bias_is_folded_into_the_products(family):
     assert [n.cost.causal for n in g.nodes if n.op == "scaled_dot_product_attention"] == [True] * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["bloom", "mpt"])
-def test_the_folded_bias_runs_in_bf16_as_close_as_eager(family):
-    """The generated code in bf16 (its casts follow the parameters' dtype): the extra columns take the queries'
-    dtype, and the bias keeps its two parts, so the logits are as close to fp32 as the eager model's in bf16."""
+def test_the_folded_bias_runs_in_16_bits_as_close_as_eager(family, dtype):
+    """The generated code in bf16 or fp16 (its casts follow the parameters' dtype): the extra columns take the
+    queries' dtype, and the bias keeps its two parts, so the logits are as close to fp32 as the eager model's."""
     plan = compile(graph(family), "local:2", global_batch_size=8, precision="fp32", pp=1, tp=1, dp=2)
     x = tokens(seed=5, seq=64)
     want = FAMILIES[family](4)(x).logits
-    eager = FAMILIES[family](4).to(torch.bfloat16)(x).logits.float()
-    model = FAMILIES[family](4).to(torch.bfloat16)
+    eager = FAMILIES[family](4).to(dtype)(x).logits.float()
+    model = FAMILIES[family](4).to(dtype)
     plan.program(0).namespace()["make_stage"](model, None).run_as_model()
     got = model(x).logits.float()
     assert (got - want).abs().max() <= 1.5 * (eager - want).abs().max() + 1e-3

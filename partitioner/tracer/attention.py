@@ -14,8 +14,9 @@ the same math (softmax(q k^T * scale + mask) v), computed by a kernel that keeps
 
 An additive term that is a bias per key, the same for every query (ALiBi: a slope per head times the key's
 position, MPT's and BLOOM's), is folded into the products (`_fold_key_bias`): q and k take two more columns
-(ones, and the bias over the scale split in two parts), padded with zeros to a multiple of 8, so the fused
-op needs no s x s tensor for it (FlashAttention's ALiBi does the same inside its kernel). A term that is 0
+(a power of two near 1 / scale, and the bias over both split in two parts), padded with zeros to a multiple
+of 8, so the fused op needs no s x s tensor for it (FlashAttention's ALiBi does the same inside its kernel). A
+term that is 0
 where a condition holds and a removing value elsewhere (BLOOM's `where(keep, 0, finfo.min)`) is that
 condition (`_as_removal`). What is left is the mask: the terms gathered into one tensor in their broadcast
 shape (a boolean keep-mask when the only term is a masked_fill / where with a value that removes the
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -454,12 +456,14 @@ def _fold_key_bias(emit: _Emit, terms: list[tuple[str, Any, Any, bool]], q: fx.N
     """Fold the additive terms that are a bias per key (`_key_only`: ALiBi) into the products themselves, so the
     fused op takes no s x s mask for them (a causal mask left alone runs as the kernel's causal path):
 
-        q' = [q, 1, 1, 0...]   k' = [k, hi, lo, 0...]   v' = [v, 0...]    with hi + lo = bias / scale
+        q' = [q, p, p, 0...]   k' = [k, hi, lo, 0...]   v' = [v, 0...]    with hi + lo = bias / (scale p)
 
-    so q' k'^T * scale = q k^T * scale + bias, exactly where hi and lo hold bias / scale (hi in the queries'
+    so q' k'^T * scale = q k^T * scale + bias, exactly where hi and lo hold bias / (scale p) (hi in the queries'
     dtype, lo the rest of it: bf16 queries keep the bias to ~2^-16 of its size, where one bf16 column would
-    round ALiBi's large negative values by whole logits). Zero columns pad the head dim to a multiple of 8
-    (what FlashAttention takes); v gets as many, and the output drops them (the width returned).
+    round ALiBi's large negative values by whole logits). p is the power of two nearest 1 / scale, exact in
+    every dtype, so k's columns are as large as the bias itself within a factor of sqrt 2 (bias / scale would
+    overflow fp16 at a few thousand tokens: ALiBi reaches slope x length). Zero columns pad the head dim to a
+    multiple of 8 (what FlashAttention takes); v gets as many, and the output drops them (the width returned).
     Returns (the terms left, q', k', v', the output's width or None when nothing was folded)."""
     folded = [(a, b) for kind, a, b, _ in terms if kind == "add" and _foldable(a, k)]
     if not folded or _rank(q) != 4 or _rank(v) != 4:
@@ -473,7 +477,8 @@ def _fold_key_bias(emit: _Emit, terms: list[tuple[str, Any, Any, bool]], q: fx.N
         t = a if b == 1 else emit(_aten.mul.Tensor, (a, b))
         bias = t if bias is None else emit(_aten.add.Tensor, (bias, t))
     dtype = q.meta["val"].dtype
-    col = emit(_aten.mul.Tensor, (emit(_aten.transpose.int, (bias, -2, -1)), 1.0 / scale))  # (.., s, 1)
+    p = 2.0 ** round(math.log2(1.0 / scale))
+    col = emit(_aten.mul.Tensor, (emit(_aten.transpose.int, (bias, -2, -1)), 1.0 / (scale * p)))  # (.., s, 1)
     # broadcast to k's (b, h, s, 1) by adding it to zeros of that shape, not by an expand: under tensor
     # parallelism k holds this rank's heads, and the split analysis reads the bias's chunk of heads off the add
     col = emit(_aten.add.Tensor, (emit(_aten.full_like.default, (emit(_aten.slice.Tensor, (k, -1, 0, 1)), 0.0)), col))
@@ -495,7 +500,7 @@ def _fold_key_bias(emit: _Emit, terms: list[tuple[str, Any, Any, bool]], q: fx.N
         fill = columns(value, 2) if value else []
         return emit(_aten.cat.default, ([x, *cols, *fill, *columns(0.0, pad + 2 - 2 * len(fill) - len(cols))], -1))
 
-    return rest, wider(q, [], 1.0), wider(k, [hi, lo]), wider(v, []), int(e)
+    return rest, wider(q, [], p), wider(k, [hi, lo]), wider(v, []), int(e)
 
 
 def _mask(emit: _Emit, terms: list[tuple[str, Any, Any, bool]], dtype: torch.dtype) -> fx.Node | None:
