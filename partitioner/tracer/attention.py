@@ -15,10 +15,9 @@ the same math (softmax(q k^T * scale + mask) v), computed by a kernel that keeps
 An additive term that is a bias per key, the same for every query (ALiBi: a slope per head times the key's
 position, MPT's and BLOOM's), is folded into the products (`_fold_key_bias`): q and k take two more columns
 (a power of two near 1 / scale, and the bias over both split in two parts), padded with zeros to a multiple
-of 8, so the fused op needs no s x s tensor for it (FlashAttention's ALiBi does the same inside its kernel). A
-term that is 0
-where a condition holds and a removing value elsewhere (BLOOM's `where(keep, 0, finfo.min)`) is that
-condition (`_as_removal`). What is left is the mask: the terms gathered into one tensor in their broadcast
+of 8, so the fused op needs no s x s tensor for it (FlashAttention's ALiBi does the same inside its kernel).
+A term that is 0 where a condition holds and a removing value elsewhere (BLOOM's `where(keep, 0, finfo.min)`)
+is that condition (`_as_removal`). What is left is the mask: the terms gathered into one tensor in their broadcast
 shape (a boolean keep-mask when the only term is a masked_fill / where with a value that removes the
 position); it is computed inside the region and saved by the fused kernel, so the cost rule counts it. It
 is made at the shape its inputs have before they are expanded over the batch (`_unbroadcast_masks`): the
