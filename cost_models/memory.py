@@ -21,7 +21,7 @@ __all__ = [
     "PRECISIONS", "OPTIMIZERS", "ZERO_STAGES", "RECOMPUTE_POLICIES", "SCHEDULES",
     "DDP_BUCKET_BYTES", "SELECTIVE_KEEPS", "ModelStateBytes", "model_state_bytes",
     "transformer_activation_bytes", "inflight_microbatches", "chunk_inflight", "chunk_live",
-    "TemporaryBytes", "temporary_buffer_bytes", "process_fixed_bytes",
+    "TemporaryBytes", "temporary_buffer_bytes", "process_fixed_bytes", "ALLOCATOR_SLACK", "allocator_slack",
 ]
 
 OPTIMIZERS = ("adam", "sgd", "sgd-momentum")  # the optimizer state a parameter carries (see _BYTES)
@@ -149,6 +149,26 @@ def transformer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
         return 2 * sbh / (t if sequence_parallel else 1)
     rest = 34 / t if sequence_parallel else 10 + 24 / t
     return sbh * (rest + (attention if recompute == "none" else 0.0))
+
+
+# --- the caching allocator ----------------------------------------------------
+# Device memory torch's caching allocator reserves over what the step's tensors take at its peak (reserved /
+# allocated), by recompute mode, with expandable segments (which the runtime turns on for CUDA ranks:
+# runtime.device.placement). Measured by bench/gpu_memory.py on an H200 (docs/benchmarks.md): 1.020-1.028
+# without recomputation, 1.120 with full recomputation (its many short-lived buffers of varying sizes); taken
+# with some margin. Where max_memory_fraction is not pinned, a plan fits when its predicted peak times this
+# slack fits in the device's memory.
+ALLOCATOR_SLACK = {"none": 1.05, "selective": 1.05, "full": 1.12}
+
+
+def allocator_slack(recompute: str) -> float:
+    """ALLOCATOR_SLACK of a recompute mode.
+
+    >>> allocator_slack("none"), allocator_slack("full")
+    (1.05, 1.12)
+    """
+    _choice("recompute", recompute, RECOMPUTE_POLICIES)
+    return ALLOCATOR_SLACK[recompute]
 
 
 # --- fixed per process -------------------------------------------------------

@@ -118,7 +118,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             schedule: str | None = None, interleave: int | None = None, recompute: str | None = None,
             recompute_blocks: tuple[int, int] | str | None = None, sp: bool | None = None, cp: int | None = None,
             cp_kind: str | None = None, ep: int | None = None,
-            zero3_unit: str | None = None, max_memory_fraction: float = 0.9, clip_grad_norm: float | None = None,
+            zero3_unit: str | None = None, max_memory_fraction: float | None = None, clip_grad_norm: float | None = None,
             calibration: Calibration | str | os.PathLike | None = None,
             cut_granularity: str = "block", alternatives: int = 5,
             compression: str | dict[str, str] | None = None, compression_warmup: int = 0,
@@ -333,7 +333,9 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
 
     def context(compression: dict[str, str], async_sgd: dict[str, int] | None = None) -> CostContext:
         return CostContext(g, topo, splits, precision=decl.precision, optimizer=decl.optimizer,
-                           seq_len=g.traced_seq_len, memory_cap=decl.max_memory_fraction * topo.device.memory_bytes,
+                           seq_len=g.traced_seq_len,
+                           memory_cap=(decl.max_memory_fraction or 1.0) * topo.device.memory_bytes,
+                           allocator_slack=decl.max_memory_fraction is None,
                            calibration=opts.calibration, granularity=opts.cut_granularity, compression=compression,
                            async_sgd=async_sgd, experts=experts)
 
@@ -398,7 +400,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     if decl.recompute is None:  # pinned "full" recomputes every block, as Megatron's --recompute-granularity full
         result = recompute_part(ctx, result, bounds=bounds)
     best = result.ranked[0]
-    rejected = over_memory_alternatives(best, result.over_memory, ctx.memory_cap)
+    rejected = over_memory_alternatives(best, result.over_memory, ctx.cap)
     if opts.alternatives > 0:
         free_ctx = context({}) if reduction else sync_ctx
         rejected += tuple(x for x in [pinned_out(free_ctx, decl, best, valid_tp=valid_tp, forced=forced)] if x)
@@ -488,7 +490,13 @@ def _refuse_compression(ctx: CostContext, allowed: list[ParallelConfig], decl: D
 
 def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declarations, topo: Topology) -> None:
     need, who = least_memory(ctx, cands)
-    have = ctx.memory_cap
+    mode = who.recompute if who is not None else "none"
+    have = ctx.cap(mode)
+    if decl.max_memory_fraction is None:
+        allowed = (f"{topo.device.memory_bytes / 2**30:.0f} GiB over the caching allocator's "
+                   f"{ctx.slack(mode):g} at recompute={mode!r}")
+    else:
+        allowed = f"{decl.max_memory_fraction:g} of {topo.device.memory_bytes / 2**30:.0f} GiB"
     hints = []
     if decl.zero_stage is None or decl.zero_stage < 3:
         hints.append("ZeRO-3 (zero_stage=3)")
@@ -508,7 +516,7 @@ def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declaration
     raise PlanInfeasibleError(
         f"no plan fits: the least memory per rank any candidate needs is {need / 2**30:.1f} GiB "
         f"({who}), but {topo.device.name} offers {have / 2**30:.1f} GiB "
-        f"({decl.max_memory_fraction:g} of {topo.device.memory_bytes / 2**30:.0f} GiB); try {', or '.join(hints)}")
+        f"({allowed}); try {', or '.join(hints)}")
 
 
 def _mesh(c: ParallelConfig, topo: Topology) -> tuple[MeshCoord, ...]:

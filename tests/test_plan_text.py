@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from cost_models.memory import allocator_slack
 from examples import gpt as gpt_mod
 from partitioner import OpGraph, Plan, compile, trace
 from partitioner.show.text import WIDTH
@@ -107,12 +109,12 @@ def test_faster_configurations_that_do_not_fit_are_runners_up(xl):
     plan = compile(xl, "8xA100-40GB", global_batch_size=256)
     over = [a for a in plan.rejected if not a.fits]
     assert over, "gpt2_xl on 40 GB devices: a larger microbatch would be faster but does not fit"
-    cap = 0.9 * 40 * 2**30
-    for a in over:
+    for a in over:  # the device less the caching allocator's slack for the candidate's recompute mode
+        cap = 40 * 2**30 / allocator_slack(a.config.recompute)
         assert a.peak_memory_bytes > cap and a.step_time_s < plan.predicted.search_step_time_s
         assert a.why.startswith(f"out of memory by {(a.peak_memory_bytes - cap) / 2**30:.1f} GiB")
     text = flat(plan.explain())
-    assert "out of memory by" in text and "GiB per rank of the 36.0 GiB allowed" in text
+    assert "out of memory by" in text and re.search(r"GiB per rank of the (38\.1|35\.7) GiB allowed", text)
     assert "~: a balanced cut" in str(plan)
     assert not any(a.why.startswith("violates") for a in plan.rejected)  # nothing pinned
     assert Plan.from_json(plan.to_json()) == plan

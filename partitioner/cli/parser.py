@@ -98,7 +98,9 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="the programs run their model code under torch.compile, each block on its own, with BACKEND "
                         "(default when given: inductor; e.g. aot_eager)")
-    p.add_argument("--max-memory-fraction", type=float, default=0.9, help="usable share of device memory (default 0.9)")
+    p.add_argument("--max-memory-fraction", type=float, default=None,
+                   help="usable share of device memory (default: all of it, less the caching allocator's slack for "
+                        "the plan's recompute mode)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="the cost models' factors: a JSON from `partitioner probe` or autotune's --calibration-out "
                         "(default: the device's literature defaults)")

@@ -74,11 +74,12 @@ def _faster(best: Scored, other: Scored) -> str:
     return f"{100 * (1 - other.cut.step_time_s / best.cut.step_time_s):.1f} % faster"
 
 
-def over_memory_alternatives(best: Scored, found: tuple[Scored, ...], cap: float) -> tuple[Alternative, ...]:
-    """`SearchResult.over_memory` as runners-up: how much faster each would be, and how far over `cap`."""
+def over_memory_alternatives(best: Scored, found: tuple[Scored, ...], cap_of: Any) -> tuple[Alternative, ...]:
+    """`SearchResult.over_memory` as runners-up: how much faster each would be, and how far over the peak its
+    recompute mode may reach (`cap_of(recompute)`, CostContext.cap)."""
     out = []
     for s in found:
-        peak = rank_peak(s.cut, s.cand.pp)
+        peak, cap = rank_peak(s.cut, s.cand.pp), cap_of(s.cand.recompute)
         out.append(Alternative(
             config=s.cand, step_time_s=s.cut.step_time_s, peak_memory_bytes=peak, fits=False,
             why=f"out of memory by {(peak - cap) / GiB:.1f} GiB ({_faster(best, s)} by a balanced cut; needs "
@@ -163,7 +164,8 @@ def _fitted(ctx: CostContext, name: str, s: Scored, note: str = "") -> Baseline:
 def _unfit(ctx: CostContext, name: str, cands: list[ParallelConfig], note: str = "") -> Baseline:
     need, who = least_memory(ctx, cands, NO_COMPRESSION)
     return Baseline(name=name, config=who, step_time_s=None, peak_memory_bytes=need, fits=False,
-                    note=f"{note}needs {need / GiB:.1f} GiB per rank of the {ctx.memory_cap / GiB:.1f} GiB allowed")
+                    note=f"{note}needs {need / GiB:.1f} GiB per rank of the "
+                         f"{ctx.cap(who.recompute if who else 'none') / GiB:.1f} GiB allowed")
 
 
 def _flat(ctx: CostContext, decl: Declarations, name: str, *, zero_stage: int) -> Baseline:

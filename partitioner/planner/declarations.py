@@ -84,7 +84,9 @@ class Declarations:
     # only where the program runs the module's own forward (pp = tp = cp = 1, no attention rewritten), whose
     # module hooks gather each unit.
     zero3_unit: str | None = None
-    max_memory_fraction: float = 0.9
+    # usable share of device memory; None: all of it, a plan's predicted peak times the caching allocator's slack
+    # for its recompute mode (cost_models.memory.ALLOCATOR_SLACK) held against it
+    max_memory_fraction: float | None = None
     # link level -> compressor of the data-parallel gradient reduction, for the levels pinned
     # (from `compression_pins`); levels absent are the planner's choice
     compression: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -522,8 +524,9 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
                                            or d.recompute != "full"):
         raise DeclarationError(f"recompute_blocks={d.recompute_blocks!r} with recompute={d.recompute!r}: must be "
                                "(k, n) with 1 <= k < n (Declarations.declare reads 'k/n'), with recompute='full'")
-    if isinstance(d.max_memory_fraction, bool) or not isinstance(d.max_memory_fraction, (int, float)) \
-            or not 0 < d.max_memory_fraction <= 1:
+    if d.max_memory_fraction is not None and (
+            isinstance(d.max_memory_fraction, bool) or not isinstance(d.max_memory_fraction, (int, float))
+            or not 0 < d.max_memory_fraction <= 1):
         raise DeclarationError(f"max_memory_fraction={d.max_memory_fraction!r}: must be in (0, 1], e.g. 0.9")
 
     squeezed = sorted({c for c in d.compression.values() if c != "none"})

@@ -316,7 +316,7 @@ def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, l
             break
         tries[shape] = tries.get(shape, 0) + 1
         cut = _balanced_cut(ev)
-        if cut is not None and cut.step_time_s < beat and rank_peak(cut, cand.pp, cand.schedule) > ctx.memory_cap:
+        if cut is not None and cut.step_time_s < beat and rank_peak(cut, cand.pp, cand.schedule) > ctx.cap(cand.recompute):
             found[shape] = Scored(cand=cand, cut=cut, compression=cut.stages[0].compression)
     return tuple(found.values())
 
@@ -352,7 +352,7 @@ def rank_peak(cut: Cut, pp: int, schedule: str = "1f1b") -> float:
 
 def _cut_loose(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:
     """The best cut with each virtual stage's memory checked alone and each rank's sum on whole cuts."""
-    pp, cap, schedule = ev.cand.pp, ctx.memory_cap, ev.cand.schedule
+    pp, cap, schedule = ev.cand.pp, ctx.cap(ev.cand.recompute), ev.cand.schedule
     loose = StageEvaluator(ctx, ev.cand, ev.options[0] if len(ev.options) == 1 else None, chunk_alone=True)
     return _one_compression(ctx, loose, incumbent=incumbent, accept=lambda c: rank_peak(c, pp, schedule) <= cap)
 
@@ -373,14 +373,16 @@ def _one_compression(ctx: CostContext, ev, *, incumbent: float, accept=None) -> 
 
 def least_memory(ctx: CostContext, candidates: list[ParallelConfig],
                  compression: tuple[str, str] | None = None) -> tuple[float, ParallelConfig | None]:
-    """The smallest peak memory per rank of any candidate's balanced cut (for the infeasible error)."""
+    """The smallest peak memory per rank of any candidate's balanced cut (for the infeasible error), with the
+    allocator's slack for its recompute mode where that counts (CostContext.slack): the candidate nearest to
+    fitting."""
     best, who = math.inf, None
     for cand in candidates:
         cut = _balanced_cut(StageEvaluator(ctx, cand, compression))
         if cut is None:
             continue
         peak = rank_peak(cut, cand.pp, cand.schedule)
-        if peak < best:
+        if who is None or peak * ctx.slack(cand.recompute) < best * ctx.slack(who.recompute):
             best, who = peak, cand
     return best, who
 

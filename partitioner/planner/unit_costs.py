@@ -28,9 +28,7 @@ from cost_models.compression import (
 )
 from cost_models.compute import RooflineCompute, dtype_for
 from cost_models.fp8 import FP8_GEMM_OPS, FP8_PRECISIONS, cast_bytes, check_fp8, gemm_dtype
-from cost_models.memory import (
-    SELECTIVE_KEEPS,
-)
+from cost_models.memory import SELECTIVE_KEEPS, allocator_slack
 from cost_models.mesh import Mesh
 from cost_models.placements import is_sharded
 from cost_models.powersgd import LowRank, low_rank
@@ -99,9 +97,12 @@ class CostContext:
     def __init__(self, g: OpGraph, topo: Topology, splits: TensorSplits, *, precision: str, optimizer: str,
                  seq_len: int | None, memory_cap: float, calibration: Calibration | None = None,
                  granularity: str = "block", compression: dict[str, str] | None = None,
-                 async_sgd: dict[str, int] | None = None, experts: Experts | None = None):
+                 async_sgd: dict[str, int] | None = None, experts: Experts | None = None,
+                 allocator_slack: bool = False):
         """experts: the graph's MoE layers as compile() found them (with why they cannot be divided, where it
-        found that out); default: expert_split.experts_of(g)."""
+        found that out); default: expert_split.experts_of(g). allocator_slack: a plan fits when its peak times the
+        caching allocator's slack for its recompute mode (cost_models.memory.ALLOCATOR_SLACK) is within
+        memory_cap (compile(): where max_memory_fraction is not pinned); else when its peak is."""
         self.g, self.topo, self.splits = g, topo, splits
         self.async_sgd = dict(async_sgd) if async_sgd else None  # {"every": k} or {"staleness": s}
         self.compression_pins = dict(compression or {})  # level -> compressor the user pinned
@@ -109,6 +110,7 @@ class CostContext:
         self.optimizer = "adam" if optimizer == "adamw" else optimizer  # same state: m and v
         self.seq = seq_len or 1
         self.memory_cap = memory_cap
+        self.allocator_slack = allocator_slack
         self.cal = calibration or Calibration.for_device(topo.device.name)
         self.compute = RooflineCompute(device=topo.device, dtype=dtype_for(precision), calibration=self.cal)
         check_fp8(precision, topo.device, emulated=topo.local or topo.device.name == "CPU")
@@ -287,6 +289,16 @@ class CostContext:
         sequence parallelism, which cuts the hidden state at every cut over the tensor group; `cp`: the
         context degree, whose ranks each send their own tokens."""
         return local(self._boundary[u], mb, self.seq, cp) * self.scale / split
+
+    def slack(self, recompute: str) -> float:
+        """What a plan of that recompute mode's predicted peak is multiplied by before it is held against
+        memory_cap: the caching allocator's slack (cost_models.memory.allocator_slack), or 1 where the memory
+        fraction was pinned."""
+        return allocator_slack(recompute) if self.allocator_slack else 1.0
+
+    def cap(self, recompute: str) -> float:
+        """The predicted peak a plan of that recompute mode may reach."""
+        return self.memory_cap / self.slack(recompute)
 
     # ---- per unit ----------------------------------------------------------
     def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,

@@ -84,6 +84,7 @@ from typing import Any, TextIO
 from cost_models.calibration import Calibration
 from cost_models.errors import DeclarationError, PartitionerError
 from cost_models.fit import MEMORY_FACTORS, fit_memory, fit_step_times, leave_one_out
+from cost_models.memory import allocator_slack
 from cost_models.topology import Topology
 from partitioner.compile import PlanInfeasibleError, compile
 from partitioner.planner.plan import MemoryBreakdown, ParallelConfig, Plan
@@ -461,7 +462,9 @@ class _Tuner:
         from runtime.run import default_optimizer
 
         n = self.warmup + 1 + self.steps
-        limit = plan.predicted.memory_capacity_bytes * self.compile_kwargs.get("max_memory_fraction", 0.9)
+        fraction = self.compile_kwargs.get("max_memory_fraction")  # None: the caching allocator's slack
+        limit = plan.predicted.memory_capacity_bytes * fraction if fraction is not None else \
+            plan.predicted.memory_capacity_bytes / allocator_slack(plan.config.recompute)
         base = Trial(config=config, compression=comp, status="ok", predicted_step_s=predicted,
                      predicted_peak_bytes=peaks, round=round_, stage_bounds=list(plan.stage_bounds))
         if self.cluster is not None:

@@ -23,6 +23,7 @@ runtime.device.placement.DeviceError: device cuda:99 was asked for, but this mac
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -79,6 +80,10 @@ def set_rank_device(device: str | torch.device) -> torch.device:
     global _device
     dev = check_device(device)
     if dev.type == "cuda":
+        # expandable segments unless the user configured the allocator: the planner's allocator slack
+        # (cost_models.memory.ALLOCATOR_SLACK) was measured with them (torchtitan's launcher sets them too)
+        if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         torch.cuda.set_device(dev)
     _device = dev
     return dev
