@@ -161,14 +161,19 @@ def transformer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
 ALLOCATOR_SLACK = {"none": 1.05, "selective": 1.05, "full": 1.12}
 
 
-def allocator_slack(recompute: str) -> float:
-    """ALLOCATOR_SLACK of a recompute mode.
+def allocator_slack(recompute: str, blocks: tuple[int, int] = (1, 1)) -> float:
+    """ALLOCATOR_SLACK of a recompute mode; full recomputation of k of every n blocks (recompute_blocks) takes
+    k / n of the way from none's to full's, the short-lived buffers of recomputation coming from the blocks
+    recomputed.
 
-    >>> allocator_slack("none"), allocator_slack("full")
-    (1.05, 1.12)
+    >>> allocator_slack("none"), allocator_slack("full"), round(allocator_slack("full", (1, 2)), 3)
+    (1.05, 1.12, 1.085)
     """
     _choice("recompute", recompute, RECOMPUTE_POLICIES)
-    return ALLOCATOR_SLACK[recompute]
+    if recompute != "full":
+        return ALLOCATOR_SLACK[recompute]
+    k, n = blocks
+    return ALLOCATOR_SLACK["none"] + (ALLOCATOR_SLACK["full"] - ALLOCATOR_SLACK["none"]) * k / n
 
 
 # --- fixed per process -------------------------------------------------------

@@ -490,11 +490,10 @@ def _refuse_compression(ctx: CostContext, allowed: list[ParallelConfig], decl: D
 
 def _infeasible(ctx: CostContext, cands: list[ParallelConfig], decl: Declarations, topo: Topology) -> None:
     need, who = least_memory(ctx, cands)
-    mode = who.recompute if who is not None else "none"
-    have = ctx.cap(mode)
+    have = ctx.cap(who)
     if decl.max_memory_fraction is None:
-        allowed = (f"{topo.device.memory_bytes / 2**30:.0f} GiB over the caching allocator's "
-                   f"{ctx.slack(mode):g} at recompute={mode!r}")
+        allowed = (f"{topo.device.memory_bytes / 2**30:.0f} GiB over the caching allocator's {ctx.slack(who):.3g} "
+                   f"at recompute={who.recompute_text if who is not None else 'none'}")
     else:
         allowed = f"{decl.max_memory_fraction:g} of {topo.device.memory_bytes / 2**30:.0f} GiB"
     hints = []

@@ -110,11 +110,11 @@ def test_faster_configurations_that_do_not_fit_are_runners_up(xl):
     over = [a for a in plan.rejected if not a.fits]
     assert over, "gpt2_xl on 40 GB devices: a larger microbatch would be faster but does not fit"
     for a in over:  # the device less the caching allocator's slack for the candidate's recompute mode
-        cap = 40 * 2**30 / allocator_slack(a.config.recompute)
+        cap = 40 * 2**30 / allocator_slack(a.config.recompute, a.config.recompute_blocks)
         assert a.peak_memory_bytes > cap and a.step_time_s < plan.predicted.search_step_time_s
         assert a.why.startswith(f"out of memory by {(a.peak_memory_bytes - cap) / 2**30:.1f} GiB")
     text = flat(plan.explain())
-    assert "out of memory by" in text and re.search(r"GiB per rank of the (38\.1|35\.7) GiB allowed", text)
+    assert "out of memory by" in text and re.search(r"GiB per rank of the \d+\.\d GiB allowed", text)
     assert "~: a balanced cut" in str(plan)
     assert not any(a.why.startswith("violates") for a in plan.rejected)  # nothing pinned
     assert Plan.from_json(plan.to_json()) == plan

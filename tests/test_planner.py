@@ -288,7 +288,7 @@ def test_nothing_fits_says_how_far_and_what_to_relax(gpt3_175b):
         compile(gpt3_175b, "8xA100-80GB", global_batch_size=64)
     msg = str(info.value)
     assert "least memory per rank any candidate needs is" in msg and "GiB" in msg
-    assert re.search(r"A100-80GB offers 7\d\.\d GiB \(80 GiB over the caching allocator's 1\.(05|12) at recompute=", msg)
+    assert re.search(r"A100-80GB offers 7\d\.\d GiB \(80 GiB over the caching allocator's 1\.\d+ at recompute=", msg)
     assert "more devices" in msg and "recompute='full'" in msg and "ZeRO-3" in msg
 
 

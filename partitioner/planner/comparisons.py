@@ -76,10 +76,10 @@ def _faster(best: Scored, other: Scored) -> str:
 
 def over_memory_alternatives(best: Scored, found: tuple[Scored, ...], cap_of: Any) -> tuple[Alternative, ...]:
     """`SearchResult.over_memory` as runners-up: how much faster each would be, and how far over the peak its
-    recompute mode may reach (`cap_of(recompute)`, CostContext.cap)."""
+    recompute mode may reach (`cap_of(candidate)`, CostContext.cap)."""
     out = []
     for s in found:
-        peak, cap = rank_peak(s.cut, s.cand.pp), cap_of(s.cand.recompute)
+        peak, cap = rank_peak(s.cut, s.cand.pp), cap_of(s.cand)
         out.append(Alternative(
             config=s.cand, step_time_s=s.cut.step_time_s, peak_memory_bytes=peak, fits=False,
             why=f"out of memory by {(peak - cap) / GiB:.1f} GiB ({_faster(best, s)} by a balanced cut; needs "
@@ -165,7 +165,7 @@ def _unfit(ctx: CostContext, name: str, cands: list[ParallelConfig], note: str =
     need, who = least_memory(ctx, cands, NO_COMPRESSION)
     return Baseline(name=name, config=who, step_time_s=None, peak_memory_bytes=need, fits=False,
                     note=f"{note}needs {need / GiB:.1f} GiB per rank of the "
-                         f"{ctx.cap(who.recompute if who else 'none') / GiB:.1f} GiB allowed")
+                         f"{ctx.cap(who) / GiB:.1f} GiB allowed")
 
 
 def _flat(ctx: CostContext, decl: Declarations, name: str, *, zero_stage: int) -> Baseline:

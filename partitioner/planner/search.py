@@ -316,7 +316,7 @@ def _over_memory(ctx: CostContext, order: list, ranked: tuple[Scored, ...], *, l
             break
         tries[shape] = tries.get(shape, 0) + 1
         cut = _balanced_cut(ev)
-        if cut is not None and cut.step_time_s < beat and rank_peak(cut, cand.pp, cand.schedule) > ctx.cap(cand.recompute):
+        if cut is not None and cut.step_time_s < beat and rank_peak(cut, cand.pp, cand.schedule) > ctx.cap(cand):
             found[shape] = Scored(cand=cand, cut=cut, compression=cut.stages[0].compression)
     return tuple(found.values())
 
@@ -352,7 +352,7 @@ def rank_peak(cut: Cut, pp: int, schedule: str = "1f1b") -> float:
 
 def _cut_loose(ctx: CostContext, ev, *, incumbent: float) -> Cut | None:
     """The best cut with each virtual stage's memory checked alone and each rank's sum on whole cuts."""
-    pp, cap, schedule = ev.cand.pp, ctx.cap(ev.cand.recompute), ev.cand.schedule
+    pp, cap, schedule = ev.cand.pp, ctx.cap(ev.cand), ev.cand.schedule
     loose = StageEvaluator(ctx, ev.cand, ev.options[0] if len(ev.options) == 1 else None, chunk_alone=True)
     return _one_compression(ctx, loose, incumbent=incumbent, accept=lambda c: rank_peak(c, pp, schedule) <= cap)
 
@@ -382,7 +382,7 @@ def least_memory(ctx: CostContext, candidates: list[ParallelConfig],
         if cut is None:
             continue
         peak = rank_peak(cut, cand.pp, cand.schedule)
-        if who is None or peak * ctx.slack(cand.recompute) < best * ctx.slack(who.recompute):
+        if who is None or peak * ctx.slack(cand) < best * ctx.slack(who):
             best, who = peak, cand
     return best, who
 

@@ -287,7 +287,7 @@ class StageEvaluator:
                                   zero_stage=c.zero_stage, dp=c.replicas).total
         if self._fpar:  # frozen parameters: the fullest stage may hold only those, with no state but themselves
             state = avg * self._param_bytes
-        if state * v + self._fixed > ctx.cap(c.recompute):
+        if state * v + self._fixed > ctx.cap(c):
             return math.inf
         tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_s + avg * self._settle_s
         if self._fpar:
@@ -395,7 +395,7 @@ class StageEvaluator:
         share = 1 if self.chunk_alone else v
         for option in sorted(self.options, key=exposed.__getitem__):
             mem = memory_of(option)
-            fits = sum(mem[:4]) * share + mem[4] <= ctx.cap(cand.recompute)
+            fits = sum(mem[:4]) * share + mem[4] <= ctx.cap(cand)
             if memory is None or fits:
                 chosen, memory = option, mem
             if fits:

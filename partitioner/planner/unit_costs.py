@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from cost_models.calibration import Calibration
 from cost_models.comm import CommModel
@@ -290,15 +291,17 @@ class CostContext:
         context degree, whose ranks each send their own tokens."""
         return local(self._boundary[u], mb, self.seq, cp) * self.scale / split
 
-    def slack(self, recompute: str) -> float:
-        """What a plan of that recompute mode's predicted peak is multiplied by before it is held against
-        memory_cap: the caching allocator's slack (cost_models.memory.allocator_slack), or 1 where the memory
-        fraction was pinned."""
-        return allocator_slack(recompute) if self.allocator_slack else 1.0
+    def slack(self, cand: Any = None) -> float:
+        """What candidate `cand`'s predicted peak is multiplied by before it is held against memory_cap: the
+        caching allocator's slack for its recompute mode and share (cost_models.memory.allocator_slack; None:
+        no recomputation), or 1 where the memory fraction was pinned."""
+        if not self.allocator_slack:
+            return 1.0
+        return allocator_slack(cand.recompute, cand.recompute_blocks) if cand is not None else allocator_slack("none")
 
-    def cap(self, recompute: str) -> float:
-        """The predicted peak a plan of that recompute mode may reach."""
-        return self.memory_cap / self.slack(recompute)
+    def cap(self, cand: Any = None) -> float:
+        """The predicted peak candidate `cand` may reach."""
+        return self.memory_cap / self.slack(cand)
 
     # ---- per unit ----------------------------------------------------------
     def unit_cost(self, u: int, *, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,

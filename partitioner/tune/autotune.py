@@ -464,7 +464,7 @@ class _Tuner:
         n = self.warmup + 1 + self.steps
         fraction = self.compile_kwargs.get("max_memory_fraction")  # None: the caching allocator's slack
         limit = plan.predicted.memory_capacity_bytes * fraction if fraction is not None else \
-            plan.predicted.memory_capacity_bytes / allocator_slack(plan.config.recompute)
+            plan.predicted.memory_capacity_bytes / allocator_slack(plan.config.recompute, plan.config.recompute_blocks)
         base = Trial(config=config, compression=comp, status="ok", predicted_step_s=predicted,
                      predicted_peak_bytes=peaks, round=round_, stage_bounds=list(plan.stage_bounds))
         if self.cluster is not None:
