@@ -123,6 +123,18 @@ def test_an_alibi_bias_is_folded_into_the_products(family):
     assert [n.cost.causal for n in g.nodes if n.op == "scaled_dot_product_attention"] == [True] * 4
 
 
+def test_alibi_is_folded_at_any_length():
+    """MPT's ALiBi positions start at 1 - s, below -1e4 past 10K tokens: a position, not a fill value such as
+    finfo.min, so its bias is still folded (traced on meta at 16K tokens)."""
+    with torch.device("meta"):
+        model = MptForCausalLM(MptConfig(vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, max_seq_len=16384,
+                                         use_cache=False))
+    g = trace(model, (torch.zeros(1, 16384, dtype=torch.long, device="meta"),))
+    sdpa = [n for n in g.graph_module.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert sdpa and all(n.args[0].meta["val"].shape[-1] == 24 for n in sdpa)
+    assert all(n.kwargs["attn_mask"].meta["val"].dtype == torch.bool for n in sdpa)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["bloom", "mpt"])
 def test_the_folded_bias_runs_in_16_bits_as_close_as_eager(family, dtype):

@@ -428,10 +428,15 @@ def _key_only(a: Any, k: fx.Node) -> bool:
     return _equal(shape[-2], 1) and _equal(shape[-1], ks[-2]) and all(_equal(d, 1) or _equal(d, e) for d, e in lead)
 
 
+# ops that write a value they are given (a fill), as a masking computation writes finfo.min or -inf
+_FILLS = frozenset("where masked_fill full full_like new_full fill scalar_tensor".split())
+
+
 def _foldable(a: Any, k: fx.Node) -> bool:
-    """A bias per key (`_key_only`) whose computation writes no removing value (finfo.min, -inf): such a value
-    over the scale is -inf in the products' columns, and its low part inf - inf (a NaN), where as a mask term
-    it removes the key."""
+    """A bias per key (`_key_only`) whose computation fills in no removing value (a float at or below -1e4, -inf,
+    NaN: finfo.min written by a where or masked_fill): such a value over the scale is -inf in the products'
+    columns, and its low part inf - inf (a NaN), where as a mask term it removes the key. Positions are not
+    fills: ALiBi's `arange(1 - s, 1)` starts below -1e4 beyond 10K tokens."""
     if not _key_only(a, k):
         return False
     todo, seen = [a], set()
@@ -440,7 +445,8 @@ def _foldable(a: Any, k: fx.Node) -> bool:
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        if any(_number(x) and (x <= _MASKED or x != x) for x in pytree.tree_leaves((n.args, n.kwargs))):
+        if getattr(getattr(n.target, "overloadpacket", None), "__name__", "").rstrip("_") in _FILLS and any(
+                isinstance(x, float) and (x <= _MASKED or x != x) for x in pytree.tree_leaves((n.args, n.kwargs))):
             return False
         todo += n.all_input_nodes
     return True
