@@ -5,8 +5,8 @@ low-rank update x A^T B^T, B zero at the start as in the paper, so the wrapped m
 one does until the first step. `lora_llama_seeded` puts adapters on every attention's q and v projections of a
 small Hugging Face Llama, as peft's default for Llama does; every other parameter stays frozen.
 
-The planner counts a frozen parameter as held and nothing else (no gradient, master or optimizer state), and
-runs no ZeRO for such a model (the data-parallel engine shards trainable parameters only).
+The planner counts a frozen parameter as held and nothing else (no gradient, master or optimizer state); under
+ZeRO the data-parallel engine keeps frozen parameters whole on every replica and shards the adapters alone.
 """
 
 from __future__ import annotations

@@ -445,11 +445,16 @@ def _foldable(a: Any, k: fx.Node) -> bool:
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        if getattr(getattr(n.target, "overloadpacket", None), "__name__", "").rstrip("_") in _FILLS and any(
+        if _op_name(n).rstrip("_") in _FILLS and any(
                 isinstance(x, float) and (x <= _MASKED or x != x) for x in pytree.tree_leaves((n.args, n.kwargs))):
             return False
         todo += n.all_input_nodes
     return True
+
+
+def _op_name(n: fx.Node) -> str:
+    """The ATen op's name without its overload (`where` for aten.where.ScalarOther); "" for anything else."""
+    return getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -470,13 +475,14 @@ def _fold_key_bias(emit: _Emit, terms: list[tuple[str, Any, Any, bool]], q: fx.N
     overflow fp16 at a few thousand tokens: ALiBi reaches slope x length). Zero columns pad the head dim to a
     multiple of 8 (what FlashAttention takes); v gets as many, and the output drops them (the width returned).
     Returns (the terms left, q', k', v', the output's width or None when nothing was folded)."""
-    folded = [(a, b) for kind, a, b, _ in terms if kind == "add" and _foldable(a, k)]
+    fold = [kind == "add" and _foldable(a, k) for kind, a, _, _ in terms]
+    folded = [(a, b) for (_, a, b, _), f in zip(terms, fold) if f]
     if not folded or _rank(q) != 4 or _rank(v) != 4:
         return terms, q, k, v, None
     e, ev = _shape(q)[-1], _shape(v)[-1]
     if not (e.isdigit() and ev == e and _shape(k)[-1] == e):
         return terms, q, k, v, None
-    rest = [t for t in terms if not (t[0] == "add" and _foldable(t[1], k))]
+    rest = [t for t, f in zip(terms, fold) if not f]
     bias = None
     for a, b in folded:
         t = a if b == 1 else emit(_aten.mul.Tensor, (a, b))
@@ -687,7 +693,7 @@ def _largest_constant(order: list[fx.Node]) -> float:
     """The largest magnitude of an integer the computation `order` computes with (a window's 4096, an offset's 1;
     positions are integers, a fill value such as finfo.min is not one)."""
     nums = [abs(a) for n in order if n.op == "call_function" and
-            getattr(getattr(n.target, "overloadpacket", None), "__name__", "") in _VALUE_OPS
+            _op_name(n) in _VALUE_OPS
             for a in pytree.tree_leaves((n.args, n.kwargs)) if isinstance(a, int) and not isinstance(a, bool)]
     return max(nums, default=0.0)
 
