@@ -191,7 +191,9 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     additive bias or mask such as ALiBi or causal, softmax, dropout, a matmul with v) as one
     `scaled_dot_product_attention` where that is the same math (partitioner.tracer.attention): the plan
     costs a fused kernel's time and O(s) memory, and every program runs it (data-parallel and async SGD
-    programs then run the generated model code, not the module's forward). False keeps the traced ops.
+    programs then run the generated model code, not the module's forward); a GELU or SiLU written out as
+    elementwise ops (GPT-2's gelu_new, BLOOM's GELU, x * sigmoid(x)) runs as `aten.gelu` / `aten.silu`
+    (partitioner.tracer.pointwise). False keeps the traced ops.
 
     `torch_compile` (True: the "inductor" backend; or a backend name, e.g. "aot_eager") makes every program
     run its model code under torch.compile: each block compiled on its own (a pipeline or tensor-parallel

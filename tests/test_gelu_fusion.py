@@ -1,9 +1,10 @@
-"""GELU spelled as elementwise ops rewritten to the fused ATen op (partitioner.tracer.pointwise).
+"""GELU and SiLU spelled as elementwise ops rewritten to the fused ATen ops (partitioner.tracer.pointwise).
 
 GPT-2's `gelu_new` and BLOOM's tanh GELU, and an erf GELU written out, each traced from a tiny model: the
 rewritten graph computes what the module computes (forward and every gradient, fp32), keeps only the MLP's
 input to the GELU for backward, and trains like one process under tensor parallelism; chains that compute
-something else, read a second tensor or feed an intermediate elsewhere are left as traced.
+something else, read a second tensor or feed an intermediate elsewhere are left as traced; x * sigmoid(x) becomes
+aten.silu.
 """
 
 from __future__ import annotations
@@ -119,3 +120,24 @@ def test_fused_gelu_trains_like_one_process_under_tensor_parallelism():
     out = launch_local(plan, model_fn, sgd, hf_loss, batches(), timeout_s=180)
     trained = train_one_process(model_fn, sgd, hf_loss, batches())
     assert_trains_like(out, trained.losses, trained.model.state_dict())
+
+
+class SiluGate(torch.nn.Module):
+    """A gated MLP whose SiLU is written x * sigmoid(x) (the gate's product with the up projection reads a second
+    tensor, so it stays outside the region)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate, self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        g = self.gate(x)
+        return self.down(g * torch.sigmoid(g) * self.up(x))
+
+
+def test_a_silu_written_out_is_fused():
+    g = trace(SiluGate(), (torch.randn(4, 16),))
+    assert _aten.silu.default in _ops(g) and _aten.sigmoid.default not in _ops(g)
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(g.graph_module.module()(x), SiluGate()(x))

@@ -6,6 +6,7 @@ kind; plus the `torch.export` program the code generator cuts into stage code.
 
 Read first: `trace.py` (`trace()`, the whole stage in one function). Then:
 - `capture.py`: torch.export of the model with its first blocks, sizes made symbolic (B, S);
+- `attention.py`, `pointwise.py`: eager attention and activations spelled as elementwise ops, rewritten to fused ops;
 - `blocks.py`, `block_kinds.py`: which sub-modules are the repeated blocks, which of them compute alike;
 - `op_rules.py`: the cost of each ATen op; `symbolic.py`: polynomials in B and S;
 - `opgraph.py` (the data), `opgraph_table.py` (as text), `cache.py` (a trace saved by source hash);

@@ -42,7 +42,8 @@ _FORMAT = 10  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one share
 # 5: no mask kept where a shape-only mask is the causal one; 6: cost rules for square, repeat_interleave, tile;
 # 7: no attention rewrite under a mask read from the inputs; block kinds tell masks made from the inputs apart;
 # 8: ParamSpec.trainable, causal masks made from buffers, reshape_as a view; 9: ALiBi folded into q and k, long
-# causal masks judged at a shorter length; 10: GELU spelled as elementwise ops fused (tracer.pointwise)
+# causal masks judged at a shorter length; 10: GELU and SiLU spelled as elementwise ops fused
+# (tracer.pointwise)
 _GRAPH, _ARCHIVE = "opgraph.json", "graph.pt2"
 
 

@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from cost_models.errors import TraceError
 from partitioner.tracer.attention import causal_attention, causal_shape_mask
 from partitioner.tracer.attention import rewrite_attention as rewrite_attention_in
-from partitioner.tracer.pointwise import fuse_gelu
+from partitioner.tracer.pointwise import fuse_activations
 from partitioner.tracer.symbolic import B, S
 
 __all__ = ["RawSpec", "RawArg", "RawNode", "Capture", "capture"]
@@ -193,12 +193,12 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
     dyn_kwargs = {k: spec_of(v) for k, v in kwargs.items()}
     dynamic_shapes = {**{p: d for p, d in zip(_positional_names(model, len(args)), dyn_args)}, **dyn_kwargs}
     ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes)
-    # before anything reads the graph, so costs and generated code see the same fused attention and GELU
+    # before anything reads the graph, so costs and generated code see the same fused attention and activations
     if rewrite:
         user = frozenset(s.arg.name for s in ep.graph_signature.input_specs
                          if s.kind == torch.export.graph_signature.InputKind.USER_INPUT and hasattr(s.arg, "name"))
         rewrite_attention_in(ep.graph_module, user)  # OpGraph.attention_rewrites counts what it did
-        fuse_gelu(ep.graph_module)
+        fuse_activations(ep.graph_module)
     sig = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
     kinds = torch.export.graph_signature.InputKind
 

@@ -1,4 +1,4 @@
-"""GELU written out as elementwise ops, found by what it computes and rewritten to the one fused ATen op.
+"""Activations written out as elementwise ops, found by what they compute and rewritten to the one fused ATen op.
 
 Many models spell the tanh GELU in Python (Hugging Face's `gelu_new` for GPT-2, GPT-J, GPT-Neo, CodeGen...;
 BLOOM's `bloom_gelu_forward`, whose custom backward export does not keep), some the erf one:
@@ -10,51 +10,58 @@ BLOOM's `bloom_gelu_forward`, whose custom backward export does not keep), some 
 Run as traced, autograd keeps four or more tensors of the MLP's width for backward (GPT-2's: x, 0.5 x, the
 tanh and 1 + tanh; BLOOM's: seven), where `aten.gelu(x, approximate=...)` keeps x alone: 24 more bytes per
 token and hidden unit per layer in 16-bit for GPT-2 (Megatron-LM's whole layer keeps 34 with its fused
-bias-GeLU), 48 for BLOOM, and each op reads and writes the MLP's width again. `fuse_gelu` rewrites such a
-chain to the fused op, in the graph that costs and generated code both read, so the runtime runs what
-the cost model counts.
+bias-GeLU), 48 for BLOOM, and each op reads and writes the MLP's width again. SiLU written `x * sigmoid(x)`
+keeps two tensors where `aten.silu` keeps one. `fuse_activations` rewrites such a chain to the fused op, in the
+graph that costs and generated code both read, so the runtime runs what the cost model counts.
 
 Nothing is matched by module name or by the spelling of the formula. A region is the elementwise ops
-(arithmetic with Python numbers, powers, tanh, erf, casts) computed from one tensor x alone, around a
-tanh or erf, ending in one value y that nothing outside reads an intermediate of; it is rewritten when y
-equals GELU(x) (tanh or erf form) on test values spanning both tails, evaluated in float64, and has x's
-dtype and shape. A chain that feeds an intermediate elsewhere, reads a second tensor, or computes
+(arithmetic with Python numbers, powers, tanh, erf, sigmoid, casts) computed from one tensor x alone, around
+a tanh, erf or sigmoid, ending in one value y that nothing outside reads an intermediate of; it is rewritten
+when y equals GELU(x) (the tanh form around a tanh, the erf form around an erf) or SiLU(x) (around a sigmoid)
+on test values spanning both tails, evaluated in float64, and has x's dtype and shape. A chain that feeds an intermediate elsewhere, reads a second tensor, or computes
 anything else is left as traced.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["fuse_gelu"]
+__all__ = ["fuse_activations"]
 
 _aten = torch.ops.aten
-_ANCHORS = {_aten.tanh.default: "tanh", _aten.erf.default: "none"}
+# what each anchor's region may compute: (the fused op, its keyword arguments, the function in float64)
+_FUSED = {
+    _aten.tanh.default: ((_aten.gelu.default, {"approximate": "tanh"}),),
+    _aten.erf.default: ((_aten.gelu.default, {"approximate": "none"}),),
+    _aten.sigmoid.default: ((_aten.silu.default, {}),),
+}
 _CASTS = {_aten._to_copy.default, _aten.to.dtype, _aten.to.dtype_layout, _aten.type_as.default}
 _ARITHMETIC = {_aten.add.Tensor, _aten.add.Scalar, _aten.sub.Tensor, _aten.sub.Scalar, _aten.rsub.Scalar,
                _aten.rsub.Tensor, _aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar,
-               _aten.pow.Tensor_Scalar, _aten.neg.default, _aten.tanh.default, _aten.erf.default}
+               _aten.pow.Tensor_Scalar, _aten.neg.default, *_FUSED}
 _ELEMENTWISE = _ARITHMETIC | _CASTS
-# both tails (tanh and erf saturate past |x| ~ 5), the bend near 0, and values no constant can fit by chance
+# both tails (tanh, erf and sigmoid saturate past |x| ~ 5 to 10), the bend near 0, and values no constant can fit by chance
 _TEST_X = torch.cat([torch.linspace(-8.0, 8.0, 321, dtype=torch.float64),
                      torch.tensor([-30.0, -12.5, -1e-3, 1e-3, 12.5, 30.0], dtype=torch.float64)])
 
 
-def fuse_gelu(gm: fx.GraphModule) -> int:
-    """Rewrite every GELU spelled as elementwise ops in `gm`'s graph to `aten.gelu`, in place; returns how
-    many were rewritten."""
+def fuse_activations(gm: fx.GraphModule) -> int:
+    """Rewrite every GELU or SiLU spelled as elementwise ops in `gm`'s graph to `aten.gelu` / `aten.silu`, in
+    place; returns how many were rewritten."""
     count = 0
     erased: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
-        if node in erased or node.op != "call_function" or node.target not in _ANCHORS:
+        if node in erased or node.op != "call_function" or node.target not in _FUSED:
             continue
         found = _match(node)
         if found is not None:
-            x, y, region, approximate = found
+            x, y, region, (op, kwargs) = found
             with gm.graph.inserting_before(y):
-                fused = gm.graph.call_function(_aten.gelu.default, (x,), {"approximate": approximate})
+                fused = gm.graph.call_function(op, (x,), dict(kwargs))
             fused.meta = dict(y.meta)
             y.replace_all_uses_with(fused)
             for n in sorted(region, key=_order(gm.graph), reverse=True):
@@ -100,7 +107,7 @@ def _root(anchor: fx.Node) -> fx.Node | None:
     return next(iter(leaves)) if len(leaves) == 1 else None
 
 
-def _match(anchor: fx.Node) -> tuple[fx.Node, fx.Node, set[fx.Node], str] | None:
+def _match(anchor: fx.Node) -> tuple[fx.Node, fx.Node, set[fx.Node], tuple[Any, dict]] | None:
     x = _root(anchor)
     if x is None or not isinstance(x.meta.get("val"), torch.Tensor) or not x.meta["val"].is_floating_point():
         return None
@@ -117,9 +124,11 @@ def _match(anchor: fx.Node) -> tuple[fx.Node, fx.Node, set[fx.Node], str] | None
         region = _ancestors(y, members) - {x}
         if anchor not in region or not _closed(region, y):
             continue
-        approximate = _gelu_form(x, region, y)
-        if approximate is not None and _same_tensor_type(x, y) and _ANCHORS[anchor.target] == approximate:
-            return x, y, region, approximate
+        got = _evaluate(x, region, y) if _same_tensor_type(x, y) else None
+        for op, kwargs in _FUSED[anchor.target] if got is not None else ():
+            want = op(_TEST_X, **kwargs)
+            if torch.allclose(got, want, rtol=1e-6, atol=1e-9):
+                return x, y, region, (op, kwargs)
     return None
 
 
@@ -146,12 +155,11 @@ def _closed(region: set[fx.Node], y: fx.Node) -> bool:
     return all(u in region for n in region if n is not y for u in n.users)
 
 
-def _gelu_form(x: fx.Node, region: set[fx.Node], y: fx.Node) -> str | None:
-    """"tanh" or "none" if the region computes that GELU of x (in float64 on `_TEST_X`), else None."""
+def _evaluate(x: fx.Node, region: set[fx.Node], y: fx.Node) -> torch.Tensor | None:
+    """y as a function of x, evaluated in float64 on `_TEST_X` (None if an op does not evaluate elementwise)."""
     values: dict[fx.Node, torch.Tensor] = {x: _TEST_X}
-    order = sorted(region, key=_order(y.graph))
     try:
-        for n in order:
+        for n in sorted(region, key=_order(y.graph)):
             if n.target in _CASTS:
                 values[n] = values[n.args[0]]
                 continue
@@ -163,12 +171,7 @@ def _gelu_form(x: fx.Node, region: set[fx.Node], y: fx.Node) -> str | None:
             values[n] = out.to(torch.float64)
     except (RuntimeError, TypeError, KeyError):
         return None
-    got = values[y]
-    for approximate in ("tanh", "none"):
-        want = torch.nn.functional.gelu(_TEST_X, approximate=approximate)
-        if torch.allclose(got, want, rtol=1e-6, atol=1e-9):
-            return approximate
-    return None
+    return values[y]
 
 
 def _same_tensor_type(x: fx.Node, y: fx.Node) -> bool:

@@ -54,9 +54,10 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
     classes whole (fx only). `rewrite_attention` replaces eager attention
     (q k^T, scale, additive mask, softmax, dropout, @ v) by one
     scaled_dot_product_attention where that is the same math
-    (partitioner.tracer.attention): the graph is costed, and its code runs,
-    as a fused kernel; False keeps the traced ops. Works with a model on
-    the meta device.
+    (partitioner.tracer.attention), and a GELU or SiLU spelled as
+    elementwise ops by aten.gelu / aten.silu (partitioner.tracer.pointwise):
+    the graph is costed, and its code runs, as fused kernels; False keeps
+    the traced ops. Works with a model on the meta device.
 
     >>> from examples.gpt import gpt_small, example_inputs
     >>> model = gpt_small()
