@@ -18,8 +18,8 @@ Nothing is matched by module name or by the spelling of the formula. A region is
 (arithmetic with Python numbers, powers, tanh, erf, sigmoid, casts) computed from one tensor x alone, around
 a tanh, erf or sigmoid, ending in one value y that nothing outside reads an intermediate of; it is rewritten
 when y equals GELU(x) (the tanh form around a tanh, the erf form around an erf) or SiLU(x) (around a sigmoid)
-on test values spanning both tails, evaluated in float64, and has x's dtype and shape. A chain that feeds an intermediate elsewhere, reads a second tensor, or computes
-anything else is left as traced.
+on test values spanning both tails, evaluated in float64, and has x's dtype and shape. A chain that feeds an
+intermediate elsewhere, reads a second tensor, or computes anything else is left as traced.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ _ARITHMETIC = {_aten.add.Tensor, _aten.add.Scalar, _aten.sub.Tensor, _aten.sub.S
                _aten.rsub.Tensor, _aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar,
                _aten.pow.Tensor_Scalar, _aten.neg.default, *_FUSED}
 _ELEMENTWISE = _ARITHMETIC | _CASTS
-# both tails (tanh, erf and sigmoid saturate past |x| ~ 5 to 10), the bend near 0, and values no constant can fit by chance
+# both tails (tanh, erf and sigmoid saturate past |x| ~ 5 to 10), the bend near 0, and values no constant can
+# fit by chance
 _TEST_X = torch.cat([torch.linspace(-8.0, 8.0, 321, dtype=torch.float64),
                      torch.tensor([-30.0, -12.5, -1e-3, 1e-3, 12.5, 30.0], dtype=torch.float64)])
 
