@@ -33,7 +33,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 __all__ = ["fuse_activations"]
 
 _aten = torch.ops.aten
-# what each anchor's region may compute: (the fused op, its keyword arguments, the function in float64)
+# what each anchor's region may compute: (the fused op, its keyword arguments); the op itself, run in float64 on
+# the test values, is the function the region must equal
 _FUSED = {
     _aten.tanh.default: ((_aten.gelu.default, {"approximate": "tanh"}),),
     _aten.erf.default: ((_aten.gelu.default, {"approximate": "none"}),),
