@@ -7,8 +7,10 @@
     simulate         the predicted step time from those same lists
     comparisons      runners-up that lost on memory or on the declarations, and the hand configurations
 
-Pure: nothing global, nothing cached across calls; the same inputs give a
-byte-identical plan.
+Pure: the same inputs give a byte-identical plan. What is derived from the graph alone (its tensor splits,
+the code cut from it for each degree) is kept beside the graph for the next compile of it (`_derived`):
+autotune, elastic re-planning and a sweep of pins compile one OpGraph many times, and cutting its code was
+three quarters of such a compile. An OpGraph is frozen, so nothing kept can go stale.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import functools
 import itertools
 import os
 import warnings
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +63,7 @@ from partitioner.planner.declarations import (
     compression_refusal,
     reduction_pins,
 )
+from partitioner.planner.model_code import ModelCode
 from partitioner.planner.plan import (
     PLAN_VERSION,
     Alternative,
@@ -299,7 +303,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
 
 def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOptions = PlannerOptions()) -> Plan:
     """The plan of a traced graph: `compile()` after tracing and reading its arguments."""
-    splits = find_splits(g)
+    splits = _splits(g)
     valid_tp = splits.valid_tp(tuple(t for t in range(1, topo.world_size + 1) if topo.world_size % t == 0))
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
     # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them (where no
@@ -606,7 +610,8 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                                      peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp, o.cand.schedule).values()),
                                      fits=True, why=_why(best, o), compression=dict(zip(LEVELS, o.compression)))
                          for o in ranked[1:])
-    return Plan(version=PLAN_VERSION, model_name=g.model_name, graph_hash=g.fingerprint(), topology=topo.to_dict(),
+    return Plan(version=PLAN_VERSION, model_name=g.model_name, graph_hash=_kept(g, "fingerprint", g.fingerprint),
+                topology=topo.to_dict(),
                 topology_hash=topo.fingerprint(), topology_name=str(topo), world_size=topo.world_size,
                 global_batch_size=decl.global_batch_size, seq_len=g.traced_seq_len, precision=decl.precision,
                 optimizer=decl.optimizer, declarations=decl.pinned() if declared is None else declared,
@@ -650,7 +655,7 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) 
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         return "", ""
     try:
-        extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=ep)
+        _extract(g, splits, tp=1, expert_parallel=ep)
     except SegmentError as e:
         return str(e), str(e)
     no_pp = ""
@@ -658,7 +663,7 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) 
     if t is None:
         return no_pp, ""
     try:
-        extract(g.graph_module, g, splits=splits, tp=t, expert_parallel=ep)
+        _extract(g, splits, tp=t, expert_parallel=ep)
     except SegmentError as e:
         return no_pp, str(e)
     return no_pp, ""
@@ -672,7 +677,7 @@ def _runnable_experts(g: OpGraph, experts: Experts, splits, ep: int | None) -> E
         return experts
     degree = ep or min(d for d in range(2, experts.num_experts + 1) if experts.num_experts % d == 0)
     try:
-        extract(g.graph_module, g, splits=splits, tp=1, expert_parallel=degree)
+        _extract(g, splits, tp=1, expert_parallel=degree)
     except SegmentError as e:
         return dataclasses.replace(experts, why_not=f"no expert-parallel program can be generated for them ({e})")
     return experts
@@ -709,7 +714,7 @@ def _check_batch_statistics(g: OpGraph, decl: Declarations) -> str:
     async SGD's replicas train apart: both left alone."""
     if decl.async_sgd or not isinstance(g.graph_module, torch.export.ExportedProgram) or _load_balancing_loss(g):
         return ""
-    found = nonlinear_batch_statistics(g.graph_module)
+    found = _kept(g, "batch_statistics", lambda: nonlinear_batch_statistics(g.graph_module))
     if not found:
         return ""
     what = ", ".join(describe_statistic(n) for n in found[:3])
@@ -734,7 +739,7 @@ def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
     if t is None or not splits.sequence.scatters or not isinstance(g.graph_module, torch.export.ExportedProgram):
         return ""
     try:
-        code = extract(g.graph_module, g, splits=splits, tp=t, sp=True)
+        code = _extract(g, splits, tp=t, sp=True)
     except SegmentError as e:
         return str(e)
     if code.aux_loss:  # codegen.program.not_runnable_aux
@@ -751,10 +756,53 @@ def _check_module_units(g: OpGraph, decl: Declarations) -> None:
                                "are not run with per-module ZeRO-3 units yet; pin zero3_unit='block', or tp=cp=1")
 
 
+def _derived(g: OpGraph) -> dict:
+    """What this process derived from `g` alone, kept while `g` lives (an OpGraph is frozen: it cannot go
+    stale). Keyed by the graph's identity, since its fields (lists, polynomials) do not hash."""
+    memo = _DERIVED.get(id(g))
+    if memo is None:
+        memo = _DERIVED[id(g)] = {}
+        weakref.finalize(g, _DERIVED.pop, id(g), None)  # the id is reused once g is gone
+    return memo
+
+
+_DERIVED: dict[int, dict] = {}
+
+
+def _kept(g: OpGraph, key: str, make: Callable[[], Any]) -> Any:
+    """make(), a function of `g` alone, computed once while `g` lives."""
+    memo = _derived(g)
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _splits(g: OpGraph) -> TensorSplits:
+    return _kept(g, "splits", lambda: find_splits(g))
+
+
+def _extract(g: OpGraph, splits: TensorSplits | None, **kw: Any) -> ModelCode:
+    """segments.extract of `g` with `splits` (its own, from _splits, or None), kept for the next compile of `g`;
+    a SegmentError is kept and raised again."""
+    memo = _derived(g)
+    if splits is not None and splits is not memo.get("splits"):  # splits of another making: not what is kept
+        return extract(g.graph_module, g, splits=splits, **kw)
+    key = ("code", splits is not None, tuple(sorted(kw.items())))
+    if key not in memo:
+        try:
+            memo[key] = extract(g.graph_module, g, splits=splits, **kw)
+        except SegmentError as e:
+            memo[key] = e
+    got = memo[key]
+    if isinstance(got, SegmentError):
+        raise got.with_traceback(None)
+    return got
+
+
 def _runs_code(g: OpGraph) -> bool:
     """Whether programs can run `g` as generated code (its exported graph cuts into prefix, blocks, suffix)."""
     try:
-        extract(g.graph_module, g, tp=1)
+        _extract(g, None, tp=1)
     except SegmentError:
         return False
     return True
@@ -773,7 +821,7 @@ def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False, 
         return {"code_note": f"the model was {how}; programs for pp/tp plans are generated from torch.export's "
                              "graph: compile the nn.Module (trace method 'export')"}
     try:
-        return {"code": extract(g.graph_module, g, splits=splits, tp=cand.tp, sp=cand.sp, fp8=fp8, cp=cand.cp,
+        return {"code": _extract(g, splits, tp=cand.tp, sp=cand.sp, fp8=fp8, cp=cand.cp,
                                 expert_parallel=cand.ep)}
     except SegmentError as e:
         return {"code_note": str(e)}

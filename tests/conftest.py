@@ -10,6 +10,20 @@ import pytest
 # TRITON_INTERPRET=0 to test the compiled kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# What the tests' ranks (launch_local, ranks.spawn) start with imported: the fork server imports it once,
+# where each rank would import it itself, for seconds (a Hugging Face modeling module under a loaded machine
+# took 4-8 s a rank). The server starts at the first launch, after this.
+_HF_FAMILIES = ("gpt2", "llama", "mixtral", "qwen3", "qwen3_moe", "mpt", "bloom", "falcon", "gemma3", "gpt_oss",
+                "deepseek_v3")
+_PRELOAD = ("transformers", *(f"transformers.models.{f}.modeling_{f}" for f in _HF_FAMILIES), "partitioner",
+            "runtime", "examples.gpt", "examples.training", "examples.hf_families", "ranks")
+
+
+def pytest_configure(config):
+    from runtime.launch.local import preload
+
+    preload(*_PRELOAD)
+
 
 def _traced_on_meta(build, batch: int, seq: int):
     """build() on the meta device (nothing allocated), traced with `batch` x `seq` token ids as idx and targets."""

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from runtime.launch.local import fork_context
+
 __all__ = ["init_gloo", "gloo_group", "group_teardown", "spawn", "free_port",
            "pattern_batches", "data_parallel_steps", "adam_atol", "assert_trains_like"]
 
@@ -71,12 +73,21 @@ def spawn(worker: Callable[..., None], world: int, tmp: str | os.PathLike, *args
     saved as tmp/rank{rank}.pt (None for a rank that saved nothing). A worker that fails raises here
     (torch.multiprocessing.ProcessRaisedException, or ProcessExitedException for a crash)."""
     tmp = Path(tmp)
-    # spawn, not fork: a forked child inherits this process's threads (torch's pools, Gloo's) in whatever
-    # state they were, and may hang on a lock one of them held
-    mp.start_processes(worker, args=(world, str(tmp / "store"), str(tmp), *args), nprocs=world,
-                       start_method="spawn")
+    # Not fork: a forked child inherits this process's threads (torch's pools, Gloo's) in whatever state they
+    # were, and may hang on a lock one of them held. launch_local's fork server holds no threads and has
+    # torch and the modules conftest preloads imported: a child starts in a fraction of a second, where a
+    # spawned one imports torch for seconds. It forks with the server's environment: the child takes ours.
+    method = fork_context().get_start_method()
+    mp.start_processes(_in_environ, args=(dict(os.environ), worker, world, str(tmp / "store"), str(tmp), *args),
+                       nprocs=world, start_method=method)
     paths = [tmp / f"rank{r}.pt" for r in range(world)]
     return [torch.load(p, weights_only=False) if p.exists() else None for p in paths]
+
+
+def _in_environ(rank: int, environ: dict[str, str], worker: Callable[..., None], *args: Any) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    worker(rank, *args)
 
 
 def free_port() -> int:

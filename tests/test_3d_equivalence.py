@@ -12,6 +12,7 @@ and receives per step are those of its instruction list.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 
 import pytest
@@ -30,7 +31,7 @@ from examples.training import (
     sgd,
     train_one_process,
 )
-from partitioner import compile
+from partitioner import compile, trace
 from runtime import launch_local
 from ranks import assert_trains_like
 
@@ -60,13 +61,19 @@ def plan_for(name: str, *, pp: int, dp: int, tp: int, schedule: str = "1f1b", in
              mb: int = 2, recompute: str = "none", on: str = "cpu", sp: bool = False, unit: str | None = None):
     """The plan, compiled from the model built on `on` ("meta": the 175B-on-a-laptop flow, nothing allocated);
     without sequence parallelism unless `sp` (its own cases below)."""
-    model_fn, _ = MODELS[name]
-    with torch.device(on):
-        model = model_fn()
-    return compile(model, f"local:{pp * dp * tp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ), device=on),),
+    return compile(traced(name, on), f"local:{pp * dp * tp}",
                    global_batch_size=BATCH, precision="fp32", pp=pp, dp=dp, tp=tp, schedule=schedule,
                    interleave=interleave, zero_stage=zero, microbatch_size=mb, recompute=recompute,
                    sp=sp if tp > 1 else None, zero3_unit=unit)
+
+
+@functools.cache
+def traced(name: str, on: str = "cpu"):
+    """The model traced once per session (an OpGraph is frozen data; compiling one is compiling the model)."""
+    model_fn, _ = MODELS[name]
+    with torch.device(on):
+        model = model_fn()
+    return trace(model, (torch.randint(0, VOCAB, (2, SEQ), device=on),))
 
 
 def assert_same_training(plan, name: str, steps: int = STEPS, optimizer=adamw):

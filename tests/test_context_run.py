@@ -10,12 +10,14 @@ source and the refusals.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from examples.hf_families import bloom_seeded, gemma3_seeded, mpt_seeded, qwen3_seeded
 from examples.training import gpt_4l_seeded, gpt_loss, hf_llama_seeded, hf_loss, sgd, train_one_process
-from partitioner import compile
+from partitioner import compile, trace
 from partitioner.codegen.program import CodegenError
 from ranks import assert_plan_trains_like_one_process, assert_trains_like
 
@@ -30,11 +32,15 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
+@functools.cache
+def traced(name: str):
+    """The model traced once per session (an OpGraph is frozen data; compiling one is compiling the model)."""
+    return trace(MODELS[name][0](), (torch.randint(0, VOCAB, (2, SEQ)),))
+
+
 def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, tp: int = 1, pp: int = 1,
              mb: int = 2, sp: bool = False, name: str = "gpt", recompute: str = "none", precision: str = "fp32"):
-    model = MODELS[name][0]()
-    return compile(model, f"local:{dp * cp * tp * pp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
-                   global_batch_size=BATCH, precision=precision, dp=dp, cp=cp, cp_kind=cp_kind if cp > 1 else None, tp=tp, pp=pp,
+    return compile(traced(name), f"local:{dp * cp * tp * pp}", global_batch_size=BATCH, precision=precision, dp=dp, cp=cp, cp_kind=cp_kind if cp > 1 else None, tp=tp, pp=pp,
                    sp=sp if tp > 1 else None, zero_stage=zero, microbatch_size=mb, recompute=recompute,
                    alternatives=0)
 

@@ -10,13 +10,15 @@ rtol 1e-5, SGD with momentum). The quick tests read the generated source and the
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cost_models.errors import DeclarationError
 from examples.training import hf_loss, sgd, train_one_process
-from partitioner import compile
+from partitioner import compile, trace
 from partitioner.codegen.program import CodegenError
 from ranks import assert_plan_trains_like_one_process
 
@@ -81,12 +83,20 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
+@functools.cache
+def traced(name: str):
+    """The model traced once per session (an OpGraph is frozen data; compiling one is compiling the model)."""
+    return trace({**MODELS, **OTHERS}[name](), (torch.randint(0, VOCAB, (2, SEQ)),))
+
+
 def plan_for(name: str = "mixtral", *, dp: int = 2, ep: int = 2, zero: int = 0, pp: int = 1, tp: int = 1, cp: int = 1,
              mb: int | None = None, precision: str = "fp32", **kw):
     # one microbatch per rank by default: the load-balancing loss of a batch is not the mean of its microbatches'
     # (with several, the plan says it is computed per microbatch, and one process accumulates the same ones)
-    return compile({**MODELS, **OTHERS}[name](), f"local:{dp * pp * tp * cp}",
-                   example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),), global_batch_size=BATCH, precision=precision,
+    # verify=True runs the module's weights, which an OpGraph does not carry
+    model = {**MODELS, **OTHERS}[name]() if kw.get("verify") else traced(name)
+    return compile(model, f"local:{dp * pp * tp * cp}", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
+                   global_batch_size=BATCH, precision=precision,
                    dp=dp, ep=ep, pp=pp, tp=tp, cp=cp, zero_stage=zero,
                    microbatch_size=mb or BATCH // dp, alternatives=0, **kw)
 
@@ -127,10 +137,8 @@ def test_context_parallelism_with_moe_layers_is_refused_and_never_chosen(name, e
         plan_for(name, dp=ep, ep=ep, cp=2, mb=8 // ep)
     from partitioner.planner.declarations import Declarations
     from partitioner.planner.expert_split import check_context, experts_of
-    from partitioner import trace
 
-    g = trace({**MODELS, **OTHERS}[name](), (torch.randint(0, VOCAB, (2, SEQ)),))
-    assert check_context(Declarations(global_batch_size=8), experts_of(g))  # unpinned: the search pins cp=1
+    assert check_context(Declarations(global_batch_size=8), experts_of(traced(name)))  # unpinned: the search pins cp=1
 
 
 def test_the_load_balancing_loss_is_not_sequence_parallel():

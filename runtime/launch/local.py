@@ -79,7 +79,7 @@ from runtime.launch.program_check import check_same_program
 from runtime.pipeline.program_module import exec_program
 
 __all__ = ["LaunchResult", "launch_local", "check_world_size", "check_local_device", "check_sendable", "check_model",
-           "stop_processes"]
+           "fork_context", "preload", "stop_processes"]
 
 _GRACE_S = 5.0  # on top of timeout_s before a silent rank is declared hung
 _PH_SPAWNED, _PH_START, _PH_BUILD, _PH_STEP0 = -1, 0, 1, 2  # phases; _PH_STEP0 + k: k steps done
@@ -191,7 +191,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         torch.save(batches, tmp / "batches.pt")
         for r, src in sources.items():
             (tmp / f"rank_{r}.py").write_text(src)
-        ctx = _context()
+        ctx = fork_context(model_fn)
         progress = ctx.Array("d", [time.time()] * world, lock=False)  # time of each rank's last progress
         phase = ctx.Array("i", [_PH_SPAWNED] * world, lock=False)
         job = _Job(world_size=world, dir=str(tmp), timeout_s=timeout_s, parent_pid=os.getpid(),
@@ -462,13 +462,30 @@ def _alive(pid: int) -> bool:
 
 # What the fork server imports once; a worker imports the rest (the program's engines, the model's module).
 _PRELOAD = ["torch", "torch.distributed", "runtime.launch.local", "runtime.engines.step", "runtime.comm.collectives"]
+_preloaded: list[str] = []  # preload()'s, then the first launch's model module
 
 
-def _context() -> Any:
+def preload(*modules: str) -> None:
+    """Have every rank launch_local starts in this process begin with `modules` imported: the fork server that
+    starts the ranks imports them once. A rank otherwise imports what it unpickles itself, and a Hugging Face
+    modeling module takes each rank seconds. launch_local adds the module model_fn is defined in; name here the
+    modules of models later launches build (a session launching several model families, a test suite). The
+    server starts at the first launch and keeps its modules: call this before it. A module that fails to
+    import is left to the ranks, which report its error."""
+    _preloaded.extend(m for m in modules if m not in _preloaded)
+
+
+def fork_context(model_fn: Any = None) -> Any:
+    """The multiprocessing context launch_local starts ranks with: the fork server, which imports torch, the
+    runtime and preload()'s modules once (and model_fn's module, at its start), or "spawn" where there is none.
+    Code starting processes of its own beside the launches (a test's workers) shares the server through it."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    module = getattr(model_fn, "__module__", None) or getattr(getattr(model_fn, "func", None), "__module__", None)
+    if module and module != "__main__":  # __main__ is not importable by name: the server runs its file anyway
+        preload(module)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # read when the server first starts; it then serves every launch
+    ctx.set_forkserver_preload(_PRELOAD + _preloaded)  # read when the server first starts; it serves every launch
     return ctx
 
 
