@@ -11,6 +11,8 @@ error feedback and working set, cost_models.compression_memory).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,6 +79,16 @@ def test_last_stage_drops_its_output_before_the_loss_backward():
 
 # --- the model against real ranks ---------------------------------------------------------------
 @pytest.mark.slow
+@functools.cache
+def _traced(name: str):
+    """examples.gpt's `name` traced once per session (an OpGraph is frozen data)."""
+    from examples import gpt
+    from partitioner.tracer.trace import trace
+
+    model = getattr(gpt, name)()
+    return trace(model, (gpt.example_batch(model, 2)[0],))
+
+
 @pytest.mark.parametrize("pins", [{"dp": 2, "pp": 2, "zero_stage": 3, "microbatch_size": 4},
                                   {"dp": 4, "zero_stage": 2, "microbatch_size": 2},
                                   {"dp": 4, "zero_stage": 0, "microbatch_size": 2, "compression": "int8"},
@@ -122,14 +134,13 @@ def test_last_stage_drops_its_output_before_the_loss_backward():
 def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     from examples import gpt
     from partitioner import Topology, compile
-    from partitioner.tracer.trace import trace
     from runtime.launch.local import launch_local
     from runtime.run import default_loss, default_optimizer
 
     pins = dict(pins)
     model_fn = getattr(gpt, pins.pop("model", "gpt_tiny"))
     model = model_fn()
-    g = trace(model, (gpt.example_batch(model, 2)[0],))
+    g = _traced(model_fn.__name__)
     batch = pins.pop("global_batch_size", 8)
     precision = pins.pop("precision", "fp32")
     within = pins.pop("within", None)
