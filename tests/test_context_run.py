@@ -40,9 +40,9 @@ def traced(name: str):
 
 def plan_for(*, dp: int = 1, cp: int = 2, cp_kind: str = "ring", zero: int = 0, tp: int = 1, pp: int = 1,
              mb: int = 2, sp: bool = False, name: str = "gpt", recompute: str = "none", precision: str = "fp32"):
-    return compile(traced(name), f"local:{dp * cp * tp * pp}", global_batch_size=BATCH, precision=precision, dp=dp, cp=cp, cp_kind=cp_kind if cp > 1 else None, tp=tp, pp=pp,
-                   sp=sp if tp > 1 else None, zero_stage=zero, microbatch_size=mb, recompute=recompute,
-                   alternatives=0)
+    return compile(traced(name), f"local:{dp * cp * tp * pp}", global_batch_size=BATCH, precision=precision,
+                   dp=dp, cp=cp, cp_kind=cp_kind if cp > 1 else None, tp=tp, pp=pp, sp=sp if tp > 1 else None,
+                   zero_stage=zero, microbatch_size=mb, recompute=recompute, alternatives=0)
 
 
 def test_the_program_splits_tokens_and_runs_attention_over_the_context_group():
