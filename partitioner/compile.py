@@ -792,10 +792,11 @@ def _extract(g: OpGraph, splits: TensorSplits | None, **kw: Any) -> ModelCode:
         try:
             memo[key] = extract(g.graph_module, g, splits=splits, **kw)
         except SegmentError as e:
-            memo[key] = e
+            # its words only: the error's traceback holds the frames that hold g, which would never be freed
+            memo[key] = SegmentError(*e.args)
     got = memo[key]
     if isinstance(got, SegmentError):
-        raise got.with_traceback(None)
+        raise SegmentError(*got.args)  # a new one: raising the kept one would attach this traceback to it
     return got
 
 
