@@ -78,6 +78,9 @@ class Capture:
     method: Method
     batch_symbolic: bool
     graph_module: Any
+    # the sequence lengths the captured graph holds for (torch.export's range of its sequence symbol); None: not
+    # known (fx), or no symbol
+    seq_range: tuple[int, float] | None = None
 
 
 # ---------------------------------------------------------------- helpers
@@ -253,7 +256,25 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)
     return Capture(nodes=tuple(nodes), inputs=tuple(inputs), method="export",
-                   batch_symbolic=batch_symbolic, graph_module=ep)
+                   batch_symbolic=batch_symbolic, graph_module=ep, seq_range=_seq_range(ep, symbols))
+
+
+def _seq_range(ep: Any, symbols: dict[sympy.Symbol, sympy.Expr]) -> tuple[int, float] | None:
+    """The lengths an exported graph's sequence symbol may take (its range constraint): a graph traced at one
+    length is valid at another only inside it."""
+    for sym, which in symbols.items():
+        if which == S and sym in ep.range_constraints:
+            vr = ep.range_constraints[sym]
+            return _int_or(vr.lower, 0), _int_or(vr.upper, float("inf"))
+    return None
+
+
+def _int_or(x: Any, unbounded: float) -> float:
+    """A range's end as an int, or `unbounded` for sympy's and torch's infinities."""
+    try:
+        return int(x)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return unbounded
 
 
 def _positional_names(model: torch.nn.Module, n: int) -> list[str]:

@@ -172,20 +172,45 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, **kw) -> Capture:
     An example as long as the model's context (seq == block_size) lets the
     exporter prove `x[:, :, :T, :T]` is the whole buffer and fix T: the costs
     would lose their dependence on s, and with it what selective
-    recomputation saves. Then capture again with half the sequence, once,
-    which keeps T symbolic; every cost is still evaluated at the user's length.
+    recomputation saves. Then capture with half the sequence, once, which
+    keeps T symbolic; every cost is still evaluated at the user's length, and
+    the shorter capture is taken only where its graph holds at that length
+    (torch.export's range for T includes it). Where a buffer of the model is
+    as long as the example's sequence (a causal mask of the model's context),
+    the shorter capture comes first: the full one would be thrown away.
     """
+    seq = _example_seq(args, kwargs)
+    shorter = _halve_sequence(args, kwargs) if kw.get("dynamic_seq") and seq is not None else None
+    if shorter is not None and _context_long_buffer(model, seq):
+        short = _try_capture(model, shorter, seq, **kw)
+        if short is not None:
+            return short
     cap = capture(model, args, kwargs, **kw)
-    if not kw.get("dynamic_seq") or _has_seq_symbol(cap):
+    if shorter is None or _has_seq_symbol(cap):
         return cap
-    shorter = _halve_sequence(args, kwargs)
-    if shorter is None:
-        return cap
+    return _try_capture(model, shorter, seq, **kw) or cap
+
+
+def _try_capture(model: nn.Module, shorter: tuple[tuple, dict], seq: int, **kw) -> Capture | None:
+    """The capture of the shorter example, where it keeps the sequence symbolic and holds at length `seq`."""
     try:
-        retry = capture(model, *shorter, **kw)
+        cap = capture(model, *shorter, **kw)
     except TraceError:
-        return cap
-    return retry if _has_seq_symbol(retry) else cap
+        return None
+    ok = _has_seq_symbol(cap) and (cap.seq_range is None or cap.seq_range[0] <= seq <= cap.seq_range[1])
+    return cap if ok else None
+
+
+def _example_seq(args: tuple, kwargs: dict) -> int | None:
+    """The sequence length of the example's token inputs (dim 1 of an integer tensor)."""
+    return next((int(x.shape[1]) for x in (*args, *kwargs.values())
+                 if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.dtype.is_floating_point
+                 and x.dtype != torch.bool), None)
+
+
+def _context_long_buffer(model: nn.Module, seq: int) -> bool:
+    """Whether a buffer of the model has a dim of exactly `seq` (a mask or table of the model's context length)."""
+    return any(seq in b.shape for b in model.buffers())
 
 
 def _has_seq_symbol(cap: Capture) -> bool:
