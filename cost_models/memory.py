@@ -291,8 +291,13 @@ def chunk_live(*, pp: int, stage: int, num_microbatches: int, interleave: int) -
     for k in range(min(total - warmup, 2 * pv + 1)):
         forward(warmup + k)
         live[interleave - 1 - (k % pv) // pp] -= 1
-    covered = lambda u, w: u != w and all(a <= b for a, b in zip(u, w))  # noqa: E731
-    return tuple(sorted(u for u in seen if not any(covered(u, w) for w in seen)))
+    # the moments no other covers: a covering moment holds strictly more in all, so taken by falling sums each is
+    # checked against the uncovered ones before it only (a few), not every moment
+    uncovered: list[tuple[int, ...]] = []
+    for u in sorted(seen, key=sum, reverse=True):
+        if not any(all(a <= b for a, b in zip(u, w)) for w in uncovered):
+            uncovered.append(u)
+    return tuple(sorted(uncovered))
 
 
 # --- temporary buffers ------------------------------------------------------

@@ -351,11 +351,12 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     sync_ctx = context(reduction) if decl.async_sgd else ctx
     seq = g.traced_seq_len or 1
     sp_dominates = functools.cache(lambda t, mb, rc: _sp_dominates(ctx, t, mb, rc))
+    sp_allows = functools.cache(lambda t, mb: not no_sp and _sp_allows(splits, g, t, mb))  # each pp asks again
 
     def candidates(search_cp: bool) -> list[ParallelConfig]:
         return list(enumerate_candidates(
             decl, world_size=topo.world_size, devices_per_node=topo.devices_per_node, num_units=len(ctx.units),
-            valid_tp=valid_tp, sp_allows=lambda t, mb: not no_sp and _sp_allows(splits, g, t, mb),
+            valid_tp=valid_tp, sp_allows=sp_allows,
             sp_dominates=sp_dominates,
             context=lambda t: cp_options(decl, tp=t, world_size=topo.world_size, seq_len=seq, heads=heads,
                                          search=search_cp),

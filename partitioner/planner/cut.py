@@ -12,8 +12,8 @@ each (stages used, units covered), the Pareto front of
 combined monotonically, so the optimum's prefix is on its prefix's front and
 the result is exact. Stages that do not fit in memory are never formed (a
 longer stage never needs less memory, so the scan over the end stops there),
-and stages whose c alone would make T worse than a known cut are pruned
-(`c_limit`), which keeps it fast on 100-layer models.
+and stages whose c or tail alone would make T worse than a known cut are
+pruned (`c_limit`, `tail_limit`), which keeps it fast on 100-layer models.
 """
 
 from __future__ import annotations
@@ -104,6 +104,10 @@ def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf,
     slope = m * v - 1
     c_min_total = ev.total_c  # sum of c without p2p; any cut has sum c >= this
     c_limit = (bound - c_min_total * ev.sum_weight) / slope * (1 + 1e-12) if slope > 0 and math.isfinite(bound) else math.inf
+    # a stage whose tail alone (exposed data-parallel traffic, optimizer step) makes T worse than a known cut, with
+    # every other term at its least (ev.min_max_c: the slowest stage's c over all cuts), is never formed
+    tail_limit = bound - slope * ev.min_max_c() - c_min_total * ev.sum_weight + 1e-12 * bound \
+        if math.isfinite(bound) else math.inf
     pre = [ev._f[u] + ev._b[u] + ev.engine_floor[u] for u in range(n + 1)]  # without p2p: a lower bound on c
     # front[j]: points (max_c, max_tail, sum_c, bounds) reaching unit j with k stages
     front: dict[int, list[tuple[float, float, float, tuple[int, ...]]]] = {0: [(0.0, 0.0, 0.0, (0,))]}
@@ -122,6 +126,8 @@ def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf,
                 st = ev.stage(i, j, k)
                 if not st.fits or st.c > c_limit:
                     break  # longer stages only need more memory and time
+                if st.tail_s > tail_limit:
+                    continue  # (a longer stage may hide more of its traffic)
                 for mc, mt, sc, bnds in points:
                     p = (max(mc, st.c), max(mt, st.tail_s), sc + st.c, bnds + (j,))
                     _insert(nxt.setdefault(j, []), p)

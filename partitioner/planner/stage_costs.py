@@ -40,6 +40,7 @@ Units of everything: seconds and bytes.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -164,22 +165,37 @@ def _dp_groups(pp: int, dp: int, tp: int, cp: int = 1) -> tuple[tuple[int, ...],
 def _stage_counts(cand: ParallelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per virtual stage k: (microbatches whose activations it holds at its peak, microbatches between their I
     and W: zero-bubble schedules with several stages per rank only, 0 elsewhere)."""
-    m, v, pp = cand.num_microbatches, cand.interleave, cand.pp
+    return _schedule_counts(cand.schedule, cand.pp, cand.num_microbatches, cand.interleave)
+
+
+@functools.lru_cache(maxsize=4096)  # a function of the schedule alone, which thousands of candidates share
+def _schedule_counts(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     inflight, waiting = [], []
     for k in range(pp * v):
-        rank = stage_rank(cand.schedule, pp, k)
+        rank = stage_rank(schedule, pp, k)
         held = 0
-        if cand.schedule in _SPLIT_CHUNKED:  # per chunk, off the rank's order; held until W
-            live, between = chunk_peaks(cand.schedule, pp=pp, num_microbatches=m, interleave=v, rank=rank)
+        if schedule in _SPLIT_CHUNKED:  # per chunk, off the rank's order; held until W
+            live, between = chunk_peaks(schedule, pp=pp, num_microbatches=m, interleave=v, rank=rank)
             count, held = live[k // pp], between[k // pp]
         elif v > 1:  # this chunk's own count: the rank's first chunks hold more than its last
             count = chunk_inflight(pp=pp, stage=rank, num_microbatches=m, interleave=v)[k // pp]
         else:  # zb-h1: what I keeps for W besides (the gradients at the weights' matmuls) is charged in _peak_memory
-            count = inflight_microbatches(cand.schedule, pp=pp, stage=rank, num_microbatches=m,
+            count = inflight_microbatches(schedule, pp=pp, stage=rank, num_microbatches=m,
                                           interleave=v) if pp > 1 else 1
         inflight.append(count)
         waiting.append(held)
     return tuple(inflight), tuple(waiting)
+
+
+def _packs(pre: list[float], stages: int, x: float) -> bool:
+    """Whether units with prefix sums `pre` pack into at most `stages` contiguous stages of at most x each
+    (greedy: each stage takes as many units as fit)."""
+    n, i = len(pre) - 1, 0
+    for _ in range(stages):
+        i = bisect.bisect_right(pre, pre[i] + x, i) - 1
+        if i >= n:
+            return True
+    return False
 
 
 class StageEvaluator:
@@ -194,6 +210,7 @@ class StageEvaluator:
         self.chunk_alone = chunk_alone
         self.options = (compression,) if compression is not None else ctx.compression_options(cand)
         assert self.options, f"{cand} cannot honour the pinned compression {ctx.compression_pins}: filter it out"
+        self._compressor = {o: group_compressor(o) for o in self.options}
         self.num_stages = cand.pp * cand.interleave
         arr = ctx.unit_arrays(cand.tp, cand.microbatch_size, cand.recompute, cand.sp, cand.cp, cand.cp_kind, cand.ep,
                               cand.recompute_blocks)
@@ -287,7 +304,7 @@ class StageEvaluator:
                                   zero_stage=c.zero_stage, dp=c.replicas).total
         if self._fpar:  # frozen parameters: the fullest stage may hold only those, with no state but themselves
             state = avg * self._param_bytes
-        if state * v + self._fixed > ctx.cap(c):
+        if state * v + self._fixed > ctx.cap(c) or not self._activations_may_fit():
             return math.inf
         tail = avg / (c.replicas if c.zero_stage >= 1 else 1) * self._optim_s + avg * self._settle_s
         if self._fpar:
@@ -296,10 +313,78 @@ class StageEvaluator:
             # (under ep the expert parameters gather over a smaller group: left out, so this stays a bound)
             tail += ctx.comm.all_gather(avg * self._param_bytes, self.dp_ranks(0))
         total_c = self.total_c + self.engine_floor[-1]  # the engine's gradient buffers, every microbatch
-        full = (m * v - 1) * max(total_c / S, self.arrays.max_unit_c) + total_c * self.sum_weight + tail
+        full = (m * v - 1) * self.min_max_c() + total_c * self.sum_weight + tail
         # with part of the idle time charged, the least the busiest rank works (the average) bounds it
         busy = m * total_c / c.pp + tail
         return busy + ctx.cal.pipeline_idle_cost * (full - busy) if c.pp > 1 else full
+
+    def min_max_c(self) -> float:
+        """A lower bound on the slowest stage's c over every cut into num_stages contiguous stages, memory aside:
+        the bottleneck of the best partition of the units' compute (with the engine's floor; p2p left out), at
+        least total / stages and the largest unit, more where whole units cannot share the total evenly (96
+        blocks and an LM head on 16 stages: 7 blocks on some stage, not 6.02). Bisection on greedy packings: a
+        packing into num_stages stages of at most x each exists exactly when x >= the bottleneck, and the bound
+        returned is an x for which none does (or the trivial bound, if larger). Memoised per context on the unit
+        arrays, the engine's rate and the number of stages, which many candidates share."""
+        arr, S = self.arrays, self.num_stages
+        key = (id(arr), self._accum_s, S)
+        memo = self.ctx._bottlenecks
+        hit = memo.get(key)
+        if hit is None:
+            pre = [self._f[u] + self._b[u] + self.engine_floor[u] for u in range(len(self._f))]
+            n = len(pre) - 1
+            lo = max(pre[n] / S, max((pre[u + 1] - pre[u] for u in range(n)), default=0.0))
+            if S > 1 and n > S and not _packs(pre, S, lo):
+                fail, fit = lo, pre[n]
+                while fit - fail > 1e-7 * fit:
+                    x = (fail + fit) / 2
+                    if _packs(pre, S, x):
+                        fit = x
+                    else:
+                        fail = x
+                lo = fail * (1 - 1e-9)  # (the stages' c are sums in another order: rounding stays below)
+            hit = memo[key] = lo
+        return hit
+
+    def _activations_may_fit(self) -> bool:
+        """A necessary condition for some cut to fit in memory, O(stages).
+
+        Virtual stage k holds its units' activations a_k for inflight_k microbatches beside its model state s_k
+        (the block moment of `_peak_memory`; the last stage the loss's tensors too; s_k with the gradients the engine
+        holds at that moment), within the room R of a stage
+        (the cap less the process's fixed bytes; 1/v of it per chunk where a rank holds v, as `stage` checks):
+        a_k <= (R - s_k) / inflight_k, s_k <= R. So the units' activations summed are at most the most that
+        sum_k (R - s_k) / inflight_k can be with the s_k summing to the state of all parameters: that state
+        placed on the stages that hold the most microbatches first, up to R on each."""
+        ctx, c = self.ctx, self.cand
+        cal = ctx.cal
+        total = self._act[-1] * cal.activation_mem_scale
+        share = 1 if self.chunk_alone else c.interleave
+        room = (ctx.cap(c) - self._fixed) / share
+        if room <= 0:
+            return False
+        state = 0.0
+        if not self._fpar and not self._epar and not ctx.async_sgd:
+            # per parameter, what every moment of `_peak_memory` holds: the parameters and optimizer state, and the
+            # engine's gradients where they stay from step to step (flat buffers, fp32 in the mixed precisions) or
+            # where each stage runs backward while earlier microbatches' gradients wait (more microbatches than
+            # any stage holds at once)
+            z = c.zero_stage
+            per = model_state_bytes(1.0, precision=ctx.precision, optimizer=ctx.optimizer, zero_stage=z,
+                                    dp=c.replicas)
+            grads = per.grads * (2 if z < 3 and ctx.precision in _FP32_GRADIENTS else 1)
+            flat = z <= 1 and not (c.replicas == 1 and ctx.precision == "fp32" and (c.pp > 1 or c.tp > 1))
+            held = flat or c.num_microbatches > max(self._inflight)
+            unique = self._par[-1] - sum(size for users in self._shared for _, size in users[1:])
+            state = max(0.0, unique) * (per.params + per.optimizer + (grads * cal.grad_mem_scale if held else 0.0))
+        rooms = [room] * self.num_stages
+        rooms[-1] -= (self._loss_kept * max(1, self._inflight[-1]) + self._loss_work) * cal.loss_mem_scale
+        most = 0.0
+        for r, k in sorted(((r, k) for k, r in enumerate(rooms)), key=lambda x: -max(1, self._inflight[x[1]])):
+            put = min(max(0.0, r), state)
+            state -= put
+            most += max(0.0, r - put) / max(1, self._inflight[k])
+        return state <= 0 and total <= most
 
     def dp_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
         return self._dp_groups[pipeline_rank]
@@ -625,6 +710,16 @@ class StageEvaluator:
             hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
         return hit
 
+    def _reductions(self, params: float, lr: LowRank | None) -> list[tuple[tuple[str, str], float, float, bool]]:
+        """(option, wire, kernel, compressed) of the stage's gradient reduction for each compression option: the
+        cut search asks for the same stage sizes many times, each with every option."""
+        key = ("all", params, lr)
+        hit = self._reduce_memo.get(key)
+        if hit is None:
+            hit = self._reduce_memo[key] = [(o, *self._reduction(params, o, lr), self._compressor[o] != "none")
+                                            for o in self.options]
+        return hit
+
     def _gather(self, params: float, compressor: str) -> tuple[float, float]:
         """(wire, kernel) seconds of one ZeRO-3 parameter all-gather of the stage (int8 codes under int8/int4)."""
         key = ("gather", params, compressor)
@@ -669,13 +764,13 @@ class StageEvaluator:
             n = max(1, units) if z == 3 else 1
             regathers = self._zero3_regathers() if z == 3 else 0
             gather = self._param_gather(params) if z in (1, 2) else 0.0  # the updated parameters', in the compute dtype
-            for option in self.options:
-                if z == 3:
+            if z == 3:
+                for option in self.options:
                     exposed[option] = m * self._zero3_exposed(params / n, n, f, b, option, regathers=regathers)
-                    continue
-                wire, kernel = self._reduction(params, option, lr)
-                hidden = 0.0 if group_compressor(option) != "none" else overlap * b  # compressed: synchronous
-                exposed[option] = per_step * (max(0.0, wire - hidden) + kernel) + gather
+            else:
+                for option, wire, kernel, compressed in self._reductions(params, lr):
+                    hidden = 0.0 if compressed else overlap * b  # compressed: synchronous
+                    exposed[option] = per_step * (max(0.0, wire - hidden) + kernel) + gather
         shard = params / (cand.replicas if z >= 1 else 1)
         optim = shard * self._optim_s + params * self._settle_s
         return exposed, optim
@@ -742,11 +837,12 @@ class StageEvaluator:
         nothing (the engine runs it synchronously); the (quantized) gathers still prefetch.
         """
         overlap = self.ctx.cal.dp_overlap
-        g_wire, g_kernel = self._gather(unit_params, group_compressor(option))
+        compressor = self._compressor[option]
+        g_wire, g_kernel = self._gather(unit_params, compressor)
         r_wire, r_kernel = self._reduction(unit_params, option, None)
         gathers = 1 + regathers  # in the backward
         forward = max(0.0, n * g_wire - overlap * f)
-        if group_compressor(option) != "none":  # a synchronous reduce-scatter; the gathers still prefetch
+        if compressor != "none":  # a synchronous reduce-scatter; the gathers still prefetch
             backward = max(0.0, n * gathers * g_wire - overlap * b) + n * r_wire
         else:
             backward = max(0.0, n * (gathers * g_wire + r_wire) - overlap * b)

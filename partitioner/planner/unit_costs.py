@@ -14,9 +14,10 @@ Units of everything: seconds and bytes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from cost_models.calibration import Calibration
 from cost_models.comm import CommModel
@@ -153,11 +154,17 @@ class CostContext:
                                     if any(n.name in moe_nodes for n in g.nodes[a:b]))
         ids: dict[tuple, int] = {}
         self._keys = [ids.setdefault(self._unit_key(a, b), len(ids)) for a, b in self.units]
+        first: dict[int, int] = {}
+        for u, k in enumerate(self._keys):
+            first.setdefault(k, u)
+        counts = collections.Counter(self._keys)
+        self._unit_kinds = tuple((u, counts[k]) for k, u in first.items())  # (a unit of each kind, how many)
         self._boundary, self._boundary_new = self._boundary_bytes()
         self._memo: dict[tuple, UnitCost] = {}
         self._outputs = {n.name: n.output for n in g.nodes}
         self._kv = kv_blocks(g)  # per attention node, the k and v a context-parallel kernel sends
         self._arrays: dict[tuple, UnitArrays] = {}
+        self._bottlenecks: dict[tuple, float] = {}  # StageEvaluator.min_max_c
         self._p2p: dict[tuple | None, tuple[float, ...]] = {}
         self._codes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._param_local = self._param_sizes()
@@ -167,6 +174,9 @@ class CostContext:
         self._frozen = frozenset(g.frozen_params)
         self._sharded = {pl.param: is_sharded(pl.spec) for pl in splits.placements}
         self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
+        self._params_of: dict[tuple[int, int, int], tuple[float, float, float]] = {}  # _unit_params
+        self._layouts: dict[tuple[int, int], _ParamLayout] = {}  # _param_layout
+        self._crossed: dict[tuple[int, int, int, int], tuple[str, ...]] = {}  # crossed_levels
 
     # ---- static structure ------------------------------------------------
     def _unit_key(self, a: int, b: int) -> tuple:
@@ -308,27 +318,42 @@ class CostContext:
                   cp_kind: str = "ring", ep: int = 1) -> UnitCost:
         sp = sp and tp > 1
         unit_ep = ep if u in self._moe_units else 1  # a unit without experts is evaluated once for every ep
-        key = (self._keys[u], tp, mb, recompute, sp, cp, cp_kind if cp > 1 else "ring", unit_ep)
-        hit = self._memo.get(key)
-        if hit is None:
-            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind, unit_ep)
+        hit = self._raw_cost(u, tp, mb, recompute, sp, cp, cp_kind, unit_ep)
         if hit.stage_start_bytes:  # a unit starting a block under recomputation: its input, as it lies here
             made = local(self._boundary_new[u - 1], mb, self.seq, cp) * self.scale / (tp if sp else 1)
             held = local(self._boundary[u - 1], mb, self.seq, cp) * self.scale / (tp if sp else 1)
             hit = dataclasses.replace(hit, activation_bytes=hit.activation_bytes + made,
                                       stage_start_bytes=max(0.0, held - made))
-        frozen = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u] if p in self._frozen)
+        params, expert, frozen = self._unit_params(u, tp, ep)
         if not self._expert_param:
-            params = sum(n / (tp if self._sharded_param(p) else 1) for p, n in self._param_local[u])
             return dataclasses.replace(hit, params=params, frozen_params=frozen)
-        params = expert = 0.0
-        for p, n in self._param_local[u]:
-            local_n = n / (tp if self._sharded_param(p) else 1)
-            if p in self._expert_param:
-                local_n /= ep
-                expert += local_n
-            params += local_n
         return dataclasses.replace(hit, params=params, expert_params=expert, frozen_params=frozen)
+
+    def _raw_cost(self, u: int, tp: int, mb: int, recompute: str, sp: bool, cp: int, cp_kind: str,
+                  ep: int) -> UnitCost:
+        """_eval_unit, once per kind of unit and setting: what unit_cost adjusts for where the unit lies."""
+        key = (self._keys[u], tp, mb, recompute, sp, cp, cp_kind if cp > 1 else "ring", ep)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._eval_unit(u, tp, mb, recompute, sp, cp, cp_kind, ep)
+        return hit
+
+    def _unit_params(self, u: int, tp: int, ep: int) -> tuple[float, float, float]:
+        """(parameters, expert parameters, frozen parameters) of unit u per tensor and expert rank."""
+        key = (u, tp, ep)
+        hit = self._params_of.get(key)
+        if hit is None:
+            params = expert = frozen = 0.0
+            for p, n in self._param_local[u]:
+                local_n = n / (tp if self._sharded_param(p) else 1)
+                if p in self._frozen:
+                    frozen += local_n  # (not divided by ep)
+                if p in self._expert_param:
+                    local_n /= ep
+                    expert += local_n
+                params += local_n
+            hit = self._params_of[key] = (params, expert, frozen)
+        return hit
 
     def _sharded_param(self, name: str) -> bool:
         return self._sharded[name]
@@ -560,8 +585,9 @@ class CostContext:
 
     def total_unit_time(self, tp: int, mb: int, recompute: str, sp: bool = False) -> float:  # at cp = 1
         """Forward and backward time of every unit, summed (`unit_arrays(...).total_c` without the arrays)."""
-        return sum(c.forward_s + c.backward_s for c in
-                   (self.unit_cost(u, tp=tp, mb=mb, recompute=recompute, sp=sp) for u in range(len(self.units))))
+        sp = sp and tp > 1
+        return sum(count * (c.forward_s + c.backward_s) for c, count in
+                   ((self._raw_cost(u, tp, mb, recompute, sp, 1, "ring", 1), count) for u, count in self._unit_kinds))
 
     def unit_arrays(self, tp: int, mb: int, recompute: str, sp: bool = False, cp: int = 1,
                     cp_kind: str = "ring", ep: int = 1, recompute_blocks: tuple[int, int] = (1, 1)) -> UnitArrays:
@@ -577,45 +603,60 @@ class CostContext:
                   for u in range(len(self.units))]
             if recompute_blocks != (1, 1):
                 uc = self._mixed_boundaries(uc, modes, tp=tp, mb=mb, sp=sp, cp=cp)
-            owners: dict[str, list[tuple[int, float]]] = {}
-            in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
-            largest = [0.0] * len(self.units)
-            # ZeRO-3 per module (zero3_unit="module"): per unit, the parameters of each module holding some
-            modules: list[dict[str, float]] = [{} for _ in self.units]
-            for u in range(len(self.units)):
-                for p, numel in self._param_local[u]:
-                    local = numel / (tp if self._sharded_param(p) else 1) / (ep if p in self._expert_param else 1)
-                    owners.setdefault(p, []).append((u, local))
-                    if p in self._frozen:  # held whole outside ZeRO's units: never gathered, no gradient
-                        continue
-                    largest[u] = max(largest[u], local)
-                    mod = modules[u]
-                    mod[p.rpartition(".")[0]] = mod.get(p.rpartition(".")[0], 0.0) + local
-                    if self._param_block[p] is not None:
-                        in_block[u] += local
-            shared = [p for p, v in owners.items() if len(v) > 1]
-            tied_modules = {p.rpartition(".")[0] for p in shared if self._param_block[p] is None}
+            lay = self._param_layout(tp, ep)
+            in_block = lay.in_block
             hit = self._arrays[key] = UnitArrays(
                 costs=tuple(uc), f=tuple(_prefix([x.forward_s for x in uc])), b=tuple(_prefix([x.backward_s for x in uc])),
                 act=tuple(_prefix([x.activation_bytes for x in uc])), par=tuple(_prefix([x.params for x in uc])),
-                work=tuple(x.working_bytes for x in uc), shared=tuple(tuple(owners[p]) for p in shared),
-                shared_in_block=tuple(self._param_block[p] is not None for p in shared),
-                block_par=tuple(in_block), max_param=tuple(largest),
+                work=tuple(x.working_bytes for x in uc), shared=lay.shared, shared_in_block=lay.shared_in_block,
+                block_par=in_block, max_param=lay.largest,
                 rest=tuple(_prefix([x.params - x.frozen_params - y for x, y in zip(uc, in_block)])),
                 biggest=tuple(x.largest_output for x in uc), unit_act=tuple(x.activation_bytes for x in uc),
                 start=tuple(x.stage_start_bytes for x in uc),
                 cp_buffers=tuple(x.context_buffer_bytes for x in uc),
-                blocks=tuple(_prefix([1.0 if x > 0 else 0.0 for x in in_block])),
+                blocks=lay.blocks,
                 total_c=sum(x.forward_s + x.backward_s for x in uc), total_w=sum(x.weight_s for x in uc),
                 total_b=sum(x.backward_s for x in uc), wgrad=tuple(_prefix([x.weight_grad_bytes for x in uc])),
                 max_unit_c=max(x.forward_s + x.backward_s for x in uc),
                 epar=tuple(_prefix([x.expert_params for x in uc])) if ep > 1 else (),
                 fpar=tuple(_prefix([x.frozen_params for x in uc])) if self._frozen else (),
-                modules=tuple(_prefix([float(len(m)) for m in modules])),
-                # a module whose parameter other units read too outside the blocks (a tied embedding) is the
-                # root's unit (kept from forward to backward, StageEvaluator's `root`), not one gathered in turn
-                max_module=tuple(max((v for mod, v in m.items() if mod not in tied_modules), default=0.0)
-                                 for m in modules))
+                modules=lay.modules, max_module=lay.max_module)
+        return hit
+
+    def _param_layout(self, tp: int, ep: int) -> _ParamLayout:
+        """Where the parameters lie among the units at tensor degree tp and expert degree ep (UnitArrays' fields of
+        the same names): the same for every microbatch, recomputation and sequence split."""
+        hit = self._layouts.get((tp, ep))
+        if hit is not None:
+            return hit
+        owners: dict[str, list[tuple[int, float]]] = {}
+        in_block = [0.0] * len(self.units)  # parameters of repeated blocks (ZeRO-3 gathers them block by block)
+        largest = [0.0] * len(self.units)
+        # ZeRO-3 per module (zero3_unit="module"): per unit, the parameters of each module holding some
+        modules: list[dict[str, float]] = [{} for _ in self.units]
+        for u in range(len(self.units)):
+            for p, numel in self._param_local[u]:
+                local = numel / (tp if self._sharded_param(p) else 1) / (ep if p in self._expert_param else 1)
+                owners.setdefault(p, []).append((u, local))
+                if p in self._frozen:  # held whole outside ZeRO's units: never gathered, no gradient
+                    continue
+                largest[u] = max(largest[u], local)
+                mod = modules[u]
+                mod[p.rpartition(".")[0]] = mod.get(p.rpartition(".")[0], 0.0) + local
+                if self._param_block[p] is not None:
+                    in_block[u] += local
+        shared = [p for p, v in owners.items() if len(v) > 1]
+        tied_modules = {p.rpartition(".")[0] for p in shared if self._param_block[p] is None}
+        hit = self._layouts[tp, ep] = _ParamLayout(
+            shared=tuple(tuple(owners[p]) for p in shared),
+            shared_in_block=tuple(self._param_block[p] is not None for p in shared),
+            in_block=tuple(in_block), largest=tuple(largest),
+            blocks=tuple(_prefix([1.0 if x > 0 else 0.0 for x in in_block])),
+            modules=tuple(_prefix([float(len(m)) for m in modules])),
+            # a module whose parameter other units read too outside the blocks (a tied embedding) is the
+            # root's unit (kept from forward to backward, StageEvaluator's `root`), not one gathered in turn
+            max_module=tuple(max((v for mod, v in m.items() if mod not in tied_modules), default=0.0)
+                             for m in modules))
         return hit
 
     def unit_modes(self, recompute: str, recompute_blocks: tuple[int, int] = (1, 1)) -> tuple[str, ...]:
@@ -719,8 +760,23 @@ class CostContext:
     def crossed_levels(self, cand: ParallelConfig) -> tuple[str, ...]:
         """The link levels `cand`'s data-parallel gradient reduction (over dp x cp ranks) crosses (pipeline
         rank 0's group stands for all)."""
-        return traffic_levels(self.comm, Mesh(cand.pp, cand.dp, cand.tp, cand.cp).replica_ranks()) \
-            if cand.replicas > 1 else ()
+        if cand.replicas <= 1:
+            return ()
+        key = (cand.pp, cand.dp, cand.tp, cand.cp)
+        hit = self._crossed.get(key)
+        if hit is None:
+            hit = self._crossed[key] = traffic_levels(self.comm, Mesh(*key).replica_ranks())
+        return hit
+
+
+class _ParamLayout(NamedTuple):
+    shared: tuple[tuple[tuple[int, float], ...], ...]
+    shared_in_block: tuple[bool, ...]
+    in_block: tuple[float, ...]
+    largest: tuple[float, ...]
+    blocks: tuple[float, ...]
+    modules: tuple[float, ...]
+    max_module: tuple[float, ...]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
