@@ -164,6 +164,50 @@ def test_costs_are_functions_of_batch_and_sequence():
     assert g2.forward_flops(batch_size=1) == g2.forward_flops(batch_size=1, seq_len=64)
 
 
+def test_a_model_traced_at_its_full_context_is_captured_once_at_half_the_sequence(monkeypatch):
+    """gpt_small's causal mask buffer is as long as its context. Traced at that length, a capture would fix the
+    sequence (the exporter proves the mask's slice is the whole buffer), so the tracer captures at half the
+    length first, once, and the costs are those of a trace at half the length, reported at the user's."""
+    import partitioner.tracer.trace as trace_mod
+    lengths = []
+    real = trace_mod.capture
+
+    def counted(model, args, kwargs, **kw):
+        lengths.append(int(args[0].shape[1]))
+        return real(model, args, kwargs, **kw)
+
+    model = gpt_mod.gpt_small()
+    full = model.config.block_size
+    monkeypatch.setattr(trace_mod, "capture", counted)
+    g = trace(model, gpt_mod.example_batch(model, 2))
+    assert lengths == [full // 2] and g.traced_seq_len == full and g.batch_symbolic
+    half = trace(model, (torch.zeros(2, full // 2, dtype=torch.long),) * 2)
+    assert [n.cost for n in g.nodes] == [n.cost for n in half.nodes]
+
+
+def test_a_shorter_capture_is_refused_where_its_graph_does_not_hold_at_the_users_length():
+    """A forward that takes another path past half its context: the capture at half the length holds only up
+    to there (torch.export's range for the sequence), so the tracer keeps the capture at the user's length."""
+    class Branchy(nn.Module):
+        def __init__(self, context: int = 16):
+            super().__init__()
+            self.emb = nn.Embedding(50, 8)
+            self.register_buffer("mask", torch.tril(torch.ones(context, context)))
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, idx):
+            x = self.emb(idx)
+            t = idx.shape[1]
+            if t > self.mask.shape[0] // 2:
+                x = torch.tanh(x)
+            return self.fc(self.mask[:t, :t] @ x)
+
+    g = trace(Branchy(), (torch.zeros(2, 16, dtype=torch.long),))
+    assert any(n.op == "tanh" for n in g.nodes) and g.traced_seq_len == 16
+    short = trace(Branchy(), (torch.zeros(2, 8, dtype=torch.long),))
+    assert not any(n.op == "tanh" for n in short.nodes)
+
+
 def test_a_batch_of_one_still_traces_symbolically():
     model = gpt_mod.gpt_tiny()
     g = trace(model, gpt_mod.example_batch(model, 1))

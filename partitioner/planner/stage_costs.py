@@ -75,7 +75,7 @@ from partitioner.planner.declarations import SPLIT_BACKWARD
 from partitioner.planner.expert_split import edp_ranks
 from partitioner.planner.plan import ParallelConfig
 from partitioner.planner.schedule import chunk_peaks, stage_rank
-from partitioner.planner.unit_costs import CostContext
+from partitioner.planner.unit_costs import CostContext, UnitArrays
 
 __all__ = ["StageCost", "StageEvaluator", "StageMemory"]
 
@@ -187,6 +187,24 @@ def _schedule_counts(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[int,
     return tuple(inflight), tuple(waiting)
 
 
+def _engine_floor(arr: UnitArrays, accum_s: float) -> list[float]:
+    """Prefix sums of a floor on the units' share of the engine's gradient buffers per microbatch (`accum_s` a
+    parameter): their parameters less every one read by several units (a stage holds those once, or not at all
+    where another stage ties them), so the cut search's bounds stay bounds."""
+    floor = [0.0] * len(arr.par)
+    for users in arr.shared:
+        for u, size in users:
+            floor[u + 1] += size
+    less = 0.0
+    out = []
+    for u, par in enumerate(arr.par):
+        less += floor[u]
+        if arr.fpar:  # frozen parameters have no gradient buffer
+            par -= arr.fpar[u]
+        out.append(max(0.0, par - less) * accum_s)
+    return out
+
+
 def _packs(pre: list[float], stages: int, x: float) -> bool:
     """Whether units with prefix sums `pre` pack into at most `stages` contiguous stages of at most x each
     (greedy: each stage takes as many units as fit)."""
@@ -234,20 +252,12 @@ class StageEvaluator:
         per_mb, per_step = gradient_buffer_bytes(ctx.precision, cand.zero_stage) if engine else (0, 0)
         rate = elementwise_bytes_per_s(ctx.topo.device, ctx.cal)
         self._accum_s, self._settle_s = per_mb / rate, per_step / rate
-        # a floor on the units' share of that per microbatch, as prefix sums: their parameters less every one read
-        # by several units (a stage holds those once, or not at all where another stage ties them), so the cut
-        # search's bounds stay bounds
-        floor = [0.0] * len(arr.par)
-        for users in arr.shared:
-            for u, size in users:
-                floor[u + 1] += size
-        less = 0.0
-        self.engine_floor = []
-        for u, par in enumerate(arr.par):
-            less += floor[u]
-            if arr.fpar:  # frozen parameters have no gradient buffer
-                par -= arr.fpar[u]
-            self.engine_floor.append(max(0.0, par - less) * self._accum_s)
+        # a floor on the units' share of that per microbatch, as prefix sums (`_engine_floor`), shared by the
+        # candidates with the same unit arrays and rate
+        key = (id(arr), self._accum_s)
+        floor = ctx._engine_floors.get(key)
+        self.engine_floor = floor if floor is not None else ctx._engine_floors.setdefault(key, _engine_floor(
+            arr, self._accum_s))
         dev = ctx.topo.device  # the context and the collective buffers of each group this rank talks in
         self._fixed = process_fixed_bytes(process_bytes=dev.process_bytes, comm_buffer_bytes=dev.comm_buffer_bytes,
                                           communicators=sum(d > 1 for d in (cand.replicas, cand.tp, cand.pp, cand.cp)))
@@ -258,12 +268,14 @@ class StageEvaluator:
         # per virtual stage: microbatches whose activations it holds at its peak, and (zero-bubble schedules with
         # several stages per rank) those between their I and W; a function of the stage alone, so worked out once
         self._inflight, self._waiting = _stage_counts(cand)
-        self._sync_memo: dict[float, float] = {}
         self._stage_memo: dict[tuple, StageCost] = {}
-        self._range_code, self._range_pow = ctx.range_codes(arr, self.p2p)
         # gradients reduced, and ZeRO sharded, over dp x cp ranks (Megatron's data-parallel group with cp)
         self._dp_groups = _dp_groups(cand.pp, cand.dp, cand.tp, cand.cp)
         self._reduce_memo: dict[tuple, tuple[float, float]] = {}
+        # the data-parallel group's collective times, shared by the candidates of one mesh shape, reduction kind and
+        # set of compression options (their sizes repeat from candidate to candidate)
+        self._comm_memo = ctx._comm_memos.setdefault(
+            (cand.pp, cand.dp, cand.tp, cand.cp, cand.zero_stage <= 1, self.options), {})
         # expert parallelism: expert gradients reduced, and ZeRO-sharded, over the dp x cp / ep ranks holding the
         # same experts (partitioner.planner.expert_split); None at ep = 1
         self._epar = arr.epar or None
@@ -272,8 +284,7 @@ class StageEvaluator:
         self._low_rank = ctx.low_rank_sums(cand.tp) if any("powersgd" in o for o in self.options) else None
         crossed = ctx.crossed_levels(cand)
         nodes = group_shape(ctx.comm, self.dp_ranks(0))[0] if crossed == LEVELS else 1  # cached per group
-        self._reduction_mem = {o: reduction_memory(o, zero_stage=cand.zero_stage, dp=cand.replicas, nodes=nodes)
-                               for o in self.options}
+        self._nodes = nodes  # (for `_reduction_mem`)
         # The loss is not in the traced graph, but the last stage runs it on the model's output. Per
         # microbatch in flight it keeps one output-sized tensor (the pipeline executor the output
         # until that microbatch's backward, the step runner a cross-entropy's log-softmax); the
@@ -299,7 +310,7 @@ class StageEvaluator:
         """
         c, ctx = self.cand, self.ctx
         S, m, v = self.num_stages, c.num_microbatches, c.interleave
-        avg = self._par[-1] / S
+        avg = self._unique_params / S  # (a parameter several units read is held once where they share a stage)
         state = model_state_bytes(avg, precision=ctx.precision, optimizer=ctx.optimizer,
                                   zero_stage=c.zero_stage, dp=c.replicas).total
         if self._fpar:  # frozen parameters: the fullest stage may hold only those, with no state but themselves
@@ -346,6 +357,12 @@ class StageEvaluator:
             hit = memo[key] = lo
         return hit
 
+    @functools.cached_property
+    def _unique_params(self) -> float:
+        """The parameters one rank's stages hold together, each counted once (every stage holds at least its
+        share of these: one read by units of two stages is held by both)."""
+        return max(0.0, self._par[-1] - sum(size for users in self._shared for _, size in users[1:]))
+
     def _activations_may_fit(self) -> bool:
         """A necessary condition for some cut to fit in memory, O(stages).
 
@@ -375,8 +392,7 @@ class StageEvaluator:
             grads = per.grads * (2 if z < 3 and ctx.precision in _FP32_GRADIENTS else 1)
             flat = z <= 1 and not (c.replicas == 1 and ctx.precision == "fp32" and (c.pp > 1 or c.tp > 1))
             held = flat or c.num_microbatches > max(self._inflight)
-            unique = self._par[-1] - sum(size for users in self._shared for _, size in users[1:])
-            state = max(0.0, unique) * (per.params + per.optimizer + (grads * cal.grad_mem_scale if held else 0.0))
+            state = self._unique_params * (per.params + per.optimizer + (grads * cal.grad_mem_scale if held else 0.0))
         rooms = [room] * self.num_stages
         rooms[-1] -= (self._loss_kept * max(1, self._inflight[-1]) + self._loss_work) * cal.loss_mem_scale
         most = 0.0
@@ -419,20 +435,29 @@ class StageEvaluator:
     def stage(self, i: int, j: int, k: int) -> StageCost:
         """Units [i, j) as virtual stage k of num_stages.
 
-        Memoised on what the cost depends on: the range's contents (`CostContext.range_codes`), the p2p time into it,
-        which units of a shared parameter it holds, and k. A pipeline of repeated blocks asks for the same
-        range at many offsets; the cut search asks O(n^2 S) times, of which only O(n S) differ here.
-        PowerSGD's per-range factors are not in the key: with them every call is evaluated.
+        Memoised on what the cost depends on: the range's contents (`CostContext.range_codes`, PowerSGD's view of
+        its gradients included where an option uses it), the p2p time into it, which units of a shared parameter
+        it holds, and k. A pipeline of repeated blocks asks for the same range at many offsets; the cut search
+        asks O(n^2 S) times, of which only O(n S) differ here.
         """
-        if self._low_rank is not None:
-            return self._stage(i, j, k)
-        code, power = self._range_code, self._range_pow
+        code, power = self._range_codes
         key = (code[j] - code[i] * power[j - i], self.p2p[i - 1] if i > 0 else None, k,
                tuple(tuple(size for u, size in users if i <= u < j) for users in self._shared))
         hit = self._stage_memo.get(key)
         if hit is None:
             hit = self._stage_memo[key] = self._stage(i, j, k)
         return hit
+
+    @functools.cached_property
+    def _range_codes(self) -> tuple[list[int], list[int]]:
+        low_ranks = self.ctx.unit_low_ranks(self.cand.tp) if self._low_rank is not None else None
+        return self.ctx.range_codes(self.arrays, self.p2p, low_ranks)
+
+    @functools.cached_property
+    def _reduction_mem(self) -> dict[tuple[str, str], ReductionMemory]:
+        """Per compression option, what its reduction holds (cost_models.compression_memory)."""
+        c = self.cand
+        return {o: reduction_memory(o, zero_stage=c.zero_stage, dp=c.replicas, nodes=self._nodes) for o in self.options}
 
     def _stage(self, i: int, j: int, k: int) -> StageCost:
         ctx, cand = self.ctx, self.cand
@@ -688,9 +713,10 @@ class StageEvaluator:
         """The ZeRO-1/2 all-gather of a stage's updated parameters over its data-parallel group, in the
         compute dtype. Every pipeline rank's group has the same shape (the mesh is regular), so pipeline
         rank 0's stands for all; stages repeat sizes, hence the memo."""
-        hit = self._sync_memo.get(params)
+        key = ("sync", params)
+        hit = self._comm_memo.get(key)
         if hit is None:
-            hit = self._sync_memo[params] = self.ctx.comm.all_gather(params * self._param_bytes, self.dp_ranks(0))
+            hit = self._comm_memo[key] = self.ctx.comm.all_gather(params * self._param_bytes, self.dp_ranks(0))
         return hit
 
     def _reduction(self, params: float, compression: tuple[str, str], lr: LowRank | None) -> tuple[float, float]:
@@ -698,7 +724,7 @@ class StageEvaluator:
         compression: the all-reduce of DDP/ZeRO-1, the flat reduce-scatter of ZeRO-2/3."""
         lr = lr if "powersgd" in compression else None
         key = (params, compression, lr)
-        hit = self._reduce_memo.get(key)
+        hit = self._comm_memo.get(key)
         if hit is None:
             ranks, comm = self.dp_ranks(0), self.ctx.comm
             if self.cand.zero_stage <= 1:
@@ -707,26 +733,26 @@ class StageEvaluator:
             else:
                 t = reduce_scatter_time(params, ranks, comm, group_compressor(compression),
                                         reduce_bytes=self._grad_bytes)
-            hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
+            hit = self._comm_memo[key] = (t.wire_s, t.kernel_s)
         return hit
 
     def _reductions(self, params: float, lr: LowRank | None) -> list[tuple[tuple[str, str], float, float, bool]]:
         """(option, wire, kernel, compressed) of the stage's gradient reduction for each compression option: the
         cut search asks for the same stage sizes many times, each with every option."""
         key = ("all", params, lr)
-        hit = self._reduce_memo.get(key)
+        hit = self._comm_memo.get(key)
         if hit is None:
-            hit = self._reduce_memo[key] = [(o, *self._reduction(params, o, lr), self._compressor[o] != "none")
+            hit = self._comm_memo[key] = [(o, *self._reduction(params, o, lr), self._compressor[o] != "none")
                                             for o in self.options]
         return hit
 
     def _gather(self, params: float, compressor: str) -> tuple[float, float]:
         """(wire, kernel) seconds of one ZeRO-3 parameter all-gather of the stage (int8 codes under int8/int4)."""
         key = ("gather", params, compressor)
-        hit = self._reduce_memo.get(key)
+        hit = self._comm_memo.get(key)
         if hit is None:
             t = gather_time(params, self.dp_ranks(0), self.ctx.comm, compressor, param_bytes=self._param_bytes)
-            hit = self._reduce_memo[key] = (t.wire_s, t.kernel_s)
+            hit = self._comm_memo[key] = (t.wire_s, t.kernel_s)
         return hit
 
     def _tail(self, params: float, f: float, b: float, lr: LowRank | None,

@@ -165,6 +165,8 @@ class CostContext:
         self._kv = kv_blocks(g)  # per attention node, the k and v a context-parallel kernel sends
         self._arrays: dict[tuple, UnitArrays] = {}
         self._bottlenecks: dict[tuple, float] = {}  # StageEvaluator.min_max_c
+        self._engine_floors: dict[tuple, list[float]] = {}  # stage_costs._engine_floor
+        self._comm_memos: dict[tuple, dict] = {}  # StageEvaluator._comm_memo
         self._p2p: dict[tuple | None, tuple[float, ...]] = {}
         self._codes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._param_local = self._param_sizes()
@@ -174,6 +176,7 @@ class CostContext:
         self._frozen = frozenset(g.frozen_params)
         self._sharded = {pl.param: is_sharded(pl.spec) for pl in splits.placements}
         self._low_rank: dict[int, tuple[list[LowRank], tuple]] = {}
+        self._unit_low_rank: dict[int, tuple[LowRank, ...]] = {}
         self._params_of: dict[tuple[int, int, int], tuple[float, float, float]] = {}  # _unit_params
         self._layouts: dict[tuple[int, int], _ParamLayout] = {}  # _param_layout
         self._crossed: dict[tuple[int, int, int, int], tuple[str, ...]] = {}  # crossed_levels
@@ -684,23 +687,42 @@ class CostContext:
                 out[u] = dataclasses.replace(uc[u], activation_bytes=max(0.0, uc[u].activation_bytes - made))
         return out
 
-    def range_codes(self, arrays: UnitArrays, p2p: tuple[float, ...]) -> tuple[list[int], list[int]]:
+    def unit_low_ranks(self, tp: int) -> tuple[LowRank, ...]:
+        """PowerSGD's view of each unit's gradients on one tensor rank (`low_rank_sums`, per unit, not as sums)."""
+        hit = self._unit_low_rank.get(tp)
+        if hit is None:
+            dims = {pl.param: pl.dim for pl in self.splits.placements} if tp > 1 else {}
+            shapes = {p.name: tuple(p.shape) for p in self.g.params}
+            units = []
+            for u in range(len(self.units)):
+                local = []
+                for p, _ in self._param_local[u]:
+                    shape, d = shapes[p], dims.get(p)
+                    local.append(shape[:d] + (max(1, shape[d] // tp),) + shape[d + 1:] if d is not None else shape)
+                units.append(low_rank(local))
+            hit = self._unit_low_rank[tp] = tuple(units)
+        return hit
+
+    def range_codes(self, arrays: UnitArrays, p2p: tuple[float, ...],
+                    low_ranks: tuple[LowRank, ...] | None = None) -> tuple[list[int], list[int]]:
         """Prefix codes of the units' contents, so that units [i, j) have the code
         `code[j] - code[i] * pow[j - i]`, equal for two ranges exactly when their units cost the same one by one
         (`StageEvaluator.stage` memoises on it).
 
         A unit's content is everything a stage's cost reads of it: its UnitCost (equal for the repeated blocks:
-        `unit_cost` memoises per unit shape), its block's and largest parameter, and the p2p time of its output. The codes are the ranges written as numbers in base (distinct contents + 1),
+        `unit_cost` memoises per unit shape), its block's and largest parameter, the p2p time of its output, and
+        where a compression option is PowerSGD, PowerSGD's view of its gradients (`low_ranks`). The codes are the ranges written as numbers in base (distinct contents + 1),
         digits from 1: exact, with no collision where a hash could have one. `arrays` and `p2p` are this
         context's memoised objects, so their identities key the codes for its life.
         """
-        key = (id(arrays), id(p2p))
+        key = (id(arrays), id(p2p), id(low_ranks))
         hit = self._codes.get(key)
         if hit is None:
             ids: dict[tuple, int] = {}
             digits = [ids.setdefault((arrays.costs[u], arrays.block_par[u], arrays.max_param[u],
                                       arrays.modules[u + 1] - arrays.modules[u], arrays.max_module[u],
-                                      p2p[u] if u < len(p2p) else None), len(ids) + 1)
+                                      p2p[u] if u < len(p2p) else None,
+                                      low_ranks[u] if low_ranks is not None else None), len(ids) + 1)
                       for u in range(len(arrays.costs))]
             base, code, power = len(ids) + 1, [0], [1]
             for d in digits:
