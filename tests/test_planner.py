@@ -127,7 +127,9 @@ def test_memoised_stage_costs_equal_their_evaluation_over_every_range(pins):
             assert memo.memory == pytest.approx(direct.memory, rel=1e-12) and memo.params == pytest.approx(direct.params)
             assert (memo.fits, memo.compression) == (direct.fits, direct.compression)
             asked += 1
-    assert len(ev._stage_memo) < asked  # the repeated blocks share entries
+    assert len(ev._stage_memo) <= asked
+    if ev.num_stages > 2:  # (two stages: every range is a prefix or a suffix, each asked once)
+        assert len(ev._stage_memo) < asked  # the repeated blocks share entries
 
 
 def test_interleaved_ranks_fit_by_the_sum_of_their_stages():
