@@ -792,6 +792,9 @@ class CostContext:
 
 
 class _ParamLayout(NamedTuple):
+    """Where the parameters lie among the units at one (tp, ep): UnitArrays' fields of the same names (in_block
+    is its block_par, largest its max_param)."""
+
     shared: tuple[tuple[tuple[int, float], ...], ...]
     shared_in_block: tuple[bool, ...]
     in_block: tuple[float, ...]
