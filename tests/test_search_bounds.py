@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import examples.gpt as gpt_mod
+from cost_models.calibration import Calibration
 from partitioner import Topology, trace
 from partitioner.planner.cut import cut_stages, evaluate_cut
 from partitioner.planner.declarations import Declarations
@@ -27,12 +28,12 @@ def _graph(layers: int):
     return trace(model, (idx, idx))
 
 
-def _candidates(g, topo: str, frac: float, **pins):
+def _candidates(g, topo: str, frac: float, calibration: Calibration | None = None, **pins):
     topology = Topology.parse(topo)
     splits = find_splits(g)
     decl = Declarations(global_batch_size=16, **pins)
     ctx = CostContext(g, topology, splits, precision="bf16-mixed", optimizer="adam", seq_len=g.traced_seq_len,
-                      memory_cap=frac * topology.device.memory_bytes)
+                      memory_cap=frac * topology.device.memory_bytes, calibration=calibration)
     valid = splits.valid_tp(tuple(t for t in (1, 2, 4, 8) if topology.world_size % t == 0))
     cands = enumerate_candidates(decl, world_size=topology.world_size, devices_per_node=topology.devices_per_node,
                                  num_units=len(ctx.units), valid_tp=valid)
@@ -44,17 +45,19 @@ def _all_cuts(n: int, stages: int):
         yield (0, *inner, n)
 
 
-# (topology, memory fraction): roomy ones, and ones where many candidates (or all cuts of some) do not fit; the CPU
-# preset's processes hold no fixed memory, so small fractions leave room to the model alone
-@pytest.mark.parametrize("topo,frac", [("2x4xA100-80GB", 0.9), ("local:8", 0.9), ("local:8", 1e-4),
-                                       ("local:8", 2e-4)])
-def test_every_bound_holds_for_every_candidate_and_cut(topo, frac):
+# (topology, memory fraction, memory scales): roomy ones, and ones where many candidates (or all cuts of some) do not
+# fit; the CPU preset's processes hold no fixed memory, so small fractions leave room to the model alone; a
+# calibration that scales the memory terms apart (the peak moment is picked on unscaled bytes)
+@pytest.mark.parametrize("topo,frac,scales", [
+    ("2x4xA100-80GB", 0.9, None), ("local:8", 0.9, None), ("local:8", 1e-4, None), ("local:8", 2e-4, None),
+    ("local:8", 2e-4, dict(activation_mem_scale=0.6, buffer_mem_scale=3.0, grad_mem_scale=1.5))])
+def test_every_bound_holds_for_every_candidate_and_cut(topo, frac, scales):
     """lower_bound() is at most the best cut's step time, and infinite only where no cut fits (its memory tests:
     model state, and activations against each stage's room); min_max_c() is the bottleneck of the units' compute
     over all cuts, below every cut's slowest stage; the cut search with the tail and c limits finds the
     exhaustive best."""
     g = _graph(4)
-    ctx, cands = _candidates(g, topo, frac)
+    ctx, cands = _candidates(g, topo, frac, Calibration(**scales) if scales else None)
     n = len(ctx.units)
     refused = bounded = 0
     for cand in cands:

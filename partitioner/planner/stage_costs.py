@@ -366,35 +366,54 @@ class StageEvaluator:
     def _activations_may_fit(self) -> bool:
         """A necessary condition for some cut to fit in memory, O(stages).
 
-        Virtual stage k holds its units' activations a_k for inflight_k microbatches beside its model state s_k
-        (the block moment of `_peak_memory`; the last stage the loss's tensors too; s_k with the gradients the engine
-        holds at that moment), within the room R of a stage
-        (the cap less the process's fixed bytes; 1/v of it per chunk where a rank holds v, as `stage` checks):
-        a_k <= (R - s_k) / inflight_k, s_k <= R. So the units' activations summed are at most the most that
-        sum_k (R - s_k) / inflight_k can be with the s_k summing to the state of all parameters: that state
-        placed on the stages that hold the most microbatches first, up to R on each."""
+        Virtual stage k holds, at the block moment of `_peak_memory`, its units' activations a_k for inflight_k
+        microbatches beside its model state s_k (with the gradients the engine holds then) and the process's
+        fixed bytes; the peak a fitting stage reaches is at least that, so a_k <= (R - s_k) / inflight_k and
+        s_k <= R, with R the cap less the fixed bytes. So the units' activations summed are at most the most
+        that sum_k (R - s_k) / inflight_k can be with the s_k summing to the state of all parameters: that state
+        placed on the stages that hold the most microbatches first, up to R on each. The last stage's loss
+        moment holds the loss's tensors besides, so its room is less by them.
+
+        Where a rank holds v chunks, `stage` checks each chunk's model state and activations within 1/v of the
+        room, at its peak moment. That moment's state and activations are at least the block moment's less
+        what it holds in buffers beyond the block moment's: nothing, or an option's compressed reduction's working
+        set over one bucket (its own moment), which is added to each chunk's room. Under chunk_alone, and at
+        ZeRO-3 with a compressor (its unit has no cap), the room is whole, and only then is the loss's counted.
+        `_peak_memory` picks the moment on unscaled bytes; with a calibration that scales memory terms apart
+        the comparison of moments above does not hold, and the test passes every candidate."""
         ctx, c = self.ctx, self.cand
         cal = ctx.cal
-        total = self._act[-1] * cal.activation_mem_scale
-        share = 1 if self.chunk_alone else c.interleave
-        room = (ctx.cap(c) - self._fixed) / share
+        if any(x != 1.0 for x in (cal.grad_mem_scale, cal.activation_mem_scale, cal.loss_mem_scale,
+                                  cal.buffer_mem_scale)):
+            return True
+        total = self._act[-1]
+        # the most a compressed reduction's own moment holds in buffers beyond the block moment's: its working
+        # set over one bucket (at ZeRO 0-2 a bucket is at most DDP_BUCKET_BYTES; a ZeRO-3 unit has no such cap)
+        working = max(self._reduction_mem[o].working for o in self.options)
+        whole = self.chunk_alone or c.interleave == 1 or (working > 0 and c.zero_stage == 3)
+        share = 1 if whole else c.interleave
+        room = (ctx.cap(c) - self._fixed) / share + (working * DDP_BUCKET_BYTES if share > 1 else 0.0)
         if room <= 0:
             return False
         state = 0.0
         if not self._fpar and not self._epar and not ctx.async_sgd:
-            # per parameter, what every moment of `_peak_memory` holds: the parameters and optimizer state, and the
-            # engine's gradients where they stay from step to step (flat buffers, fp32 in the mixed precisions) or
-            # where each stage runs backward while earlier microbatches' gradients wait (more microbatches than
-            # any stage holds at once)
+            # per parameter, what the block moment holds: the parameters and optimizer state, and the engine's
+            # gradients where they stay from step to step (flat buffers, fp32 in the mixed precisions) or where
+            # every stage runs a backward while earlier microbatches' gradients wait (more microbatches than any
+            # stage holds at once); a parameter several units read may be tied across stages, whose gradient the
+            # block moment does not hold: not counted there
             z = c.zero_stage
             per = model_state_bytes(1.0, precision=ctx.precision, optimizer=ctx.optimizer, zero_stage=z,
                                     dp=c.replicas)
             grads = per.grads * (2 if z < 3 and ctx.precision in _FP32_GRADIENTS else 1)
             flat = z <= 1 and not (c.replicas == 1 and ctx.precision == "fp32" and (c.pp > 1 or c.tp > 1))
             held = flat or c.num_microbatches > max(self._inflight)
-            state = self._unique_params * (per.params + per.optimizer + (grads * cal.grad_mem_scale if held else 0.0))
+            untied = max(0.0, self._unique_params - sum(users[0][1] for users in self._shared))
+            state = self._unique_params * (per.params + per.optimizer)
+            state += untied * grads if held else 0.0
         rooms = [room] * self.num_stages
-        rooms[-1] -= (self._loss_kept * max(1, self._inflight[-1]) + self._loss_work) * cal.loss_mem_scale
+        if share == 1:
+            rooms[-1] -= self._loss_kept * max(1, self._inflight[-1]) + self._loss_work
         most = 0.0
         for r, k in sorted(((r, k) for k, r in enumerate(rooms)), key=lambda x: -max(1, self._inflight[x[1]])):
             put = min(max(0.0, r), state)
