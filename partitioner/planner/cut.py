@@ -72,7 +72,7 @@ def _balanced(ev: StageEvaluator, n: int, S: int) -> Cut | None:
     """Equal-time cut by cumulative compute: a quick incumbent for pruning."""
     total = ev.total_c
     bounds = [0]
-    acc = [ev._f[u] + ev._b[u] + ev.engine_floor[u] for u in range(n + 1)]
+    acc = ev.c_floor
     for k in range(1, S):
         target = total * k / S
         u = min(range(bounds[-1] + 1, n - (S - k) + 1), key=lambda x: abs(acc[x] - target))
@@ -108,7 +108,7 @@ def cut_stages(ev: StageEvaluator, *, incumbent: float = math.inf,
     # every other term at its least (ev.min_max_c: the slowest stage's c over all cuts), is never formed
     tail_limit = bound - slope * ev.min_max_c() - c_min_total * ev.sum_weight + 1e-12 * bound \
         if math.isfinite(bound) else math.inf
-    pre = [ev._f[u] + ev._b[u] + ev.engine_floor[u] for u in range(n + 1)]  # without p2p: a lower bound on c
+    pre = ev.c_floor  # without p2p: a lower bound on c
     # front[j]: points (max_c, max_tail, sum_c, bounds) reaching unit j with k stages
     front: dict[int, list[tuple[float, float, float, tuple[int, ...]]]] = {0: [(0.0, 0.0, 0.0, (0,))]}
     for k in range(S):

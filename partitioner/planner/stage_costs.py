@@ -329,6 +329,11 @@ class StageEvaluator:
         busy = m * total_c / c.pp + tail
         return busy + ctx.cal.pipeline_idle_cost * (full - busy) if c.pp > 1 else full
 
+    @functools.cached_property
+    def c_floor(self) -> list[float]:
+        """Prefix sums over units of a floor on a stage's c: compute and the engine's floor, p2p left out."""
+        return [self._f[u] + self._b[u] + self.engine_floor[u] for u in range(len(self._f))]
+
     def min_max_c(self) -> float:
         """A lower bound on the slowest stage's c over every cut into num_stages contiguous stages, memory aside:
         the bottleneck of the best partition of the units' compute (with the engine's floor; p2p left out), at
@@ -342,7 +347,7 @@ class StageEvaluator:
         memo = self.ctx._bottlenecks
         hit = memo.get(key)
         if hit is None:
-            pre = [self._f[u] + self._b[u] + self.engine_floor[u] for u in range(len(self._f))]
+            pre = self.c_floor
             n = len(pre) - 1
             lo = max(pre[n] / S, max((pre[u + 1] - pre[u] for u in range(n)), default=0.0))
             if S > 1 and n > S and not _packs(pre, S, lo):

@@ -279,13 +279,7 @@ class CostContext:
         """
         hit = self._low_rank.get(tp)
         if hit is None:
-            dims = {pl.param: pl.dim for pl in self.splits.placements} if tp > 1 else {}
-            per_param = {}
-            for p in self.g.params:
-                shape, d = tuple(p.shape), dims.get(p.name)
-                if d is not None:
-                    shape = shape[:d] + (max(1, shape[d] // tp),) + shape[d + 1:]
-                per_param[p.name] = low_rank([shape])
+            per_param = self._param_low_ranks(tp)
             owners: dict[str, list[int]] = {}
             prefix = [LowRank()]
             for u in range(len(self.units)):
@@ -691,17 +685,22 @@ class CostContext:
         """PowerSGD's view of each unit's gradients on one tensor rank (`low_rank_sums`, per unit, not as sums)."""
         hit = self._unit_low_rank.get(tp)
         if hit is None:
-            dims = {pl.param: pl.dim for pl in self.splits.placements} if tp > 1 else {}
-            shapes = {p.name: tuple(p.shape) for p in self.g.params}
-            units = []
-            for u in range(len(self.units)):
-                local = []
-                for p, _ in self._param_local[u]:
-                    shape, d = shapes[p], dims.get(p)
-                    local.append(shape[:d] + (max(1, shape[d] // tp),) + shape[d + 1:] if d is not None else shape)
-                units.append(low_rank(local))
-            hit = self._unit_low_rank[tp] = tuple(units)
+            per_param = self._param_low_ranks(tp)
+            hit = self._unit_low_rank[tp] = tuple(sum((per_param[p] for p, _ in self._param_local[u]), LowRank())
+                                                  for u in range(len(self.units)))
         return hit
+
+    def _param_low_ranks(self, tp: int) -> dict[str, LowRank]:
+        """PowerSGD's view of each parameter's gradient on one tensor rank: a parameter split on dim d holds
+        shape[d] / tp there."""
+        dims = {pl.param: pl.dim for pl in self.splits.placements} if tp > 1 else {}
+        out = {}
+        for p in self.g.params:
+            shape, d = tuple(p.shape), dims.get(p.name)
+            if d is not None:
+                shape = shape[:d] + (max(1, shape[d] // tp),) + shape[d + 1:]
+            out[p.name] = low_rank([shape])
+        return out
 
     def range_codes(self, arrays: UnitArrays, p2p: tuple[float, ...],
                     low_ranks: tuple[LowRank, ...] | None = None) -> tuple[list[int], list[int]]:
