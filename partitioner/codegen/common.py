@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from cost_models.errors import PartitionerError
 from cost_models.mesh import Mesh
 from cost_models.placements import sharded_dim
+from runtime.engines.optimizer_groups import slices_parameters
 
 if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
 __all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "SegmentTables",
            "block_names", "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines",
-           "one_rank_ep_context", "params_table", "program_header", "ranks_text", "recompute_lines",
+           "one_rank_ep_context", "optimizer_lines", "params_table", "program_header", "ranks_text", "recompute_lines",
            "recomputed_blocks", "reduce_scatter_impl", "segment_tables", "torch_compile_import", "torch_compile_lines",
            "torch_compile_refusal"]
 
@@ -441,3 +442,18 @@ def fp8_import(plan: "Plan") -> str:
     """The import of the fp8 linear the code of an fp8-mixed plan calls (partitioner.codegen.segments)."""
     return "from runtime.engines.fp8 import fp8_linear  # fp8-mixed: the linears' GEMMs in float8\n" \
         if _code_calls(plan, "fp8_linear") else ""
+
+
+def optimizer_lines(plan: "Plan", extra: str = "") -> str:
+    """The lines that build the optimizer: runtime.engines.optimizer_groups.make_optimizer over what the engine
+    steps (and `extra`, whole tensors beside it), told whether the plan slices parameters between ranks."""
+    c = plan.config
+    sliced = slices_parameters(c.tp, c.ep, [p.spec for p in plan.placements])
+    what = [f"ZeRO-{c.zero_stage} flat shards" if c.zero_stage > 0 else "",
+            "tensor-parallel slices" if c.tp > 1 and sliced else "", "expert slices" if c.ep > 1 else ""]
+    pieces = " and ".join(w for w in what if w)
+    why = (f"    # The optimizer steps parameters in pieces ({pieces}): make_optimizer refuses an optimizer\n"
+           f"    # whose update reads whole tensors, and keeps optimizer_fn's parameter groups.\n" if pieces else
+           "    # The optimizer steps whole parameters, as in one process.\n")
+    args = f", extra={extra}" if extra else ""
+    return f"{why}    optimizer = make_optimizer(optimizer_fn, engine{args}, sliced={sliced})\n"

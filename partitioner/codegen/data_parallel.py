@@ -14,6 +14,7 @@ from partitioner.codegen.common import (
     mesh_lines,
     model_code_lines,
     one_rank_ep_context,
+    optimizer_lines,
     pipelined_aux,
     program_header,
     ranks_text,
@@ -97,6 +98,7 @@ it imports only torch and runtime; `build(model_fn, optimizer_fn, loss_fn)` retu
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import {group_imports}
 from runtime.engines.data_parallel import DataParallel
+from runtime.engines.optimizer_groups import make_optimizer
 {torch_compile_import(plan)}{code.runtime_import}
 {program_header(plan, rank, h)}
 {code.text}{expert_tables(plan, rank)}
@@ -125,8 +127,7 @@ def build(model_fn, optimizer_fn, loss_fn):
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
                           units=UNITS,{granularity} compression={comp.arg}, nodes={comp.nodes},
                           compression_warmup={plan.compression_warmup})
-{torch_compile_lines(plan)}{expert_engine_lines(plan)}{recompute}    optimizer = optimizer_fn(engine.optimizer_params())
-
+{torch_compile_lines(plan)}{expert_engine_lines(plan)}{recompute}{optimizer_lines(plan)}
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as
     # {c.num_microbatches} microbatch(es) of {c.microbatch_size}, run by ACTIONS above.{tokens}
     return runtime.engines.step.StepRunner(

@@ -27,6 +27,7 @@ from partitioner.codegen.common import (
     fp8_import,
     literal,
     mesh_lines,
+    optimizer_lines,
     program_header,
     ranks_text,
     reduce_scatter_impl,
@@ -210,6 +211,7 @@ import runtime.engines.step
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import {group_imports}
 from runtime.engines.data_parallel import DataParallel
+from runtime.engines.optimizer_groups import make_optimizer
 from runtime.engines.unreplicated import Unreplicated
 {random_import}from runtime.pipeline.runner import PipelineRunner
 from runtime.pipeline.stage import StageModel, state_keys
@@ -283,8 +285,7 @@ def build(model_fn, optimizer_fn, loss_fn):
 {context_lines(plan, rank)}{expert_lines(plan, rank)}    stage = make_stage(model, tp{", cp" if c.cp > 1 else ""}{", ep" if ctx else ""})
 
 {engine}{expert_engine_lines(plan)}    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
-    optimizer = optimizer_fn(engine.optimizer_params() + list(stage.tied.values()))
-    return PipelineRunner(
+{optimizer_lines(plan, 'list(stage.tied.values())')}    return PipelineRunner(
         stage=stage, engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, groups=groups,
         tie_group=tie_group, tie_first={bool(tie_pp) and me.pp == tie_pp[0]}, actions=ACTIONS,
         num_stages={len(plan.stages)}, stage_ranks=STAGE_RANKS, dp_rank={me.dp}, dp_size={c.dp}, tp_size={c.tp},

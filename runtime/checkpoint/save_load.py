@@ -51,6 +51,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from cost_models.placements import REPLICATED, sharded_dim
 from runtime.checkpoint.dcp_io import Boxes, LoadPlanner, SafeReader, SavePlanner, quiet
 from runtime.checkpoint.layout import Box, full_shape, local_to_full, range_boxes
+from runtime.engines.optimizer_groups import segments_of
 from runtime.checkpoint.manifest import (
     MANIFEST,
     STEP_DIR,
@@ -164,6 +165,7 @@ def save_checkpoint(runner: Any, save_dir: str | Path, *, step: int, plan_json: 
         raise CheckpointError("save_checkpoint is collective: call it on every rank of an initialised process group")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step={step!r}: must be a non-negative int (the number of steps done)")
+    _check_state_per_holder(runner)
     extra = dict(extra or {})
     try:
         json.dumps(extra)
@@ -199,6 +201,18 @@ def save_checkpoint(runner: Any, save_dir: str | Path, *, step: int, plan_json: 
             _prune(root, keep_last)
     dist.barrier()
     return final
+
+
+def _check_state_per_holder(runner: Any) -> None:
+    """Checkpoints keep optimizer state per holder (a flat shard, a master): refuse an optimizer that steps runs
+    of shards instead (runtime.engines.optimizer_groups), before anything is written or read."""
+    optimizer = getattr(runner, "optimizer", None)
+    if optimizer is not None and segments_of(optimizer):
+        raise CheckpointError(
+            "this run's optimizer_fn gives its parameter groups different hyperparameters, so under ZeRO its "
+            "optimizer steps each group's runs of the flat shards (runtime.engines.optimizer_groups), and "
+            "checkpoints keep optimizer state per shard: saving and loading it is not supported yet. To "
+            "checkpoint, use one set of hyperparameters for every parameter, or zero_stage=0")
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -336,6 +350,7 @@ def load_checkpoint(runner: Any, path: str | Path, *, plan_json: str | None = No
     Not collective: each rank reads the boxes its plan needs. Parameters and optimizer state are restored
     exactly whatever plan wrote them; RNG and compression state only under the same plan and world size.
     """
+    _check_state_per_holder(runner)
     m = verify_checkpoint(path)
     d = Path(m["path"])
     engine, optimizer, _pl, _tr, _tw = _runner_parts(runner)

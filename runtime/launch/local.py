@@ -73,6 +73,7 @@ from cost_models.errors import PartitionerError
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.device import check_device, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
+from runtime.engines.optimizer_groups import check_optimizer, differing_groups, slices_parameters
 from runtime.launch.env import LaunchError, choose_device
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
 from runtime.launch.program_check import check_same_program
@@ -120,6 +121,24 @@ class LaunchResult:
     collective_seconds: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
+def _check_optimizer(plan: Any, optimizer_fn: Callable, *, checkpoints: bool) -> None:
+    """An optimizer that cannot step this plan's pieces of parameters is refused here, before any rank starts
+    (each rank's build() checks again: runtime.engines.optimizer_groups), and so is a checkpointed run whose
+    optimizer would step runs of ZeRO shards (what runtime.checkpoint refuses at its first save)."""
+    c = getattr(plan, "config", None)
+    if c is None:
+        return
+    placements = getattr(plan, "placements", ())
+    check_optimizer(optimizer_fn, zero_stage=c.zero_stage,
+                    sliced=slices_parameters(c.tp, c.ep, [p.spec for p in placements]))
+    if checkpoints and c.zero_stage > 0 and differing_groups(optimizer_fn, {p.param: p.shape for p in placements}):
+        raise LaunchError(
+            "optimizer_fn gives its parameter groups different hyperparameters, so under ZeRO its optimizer steps "
+            "each group's runs of the flat shards (runtime.engines.optimizer_groups), and checkpoints keep "
+            "optimizer state per shard: save_dir and resume_from are not supported with it yet. Use one set of "
+            "hyperparameters for every parameter, or zero_stage=0, to checkpoint")
+
+
 def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable,
                  batches: Sequence[Any], *, timeout_s: float = 120, world_size: int | None = None,
                  programs: Mapping[int, str] | None = None, probe_step: int | None = None,
@@ -160,6 +179,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
     for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("loss_fn", loss_fn)):
         check_sendable(name, fn)
     check_model(plan, model_fn)
+    _check_optimizer(plan, optimizer_fn, checkpoints=save_dir is not None or resume_from is not None)
     sources = _sources(plan, world, programs)
     batches = list(batches)
     if probe_step is not None and not 0 <= probe_step < len(batches):
