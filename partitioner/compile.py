@@ -92,6 +92,7 @@ from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
 from partitioner.tracer.batch_statistics import (describe_statistic, module_path, nonlinear_batch_statistics,
                                                  training_batch_norms)
+from partitioner.tracer.capture import written_buffers
 from partitioner.tracer.experts import experts_text
 from partitioner.planner.unit_costs import CostContext, units_of
 from partitioner.tracer.opgraph import OpGraph
@@ -290,6 +291,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
             g = trace(model, example_inputs or (), example_kwargs, rewrite_attention=False)
     plan = plan_graph(g, topo, decl, opts)
     _warn_batch_norm(g, plan)
+    _warn_buffer_writes(g, plan)
     if verify and plan.config.pp > 1 and plan.load_balancing_loss:
         raise DeclarationError(f"verify=True with pp={plan.config.pp} and the model's load-balancing loss "
                                "(output_router_logits=True): each pipeline stage hands its MoE layers' sums to the "
@@ -704,6 +706,28 @@ def _warn_batch_norm(g: OpGraph, plan: Plan) -> None:
         "training differs from one process on the whole batch; pin dp=1, cp=1 and "
         f"microbatch_size={plan.global_batch_size} to keep batches whole, or freeze the statistics (model.eval())",
         stacklevel=3)
+
+
+def _warn_buffer_writes(g: OpGraph, plan: Plan) -> None:
+    """Say so where the plan splits the batch of a model whose forward writes buffers other than its batch norms'
+    (a running statistic updated under torch.no_grad()): each microbatch and replica writes them from its own
+    share, and training differs from one process, which writes them once per step from the whole batch."""
+    c = plan.config
+    if (c.dp * c.cp == 1 and c.num_microbatches == 1) or not isinstance(g.graph_module, torch.export.ExportedProgram):
+        return
+    norms = tuple(module_path(n) + "." for n in training_batch_norms(g.graph_module))
+    found = sorted(b for b in written_buffers(g.graph_module) if not b.startswith(norms))
+    if not found:
+        return
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    split = ", ".join(x for x in (f"dp={c.dp}" if c.dp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "",
+                                  f"{c.num_microbatches} microbatches" if c.num_microbatches > 1 else "") if x)
+    warnings.warn(
+        f"the model's forward writes buffer {shown} from the batch it sees: this plan splits each batch of "
+        f"{plan.global_batch_size} ({split}), so every microbatch of {c.microbatch_size} writes it from its own "
+        "rows (each replica its own copy, as torch's DDP without broadcast_buffers), and training differs from one "
+        f"process on the whole batch; pin dp=1, cp=1 and microbatch_size={plan.global_batch_size} to keep "
+        "batches whole", stacklevel=3)
 
 
 def _check_batch_statistics(g: OpGraph, decl: Declarations) -> str:

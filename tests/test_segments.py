@@ -280,3 +280,66 @@ def test_an_in_model_loss_gets_the_vocab_parallel_cross_entropy_on_local_logits(
     assert "tp_cross_entropy(view_12, view_13, -1, tp)" in src  # the loss from local logits
     # the returned logits stay split: the loss_fn reads them as the full logits (runtime.pipeline.vocab_logits)
     assert "tp_vocab_logits(linear_12, tp)" in src and "tp_gather" not in src
+
+
+class _RunningScaleBlock(nn.Module):
+    """A running statistic of its own output, updated under torch.no_grad() in training: export puts the update in
+    a nested no_grad graph that returns nothing, which stage code dropped (the buffer never changed)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("scale", torch.ones(d))
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale.clone()
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.9).add_(0.1 * y.abs().mean(dim=(0, 1)))
+        return x + torch.tanh(y)
+
+
+class _RunningScaleNet(nn.Module):
+    def __init__(self, d: int = 16, vocab: int = 32):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList(_RunningScaleBlock(d) for _ in range(4))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def running_scale_seeded() -> _RunningScaleNet:
+    torch.manual_seed(0)
+    return _RunningScaleNet()
+
+
+def _token_loss(out, y):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
+def test_a_buffer_written_under_no_grad_is_written_by_stage_code(pp, tp):
+    from examples.training import sgd, train_one_process
+    from ranks import assert_plan_trains_like_one_process
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 32, (8, 8), generator=g), torch.randint(0, 32, (8, 8), generator=g)) for _ in range(2)]
+    plan = compile(trace(running_scale_seeded(), (data[0][0][:2],)), f"local:{pp * tp}", global_batch_size=8,
+                   microbatch_size=8, precision="fp32", dp=1, pp=pp, tp=tp)
+    out = assert_plan_trains_like_one_process(plan, running_scale_seeded, sgd, _token_loss, data)
+    ref = train_one_process(running_scale_seeded, sgd, _token_loss, data).model.state_dict()
+    for i in range(4):
+        key = f"blocks.{i}.scale"
+        assert not torch.equal(ref[key], torch.ones(16))
+        torch.testing.assert_close(out.state_dict[key], ref[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_that_splits_the_batch_of_a_model_writing_buffers_says_so():
+    g = trace(running_scale_seeded(), (torch.randint(0, 32, (2, 8)),))
+    with pytest.warns(UserWarning, match=r"writes buffer blocks\.0\.scale.*4 microbatches.*microbatch_size=8"):
+        compile(g, "local:2", global_batch_size=8, microbatch_size=2, precision="fp32", dp=1, pp=2, tp=1)

@@ -59,7 +59,7 @@ from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewr
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.attention import shape_mask_key
 from partitioner.tracer.capture import unwritten_buffers
-from partitioner.tracer.block_kinds import mutates, written
+from partitioner.tracer.writes import mutates, nested_written, written
 from partitioner.tracer.blocks import block_index
 
 __all__ = ["ModelCode", "Segment", "SegmentError", "extract", "reads_router_logits"]
@@ -130,9 +130,11 @@ class _Source:
             elif n.op == "call_function":
                 self.shape_only[n] = n.target is _aten.sym_size.int or \
                     all(self.shape_only[a] for a in n.all_input_nodes)
-                if (self.shape_only[n] and not mutates(n)) or not (n.users or mutates(n)):
+                writes = mutates(n) or bool(nested_written(n, self.gm))
+                if (self.shape_only[n] and not writes) or not (n.users or writes):
                     # an in-place write into a tensor (x[:, :k] = y) has no users and must stay; one into a buffer
-                    # from buffers alone (BatchNorm's num_batches_tracked += 1) too, where its module runs
+                    # from buffers alone (BatchNorm's num_batches_tracked += 1) too, where its module runs; and a
+                    # no_grad region that writes a buffer (a running statistic), which returns nothing
                     continue
                 b = block_index(self._path(n), self.stack) if self.stack is not None else None
                 if b is not None:
@@ -160,7 +162,7 @@ class _Source:
         inputs = set(self.inputs)
         tainted: set[fx.Node] = set()
         todo = [a for n in self.gm.graph.nodes if n.op == "call_function" and n.target not in _METADATA_WRITES
-                for a in written(n)]
+                for a in (*written(n), *nested_written(n, self.gm))]
         while todo:  # a write into a view writes its base
             x = todo.pop()
             if x not in tainted:
@@ -323,11 +325,17 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         nested = getattr(self.src.gm, n.args[sub].target)
         env: dict[fx.Node, Any] = {}
         holes = [x for x in nested.graph.nodes if x.op == "placeholder"]
+        # a no_grad region that reads a hidden state (a running statistic of it, written into a buffer) reads it
+        # detached: nothing it computes, or writes, joins autograd's graph, as under torch.no_grad()
+        no_grad = "set_grad_enabled" in str(n.target) and n.args[0] is False
         for ph, a in zip(holes, n.args[sub + 1:]):
             env[ph] = lookup(a) if isinstance(a, fx.Node) else a
+            if no_grad and isinstance(env[ph], fx.Node):
+                env[ph] = self.graph.call_function(_aten.detach.default, (env[ph],))
+                env[ph].meta = dict(a.meta)
         out: Any = ()
         for x in nested.graph.nodes:
-            if x.op == "call_function" and x.users:
+            if x.op == "call_function" and (x.users or mutates(x)):  # a write into a buffer has no users
                 env[x] = self._device_neutral(self.graph.node_copy(x, lambda y: env[y]))
             elif x.op == "output":
                 out = tuple(env[o] if isinstance(o, fx.Node) else o for o in x.args[0])

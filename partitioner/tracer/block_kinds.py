@@ -56,9 +56,9 @@ import torch
 from torch import fx, nn
 
 from partitioner.tracer.blocks import TRACED_BLOCKS, LayerStack, Repeat, block_index
+from partitioner.tracer.writes import mutates
 
-__all__ = ["Reads", "recording", "attribute_kinds", "likely_kinds", "find_repeat", "graph_kinds", "number_kinds",
-           "mutates", "written"]
+__all__ = ["Reads", "recording", "attribute_kinds", "likely_kinds", "find_repeat", "graph_kinds", "number_kinds"]
 
 # (module path inside the block, attribute name): attributes the traced forward read
 Reads = set[tuple[str, str]]
@@ -255,17 +255,3 @@ def graph_kinds(ep: Any, stack: LayerStack, num_blocks: int, canonical: dict[str
     return number_kinds([form(b) for b in range(num_blocks)])
 
 
-def mutates(n: fx.Node) -> bool:
-    """Whether `n` writes into one of its inputs (copy_, index_put_): part of the block though unread."""
-    schema = getattr(n.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
-
-
-def written(n: fx.Node) -> list[fx.Node]:
-    """The arguments `n` writes into (copy_'s and index_put_'s self), read off its schema; [] if it writes none."""
-    if not mutates(n):
-        return []
-    args = n.target._schema.arguments
-    values = [n.args[i] if i < len(n.args) else n.kwargs.get(a.name) for i, a in enumerate(args)]
-    return [v for a, v in zip(args, values)
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(v, fx.Node)]

@@ -25,6 +25,8 @@ from torch.utils import _pytree as pytree
 from cost_models.errors import TraceError
 from partitioner.tracer.attention import causal_attention, causal_shape_mask
 from partitioner.tracer.attention import rewrite_attention as rewrite_attention_in
+from partitioner.tracer.writes import nested_written
+from partitioner.tracer.writes import written as block_written
 from partitioner.tracer.pointwise import fuse_activations
 from partitioner.tracer.symbolic import B, S
 
@@ -91,10 +93,30 @@ def unwritten_buffers(ep: Any) -> dict[fx.Node, str]:
     names in the state dict (or constants)."""
     kinds = torch.export.graph_signature.InputKind
     written = set(ep.graph_signature.buffers_to_mutate.values())
+    # and those written in place in the graph, or inside a no_grad region's nested graph (which the signature
+    # does not list): a running statistic updated under torch.no_grad()
+    in_place = {a.name for n in ep.graph.nodes if n.op == "call_function"
+                for a in (*block_written(n), *nested_written(n, ep.graph_module)) if a.op == "placeholder"}
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    written |= {s.target for s in ep.graph_signature.input_specs if getattr(s.arg, "name", None) in in_place}
     return {by_name[s.arg.name]: s.target for s in ep.graph_signature.input_specs
             if s.kind in (kinds.BUFFER, kinds.CONSTANT_TENSOR) and s.target not in written
             and (s.target in ep.state_dict or s.target in ep.constants)}
+
+
+def written_buffers(ep: Any) -> dict[str, fx.Node]:
+    """The buffers `ep`'s forward writes (its signature's mutations, and in-place writes at the top level or inside
+    a no_grad region), by state-dict name, with the node that writes each (None where the signature says so)."""
+    kinds = torch.export.graph_signature.InputKind
+    names = {s.arg.name: s.target for s in ep.graph_signature.input_specs
+             if s.kind == kinds.BUFFER and hasattr(s.arg, "name")}
+    out: dict[str, Any] = {t: None for t in ep.graph_signature.buffers_to_mutate.values()}
+    for n in ep.graph.nodes:
+        if n.op == "call_function":
+            for a in (*block_written(n), *nested_written(n, ep.graph_module)):
+                if a.op == "placeholder" and a.name in names:
+                    out.setdefault(names[a.name], n)
+    return out
 
 
 def _canonical(name: str) -> str:
