@@ -686,6 +686,12 @@ def _runnable_experts(g: OpGraph, experts: Experts, splits, ep: int | None) -> E
     return experts
 
 
+def _batch_split(c) -> str:
+    """How a plan splits each batch: "dp=2, 4 microbatches"."""
+    return ", ".join(x for x in (f"dp={c.dp}" if c.dp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "",
+                                 f"{c.num_microbatches} microbatches" if c.num_microbatches > 1 else "") if x)
+
+
 def _warn_batch_norm(g: OpGraph, plan: Plan) -> None:
     """Say so where the plan splits the batch of a model whose batch norms normalise with the batch's statistics:
     each replica, context slice and microbatch then normalises its own share, as torch's DDP does, and training
@@ -698,8 +704,7 @@ def _warn_batch_norm(g: OpGraph, plan: Plan) -> None:
         return
     where = sorted({module_path(n) for n in found})
     shown = where[0] + (", ..." if len(where) > 1 else "")  # the trace may hold a few of a stack's blocks
-    split = ", ".join(x for x in (f"dp={c.dp}" if c.dp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "",
-                                  f"{c.num_microbatches} microbatches" if c.num_microbatches > 1 else "") if x)
+    split = _batch_split(c)
     warnings.warn(
         f"batch norm in training mode ({shown}): this plan splits each batch of {plan.global_batch_size} ({split}), "
         f"so every microbatch of {c.microbatch_size} normalises with its own statistics, as torch's DDP does, and "
@@ -720,8 +725,7 @@ def _warn_buffer_writes(g: OpGraph, plan: Plan) -> None:
     if not found:
         return
     shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-    split = ", ".join(x for x in (f"dp={c.dp}" if c.dp > 1 else "", f"cp={c.cp}" if c.cp > 1 else "",
-                                  f"{c.num_microbatches} microbatches" if c.num_microbatches > 1 else "") if x)
+    split = _batch_split(c)
     warnings.warn(
         f"the model's forward writes buffer {shown} from the batch it sees: this plan splits each batch of "
         f"{plan.global_batch_size} ({split}), so every microbatch of {c.microbatch_size} writes it from its own "

@@ -59,7 +59,7 @@ from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewr
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.attention import shape_mask_key
 from partitioner.tracer.capture import unwritten_buffers
-from partitioner.tracer.writes import mutates, nested_written, written
+from partitioner.tracer.writes import mutates, nested_written, with_bases, written
 from partitioner.tracer.blocks import block_index
 
 __all__ = ["ModelCode", "Segment", "SegmentError", "extract", "reads_router_logits"]
@@ -160,15 +160,9 @@ class _Source:
         it views, and what is computed from them are not recomputed. A write that changes no value (XLM's
         `detach_` of a constant it made) counts for nothing; a written hidden state leaves the rest alone."""
         inputs = set(self.inputs)
-        tainted: set[fx.Node] = set()
-        todo = [a for n in self.gm.graph.nodes if n.op == "call_function" and n.target not in _METADATA_WRITES
-                for a in (*written(n), *nested_written(n, self.gm))]
-        while todo:  # a write into a view writes its base
-            x = todo.pop()
-            if x not in tainted:
-                tainted.add(x)
-                if x.op == "call_function" and getattr(x.target, "is_view", False):
-                    todo.extend(x.all_input_nodes)
+        tainted = with_bases(a for n in self.gm.graph.nodes
+                             if n.op == "call_function" and n.target not in _METADATA_WRITES
+                             for a in (*written(n), *nested_written(n, self.gm)))
         only: dict[fx.Node, bool] = {}
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":

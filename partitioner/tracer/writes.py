@@ -9,11 +9,12 @@ not be computed again elsewhere without the write.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from torch import fx
 
-__all__ = ["mutates", "nested_written", "written"]
+__all__ = ["mutates", "nested_written", "with_bases", "written"]
 
 
 def mutates(n: fx.Node) -> bool:
@@ -32,15 +33,22 @@ def nested_written(n: fx.Node, gm: Any) -> list[fx.Node]:
         return []
     holes = [x for x in nested.graph.nodes if x.op == "placeholder"]
     outer = dict(zip(holes, n.args[sub + 1:]))
+    hit = with_bases(a for x in nested.graph.nodes if x.op == "call_function" for a in written(x))
+    return [outer[h] for h in holes if h in hit and isinstance(outer.get(h), fx.Node)]
+
+
+def with_bases(written_nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """The written nodes and, through every view among them, the tensors they view: a write into a view writes
+    its base."""
     hit: set[fx.Node] = set()
-    todo = [a for x in nested.graph.nodes if x.op == "call_function" for a in written(x)]
-    while todo:  # a write into a view writes its base
+    todo = list(written_nodes)
+    while todo:
         x = todo.pop()
         if x not in hit:
             hit.add(x)
             if x.op == "call_function" and getattr(x.target, "is_view", False):
                 todo.extend(x.all_input_nodes)
-    return [outer[h] for h in holes if h in hit and isinstance(outer.get(h), fx.Node)]
+    return hit
 
 
 def written(n: fx.Node) -> list[fx.Node]:

@@ -33,7 +33,8 @@ import torch.nn as nn
 
 from cost_models.placements import is_sharded
 
-__all__ = ["OptimizerError", "check_optimizer", "differing_groups", "make_optimizer", "segments_of", "slices_parameters"]
+__all__ = ["OptimizerError", "check_optimizer", "differing_groups", "make_optimizer", "segments_of",
+           "slices_parameters"]
 
 _SEGMENTS = "_partitioner_segments"  # the attribute an optimizer stepping runs of shards carries
 
