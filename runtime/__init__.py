@@ -17,11 +17,11 @@ Never imports the planner: a generated program needs torch and this package only
 
 from runtime import moved
 from runtime.checkpoint import CheckpointError, load_full_state_dict, reshard
-from runtime.engines.token_loss import per_token
+from runtime.engines.token_loss import per_token, summed
 from runtime.launch.local import LaunchResult, launch_local
 from runtime.launch.trainer import Trainer
 
 moved.install()
 
 __all__ = ["launch_local", "LaunchResult", "Trainer", "reshard", "load_full_state_dict", "CheckpointError",
-           "per_token"]
+           "per_token", "summed"]

@@ -64,3 +64,51 @@ def test_the_loss_is_called_as_the_wrapped_one_and_counts_hf_labels_after_the_sh
     assert isinstance(loss, PerToken) and loss(1, None) == 2
     labels = torch.tensor([[-100, -100, 5, 6], [1, 2, 3, -100]])
     assert int(labelled_tokens({"labels": labels})) == 2 + 2  # the first label of a row is never a target
+
+
+def sum_loss(output, targets):
+    """The example GPT's cross entropy summed over every token (reduction="sum"), scaled to a mean's size."""
+    logits = output[0]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                             reduction="sum") / 1000.0
+
+
+def test_a_summed_loss_counts_every_microbatch_whole_on_every_replica():
+    from runtime import summed
+
+    w = step_weights(summed(lambda o, y: o), _batch(), dp_rank=1, dp_size=2, microbatch_size=1, num_microbatches=2)
+    assert w == (2.0, 2.0)  # averaged over the 2 replicas: each of the 4 rows' sums counts once
+
+
+def test_a_loss_that_sums_its_rows_is_told_from_a_mean():
+    from examples.gpt import example_batch
+    from examples.training import gpt_loss, gpt_tiny_seeded
+    from runtime.engines.step import sums_over_rows
+
+    model = gpt_tiny_seeded()
+    batch = example_batch(model, 4)
+    whole, a, b = sums_over_rows(model, sum_loss, batch)
+    assert whole == pytest.approx(a + b, rel=1e-5)
+    assert sums_over_rows(model, gpt_loss, batch) is None and model.training  # a mean; the mode put back
+
+
+@pytest.mark.slow
+def test_a_summed_loss_is_refused_bare_and_trains_like_one_process_wrapped():
+    """A plan averages its microbatches' and replicas' losses, which is one process's loss only for a mean: a sum
+    (reduction="sum") trained on 1/4 of it, silently. It is refused before any rank starts, and runtime.summed
+    keeps the sum."""
+    from examples.gpt import example_batch
+    from examples.training import gpt_small_seeded, sgd
+    from partitioner import compile, trace
+    from ranks import assert_plan_trains_like_one_process
+    from runtime import launch_local, summed
+    from runtime.launch.env import LaunchError
+
+    model = gpt_small_seeded()
+    data = [example_batch(model, 8, seed=s) for s in range(2)]
+    g = trace(model, (data[0][0][:2],))
+    for dp, pp in ((2, 1), (1, 2)):
+        plan = compile(g, "local:2", global_batch_size=8, microbatch_size=2, precision="fp32", dp=dp, pp=pp, tp=1)
+        with pytest.raises(LaunchError, match=r"sums over the rows of its batch.*1/4 of the loss.*runtime\.summed"):
+            launch_local(plan, gpt_small_seeded, sgd, sum_loss, data, timeout_s=120)
+        assert_plan_trains_like_one_process(plan, gpt_small_seeded, sgd, summed(sum_loss), data)

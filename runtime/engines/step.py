@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 # cost_models imports nothing of the project, so the runtime may share its base error and the action grammar
 # (one direction holds).
@@ -29,7 +30,7 @@ from runtime.engines.token_loss import microbatch_weights
 from runtime.pipeline.executor import PipelineExecutor
 
 __all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "step_weights",
-           "PeakHeld", "implicit_after_step"]
+           "sums_over_rows", "PeakHeld", "implicit_after_step"]
 
 
 class ModelMismatchError(PartitionerError):
@@ -177,6 +178,32 @@ def replica_microbatches(batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, 
     if cp_size == 1:
         return out
     return [(_tokens(x, cp_rank, cp_size), _tokens(y, cp_rank, cp_size)) for x, y in out]
+
+
+@torch.no_grad()
+def sums_over_rows(model: nn.Module, loss_fn: Callable, batch: tuple[Any, Any]) -> tuple[float, float, float] | None:
+    """(loss of rows 0-1, of row 0, of row 1) where `loss_fn(model(x), y)` on the first two rows of `batch` is the
+    sum of the two rows' losses and not their mean (a `reduction="sum"` loss); None where it is not, or cannot
+    be told (fewer than two rows, a model or loss that fails on one row). The model runs in eval mode (no
+    dropout), and is put back as it was."""
+    inputs, targets = batch
+    first = next((t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+    if first is None or first.dim() == 0 or first.shape[0] < 2:
+        return None
+    was = model.training
+    model.eval()
+    try:
+        whole = float(loss_fn(_call(model, _rows(inputs, 0, 2)), _rows(targets, 0, 2)))
+        parts = [float(loss_fn(_call(model, _rows(inputs, i, i + 1)), _rows(targets, i, i + 1))) for i in (0, 1)]
+    except Exception:  # noqa: BLE001 (a model that cannot take one row: nothing to tell)
+        return None
+    finally:
+        model.train(was)
+    total = parts[0] + parts[1]
+    scale = max(abs(whole), abs(total), 1e-12)
+    if abs(whole - total) <= 1e-4 * scale and abs(whole - total / 2) > 1e-3 * scale:
+        return whole, parts[0], parts[1]
+    return None
 
 
 def step_weights(loss_fn: Any, batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, microbatch_size: int,

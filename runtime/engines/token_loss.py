@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["PerToken", "per_token", "microbatch_weights"]
+__all__ = ["PerToken", "Summed", "per_token", "summed", "microbatch_weights"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +52,34 @@ def per_token(loss_fn: Callable[[Any, Any], Any], count: Callable[[Any, Any], An
     return PerToken(loss_fn, count)
 
 
+@dataclasses.dataclass(frozen=True)
+class Summed:
+    """`loss_fn` (output, targets) -> the sum of its rows' (or tokens') losses over a microbatch, not their mean.
+    Called, it is `loss_fn`."""
+
+    loss_fn: Callable[[Any, Any], Any]
+
+    def __call__(self, output: Any, targets: Any = None) -> Any:
+        return self.loss_fn(output, targets)
+
+
+def summed(loss_fn: Callable[[Any, Any], Any]) -> Summed:
+    """A loss that sums over its batch (`reduction="sum"`), kept a sum over the whole global batch however the
+    plan splits it: each microbatch counts whole (weight R, the replicas the loss and gradients are averaged
+    over), not 1 / m, so the step's loss and gradients are one process's sum over the batch."""
+    if not callable(loss_fn):
+        raise TypeError(f"summed: loss_fn must be callable, got {type(loss_fn).__name__}")
+    return Summed(loss_fn)
+
+
 def microbatch_weights(loss_fn: Any, microbatches: Callable[[int, int], Sequence[tuple[Any, Any]]], *, dp_rank: int,
                        dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> tuple[float, ...] | None:
-    """This rank's weight per microbatch, R * n_i / N, where `loss_fn` is a PerToken; None otherwise (each
-    microbatch then counts 1 / m). `microbatches(dp_rank, cp_rank)`: that rank's (inputs, targets) pairs of the
+    """This rank's weight per microbatch, R * n_i / N, where `loss_fn` is a PerToken; R where it is Summed; None
+    otherwise (each microbatch then counts 1 / m). `microbatches(dp_rank, cp_rank)`: that rank's (inputs, targets) pairs of the
     global batch, as the runners slice it (runtime.engines.step.step_weights). A global batch with no token to
     count weighs nothing."""
+    if isinstance(loss_fn, Summed):
+        return (float(dp_size * cp_size),) * len(microbatches(dp_rank, cp_rank))
     if not isinstance(loss_fn, PerToken):
         return None
 

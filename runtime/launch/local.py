@@ -202,6 +202,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
                               "were given: batches[k] is the batch of step k, pass the whole run's batches")
     if verify and batches and not (resume_from is not None and _written_by(manifest, sources)):
         _verify(plan, model_fn, loss_fn, batches[0], sources)
+    if verify and batches:
+        _check_loss_reduction(plan, model_fn, loss_fn, batches[0])
     plan_json = plan.to_json() if hasattr(plan, "to_json") else None
 
     tmp = Path(tempfile.mkdtemp(prefix="runtime-launch-"))
@@ -326,6 +328,34 @@ def _verify(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any, source
         raise LaunchError(f"the model or loss raised {type(e).__name__}: {e} while plan.verify ran the first "
                           "microbatch (in this process, before any rank started); fix the model, or pass "
                           "verify=False to find it in the ranks instead") from e
+
+
+def _check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any) -> None:
+    """A loss_fn that sums over the rows of its batch, under a plan that splits the batch, is refused before any
+    rank starts: the runners average the pieces' losses (each of m microbatches counts 1 / m, replicas are
+    averaged), which is one process's loss only for a mean. runtime.summed(loss_fn) keeps the sum. Checked on the
+    first two rows of the first batch, for models within verify's size (runtime.verify.check)."""
+    from runtime.engines.step import sums_over_rows
+    from runtime.engines.token_loss import PerToken, Summed
+    from runtime.verify.check import MAX_VERIFY_ELEMENTS
+
+    c = getattr(plan, "config", None)
+    if c is None or isinstance(loss_fn, (PerToken, Summed)) or (c.dp * c.cp == 1 and c.num_microbatches == 1):
+        return
+    if sum(math.prod(p.shape) for p in getattr(plan, "placements", ())) > MAX_VERIFY_ELEMENTS:
+        return
+    found = sums_over_rows(model_fn(), loss_fn, batch)
+    if found is None:
+        return
+    whole, a, b = found
+    pieces = c.num_microbatches * c.dp * c.cp
+    raise LaunchError(
+        f"loss_fn sums over the rows of its batch: on the first two rows of batches[0] it gives {whole:.6g}, the "
+        f"sum of the rows' {a:.6g} and {b:.6g}, not their mean. This plan splits each batch into {pieces} pieces "
+        f"({c.num_microbatches} microbatch(es) on each of {c.dp * c.cp} replica(s)) and averages their losses, as "
+        f"Megatron and DeepSpeed do, so it would train on 1/{pieces} of the loss one process computes. Pass "
+        "runtime.summed(loss_fn), which counts every microbatch whole (one process's sum over the batch), or "
+        "return a mean over the rows")
 
 
 def _written_by(manifest: Mapping[str, Any], sources: Mapping[int, str]) -> bool:
