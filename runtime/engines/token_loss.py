@@ -75,7 +75,8 @@ def summed(loss_fn: Callable[[Any, Any], Any]) -> Summed:
 def microbatch_weights(loss_fn: Any, microbatches: Callable[[int, int], Sequence[tuple[Any, Any]]], *, dp_rank: int,
                        dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> tuple[float, ...] | None:
     """This rank's weight per microbatch, R * n_i / N, where `loss_fn` is a PerToken; R where it is Summed; None
-    otherwise (each microbatch then counts 1 / m). `microbatches(dp_rank, cp_rank)`: that rank's (inputs, targets) pairs of the
+    otherwise (each microbatch then counts 1 / m). `microbatches(dp_rank, cp_rank)`: that rank's (inputs,
+    targets) pairs of the
     global batch, as the runners slice it (runtime.engines.step.step_weights). A global batch with no token to
     count weighs nothing."""
     if isinstance(loss_fn, Summed):
