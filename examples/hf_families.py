@@ -164,7 +164,8 @@ MORE_FAMILIES = {
                             num_experts_per_tok=2),
     # learned positions offset by 2, tokens flattened to (b s, h) inside each layer
     "opt": _from_config("OPTConfig", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=64),
-    # a router that samples its experts while training (sparsemixer: exponential_ and rand_like in forward)
+    # a router that samples its experts while training (sparsemixer: exponential_ and rand_like in forward), and
+    # a torch.autograd.Function with its own backward (its gradient estimator): pipeline and tensor plans refused
     "phimoe": _from_config("PhimoeConfig", "PhimoeForCausalLM", num_key_value_heads=2, num_local_experts=4,
                            num_experts_per_tok=2),
 }

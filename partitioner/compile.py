@@ -330,6 +330,10 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     experts = _runnable_experts(g, experts_of(g), splits, decl.ep)
     check_experts(decl, experts)
     no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
+    if no_pp and decl.cp not in (None, 1):  # no code can be cut at all (no_pp is set only then): nor cp's
+        raise DeclarationError(f"cp={decl.cp}: a context-parallel program runs the model as generated code, and "
+                               f"none can be generated for this model ({no_pp}); leave cp unpinned or pin cp=1")
+    no_cp = no_cp or no_pp
     one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
     if no_cp or one_replica:

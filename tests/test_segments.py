@@ -343,3 +343,62 @@ def test_a_plan_that_splits_the_batch_of_a_model_writing_buffers_says_so():
     g = trace(running_scale_seeded(), (torch.randint(0, 32, (2, 8)),))
     with pytest.warns(UserWarning, match=r"writes buffer blocks\.0\.scale.*4 microbatches.*microbatch_size=8"):
         compile(g, "local:2", global_batch_size=8, microbatch_size=2, precision="fp32", dp=1, pp=2, tp=1)
+
+
+class _RoundSTE(torch.autograd.Function):
+    """Quantisation to quarters with a straight-through gradient: autograd of round() would be zero."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _QuantBlock(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(_RoundSTE.apply(self.lin(x)))
+
+
+class _QuantNet(_RunningScaleNet):
+    def __init__(self, d: int = 16, vocab: int = 32):
+        super().__init__(d, vocab)
+        self.blocks = nn.ModuleList(_QuantBlock(d) for _ in range(4))
+
+
+def quant_seeded() -> _QuantNet:
+    torch.manual_seed(0)
+    return _QuantNet()
+
+
+def test_a_custom_autograd_function_keeps_plans_on_the_modules_own_forward():
+    """torch.export keeps a Function's forward ops, not its backward: code cut from them would differentiate
+    round() (gradient zero) where the model passes the gradient straight through. Pipeline, tensor and context
+    plans, which run such code, are refused naming the Function; the search keeps to the module's own forward."""
+    from cost_models.errors import DeclarationError
+
+    g = trace(quant_seeded(), (torch.randint(0, 32, (2, 8)),))
+    assert len(g.custom_functions) == 1 and "_RoundSTE" in g.custom_functions[0]
+    for pins in (dict(pp=2), dict(tp=2), dict(cp=2)):
+        with pytest.raises(DeclarationError, match=r"applies test_segments\._RoundSTE .*own backward"):
+            compile(g, "local:2", global_batch_size=2, microbatch_size=1, precision="fp32", **pins)
+    plan = compile(g, "local:2", global_batch_size=2, microbatch_size=1, precision="fp32")
+    assert (plan.config.pp, plan.config.tp, plan.config.cp) == (1, 1, 1) and plan.code is None
+
+
+@pytest.mark.slow
+def test_a_custom_autograd_function_trains_like_one_process_under_data_parallelism():
+    from examples.training import sgd
+    from ranks import assert_plan_trains_like_one_process
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 32, (8, 8), generator=g), torch.randint(0, 32, (8, 8), generator=g)) for _ in range(2)]
+    plan = compile(trace(quant_seeded(), (data[0][0][:2],)), "local:2", global_batch_size=8, microbatch_size=4,
+                   precision="fp32", dp=2, zero_stage=3)
+    assert_plan_trains_like_one_process(plan, quant_seeded, sgd, _token_loss, data)

@@ -509,6 +509,15 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     (`partitioner.codegen.segment_ep`)."""
     import torch.utils._pytree as pytree
 
+    functions = getattr(g, "custom_functions", ())
+    if functions:
+        raise SegmentError(
+            f"the model's forward applies {', '.join(functions[:3])}"
+            f"{f' and {len(functions) - 3} more' if len(functions) > 3 else ''}: a torch.autograd.Function with "
+            "its own backward, which the trace does not hold (torch.export keeps its forward's ops), so stage "
+            "code would differentiate those ops instead (a straight-through estimator's gradient would be "
+            "zero) and train differently from one process; plans that run the module's own forward (data "
+            "parallelism and ZeRO, pp = tp = cp = ep = 1) keep the Function")
     src = _Source(ep, g)
     placements = {p.param: p for p in splits.placements} if splits is not None else {}
     dims = dict(splits.shard_dims) if splits is not None else {}

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from cost_models.errors import TraceError
 from partitioner.tracer.attention import causal_attention, causal_shape_mask
+from partitioner.tracer.autograd_functions import Applied, differs_from_its_forward, recording
 from partitioner.tracer.attention import rewrite_attention as rewrite_attention_in
 from partitioner.tracer.writes import nested_written
 from partitioner.tracer.writes import written as block_written
@@ -83,6 +84,9 @@ class Capture:
     # the sequence lengths the captured graph holds for (torch.export's range of its sequence symbol); None: not
     # known (fx), or no symbol
     seq_range: tuple[int, float] | None = None
+    # torch.autograd.Function classes the forward applied (outside torch's own) whose backward is not autograd of
+    # their forward's ops, which the graph holds (tracer.autograd_functions), "module.Name (file:line)"
+    custom_functions: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- helpers
@@ -217,7 +221,10 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
     dyn_args = tuple(spec_of(a) for a in args)
     dyn_kwargs = {k: spec_of(v) for k, v in kwargs.items()}
     dynamic_shapes = {**{p: d for p, d in zip(_positional_names(model, len(args)), dyn_args)}, **dyn_kwargs}
-    ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes)
+    applied: dict[type, Applied] = {}
+    with recording(applied):
+        ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes)
+    functions = [a.name for a in applied.values() if differs_from_its_forward(a)]
     # before anything reads the graph, so costs and generated code see the same fused attention and activations
     if rewrite:
         user = frozenset(s.arg.name for s in ep.graph_signature.input_specs
@@ -278,7 +285,8 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)
     return Capture(nodes=tuple(nodes), inputs=tuple(inputs), method="export",
-                   batch_symbolic=batch_symbolic, graph_module=ep, seq_range=_seq_range(ep, symbols))
+                   batch_symbolic=batch_symbolic, graph_module=ep, seq_range=_seq_range(ep, symbols),
+                   custom_functions=tuple(functions))
 
 
 def _seq_range(ep: Any, symbols: dict[sympy.Symbol, sympy.Expr]) -> tuple[int, float] | None:

@@ -181,6 +181,10 @@ class OpGraph:
     block_container: str | None = None
     expanded_from: int | None = None
     buffer_bytes: int = 0
+    # torch.autograd.Function classes the forward applies (not torch's own) whose backward is not autograd of their
+    # forward's ops, which the graph holds, so code cut from it would train differently (tracer.autograd_functions);
+    # "module.Name (file:line)"
+    custom_functions: tuple[str, ...] = ()
     graph_module: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)
 
     # ---- totals ---------------------------------------------------------

@@ -377,4 +377,4 @@ def _assemble(costed: list[Costed], cap: Capture, model: nn.Module, stack: Layer
                    method=cap.method, model_name=type(model).__name__,
                    block_container=stack.path if stack is not None else None, expanded_from=expanded_from,
                    buffer_bytes=sum(b.numel() * b.element_size() for b in buffers.values()),
-                   graph_module=cap.graph_module)
+                   custom_functions=cap.custom_functions, graph_module=cap.graph_module)
