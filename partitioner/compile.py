@@ -310,7 +310,15 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     # Nothing the planner proposes may be unrunnable: where stage code cannot be generated for this
     # model, pipeline (and tensor) parallelism are off the table, unless the user pinned them (where no
     # code can be cut at all, both are).
+    shared = _shared_blocks(g)  # one module as several layers: stages and ZeRO-3's units would hold it apart
+    for axis, value, bad in (("pp", decl.pp, lambda v: v not in (None, 1)),
+                             ("zero_stage", decl.zero_stage, lambda v: v == 3)):
+        if shared and bad(value):
+            raise DeclarationError(f"{axis}={value}: {shared}; pin pp=1 and zero_stage 0, 1 or 2 (data and tensor "
+                                   "parallelism keep such blocks whole)")
     no_pp, no_tp = _code_limits(g, splits, valid_tp, ep=decl.ep or 1)
+    no_code = no_pp  # set only where no code can be cut at all (then cp's cannot be either)
+    no_pp = no_pp or shared
     no_sp = no_tp or _sp_code_limit(g, splits, valid_tp)
     for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp)):
         if why and value not in (None, 1):
@@ -330,10 +338,10 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     experts = _runnable_experts(g, experts_of(g), splits, decl.ep)
     check_experts(decl, experts)
     no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
-    if no_pp and decl.cp not in (None, 1):  # no code can be cut at all (no_pp is set only then): nor cp's
+    if no_code and decl.cp not in (None, 1):
         raise DeclarationError(f"cp={decl.cp}: a context-parallel program runs the model as generated code, and "
-                               f"none can be generated for this model ({no_pp}); leave cp unpinned or pin cp=1")
-    no_cp = no_cp or no_pp
+                               f"none can be generated for this model ({no_code}); leave cp unpinned or pin cp=1")
+    no_cp = no_cp or no_code
     one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
     if no_cp or one_replica:
@@ -381,7 +389,8 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
             f"ep={decl.ep} divides no data-parallel degree the other declarations {decl.pinned()} allow on "
             f"{topo.world_size} devices (expert-parallel groups are taken inside the data-parallel group, so dp must "
             f"be a multiple of ep); pin dp to a multiple of {decl.ep}, a smaller ep, or unpin tp/pp/cp")
-    cands = [c for c in allowed if ctx.compression_options(c)]  # those that can run the pinned compressors
+    cands = [c for c in allowed if ctx.compression_options(c) and not (shared and c.zero_stage == 3)]  # those that
+    # can run the pinned compressors (and hold shared blocks whole)
     if allowed and not cands:
         _refuse_compression(ctx, allowed, decl)
     if not cands and one_replica:
@@ -653,6 +662,24 @@ def _expert_note(ctx: CostContext, cand: ParallelConfig, topo: Topology, *, decl
 def _block_kinds(g: OpGraph) -> tuple[int, ...]:
     kinds = tuple(b.kind for b in g.blocks)
     return kinds if len(set(kinds)) > 1 else ()
+
+
+def _shared_blocks(g: OpGraph) -> str:
+    """Why pipeline stages and ZeRO-3's per-block units cannot hold the model ("" where they can): blocks of its
+    stack that share parameters (one module used as every layer, as ALBERT's), which a stage or a unit would each
+    hold, gather and step apart."""
+    if not g.block_container:
+        return ""
+    pre = g.block_container + "."
+    for p in g.params:
+        names = [n for n in (p.name, *p.aliases) if n.startswith(pre)]
+        blocks = sorted({n[len(pre):].split(".", 1)[0] for n in names}, key=lambda b: (len(b), b))
+        if len(blocks) > 1:
+            return (f"the blocks {pre}{blocks[0]}, {pre}{blocks[1]}{', ...' if len(blocks) > 2 else ''} share their "
+                    f"parameters ({p.name} is also {names[1] if names[0] == p.name else names[0]}: one module used as "
+                    "several layers, as in ALBERT), and pipeline stages and ZeRO-3's per-block units would each "
+                    "hold and step their own copy")
+    return ""
 
 
 def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) -> tuple[str, str]:

@@ -402,3 +402,38 @@ def test_a_custom_autograd_function_trains_like_one_process_under_data_paralleli
     plan = compile(trace(quant_seeded(), (data[0][0][:2],)), "local:2", global_batch_size=8, microbatch_size=4,
                    precision="fp32", dp=2, zero_stage=3)
     assert_plan_trains_like_one_process(plan, quant_seeded, sgd, _token_loss, data)
+
+
+class _PlainBlock(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class _SharedNet(_RunningScaleNet):
+    """ALBERT-like: one block's module used as every layer."""
+
+    def __init__(self, d: int = 16, vocab: int = 32):
+        super().__init__(d, vocab)
+        self.blocks = nn.ModuleList([_PlainBlock(d)] * 4)
+
+
+def shared_seeded() -> _SharedNet:
+    torch.manual_seed(0)
+    return _SharedNet()
+
+
+def test_blocks_that_share_their_parameters_keep_to_plans_that_hold_them_whole():
+    """Pipeline stages and ZeRO-3's per-block units failed on such a model (an attribute error blamed on the model,
+    a KeyError in build): they are refused when pinned, saying why, and the search leaves them out."""
+    from cost_models.errors import DeclarationError
+
+    g = trace(shared_seeded(), (torch.randint(0, 32, (2, 8)),))
+    for pins in (dict(pp=2), dict(dp=2, zero_stage=3)):
+        with pytest.raises(DeclarationError, match=r"blocks blocks\.0, blocks\.1, \.\.\. share their parameters"):
+            compile(g, "local:2", global_batch_size=8, microbatch_size=2, precision="fp32", **pins)
+    plan = compile(g, "local:2", global_batch_size=8, microbatch_size=2, precision="fp32")
+    assert plan.config.pp == 1 and plan.config.zero_stage != 3
