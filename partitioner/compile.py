@@ -338,11 +338,11 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     experts = _runnable_experts(g, experts_of(g), splits, decl.ep)
     check_experts(decl, experts)
     no_cp = check_context(decl, experts)  # MoE layers do not run under cp: pinned, refused; else left out
+    one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
     if no_code and decl.cp not in (None, 1):
         raise DeclarationError(f"cp={decl.cp}: a context-parallel program runs the model as generated code, and "
                                f"none can be generated for this model ({no_code}); leave cp unpinned or pin cp=1")
     no_cp = no_cp or no_code
-    one_replica = _check_batch_statistics(g, decl)  # a statistic split batches cannot reproduce: dp = cp = 1 (why)
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
     if no_cp or one_replica:
         forced = {**forced, "cp": 1, **({"dp": 1} if one_replica else {})}

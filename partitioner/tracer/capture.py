@@ -24,12 +24,12 @@ from torch.utils import _pytree as pytree
 
 from cost_models.errors import TraceError
 from partitioner.tracer.attention import causal_attention, causal_shape_mask
-from partitioner.tracer.autograd_functions import Applied, differs_from_its_forward, recording
 from partitioner.tracer.attention import rewrite_attention as rewrite_attention_in
-from partitioner.tracer.writes import nested_written
-from partitioner.tracer.writes import written as block_written
+from partitioner.tracer.autograd_functions import Applied, differs_from_its_forward, recording
 from partitioner.tracer.pointwise import fuse_activations
 from partitioner.tracer.symbolic import B, S
+from partitioner.tracer.writes import nested_written
+from partitioner.tracer.writes import written as block_written
 
 __all__ = ["RawSpec", "RawArg", "RawNode", "Capture", "capture"]
 
@@ -96,13 +96,8 @@ def unwritten_buffers(ep: Any) -> dict[fx.Node, str]:
     """The placeholders of `ep`'s buffers (and lifted constant tensors) that its graph never writes, with their
     names in the state dict (or constants)."""
     kinds = torch.export.graph_signature.InputKind
-    written = set(ep.graph_signature.buffers_to_mutate.values())
-    # and those written in place in the graph, or inside a no_grad region's nested graph (which the signature
-    # does not list): a running statistic updated under torch.no_grad()
-    in_place = {a.name for n in ep.graph.nodes if n.op == "call_function"
-                for a in (*block_written(n), *nested_written(n, ep.graph_module)) if a.op == "placeholder"}
+    written = written_buffers(ep)
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    written |= {s.target for s in ep.graph_signature.input_specs if getattr(s.arg, "name", None) in in_place}
     return {by_name[s.arg.name]: s.target for s in ep.graph_signature.input_specs
             if s.kind in (kinds.BUFFER, kinds.CONSTANT_TENSOR) and s.target not in written
             and (s.target in ep.state_dict or s.target in ep.constants)}

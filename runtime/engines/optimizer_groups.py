@@ -8,8 +8,8 @@ something else, and there an optimizer can silently train differently from one p
 - **ZeRO-1/2/3 steps flat shards**: each a 1-D slice of parameters laid end to end, cutting through them. An
   ``optimizer_fn`` that puts parameters in groups with their own hyperparameters (nanoGPT's
   ``p.dim() >= 2`` decays, the rest do not) would see only 1-D tensors and put everything in one group.
-  `make_optimizer` asks ``optimizer_fn`` for its groups on stand-ins of the real parameters (meta tensors of
-  their shapes and dtypes), and where they differ it steps, for each group, the runs of each shard that lie in
+  `make_optimizer` asks ``optimizer_fn`` for its groups on stand-ins of the real parameters (their shapes, dtypes
+  and devices, one element of memory each), and where they differ it steps, for each group, the runs of each shard that lie in
   that group's parameters (views of the shard, their gradients views of the shard's gradient), with that
   group's hyperparameters. Parameters the optimizer was not given are not stepped, as in one process.
 - **Any split parameter** (flat shards, tensor-parallel slices, expert slices) is stepped in pieces. That is
@@ -57,7 +57,7 @@ def make_optimizer(optimizer_fn: Callable, engine: Any, *, extra: Sequence[torch
     flat = [(h, ranges) for h, ranges in pieces if not _whole(h, ranges)]
     if not flat and not sliced:
         return optimizer_fn(params)
-    _check_elementwise(optimizer_fn, why=_why_split(flat, sliced), device=params[0].device if params else None)
+    _check_elementwise(optimizer_fn, why=_why_split(zero=bool(flat)), device=params[0].device if params else None)
     if not flat:
         return optimizer_fn(params)
     probe, order = _groups(optimizer_fn, _standins(pieces, extra))
@@ -77,8 +77,7 @@ def check_optimizer(optimizer_fn: Callable, *, zero_stage: int, sliced: bool) ->
     that steps parameters in pieces (ZeRO flat shards, `sliced`: tensor-parallel or expert slices),
     optimizer_fn's optimizer must step a parameter's pieces as it steps the whole (raises OptimizerError)."""
     if zero_stage > 0 or sliced:
-        flat = [()] if zero_stage > 0 else []
-        _check_elementwise(optimizer_fn, why=_why_split(flat, sliced), device=None)
+        _check_elementwise(optimizer_fn, why=_why_split(zero=zero_stage > 0), device=None)
 
 
 def segments_of(optimizer: torch.optim.Optimizer) -> tuple | None:
@@ -95,8 +94,8 @@ def _whole(holder: torch.Tensor, ranges) -> bool:
     return a == 0 and at == 0 and b == holder.numel() and tuple(holder.shape) == tuple(shape)
 
 
-def _why_split(flat, sliced: bool) -> str:
-    if flat:
+def _why_split(*, zero: bool) -> str:
+    if zero:
         return "the plan's ZeRO shards step each parameter as pieces of flat 1-D buffers"
     return "the plan's tensor-parallel or expert slices step each parameter as pieces on several ranks"
 
