@@ -10,8 +10,9 @@ something else, and there an optimizer can silently train differently from one p
   ``p.dim() >= 2`` decays, the rest do not) would see only 1-D tensors and put everything in one group.
   `make_optimizer` asks ``optimizer_fn`` for its groups on stand-ins of the real parameters (their shapes,
   dtypes and devices, one element of memory each), and where they differ it steps, for each group, the runs of
-  each shard that lie in that group's parameters (views of the shard, their gradients views of the shard's gradient), with that
-  group's hyperparameters. Parameters the optimizer was not given are not stepped, as in one process.
+  each shard that lie in that group's parameters (views of the shard, their gradients views of the shard's
+  gradient), with that group's hyperparameters. Parameters the optimizer was not given are not stepped, as in
+  one process.
 - **Any split parameter** (flat shards, tensor-parallel slices, expert slices) is stepped in pieces. That is
   exact only for an optimizer whose update of an element depends on that element alone (SGD, Adam, AdamW,
   Adagrad, RMSprop, ...). One that reads the whole tensor (LAMB's and LARS' per-tensor trust ratio,
