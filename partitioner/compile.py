@@ -92,6 +92,7 @@ from partitioner.planner.stage_costs import StageEvaluator
 from partitioner.planner.tensor_split import TensorSplits, find_splits
 from partitioner.tracer.batch_statistics import (describe_statistic, module_path, nonlinear_batch_statistics,
                                                  training_batch_norms)
+from partitioner.tracer.blocks import block_index
 from partitioner.tracer.capture import written_buffers
 from partitioner.tracer.experts import experts_text
 from partitioner.planner.unit_costs import CostContext, units_of
@@ -668,17 +669,20 @@ def _shared_blocks(g: OpGraph) -> str:
     """Why pipeline stages and ZeRO-3's per-block units cannot hold the model ("" where they can): blocks of its
     stack that share parameters (one module used as every layer, as ALBERT's), which a stage or a unit would each
     hold, gather and step apart."""
-    if not g.block_container:
+    if g.block_container is None:
         return ""
-    pre = g.block_container + "."
+    pre = f"{g.block_container}." if g.block_container else ""
     for p in g.params:
-        names = [n for n in (p.name, *p.aliases) if n.startswith(pre)]
-        blocks = sorted({n[len(pre):].split(".", 1)[0] for n in names}, key=lambda b: (len(b), b))
-        if len(blocks) > 1:
-            return (f"the blocks {pre}{blocks[0]}, {pre}{blocks[1]}{', ...' if len(blocks) > 2 else ''} share their "
-                    f"parameters ({p.name} is also {names[1] if names[0] == p.name else names[0]}: one module used as "
-                    "several layers, as in ALBERT), and pipeline stages and ZeRO-3's per-block units would each "
-                    "hold and step their own copy")
+        held: dict[int, str] = {}  # block -> the name it reads the parameter by
+        for name in (p.name, *p.aliases):
+            b = block_index(name, g.block_container)
+            if b is not None:
+                held.setdefault(b, name)
+        if len(held) > 1:
+            (i, first), (j, second) = sorted(held.items())[:2]
+            return (f"the blocks {pre}{i}, {pre}{j}{', ...' if len(held) > 2 else ''} share their parameters "
+                    f"({first} is also {second}: one module used as several layers, as in ALBERT), and pipeline "
+                    "stages and ZeRO-3's per-block units would each hold and step their own copy")
     return ""
 
 

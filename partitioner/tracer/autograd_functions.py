@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 __all__ = ["Applied", "differs_from_its_forward", "recording"]
 
@@ -134,11 +135,7 @@ class _Ctx:
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _tensors(v)]
-    return []
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

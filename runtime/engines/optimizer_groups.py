@@ -145,8 +145,8 @@ def _check_elementwise(optimizer_fn: Callable, *, why: str, device: torch.device
 # ---- parameter groups --------------------------------------------------------------------------------------
 
 def _standins(pieces, extra: Sequence[torch.Tensor]) -> dict[str | int, nn.Parameter]:
-    """A stand-in of each parameter the pieces belong to (by name) and of each `extra` tensor (by index), in the
-    order the engine lists them: its shape, dtype and device, one element of memory (a stride-0 view)."""
+    """A stand-in (`_standin`) of each parameter the pieces belong to (by name) and of each `extra` tensor (by
+    index), in the order the engine lists them."""
     likes: dict[str | int, tuple[tuple[int, ...], torch.Tensor]] = {}
     tied = {id(t) for t in extra}
     for h, ranges in pieces:
@@ -155,14 +155,19 @@ def _standins(pieces, extra: Sequence[torch.Tensor]) -> dict[str | int, nn.Param
                 likes.setdefault(name, (tuple(shape), h))
     for k, t in enumerate(extra):
         likes[k] = (tuple(t.shape), t)
-    return {n: nn.Parameter(torch.empty((), dtype=like.dtype, device=like.device).expand(shape))
-            for n, (shape, like) in likes.items()}
+    return {n: _standin(shape, like.dtype, like.device) for n, (shape, like) in likes.items()}
+
+
+def _standin(shape: Sequence[int], dtype: torch.dtype = torch.float32, device: Any = "cpu") -> nn.Parameter:
+    """A parameter of this shape, dtype and device holding one element (a stride-0 view): what optimizer_fn
+    reads to choose its groups, without the memory."""
+    return nn.Parameter(torch.empty((), dtype=dtype, device=device).expand(tuple(shape)))
 
 
 def differing_groups(optimizer_fn: Callable, shapes: Mapping[str, Sequence[int]]) -> bool:
     """Whether optimizer_fn gives parameters of these shapes (fp32) groups with different hyperparameters, or
     leaves some out: what makes make_optimizer step runs of ZeRO shards."""
-    standins = {n: nn.Parameter(torch.empty(()).expand(tuple(s))) for n, s in shapes.items()}
+    standins = {n: _standin(s) for n, s in shapes.items()}
     return _groups(optimizer_fn, standins)[0] is not None
 
 

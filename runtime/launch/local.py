@@ -337,12 +337,13 @@ def _check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batc
     first two rows of the first batch, for models within verify's size (runtime.verify.check)."""
     from runtime.engines.step import sums_over_rows
     from runtime.engines.token_loss import PerToken, Summed
-    from runtime.verify.check import MAX_VERIFY_ELEMENTS
+    from runtime.verify.check import MAX_VERIFY_ELEMENTS, num_parameters
 
     c = getattr(plan, "config", None)
     if c is None or isinstance(loss_fn, (PerToken, Summed)) or (c.dp * c.cp == 1 and c.num_microbatches == 1):
         return
-    if sum(math.prod(p.shape) for p in getattr(plan, "placements", ())) > MAX_VERIFY_ELEMENTS:
+    n = num_parameters(plan)
+    if n is None or n > MAX_VERIFY_ELEMENTS:
         return
     found = sums_over_rows(model_fn(), loss_fn, batch)
     if found is None:
