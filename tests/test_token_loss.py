@@ -80,16 +80,49 @@ def test_a_summed_loss_counts_every_microbatch_whole_on_every_replica():
     assert w == (2.0, 2.0)  # averaged over the 2 replicas: each of the 4 rows' sums counts once
 
 
-def test_a_loss_that_sums_its_rows_is_told_from_a_mean():
+def test_a_loss_is_told_a_mean_a_sum_or_weighted_over_its_rows():
     from examples.gpt import example_batch
     from examples.training import gpt_loss, gpt_tiny_seeded
-    from runtime.engines.step import sums_over_rows
+    from runtime.engines.step import reduction_over_rows
 
     model = gpt_tiny_seeded()
     batch = example_batch(model, 4)
-    whole, a, b = sums_over_rows(model, sum_loss, batch)
-    assert whole == pytest.approx(a + b, rel=1e-5)
-    assert sums_over_rows(model, gpt_loss, batch) is None and model.training  # a mean; the mode put back
+    kind, whole, parts = reduction_over_rows(model, sum_loss, batch)
+    assert kind == "sum" and len(parts) == 4 and whole == pytest.approx(sum(parts), rel=1e-5)
+    assert reduction_over_rows(model, gpt_loss, batch)[0] == "mean" and model.training  # the mode put back
+    kind, whole, parts = reduction_over_rows(model, gpt_loss, _padded(batch))
+    assert kind == "weighted" and abs(whole - sum(parts) / 4) > 1e-5 * whole
+    assert reduction_over_rows(model, gpt_loss, (batch[0][:1], batch[1][:1])) is None  # one row: nothing to tell
+
+
+def _padded(batch):
+    """Row r's first 2r targets -100: a token mean weighs the rows 8, 6, 4 and 2 (of the example's 8 tokens)."""
+    x, y = batch
+    y = y.clone()
+    for row in range(y.shape[0]):
+        y[row, :2 * row] = -100
+    return x, y
+
+
+def test_a_token_mean_over_uneven_pads_is_warned_before_any_rank_starts_and_per_token_is_not():
+    """The plan weighs its 4 pieces alike, one process each token: another loss, said before anything runs."""
+    from examples.gpt import example_batch
+    from examples.training import gpt_loss, gpt_tiny_seeded
+    from partitioner import compile, trace
+    from runtime.launch.local import _check_loss_reduction
+
+    model = gpt_tiny_seeded()
+    batch = _padded(example_batch(model, 4))
+    g = trace(model, (batch[0][:2],))
+    plan = compile(g, "local:2", global_batch_size=4, microbatch_size=1, precision="fp32", dp=2, pp=1, tp=1)
+    with pytest.warns(UserWarning, match=r"not a mean over the rows.*4 pieces of 1 row.*runtime\.per_token"):
+        _check_loss_reduction(plan, gpt_tiny_seeded, gpt_loss, batch)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check_loss_reduction(plan, gpt_tiny_seeded, per_token(gpt_loss, target_tokens), batch)
+        _check_loss_reduction(plan, gpt_tiny_seeded, gpt_loss, example_batch(model, 4))  # no pads: a mean
 
 
 @pytest.mark.slow

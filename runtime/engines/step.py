@@ -13,6 +13,7 @@ one process training on the whole batch with a mean loss.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -30,7 +31,7 @@ from runtime.engines.token_loss import microbatch_weights
 from runtime.pipeline.executor import PipelineExecutor
 
 __all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "step_weights",
-           "sums_over_rows", "PeakHeld", "implicit_after_step"]
+           "row_losses", "reduction_over_rows", "PeakHeld", "implicit_after_step"]
 
 
 class ModelMismatchError(PartitionerError):
@@ -181,29 +182,54 @@ def replica_microbatches(batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, 
 
 
 @torch.no_grad()
-def sums_over_rows(model: nn.Module, loss_fn: Callable, batch: tuple[Any, Any]) -> tuple[float, float, float] | None:
-    """(loss of rows 0-1, of row 0, of row 1) where `loss_fn(model(x), y)` on the first two rows of `batch` is the
-    sum of the two rows' losses and not their mean (a `reduction="sum"` loss); None where it is not, or cannot
-    be told (fewer than two rows, a model or loss that fails on one row). The model runs in eval mode (no
-    dropout), and is put back as it was."""
+def row_losses(model: nn.Module, loss_fn: Callable, batch: tuple[Any, Any],
+               rows: int) -> tuple[float, tuple[float, ...]] | None:
+    """(`loss_fn(model(x), y)` on the first `rows` rows of `batch` together, the same on each of those rows alone);
+    None where the batch has fewer than two rows, the model or loss fails on one row, or a loss is not finite (a
+    row with no token that counts). The model runs in eval mode (no dropout), and is put back as it was."""
     inputs, targets = batch
     first = next((t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
-    if first is None or first.dim() == 0 or first.shape[0] < 2:
+    n = 0 if first is None or first.dim() == 0 else min(rows, first.shape[0])
+    if n < 2:
         return None
     was = model.training
     model.eval()
     try:
-        whole = float(loss_fn(_call(model, _rows(inputs, 0, 2)), _rows(targets, 0, 2)))
-        parts = [float(loss_fn(_call(model, _rows(inputs, i, i + 1)), _rows(targets, i, i + 1))) for i in (0, 1)]
+        whole = float(loss_fn(_call(model, _rows(inputs, 0, n)), _rows(targets, 0, n)))
+        parts = tuple(float(loss_fn(_call(model, _rows(inputs, i, i + 1)), _rows(targets, i, i + 1)))
+                      for i in range(n))
     except Exception:  # noqa: BLE001 (a model that cannot take one row: nothing to tell)
         return None
     finally:
         model.train(was)
-    total = parts[0] + parts[1]
-    scale = max(abs(whole), abs(total), 1e-12)
-    if abs(whole - total) <= 1e-4 * scale and abs(whole - total / 2) > 1e-3 * scale:
-        return whole, parts[0], parts[1]
-    return None
+    if not all(math.isfinite(v) for v in (whole, *parts)):
+        return None
+    return whole, parts
+
+
+def reduction_over_rows(model: nn.Module, loss_fn: Callable, batch: tuple[Any, Any],
+                        rows: int = 8) -> tuple[str, float, tuple[float, ...]] | None:
+    """How `loss_fn(model(x), y)` reduces over the rows of a batch, told on the first `rows` rows of `batch`
+    (`row_losses`): ("mean", ...) where the loss of the rows together is the mean of their own losses, ("sum", ...)
+    where it is their sum (`reduction="sum"`), ("weighted", ...) where it is neither: a mean over something rows
+    hold unequally (the tokens that count, with labels of -100 falling unevenly), or a loss that couples the
+    rows. Then (kind, loss of the rows together, each row's loss); None where it cannot be told.
+
+    A plan weighs each of its pieces (microbatches, replicas) alike, which is one process's loss only for a mean.
+    Equal within the rounding of the model's dtype: batching rows changes the order of a matmul's sums."""
+    found = row_losses(model, loss_fn, batch, rows)
+    if found is None:
+        return None
+    whole, parts = found
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    rtol = 50 * torch.finfo(dtype).eps
+    total = sum(parts)
+    scale = max(abs(whole), abs(total) / len(parts), 1e-12)
+    if abs(whole - total / len(parts)) <= rtol * scale:
+        return "mean", whole, parts
+    if abs(whole - total) <= 1e-4 * max(abs(whole), abs(total), 1e-12):
+        return "sum", whole, parts
+    return "weighted", whole, parts
 
 
 def step_weights(loss_fn: Any, batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, microbatch_size: int,

@@ -61,6 +61,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -331,11 +332,15 @@ def _verify(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any, source
 
 
 def _check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any) -> None:
-    """A loss_fn that sums over the rows of its batch, under a plan that splits the batch, is refused before any
-    rank starts: the runners average the pieces' losses (each of m microbatches counts 1 / m, replicas are
-    averaged), which is one process's loss only for a mean. runtime.summed(loss_fn) keeps the sum. Checked on the
-    first two rows of the first batch, for models within verify's size (runtime.verify.check)."""
-    from runtime.engines.step import sums_over_rows
+    """A loss_fn that is not a mean over the rows of its batch, under a plan that splits the batch, before any rank
+    starts: the runners average the pieces' losses (each of m microbatches counts 1 / m, replicas are averaged), which
+    is one process's loss only for a mean. A sum trains on 1 / pieces of it: refused (runtime.summed(loss_fn) keeps
+    it). A mean over what rows hold unequally (the tokens that count, with pads falling unevenly) weighs each piece
+    alike, Megatron's and DeepSpeed's default, where one process weighs each token: warned, with the fix
+    (runtime.per_token). Told on the first rows of the first batch (runtime.engines.step.reduction_over_rows), for
+    models within verify's size (runtime.verify.check). Not warned where the model computes a router's
+    load-balancing loss, which couples the rows (the runtime reduces it over the replicas, runtime.experts)."""
+    from runtime.engines.step import reduction_over_rows
     from runtime.engines.token_loss import PerToken, Summed
     from runtime.verify.check import MAX_VERIFY_ELEMENTS, num_parameters
 
@@ -345,18 +350,38 @@ def _check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batc
     n = num_parameters(plan)
     if n is None or n > MAX_VERIFY_ELEMENTS:
         return
-    found = sums_over_rows(model_fn(), loss_fn, batch)
+    found = reduction_over_rows(model_fn(), loss_fn, batch)
     if found is None:
         return
-    whole, a, b = found
+    kind, whole, parts = found
     pieces = c.num_microbatches * c.dp * c.cp
-    raise LaunchError(
-        f"loss_fn sums over the rows of its batch: on the first two rows of batches[0] it gives {whole:.6g}, the "
-        f"sum of the rows' {a:.6g} and {b:.6g}, not their mean. This plan splits each batch into {pieces} pieces "
-        f"({c.num_microbatches} microbatch(es) on each of {c.dp * c.cp} replica(s)) and averages their losses, as "
-        f"Megatron and DeepSpeed do, so it would train on 1/{pieces} of the loss one process computes. Pass "
-        "runtime.summed(loss_fn), which counts every microbatch whole (one process's sum over the batch), or "
-        "return a mean over the rows")
+    rows = len(parts)
+    if kind == "sum":
+        raise LaunchError(
+            f"loss_fn sums over the rows of its batch: on the first {rows} rows of batches[0] it gives {whole:.6g}, "
+            f"the sum of the rows' own losses ({_listed(parts)}), not their mean. This plan splits each batch into "
+            f"{pieces} pieces ({c.num_microbatches} microbatch(es) on each of {c.dp * c.cp} replica(s)) and averages "
+            f"their losses, as Megatron and DeepSpeed do, so it would train on 1/{pieces} of the loss one process "
+            "computes. Pass runtime.summed(loss_fn), which counts every microbatch whole (one process's sum over the "
+            "batch), or return a mean over the rows")
+    aux = getattr(getattr(plan, "code", None), "aux_loss", False)
+    row_pieces = c.num_microbatches * c.dp
+    if kind == "weighted" and row_pieces > 1 and not aux:
+        warnings.warn(
+            f"loss_fn is not a mean over the rows of its batch: on the first {rows} rows of batches[0] it gives "
+            f"{whole:.6g}, where the mean of the rows' own losses is {sum(parts) / rows:.6g} (rows: "
+            f"{_listed(parts)}), as a mean over the tokens that count does when the labels of -100 fall unevenly. "
+            f"This plan averages the losses of its {row_pieces} pieces of {c.microbatch_size} row(s) "
+            f"({c.num_microbatches} microbatch(es) on each of {c.dp} replica(s)), each weighed alike as Megatron and "
+            "DeepSpeed do, so it trains on another loss than one process on the whole batch. Pass "
+            "runtime.per_token(loss_fn, count), count(inputs, targets) giving what a piece's loss averages over "
+            "(examples.training.target_tokens, labelled_tokens), and each piece weighs its share of the batch",
+            stacklevel=3)
+
+
+def _listed(values: Sequence[float], most: int = 4) -> str:
+    shown = ", ".join(f"{v:.6g}" for v in values[:most])
+    return shown + (f", ... ({len(values)} in all)" if len(values) > most else "")
 
 
 def _written_by(manifest: Mapping[str, Any], sources: Mapping[int, str]) -> bool:
