@@ -367,3 +367,44 @@ def test_randomness_off_fixes_every_draw_in_eager_and_aten_forms():
         seeded = torch.rand(4, generator=torch.Generator().manual_seed(5))
     assert torch.equal(seeded, torch.rand(4, generator=torch.Generator().manual_seed(5)))
     assert seeded.unique().numel() == 4
+
+
+def test_randomness_stays_off_in_a_checkpointed_regions_recomputation():
+    """torch.utils.checkpoint runs the region's forward again inside the backward: there too dropout is the
+    identity, whether the backward is called as a method, as torch.autograd.backward or torch.autograd.grad."""
+    from runtime.verify.no_randomness import NoRandomness
+
+    w = torch.nn.Parameter(torch.arange(6.0).view(2, 3))
+
+    def region(x):  # the matmul saves the dropout's output for w's gradient: recomputed, it must be x again
+        return (torch.nn.functional.dropout(x, 0.5, training=True) @ w).sum(-1)
+
+    x = torch.ones(4, 2, requires_grad=True)
+    for run in (lambda y: y.sum().backward(), lambda y: torch.autograd.backward([y], [torch.ones_like(y)]),
+                lambda y: (w.grad.add_(torch.autograd.grad(y.sum(), [w])[0]) if w.grad is not None else
+                           setattr(w, "grad", torch.autograd.grad(y.sum(), [w])[0]))):
+        w.grad = None
+        with NoRandomness():
+            run(torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False))
+        assert torch.equal(w.grad, torch.full((2, 3), 4.0)), w.grad  # d/dw sum(x @ w), x all ones, 4 rows
+
+
+def test_a_model_with_dropout_verifies_under_its_own_checkpointing_and_the_plans_recomputation():
+    """GPT-2's configuration drops out 0.1 by default. Its gradient checkpointing (Hugging Face's) and a plan's
+    recomputation both run a block's forward again in the backward; verify used to see dropout on there and
+    fail with torch's CheckpointError, blaming the generated code."""
+    import transformers
+
+    def gpt2():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=16, use_cache=False,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        model.gradient_checkpointing_enable()
+        return model
+
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = compile(trace(gpt2(), (x,)), "local:2", global_batch_size=2, microbatch_size=2, precision="fp32", pp=2,
+                   tp=1, dp=1, recompute="full")
+    report = plan.verify(gpt2, (x,), hf_loss, targets=torch.roll(x, -1, 1))
+    assert "match the module" in str(report)

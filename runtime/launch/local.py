@@ -350,7 +350,7 @@ def _check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batc
     n = num_parameters(plan)
     if n is None or n > MAX_VERIFY_ELEMENTS:
         return
-    found = reduction_over_rows(model_fn(), loss_fn, batch)
+    found = reduction_over_rows(model_fn(), loss_fn, batch, rows=_rows_to_check(batch, n))
     if found is None:
         return
     kind, whole, parts = found
@@ -377,6 +377,18 @@ def _check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batc
             "runtime.per_token(loss_fn, count), count(inputs, targets) giving what a piece's loss averages over "
             "(examples.training.target_tokens, labelled_tokens), and each piece weighs its share of the batch",
             stacklevel=3)
+
+
+def _rows_to_check(batch: Any, parameters: int, flops: float = 4e10) -> int:
+    """How many rows of the batch the loss check runs (together, then one by one): 8, fewer where their forwards
+    would pass `flops` (about a second on a CPU; 2 FLOPs per parameter and token, twice), at least 2."""
+    from torch.utils import _pytree as pytree
+
+    first = next((t for t in pytree.tree_leaves(batch[0]) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if first is None or first.shape[0] == 0:
+        return 2
+    tokens = max(1, first.numel() // first.shape[0])
+    return max(2, min(8, int(flops // (4 * tokens * max(1, parameters)))))
 
 
 def _listed(values: Sequence[float], most: int = 4) -> str:

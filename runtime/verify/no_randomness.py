@@ -16,6 +16,13 @@ The same fixed value for the same call on both sides keeps the comparison exact 
 same. A draw from a generator the caller passes (`generator=`, seeded) repeats on both sides and is left as
 it is. Thread-local, as torch function modes are: every slice's thread enters it.
 
+Backward keeps it on. torch.utils.checkpoint runs a region's forward again inside the backward (the module's own
+gradient checkpointing, the plan's recomputation), and autograd runs with the torch function modes that were on
+when the backward was called; a mode is off while its own handler runs, so `loss.backward()` would recompute with
+dropout on and fresh draws where the forward had none, and torch then refuses the saved tensors (CheckpointError,
+"Recomputed values ... have different metadata"). So `backward`, `torch.autograd.backward` and
+`torch.autograd.grad` run their own steps here (`_held_backward`) with the mode on while the engine runs.
+
 >>> with NoRandomness():
 ...     x = torch.empty(3).exponential_(2.0)
 ...     y = torch.rand(2)
@@ -25,6 +32,7 @@ it is. Thread-local, as torch function modes are: every slice's thread enters it
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -115,11 +123,53 @@ def _own_generator(args: tuple, kwargs: dict) -> bool:
     return kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args)
 
 
+_BACKWARDS = {torch.Tensor.backward: "backward", torch.autograd.backward: "backward", torch.autograd.grad: "grad"}
+
+
+def _as_tuple(x: Any) -> tuple:
+    from torch.autograd.graph import GradientEdge
+
+    return (x,) if isinstance(x, (torch.Tensor, GradientEdge)) else tuple(x)
+
+
+def _held_backward(mode: TorchFunctionMode, func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func` (one of `_BACKWARDS`) by torch.autograd's own steps, `mode` on while autograd's engine runs (so a
+    checkpointed region recomputes with it); the forms this does not take (batched or materialized gradients, a
+    dict of inputs) run as called."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if func is torch.Tensor.backward:
+        a = {"tensors": a["self"], "grad_tensors": a["gradient"], "retain_graph": a["retain_graph"],
+             "create_graph": a["create_graph"], "inputs": a["inputs"]}
+    grad = _BACKWARDS[func] == "grad"
+    if (a.get("grad_variables") is not None or a.get("is_grads_batched") or a.get("materialize_grads")
+            or isinstance(a["inputs"], dict) or not a.get("only_inputs", True)):
+        return func(*args, **kwargs)
+    outputs = _as_tuple(a["outputs"] if grad else a["tensors"])
+    inputs = () if a["inputs"] is None else _as_tuple(a["inputs"])
+    given = _tensor_or_tensors_to_tuple(a["grad_outputs"] if grad else a["grad_tensors"], len(outputs))
+    create = a["create_graph"]
+    retain = create if a["retain_graph"] is None else a["retain_graph"]
+    with mode:
+        grads = _make_grads(outputs, given, is_grads_batched=False)
+        if grad:
+            return _engine_run_backward(outputs, grads, retain, create, inputs, bool(a["allow_unused"]),
+                                        accumulate_grad=False)
+        _engine_run_backward(outputs, grads, retain, create, inputs, allow_unreachable=True, accumulate_grad=True)
+        return None
+
+
 class NoRandomness(TorchFunctionMode):
     """Every random draw fixed (see the module's docstring), on the module and the generated code alike."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _BACKWARDS:
+            return _held_backward(self, func, args, kwargs)
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
         if func is torch.ops.aten.native_dropout.default:
