@@ -438,6 +438,13 @@ def attention_import(plan: "Plan") -> str:
         if _code_calls(plan, "shape_mask_attention") else ""
 
 
+def forked_import(plan: "Plan") -> str:
+    """The import of the draws on split activations from each tensor slice's own stream
+    (partitioner.codegen.segment_tp)."""
+    return "from runtime.pipeline.tensor_parallel import tp_forked  # dropout on a slice's heads or tokens: its own " \
+        "stream\n" if _code_calls(plan, "tp_forked") else ""
+
+
 def fp8_import(plan: "Plan") -> str:
     """The import of the fp8 linear the code of an fp8-mixed plan calls (partitioner.codegen.segments)."""
     return "from runtime.engines.fp8 import fp8_linear  # fp8-mixed: the linears' GEMMs in float8\n" \

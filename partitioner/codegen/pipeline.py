@@ -24,6 +24,7 @@ from partitioner.codegen.common import (
     ep_import,
     ep_stage_lines,
     dp_compression,
+    forked_import,
     fp8_import,
     literal,
     mesh_lines,
@@ -218,7 +219,7 @@ from runtime.pipeline.stage import StageModel, state_keys
 from runtime.pipeline.tensor_parallel import (TPContext, sp_gather, sp_scatter, sp_vocab_embedding, tp_chunk,
                                               tp_copy, tp_cross_entropy, tp_gather, tp_reduce, tp_vocab_embedding)
 from runtime.pipeline.vocab_logits import tp_vocab_logits
-{fp8_import(plan)}{attention_import(plan)}{cp_import(plan)}{ep_import(plan)}
+{fp8_import(plan)}{attention_import(plan)}{forked_import(plan)}{cp_import(plan)}{ep_import(plan)}
 inf, nan = float("inf"), float("nan")
 
 {program_header(plan, rank, h)}

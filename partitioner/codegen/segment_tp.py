@@ -30,6 +30,15 @@ Used by `partitioner.codegen.segments` while it copies a segment's nodes:
   f's backward sums the shares over the tensor group (Megatron does the same
   for the layer norms that see sequence-parallel activations).
 
+- a random draw on a split activation (a dropout with p > 0, attention's
+  dropout_p over a slice's heads, a dropout on a slice's tokens under
+  sequence parallelism) runs as `tp_forked(tp, op, ...)`: from this slice's
+  own stream, as Megatron's model-parallel RNG tracker forks one per slice.
+  On the stage's shared stream every slice would draw the same mask for its
+  own heads or tokens, correlated where one process draws each element
+  apart. A draw on a replicated activation stays on the shared stream, so it
+  is the same on every slice, as it must be.
+
 Under sequence parallelism (`partitioner.planner.sequence_split`, the plan's sp) the
 ops between the regions run on this rank's tokens: a row-parallel output is
 reduce-scattered over them (`sp_scatter`) instead of all-reduced, a column
@@ -105,6 +114,10 @@ def sp_vocab_embedding(weight, ids, dim, tp, padding_idx=-1):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
+def tp_forked(tp, op, *args, **kwargs):
+    raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
+
+
 def fp8_linear(x, weight, bias=None):
     """precision="fp8-mixed": the linear with float8 GEMM operands (runtime.engines.fp8), whatever splits it."""
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
@@ -114,7 +127,23 @@ def fp8_linear(x, weight, bias=None):
 SUM_REPLICATED_GRADS = True
 
 RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_entropy", "tp_gather", "tp_vocab_logits",
-                     "tp_chunk", "sp_gather", "sp_scatter", "sp_vocab_embedding", "fp8_linear")
+                     "tp_chunk", "sp_gather", "sp_scatter", "sp_vocab_embedding", "tp_forked", "fp8_linear")
+
+
+def _drawn(n: fx.Node) -> str | None:
+    """The name `tp_forked` runs `n`'s op by, where `n` draws random numbers (a dropout in training with p > 0,
+    attention with dropout_p > 0); None otherwise."""
+    from partitioner.codegen.segment_attention import shape_mask_attention
+
+    if n.target in (_aten.dropout.default, _aten.native_dropout.default):
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.0)
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+        return n.target._opname if isinstance(p, (int, float)) and p > 0 and train is not False else None
+    if n.target in (_aten.scaled_dot_product_attention.default, shape_mask_attention):
+        p = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
+        return ("attention" if n.target is _aten.scaled_dot_product_attention.default else "shape_mask_attention") \
+            if isinstance(p, (int, float)) and p > 0 else None
+    return None
 
 
 def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -192,6 +221,18 @@ class TensorParallelRewrite:
             self.env[n].meta = dict(n.meta)
             return True
         return False
+
+    def fork_random(self, n: fx.Node, new: fx.Node) -> None:
+        """A draw on a split activation from this slice's own stream (see the module docstring): `new` (the copy
+        of `n`) becomes tp_forked(tp, op, *its arguments)."""
+        if self.tp == 1:
+            return
+        op = _drawn(new)
+        x = n.args[0] if n.args else None
+        if op is None or not isinstance(x, fx.Node) or (x.name not in self.dims and x.name not in self.seq_dims):
+            return
+        new.args = (self.tp_arg, op, *new.args)
+        new.target = tp_forked
 
     def sum_replicated_grads(self, n: fx.Node, new: fx.Node) -> None:
         """Read each replicated parameter of an op on split activations through f (see the module docstring):

@@ -403,6 +403,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         self.sum_replicated_grads(n, new)
         self.chunk_replicated_operands(n, new)
         self.gather_sequence(n, new)
+        self.fork_random(n, new)
         self.env[n] = new
 
     def _to_param_dtype(self, n: fx.Node) -> bool:

@@ -78,6 +78,7 @@ __all__ = [
     "shard_parameter",
     "sp_gather",
     "sp_scatter",
+    "tp_forked",
     "sp_vocab_embedding",
     "TPContext",
     "tp_copy",
@@ -423,6 +424,50 @@ class TPContext(NamedTuple):
     collectives: Collectives
     rank: int
     world: int
+
+
+def tp_forked(tp: TPContext | None, op: str, *args: Any, **kwargs: Any) -> Any:
+    """`op` ("dropout", "native_dropout", "attention", "shape_mask_attention") on a split activation, drawing
+    from this tensor slice's own stream (partitioner.codegen.segment_tp), as Megatron's model-parallel RNG
+    tracker forks one per slice: on the shared stream every slice would draw the same mask for its own heads or
+    tokens.
+
+    The slice's seed is one draw of the shared stream plus the slice's rank: every slice draws it, so the shared
+    stream stays alike on all of them (a replicated activation's dropout after this one still draws the same
+    mask everywhere), and a recomputed forward draws the same masks again, since torch.utils.checkpoint puts the
+    shared stream back as it was for the recomputation. The shared generators (the CPU's, and the activation's
+    device's) are put back afterwards.
+
+    >>> tp0, tp1 = TPContext(None, None, 0, 2), TPContext(None, None, 1, 2)
+    >>> x = torch.ones(1000)
+    >>> _ = torch.manual_seed(0); a = tp_forked(tp0, "dropout", x, 0.5, True); after = torch.rand(1)
+    >>> _ = torch.manual_seed(0); b = tp_forked(tp1, "dropout", x, 0.5, True)
+    >>> bool((a != b).any()), torch.equal(torch.rand(1), after)   # the slices' masks differ; the stream is alike
+    (True, True)
+    """
+    fn = _forked_op(op)
+    if tp is None or tp.world == 1:
+        return fn(*args, **kwargs)
+    seed = (int(torch.randint(0, 2**62, ())) + 2718 * (tp.rank + 1)) % 2**63  # Megatron offsets its fork by 2718
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    accelerator = device.type not in ("cpu", "meta")
+    with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type):
+        torch.default_generator.manual_seed(seed)
+        if accelerator:
+            torch.get_device_module(device.type).manual_seed(seed)  # the current device's generator
+        return fn(*args, **kwargs)
+
+
+def _forked_op(op: str) -> Any:
+    if op == "shape_mask_attention":
+        from runtime.pipeline.attention import shape_mask_attention
+
+        return shape_mask_attention
+    ops = {"dropout": torch.ops.aten.dropout.default, "native_dropout": torch.ops.aten.native_dropout.default,
+           "attention": torch.ops.aten.scaled_dot_product_attention.default}
+    if op not in ops:
+        raise ValueError(f"tp_forked: op {op!r} is not one of {sorted(ops) + ['shape_mask_attention']}")
+    return ops[op]
 
 
 def tp_copy(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
