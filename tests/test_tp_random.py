@@ -70,3 +70,33 @@ def test_the_generated_code_forks_draws_on_split_activations_only():
         assert sum("'shape_mask_attention'" in c or "'attention'" in c for c in calls) == 1
         assert "import tp_forked" in src and "torch.ops.aten.dropout.default(" in src  # the replicated ones
         assert "match the module" in str(plan.verify(gpt2, (x,), hf_loss, targets=torch.roll(x, -1, 1)))
+
+
+def test_context_slices_fork_every_dropout_on_their_tokens():
+    """Under cp every activation holds this rank's tokens: each dropout draws from the rank's own stream (attention
+    dropout itself is refused under cp). Several contexts make one index: tensor slice first, then context."""
+    import transformers
+
+    from partitioner import compile, trace
+
+    def gpt2():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=16, use_cache=False,
+                                      bos_token_id=0, eos_token_id=0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = compile(trace(gpt2(), (x,)), "local:2", global_batch_size=2, microbatch_size=2, precision="fp32", pp=1,
+                   tp=1, cp=2, dp=1)
+    src = plan.program(1).source
+    assert src.count("= tp_forked(cp, 'dropout', ") == 3 and "import tp_forked" in src  # embedding, 2 residuals
+    from runtime.context.program import CPContext
+
+    x = torch.ones(4, 64)
+    drawn = set()
+    for t in (0, 1):
+        for c in (0, 1):
+            torch.manual_seed(1)
+            drawn.add(tuple((tp_forked((TPContext(None, None, t, 2), CPContext(None, None, c, 2)), "dropout", x, 0.5,
+                                       True) != 0).flatten().tolist()))
+    assert len(drawn) == 4  # four slices, four masks

@@ -360,8 +360,9 @@ def make_stage(model, tp{", cp" if cp else ""}{ep_param}):
               f"    stage = make_stage(model, None{', cp' if cp else ''}, ep)  # this rank's expert slices: stage.experts\n"
               "    stage.run_as_model()\n"))
     return ModelCodeLines(imports="import torch\nfrom torch import device\n\n",
-                          runtime_import=fp8_import(plan) + attention_import(plan) + cp_import(plan) + ep_import(plan) +
-                          "from runtime.pipeline.stage import StageModel\n", text=text, run=run)
+                          runtime_import=fp8_import(plan) + attention_import(plan) + forked_import(plan) +
+                          cp_import(plan) + ep_import(plan) + "from runtime.pipeline.stage import StageModel\n",
+                          text=text, run=run)
 
 
 def cp_import(plan: "Plan") -> str:
@@ -441,8 +442,8 @@ def attention_import(plan: "Plan") -> str:
 def forked_import(plan: "Plan") -> str:
     """The import of the draws on split activations from each tensor slice's own stream
     (partitioner.codegen.segment_tp)."""
-    return "from runtime.pipeline.tensor_parallel import tp_forked  # dropout on a slice's heads or tokens: its own " \
-        "stream\n" if _code_calls(plan, "tp_forked") else ""
+    return "from runtime.pipeline.tensor_parallel import tp_forked  # a dropout on a slice's heads or tokens: the " \
+        "slice's own stream\n" if _code_calls(plan, "tp_forked") else ""
 
 
 def fp8_import(plan: "Plan") -> str:

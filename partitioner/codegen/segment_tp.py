@@ -32,8 +32,9 @@ Used by `partitioner.codegen.segments` while it copies a segment's nodes:
 
 - a random draw on a split activation (a dropout with p > 0, attention's
   dropout_p over a slice's heads, a dropout on a slice's tokens under
-  sequence parallelism) runs as `tp_forked(tp, op, ...)`: from this slice's
-  own stream, as Megatron's model-parallel RNG tracker forks one per slice.
+  sequence or context parallelism) runs as `tp_forked(slices, op, ...)`:
+  from this slice's own stream, as Megatron's model-parallel RNG tracker
+  forks one per slice.
   On the stage's shared stream every slice would draw the same mask for its
   own heads or tokens, correlated where one process draws each element
   apart. A draw on a replicated activation stays on the shared stream, so it
@@ -164,7 +165,8 @@ def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 class TensorParallelRewrite:
     """Mixed into the segment builder, which provides graph, env, value(), src, placements, dims, chunks, tp,
     tp_arg and operand_chunks (the tp_chunk made per value and dim); under sequence parallelism also seq_dims,
-    scatters, seq_gathers and seq_gathered (the gather made per value and kind), all empty without it."""
+    scatters, seq_gathers and seq_gathered (the gather made per value and kind), all empty without it; and, for
+    `fork_random`, cp, cp_arg and _seq_dims (partitioner.codegen.segment_cp)."""
 
     def _role(self, n: fx.Node) -> str | None:
         w = n.args[MATMULS[n.target][1]] if n.target in MATMULS else \
@@ -224,14 +226,18 @@ class TensorParallelRewrite:
 
     def fork_random(self, n: fx.Node, new: fx.Node) -> None:
         """A draw on a split activation from this slice's own stream (see the module docstring): `new` (the copy
-        of `n`) becomes tp_forked(tp, op, *its arguments)."""
-        if self.tp == 1:
-            return
+        of `n`) becomes tp_forked(slices, op, *its arguments), `slices` the tensor group where it splits the
+        activation, the context group where the activation holds this rank's tokens (cp > 1), or both."""
         op = _drawn(new)
         x = n.args[0] if n.args else None
-        if op is None or not isinstance(x, fx.Node) or (x.name not in self.dims and x.name not in self.seq_dims):
+        if op is None or not isinstance(x, fx.Node):
             return
-        new.args = (self.tp_arg, op, *new.args)
+        by_tp = self.tp > 1 and (x.name in self.dims or x.name in self.seq_dims)
+        by_cp = self.cp > 1 and bool(self._seq_dims(x.meta.get("val")))
+        if not (by_tp or by_cp):
+            return
+        slices = self.tp_arg if not by_cp else self.cp_arg if not by_tp else (self.tp_arg, self.cp_arg)
+        new.args = (slices, op, *new.args)
         new.target = tp_forked
 
     def sum_replicated_grads(self, n: fx.Node, new: fx.Node) -> None:

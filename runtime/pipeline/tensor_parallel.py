@@ -426,13 +426,14 @@ class TPContext(NamedTuple):
     world: int
 
 
-def tp_forked(tp: TPContext | None, op: str, *args: Any, **kwargs: Any) -> Any:
+def tp_forked(slices: Any, op: str, *args: Any, **kwargs: Any) -> Any:
     """`op` ("dropout", "native_dropout", "attention", "shape_mask_attention") on a split activation, drawing
-    from this tensor slice's own stream (partitioner.codegen.segment_tp), as Megatron's model-parallel RNG
-    tracker forks one per slice: on the shared stream every slice would draw the same mask for its own heads or
-    tokens.
+    from this slice's own stream (partitioner.codegen.segment_tp), as Megatron's model-parallel RNG tracker forks
+    one per tensor slice: on the shared stream every slice would draw the same mask for its own heads or tokens.
+    `slices`: the contexts whose groups split the activation, a TPContext (heads, or tokens under sequence
+    parallelism), a CPContext (tokens under context parallelism), or a tuple of them (None where one does not).
 
-    The slice's seed is one draw of the shared stream plus the slice's rank: every slice draws it, so the shared
+    The slice's seed is one draw of the shared stream plus the slice's index: every slice draws it, so the shared
     stream stays alike on all of them (a replicated activation's dropout after this one still draws the same
     mask everywhere), and a recomputed forward draws the same masks again, since torch.utils.checkpoint puts the
     shared stream back as it was for the recomputation. The shared generators (the CPU's, and the activation's
@@ -446,9 +447,13 @@ def tp_forked(tp: TPContext | None, op: str, *args: Any, **kwargs: Any) -> Any:
     (True, True)
     """
     fn = _forked_op(op)
-    if tp is None or tp.world == 1:
+    index, count = 0, 1
+    for ctx in slices if isinstance(slices, tuple) and not hasattr(slices, "world") else (slices,):
+        if ctx is not None:
+            index, count = index + count * ctx.rank, count * ctx.world
+    if count == 1:
         return fn(*args, **kwargs)
-    seed = (int(torch.randint(0, 2**62, ())) + 2718 * (tp.rank + 1)) % 2**63  # Megatron offsets its fork by 2718
+    seed = (int(torch.randint(0, 2**62, ())) + 2718 * (index + 1)) % 2**63  # Megatron offsets its fork by 2718
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     accelerator = device.type not in ("cpu", "meta")
     with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type):
