@@ -34,11 +34,10 @@ Used by `partitioner.codegen.segments` while it copies a segment's nodes:
   dropout_p over a slice's heads, a dropout on a slice's tokens under
   sequence or context parallelism) runs as `tp_forked(slices, op, ...)`:
   from this slice's own stream, as Megatron's model-parallel RNG tracker
-  forks one per slice.
-  On the stage's shared stream every slice would draw the same mask for its
-  own heads or tokens, correlated where one process draws each element
-  apart. A draw on a replicated activation stays on the shared stream, so it
-  is the same on every slice, as it must be.
+  forks one per slice. On the stage's shared stream every slice would draw
+  the same mask for its own heads or tokens, correlated where one process
+  draws each element apart. A draw on a replicated activation stays on the
+  shared stream, so it is the same on every slice, as it must be.
 
 Under sequence parallelism (`partitioner.planner.sequence_split`, the plan's sp) the
 ops between the regions run on this rank's tokens: a row-parallel output is
@@ -115,7 +114,7 @@ def sp_vocab_embedding(weight, ids, dim, tp, padding_idx=-1):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
-def tp_forked(tp, op, *args, **kwargs):
+def tp_forked(slices, op, *args, **kwargs):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 

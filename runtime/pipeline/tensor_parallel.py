@@ -448,6 +448,7 @@ def tp_forked(slices: Any, op: str, *args: Any, **kwargs: Any) -> Any:
     """
     fn = _forked_op(op)
     index, count = 0, 1
+    # a context is a NamedTuple itself: a tuple of contexts is one without `world`
     for ctx in slices if isinstance(slices, tuple) and not hasattr(slices, "world") else (slices,):
         if ctx is not None:
             index, count = index + count * ctx.rank, count * ctx.world
