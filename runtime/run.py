@@ -35,7 +35,10 @@ programs wrote, as after an elastic restart under a new plan), rank 0 runs repli
 programs' model code against the module in its own process before step 1
 (runtime.verify.check: no process group, tensor slices as threads) and stops with
 the place they differ; the other ranks wait for it. Skipped for models over
-2e8 parameter elements and with --no-verify.
+2e8 parameter elements and with --no-verify. Then, where the plan splits the
+batch, rank 0 tells how --loss reduces over the rows of step 1's batch
+(runtime.launch.loss_check): a sum stops the run, a mean over what rows hold
+unequally (padded tokens) is warned, with the fix.
 
 Faults: each rank bumps a counter in the job's store every second from a
 background thread. When a collective fails (a peer died: Gloo reports a
@@ -145,6 +148,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
         if not args.no_verify and not _written_by(resume, program):
             with placing_on("cpu"):  # plan.verify compares with the module in this process, on the host
                 _verify_first_start(plan, program.parent, env, model_fn, loss_fn, data_fn, heartbeat)
+                _check_first_loss(plan, env, model_fn, loss_fn, data_fn, heartbeat)
         if args.device_audit or audit_requested():
             audit.enter_context(device_audit())
         ns = exec_program(program.read_text(), str(program), rank=env.rank, __file__=str(program))
@@ -269,6 +273,27 @@ def _verify_first_start(plan: dict[str, Any], programs: Path, env: DistEnv, mode
                              sources={r: f.read_text() for r, f in files.items()})
         print(report, flush=True)
     with heartbeat.naming_dead_ranks("waiting for rank 0 to verify the programs"):
+        dist.barrier()
+
+
+def _check_first_loss(plan: dict[str, Any], env: DistEnv, model_fn: Callable, loss_fn: Callable, data_fn: Callable,
+                      heartbeat: Heartbeat) -> None:
+    """Rank 0 tells how loss_fn reduces over the rows of step 1's batch (runtime.launch.loss_check) while the
+    others wait: a summed loss stops it with LaunchError (and the others with PeerLost naming it), a loss that is
+    not a mean over rows is warned. Where the check applies, every rank knows it from the plan and the loss."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from runtime.launch.loss_check import check_loss_reduction, loss_check_applies
+
+    if not loss_check_applies(plan, loss_fn):
+        return
+    if env.rank == 0:
+        said = check_loss_reduction(plan, model_fn, loss_fn, data_fn(0, env.rank, env.world_size))
+        if said:
+            warnings.warn(said, stacklevel=2)
+    with heartbeat.naming_dead_ranks("waiting for rank 0 to check the loss"):
         dist.barrier()
 
 

@@ -145,3 +145,35 @@ def test_a_summed_loss_is_refused_bare_and_trains_like_one_process_wrapped():
         with pytest.raises(LaunchError, match=r"sums over the rows of its batch.*1/4 of the loss.*runtime\.summed"):
             launch_local(plan, gpt_small_seeded, sgd, sum_loss, data, timeout_s=120)
         assert_plan_trains_like_one_process(plan, gpt_small_seeded, sgd, summed(sum_loss), data)
+
+
+@pytest.mark.slow
+def test_a_summed_loss_stops_a_torchrun_job_before_step_1(tmp_path):
+    """The cluster launcher (runtime.run under torchrun) checks as launch_local does: rank 0 tells the loss on step
+    1's batch while the other waits, and a sum stops the job with the fix, before any step trains."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from examples.gpt import example_batch, gpt_tiny
+    from partitioner import compile, trace
+
+    model = gpt_tiny()
+    g = trace(model, (example_batch(model, 2)[0],))
+    plan = compile(g, "local:2", global_batch_size=4, microbatch_size=2, precision="fp32", dp=2, pp=1, tp=1)
+    plan.write_programs(tmp_path)
+    (tmp_path / "summing.py").write_text("import torch\n\n\ndef loss(output, targets):\n"
+                                         "    logits = output[0]\n"
+                                         "    return torch.nn.functional.cross_entropy(logits.reshape(-1, "
+                                         "logits.size(-1)), targets.reshape(-1), reduction='sum') / 1000.0\n")
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime.run",
+           "plan.json", "--model", f"{root}/examples/gpt.py:gpt_tiny", "--loss", "summing.py:loss", "--steps", "2",
+           "--timeout-s", "60"]  # batches: the model module's example_batch
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "loss_fn sums over the rows of its batch" in out and "runtime.summed" in out, out
+    assert "step 1/2" not in out

@@ -76,6 +76,7 @@ from runtime.device import check_device, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
 from runtime.engines.optimizer_groups import check_optimizer, differing_groups, slices_parameters
 from runtime.launch.env import LaunchError, choose_device
+from runtime.launch.loss_check import check_loss_reduction, loss_check_applies
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
 from runtime.launch.program_check import check_same_program
 from runtime.pipeline.program_module import exec_program
@@ -332,68 +333,12 @@ def _verify(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any, source
 
 
 def _check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any) -> None:
-    """A loss_fn that is not a mean over the rows of its batch, under a plan that splits the batch, before any rank
-    starts: the runners average the pieces' losses (each of m microbatches counts 1 / m, replicas are averaged), which
-    is one process's loss only for a mean. A sum trains on 1 / pieces of it: refused (runtime.summed(loss_fn) keeps
-    it). A mean over what rows hold unequally (the tokens that count, with pads falling unevenly) weighs each piece
-    alike, Megatron's and DeepSpeed's default, where one process weighs each token: warned, with the fix
-    (runtime.per_token). Told on the first rows of the first batch (runtime.engines.step.reduction_over_rows), for
-    models within verify's size (runtime.verify.check). Not warned where the model computes a router's
-    load-balancing loss, which couples the rows (the runtime reduces it over the replicas, runtime.experts)."""
-    from runtime.engines.step import reduction_over_rows
-    from runtime.engines.token_loss import PerToken, Summed
-    from runtime.verify.check import MAX_VERIFY_ELEMENTS, num_parameters
-
-    c = getattr(plan, "config", None)
-    if c is None or isinstance(loss_fn, (PerToken, Summed)) or (c.dp * c.cp == 1 and c.num_microbatches == 1):
-        return
-    n = num_parameters(plan)
-    if n is None or n > MAX_VERIFY_ELEMENTS:
-        return
-    found = reduction_over_rows(model_fn(), loss_fn, batch, rows=_rows_to_check(batch, n))
-    if found is None:
-        return
-    kind, whole, parts = found
-    pieces = c.num_microbatches * c.dp * c.cp
-    rows = len(parts)
-    if kind == "sum":
-        raise LaunchError(
-            f"loss_fn sums over the rows of its batch: on the first {rows} rows of batches[0] it gives {whole:.6g}, "
-            f"the sum of the rows' own losses ({_listed(parts)}), not their mean. This plan splits each batch into "
-            f"{pieces} pieces ({c.num_microbatches} microbatch(es) on each of {c.dp * c.cp} replica(s)) and averages "
-            f"their losses, as Megatron and DeepSpeed do, so it would train on 1/{pieces} of the loss one process "
-            "computes. Pass runtime.summed(loss_fn), which counts every microbatch whole (one process's sum over the "
-            "batch), or return a mean over the rows")
-    aux = getattr(getattr(plan, "code", None), "aux_loss", False)
-    row_pieces = c.num_microbatches * c.dp
-    if kind == "weighted" and row_pieces > 1 and not aux:
-        warnings.warn(
-            f"loss_fn is not a mean over the rows of its batch: on the first {rows} rows of batches[0] it gives "
-            f"{whole:.6g}, where the mean of the rows' own losses is {sum(parts) / rows:.6g} (rows: "
-            f"{_listed(parts)}), as a mean over the tokens that count does when the labels of -100 fall unevenly. "
-            f"This plan averages the losses of its {row_pieces} pieces of {c.microbatch_size} row(s) "
-            f"({c.num_microbatches} microbatch(es) on each of {c.dp} replica(s)), each weighed alike as Megatron and "
-            "DeepSpeed do, so it trains on another loss than one process on the whole batch. Pass "
-            "runtime.per_token(loss_fn, count), count(inputs, targets) giving what a piece's loss averages over "
-            "(examples.training.target_tokens, labelled_tokens), and each piece weighs its share of the batch",
-            stacklevel=3)
-
-
-def _rows_to_check(batch: Any, parameters: int, flops: float = 4e10) -> int:
-    """How many rows of the batch the loss check runs (together, then one by one): 8, fewer where their forwards
-    would pass `flops` (about a second on a CPU; 2 FLOPs per parameter and token, twice), at least 2."""
-    from torch.utils import _pytree as pytree
-
-    first = next((t for t in pytree.tree_leaves(batch[0]) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    if first is None or first.shape[0] == 0:
-        return 2
-    tokens = max(1, first.numel() // first.shape[0])
-    return max(2, min(8, int(flops // (4 * tokens * max(1, parameters)))))
-
-
-def _listed(values: Sequence[float], most: int = 4) -> str:
-    shown = ", ".join(f"{v:.6g}" for v in values[:most])
-    return shown + (f", ... ({len(values)} in all)" if len(values) > most else "")
+    """A summed loss refused, a loss that is not a mean over rows warned, before any rank starts
+    (runtime.launch.loss_check)."""
+    if loss_check_applies(plan, loss_fn):
+        said = check_loss_reduction(plan, model_fn, loss_fn, batch)
+        if said:
+            warnings.warn(said, stacklevel=3)
 
 
 def _written_by(manifest: Mapping[str, Any], sources: Mapping[int, str]) -> bool:
