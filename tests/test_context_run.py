@@ -94,6 +94,24 @@ def test_a_model_that_scans_along_the_tokens_is_refused():
         plan.program(0)
 
 
+def test_a_model_that_shifts_its_labels_along_the_tokens_is_refused():
+    """A Hugging Face causal LM called with labels computes its own loss, its targets the labels shifted by one
+    token (pad by one, drop the first). On a rank's tokens (chunks r and 2cp-1-r) the last token of a chunk then
+    took the first label of the other chunk, or none, where one process has the next chunk's: a few tokens a
+    sequence trained on wrong targets, silently. The shift is refused like any op along the tokens."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   use_cache=False)
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    g = trace(transformers.LlamaForCausalLM(cfg), (), dict(input_ids=x, labels=x))
+    plan = compile(g, "local:2", global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
+    with pytest.raises(CodegenError, match=r"a pad along the token dim \(a shift of the tokens\).*compile with cp=1"):
+        plan.program(0)
+
+
 class _Scaled(torch.nn.Module):
     """Token embeddings divided by the sequence length, a head: reads the length as a number."""
 

@@ -55,6 +55,18 @@ _DIM_LOCAL = {"unsqueeze", "squeeze", "flatten", "unflatten", "movedim"}
 _CONVOLUTIONS = {_aten.convolution.default, _aten.conv1d.default, _aten.conv2d.default}
 
 
+_REORDERS = {"roll", "flip", "rot90"}  # their `dims` move tokens to other positions (permute's only name the dims)
+_PADS = {"pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d",
+         "circular_pad1d", "circular_pad2d"}
+
+
+def _padded_dims(n: fx.Node, ndim: int) -> set[int]:
+    """The dims a pad op pads by a non-zero amount: its list holds (before, after) pairs from the last dim back."""
+    pad = n.args[1] if len(n.args) > 1 else n.kwargs.get("pad", n.kwargs.get("padding", ()))
+    pairs = list(pad) if isinstance(pad, (list, tuple)) else []
+    return {ndim - 1 - k // 2 for k, amount in enumerate(pairs) if not (isinstance(amount, int) and amount == 0)}
+
+
 def _whole_slice(n: fx.Node) -> bool:
     """aten.slice(x, dim, start, end) taking the whole dim (HF's `hidden[:, slice(-0, None), :]`)."""
     start = n.args[2] if len(n.args) > 2 else n.kwargs.get("start")
@@ -217,8 +229,12 @@ class ContextParallelRewrite:
         name = n.target.overloadpacket.__name__
         if not seq or name in _DIM_LOCAL or (name == "slice" and _whole_slice(n)):
             return ""
+        if name in _PADS and _padded_dims(n, val.dim()) & set(seq):
+            # a shift: Hugging Face's causal-LM loss pads its labels by one and drops the first, so that each
+            # token's target is the next token, which on a rank's tokens is another chunk's or none
+            return f"a {name} along the token dim (a shift of the tokens)"
         for i, arg in enumerate(schema.arguments):
-            if arg.name != "dim":
+            if arg.name != "dim" and not (arg.name == "dims" and name in _REORDERS):
                 continue
             d = n.args[i] if i < len(n.args) else n.kwargs.get("dim", arg.default_value if arg.has_default_value()
                                                                  else None)
