@@ -52,10 +52,11 @@ from test_autotune import _Fragile as Fragile  # the local tuner's failing candi
 
 
 class Hanging(gpt.GPT):
-    """gpt_tiny whose first step never ends in the ranks (not while the tuner traces it)."""
+    """gpt_tiny whose first step never ends in the ranks (not while the tuner traces it, nor in the launcher's
+    look at the loss before step 1, which runs the model in eval mode: runtime.launch.loss_check)."""
 
     def forward(self, idx, targets=None):
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
+        if "TORCHELASTIC_RUN_ID" in os.environ and self.training:  # set by torchrun for its workers
             (Path(os.environ["HANG_PID_DIR"]) / f"{{os.getpid()}}.pid").write_text("")
             time.sleep(600)
         return super().forward(idx, targets)

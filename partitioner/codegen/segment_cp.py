@@ -236,8 +236,8 @@ class ContextParallelRewrite:
         for i, arg in enumerate(schema.arguments):
             if arg.name != "dim" and not (arg.name == "dims" and name in _REORDERS):
                 continue
-            d = n.args[i] if i < len(n.args) else n.kwargs.get("dim", arg.default_value if arg.has_default_value()
-                                                                 else None)
+            d = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name, arg.default_value if arg.has_default_value()
+                                                                   else None)
             dims = [d] if isinstance(d, int) else list(d) if isinstance(d, (list, tuple)) else []
             if not dims and d is None and "dim" in str(arg.type) and n.target.overloadpacket.__name__ in (
                     "sum", "mean", "amax", "amin", "std", "var"):
