@@ -109,20 +109,20 @@ def test_a_token_mean_over_uneven_pads_is_warned_before_any_rank_starts_and_per_
     from examples.gpt import example_batch
     from examples.training import gpt_loss, gpt_tiny_seeded
     from partitioner import compile, trace
-    from runtime.launch.local import _check_loss_reduction
+    from runtime.launch.loss_check import check_loss_reduction
 
     model = gpt_tiny_seeded()
     batch = _padded(example_batch(model, 4))
     g = trace(model, (batch[0][:2],))
     plan = compile(g, "local:2", global_batch_size=4, microbatch_size=1, precision="fp32", dp=2, pp=1, tp=1)
     with pytest.warns(UserWarning, match=r"not a mean over the rows.*4 pieces of 1 row.*runtime\.per_token"):
-        _check_loss_reduction(plan, gpt_tiny_seeded, gpt_loss, batch)
+        check_loss_reduction(plan, gpt_tiny_seeded, gpt_loss, batch)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _check_loss_reduction(plan, gpt_tiny_seeded, per_token(gpt_loss, target_tokens), batch)
-        _check_loss_reduction(plan, gpt_tiny_seeded, gpt_loss, example_batch(model, 4))  # no pads: a mean
+        check_loss_reduction(plan, gpt_tiny_seeded, per_token(gpt_loss, target_tokens), batch)
+        check_loss_reduction(plan, gpt_tiny_seeded, gpt_loss, example_batch(model, 4))  # no pads: a mean
 
 
 @pytest.mark.slow

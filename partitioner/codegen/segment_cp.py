@@ -57,7 +57,7 @@ _CONVOLUTIONS = {_aten.convolution.default, _aten.conv1d.default, _aten.conv2d.d
 
 _REORDERS = {"roll", "flip", "rot90"}  # their `dims` move tokens to other positions (permute's only name the dims)
 _PADS = {"pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d",
-         "circular_pad1d", "circular_pad2d"}
+         "_pad_circular"}
 
 
 def _padded_dims(n: fx.Node, ndim: int) -> set[int]:

@@ -63,6 +63,7 @@ import torch
 from torch import fx
 
 from cost_models.placements import is_sharded
+from partitioner.codegen.segment_attention import shape_mask_attention
 from partitioner.planner.model_code import SegmentError, describe
 
 __all__ = ["RUNTIME_FUNCTIONS", "TensorParallelRewrite", "unmangle"]
@@ -133,8 +134,6 @@ RUNTIME_FUNCTIONS = ("tp_copy", "tp_reduce", "tp_vocab_embedding", "tp_cross_ent
 def _drawn(n: fx.Node) -> str | None:
     """The name `tp_forked` runs `n`'s op by, where `n` draws random numbers (a dropout in training with p > 0,
     attention with dropout_p > 0); None otherwise."""
-    from partitioner.codegen.segment_attention import shape_mask_attention
-
     if n.target in (_aten.dropout.default, _aten.native_dropout.default):
         p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.0)
         train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)

@@ -61,7 +61,6 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -76,7 +75,7 @@ from runtime.device import check_device, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
 from runtime.engines.optimizer_groups import check_optimizer, differing_groups, slices_parameters
 from runtime.launch.env import LaunchError, choose_device
-from runtime.launch.loss_check import check_loss_reduction, loss_check_applies
+from runtime.launch.loss_check import check_loss_reduction
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
 from runtime.launch.program_check import check_same_program
 from runtime.pipeline.program_module import exec_program
@@ -205,7 +204,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
     if verify and batches and not (resume_from is not None and _written_by(manifest, sources)):
         _verify(plan, model_fn, loss_fn, batches[0], sources)
     if verify and batches:
-        _check_loss_reduction(plan, model_fn, loss_fn, batches[0])
+        check_loss_reduction(plan, model_fn, loss_fn, batches[0])  # a sum refused, a token mean warned
     plan_json = plan.to_json() if hasattr(plan, "to_json") else None
 
     tmp = Path(tempfile.mkdtemp(prefix="runtime-launch-"))
@@ -330,15 +329,6 @@ def _verify(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any, source
         raise LaunchError(f"the model or loss raised {type(e).__name__}: {e} while plan.verify ran the first "
                           "microbatch (in this process, before any rank started); fix the model, or pass "
                           "verify=False to find it in the ranks instead") from e
-
-
-def _check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any) -> None:
-    """A summed loss refused, a loss that is not a mean over rows warned, before any rank starts
-    (runtime.launch.loss_check)."""
-    if loss_check_applies(plan, loss_fn):
-        said = check_loss_reduction(plan, model_fn, loss_fn, batch)
-        if said:
-            warnings.warn(said, stacklevel=3)
 
 
 def _written_by(manifest: Mapping[str, Any], sources: Mapping[int, str]) -> bool:

@@ -6,8 +6,8 @@ and context slices are averaged. That is one process's loss only for a mean over
 - A loss that sums its rows (`reduction="sum"`) would train on 1 / pieces of it: refused (`LaunchError`), with
   the fix, `runtime.summed(loss_fn)`.
 - A mean over what the rows hold unequally (the tokens that count, with labels of -100 falling unevenly over a
-  padded batch) weighs each piece alike where one process weighs each token: warned (`loss_warning` says what),
-  with the fix, `runtime.per_token(loss_fn, count)`.
+  padded batch) weighs each piece alike where one process weighs each token: warned (UserWarning), with the
+  fix, `runtime.per_token(loss_fn, count)`.
 
 Told on the first rows of the first batch (`runtime.engines.step.reduction_over_rows`: the model in eval mode on
 the rows together and on each alone), for models within verify's size. Both launchers run it before any step:
@@ -18,6 +18,7 @@ reduces it over the replicas, runtime.experts).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,17 +58,19 @@ def loss_check_applies(plan: Any, loss_fn: Callable) -> bool:
     return not aux and n is not None and n <= MAX_VERIFY_ELEMENTS
 
 
-def check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any) -> str | None:
-    """Refuse a summed loss (LaunchError); the warning's text for a loss that is not a mean over rows under a plan
-    that splits the batch into rows; None where neither holds or it cannot be told (see the module docstring).
-    Call where `loss_check_applies`."""
+def check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batch: Any) -> None:
+    """Refuse a summed loss (LaunchError), warn of a loss that is not a mean over rows under a plan that splits the
+    batch into rows (see the module docstring); nothing where `loss_check_applies` does not, or it cannot be
+    told."""
     from runtime.engines.step import reduction_over_rows
     from runtime.verify.check import num_parameters
 
+    if not loss_check_applies(plan, loss_fn):
+        return
     c = _config(plan)
     found = reduction_over_rows(model_fn(), loss_fn, batch, rows=_rows_to_check(batch, num_parameters(plan) or 1))
     if c is None or found is None:
-        return None
+        return
     kind, whole, parts = found
     pieces, replicas, rows = c["num_microbatches"] * c["dp"] * c["cp"], c["dp"] * c["cp"], len(parts)
     if kind == "sum":
@@ -80,15 +83,17 @@ def check_loss_reduction(plan: Any, model_fn: Callable, loss_fn: Callable, batch
             "batch), or return a mean over the rows")
     row_pieces = c["num_microbatches"] * c["dp"]
     if kind != "weighted" or row_pieces == 1:
-        return None
-    return (f"loss_fn is not a mean over the rows of its batch: on the first {rows} rows of batches[0] it gives "
-            f"{whole:.6g}, where the mean of the rows' own losses is {sum(parts) / rows:.6g} (rows: "
-            f"{_listed(parts)}), as a mean over the tokens that count does when the labels of -100 fall unevenly. "
-            f"This plan averages the losses of its {row_pieces} pieces of {c['microbatch_size']} row(s) "
-            f"({c['num_microbatches']} microbatch(es) on each of {c['dp']} replica(s)), each weighed alike as "
-            "Megatron and DeepSpeed do, so it trains on another loss than one process on the whole batch. Pass "
-            "runtime.per_token(loss_fn, count), count(inputs, targets) giving what a piece's loss averages over "
-            "(examples.training.target_tokens, labelled_tokens), and each piece weighs its share of the batch")
+        return
+    warnings.warn(
+        f"loss_fn is not a mean over the rows of its batch: on the first {rows} rows of batches[0] it gives "
+        f"{whole:.6g}, where the mean of the rows' own losses is {sum(parts) / rows:.6g} (rows: "
+        f"{_listed(parts)}), as a mean over the tokens that count does when the labels of -100 fall unevenly. "
+        f"This plan averages the losses of its {row_pieces} pieces of {c['microbatch_size']} row(s) "
+        f"({c['num_microbatches']} microbatch(es) on each of {c['dp']} replica(s)), each weighed alike as "
+        "Megatron and DeepSpeed do, so it trains on another loss than one process on the whole batch. Pass "
+        "runtime.per_token(loss_fn, count), count(inputs, targets) giving what a piece's loss averages over "
+        "(examples.training.target_tokens, labelled_tokens), and each piece weighs its share of the batch",
+        stacklevel=3)
 
 
 def _rows_to_check(batch: Any, parameters: int, flops: float = 4e10) -> int:
