@@ -282,6 +282,32 @@ def test_trace_leaves_the_users_module_alone():
         assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.parametrize("layers", [4, 6])
+def test_trace_leaves_the_models_output_capture_as_it_was(layers):
+    """transformers 5 installs its output-capturing hooks on the first forward that records (here the router
+    logits a MoE model's load-balancing loss reads), and marks the model hooked. The tracer's forwards on shallow
+    copies of the blocks put those hooks on the user's blocks and the mark on a copy, so the next forward put them
+    on again: the traced graph returned some layers' router logits twice (7 for 4 layers), and so did the user's own
+    model afterwards (9 for 6 layers), its load-balancing loss computed over them."""
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32, use_cache=False,
+                                     output_router_logits=True)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    torch.manual_seed(0)
+    fresh = transformers.MixtralForCausalLM(cfg)
+    x = torch.randint(0, 128, (2, 8))
+    g = trace(model, (x,))
+    router_logits = g.graph_module.call_spec.out_spec.child(2)  # (aux_loss, logits, router_logits)
+    assert router_logits.num_leaves == layers
+    out, ref = model(x), fresh(x)
+    assert len(out.router_logits) == len(ref.router_logits) == layers
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=0, atol=0)
+    hooks = [(n, len(m._forward_hooks)) for n, m in model.named_modules()]
+    assert hooks == [(n, len(m._forward_hooks)) for n, m in fresh.named_modules()]
+
+
 def test_gpt3_175b_on_meta_traces_without_allocating_parameters():
     with torch.device("meta"):
         model = gpt_mod.gpt3_175b()

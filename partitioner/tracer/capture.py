@@ -6,7 +6,7 @@ fake-tensor shape propagation, which needs no ATen lowering and keeps
 modules as leaves. In both, the batch dimension (dim 0 of every tensor
 input) and the sequence dimension (dim 1 of integer token inputs) are
 symbolic, so shapes come out as sympy expressions in `symbolic.B`/`S`.
-Nothing here touches the user's module's state.
+Nothing here leaves a change on the user's module (untouched.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from partitioner.tracer.attention import rewrite_attention as rewrite_attention_
 from partitioner.tracer.autograd_functions import Applied, differs_from_its_forward, recording
 from partitioner.tracer.pointwise import fuse_activations
 from partitioner.tracer.symbolic import B, S
+from partitioner.tracer.untouched import untouched
 from partitioner.tracer.writes import nested_written
 from partitioner.tracer.writes import written as block_written
 
@@ -480,9 +481,10 @@ def capture(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
     errors: list[tuple[str, BaseException]] = []
     for m in order:
         try:
-            if m == "export":
-                return _capture_export(model, args, kwargs, dynamic_seq, rewrite_attention)
-            return _capture_fx(model, args, kwargs, dynamic_seq, leaf_modules)
+            with untouched(model):  # hooks a traced forward installs (transformers' output capture) come off again
+                if m == "export":
+                    return _capture_export(model, args, kwargs, dynamic_seq, rewrite_attention)
+                return _capture_fx(model, args, kwargs, dynamic_seq, leaf_modules)
         except (KeyboardInterrupt, MemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised below as one TraceError
