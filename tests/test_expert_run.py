@@ -310,6 +310,41 @@ def test_a_pipelined_load_balancing_loss_trains_like_one_process(name, pins):
     assert out.losses[0] != out.losses[-1]
 
 
+def router_logits_loss(output, targets):
+    """A loss that reads the model's router logits itself: Hugging Face's load-balancing function over them."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return hf_loss(output, targets) + AUX * load_balancing_loss_func(output.router_logits, 4, 2)
+
+
+def test_an_earlier_stages_router_logits_refuse_to_be_computed_with():
+    """Their place in the last stage's output: moved or cast it stays one (the traced code casts what it returns);
+    computed with, it raises, naming the layer."""
+    from runtime.experts.program import RouterLogitsElsewhere
+
+    held = RouterLogitsElsewhere.of(3, 4, torch.device("cpu"))
+    moved = torch.ops.aten.to.dtype_layout(held, dtype=torch.float32, layout=torch.strided, device=held.device)
+    assert isinstance(moved, RouterLogitsElsewhere) and moved.shape == (0, 4) and moved.layer == 3
+    with pytest.raises(ValueError, match=r"MoE layer 3 \(cat\), which stayed on an earlier pipeline stage"):
+        torch.cat([torch.ones(2, 4), moved])
+    with pytest.raises(ValueError, match="MoE layer 3"):
+        held.softmax(-1)
+
+
+@pytest.mark.slow
+def test_a_loss_that_reads_an_earlier_stages_router_logits_stops_the_first_step():
+    """pp2: the last stage's output holds its own layers' router logits, the first stage's stayed there. A loss
+    that concatenates them all (load_balancing_loss_func) ran on the last stage's layers alone, the first's empty
+    and gone in the concatenation: another loss than one process's, silently. Now the first step stops, naming
+    the layer, before anything is updated."""
+    from runtime import launch_local
+    from runtime.launch.env import LaunchError
+
+    with pytest.raises(LaunchError, match=r"router logits of MoE layer 0 \(.*\), which stayed on an earlier pipe"):
+        launch_local(plan_for("mixtral", pp=2, dp=1, ep=1, mb=4), mixtral_seeded, sgd, router_logits_loss,
+                     batches(1), timeout_s=180)
+
+
 def test_a_list_of_expert_modules_is_refused_by_name():
     """test_experts' CapacityMoE keeps its experts as a ModuleList of MLPs, which no expert-parallel program runs:
     a pinned ep=2 is refused when compiling (not when the program is generated), naming the experts module and

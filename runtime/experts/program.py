@@ -39,7 +39,8 @@ from runtime.experts.expert_parallel import ep_moe
 from runtime.experts.grouped_experts import batched_experts
 from runtime.experts.pipeline_aux import AuxPipeline
 
-__all__ = ["EPContext", "ep_aux_loss", "ep_experts", "ep_record_router_logits", "ep_router_logits"]
+__all__ = ["EPContext", "RouterLogitsElsewhere", "ep_aux_loss", "ep_experts", "ep_record_router_logits",
+           "ep_router_logits"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -144,8 +145,60 @@ def ep_aux_loss(ep: EPContext) -> torch.Tensor:
 def ep_router_logits(ep: EPContext, layer: int) -> torch.Tensor:
     """The router logits layer `layer` recorded in this forward (this rank's tokens), where the model returns them.
     Under pp > 1 the last stage holds its own layers' only: an earlier stage's layer gives an empty (0, E)
-    tensor (its logits stayed there; the load-balancing loss has their sums)."""
+    `RouterLogitsElsewhere`, which refuses to be computed with (its logits stayed there; the load-balancing loss
+    has their sums)."""
     first = ep.layers - len(ep.router_logits)  # the first MoE layer this stage ran (0 without pipelining)
     if layer < first:
-        return torch.zeros(0, ep.num_experts, device=rank_device())
+        return RouterLogitsElsewhere.of(layer, ep.num_experts, rank_device())
     return ep.router_logits[layer - first]
+
+
+class RouterLogitsElsewhere(torch.Tensor):
+    """The place of an earlier pipeline stage's router logits in the last stage's model output: an empty (0, E)
+    tensor that raises, naming the layer, when anything computes with it.
+
+    A loss that reads the model's `router_logits` itself (Hugging Face's `load_balancing_loss_func` concatenates
+    them) would otherwise run on the last stage's layers alone, the empty ones vanishing in the concatenation:
+    another loss than one process's, silently. Looking at it (shape, dtype, repr) is allowed, and so is moving,
+    casting or reshaping it (the traced code casts the logits it returns), which gives another such tensor."""
+
+    layer: int
+
+    @staticmethod
+    def of(layer: int, num_experts: int, device: torch.device) -> "RouterLogitsElsewhere":
+        return RouterLogitsElsewhere._wrap(torch.zeros(0, num_experts, device=device), layer)
+
+    @staticmethod
+    def _wrap(t: torch.Tensor, layer: int) -> "RouterLogitsElsewhere":
+        t = torch.Tensor._make_subclass(RouterLogitsElsewhere, t)
+        t.layer = layer
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
+        if func in _LOOKS or name in _MOVES:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+            if name in _MOVES and isinstance(out, torch.Tensor):
+                return cls._wrap(out, _layer_in(args))
+            return out
+        raise ValueError(
+            f"the loss computes with the router logits of MoE layer {_layer_in(args)} ({name}), which stayed on an "
+            "earlier pipeline stage: under pp > 1 the model's output holds the last stage's layers' router logits "
+            "only. Let the model compute its load-balancing loss (Hugging Face: output_router_logits=True and "
+            "labels; the generated code carries each stage's part to the last), or compile with pp=1")
+
+
+def _layer_in(args) -> int | str:
+    for a in args:
+        for x in a if isinstance(a, (list, tuple)) else (a,):  # torch.cat takes a list
+            if isinstance(x, RouterLogitsElsewhere):
+                return x.layer
+    return "?"
+
+
+_LOOKS = {torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel,
+          torch.Tensor.__len__, torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+          torch.Tensor.requires_grad.__get__, torch.Tensor.is_floating_point}
+_MOVES = {"to", "_to_copy", "view", "reshape", "contiguous", "clone", "detach", "float", "type"}
