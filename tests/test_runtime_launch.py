@@ -162,6 +162,18 @@ def test_launch_local_trains_like_one_process():
     assert len(result.peak_rss_bytes) == 2 and all(m > 10 * 2**20 for m in result.peak_rss_bytes)
 
 
+def nan_mse(output, target):
+    return F.mse_loss(output, target) * float("nan")
+
+
+@pytest.mark.slow
+def test_a_loss_that_is_nan_on_every_rank_is_returned_as_one_process_would_return_it():
+    """The ranks agree (nan on each: a diverged run): the losses come back as one process's would, not as a broken
+    program contract."""
+    result = launch_local(dp_plan(), tiny_model, sgd, nan_mse, batches(), timeout_s=60)
+    assert len(result.losses) == 3 and all(x != x for x in result.losses)
+
+
 # ---- launch_local: refused before anything starts -----------------------------------------
 
 

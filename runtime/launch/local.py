@@ -625,7 +625,7 @@ def _collect(results: list[dict[str, Any]]) -> LaunchResult:
     losses = results[0]["losses"]
     for r, res in enumerate(results[1:], 1):
         for k, (a, b) in enumerate(zip(losses, res["losses"])):
-            if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7):
+            if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7) and not (math.isnan(a) and math.isnan(b)):
                 raise LaunchError(f"step {k + 1}: rank 0 returned loss {a!r}, rank {r} {b!r}; the program contract "
                                   "is that step() returns the global mean loss on every rank: reduce it first")
     if results[0]["state_dict"] is None:
