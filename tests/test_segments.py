@@ -135,6 +135,20 @@ def test_a_block_handing_on_two_tensors_is_refused_by_name():
         extract(g.graph_module, g)
 
 
+def test_a_model_that_returns_its_blocks_hidden_states_is_refused_saying_so():
+    """A Hugging Face model whose config sets output_hidden_states returns each block's input as an output: the
+    refusal says so, and how to train it, rather than naming a traced value alone."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                   use_cache=False, output_hidden_states=True)
+    g = trace(transformers.LlamaForCausalLM(cfg), (torch.randint(0, 128, (2, 8)),))
+    with pytest.raises(SegmentError, match=r"returned by the model itself: it returns each block's hidden state .*"
+                                           r"output_hidden_states or output_attentions; set them False"):
+        extract(g.graph_module, g)
+
+
 class _Residual(nn.Module):
     def __init__(self, d: int = 32):
         super().__init__()

@@ -500,6 +500,18 @@ def _check_globals(globs: dict[str, Any], name: str) -> None:
                            "the graph holds a non-ATen call")
 
 
+def _returned_by_the_model(values) -> str:
+    """Why a cut hands on more than one value, where some of them are model outputs themselves: the model returns
+    a block's inner values (each block's hidden state or attention weights)."""
+    returned = sorted(v.name for v in values if any(u.op == "output" for u in v.users))
+    if not returned:
+        return ""
+    return (f" ({', '.join(returned)} {'is' if len(returned) == 1 else 'are'} returned by the model itself: it returns "
+            "each block's hidden state or attention weights, as a Hugging Face model whose config sets "
+            "output_hidden_states or output_attentions; set them False for training, or train with data "
+            "parallelism and ZeRO alone, where the module runs its own forward)")
+
+
 def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = False, fp8: bool = False,
             cp: int = 1, expert_parallel: int = 1) -> ModelCode:
     """Cut `ep` (the ExportedProgram `trace` captured for OpGraph `g`) into prefix, block, suffix code;
@@ -567,7 +579,8 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         outs = _first_block_input(src, blocks[0])
     if len(outs) != 1:
         raise SegmentError(f"the prefix (before {src.stack}) hands {len(outs)} values to what follows "
-                           f"({', '.join(sorted(o.name for o in outs))}); a pipeline cut passes exactly one tensor")
+                           f"({', '.join(sorted(o.name for o in outs))}); a pipeline cut passes exactly one tensor"
+                           f"{_returned_by_the_model(outs)}")
     hidden = next(iter(outs))
     b = _Builder(src, "prefix", carried=None, block=None, **kw)
     run(b, pre)
@@ -598,7 +611,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         if len(reads) != 1 or len(outs) != 1 or len(router) > 1:
             raise SegmentError(f"block {t} of {src.stack} reads {sorted(r.name for r in reads)} and hands on "
                                f"{sorted(o.name for o in outs)} across its boundary; a pipeline cut passes exactly "
-                               "one tensor")
+                               f"one tensor{_returned_by_the_model(outs)}")
         (x_in,), (x_out,) = reads, outs
         if seq and (kw["seq_dims"].get(x_in.name) != cut_dim or kw["seq_dims"].get(x_out.name) != cut_dim):
             raise SegmentError(f"sequence parallelism: block {t} of {src.stack} takes {x_in.name} and hands on "
