@@ -144,8 +144,8 @@ def test_a_model_that_returns_its_blocks_hidden_states_is_refused_saying_so():
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                                    use_cache=False, output_hidden_states=True)
     g = trace(transformers.LlamaForCausalLM(cfg), (torch.randint(0, 128, (2, 8)),))
-    with pytest.raises(SegmentError, match=r"returned by the model itself: it returns each block's hidden state .*"
-                                           r"output_hidden_states or output_attentions; set them False"):
+    with pytest.raises(SegmentError, match=r"returned by the model itself: it returns a value from inside every block.*"
+                                           r"output_hidden_states or output_attentions does; set them False"):
         extract(g.graph_module, g)
 
 

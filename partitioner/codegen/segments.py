@@ -501,15 +501,15 @@ def _check_globals(globs: dict[str, Any], name: str) -> None:
 
 
 def _returned_by_the_model(values) -> str:
-    """Why a cut hands on more than one value, where some of them are model outputs themselves: the model returns
-    a block's inner values (each block's hidden state or attention weights)."""
+    """Why a block hands on more than one value, where some are the model's outputs themselves: it returns a value
+    from inside every block (each block's hidden state or attention weights)."""
     returned = sorted(v.name for v in values if any(u.op == "output" for u in v.users))
     if not returned:
         return ""
     return (f" ({', '.join(returned)} {'is' if len(returned) == 1 else 'are'} returned by the model itself: it returns "
-            "each block's hidden state or attention weights, as a Hugging Face model whose config sets "
-            "output_hidden_states or output_attentions; set them False for training, or train with data "
-            "parallelism and ZeRO alone, where the module runs its own forward)")
+            "a value from inside every block, as a Hugging Face model whose config sets output_hidden_states or "
+            "output_attentions does; set them False for training, or train with data parallelism and ZeRO alone, "
+            "where the module runs its own forward)")
 
 
 def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = False, fp8: bool = False,
@@ -579,8 +579,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         outs = _first_block_input(src, blocks[0])
     if len(outs) != 1:
         raise SegmentError(f"the prefix (before {src.stack}) hands {len(outs)} values to what follows "
-                           f"({', '.join(sorted(o.name for o in outs))}); a pipeline cut passes exactly one tensor"
-                           f"{_returned_by_the_model(outs)}")
+                           f"({', '.join(sorted(o.name for o in outs))}); a pipeline cut passes exactly one tensor")
     hidden = next(iter(outs))
     b = _Builder(src, "prefix", carried=None, block=None, **kw)
     run(b, pre)
