@@ -693,10 +693,12 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) 
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         return "", ""
     try:
-        _extract(g, splits, tp=1, expert_parallel=ep)
+        code = _extract(g, splits, tp=1, expert_parallel=ep)
     except SegmentError as e:
         return str(e), str(e)
-    no_pp = ""
+    # stage code cuts between the blocks of a layer stack (the code generator's rule, codegen.pipeline)
+    no_pp = "" if code.block is not None else ("the trace found no stack of repeated blocks to cut into pipeline "
+                                               "stages (a layer applied in a loop, as ALBERT's, is one module)")
     t = next((t for t in valid_tp if t > 1), None)
     if t is None:
         return no_pp, ""

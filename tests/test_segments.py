@@ -451,3 +451,30 @@ def test_blocks_that_share_their_parameters_keep_to_plans_that_hold_them_whole()
             compile(g, "local:2", global_batch_size=8, microbatch_size=2, precision="fp32", **pins)
     plan = compile(g, "local:2", global_batch_size=8, microbatch_size=2, precision="fp32")
     assert plan.config.pp == 1 and plan.config.zero_stage != 3
+
+
+class _LoopedNet(nn.Module):
+    """Real ALBERT's layout: one layer module applied in a loop, no list of blocks for the trace to find."""
+
+    def __init__(self, d: int = 16, vocab: int = 32):
+        super().__init__()
+        self.emb, self.layer, self.head = nn.Embedding(vocab, d), _PlainBlock(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for _ in range(4):
+            x = self.layer(x)
+        return self.head(x)
+
+
+def test_a_model_without_a_stack_of_blocks_is_never_pipelined():
+    """Stage code cuts between blocks: a pinned pp=2 was accepted and failed when its programs were generated; it is
+    refused when compiling, saying why, and the search keeps pp=1."""
+    from cost_models.errors import DeclarationError
+
+    torch.manual_seed(0)
+    g = trace(_LoopedNet(), (torch.randint(0, 32, (2, 8)),))
+    assert not g.blocks
+    with pytest.raises(DeclarationError, match=r"pp=2: .*no stack of repeated blocks to cut into pipeline stages"):
+        compile(g, "local:2", global_batch_size=8, microbatch_size=2, precision="fp32", pp=2)
+    assert compile(g, "local:4", global_batch_size=8, precision="fp32").config.pp == 1
