@@ -7,6 +7,7 @@ import dataclasses
 import resource
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -517,3 +518,21 @@ def test_cli_trace_prints_the_table_and_exits_cleanly():
     bad = subprocess.run([sys.executable, "-m", "partitioner", "trace", "examples/gpt.py:nope"],
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert bad.returncode == 2 and "has no 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_model_traced_in_eval_mode_with_dropout_is_warned():
+    """Export fixes the mode: a model in eval mode (as from_pretrained returns it) is traced with its dropout off,
+    and code cut from the trace never drops out, where a training loop calling model.train() does. Warned, naming
+    the rate; a model in training mode, or in eval mode without dropout, is not."""
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0)
+    torch.manual_seed(0)
+    model, x = transformers.GPT2LMHeadModel(cfg).eval(), torch.randint(0, 128, (2, 8))
+    with pytest.warns(UserWarning, match=r"eval mode .* its dropout \(p = 0\.1\) was traced off.*model\.train\(\)"):
+        trace(model, (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace(model.train(), (x,))
+        trace(transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**cfg.to_dict(), "resid_pdrop": 0.0,
+                                                                      "embd_pdrop": 0.0, "attn_pdrop": 0.0})).eval(),
+              (x,))

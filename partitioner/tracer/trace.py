@@ -96,10 +96,27 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor = (), e
             cap = _capture(model, args, kwargs, **kw)
             costed = _cost(cap, model, stack, seq)
             kinds = _full_trace_kinds(cap, model, stack)
+        off = _dropouts_off(cap.graph_module) if any(not m.training for m in model.modules()) else []
+        if off:
+            warnings.warn(
+                f"trace: the model is in eval mode (as Hugging Face's from_pretrained returns it) and its dropout "
+                f"(p = {', '.join(f'{p:g}' for p in sorted(set(off)))}) was traced off: the plan's code runs it as the "
+                "identity at every step, where a training loop (model.train()) drops out. Call model.train() before "
+                "compiling to train with dropout; keep eval mode only to train without it", stacklevel=2)
         unknown = sorted({n.op for n in costed if not known_op(n.op)})
         if unknown:
             warnings.warn(f"trace: no cost rule for {unknown}; counted as one FLOP per output element", stacklevel=2)
         return _assemble(costed, cap, model, stack, traced_b, seq, expanded_from, kinds)
+
+
+def _dropouts_off(gm) -> list[float]:
+    """The rate p of each dropout an exported graph holds with p > 0 and train=False: the module was in eval mode
+    (export specialises on it), so code cut from the graph never drops out."""
+    if not isinstance(gm, torch.export.ExportedProgram):
+        return []
+    return [float(n.args[1]) for n in gm.graph.nodes
+            if n.op == "call_function" and "dropout" in str(n.target) and len(n.args) >= 3
+            and isinstance(n.args[1], (int, float)) and n.args[1] > 0 and n.args[2] is False]
 
 
 @contextlib.contextmanager
