@@ -319,7 +319,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                                    "parallelism keep such blocks whole)")
     no_pp, no_tp = _code_limits(g, splits, valid_tp, ep=decl.ep or 1)
     no_code = no_pp  # set only where no code can be cut at all (then cp's cannot be either)
-    no_pp = no_pp or shared
+    no_pp = no_pp or shared or _no_stack(g)
     no_sp = no_tp or _sp_code_limit(g, splits, valid_tp)
     for axis, value, why in (("pp", decl.pp, no_pp), ("tp", decl.tp, no_tp)):
         if why and value not in (None, 1):
@@ -686,6 +686,15 @@ def _shared_blocks(g: OpGraph) -> str:
     return ""
 
 
+def _no_stack(g: OpGraph) -> str:
+    """Why no pipeline program can be cut from an exported graph without blocks ("" where it has them): stage code
+    cuts between the blocks of a layer stack (codegen.pipeline). Tensor and context programs need none."""
+    if g.blocks or not isinstance(g.graph_module, torch.export.ExportedProgram):
+        return ""
+    return ("the trace found no stack of repeated blocks to cut into pipeline stages (a layer applied in a loop, as "
+            "ALBERT's, is one module)")
+
+
 def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) -> tuple[str, str]:
     """(why pp > 1 cannot run, why tp > 1 cannot run), "" where it can or where the graph is not at hand; `ep`:
     the pinned expert-parallel degree (its code hands the router logits to the ep context, not across cuts).
@@ -693,12 +702,10 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) 
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
         return "", ""
     try:
-        code = _extract(g, splits, tp=1, expert_parallel=ep)
+        _extract(g, splits, tp=1, expert_parallel=ep)
     except SegmentError as e:
         return str(e), str(e)
-    # stage code cuts between the blocks of a layer stack (the code generator's rule, codegen.pipeline)
-    no_pp = "" if code.block is not None else ("the trace found no stack of repeated blocks to cut into pipeline "
-                                               "stages (a layer applied in a loop, as ALBERT's, is one module)")
+    no_pp = ""
     t = next((t for t in valid_tp if t > 1), None)
     if t is None:
         return no_pp, ""
