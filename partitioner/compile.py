@@ -343,6 +343,13 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     if no_code and decl.cp not in (None, 1):
         raise DeclarationError(f"cp={decl.cp}: a context-parallel program runs the model as generated code, and "
                                f"none can be generated for this model ({no_code}); leave cp unpinned or pin cp=1")
+    seq = g.traced_seq_len or 1
+    long_sequence = seq >= LONG_SEQUENCE
+    if not (no_cp or no_code) and (decl.cp not in (None, 1) or (decl.cp is None and long_sequence)):
+        no_code = _cp_code_limit(g, splits, decl.cp or 2)  # the search tries cp > 1 here: a plan must run
+        if no_code and decl.cp not in (None, 1):
+            raise DeclarationError(f"cp={decl.cp}: no context-parallel program can be generated for this model "
+                                   f"({no_code})")
     no_cp = no_cp or no_code
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
     if no_cp or one_replica:
@@ -364,7 +371,6 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
     ctx = context(reduction, decl.async_sgd)
     # what the plan is compared with (runners-up that break a pin, hand baselines) trains synchronously
     sync_ctx = context(reduction) if decl.async_sgd else ctx
-    seq = g.traced_seq_len or 1
     sp_dominates = functools.cache(lambda t, mb, rc: _sp_dominates(ctx, t, mb, rc))
     sp_allows = functools.cache(lambda t, mb: not no_sp and _sp_allows(splits, g, t, mb))  # each pp asks again
 
@@ -381,7 +387,6 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
 
     if decl.zero3_unit == "module":
         _check_module_units(g, decl)
-    long_sequence = seq >= LONG_SEQUENCE
     allowed = candidates(long_sequence)
     if decl.sp and not allowed:
         _refuse_sp(splits, g, decl, no_sp)
@@ -411,7 +416,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                                f"configuration the declarations {decl.pinned()} allow has that many (pp x interleave)")
     result = search(ctx, cands, keep=max(1, opts.alternatives + 1),
                     over_memory=min(opts.alternatives, _OVER_MEMORY_SHOWN), bounds=bounds)
-    if not result.ranked and decl.cp is None and not long_sequence:
+    if not result.ranked and decl.cp is None and not long_sequence and not _cp_code_limit(g, splits, 2):
         # nothing fits: context parallelism divides the activations by cp, so it is worth a second search
         more = [c for c in candidates(True) if c.cp > 1 and ctx.compression_options(c)]
         if more:
@@ -818,6 +823,19 @@ def _sp_code_limit(g: OpGraph, splits, valid_tp: tuple[int, ...]) -> str:
     if code.aux_loss:  # codegen.program.not_runnable_aux
         return ("each tensor slice would route its own share of the tokens, and the model's load-balancing loss is "
                 "summed over the data-parallel ranks only")
+    return ""
+
+
+def _cp_code_limit(g: OpGraph, splits, cp: int) -> str:
+    """Why programs with context parallelism cannot be generated ("" where they can, or where the graph is not at
+    hand): an op relating tokens outside attention (a pooler reading the first token, a last-token index, a scan)
+    is refused when the code is cut for cp, which a plan found by the search, or pinned, must not reach."""
+    if not isinstance(g.graph_module, torch.export.ExportedProgram):
+        return ""
+    try:
+        _extract(g, splits, tp=1, cp=cp)
+    except SegmentError as e:
+        return str(e)
     return ""
 
 

@@ -18,7 +18,8 @@ import torch
 from examples.hf_families import bloom_seeded, gemma3_seeded, mpt_seeded, qwen3_seeded
 from examples.training import gpt_4l_seeded, gpt_loss, hf_llama_seeded, hf_loss, sgd, train_one_process
 from partitioner import compile, trace
-from partitioner.codegen.program import CodegenError
+from partitioner.planner.context_split import LONG_SEQUENCE
+from cost_models.errors import DeclarationError
 from ranks import assert_plan_trains_like_one_process, assert_trains_like
 
 VOCAB, SEQ, BATCH, STEPS = 512, 16, 8, 3
@@ -68,10 +69,9 @@ def test_sequence_parallelism_splits_each_ranks_tokens_again():
 
 def test_a_model_that_mixes_tokens_outside_attention_is_refused():
     model = gpt_4l_seeded()
-    plan = compile(model, "local:2", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),), global_batch_size=BATCH,
-                   precision="fp32", dp=1, cp=2, rewrite_attention=False, alternatives=0)
-    with pytest.raises(CodegenError, match="eager attention"):
-        plan.program(0)
+    with pytest.raises(DeclarationError, match="cp=2: no context-parallel program can be generated .*eager attention"):
+        compile(model, "local:2", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),), global_batch_size=BATCH,
+                precision="fp32", dp=1, cp=2, rewrite_attention=False, alternatives=0)
 
 
 class _Pooled(torch.nn.Module):
@@ -88,10 +88,9 @@ class _Pooled(torch.nn.Module):
 
 
 def test_a_model_that_scans_along_the_tokens_is_refused():
-    plan = compile(_Pooled(), "local:2", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
-                   global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
-    with pytest.raises(CodegenError, match="a cumsum along the token dim; each rank holds only its tokens"):
-        plan.program(0)
+    with pytest.raises(DeclarationError, match="a cumsum along the token dim; each rank holds only its tokens"):
+        compile(_Pooled(), "local:2", example_inputs=(torch.randint(0, VOCAB, (2, SEQ)),),
+                global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
 
 
 def test_a_model_that_shifts_its_labels_along_the_tokens_is_refused():
@@ -107,9 +106,35 @@ def test_a_model_that_shifts_its_labels_along_the_tokens_is_refused():
                                    use_cache=False)
     x = torch.randint(0, VOCAB, (2, SEQ))
     g = trace(transformers.LlamaForCausalLM(cfg), (), dict(input_ids=x, labels=x))
-    plan = compile(g, "local:2", global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
-    with pytest.raises(CodegenError, match=r"a pad along the token dim \(a shift of the tokens\).*compile with cp=1"):
-        plan.program(0)
+    with pytest.raises(DeclarationError, match=r"a pad along the token dim \(a shift of the tokens\).*compile with cp=1"):
+        compile(g, "local:2", global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
+
+
+def _bert_classifier(positions: int = 64):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, max_position_embeddings=positions, num_labels=3,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def test_a_classifier_pooling_one_token_is_refused_when_compiling():
+    """A sequence classifier reads one token's hidden state (BERT's pooler the first; Llama's and GPT-2's the last
+    one not padded, an argmax over the tokens), which under cp is on one rank only. Pinned, cp is refused by
+    compile() naming the op, before any program exists; unpinned, a long sequence's search, which would otherwise
+    weigh cp, keeps cp = 1 (it used to find a cp plan whose programs failed when generated)."""
+    with pytest.raises(DeclarationError, match=r"cp=2: no context-parallel program .*computes select "
+                                               r"\(aten.select.int in bert.pooler\), a select along the token dim"):
+        compile(_bert_classifier(), "local:2", example_inputs=(torch.randint(1, VOCAB, (2, SEQ)),),
+                global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
+    with torch.device("meta"):  # one sequence of LONG_SEQUENCE tokens on two devices: dp = 1, so cp is weighed
+        model = _bert_classifier(positions=LONG_SEQUENCE)
+    plan = compile(model, "2xA100-80GB", example_inputs=(torch.zeros(1, LONG_SEQUENCE, dtype=torch.long, device="meta"),),
+                   global_batch_size=1, alternatives=3)
+    assert all(c.cp == 1 for c in [plan.config, *(a.config for a in plan.alternatives)])
+    plan.program(0)  # was cp2, whose programs raised CodegenError here
 
 
 class _Scaled(torch.nn.Module):
