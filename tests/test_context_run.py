@@ -106,7 +106,8 @@ def test_a_model_that_shifts_its_labels_along_the_tokens_is_refused():
                                    use_cache=False)
     x = torch.randint(0, VOCAB, (2, SEQ))
     g = trace(transformers.LlamaForCausalLM(cfg), (), dict(input_ids=x, labels=x))
-    with pytest.raises(DeclarationError, match=r"a pad along the token dim \(a shift of the tokens\).*compile with cp=1"):
+    with pytest.raises(DeclarationError,
+                       match=r"a pad along the token dim \(a shift of the tokens\).*compile with cp=1"):
         compile(g, "local:2", global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
 
 
@@ -131,8 +132,8 @@ def test_a_classifier_pooling_one_token_is_refused_when_compiling():
                 global_batch_size=BATCH, precision="fp32", dp=1, cp=2, alternatives=0)
     with torch.device("meta"):  # one sequence of LONG_SEQUENCE tokens on two devices: dp = 1, so cp is weighed
         model = _bert_classifier(positions=LONG_SEQUENCE)
-    plan = compile(model, "2xA100-80GB", example_inputs=(torch.zeros(1, LONG_SEQUENCE, dtype=torch.long, device="meta"),),
-                   global_batch_size=1, alternatives=3)
+    tokens = torch.zeros(1, LONG_SEQUENCE, dtype=torch.long, device="meta")
+    plan = compile(model, "2xA100-80GB", example_inputs=(tokens,), global_batch_size=1, alternatives=3)
     assert all(c.cp == 1 for c in [plan.config, *(a.config for a in plan.alternatives)])
     plan.program(0)  # was cp2, whose programs raised CodegenError here
 
