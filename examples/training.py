@@ -10,6 +10,7 @@ single-process reference, `train_one_process`) starts from the same weights.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -19,8 +20,8 @@ import torch.nn.functional as F
 from examples import gpt
 
 __all__ = ["gpt_tiny_seeded", "gpt_small_seeded", "gpt_4l_seeded", "gpt_8l_seeded", "hf_gpt2_seeded",
-           "hf_gpt2_4l_seeded", "hf_llama_seeded", "adamw", "sgd", "gpt_loss", "hf_loss", "in_model_loss",
-           "labelled_tokens", "target_tokens", "Trained", "global_microbatches", "train_one_process"]
+           "hf_gpt2_4l_seeded", "hf_llama_seeded", "adamw", "sgd", "warmup_cosine", "gpt_loss", "hf_loss",
+           "in_model_loss", "labelled_tokens", "target_tokens", "Trained", "global_microbatches", "train_one_process"]
 
 
 def gpt_tiny_seeded() -> gpt.GPT:
@@ -79,6 +80,17 @@ def adamw(params) -> torch.optim.Optimizer:
 
 def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def warmup_cosine(optimizer, warmup: int = 2, total: int = 6) -> torch.optim.lr_scheduler.LRScheduler:
+    """A learning-rate schedule as large runs use: linear warmup over `warmup` steps, then cosine decay to 10 %
+    of the peak at step `total` (a different rate every step, so a step taken at the wrong one shows)."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * t))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def gpt_loss(output, targets) -> torch.Tensor:
@@ -163,8 +175,10 @@ def _forward(model: torch.nn.Module, x: Any) -> Any:
 
 def train_one_process(model_fn: Callable[[], torch.nn.Module], optimizer_fn: Callable[[Any], torch.optim.Optimizer],
                       loss_fn: Callable, batches: Iterable[tuple[Any, Any]], *,
-                      clip_grad_norm: float | None = None, dp: int = 1, num_microbatches: int = 1) -> Trained:
+                      clip_grad_norm: float | None = None, dp: int = 1, num_microbatches: int = 1,
+                      scheduler_fn: Callable | None = None) -> Trained:
     """The truth every plan must reproduce: the same seed and data, each whole global batch, in one process.
+    `scheduler_fn(optimizer)`: a learning-rate scheduler, stepped after each optimizer step.
 
     With num_microbatches > 1, each batch as that plan's global microbatches (`global_microbatches` of its `dp`
     replicas), each microbatch's loss divided by their number and the gradients accumulated: one process
@@ -173,6 +187,7 @@ def train_one_process(model_fn: Callable[[], torch.nn.Module], optimizer_fn: Cal
     over equal microbatches (a cross entropy) is the same either way."""
     model = model_fn()
     opt = optimizer_fn(model.parameters())
+    scheduler = scheduler_fn(opt) if scheduler_fn is not None else None
     losses, norms = [], []
     for x, y in batches:
         if num_microbatches > 1:
@@ -187,6 +202,8 @@ def train_one_process(model_fn: Callable[[], torch.nn.Module], optimizer_fn: Cal
         if clip_grad_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)))
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         opt.zero_grad()
         losses.append(loss.item())
     return Trained(losses, model, norms)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv_run = [str(d / "plan.json"), "--model", args.model, "--steps", str(args.steps), "--save-dir", args.save_dir,
                 "--save-every", str(args.save_every), "--resume-from", "auto", "--timeout-s", str(args.timeout_s)]
-    for flag in ("optimizer", "loss", "data", "save", "keep_last"):
+    for flag in ("optimizer", "scheduler", "loss", "data", "save", "keep_last"):
         value = getattr(args, flag)
         if value is not None:
             argv_run += [f"--{flag.replace('_', '-')}", str(value)]
@@ -115,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="every world size's plan runs its model code under torch.compile with BACKEND (default when "
                         "given: inductor), as `partitioner compile --torch-compile`")
     p.add_argument("--optimizer", help="factory(params) -> Optimizer (default: the plan's)")
+    p.add_argument("--scheduler", help="factory(optimizer) -> a torch LRScheduler, stepped after each optimizer step; "
+                                       "replayed to the checkpoint's step at every restart")
     p.add_argument("--loss", help="fn(output, target) -> loss")
     p.add_argument("--data", help="fn(step, rank, world_size) -> the global batch of that step")
     p.add_argument("--save", help="write the final parameters (rank 0) to this file")

@@ -72,6 +72,7 @@ from runtime.checkpoint import (
 )
 from runtime.device import placing_on, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
+from runtime.engines.lr_schedule import attach_lr_schedule
 from runtime.launch.env import DistEnv, LaunchError, choose_device, discover
 from runtime.launch.heartbeat import Heartbeat, PeerLost
 from runtime.launch.loading import load_callable, load_object
@@ -125,6 +126,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
     optimizer_fn = load_callable(args.optimizer, "--optimizer") if args.optimizer else \
         default_optimizer(plan.get("optimizer", "adam"))
     loss_fn = load_callable(args.loss, "--loss") if args.loss else default_loss
+    scheduler_fn = load_callable(args.scheduler, "--scheduler") if args.scheduler else None
     data_fn = load_callable(args.data, "--data") if args.data else \
         _example_data(args.model, plan.get("global_batch_size"))
 
@@ -159,10 +161,13 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
         # tensor-parallel ranks (which slice their own copy) would train different models.
         torch.manual_seed(0)
         runner = ns["build"](model_fn, optimizer_fn, loss_fn)
+        attach_lr_schedule(runner, scheduler_fn)  # before a checkpoint's load: on the optimizer as built
         start = 0
         if resume is not None:
             info = load_checkpoint(runner, resume, plan_json=plan_text)
             start = info.step
+            if runner.lr_schedule is not None:
+                runner.lr_schedule.resume(start)
             if env.rank == 0:
                 how = "same plan" if info.same_plan else f"resharded from {info.world_size} ranks to {env.world_size}"
                 print(f"resumed from {info.path} at step {start} ({how})", flush=True)
@@ -397,6 +402,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="pkg.module:factory or path/file.py:factory")
     p.add_argument("--optimizer", help="factory(params) -> Optimizer (default: the plan's optimizer)")
     p.add_argument("--loss", help="fn(output, target) -> loss (default: cross-entropy or MSE)")
+    p.add_argument("--scheduler", help="factory(optimizer) -> a torch LRScheduler, stepped after each optimizer step "
+                                       "(default: none, a constant learning rate)")
     p.add_argument("--data", help="fn(step, rank, world_size) -> (inputs, targets), the global batch")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--programs", help="directory of rank_{r}.py (default: the plan's directory)")

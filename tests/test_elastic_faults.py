@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from examples import gpt
-from examples.training import adamw, gpt_tiny_seeded, train_one_process
+from examples.training import adamw, gpt_tiny_seeded, train_one_process, warmup_cosine
 from runtime.checkpoint import latest_checkpoint, load_full_state_dict
 from runtime.run import default_loss
 from ranks import free_port
@@ -46,7 +46,8 @@ def _elastic(nproc: int, save: Path, steps: int, *extra: str, max_restarts: int 
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf",
            "last_call_timeout=1", "--max-restarts", str(max_restarts), "-m", "partitioner.elastic", MODEL,
            "--save-dir", str(save), "--save-every", "2", "--steps", str(steps), "--global-batch-size", str(BATCH),
-           "--optimizer", "examples.training:adamw", "--timeout-s", "60", *extra]
+           "--optimizer", "examples.training:adamw", "--timeout-s", "60",
+           "--scheduler", "examples.training:warmup_cosine", *extra]  # a schedule: replayed at every restart
     if popen:
         return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -58,7 +59,8 @@ def _elastic(nproc: int, save: Path, steps: int, *extra: str, max_restarts: int 
 def _reference(steps: int) -> dict[str, torch.Tensor]:
     data_model = gpt.gpt_tiny()  # only its config shapes the batches
     batches = [gpt.example_batch(data_model, BATCH, seed=step) for step in range(steps)]
-    return train_one_process(gpt_tiny_seeded, adamw, default_loss, batches).model.state_dict()
+    return train_one_process(gpt_tiny_seeded, adamw, default_loss, batches,
+                             scheduler_fn=warmup_cosine).model.state_dict()
 
 
 def _assert_close(got: dict, want: dict) -> None:

@@ -43,6 +43,10 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def _halving(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
 def mse(output, target):
     return F.mse_loss(output, target)
 
@@ -52,10 +56,10 @@ def batches(n=3, size=8):
     return [(torch.randn(size, 4, generator=g), torch.randn(size, 2, generator=g)) for _ in range(n)]
 
 
-def one_process(batches):
+def one_process(batches, scheduler_fn=None):
     """The truth: the same seed and data in one process."""
     torch.manual_seed(0)
-    losses, model, _ = train_one_process(tiny_model, sgd, mse, batches)
+    losses, model, _ = train_one_process(tiny_model, sgd, mse, batches, scheduler_fn=scheduler_fn)
     return losses, model.state_dict()
 
 
@@ -78,6 +82,7 @@ class Runner:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.collectives = Collectives()
         self.steps = 0
+        self.lr_schedule = None  # the program contract: a runner steps it after its optimizer, where one is given
 
     def step(self, batch):
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,6 +95,8 @@ class Runner:
         for p in self.model.parameters():
             self.collectives.all_reduce(p.grad, op="avg")
         self.optimizer.step()
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
         loss = loss.detach()
         self.collectives.all_reduce(loss, op="avg")
         return loss.item()
@@ -359,6 +366,10 @@ def data(step, rank, world_size):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def halving(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 '''
 
 
@@ -374,16 +385,17 @@ def write_job(tmp_path: Path, world_size: int = 2, programs: bool = True) -> Pat
 
 @pytest.mark.slow
 def test_run_under_torchrun_trains_like_one_process(tmp_path):
+    """With a learning-rate schedule (--scheduler): each rank steps its own after each optimizer step."""
     write_job(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "runtime.run", "plan.json", "--model", "toy.py:model", "--data", "toy.py:data",
            "--optimizer", "toy.py:sgd", "--loss", "torch.nn.functional:mse_loss", "--steps", "3",
-           "--save", "trained.pt", "--timeout-s", "60"]
+           "--scheduler", "toy.py:halving", "--save", "trained.pt", "--timeout-s", "60"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     printed = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
-    losses, state = one_process(batches())
+    losses, state = one_process(batches(), scheduler_fn=_halving)
     assert printed == pytest.approx(losses, abs=2e-6)  # printed with 6 decimals, by rank 0 only
     trained = torch.load(tmp_path / "trained.pt", weights_only=True)
     for k in state:

@@ -22,7 +22,8 @@ def _worker(rank: int, world: int, _store_path: str, out_dir: str, port: int, pr
     torch.set_num_threads(1)
     from runtime import Trainer
 
-    trainer = Trainer(programs, training.gpt_tiny_seeded, training.sgd, training.gpt_loss, timeout_s=60)
+    trainer = Trainer(programs, training.gpt_tiny_seeded, training.sgd, training.gpt_loss, timeout_s=60,
+                      scheduler_fn=training.warmup_cosine)  # a learning-rate schedule, stepped by each rank
     with group_teardown():
         losses = [trainer.step(b) for b in batches]
         x = batches[0][0]
@@ -40,7 +41,8 @@ def test_trainer_in_a_users_loop_trains_like_one_process(tmp_path):
     batches = [gpt_mod.example_batch(model, 8, seq_len=32, seed=s) for s in range(3)]
     got = spawn(_worker, 2, tmp_path, free_port(), programs, batches)[0]
 
-    losses, ref, _ = training.train_one_process(training.gpt_tiny_seeded, training.sgd, training.gpt_loss, batches)
+    losses, ref, _ = training.train_one_process(training.gpt_tiny_seeded, training.sgd, training.gpt_loss, batches,
+                                                scheduler_fn=training.warmup_cosine)
     assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got["state"][name], p.detach(), rtol=1e-5, atol=1e-6)

@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--programs", default=None, metavar="DIR",
                    help="run the rank_R.py in DIR (e.g. edited by hand); written there from the plan when missing")
     r.add_argument("--optimizer", default=None, help="factory(params) -> Optimizer (default: the plan's optimizer)")
+    r.add_argument("--scheduler", default=None, help="factory(optimizer) -> a torch LRScheduler, stepped after each "
+                                                    "optimizer step (default: none, a constant learning rate)")
     r.add_argument("--loss", default=None, help="fn(output, target) -> loss (default: cross-entropy or MSE)")
     r.add_argument("--data", default=None, help="fn(step, rank, world_size) -> (inputs, targets), the global batch "
                                                 "(default: the model module's example_batch)")

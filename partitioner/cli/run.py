@@ -43,8 +43,11 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
     model_fn = load_callable(spec, "--model")
     optimizer_fn = load_callable(args.optimizer, "--optimizer") if args.optimizer else default_optimizer(plan.optimizer)
     loss_fn = load_callable(args.loss, "--loss") if args.loss else default_loss
-    for name, fn in (("--model", model_fn), ("--optimizer", optimizer_fn), ("--loss", loss_fn)):
-        check_sendable(name, fn)
+    scheduler_fn = load_callable(args.scheduler, "--scheduler") if args.scheduler else None
+    for name, fn in (("--model", model_fn), ("--optimizer", optimizer_fn), ("--loss", loss_fn),
+                     ("--scheduler", scheduler_fn)):
+        if fn is not None:
+            check_sendable(name, fn)
     check_model(plan, model_fn)  # a model that is not the plan's is bad input (2), not a failed run (4)
     if args.data:
         data_fn = load_callable(args.data, "--data")
@@ -64,7 +67,7 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
     info(f"training {args.steps} steps of {spec} on {plan.world_size} local processes ({plan.config})")
     try:
         res = launch_local(plan, model_fn, optimizer_fn, loss_fn, batches, timeout_s=args.timeout_s,
-                           programs=sources, verify=not args.no_verify)
+                           programs=sources, verify=not args.no_verify, scheduler_fn=scheduler_fn)
     except LaunchError as exc:
         raise RunFailed(f"the run failed: {exc}") from exc
     if args.save:
@@ -101,7 +104,7 @@ def _print_command(args: argparse.Namespace, plan: Any, topo: Any, spec: str) ->
     programs = _programs(args, plan)
     tail = ["-m", "runtime.run", args.plan, "--programs", str(programs), "--model", spec, "--steps", str(args.steps),
             "--timeout-s", f"{args.timeout_s:g}"]
-    for flag in ("optimizer", "loss", "data", "save"):
+    for flag in ("optimizer", "scheduler", "loss", "data", "save"):
         if getattr(args, flag):
             tail += [f"--{flag}", getattr(args, flag)]
     tail = shlex.join(tail)

@@ -149,6 +149,7 @@ class AsyncSGDRunner:
         self.clip_grad_norm, self.program_hash = clip_grad_norm, program_hash
         self.async_sgd = mode
         self.last_grad_norm: float | None = None
+        self.lr_schedule = None  # runtime.engines.lr_schedule: stepped after each optimizer step
         self.steps = 0
         self._broadcast_state()
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -182,6 +183,8 @@ class AsyncSGDRunner:
             self.last_grad_norm = float(norm)
         before = [f.gather() for f in self._flats] if self.mode == "staleness" else []
         self.optimizer.step()
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
         self._peak.note(self.held_bytes_now())
         self.engine.zero_grad()
         self.optimizer.zero_grad(set_to_none=True)

@@ -96,6 +96,7 @@ class StepRunner:
         self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
         self.clip_grad_norm, self.program_hash = clip_grad_norm, program_hash
         self.last_grad_norm: float | None = None
+        self.lr_schedule = None  # runtime.engines.lr_schedule: stepped after each optimizer step
         self._peak = PeakHeld()
         m = num_microbatches
         if actions is None:
@@ -128,6 +129,8 @@ class StepRunner:
         if self.clip_grad_norm is not None:
             self.last_grad_norm = self.engine.clip_grad_norm_(self.clip_grad_norm)
         self.optimizer.step()
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
         # The peak of model state: gradients still held, optimizer state just created or updated.
         self._peak.note(self.engine.held_bytes(self.optimizer))
         self._after_optim()

@@ -73,6 +73,7 @@ from cost_models.errors import PartitionerError
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.device import check_device, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
+from runtime.engines.lr_schedule import attach_lr_schedule
 from runtime.engines.optimizer_groups import check_optimizer, differing_groups, slices_parameters
 from runtime.launch.env import LaunchError, choose_device
 from runtime.launch.loss_check import check_loss_reduction
@@ -146,7 +147,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
                  memory_limit_bytes: float | None = None, save_dir: str | os.PathLike | None = None,
                  save_every: int | None = None, keep_last: int | None = None,
                  resume_from: str | os.PathLike | None = None, verify: bool = True, device: str = "cpu",
-                 device_audit: bool | None = None) -> LaunchResult:
+                 device_audit: bool | None = None, scheduler_fn: Callable | None = None) -> LaunchResult:
     """Spawn one process per rank, run each rank's program on `batches` (global batches), gather the results.
 
     plan: the Plan (or anything with world_size, placements and program(rank)).
@@ -171,14 +172,19 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         builds its share of the model, moves its batches and keeps its state (runtime.device).
     device_audit: run every rank under runtime.device.audit (fail on any op mixing the rank's device with a
         tensor never placed there, naming the op and the line); None: as PARTITIONER_DEVICE_AUDIT says.
+    scheduler_fn: scheduler_fn(optimizer) -> a torch LRScheduler, built on each rank's optimizer and stepped after
+        each optimizer step, as a one-process loop steps it (runtime.engines.lr_schedule); on a resume, replayed
+        to the checkpoint's step.
     Raises LaunchError for a bad setup or any failed rank (naming it, with its traceback).
     """
     world = plan.world_size if world_size is None else world_size
     check_world_size(plan, world)
     check_local_device(device, world)
     audit = audit_requested() if device_audit is None else bool(device_audit)
-    for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("loss_fn", loss_fn)):
-        check_sendable(name, fn)
+    for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("loss_fn", loss_fn),
+                     ("scheduler_fn", scheduler_fn)):
+        if fn is not None or name != "scheduler_fn":
+            check_sendable(name, fn)
     check_model(plan, model_fn)
     _check_optimizer(plan, optimizer_fn, checkpoints=save_dir is not None or resume_from is not None)
     sources = _sources(plan, world, programs)
@@ -223,7 +229,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
                    memory_limit_bytes=memory_limit_bytes, save_dir=None if save_dir is None else str(save_dir),
                    save_every=save_every, keep_last=keep_last,
                    resume_from=None if resume_from is None else str(resume_from), plan_json=plan_json,
-                   device=device, device_audit=audit)
+                   device=device, device_audit=audit, scheduler_fn=scheduler_fn)
         for r in range(world):
             p = ctx.Process(target=_worker, args=(job, r, progress, phase), name=f"runtime-rank{r}")
             p.start()
@@ -378,6 +384,7 @@ class _Job:
     plan_json: str | None = None
     device: str = "cpu"
     device_audit: bool = False
+    scheduler_fn: Callable | None = None
     environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -415,9 +422,12 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         # tensor-parallel ranks (which slice their own copy) would train different models.
         torch.manual_seed(0)
         runner = ns["build"](job.model_fn, job.optimizer_fn, job.loss_fn)
+        attach_lr_schedule(runner, job.scheduler_fn)  # before a checkpoint's load: on the optimizer as built
         start = 0
         if job.resume_from is not None:
             start = load_checkpoint(runner, job.resume_from, plan_json=job.plan_json).step
+            if runner.lr_schedule is not None:
+                runner.lr_schedule.resume(start)
         peak = state_bytes(runner.held_bytes())
         batches = torch.load(d / "batches.pt", weights_only=True)[start:]
         losses, times, probed, saved = [], [], None, []

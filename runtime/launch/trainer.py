@@ -1,6 +1,7 @@
 """`Trainer`: run a plan inside your own training loop (under torchrun, mpirun or SLURM).
 
     trainer = Trainer(plan, model_fn, optimizer_fn, loss_fn)   # plan: a Plan or a directory from write_programs
+    # scheduler_fn=lambda opt: LambdaLR(opt, ...): each rank's scheduler, stepped after each optimizer step
     for batch in loader:                                       # global batches: (inputs, targets)
         loss = trainer.step(batch)
     full = trainer.state_dict()                                # on rank 0; None elsewhere
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from runtime.device import set_rank_device
+from runtime.engines.lr_schedule import attach_lr_schedule
 from runtime.launch.env import LaunchError, choose_device, discover
 from runtime.launch.rendezvous import rendezvous_store
 from runtime.pipeline.program_module import exec_program
@@ -44,7 +46,7 @@ def program_source(plan: Any, rank: int) -> tuple[str, int]:
 
 class Trainer:
     def __init__(self, plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable, *,
-                 timeout_s: float = 600, device: str | None = None):
+                 timeout_s: float = 600, device: str | None = None, scheduler_fn: Callable | None = None):
         env = discover()
         if device is None and dist.is_initialized():  # the caller's group decides: NCCL works on GPUs only
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -62,6 +64,7 @@ class Trainer:
                               f"compile a plan for {world} devices or launch {plan_world} processes")
         ns = exec_program(source, f"<rank_{rank}.py>", rank=rank)
         self.runner = ns["build"](model_fn, optimizer_fn, loss_fn)
+        attach_lr_schedule(self.runner, scheduler_fn)
         self.rank = rank
 
     def step(self, batch) -> float:

@@ -94,6 +94,7 @@ class PipelineRunner:
         self._tie_sends: list[Any] = []
         self._loss_work: Any = None
         self.last_grad_norm: float | None = None
+        self.lr_schedule = None  # runtime.engines.lr_schedule: stepped after each optimizer step
         self._peak = PeakHeld()
 
     # ---- the step -----------------------------------------------------------------------------
@@ -208,6 +209,8 @@ class PipelineRunner:
         if self.clip_grad_norm is not None:
             self.last_grad_norm = self._clip(self.clip_grad_norm)
         self.optimizer.step()
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
         self._peak.note(self.held_bytes_now())
         self._after_optim()
         self.engine.zero_grad()
