@@ -128,3 +128,18 @@ def test_readers_of_one_value_share_its_gathers():
     assert len(gathers) == 2 and len({c.what for c in gathers}) == 2  # the attention's input, the MLP's
     assert sum(c.phase == "backward" and c.kind == "reduce_scatter" for c in colls) == 2
     assert sum(c.phase == "backward" and c.kind == "all_gather" for c in colls) == 2 + 2  # re-gathers, row grads
+
+
+def test_a_split_value_without_a_sequence_dim_is_refused_naming_the_microbatch():
+    """A value whose dims before its features hold no sequence length (a Mamba convolution keeps its tokens last) is
+    split along dim 0, the batch: where tp does not divide it the refusal asks for another microbatch size, not
+    another sequence length (it used to call the batch "a token dim")."""
+    from partitioner.planner.sequence_split import SequenceSplits
+    from partitioner.tracer.symbolic import Poly
+
+    tokens, batch = Poly.from_terms({(1, 1): 1.0}), Poly.from_terms({(1, 0): 1.0})  # b * s, b
+    assert SequenceSplits(extents=(tokens, batch)).divides(2, 2, 16) == ""
+    assert "pick a sequence length" in SequenceSplits(extents=(tokens,)).divides(2, 1, 15)
+    why = SequenceSplits(extents=(tokens, batch)).divides(2, 1, 16)
+    assert "hold no sequence length" in why and "dim 0, 1 (= b at microbatch 1)" in why
+    assert "pick a microbatch size that tp divides" in why

@@ -90,6 +90,11 @@ class SequenceSplits:
         """"" when tp divides every token dim at this microbatch and sequence length, else why not."""
         for e in self.extents:
             x = round(e(microbatch, seq_len))
+            if x % tp and not any(s > 0 for (_, s), _ in e.terms):  # token_dim's fallback: no dim holds s
+                return (f"sequence parallelism splits a value whose dims before its features hold no sequence "
+                        f"length (its tokens last, as a convolution over them keeps them) along dim 0, {x} (= {e} at "
+                        f"microbatch {microbatch}), over tp={tp}, which does not divide it: pick a microbatch size "
+                        f"that tp divides, or pin sp=False")
             if x % tp:
                 return (f"sequence parallelism splits a token dim of {x} (= {e} at microbatch {microbatch}, "
                         f"sequence {seq_len}) over tp={tp}, which does not divide it: pick a sequence length "
