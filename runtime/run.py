@@ -166,7 +166,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
         if resume is not None:
             info = load_checkpoint(runner, resume, plan_json=plan_text)
             start = info.step
-            if runner.lr_schedule is not None:
+            if getattr(runner, "lr_schedule", None) is not None:
                 runner.lr_schedule.resume(start)
             if env.rank == 0:
                 how = "same plan" if info.same_plan else f"resharded from {info.world_size} ranks to {env.world_size}"
@@ -176,6 +176,8 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
             if report is not None:
                 report.begin(step)
             traced = args.trace is not None and step == _trace_step(args)
+            schedule = getattr(runner, "lr_schedule", None)  # a hand-written program's runner may have none
+            lr = f", lr {schedule.last_lr()[0]:.6g}" if schedule is not None else ""  # the rate of this step
             with heartbeat.naming_dead_ranks(f"step {step + 1}"):
                 with _tracing(traced) as log:
                     m = measure_step(runner, batch, probe=step == args.probe_step, limit_bytes=args.memory_limit_bytes)
@@ -184,7 +186,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
             if report is not None:
                 report.step(m)
             if env.rank == 0:
-                print(f"step {step + 1}/{args.steps} loss {float(m.loss):.6f} ({m.seconds:.3f} s)", flush=True)
+                print(f"step {step + 1}/{args.steps} loss {float(m.loss):.6f} ({m.seconds:.3f} s){lr}", flush=True)
             if args.save_every and (step + 1) % args.save_every == 0:
                 with heartbeat.naming_dead_ranks(f"saving the checkpoint of step {step + 1}"):
                     path = save_checkpoint(runner, args.save_dir, step=step + 1, plan_json=plan_text,

@@ -394,7 +394,9 @@ def test_run_under_torchrun_trains_like_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    printed = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(", lr ")[1] for line in steps] == ["0.1", "0.05", "0.025"]  # each step's rate, rank 0's
+    printed = [float(line.split()[3]) for line in steps]
     losses, state = one_process(batches(), scheduler_fn=_halving)
     assert printed == pytest.approx(losses, abs=2e-6)  # printed with 6 decimals, by rank 0 only
     trained = torch.load(tmp_path / "trained.pt", weights_only=True)

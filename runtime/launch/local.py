@@ -426,7 +426,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         start = 0
         if job.resume_from is not None:
             start = load_checkpoint(runner, job.resume_from, plan_json=job.plan_json).step
-            if runner.lr_schedule is not None:
+            if getattr(runner, "lr_schedule", None) is not None:
                 runner.lr_schedule.resume(start)
         peak = state_bytes(runner.held_bytes())
         batches = torch.load(d / "batches.pt", weights_only=True)[start:]
