@@ -345,12 +345,13 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                                f"none can be generated for this model ({no_code}); leave cp unpinned or pin cp=1")
     seq = g.traced_seq_len or 1
     long_sequence = seq >= LONG_SEQUENCE
+    no_cp_code = no_code  # why no context-parallel program can be generated, where the search would try one
     if not (no_cp or no_code) and (decl.cp not in (None, 1) or (decl.cp is None and long_sequence)):
-        no_code = _cp_code_limit(g, splits, decl.cp or 2)  # the search tries cp > 1 here: a plan must run
-        if no_code and decl.cp not in (None, 1):
+        no_cp_code = _cp_code_limit(g, splits, decl.cp or 2)
+        if no_cp_code and decl.cp not in (None, 1):
             raise DeclarationError(f"cp={decl.cp}: no context-parallel program can be generated for this model "
-                                   f"({no_code})")
-    no_cp = no_cp or no_code
+                                   f"({no_cp_code})")
+    no_cp = no_cp or no_cp_code
     declared = decl.pinned()  # the plan records what the user pinned, not what async SGD implies
     if no_cp or one_replica:
         forced = {**forced, "cp": 1, **({"dp": 1} if one_replica else {})}
