@@ -44,6 +44,7 @@ from cost_models.placements import REPLICATED
 from cost_models.powersgd import LowRank
 from cost_models.specs import LinkLevel
 from cost_models.topology import Topology
+from partitioner.codegen.cp_masks import unsplittable_mask
 from partitioner.codegen.segments import SegmentError, extract, reads_router_logits
 from partitioner.planner.context_split import LONG_SEQUENCE, attention_heads, cp_options, local
 from partitioner.planner.expert_split import (Experts, check_context, check_experts, ep_options, ep_ranks, experts_of,
@@ -837,7 +838,7 @@ def _cp_code_limit(g: OpGraph, splits, cp: int) -> str:
         _extract(g, splits, tp=1, cp=cp)
     except SegmentError as e:
         return str(e)
-    return ""
+    return unsplittable_mask(g.graph_module, g.traced_seq_len or 1)  # a sliding window: refused now, not at step 1
 
 
 def _check_module_units(g: OpGraph, decl: Declarations) -> None:

@@ -248,15 +248,37 @@ def test_context_parallel_with_full_recomputation_trains_like_one_process():
     assert_same_training(plan_for(dp=1, cp=2, recompute="full"))
 
 
+def test_a_mask_the_kernels_cannot_split_is_refused_when_compiling():
+    """Gemma3's sliding-window layers (a window of 4, shorter than the 16 traced tokens) build their mask from
+    shapes alone: compile computes it at the traced length and refuses cp, naming the attention, before any rank
+    starts (it used to stop the first step). Unpinned, a 16K-token Mistral (window 4096) keeps cp = 1: the search
+    used to choose cp2 there, a plan whose first step would have stopped."""
+    with pytest.raises(DeclarationError, match=r"cp=2: .*attention .* in model.layers.0.self_attn\) takes the mask "
+                                               r".*at 16 tokens is neither causal nor full"):
+        plan_for(dp=1, cp=2, name="gemma3")
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=LONG_SEQUENCE, sliding_window=4096, use_cache=False))
+    tokens = torch.zeros(1, LONG_SEQUENCE, dtype=torch.long, device="meta")
+    plan = compile(model, "2xA100-80GB", example_inputs=(tokens,), global_batch_size=1, alternatives=3)
+    assert all(c.cp == 1 for c in [plan.config, *(a.config for a in plan.alternatives)])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma3"])
-def test_a_mask_the_kernels_cannot_split_stops_the_first_step(name):
-    """Gemma3's sliding-window layers (a window shorter than the sequence) build their mask from shapes alone:
-    the code passes it whole, and the runtime refuses it before anything is updated."""
+def test_a_window_longer_than_the_traced_sequence_stops_the_first_step():
+    """Traced at 8 tokens, a window of 8 is a causal mask, so compile lets cp through; at the 16 tokens of the
+    batches it is not, and the runtime refuses it before anything is updated."""
+    from examples.hf_families import MORE_FAMILIES
     from runtime.launch.env import LaunchError
 
+    model_fn = MORE_FAMILIES["mistral"]  # sliding_window=8
+    plan = compile(trace(model_fn(), (torch.randint(0, VOCAB, (2, 8)),)), "local:2", global_batch_size=BATCH,
+                   precision="fp32", dp=1, cp=2, microbatch_size=2, alternatives=0)
     with pytest.raises(LaunchError, match=r"neither causal nor full.*\(in step 1 of 3\)"):
-        assert_same_training(plan_for(dp=1, cp=2, name=name), name)
+        assert_plan_trains_like_one_process(plan, model_fn, sgd, hf_loss, batches())
 
 
 @pytest.mark.slow
