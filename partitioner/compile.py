@@ -712,15 +712,14 @@ def _code_limits(g: OpGraph, splits, valid_tp: tuple[int, ...], *, ep: int = 1) 
         _extract(g, splits, tp=1, expert_parallel=ep)
     except SegmentError as e:
         return str(e), str(e)
-    no_pp = ""
     t = next((t for t in valid_tp if t > 1), None)
     if t is None:
-        return no_pp, ""
+        return "", ""
     try:
         _extract(g, splits, tp=t, expert_parallel=ep)
     except SegmentError as e:
-        return no_pp, str(e)
-    return no_pp, ""
+        return "", str(e)
+    return "", ""
 
 
 def _runnable_experts(g: OpGraph, experts: Experts, splits, ep: int | None) -> Experts:

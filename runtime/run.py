@@ -72,7 +72,7 @@ from runtime.checkpoint import (
 )
 from runtime.device import placing_on, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
-from runtime.engines.lr_schedule import attach_lr_schedule
+from runtime.engines.lr_schedule import attach_lr_schedule, resume_lr_schedule
 from runtime.launch.env import DistEnv, LaunchError, choose_device, discover
 from runtime.launch.heartbeat import Heartbeat, PeerLost
 from runtime.launch.loading import load_callable, load_object
@@ -166,8 +166,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
         if resume is not None:
             info = load_checkpoint(runner, resume, plan_json=plan_text)
             start = info.step
-            if getattr(runner, "lr_schedule", None) is not None:
-                runner.lr_schedule.resume(start)
+            resume_lr_schedule(runner, start)
             if env.rank == 0:
                 how = "same plan" if info.same_plan else f"resharded from {info.world_size} ranks to {env.world_size}"
                 print(f"resumed from {info.path} at step {start} ({how})", flush=True)

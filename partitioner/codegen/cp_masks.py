@@ -29,14 +29,15 @@ _MASK_ARG = 3  # query, key, value, attn_mask, ...
 def unsplittable_mask(ep: torch.export.ExportedProgram, traced_len: int) -> str:
     """Why an attention's mask, computed from shapes, is neither causal nor full at the traced length (at most
     EVAL_TOKENS), "" where each is causal or full, or cannot be computed here."""
-    gm = ep.graph_module
-    for n in gm.graph.nodes:
+    length = min(traced_len, EVAL_TOKENS)
+    seen: set[fx.Node] = set()  # a model makes one mask for all its layers (one per kind): computed once each
+    for n in ep.graph_module.graph.nodes:
         if n.op != "call_function" or n.target is not _ATTENTION:
             continue
         mask = n.args[_MASK_ARG] if len(n.args) > _MASK_ARG else n.kwargs.get("attn_mask")
-        if not isinstance(mask, fx.Node):
+        if not isinstance(mask, fx.Node) or mask in seen:
             continue
-        length = min(traced_len, EVAL_TOKENS)
+        seen.add(mask)
         value = _evaluate(ep, mask, traced_len, length)
         if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() >= 2 \
                 and tuple(value.shape[-2:]) == (length, length) and mask_pattern(value) == "other":

@@ -12,7 +12,7 @@ groups (how many, which learning rates) differ between the plan that saved and t
     runner = build(model_fn, optimizer_fn, loss_fn)
     attach_lr_schedule(runner, scheduler_fn)     # after build, before a checkpoint is loaded
     start = load_checkpoint(runner, path).step
-    runner.lr_schedule.resume(start)             # the learning rate of step `start`
+    resume_lr_schedule(runner, start)            # the learning rate of step `start`
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["LRSchedule", "attach_lr_schedule"]
+__all__ = ["LRSchedule", "attach_lr_schedule", "resume_lr_schedule"]
 
 
 class LRSchedule:
@@ -75,3 +75,10 @@ def attach_lr_schedule(runner: Any, scheduler_fn: Callable[[torch.optim.Optimize
                          "(runtime.engines.lr_schedule), and keeps that optimizer as runner.optimizer; run it "
                          "without scheduler_fn, or add those to the program")
     runner.lr_schedule = LRSchedule(optimizer, scheduler_fn)
+
+
+def resume_lr_schedule(runner: Any, steps: int) -> None:
+    """After a checkpoint's load: the runner's schedule (if it has one) at the checkpoint's step."""
+    schedule = getattr(runner, "lr_schedule", None)  # a hand-written program's runner may have none
+    if schedule is not None:
+        schedule.resume(steps)

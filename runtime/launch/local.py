@@ -73,7 +73,7 @@ from cost_models.errors import PartitionerError
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.device import check_device, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
-from runtime.engines.lr_schedule import attach_lr_schedule
+from runtime.engines.lr_schedule import attach_lr_schedule, resume_lr_schedule
 from runtime.engines.optimizer_groups import check_optimizer, differing_groups, slices_parameters
 from runtime.launch.env import LaunchError, choose_device
 from runtime.launch.loss_check import check_loss_reduction
@@ -181,10 +181,10 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
     check_world_size(plan, world)
     check_local_device(device, world)
     audit = audit_requested() if device_audit is None else bool(device_audit)
-    for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("loss_fn", loss_fn),
-                     ("scheduler_fn", scheduler_fn)):
-        if fn is not None or name != "scheduler_fn":
-            check_sendable(name, fn)
+    for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn), ("loss_fn", loss_fn)):
+        check_sendable(name, fn)
+    if scheduler_fn is not None:
+        check_sendable("scheduler_fn", scheduler_fn)
     check_model(plan, model_fn)
     _check_optimizer(plan, optimizer_fn, checkpoints=save_dir is not None or resume_from is not None)
     sources = _sources(plan, world, programs)
@@ -426,8 +426,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         start = 0
         if job.resume_from is not None:
             start = load_checkpoint(runner, job.resume_from, plan_json=job.plan_json).step
-            if getattr(runner, "lr_schedule", None) is not None:
-                runner.lr_schedule.resume(start)
+            resume_lr_schedule(runner, start)
         peak = state_bytes(runner.held_bytes())
         batches = torch.load(d / "batches.pt", weights_only=True)[start:]
         losses, times, probed, saved = [], [], None, []
