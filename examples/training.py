@@ -66,6 +66,17 @@ def hf_gpt2_seeded():
     return transformers.GPT2LMHeadModel(cfg)
 
 
+def hf_gpt2_dropout_seeded():
+    """`hf_gpt2_seeded` with Hugging Face's default dropout (0.1 on embeddings, residuals and attention): what an
+    evaluation must turn off, as model.eval() does."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
 # eps 1e-6, not torch's 1e-8: some gradients here are exactly zero in exact arithmetic (a
 # key bias cannot change a softmax), and with eps 1e-8 Adam turns the rounding noise of the
 # gradient reduction into full lr-sized steps, so no two reduction orders agree to 1e-5 (torch's
@@ -171,6 +182,20 @@ def _forward(model: torch.nn.Module, x: Any) -> Any:
     """The model on one batch: a dict of inputs as keywords (a Hugging Face model's input_ids, labels), as the
     runtime calls it."""
     return model(**x) if isinstance(x, dict) else model(x)
+
+
+@torch.no_grad()
+def evaluate_one_process(model: torch.nn.Module, loss_fn: Callable, batches: Iterable[tuple[Any, Any]]) -> float:
+    """The truth of an evaluation: the mean over `batches` of loss_fn on each whole batch in eval mode (the
+    model's modes are put back after)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        losses = [float(loss_fn(_forward(model, x), y)) for x, y in batches]
+    finally:
+        for m, was in modes:
+            m.training = was
+    return sum(losses) / len(losses)
 
 
 def train_one_process(model_fn: Callable[[], torch.nn.Module], optimizer_fn: Callable[[Any], torch.optim.Optimizer],

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.training import train_one_process
+from examples.training import evaluate_one_process, train_one_process
 from runtime.launch.env import LaunchError
 from runtime.comm.groups import grid, group_ranks
 from runtime.launch.local import launch_local
@@ -58,9 +58,14 @@ def batches(n=3, size=8):
 
 def one_process(batches, scheduler_fn=None):
     """The truth: the same seed and data in one process."""
-    torch.manual_seed(0)
-    losses, model, _ = train_one_process(tiny_model, sgd, mse, batches, scheduler_fn=scheduler_fn)
+    losses, model = one_process_model(batches, scheduler_fn)
     return losses, model.state_dict()
+
+
+def one_process_model(batches, scheduler_fn=None):
+    torch.manual_seed(0)
+    trained = train_one_process(tiny_model, sgd, mse, batches, scheduler_fn=scheduler_fn)
+    return trained.losses, trained.model
 
 
 DP_PROGRAM = '''\
@@ -98,6 +103,14 @@ class Runner:
         if self.lr_schedule is not None:
             self.lr_schedule.step()
         loss = loss.detach()
+        self.collectives.all_reduce(loss, op="avg")
+        return loss.item()
+
+    @torch.no_grad()
+    def evaluate(self, batch):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        x, y = (t.chunk(world)[rank] for t in batch)
+        loss = self.loss_fn(self.model(x), y)
         self.collectives.all_reduce(loss, op="avg")
         return loss.item()
 
@@ -370,6 +383,11 @@ def sgd(params):
 
 def halving(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def held_out(k, rank, world_size):
+    g = torch.Generator().manual_seed(100 + k)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
 '''
 
 
@@ -385,12 +403,14 @@ def write_job(tmp_path: Path, world_size: int = 2, programs: bool = True) -> Pat
 
 @pytest.mark.slow
 def test_run_under_torchrun_trains_like_one_process(tmp_path):
-    """With a learning-rate schedule (--scheduler): each rank steps its own after each optimizer step."""
+    """With a learning-rate schedule (--scheduler): each rank steps its own after each optimizer step; and
+    evaluations (--eval-every) after step 2 and the last, on 2 held-out batches."""
     write_job(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "runtime.run", "plan.json", "--model", "toy.py:model", "--data", "toy.py:data",
            "--optimizer", "toy.py:sgd", "--loss", "torch.nn.functional:mse_loss", "--steps", "3",
-           "--scheduler", "toy.py:halving", "--save", "trained.pt", "--timeout-s", "60"]
+           "--scheduler", "toy.py:halving", "--save", "trained.pt", "--timeout-s", "60",
+           "--eval-every", "2", "--eval-batches", "2", "--eval-data", "toy.py:held_out"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -402,6 +422,13 @@ def test_run_under_torchrun_trains_like_one_process(tmp_path):
     trained = torch.load(tmp_path / "trained.pt", weights_only=True)
     for k in state:
         torch.testing.assert_close(trained[k], state[k], rtol=1e-5, atol=1e-6)
+    evals = [line.split() for line in proc.stdout.splitlines() if line.startswith("eval after step ")]
+    assert [e[3] for e in evals] == ["2:", "3:"]
+    held_out = [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
+                for g in (torch.Generator().manual_seed(100 + k) for k in range(2))]
+    for e, steps in zip(evals, (2, 3)):
+        _, model = one_process_model(batches()[:steps], scheduler_fn=_halving)
+        assert float(e[5]) == pytest.approx(evaluate_one_process(model, mse, held_out), abs=2e-6)
 
 
 def test_run_refuses_a_world_size_other_than_the_plans(tmp_path, monkeypatch):

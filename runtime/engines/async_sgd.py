@@ -79,6 +79,7 @@ from runtime.device import place, rank_device
 from runtime.engines.step import PeakHeld, _call, replica_microbatches
 from runtime.engines.token_loss import PerToken
 from runtime.engines.unreplicated import Unreplicated
+from runtime.pipeline.evaluation import evaluating
 
 __all__ = ["AsyncSGDRunner"]
 
@@ -198,6 +199,21 @@ class AsyncSGDRunner:
                 self._apply_oldest()
             self._install()
         # The global loss: the mean over replicas of each replica's mean over its microbatches.
+        mean = (total / m).to(torch.float32).reshape(1)
+        self.collectives.all_reduce(mean, self.dp_group, op="avg")
+        return float(mean.item())
+
+    def evaluate(self, batch: tuple[Any, Any]) -> float:
+        """Collective: the global mean loss on `batch` of the common model (the replicas' average, which
+        full_state_dict returns; no replica's own parameters change) as one process computes it under
+        `model.eval()` and `torch.no_grad()` (runtime.pipeline.evaluation)."""
+        m = self.num_microbatches
+        total = torch.zeros((), dtype=torch.float64, device=rank_device())
+        with self.consensus_installed(), evaluating([self.engine.module]):
+            for x, y in replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                             microbatch_size=self.microbatch_size, num_microbatches=m):
+                x, y = place((x, y))
+                total += self.loss_fn(_call(self.engine.module, x), y).double()
         mean = (total / m).to(torch.float32).reshape(1)
         self.collectives.all_reduce(mean, self.dp_group, op="avg")
         return float(mean.item())

@@ -28,10 +28,11 @@ from cost_models.errors import PartitionerError
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
 from runtime.engines.token_loss import microbatch_weights
-from runtime.pipeline.executor import PipelineExecutor
+from runtime.pipeline.evaluation import evaluating
+from runtime.pipeline.executor import PipelineExecutor, forward_actions
 
 __all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "step_weights",
-           "row_losses", "reduction_over_rows", "PeakHeld", "implicit_after_step"]
+           "row_losses", "reduction_over_rows", "PeakHeld", "implicit_after_step", "batch_size"]
 
 
 class ModelMismatchError(PartitionerError):
@@ -106,8 +107,29 @@ class StepRunner:
             loss_fn=loss_fn, num_microbatches=m, grad_sync=lambda s: engine.finish_gradients(), optim=self._optim,
             unshard=lambda s: engine.unshard(), reshard=lambda s: engine.reshard(), no_sync=engine.no_sync)
         self._after_optim = implicit_after_step(engine, self.executor.actions)
+        self._evaluator: PipelineExecutor | None = None  # the list's forwards (evaluate), built on first use
+        self._eval_code_ops = True  # whether an evaluation runs the code's ops under EvalOps
 
     def step(self, batch: tuple[Any, Any]) -> float:
+        return self._global_mean(self.executor.run(*self._microbatches(batch)))
+
+    def evaluate(self, batch: tuple[Any, Any]) -> float:
+        """The global mean loss on `batch` (a global batch, as `step` takes) as one process computes it under
+        `model.eval()` and `torch.no_grad()`: no dropout, nothing trained, no random number drawn
+        (runtime.pipeline.evaluation). A collective: every rank of the plan calls it."""
+        if self._evaluator is None:
+            self._evaluator = PipelineExecutor(
+                actions=forward_actions(self.executor.actions), stages={0: self.engine.module}, num_stages=1,
+                stage_to_rank=lambda s: 0, collectives=None, loss_fn=self.loss_fn,
+                num_microbatches=self.num_microbatches, unshard=lambda s: self.engine.unshard(), reshard=lambda s: self.engine.reshard(), forward_only=True)
+        work = self._microbatches(batch)
+        with evaluating([self.engine.module], code_ops=self._eval_code_ops) as ops:
+            loss = self._evaluator.run(*work)
+        self._eval_code_ops = ops is not None and ops.changed  # straight-line code: the next one meets the same
+        return self._global_mean(loss)
+
+    def _microbatches(self, batch: tuple[Any, Any]) -> tuple[list[Any], list[Any], Sequence[float] | None]:
+        """This replica's (inputs per microbatch, targets per microbatch, loss weights) of a global batch."""
         pairs = [place(pair) for pair in  # only this replica's rows travel to the device
                  replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                       microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
@@ -117,9 +139,11 @@ class StepRunner:
         weights = step_weights(self.loss_fn, batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
                                cp_rank=self.cp_rank, cp_size=self.cp_size)
-        loss = self.executor.run([x for x, _ in pairs], [y for _, y in pairs], weights)
-        # The global loss: the mean over replicas (and context slices, each as many tokens) of each one's mean
-        # over its microbatches.
+        return [x for x, _ in pairs], [y for _, y in pairs], weights
+
+    def _global_mean(self, loss: float) -> float:
+        """The mean over replicas (and context slices, each as many tokens) of each one's mean over its
+        microbatches."""
         mean = torch.tensor([loss], dtype=torch.float32, device=rank_device())  # NCCL reduces device tensors
         if self.dp_size * self.cp_size > 1:
             self.collectives.all_reduce(mean, self.dp_group, op="avg")
@@ -171,7 +195,7 @@ def replica_microbatches(batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, 
     """
     inputs, targets = batch
     per = microbatch_size * num_microbatches
-    n = _batch_size(targets if targets is not None else inputs)
+    n = batch_size(targets if targets is not None else inputs)
     if n != per * dp_size:
         raise ValueError(f"global batch of {n} samples, but the plan steps {dp_size} replicas x "
                          f"{num_microbatches} microbatches x {microbatch_size} = {per * dp_size}; "
@@ -290,11 +314,12 @@ class PeakHeld:
         return dict(self.peak)
 
 
-def _batch_size(x: Any) -> int:
+def batch_size(x: Any) -> int:
+    """The samples of a (nested) batch: dim 0 of its first tensor."""
     if isinstance(x, torch.Tensor):
         return x.shape[0]
     if isinstance(x, (tuple, list)) and x:
-        return _batch_size(x[0])
+        return batch_size(x[0])
     if isinstance(x, dict) and x:
-        return _batch_size(next(iter(x.values())))
+        return batch_size(next(iter(x.values())))
     raise ValueError(f"cannot tell the batch size of {type(x).__name__}: pass tensors with the batch in dim 0")

@@ -76,6 +76,7 @@ from runtime.device.audit import audit_requested, device_audit
 from runtime.engines.lr_schedule import attach_lr_schedule, resume_lr_schedule
 from runtime.engines.optimizer_groups import check_optimizer, differing_groups, slices_parameters
 from runtime.launch.env import LaunchError, choose_device
+from runtime.launch.evaluation import check_eval_batches, evaluate_batches
 from runtime.launch.loss_check import check_loss_reduction
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
 from runtime.launch.program_check import check_same_program
@@ -105,6 +106,7 @@ class LaunchResult:
     start_step: the step this launch began at (resume_from: the checkpoint's step; else 0); losses[i] is step
         start_step + i + 1's.
     checkpoints: the checkpoint directories this launch wrote (save_dir), oldest first.
+    eval_losses: (steps done, mean evaluation loss over eval_batches) after each evaluation, from rank 0.
     peak_step_bytes: per rank, with `probe_step`: the most bytes of tensor storages live during that step
         (runtime.launch.memory_probe: held state plus everything the step allocated); None without.
     """
@@ -121,6 +123,7 @@ class LaunchResult:
     start_step: int = 0
     checkpoints: list[str] = dataclasses.field(default_factory=list)
     collective_seconds: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
 def _check_optimizer(plan: Any, optimizer_fn: Callable, *, checkpoints: bool) -> None:
@@ -147,7 +150,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
                  memory_limit_bytes: float | None = None, save_dir: str | os.PathLike | None = None,
                  save_every: int | None = None, keep_last: int | None = None,
                  resume_from: str | os.PathLike | None = None, verify: bool = True, device: str = "cpu",
-                 device_audit: bool | None = None, scheduler_fn: Callable | None = None) -> LaunchResult:
+                 device_audit: bool | None = None, scheduler_fn: Callable | None = None,
+                 eval_batches: Sequence[Any] | None = None, eval_every: int | None = None) -> LaunchResult:
     """Spawn one process per rank, run each rank's program on `batches` (global batches), gather the results.
 
     plan: the Plan (or anything with world_size, placements and program(rank)).
@@ -175,6 +179,10 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
     scheduler_fn: scheduler_fn(optimizer) -> a torch LRScheduler, built on each rank's optimizer and stepped after
         each optimizer step, as a one-process loop steps it (runtime.engines.lr_schedule); on a resume, replayed
         to the checkpoint's step.
+    eval_batches, eval_every: after every `eval_every` steps (counted from step 0, as save_every) and after the last,
+        the mean of runner.evaluate over `eval_batches` (global batches: the loss as one process computes it in
+        eval mode, nothing trained; runtime.pipeline.evaluation), in `eval_losses`; without eval_every, after the
+        last step only.
     Raises LaunchError for a bad setup or any failed rank (naming it, with its traceback).
     """
     world = plan.world_size if world_size is None else world_size
@@ -195,6 +203,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         raise LaunchError(f"save_every={save_every!r}: must be a positive number of steps")
     if (save_every is None) != (save_dir is None):
         raise LaunchError("save_dir and save_every go together: pass both to write checkpoints, or neither")
+    eval_batches = check_eval_batches(plan, eval_batches, eval_every)
     start = 0
     if resume_from is not None:
         from runtime.checkpoint.manifest import check_checkpoint_model, verify_checkpoint
@@ -218,6 +227,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
     ok = False
     try:
         torch.save(batches, tmp / "batches.pt")
+        torch.save(eval_batches, tmp / "eval_batches.pt")
         for r, src in sources.items():
             (tmp / f"rank_{r}.py").write_text(src)
         ctx = fork_context(model_fn)
@@ -229,7 +239,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
                    memory_limit_bytes=memory_limit_bytes, save_dir=None if save_dir is None else str(save_dir),
                    save_every=save_every, keep_last=keep_last,
                    resume_from=None if resume_from is None else str(resume_from), plan_json=plan_json,
-                   device=device, device_audit=audit, scheduler_fn=scheduler_fn)
+                   device=device, device_audit=audit, scheduler_fn=scheduler_fn, eval_every=eval_every)
         for r in range(world):
             p = ctx.Process(target=_worker, args=(job, r, progress, phase), name=f"runtime-rank{r}")
             p.start()
@@ -385,6 +395,7 @@ class _Job:
     device: str = "cpu"
     device_audit: bool = False
     scheduler_fn: Callable | None = None
+    eval_every: int | None = None
     environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -429,7 +440,8 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
             resume_lr_schedule(runner, start)
         peak = state_bytes(runner.held_bytes())
         batches = torch.load(d / "batches.pt", weights_only=True)[start:]
-        losses, times, probed, saved = [], [], None, []
+        eval_batches = torch.load(d / "eval_batches.pt", weights_only=True)
+        losses, times, probed, saved, evals = [], [], None, [], []
         for k, batch in enumerate(batches):
             mark(_PH_STEP0 + k)
             m = measure_step(runner, batch, probe=k == job.probe_step, limit_bytes=job.memory_limit_bytes)
@@ -442,6 +454,8 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
             if job.save_every is not None and done % job.save_every == 0:
                 saved.append(str(save_checkpoint(runner, job.save_dir, step=done, plan_json=job.plan_json,
                                                  extra={"data_position": done}, keep_last=job.keep_last)))
+            if eval_batches and ((job.eval_every and done % job.eval_every == 0) or k == len(batches) - 1):
+                evals.append((done, evaluate_batches(runner, eval_batches)))
         mark(_PH_STEP0 + len(batches))
         state = runner.full_state_dict()
         audit.close()
@@ -450,7 +464,7 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
                   "counts": {k: int(v) for k, v in runner.collectives.counts.items()},
                   "seconds": {k: float(v) for k, v in getattr(runner.collectives, "seconds", {}).items()},
                   "peak_memory_bytes": int(peak), "peak_rss_bytes": _peak_rss(), "peak_step_bytes": probed,
-                  "start_step": start, "checkpoints": saved}
+                  "start_step": start, "checkpoints": saved, "eval_losses": evals}
         write_atomic(d / f"result_{rank}.pt", lambda f: torch.save(result, f))
         mark(_PH_STEP0 + len(batches) + 1)
     except BaseException as exc:  # report, then leave without c10d teardown (peers may be blocked)
@@ -637,6 +651,10 @@ def _collect(results: list[dict[str, Any]]) -> LaunchResult:
             if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7) and not (math.isnan(a) and math.isnan(b)):
                 raise LaunchError(f"step {k + 1}: rank 0 returned loss {a!r}, rank {r} {b!r}; the program contract "
                                   "is that step() returns the global mean loss on every rank: reduce it first")
+        for (k, a), (_, b) in zip(results[0].get("eval_losses", []), res.get("eval_losses", [])):
+            if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7) and not (math.isnan(a) and math.isnan(b)):
+                raise LaunchError(f"evaluation after step {k}: rank 0 returned loss {a!r}, rank {r} {b!r}; the program "
+                                  "contract is that evaluate() returns the global mean loss on every rank")
     if results[0]["state_dict"] is None:
         raise LaunchError("rank 0's full_state_dict() returned None; the program contract is that it returns the "
                           "full parameters on rank 0")
@@ -650,4 +668,5 @@ def _collect(results: list[dict[str, Any]]) -> LaunchResult:
                         peak_step_bytes=None if results[0]["peak_step_bytes"] is None else
                         [res["peak_step_bytes"] for res in results],
                         start_step=results[0]["start_step"], checkpoints=results[0]["checkpoints"],
-                        collective_seconds=[res.get("seconds", {}) for res in results])
+                        collective_seconds=[res.get("seconds", {}) for res in results],
+                        eval_losses=[(int(k), float(v)) for k, v in results[0].get("eval_losses", [])])

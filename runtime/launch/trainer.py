@@ -4,6 +4,7 @@
     # scheduler_fn=lambda opt: LambdaLR(opt, ...): each rank's scheduler, stepped after each optimizer step
     for batch in loader:                                       # global batches: (inputs, targets)
         loss = trainer.step(batch)
+    val = trainer.evaluate(held_out)                           # eval mode, no update: a collective on every rank
     full = trainer.state_dict()                                # on rank 0; None elsewhere
 
 The process group is initialised from the launcher's environment when it is
@@ -70,6 +71,11 @@ class Trainer:
     def step(self, batch) -> float:
         """One optimizer step on a global batch; returns the global mean loss."""
         return self.runner.step(batch)
+
+    def evaluate(self, batch) -> float:
+        """The global mean loss on a global batch as one process computes it in eval mode (no dropout, nothing
+        trained; runtime.pipeline.evaluation). A collective: call it on every rank with the same batch."""
+        return self.runner.evaluate(batch)
 
     def predict(self, inputs):
         """Inference under the plan (no gradients)."""

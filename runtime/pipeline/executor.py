@@ -38,6 +38,11 @@ them (an I adds to no parameter gradient, so no_sync or not changes nothing). (Z
 reduce-scatter in every B regardless, one in flight at a time; ZeRO-3 also
 gathers each unit inside F and B, one ahead, as its modules run.)
 
+Forward only (`forward_only=True`, an evaluation: `runtime.pipeline.evaluation`): the list is a training
+list's forwards and their messages (`forward_actions`); the last stage computes each microbatch's loss at
+its F, and nothing is kept for a backward. A training list has no deadlock, and its forwards keep their
+order and messages, so neither has the list of its forwards.
+
 One action at a time: DualPipe-V's pairs (a forward of one stage beside a backward of the other) run as
 the forward, then the backward, as torch's runtime runs an OVERLAP_F_B without an overlap function.
 
@@ -97,7 +102,7 @@ from runtime.device import rank_device
 from runtime.pipeline.action_trace import log_action, recording_now
 from runtime.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 
-__all__ = ["PipelineError", "PipelineExecutor", "message_tag", "parse_action", "split_sequential"]
+__all__ = ["PipelineError", "PipelineExecutor", "forward_actions", "message_tag", "parse_action", "split_sequential"]
 
 _ACTIVATION, _HEADER, _GRADIENT = 0, 1, 2      # message kinds, the k of the tag formula
 _MAX_DIMS = 8                                   # the shape header holds dtype code, ndim, 8 dims
@@ -128,6 +133,20 @@ def message_tag(sender_stage: int, microbatch: int, kind: int, num_stages: int) 
     (6, 11, 12)
     """
     return 3 * (microbatch * num_stages + sender_stage) + kind
+
+
+def forward_actions(actions: Sequence[Any]) -> tuple[Action, ...]:
+    """A training list's forward pass alone, in its order: F, SEND_F and RECV_F; the UNSHARD before the first F
+    (ZeRO-3's first gather: one after the optimizer, ZeRO-1/2's, would gather parameters no step changed) and
+    RESHARD (free what the forward left gathered).
+
+    >>> [str(a) for a in forward_actions("1UNSHARD 1RECV_F0 1F0 1B0 1SEND_B0 1GRAD_SYNC 1RESHARD 1OPTIM".split())]
+    ['1UNSHARD', '1RECV_F0', '1F0', '1RESHARD']
+    """
+    parsed = [parse_action(a) for a in actions]
+    first_f = next((i for i, a in enumerate(parsed) if a.op == Op.F), len(parsed))
+    return tuple(a for i, a in enumerate(parsed) if a.op in (Op.F, Op.SEND_F, Op.RECV_F, Op.RESHARD)
+                 or (a.op == Op.UNSHARD and i < first_f))
 
 
 def split_sequential(model: nn.Sequential, bounds: Sequence[int]) -> list[nn.Sequential]:
@@ -195,6 +214,8 @@ class PipelineExecutor:
     before_last_backward: called right before the rank's last B or W (the one that launches the
         gradient reductions), e.g. to post the receive of a gradient summed after it
         (`runtime.pipeline.runner`'s tied gradient).
+    forward_only: run `actions` (F, SEND_F, RECV_F, UNSHARD, RESHARD: `forward_actions`) as an evaluation:
+        the last stage's loss is taken at its F, and no forward state is kept (the module docstring).
     """
 
     def __init__(self, *, actions: Sequence[Any], stages: dict[int, Callable], num_stages: int,
@@ -207,8 +228,13 @@ class PipelineExecutor:
                  | None = None,
                  activation_shape: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]] | None = None,
                  timeout: datetime.timedelta | None = None, feed_inputs: bool = False,
-                 before_last_backward: Callable[[], None] | None = None):
+                 before_last_backward: Callable[[], None] | None = None, forward_only: bool = False):
         self.actions = tuple(parse_action(a) for a in actions)
+        self.forward_only = forward_only
+        if forward_only and any(a.op not in (Op.F, Op.SEND_F, Op.RECV_F, Op.UNSHARD, Op.RESHARD)
+                                for a in self.actions):
+            raise ValueError("forward_only runs forwards, their messages, UNSHARD and RESHARD; take the list's "
+                             "forward pass with forward_actions(actions)")
         self.stages, self.num_stages, self.m = dict(stages), num_stages, num_microbatches
         self.stage_to_rank, self.collectives, self.loss_fn, self.group = stage_to_rank, collectives, loss_fn, group
         self.grad_sync, self.optim, self.activation_shape, self.timeout = grad_sync, optim, activation_shape, timeout
@@ -348,7 +374,8 @@ class PipelineExecutor:
                 log_action(str(a), start, time.perf_counter())
 
     # ---- compute ----------------------------------------------------------------------------------
-    def _forward(self, a: Action, step: int, microbatches_in) -> None:
+    def _forward(self, a: Action, step: int, microbatches_in, targets) -> torch.Tensor | None:
+        """F; returns the microbatch's weighted loss when forward_only on the last stage."""
         s, i = a.stage, a.microbatch
         if s == 0:
             if microbatches_in is None:
@@ -361,7 +388,8 @@ class PipelineExecutor:
             if x is None:
                 raise PipelineError(f"pipeline action {step} ({a}) has no input: add {s}RECV_F{i} before it, "
                                     f"or run {s - 1}F{i} first when stage {s - 1} is on this rank")
-            x = x.detach().requires_grad_(x.is_floating_point())
+            if not self.forward_only:
+                x = x.detach().requires_grad_(x.is_floating_point())
         if self.feed_inputs:  # stage(x, the microbatch's model inputs); stage 0: x is None
             out = self.stages[s](None if s == 0 else x, microbatches_in[i])
         else:
@@ -370,9 +398,25 @@ class PipelineExecutor:
             # the last stage's output goes to loss_fn, in whatever structure the model returns
             raise TypeError(f"stage {s} returned {type(out).__name__}; pipeline stages before the last must "
                             "return one tensor")
+        if self.forward_only:
+            if s == self.num_stages - 1:
+                return self._loss(out, targets, s, i).detach()
+            if s + 1 in self.stages:
+                self._inputs[(s + 1, i)] = out
+            else:
+                self._outputs[(s, i)] = out  # until its SEND_F
+            return None
         self._inputs[(s, i)], self._outputs[(s, i)] = x, out
         if s + 1 in self.stages:
             self._inputs[(s + 1, i)] = out.detach()
+        return None
+
+    def _loss(self, out: Any, targets, s: int, i: int) -> torch.Tensor:
+        """Microbatch i's loss, weighted: / m, or its share of the batch's tokens."""
+        if targets is None:
+            raise ValueError(f"this rank holds the last stage {s}: pass run(targets=[...])")
+        loss = self.loss_fn(out, targets[i])
+        return loss / self.m if self._weights is None else loss * self._weights[i]
 
     def _backward(self, a: Action, step: int, targets) -> torch.Tensor | None:
         """B, or the I of a split backward (a.op == "I")."""
@@ -383,10 +427,7 @@ class PipelineExecutor:
         loss = None
         split = a.op == "I"
         if s == self.num_stages - 1:
-            if targets is None:
-                raise ValueError(f"this rank holds the last stage {s}: pass run(targets=[...])")
-            loss = self.loss_fn(out, targets[i])
-            loss = loss / self.m if self._weights is None else loss * self._weights[i]
+            loss = self._loss(out, targets, s, i)
             # the loss keeps what its backward needs (a cross-entropy its log-softmax, not the logits):
             # holding the output through the backward would keep one more output-sized tensor at the peak
             del out
@@ -428,7 +469,7 @@ class PipelineExecutor:
 
     def _send_output(self, a: Action, step: int) -> None:
         s, i = a.stage, a.microbatch
-        out = self._outputs.get((s, i))
+        out = self._outputs.pop((s, i), None) if self.forward_only else self._outputs.get((s, i))
         if out is None:
             raise PipelineError(f"pipeline action {step} ({a}) sends the output of {s}F{i}, "
                                 f"which has not run (or was freed by {s}B{i}) on this rank")
@@ -452,7 +493,7 @@ class PipelineExecutor:
     def _execute(self, a: Action, step: int, microbatches_in, targets) -> torch.Tensor | None:
         """Run one action; returns the microbatch loss (already / m) of a last-stage backward."""
         if a.op == "F":
-            self._forward(a, step, microbatches_in)
+            return self._forward(a, step, microbatches_in, targets)
         elif a.op in ("B", "I"):
             with contextlib.ExitStack() as around:
                 if self.no_sync is not None and step != self._syncing_b:

@@ -37,7 +37,8 @@ from cost_models.placements import REPLICATED, is_sharded
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
 from runtime.engines.step import PeakHeld, implicit_after_step, replica_microbatches, step_weights
-from runtime.pipeline.executor import PipelineError, PipelineExecutor
+from runtime.pipeline.evaluation import evaluating
+from runtime.pipeline.executor import PipelineError, PipelineExecutor, forward_actions
 from runtime.pipeline.stage import StageModel
 from runtime.pipeline.tensor_parallel import unshard_parameter
 
@@ -96,22 +97,14 @@ class PipelineRunner:
         self.last_grad_norm: float | None = None
         self.lr_schedule = None  # runtime.engines.lr_schedule: stepped after each optimizer step
         self._peak = PeakHeld()
+        self._evaluator: PipelineExecutor | None = None  # the list's forwards (evaluate), built on first use
+        self._eval_code_ops = True  # whether an evaluation runs the code's ops under EvalOps
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self, batch: tuple[Any, Any]) -> float:
-        pairs = replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                     microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
-                                     cp_rank=self.cp_rank, cp_size=self.cp_size)
-        pairs = place(pairs)  # only this replica's rows travel to the device
-        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
         self._synced = self._stepped = 0
-        self._xs = xs
         self._loss_work, self._mean = None, None
-        last = self.num_stages - 1 in self.stage.stages  # only the last stage computes the loss
-        weights = step_weights(self.loss_fn, batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                               microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
-                               cp_rank=self.cp_rank, cp_size=self.cp_size) if last else None
-        self.executor.run(xs, ys if last else None, weights)
+        self.executor.run(*self._microbatches(batch))
         self._finish_tied_sends()
         if self._mean is None:  # an instruction list without GRAD_SYNC: the loss is reduced here
             self._reduce_loss()
@@ -121,6 +114,44 @@ class PipelineRunner:
         if self._replicas > 1:
             self.collectives.all_reduce(mean, self.groups.dp, op="avg")
         return float(mean.item())
+
+    def evaluate(self, batch: tuple[Any, Any]) -> float:
+        """The global mean loss on `batch` (a global batch, as `step` takes) as one process computes it under
+        `model.eval()` and `torch.no_grad()`: the schedule's forwards alone, no dropout, nothing trained, no random
+        number drawn (runtime.pipeline.evaluation). A collective: every rank of the plan calls it."""
+        if self._evaluator is None:
+            e = self.executor
+            self._evaluator = PipelineExecutor(
+                actions=forward_actions(e.actions), stages=e.stages, num_stages=e.num_stages,
+                stage_to_rank=e.stage_to_rank, collectives=e.collectives, loss_fn=e.loss_fn, num_microbatches=e.m,
+                group=e.group, unshard=e.unshard, reshard=e.reshard, activation_shape=e.activation_shape,
+                timeout=e.timeout, feed_inputs=e.feed_inputs, forward_only=True)
+        work = self._microbatches(batch)
+        with evaluating([self.engine.module], code_ops=self._eval_code_ops) as ops:
+            loss = self._evaluator.run(*work)
+        self._eval_code_ops = ops is not None and ops.changed  # straight-line code: the next one meets the same
+        mean = torch.tensor([0.0 if loss is None else loss], dtype=torch.float32, device=rank_device())
+        if self.groups.pp is not None:  # only the last stage knows it
+            self.collectives.all_reduce(mean, self.groups.pp, op="sum")
+        if self._replicas > 1:
+            self.collectives.all_reduce(mean, self.groups.dp, op="avg")
+        return float(mean.item())
+
+    def _microbatches(self, batch: tuple[Any, Any]) -> tuple[list[Any], list[Any] | None, Sequence[float] | None]:
+        """This replica's (inputs per microbatch, targets per microbatch, loss weights) of a global batch;
+        targets and weights on the last stage only, which computes the loss."""
+        pairs = replica_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                     microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
+                                     cp_rank=self.cp_rank, cp_size=self.cp_size)
+        pairs = place(pairs)  # only this replica's rows travel to the device
+        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+        self._xs = xs  # the receives' buffer shapes (_activation_shape)
+        if self.num_stages - 1 not in self.stage.stages:
+            return xs, None, None
+        weights = step_weights(self.loss_fn, batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                               microbatch_size=self.microbatch_size, num_microbatches=self.num_microbatches,
+                               cp_rank=self.cp_rank, cp_size=self.cp_size)
+        return xs, ys, weights
 
     def _reduce_loss(self) -> None:
         """Launch the sum of the loss over the pipeline (only the last stage knows it; zero elsewhere)."""
