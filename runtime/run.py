@@ -79,7 +79,7 @@ from runtime.device import placing_on, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
 from runtime.engines.lr_schedule import attach_lr_schedule, resume_lr_schedule
 from runtime.launch.env import DistEnv, LaunchError, choose_device, discover
-from runtime.launch.evaluation import evaluate_batches
+from runtime.launch.evaluation import EVAL_SEED, evaluate_batches
 from runtime.launch.heartbeat import Heartbeat, PeerLost
 from runtime.launch.loading import load_callable, load_object
 from runtime.launch.measure import RankReporter, measure_step
@@ -386,10 +386,7 @@ def _eval_data(args: argparse.Namespace, plan: dict[str, Any]) -> Callable | Non
         raise LaunchError("--eval-every with --data: pass --eval-data pkg.module:fn too, with fn(k, rank, world_size) "
                           "-> the k-th held-out batch (evaluating on training batches measures nothing held out)")
     data = _example_data(args.model, plan.get("global_batch_size"))
-    return lambda k, rank, world_size: data(_EVAL_SEED + k, rank, world_size)
-
-
-_EVAL_SEED = 1_000_000  # the example data's held-out batches: seeds no training step reaches
+    return lambda k, rank, world_size: data(EVAL_SEED + k, rank, world_size)
 
 
 def _example_data(model_spec: str, batch_size: int | None) -> Callable:

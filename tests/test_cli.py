@@ -122,10 +122,12 @@ def test_run_trains_a_local_plan_one_line_per_step(plan2):
     assert r.returncode == 0, r.stderr
     steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
     assert [s.split(" loss ")[0] for s in steps] == ["step 1/2", "step 2/2"]
-    r = cli("run", plan2, "--steps", 1, "--model", TINY, "--json", "--scheduler", "examples.training:warmup_cosine")
+    r = cli("run", plan2, "--steps", 1, "--model", TINY, "--json", "--scheduler", "examples.training:warmup_cosine",
+            "--eval-every", 1, "--eval-batches", 2)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert len(doc["losses"]) == len(doc["step_times_s"]) == 1 and doc["world_size"] == 2
+    assert [k for k, _ in doc["eval_losses"]] == [1]  # held-out example batches, in eval mode
 
 
 @pytest.mark.slow
@@ -146,11 +148,12 @@ def test_run_of_a_cluster_plan_prints_the_torchrun_command(tmp_path):
     pins = ("--dp", 16, "--zero-stage", 1, "--recompute", "none", "--microbatch-size", 4)  # a short search
     r = cli("compile", TINY, "--topology", "2x8xA100-80GB", "--global-batch-size", 64, *pins, "-o", path)
     assert r.returncode == 0, r.stderr
-    r = cli("run", path, "--steps", 5, "--scheduler", "examples.training:warmup_cosine")
+    r = cli("run", path, "--steps", 5, "--scheduler", "examples.training:warmup_cosine", "--eval-every", 2)
     assert r.returncode == 0, r.stderr
     assert "torchrun --nnodes 2 --nproc-per-node 8" in r.stdout and "srun --nodes 2" in r.stdout
     assert f"-m runtime.run {path} --programs {tmp_path / 'big.programs'} --model {TINY} --steps 5" in r.stdout
     assert "--scheduler examples.training:warmup_cosine" in r.stdout
+    assert "--eval-every 2 --eval-batches 1" in r.stdout
     assert {"plan.json", "rank_0.py", "rank_15.py"} <= {p.name for p in (tmp_path / "big.programs").iterdir()}
 
 

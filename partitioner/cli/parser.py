@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--loss", default=None, help="fn(output, target) -> loss (default: cross-entropy or MSE)")
     r.add_argument("--data", default=None, help="fn(step, rank, world_size) -> (inputs, targets), the global batch "
                                                 "(default: the model module's example_batch)")
+    r.add_argument("--eval-every", type=positive, default=None, metavar="N",
+                   help="evaluate after every N-th step and after the last: the mean loss over --eval-batches held-out "
+                        "batches in eval mode (no dropout, nothing trained)")
+    r.add_argument("--eval-batches", type=positive, default=1, metavar="K", help="batches per evaluation (default 1)")
+    r.add_argument("--eval-data", default=None, help="fn(k, rank, world_size) -> (inputs, targets), the k-th held-out "
+                                                     "global batch (default: the model module's example_batch at "
+                                                     "seeds 1000000 + k)")
     r.add_argument("--save", default=None, metavar="FILE", help="write the trained parameters here")
     r.add_argument("--print-command", action="store_true", help="print the torchrun command even for a local plan")
     r.add_argument("--no-verify", action="store_true",

@@ -59,6 +59,7 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
     else:
         raise DeclarationError(f"{spec}: its module has no example_batch(model, batch_size, seed=) to make batches "
                                "from; pass --data pkg.module:fn with fn(step, rank, world_size) -> (inputs, targets)")
+    eval_batches = _eval_batches(args, plan, spec, module, model_fn)
     sources = None  # None: launch_local generates each rank's program from the plan
     if args.programs:
         d = _programs(args, plan)
@@ -67,7 +68,8 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
     info(f"training {args.steps} steps of {spec} on {plan.world_size} local processes ({plan.config})")
     try:
         res = launch_local(plan, model_fn, optimizer_fn, loss_fn, batches, timeout_s=args.timeout_s,
-                           programs=sources, verify=not args.no_verify, scheduler_fn=scheduler_fn)
+                           programs=sources, verify=not args.no_verify, scheduler_fn=scheduler_fn,
+                           eval_batches=eval_batches, eval_every=args.eval_every if eval_batches else None)
     except LaunchError as exc:
         raise RunFailed(f"the run failed: {exc}") from exc
     if args.save:
@@ -77,15 +79,44 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
         emit(args, {"plan": args.plan, "model": spec, "world_size": plan.world_size, "steps": args.steps,
                      "losses": res.losses, "step_times_s": res.step_times_s,
                      "predicted_step_s": plan.predicted.step_time_s, "peak_memory_bytes": res.peak_memory_bytes,
-                     "peak_rss_bytes": res.peak_rss_bytes, "collective_counts": res.collective_counts})
+                     "peak_rss_bytes": res.peak_rss_bytes, "collective_counts": res.collective_counts,
+                     "eval_losses": res.eval_losses})
         return EXIT_OK
+    evals = dict(res.eval_losses)
     for i, (loss, dt) in enumerate(zip(res.losses, res.step_times_s)):
         print(f"step {i + 1}/{args.steps} loss {loss:.6f} ({dt:.3f} s)")
+        if i + 1 in evals:
+            print(f"eval after step {i + 1}: loss {evals[i + 1]:.6f} over {args.eval_batches} batch(es)")
     mean = sum(res.step_times_s) / len(res.step_times_s)
     print(f"{args.steps} steps on {plan.world_size} processes: loss {res.losses[0]:.6f} -> {res.losses[-1]:.6f}, "
           f"{mean:.3f} s/step (predicted {plan.predicted.step_time_s:.3f} s), "
           f"peak held memory {max(res.peak_memory_bytes) / 2**20:.1f} MiB per rank")
     return EXIT_OK
+
+
+def _eval_batches(args: argparse.Namespace, plan: Any, spec: str, module: Any, model_fn: Any) -> list | None:
+    """The held-out batches of --eval-every: --eval-data's, or the model module's example batches at seeds no
+    training step reaches; None without --eval-every."""
+    import torch
+
+    from runtime.launch.evaluation import EVAL_SEED
+    from runtime.launch.loading import load_callable
+
+    if args.eval_every is None:
+        if args.eval_data:
+            raise DeclarationError("--eval-data without --eval-every: pass --eval-every N to evaluate after every "
+                                   "N-th step")
+        return None
+    if args.eval_data:
+        fn = load_callable(args.eval_data, "--eval-data")
+        return [fn(k, 0, plan.world_size) for k in range(args.eval_batches)]
+    if args.data or not hasattr(module, "example_batch"):
+        why = "--data is given" if args.data else f"{spec} has no example_batch"
+        raise DeclarationError(f"--eval-every needs held-out batches: pass --eval-data pkg.module:fn with fn(k, rank, "
+                               f"world_size) -> the k-th ({why})")
+    with torch.device("cpu"):
+        model = model_fn()
+    return [module.example_batch(model, plan.global_batch_size, seed=EVAL_SEED + k) for k in range(args.eval_batches)]
 
 
 def _programs(args: argparse.Namespace, plan: Any) -> Path:
@@ -104,9 +135,11 @@ def _print_command(args: argparse.Namespace, plan: Any, topo: Any, spec: str) ->
     programs = _programs(args, plan)
     tail = ["-m", "runtime.run", args.plan, "--programs", str(programs), "--model", spec, "--steps", str(args.steps),
             "--timeout-s", f"{args.timeout_s:g}"]
-    for flag in ("optimizer", "scheduler", "loss", "data", "save"):
+    for flag in ("optimizer", "scheduler", "loss", "data", "save", "eval_every", "eval_data"):
         if getattr(args, flag):
-            tail += [f"--{flag}", getattr(args, flag)]
+            tail += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.eval_every:
+        tail += ["--eval-batches", str(args.eval_batches)]
     tail = shlex.join(tail)
     srun = f"srun --nodes {topo.nodes} --ntasks-per-node {topo.devices_per_node} python {tail}"
     if topo.nodes == 1:  # the rendezvous stays on this machine: loopback, said explicitly (runtime.launch.env)

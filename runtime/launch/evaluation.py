@@ -13,7 +13,10 @@ from typing import Any
 from runtime.engines.step import batch_size
 from runtime.launch.env import LaunchError
 
-__all__ = ["check_eval_batches", "evaluate_batches"]
+__all__ = ["EVAL_SEED", "check_eval_batches", "evaluate_batches"]
+
+# an example module's held-out batches: example_batch at seeds EVAL_SEED + k, which no training step reaches
+EVAL_SEED = 1_000_000
 
 
 def check_eval_batches(plan: Any, eval_batches: Sequence[Any] | None, eval_every: int | None) -> list[Any]:
