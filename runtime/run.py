@@ -79,7 +79,7 @@ from runtime.device import placing_on, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
 from runtime.engines.lr_schedule import attach_lr_schedule, resume_lr_schedule
 from runtime.launch.env import DistEnv, LaunchError, choose_device, discover
-from runtime.launch.evaluation import EVAL_SEED, evaluate_batches
+from runtime.launch.evaluation import EVAL_SEED, check_eval_mode, eval_mode_check_applies, evaluate_batches
 from runtime.launch.heartbeat import Heartbeat, PeerLost
 from runtime.launch.loading import load_callable, load_object
 from runtime.launch.measure import RankReporter, measure_step
@@ -158,6 +158,8 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
             with placing_on("cpu"):  # plan.verify compares with the module in this process, on the host
                 _verify_first_start(plan, program.parent, env, model_fn, loss_fn, data_fn, heartbeat)
                 _check_first_loss(plan, env, model_fn, loss_fn, data_fn, heartbeat)
+                if eval_fn is not None:
+                    _check_eval_mode(plan, env, model_fn, eval_fn, heartbeat)
         if args.device_audit or audit_requested():
             audit.enter_context(device_audit())
         ns = exec_program(program.read_text(), str(program), rank=env.rank, __file__=str(program))
@@ -311,6 +313,21 @@ def _check_first_loss(plan: dict[str, Any], env: DistEnv, model_fn: Callable, lo
     if env.rank == 0:
         check_loss_reduction(plan, model_fn, loss_fn, data_fn(0, env.rank, env.world_size))
     with heartbeat.naming_dead_ranks("waiting for rank 0 to check the loss"):
+        dist.barrier()
+
+
+def _check_eval_mode(plan: dict[str, Any], env: DistEnv, model_fn: Callable, eval_fn: Callable,
+                     heartbeat: Heartbeat) -> None:
+    """Rank 0 checks that the module's eval mode is what an evaluation of the traced code computes
+    (runtime.launch.evaluation.check_eval_mode) while the others wait; every rank knows from the plan whether
+    the check applies."""
+    import torch.distributed as dist
+
+    if not eval_mode_check_applies(plan):
+        return
+    if env.rank == 0:
+        check_eval_mode(plan, model_fn, eval_fn(0, env.rank, env.world_size))
+    with heartbeat.naming_dead_ranks("waiting for rank 0 to check the model's eval mode"):
         dist.barrier()
 
 

@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.training import (evaluate_one_process, hf_gpt2_dropout_seeded, hf_llama_seeded, hf_loss, sgd,
-                               train_one_process)
+from examples import gpt
+from examples.training import (evaluate_one_process, gpt_loss, gpt_tiny_seeded, hf_gpt2_dropout_seeded,
+                               hf_llama_seeded, hf_loss, sgd, train_one_process)
 from partitioner import compile
 from runtime import launch_local
 from runtime.launch.env import LaunchError
-from runtime.launch.evaluation import check_eval_batches
+from runtime.launch.evaluation import check_eval_batches, check_eval_mode
 from runtime.pipeline.evaluation import EvaluationError, evaluating
 from runtime.pipeline.executor import PipelineExecutor, forward_actions
 from runtime.pipeline.tensor_parallel import TPContext, tp_forked
@@ -139,3 +140,28 @@ def test_an_evaluating_run_trains_as_one_that_does_not(model_fn, world, pins):
     model.load_state_dict(plain.state_dict)
     assert [k for k, _ in evaluated.eval_losses] == [1, 2]
     assert evaluated.eval_losses[-1][1] == pytest.approx(evaluate_one_process(model, hf_loss, held_out), rel=1e-5)
+
+
+class _TrainingOnlyBranch(gpt.GPT):
+    """The example GPT with a branch of its own code that runs in training only (logits halved)."""
+
+    def forward(self, idx, targets=None):
+        logits, loss = super().forward(idx, targets)
+        return (logits * 0.5 if self.training else logits), loss
+
+
+def training_only_branch() -> gpt.GPT:
+    torch.manual_seed(0)
+    return _TrainingOnlyBranch(gpt.CONFIGS["gpt_tiny"])
+
+
+def test_a_model_whose_eval_mode_the_traced_code_cannot_run_is_refused_before_any_rank_starts():
+    """Traced in training mode, the code halves the logits; eval mode does not: an evaluation of the code would
+    be another model's. Dropout alone (GPT-2's 0.1) is what an evaluation turns off, and passes."""
+    x = torch.randint(0, 64, (8, 16))
+    plan = compile(training_only_branch(), "local:2", example_inputs=(x[:4],), global_batch_size=8, tp=2)
+    with pytest.raises(LaunchError, match="computes otherwise in eval mode than in training mode.*data-parallel plan"):
+        launch_local(plan, training_only_branch, sgd, gpt_loss, [(x, x)], eval_batches=[(x, x)])
+    check_eval_mode(plan, gpt_tiny_seeded, (x, x))  # the same code without the branch
+    gpt2 = _plan(hf_gpt2_dropout_seeded, 2, tp=2, dp=1)
+    check_eval_mode(gpt2, hf_gpt2_dropout_seeded, _held_out(1)[0])

@@ -76,7 +76,7 @@ from runtime.device.audit import audit_requested, device_audit
 from runtime.engines.lr_schedule import attach_lr_schedule, resume_lr_schedule
 from runtime.engines.optimizer_groups import check_optimizer, differing_groups, slices_parameters
 from runtime.launch.env import LaunchError, choose_device
-from runtime.launch.evaluation import check_eval_batches, evaluate_batches
+from runtime.launch.evaluation import check_eval_batches, check_eval_mode, evaluate_batches
 from runtime.launch.loss_check import check_loss_reduction
 from runtime.launch.measure import measure_step, state_bytes, write_atomic
 from runtime.launch.program_check import check_same_program
@@ -220,6 +220,8 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         _verify(plan, model_fn, loss_fn, batches[0], sources)
     if verify and batches:
         check_loss_reduction(plan, model_fn, loss_fn, batches[0])  # a sum refused, a token mean warned
+    if verify and eval_batches:
+        check_eval_mode(plan, model_fn, eval_batches[0])  # eval mode the traced code cannot run: refused here
     plan_json = plan.to_json() if hasattr(plan, "to_json") else None
 
     tmp = Path(tempfile.mkdtemp(prefix="runtime-launch-"))
