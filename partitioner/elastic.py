@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv_run = [str(d / "plan.json"), "--model", args.model, "--steps", str(args.steps), "--save-dir", args.save_dir,
                 "--save-every", str(args.save_every), "--resume-from", "auto", "--timeout-s", str(args.timeout_s)]
-    for flag in ("optimizer", "scheduler", "loss", "data", "save", "keep_last"):
+    for flag in ("optimizer", "scheduler", "loss", "data", "save", "keep_last", "eval_every", "eval_batches",
+                 "eval_data"):
         value = getattr(args, flag)
         if value is not None:
             argv_run += [f"--{flag.replace('_', '-')}", str(value)]
@@ -119,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
                                        "replayed to the checkpoint's step at every restart")
     p.add_argument("--loss", help="fn(output, target) -> loss")
     p.add_argument("--data", help="fn(step, rank, world_size) -> the global batch of that step")
+    p.add_argument("--eval-every", type=int, metavar="N", help="evaluate after every N-th step (counted from step 0 "
+                                                                "across restarts) and after the last")
+    p.add_argument("--eval-batches", type=int, metavar="K", help="held-out batches per evaluation (default 1)")
+    p.add_argument("--eval-data", help="fn(k, rank, world_size) -> the k-th held-out global batch")
     p.add_argument("--save", help="write the final parameters (rank 0) to this file")
     p.add_argument("--keep-last", type=int, help="keep only the newest N checkpoints")
     p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")

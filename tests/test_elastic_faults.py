@@ -79,8 +79,9 @@ def test_elastic_restarts_on_4_then_2_then_3_ranks(tmp_path):
     assert "planned for 2 ranks from the cached trace" in out and "at step 4 (resharded from 4 ranks to 2)" in out
     loaded, saved = torch.load(tmp_path / "loaded.pt", weights_only=True), load_full_state_dict(save)
     assert sorted(loaded) == sorted(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
-    out = _elastic(2, save, 6)
+    out = _elastic(2, save, 6, "--eval-every", "3", "--eval-batches", "2")  # held-out example batches
     assert "step 5/6" in out and "step 1/" not in out
+    assert "eval after step 6: loss " in out and "eval after step 5" not in out  # every 3rd step counted from 0
     out = _elastic(3, save, 8, "--save", str(tmp_path / "final.pt"))
     assert "planned for 3 ranks from the cached trace" in out and "at step 6 (resharded from 2 ranks to 3)" in out
     _assert_close(torch.load(tmp_path / "final.pt", weights_only=True), _reference(8))
