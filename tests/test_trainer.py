@@ -28,9 +28,10 @@ def _worker(rank: int, world: int, _store_path: str, out_dir: str, port: int, pr
         losses = [trainer.step(b) for b in batches]
         x = batches[0][0]
         logits = trainer.predict(x[:2])[0]
+        val = trainer.evaluate(batches[0])  # eval mode, nothing trained
         state = trainer.state_dict()
         if rank == 0:
-            torch.save({"losses": losses, "state": state, "logits": logits}, f"{out_dir}/rank0.pt")
+            torch.save({"losses": losses, "state": state, "logits": logits, "val": val}, f"{out_dir}/rank0.pt")
 
 
 def test_trainer_in_a_users_loop_trains_like_one_process(tmp_path):
@@ -48,6 +49,7 @@ def test_trainer_in_a_users_loop_trains_like_one_process(tmp_path):
         torch.testing.assert_close(got["state"][name], p.detach(), rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(got["logits"], ref(batches[0][0][:2])[0], rtol=1e-5, atol=1e-5)
+    assert got["val"] == pytest.approx(training.evaluate_one_process(ref, training.gpt_loss, batches[:1]), rel=1e-5)
 
 
 def test_trainer_refuses_a_plan_for_another_world_size(tmp_path):
