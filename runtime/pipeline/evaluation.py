@@ -41,7 +41,9 @@ _aten = torch.ops.aten
 # op -> (index, name, default) of its argument that differs in training: set to the eval value (False, 0.0)
 _DRAWS = {**{op: (2, "train", None) for op in (_aten.dropout.default, _aten.native_dropout.default,
                                               _aten.feature_dropout.default, _aten.alpha_dropout.default,
-                                              _aten.feature_alpha_dropout.default)},
+                                              _aten.feature_alpha_dropout.default, torch.dropout,
+                                              torch.feature_dropout, torch.alpha_dropout,
+                                              torch.feature_alpha_dropout)},
           **{fn: (2, "training", True) for fn in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                                                   F.feature_alpha_dropout)},
           _aten.scaled_dot_product_attention.default: (4, "dropout_p", 0.0),

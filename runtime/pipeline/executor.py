@@ -491,7 +491,8 @@ class PipelineExecutor:
         self._send(self._grad_in.pop((s, i)), step, s - 1, message_tag(s, i, _GRADIENT, self.num_stages))
 
     def _execute(self, a: Action, step: int, microbatches_in, targets) -> torch.Tensor | None:
-        """Run one action; returns the microbatch loss (already / m) of a last-stage backward."""
+        """Run one action; returns the microbatch loss (already / m) of a last-stage backward (of a last-stage
+        forward, forward_only)."""
         if a.op == "F":
             return self._forward(a, step, microbatches_in, targets)
         elif a.op in ("B", "I"):
