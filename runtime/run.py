@@ -23,7 +23,7 @@ checkpoint and starts fresh otherwise: the line to give torchrun
 Evaluation: `--eval-every N` evaluates after every N-th step and after the last, on `--eval-batches K`
 held-out global batches from `--eval-data fn` (fn(k, rank, world_size) -> the k-th; without --data, the
 example batches at seeds 1000000 + k): the mean loss, as one process computes it in eval mode, nothing
-trained (runtime.pipeline.evaluation). Rank 0 prints `eval after step 10: loss 2.290311 over 4 batch(es)`.
+trained (runtime.engines.evaluation). Rank 0 prints `eval after step 10: loss 2.290311 over 4 batch(es)`.
 
 Measuring (what autotune's cluster launcher runs): `--probe-step K` runs
 step K (0-based) under the memory probe, `--memory-limit-bytes B` makes that

@@ -1,5 +1,5 @@
 """Evaluation under every kind of plan: the mean loss on held-out global batches as one process computes it under
-model.eval() and torch.no_grad() (runtime.pipeline.evaluation), and a run that evaluates trains exactly as one
+model.eval() and torch.no_grad() (runtime.engines.evaluation), and a run that evaluates trains exactly as one
 that does not (no random number drawn, nothing of the training state moved)."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from examples.training import (evaluate_one_process, gpt_loss, gpt_tiny_seeded, 
                                hf_llama_seeded, hf_loss, sgd, train_one_process)
 from partitioner import compile
 from runtime import launch_local
+from runtime.engines.evaluation import EvaluationError, evaluating
 from runtime.launch.env import LaunchError
 from runtime.launch.evaluation import check_eval_batches, check_eval_mode
-from runtime.pipeline.evaluation import EvaluationError, evaluating
 from runtime.pipeline.executor import PipelineExecutor, forward_actions
 from runtime.pipeline.tensor_parallel import TPContext, tp_forked
 from test_3d_equivalence import BATCH, SEQ, VOCAB, batches

@@ -8,5 +8,7 @@
 - `async_sgd.py`: replicas that step alone and average (local SGD, bounded staleness);
   `unreplicated.py`: a stage with no data parallelism;
 - `mixed_precision.py`: bf16 / fp16 compute over fp32 masters, loss scaling; `recompute.py`: full and
-  selective activation recomputation.
+  selective activation recomputation;
+- `evaluation.py`: a forward in eval mode (dropout off, nothing trained) over code traced in training mode,
+  what every runner's `evaluate` runs; `lr_schedule.py`: each rank's learning-rate scheduler.
 """

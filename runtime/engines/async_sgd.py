@@ -76,10 +76,10 @@ import torch
 
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
+from runtime.engines.evaluation import evaluating
 from runtime.engines.step import PeakHeld, _call, replica_microbatches
 from runtime.engines.token_loss import PerToken
 from runtime.engines.unreplicated import Unreplicated
-from runtime.pipeline.evaluation import evaluating
 
 __all__ = ["AsyncSGDRunner"]
 
@@ -206,7 +206,7 @@ class AsyncSGDRunner:
     def evaluate(self, batch: tuple[Any, Any]) -> float:
         """Collective: the global mean loss on `batch` of the common model (the replicas' average, which
         full_state_dict returns; no replica's own parameters change) as one process computes it under
-        `model.eval()` and `torch.no_grad()` (runtime.pipeline.evaluation)."""
+        `model.eval()` and `torch.no_grad()` (runtime.engines.evaluation)."""
         m = self.num_microbatches
         total = torch.zeros((), dtype=torch.float64, device=rank_device())
         with self.consensus_installed(), evaluating([self.engine.module]):

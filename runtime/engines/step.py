@@ -27,8 +27,8 @@ from cost_models.actions import Action, Op
 from cost_models.errors import PartitionerError
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
+from runtime.engines.evaluation import evaluating
 from runtime.engines.token_loss import microbatch_weights
-from runtime.pipeline.evaluation import evaluating
 from runtime.pipeline.executor import PipelineExecutor, forward_actions
 
 __all__ = ["StepRunner", "check_parameters", "ModelMismatchError", "replica_microbatches", "step_weights",
@@ -116,7 +116,7 @@ class StepRunner:
     def evaluate(self, batch: tuple[Any, Any]) -> float:
         """The global mean loss on `batch` (a global batch, as `step` takes) as one process computes it under
         `model.eval()` and `torch.no_grad()`: no dropout, nothing trained, no random number drawn
-        (runtime.pipeline.evaluation). A collective: every rank of the plan calls it."""
+        (runtime.engines.evaluation). A collective: every rank of the plan calls it."""
         if self._evaluator is None:
             self._evaluator = PipelineExecutor(
                 actions=forward_actions(self.executor.actions), stages={0: self.engine.module}, num_stages=1,

@@ -1,7 +1,7 @@
 """Evaluation in a run: the mean loss over held-out batches, every k steps (`launch_local`, `runtime.run`).
 
 A runner's `evaluate(batch)` is a collective returning the global mean loss on one global batch, as one process
-computes it in eval mode (runtime.pipeline.evaluation); a run's evaluation is the mean of it over the evaluation
+computes it in eval mode (runtime.engines.evaluation); a run's evaluation is the mean of it over the evaluation
 batches, each weighing the same (as Megatron averages its eval iterations).
 """
 
@@ -69,7 +69,7 @@ def eval_mode_check_applies(plan: Any) -> bool:
 
 def check_eval_mode(plan: Any, model_fn: Callable, batch: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Where the ranks run the plan's traced code, an evaluation runs the training code with its random draws off
-    (runtime.pipeline.evaluation): eval mode only for a module whose eval mode changes nothing else. Checked on the
+    (runtime.engines.evaluation): eval mode only for a module whose eval mode changes nothing else. Checked on the
     first microbatch of `batch` in this process: the module's outputs in eval mode against those in training mode
     with every random draw fixed (runtime.verify.no_randomness); a difference (a batch norm, a training-only branch
     of the model's own code) raises LaunchError before any rank starts."""

@@ -181,7 +181,7 @@ def launch_local(plan: Any, model_fn: Callable, optimizer_fn: Callable, loss_fn:
         to the checkpoint's step.
     eval_batches, eval_every: after every `eval_every` steps (counted from step 0, as save_every) and after the last,
         the mean of runner.evaluate over `eval_batches` (global batches: the loss as one process computes it in
-        eval mode, nothing trained; runtime.pipeline.evaluation), in `eval_losses`; without eval_every, after the
+        eval mode, nothing trained; runtime.engines.evaluation), in `eval_losses`; without eval_every, after the
         last step only.
     Raises LaunchError for a bad setup or any failed rank (naming it, with its traceback).
     """

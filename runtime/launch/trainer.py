@@ -74,7 +74,7 @@ class Trainer:
 
     def evaluate(self, batch) -> float:
         """The global mean loss on a global batch as one process computes it in eval mode (no dropout, nothing
-        trained; runtime.pipeline.evaluation). A collective: call it on every rank with the same batch."""
+        trained; runtime.engines.evaluation). A collective: call it on every rank with the same batch."""
         return self.runner.evaluate(batch)
 
     def predict(self, inputs):

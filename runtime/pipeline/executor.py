@@ -38,7 +38,7 @@ them (an I adds to no parameter gradient, so no_sync or not changes nothing). (Z
 reduce-scatter in every B regardless, one in flight at a time; ZeRO-3 also
 gathers each unit inside F and B, one ahead, as its modules run.)
 
-Forward only (`forward_only=True`, an evaluation: `runtime.pipeline.evaluation`): the list is a training
+Forward only (`forward_only=True`, an evaluation: `runtime.engines.evaluation`): the list is a training
 list's forwards and their messages (`forward_actions`); the last stage computes each microbatch's loss at
 its F, and nothing is kept for a backward. A training list has no deadlock, and its forwards keep their
 order and messages, so neither has the list of its forwards.

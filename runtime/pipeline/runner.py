@@ -36,8 +36,8 @@ import torch.distributed as dist
 from cost_models.placements import REPLICATED, is_sharded
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
+from runtime.engines.evaluation import evaluating
 from runtime.engines.step import PeakHeld, implicit_after_step, replica_microbatches, step_weights
-from runtime.pipeline.evaluation import evaluating
 from runtime.pipeline.executor import PipelineError, PipelineExecutor, forward_actions
 from runtime.pipeline.stage import StageModel
 from runtime.pipeline.tensor_parallel import unshard_parameter
@@ -118,7 +118,7 @@ class PipelineRunner:
     def evaluate(self, batch: tuple[Any, Any]) -> float:
         """The global mean loss on `batch` (a global batch, as `step` takes) as one process computes it under
         `model.eval()` and `torch.no_grad()`: the schedule's forwards alone, no dropout, nothing trained, no random
-        number drawn (runtime.pipeline.evaluation). A collective: every rank of the plan calls it."""
+        number drawn (runtime.engines.evaluation). A collective: every rank of the plan calls it."""
         if self._evaluator is None:
             e = self.executor
             self._evaluator = PipelineExecutor(

@@ -65,7 +65,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from cost_models.placements import REPLICATED, sharded_dim
 from runtime.comm.collectives import Collectives
 from runtime.comm.groups import group_size
-from runtime.pipeline.evaluation import evaluating_now
+from runtime.engines.evaluation import evaluating_now
 
 __all__ = [
     "ColumnParallelLinear",
@@ -453,7 +453,7 @@ def tp_forked(slices: Any, op: str, *args: Any, **kwargs: Any) -> Any:
     for ctx in slices if isinstance(slices, tuple) and not hasattr(slices, "world") else (slices,):
         if ctx is not None:
             index, count = index + count * ctx.rank, count * ctx.world
-    if count == 1 or evaluating_now():  # an evaluation draws nothing (runtime.pipeline.evaluation)
+    if count == 1 or evaluating_now():  # an evaluation draws nothing (runtime.engines.evaluation)
         return fn(*args, **kwargs)
     seed = (int(torch.randint(0, 2**62, ())) + 2718 * (index + 1)) % 2**63  # Megatron offsets its fork by 2718
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
