@@ -3,6 +3,8 @@ model.eval() and torch.no_grad() (runtime.engines.evaluation), and a run that ev
 that does not (no random number drawn, nothing of the training state moved)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from runtime.launch.env import LaunchError
 from runtime.launch.evaluation import check_eval_batches, check_eval_mode
 from runtime.pipeline.executor import PipelineExecutor, forward_actions
 from runtime.pipeline.tensor_parallel import TPContext, tp_forked
+from ranks import free_port, group_teardown, spawn
 from test_3d_equivalence import BATCH, SEQ, VOCAB, batches
 
 _aten = torch.ops.aten
@@ -165,3 +168,30 @@ def test_a_model_whose_eval_mode_the_traced_code_cannot_run_is_refused_before_an
     check_eval_mode(plan, gpt_tiny_seeded, (x, x))  # the same code without the branch
     gpt2 = _plan(hf_gpt2_dropout_seeded, 2, tp=2, dp=1)
     check_eval_mode(gpt2, hf_gpt2_dropout_seeded, _held_out(1)[0])
+
+
+def _predicting(rank: int, world: int, _store: str, out_dir: str, port: int, programs: str, x) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from runtime import Trainer
+
+    trainer = Trainer(programs, hf_gpt2_dropout_seeded, sgd, hf_loss, timeout_s=60)
+    with group_teardown():
+        logits = [trainer.predict((x[:n],)).logits for n in (3, 1)]  # any number of rows, on every rank
+        torch.save(logits, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_predict_under_a_pipeline_and_tensor_plan_is_the_models_eval_mode_output_on_every_rank(tmp_path):
+    """GPT-2 with dropout 0.1 under pp2 x tp2 + sp: the whole logits (vocab-split on the last stage, gathered) on
+    all 4 ranks, as the module computes them in eval mode."""
+    plan = _plan(hf_gpt2_dropout_seeded, 4, pp=2, dp=1, tp=2, sp=True)
+    x = _held_out(1)[0][0]
+    got = spawn(_predicting, 4, tmp_path, free_port(), str(plan.write_programs(tmp_path / "programs")), x)
+    model = hf_gpt2_dropout_seeded().eval()
+    with torch.no_grad():
+        want = [model(x[:n]).logits for n in (3, 1)]
+    for rank, logits in enumerate(got):
+        for g, w in zip(logits, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m, r=rank: f"rank {r}: {m}")

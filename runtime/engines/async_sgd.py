@@ -333,10 +333,11 @@ class AsyncSGDRunner:
         self.steps = 0
 
     # ---- the program contract ------------------------------------------------------------------
-    @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
-        """This replica's forward on `inputs` (its own parameters; call sync_now() first for the average)."""
-        return _call(self.engine.module, place(inputs))
+        """This replica's forward on `inputs` in eval mode, no gradients (its own parameters; call sync_now()
+        first for the average)."""
+        with evaluating([self.engine.module]):
+            return _call(self.engine.module, place(inputs))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

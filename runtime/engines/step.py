@@ -163,13 +163,11 @@ class StepRunner:
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
-        """Inference under the plan: this replica's forward on `inputs` (no slicing, no gradients)."""
-        if self.cp_size > 1:  # the code reads this rank's positions: whole sequences would attend wrong
-            raise NotImplementedError(f"predict() under context parallelism (cp={self.cp_size}): the model's code "
-                                      "runs each rank's tokens of every sequence, with attention over the cp "
-                                      "group, and gathers no output; run inference on the trained state_dict or "
-                                      "with a plan of cp=1")
-        return _call(self.engine.module, place(inputs))
+        """Inference under the plan: this replica's forward on `inputs` (no slicing) in eval mode, no gradients."""
+        if self.cp_size > 1:
+            raise NotImplementedError(no_predict_under_cp(self.cp_size))
+        with evaluating([self.engine.module], code_ops=self._eval_code_ops):
+            return _call(self.engine.module, place(inputs))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         full = self.engine.full_state_dict()  # host copies: what a launcher saves or returns
@@ -178,6 +176,14 @@ class StepRunner:
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state at this rank's peak so far."""
         return self._peak.note(self.engine.held_bytes(self.optimizer))
+
+
+def no_predict_under_cp(cp: int) -> str:
+    """Why predict() refuses a context-parallel plan."""
+    # the code reads this rank's positions: whole sequences would attend wrong
+    return (f"predict() under context parallelism (cp={cp}): the model's code runs each rank's tokens of every "
+            "sequence, with attention over the cp group, and gathers no output; run inference on the trained "
+            "state_dict or with a plan of cp=1 (evaluate(batch) gives the loss under cp)")
 
 
 def replica_microbatches(batch: tuple[Any, Any], *, dp_rank: int, dp_size: int, microbatch_size: int,

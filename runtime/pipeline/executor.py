@@ -215,7 +215,8 @@ class PipelineExecutor:
         gradient reductions), e.g. to post the receive of a gradient summed after it
         (`runtime.pipeline.runner`'s tied gradient).
     forward_only: run `actions` (F, SEND_F, RECV_F, UNSHARD, RESHARD: `forward_actions`) as an evaluation:
-        the last stage's loss is taken at its F, and no forward state is kept (the module docstring).
+        the last stage's loss is taken at its F, and no forward state is kept (the module docstring); with
+        loss_fn None, an inference: the last stage's outputs are kept for `outputs()`.
     """
 
     def __init__(self, *, actions: Sequence[Any], stages: dict[int, Callable], num_stages: int,
@@ -242,6 +243,7 @@ class PipelineExecutor:
         self._weights: tuple[float, ...] | None = None  # this run's loss weight per microbatch (None: 1 / m)
         self.feed_inputs, self.before_last_backward = feed_inputs, before_last_backward
         self._loss_total: torch.Tensor | None = None
+        self._predicted: dict[int, Any] = {}  # forward_only without loss_fn: the last stage's output per microbatch
         # the one backward that launches the gradient reductions: the rank's last B or W, the last to add to
         # the weight gradients
         self._syncing_b = max((i for i, a in enumerate(self.actions) if a.op in ("B", "W")), default=-1)
@@ -399,6 +401,9 @@ class PipelineExecutor:
             raise TypeError(f"stage {s} returned {type(out).__name__}; pipeline stages before the last must "
                             "return one tensor")
         if self.forward_only:
+            if s == self.num_stages - 1 and self.loss_fn is None:
+                self._predicted[i] = out
+                return None
             if s == self.num_stages - 1:
                 return self._loss(out, targets, s, i).detach()
             if s + 1 in self.stages:
@@ -538,12 +543,14 @@ class PipelineExecutor:
         self._weights = None if weights is None else tuple(float(w) for w in weights)
         for name, given, stage in (("microbatches_in", microbatches_in, 0),
                                    ("targets", targets, self.num_stages - 1)):
+            if name == "targets" and self.loss_fn is None:
+                continue  # an inference
             if (stage in self.stages or (self.feed_inputs and name == "microbatches_in")) and \
                     (given is None or len(given) != self.m):
                 raise ValueError(f"this rank holds stage {stage}: pass {name} as a list of "
                                  f"num_microbatches={self.m} items, got {'None' if given is None else len(given)}")
         self._reset()
-        self._loss_total = None
+        self._loss_total, self._predicted = None, {}
         try:
             logged = recording_now()
             for step, a in enumerate(self.actions):
@@ -571,6 +578,11 @@ class PipelineExecutor:
             self._reset()   # free every activation, also after an error
         total = self._loss_total
         return None if total is None else total.item()
+
+    def outputs(self) -> list[Any]:
+        """forward_only without loss_fn (an inference): the last stage's output of each microbatch of the last
+        `run`, in order, on the rank holding the last stage; empty elsewhere."""
+        return [self._predicted[i] for i in sorted(self._predicted)]
 
     def loss_sum(self) -> torch.Tensor | None:
         """The losses of the backwards run so far in this `run` (what `run` returns, as a tensor): on the

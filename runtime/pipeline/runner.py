@@ -37,10 +37,11 @@ from cost_models.placements import REPLICATED, is_sharded
 from runtime.comm.collectives import Collectives
 from runtime.device import place, rank_device
 from runtime.engines.evaluation import evaluating
-from runtime.engines.step import PeakHeld, implicit_after_step, replica_microbatches, step_weights
+from runtime.engines.step import PeakHeld, implicit_after_step, no_predict_under_cp, replica_microbatches, step_weights
 from runtime.pipeline.executor import PipelineError, PipelineExecutor, forward_actions
 from runtime.pipeline.stage import StageModel
 from runtime.pipeline.tensor_parallel import unshard_parameter
+from runtime.pipeline.vocab_logits import full_logits
 
 __all__ = ["PipelineRunner"]
 
@@ -66,7 +67,7 @@ class PipelineRunner:
         self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
         self.clip_grad_norm, self.program_hash = clip_grad_norm, program_hash
         self.placements, self.full_keys, self.mesh = dict(placements), tuple(full_keys), tuple(mesh)
-        self.num_stages = num_stages
+        self.num_stages, self._stage_ranks = num_stages, tuple(stage_ranks)
         mine = sorted(s for s in stage.stages)
         self._local_stages = len(mine)
         self.executor = PipelineExecutor(
@@ -98,6 +99,7 @@ class PipelineRunner:
         self.lr_schedule = None  # runtime.engines.lr_schedule: stepped after each optimizer step
         self._peak = PeakHeld()
         self._evaluator: PipelineExecutor | None = None  # the list's forwards (evaluate), built on first use
+        self._predictor: PipelineExecutor | None = None  # its first microbatch's forwards (predict)
         self._eval_code_ops = True  # whether an evaluation runs the code's ops under EvalOps
 
     # ---- the step -----------------------------------------------------------------------------
@@ -273,9 +275,31 @@ class PipelineRunner:
 
     # ---- the program contract ------------------------------------------------------------------
     def predict(self, inputs: Any) -> Any:
-        raise NotImplementedError("predict() under a pipeline or tensor-parallel plan needs a forward-only "
-                                  "schedule, which is not generated yet; run inference with a data-parallel plan "
-                                  "(pp=1, tp=1) or on the trained state_dict")
+        """Inference under the plan: the model's output on `inputs` (one batch of model inputs, any number of
+        rows, the same on every rank) as one process computes it in eval mode under no_grad, on every rank, with
+        vocab-split logits gathered whole. The schedule's forwards of its first microbatch, run on the whole
+        batch: each replica computes it all. A collective: every rank of the plan calls it."""
+        if self.cp_size > 1:
+            raise NotImplementedError(no_predict_under_cp(self.cp_size))
+        if self._predictor is None:
+            e = self.executor
+            first = [a for a in forward_actions(e.actions) if a.microbatch in (None, 0)]
+            self._predictor = PipelineExecutor(
+                actions=first, stages=e.stages, num_stages=e.num_stages, stage_to_rank=e.stage_to_rank,
+                collectives=e.collectives, loss_fn=None, num_microbatches=1, group=e.group, unshard=e.unshard,
+                reshard=e.reshard, activation_shape=e.activation_shape, timeout=e.timeout,
+                feed_inputs=e.feed_inputs, forward_only=True)
+        self._xs = [place(inputs)]  # the receives' buffer shapes (_activation_shape)
+        with evaluating([self.engine.module], code_ops=self._eval_code_ops):
+            self._predictor.run(self._xs)
+            outs = self._predictor.outputs()
+            # the last stage's tensor slices gather the vocab-split logits together
+            out = full_logits(outs[0]) if outs else None
+        if self.groups.pp is not None:  # from the last stage to the rest of its pipeline
+            box = [out]
+            dist.broadcast_object_list(box, src=self._stage_ranks[-1], group=self.groups.pp)
+            out = box[0]
+        return out
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
