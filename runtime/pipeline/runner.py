@@ -122,12 +122,8 @@ class PipelineRunner:
         `model.eval()` and `torch.no_grad()`: the schedule's forwards alone, no dropout, nothing trained, no random
         number drawn (runtime.engines.evaluation). A collective: every rank of the plan calls it."""
         if self._evaluator is None:
-            e = self.executor
-            self._evaluator = PipelineExecutor(
-                actions=forward_actions(e.actions), stages=e.stages, num_stages=e.num_stages,
-                stage_to_rank=e.stage_to_rank, collectives=e.collectives, loss_fn=e.loss_fn, num_microbatches=e.m,
-                group=e.group, unshard=e.unshard, reshard=e.reshard, activation_shape=e.activation_shape,
-                timeout=e.timeout, feed_inputs=e.feed_inputs, forward_only=True)
+            self._evaluator = self._forwards(forward_actions(self.executor.actions), self.loss_fn,
+                                             self.num_microbatches)
         work = self._microbatches(batch)
         with evaluating([self.engine.module], code_ops=self._eval_code_ops) as ops:
             loss = self._evaluator.run(*work)
@@ -138,6 +134,15 @@ class PipelineRunner:
         if self._replicas > 1:
             self.collectives.all_reduce(mean, self.groups.dp, op="avg")
         return float(mean.item())
+
+    def _forwards(self, actions: Sequence[Any], loss_fn: Callable | None, m: int) -> PipelineExecutor:
+        """A forward-only executor over the training executor's stages and messages (evaluate, predict)."""
+        e = self.executor
+        return PipelineExecutor(actions=actions, stages=e.stages, num_stages=e.num_stages,
+                                stage_to_rank=e.stage_to_rank, collectives=e.collectives, loss_fn=loss_fn,
+                                num_microbatches=m, group=e.group, unshard=e.unshard, reshard=e.reshard,
+                                activation_shape=e.activation_shape, timeout=e.timeout, feed_inputs=e.feed_inputs,
+                                forward_only=True)
 
     def _microbatches(self, batch: tuple[Any, Any]) -> tuple[list[Any], list[Any] | None, Sequence[float] | None]:
         """This replica's (inputs per microbatch, targets per microbatch, loss weights) of a global batch;
@@ -282,13 +287,8 @@ class PipelineRunner:
         if self.cp_size > 1:
             raise NotImplementedError(no_predict_under_cp(self.cp_size))
         if self._predictor is None:
-            e = self.executor
-            first = [a for a in forward_actions(e.actions) if a.microbatch in (None, 0)]
-            self._predictor = PipelineExecutor(
-                actions=first, stages=e.stages, num_stages=e.num_stages, stage_to_rank=e.stage_to_rank,
-                collectives=e.collectives, loss_fn=None, num_microbatches=1, group=e.group, unshard=e.unshard,
-                reshard=e.reshard, activation_shape=e.activation_shape, timeout=e.timeout,
-                feed_inputs=e.feed_inputs, forward_only=True)
+            first = [a for a in forward_actions(self.executor.actions) if a.microbatch in (None, 0)]
+            self._predictor = self._forwards(first, None, 1)
         self._xs = [place(inputs)]  # the receives' buffer shapes (_activation_shape)
         with evaluating([self.engine.module], code_ops=self._eval_code_ops):
             self._predictor.run(self._xs)
