@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from examples.hf_families import ALIBI_FAMILIES, FAMILIES, from_config
-from examples.training import hf_loss, hf_model_loss, sgd, train_one_process
+from examples.training import evaluate_one_process, hf_loss, hf_model_loss, sgd, train_one_process
 from partitioner import compile, trace
 from partitioner.planner.tensor_split import find_splits
 from runtime import launch_local
@@ -298,5 +298,8 @@ def test_a_per_token_loss_trains_like_one_process_over_the_whole_padded_batch(pi
     means = sum(model(**{k: v[i:i + 2] for k, v in inputs.items()}).loss.item() for i in range(0, BATCH, 2)) / 4
     with pytest.raises(AssertionError):  # the default, the mean of the means, would not match it
         torch.testing.assert_close(torch.tensor(means), torch.tensor(trained.losses[0]), rtol=1e-5, atol=1e-6)
-    out = launch_local(plan, _LLAMA, sgd, per_token(hf_model_loss, labelled_tokens), batches, timeout_s=180)
+    out = launch_local(plan, _LLAMA, sgd, per_token(hf_model_loss, labelled_tokens), batches, timeout_s=180,
+                       eval_batches=batches[:1])  # an evaluation weighs the microbatches by their tokens too
     assert_trains_like(out, trained.losses, trained.model.state_dict())
+    want = evaluate_one_process(trained.model, hf_model_loss, batches[:1])
+    assert out.eval_losses == [(len(batches), pytest.approx(want, rel=1e-5))]
