@@ -121,7 +121,8 @@ class StepRunner:
             self._evaluator = PipelineExecutor(
                 actions=forward_actions(self.executor.actions), stages={0: self.engine.module}, num_stages=1,
                 stage_to_rank=lambda s: 0, collectives=None, loss_fn=self.loss_fn,
-                num_microbatches=self.num_microbatches, unshard=lambda s: self.engine.unshard(), reshard=lambda s: self.engine.reshard(), forward_only=True)
+                num_microbatches=self.num_microbatches, unshard=lambda s: self.engine.unshard(),
+                reshard=lambda s: self.engine.reshard(), forward_only=True)
         work = self._microbatches(batch)
         with evaluating([self.engine.module], code_ops=self._eval_code_ops) as ops:
             loss = self._evaluator.run(*work)
