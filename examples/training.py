@@ -56,25 +56,22 @@ def hf_gpt2_4l_seeded():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def hf_gpt2_seeded():
-    """A small Hugging Face GPT-2 built from a config (no download), dropout off."""
+def hf_gpt2_seeded(dropout: float = 0.0):
+    """A small Hugging Face GPT-2 built from a config (no download), dropout off (or `dropout` on embeddings,
+    residuals and attention)."""
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=False,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
+                                  eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def hf_gpt2_dropout_seeded():
-    """`hf_gpt2_seeded` with Hugging Face's default dropout (0.1 on embeddings, residuals and attention): what an
-    evaluation must turn off, as model.eval() does."""
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=False,
-                                  bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
+    """`hf_gpt2_seeded` with Hugging Face's default dropout, 0.1: what an evaluation must turn off, as model.eval()
+    does."""
+    return hf_gpt2_seeded(dropout=0.1)
 
 
 # eps 1e-6, not torch's 1e-8: some gradients here are exactly zero in exact arithmetic (a

@@ -135,7 +135,7 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
     scheduler_fn = load_callable(args.scheduler, "--scheduler") if args.scheduler else None
     data_fn = load_callable(args.data, "--data") if args.data else \
         _example_data(args.model, plan.get("global_batch_size"))
-    eval_fn = _eval_data(args, plan)
+    eval_fn = held_out_data(args, args.model, plan.get("global_batch_size"))
 
     import torch.distributed as dist
 
@@ -389,8 +389,9 @@ def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)
 
 
-def _eval_data(args: argparse.Namespace, plan: dict[str, Any]) -> Callable | None:
-    """fn(k, rank, world_size) -> the k-th held-out batch, with --eval-every; None without."""
+def held_out_data(args: argparse.Namespace, model_spec: str, batch_size: int | None) -> Callable | None:
+    """fn(k, rank, world_size) -> the k-th held-out batch, with --eval-every (runtime.run's and `partitioner
+    run`'s flags); None without."""
     if args.eval_every is None:
         if args.eval_data:
             raise LaunchError("--eval-data without --eval-every: pass --eval-every N to evaluate after every N-th step")
@@ -402,7 +403,12 @@ def _eval_data(args: argparse.Namespace, plan: dict[str, Any]) -> Callable | Non
     if args.data:
         raise LaunchError("--eval-every with --data: pass --eval-data pkg.module:fn too, with fn(k, rank, world_size) "
                           "-> the k-th held-out batch (evaluating on training batches measures nothing held out)")
-    data = _example_data(args.model, plan.get("global_batch_size"))
+    try:
+        data = _example_data(model_spec, batch_size)
+    except LaunchError:
+        raise LaunchError(f"--eval-every needs held-out batches, and {model_spec.rsplit(':', 1)[0]} has no "
+                          "example_batch(model, batch_size) to make them: pass --eval-data pkg.module:fn with "
+                          "fn(k, rank, world_size) -> the k-th held-out global batch") from None
     return lambda k, rank, world_size: data(EVAL_SEED + k, rank, world_size)
 
 

@@ -37,7 +37,7 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
 
     from runtime.launch.loading import load_callable, load_object
     from runtime.launch.local import check_model, check_sendable, launch_local
-    from runtime.run import default_loss, default_optimizer
+    from runtime.run import default_loss, default_optimizer, held_out_data
 
     module, _, _ = load_object(spec, "--model")
     model_fn = load_callable(spec, "--model")
@@ -59,7 +59,8 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
     else:
         raise DeclarationError(f"{spec}: its module has no example_batch(model, batch_size, seed=) to make batches "
                                "from; pass --data pkg.module:fn with fn(step, rank, world_size) -> (inputs, targets)")
-    eval_batches = _eval_batches(args, plan, spec, module, model_fn)
+    eval_fn = held_out_data(args, spec, plan.global_batch_size)
+    eval_batches = None if eval_fn is None else [eval_fn(k, 0, plan.world_size) for k in range(args.eval_batches)]
     sources = None  # None: launch_local generates each rank's program from the plan
     if args.programs:
         d = _programs(args, plan)
@@ -92,31 +93,6 @@ def _run_local(args: argparse.Namespace, plan: Any, spec: str) -> int:
           f"{mean:.3f} s/step (predicted {plan.predicted.step_time_s:.3f} s), "
           f"peak held memory {max(res.peak_memory_bytes) / 2**20:.1f} MiB per rank")
     return EXIT_OK
-
-
-def _eval_batches(args: argparse.Namespace, plan: Any, spec: str, module: Any, model_fn: Any) -> list | None:
-    """The held-out batches of --eval-every: --eval-data's, or the model module's example batches at seeds no
-    training step reaches; None without --eval-every."""
-    import torch
-
-    from runtime.launch.evaluation import EVAL_SEED
-    from runtime.launch.loading import load_callable
-
-    if args.eval_every is None:
-        if args.eval_data:
-            raise DeclarationError("--eval-data without --eval-every: pass --eval-every N to evaluate after every "
-                                   "N-th step")
-        return None
-    if args.eval_data:
-        fn = load_callable(args.eval_data, "--eval-data")
-        return [fn(k, 0, plan.world_size) for k in range(args.eval_batches)]
-    if args.data or not hasattr(module, "example_batch"):
-        why = "--data is given" if args.data else f"{spec} has no example_batch"
-        raise DeclarationError(f"--eval-every needs held-out batches: pass --eval-data pkg.module:fn with fn(k, rank, "
-                               f"world_size) -> the k-th ({why})")
-    with torch.device("cpu"):
-        model = model_fn()
-    return [module.example_batch(model, plan.global_batch_size, seed=EVAL_SEED + k) for k in range(args.eval_batches)]
 
 
 def _programs(args: argparse.Namespace, plan: Any) -> Path:

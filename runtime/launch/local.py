@@ -646,17 +646,20 @@ def stop_processes(procs: list[Any], *, grace_s: float) -> None:
             p.join()
 
 
+def _check_agree(what: str, call: str, r: int, a: float, b: float) -> None:
+    """Rank 0's loss `a` and rank r's `b` of one step or evaluation: equal, as the program contract says."""
+    if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7) and not (math.isnan(a) and math.isnan(b)):
+        raise LaunchError(f"{what}: rank 0 returned loss {a!r}, rank {r} {b!r}; the program contract is that "
+                          f"{call}() returns the global mean loss on every rank: reduce it first")
+
+
 def _collect(results: list[dict[str, Any]]) -> LaunchResult:
     losses = results[0]["losses"]
     for r, res in enumerate(results[1:], 1):
         for k, (a, b) in enumerate(zip(losses, res["losses"])):
-            if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7) and not (math.isnan(a) and math.isnan(b)):
-                raise LaunchError(f"step {k + 1}: rank 0 returned loss {a!r}, rank {r} {b!r}; the program contract "
-                                  "is that step() returns the global mean loss on every rank: reduce it first")
+            _check_agree(f"step {k + 1}", "step", r, a, b)
         for (k, a), (_, b) in zip(results[0].get("eval_losses", []), res.get("eval_losses", [])):
-            if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7) and not (math.isnan(a) and math.isnan(b)):
-                raise LaunchError(f"evaluation after step {k}: rank 0 returned loss {a!r}, rank {r} {b!r}; the program "
-                                  "contract is that evaluate() returns the global mean loss on every rank")
+            _check_agree(f"evaluation after step {k}", "evaluate", r, a, b)
     if results[0]["state_dict"] is None:
         raise LaunchError("rank 0's full_state_dict() returned None; the program contract is that it returns the "
                           "full parameters on rank 0")
