@@ -52,7 +52,7 @@ def saturating_efficiency(flops: float, *, eff_max: float, half_flops: float) ->
 
 _FRACTIONS = (  # fields that are a fraction in (0, 1]
     "matmul_eff_max", "conv_eff_max", "attention_eff_max", "vector_eff",
-    "mem_eff", "optimizer_eff", "compress_mem_eff", "lowrank_eff",
+    "mem_eff", "optimizer_eff", "compress_mem_eff", "lowrank_eff", "loss_eff",
 )
 # Not numbers: checked by their own rules in __post_init__.
 _STRUCTURED = ("source", "matmul_eff_by_dtype", "collective_bw_eff", "probe")
@@ -66,7 +66,10 @@ _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     # torch.optim.AdamW (foreach, torch's default on CPU too) steps gpt_small's 5.29M fp32 parameters in 23.9 ms on one
     # thread of this machine: 6.2 GB/s at 28 B per parameter, 0.31 of the 20 GB/s (for-loop 6.4, fused=True 32).
     # PowerSGD's product (bmm of gpt_small's 5.28M gradient elements by 4 columns, 3 passes) runs at ~4.5 GB/s there.
-    "CPU": {"compress_mem_eff": 0.085, "optimizer_eff": 0.31, "lowrank_eff": 0.22},  # 1.7, 6.2, 4.5 GB/s / 20e9
+    # F.cross_entropy forward and backward over gpt_small's logits (512 x 8192 fp32, 5 passes) streams 4.7 GB/s on one
+    # thread, where the probe's elementwise kernels stream 21 (a fresh 16 MB tensor per pass: page faults).
+    "CPU": {"compress_mem_eff": 0.085, "optimizer_eff": 0.31, "lowrank_eff": 0.22,  # 1.7, 6.2, 4.5 GB/s / 20e9
+            "loss_eff": 0.22},  # 4.7 / 21 GB/s
     # Measured by `partitioner probe` on one H100 80GB HBM3 (SXM) with torch 2.11 (docs/benchmarks.md, "On a lent
     # H100"): large GEMMs at 73 % (bf16), 69 % (fp16), 77 % (fp32) of the datasheet peaks; torch's elementwise
     # kernels at 82 % of HBM; fused causal attention (SDPA, 2 x 16 heads x 4096 x 128, fwd+bwd) at 690 TFLOP/s
@@ -176,6 +179,13 @@ class Calibration:
           of this project's machine multiplies at ~4.5 GB/s where its
           elementwise kernels stream ~20, the CPU preset's 0.22; four ranks on
           its two cores at 2.5 (`partitioner probe` measures it).
+      loss_eff: the loss on the last stage (cost_models.compute.loss_times), a cross
+          entropy over the model's output (log-softmax, then its backward into a
+          zeroed gradient: five fp32 passes over the logits), as a fraction of the
+          elementwise rate. 1 on the GPU presets (memory bound, torch's fused
+          kernels); a CPU's exp-bound log-softmax over fresh tensors of a large
+          vocabulary streams at ~0.2 of it (the CPU preset; `partitioner probe`
+          measures it).
           The residual's passes stream at `mem_eff`, the FLOP term uses
           `matmul_eff_max` of the fp32 peak, and each of its ~10 kernels per
           batch of same-shape matrices costs `launch_overhead_s`.
@@ -267,6 +277,7 @@ class Calibration:
     compress_mem_eff: float = 0.7
     compress_launch_s: float = 10e-6
     lowrank_eff: float = 1.0
+    loss_eff: float = 1.0
 
     device_speed: float = 1.0
     activation_mem_scale: float = 1.0

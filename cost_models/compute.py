@@ -27,7 +27,7 @@ from cost_models.errors import PartitionerError
 from cost_models.specs import DeviceSpec, canonical_dtype
 
 __all__ = ["OP_CLASSES", "OpClass", "ComputeModel", "RooflineCompute", "dtype_for", "elementwise_bytes_per_s",
-           "PRECISIONS"]
+           "loss_times", "PRECISIONS"]
 
 OpClass = Literal["matmul", "conv", "attention", "elementwise", "reduction",
                   "embedding", "other"]
@@ -140,3 +140,27 @@ def elementwise_bytes_per_s(device: DeviceSpec, cal: Calibration) -> float:
     """Bytes/s the device's elementwise kernels stream: HBM x device_speed x mem_eff (the roofline's memory side,
     PowerSGD's elementwise passes, the engine's gradient buffers)."""
     return device.hbm_bytes_per_s * cal.device_speed * cal.mem_eff
+
+
+# A cross entropy's passes over its fp32 logits: forward, the log-softmax reads them and writes its output (the
+# gather of the targets' entries is small); backward, a zeroed gradient is written, the log-softmax's output read and
+# the logits' gradient written.
+LOSS_PASSES = (2, 3)
+
+
+def loss_times(elements: float, device: DeviceSpec, cal: Calibration) -> tuple[float, float]:
+    """Seconds of the loss's forward and backward on one microbatch whose output has `elements` elements.
+
+    The loss is not in the traced graph (the caller's loss_fn takes the model's output), and the planner cannot see
+    it; a language model's is a cross entropy over its logits, in fp32 (Megatron's, Hugging Face's upcast), which
+    for a large vocabulary is the step's largest elementwise work: LOSS_PASSES fp32 passes over the logits at the
+    elementwise rate times `loss_eff`. An output that is the loss itself (labels passed to the model) has one
+    element, and costs nothing here.
+
+    >>> from cost_models.devices import get_device
+    >>> f, b = loss_times(4096 * 50257, get_device("H100-80GB"), Calibration())
+    >>> round(f * 1e3, 3), round(b * 1e3, 3)          # 4096 tokens of GPT-2's vocabulary, ms
+    (0.614, 0.922)
+    """
+    per_pass = 4 * elements / (elementwise_bytes_per_s(device, cal) * cal.loss_eff)
+    return LOSS_PASSES[0] * per_pass, LOSS_PASSES[1] * per_pass

@@ -4,6 +4,7 @@ does not interpolate."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -18,6 +19,7 @@ from ranks import gloo_group, spawn
 
 from cost_models.calibration import Calibration
 from cost_models.comm import CommModel
+from cost_models.compute import loss_times
 from cost_models.errors import PartitionerError
 from cost_models.fit import fit_step_times, leave_one_out, select_factors
 from cost_models.topology import Topology
@@ -100,6 +102,8 @@ def test_probe_fits_bandwidths_that_independent_transfers_agree_with(tmp_path, c
     assert ev["matmul"]["fp32"]["plateau_flops_per_s"] > 1e8 and cal.device_speed > 0
     # torch.optim.AdamW's step: slower than a copy, since torch's foreach kernels move more than its 28 B
     assert 0 < cal.optimizer_eff <= 1 and 0 < ev["optimizer_bytes_per_s"] < 2 * ev["memory_bytes_per_s"]
+    # the cross entropy's forward and backward, counted in the passes loss_times prices
+    assert 0 < cal.loss_eff <= 1 and 0 < ev["loss_bytes_per_s"] < 2 * ev["memory_bytes_per_s"]
 
 
 LATENCY = {"all_reduce": 210e-6, "p2p": 100e-6, "all_gather": 110e-6}
@@ -120,7 +124,7 @@ def _records(topo: Topology) -> list[dict]:
     return [{"rank": r, "device": "cpu", "fixed_process_bytes": 300 * 2 ** 20, "matmul": mm, "op_overhead_s": 4e-6,
              "stream": {"bytes": 2e9, "seconds": 0.2}, "elementwise": {"bytes": 1e9, "seconds": 0.25},
              "optimizer": {"bytes": 2.8e8, "seconds": 0.2}, "lowrank": {"bytes": 1e9, "seconds": 1.0},
-             "overlap": {"compute_s": 0.01, "comm_s": 0.01, "both_s": 0.016}, "collectives": colls}
+             "loss": {"bytes": 1e9, "seconds": 0.5}, "overlap": {"compute_s": 0.01, "comm_s": 0.01, "both_s": 0.016}, "collectives": colls}
             for r in range(2)]
 
 
@@ -148,8 +152,13 @@ def test_alpha_beta_fits_and_the_derived_calibration(tmp_path):
     assert cal.collective_factor("all_gather") == pytest.approx(0.5, rel=0.02)
     # PowerSGD's products at 1 GB/s against the elementwise ops' 4: a quarter of their rate
     assert cal.lowrank_eff == pytest.approx(0.25)
-    older = [{k: v for k, v in r.items() if k != "lowrank"} for r in _records(topo)]  # a probe file before them
+    # the cross entropy at 2 GB/s: half the elementwise rate, and its time as the stage costs price it
+    assert cal.loss_eff == pytest.approx(0.5)
+    f, b = loss_times(1e8, dev, cal)
+    assert (f, b) == (pytest.approx(2 * 4e8 / 2e9), pytest.approx(3 * 4e8 / 2e9))
+    older = [{k: v for k, v in r.items() if k not in ("lowrank", "loss")} for r in _records(topo)]  # older probes
     assert derive_calibration(topo, summarise(older), source="test").lowrank_eff == 1.0
+    assert derive_calibration(topo, summarise(older), source="test").loss_eff == Calibration.for_device("CPU").loss_eff
     assert fit_alpha_beta([1, 2, 3], [0.5, 0.5, 0.5]) == (0.5, math.inf)  # no size dependence: all latency
 
 
@@ -170,6 +179,24 @@ def test_calibration_json_round_trips_and_compile_takes_it(tmp_path, tiny_graph)
         Calibration.from_dict({**cal.to_dict(), "matmul_eff_by_dtype": {"fp32": 1.5}})
     with pytest.raises(PartitionerError, match=r"collective_bw_eff\['allgather'\].*keys are"):
         Calibration.from_dict({**cal.to_dict(), "collective_bw_eff": {"allgather": 0.5}})
+
+
+def test_the_last_stage_pays_the_loss_over_the_models_output(tiny_graph):
+    """The caller's loss is not in the graph: the last stage's forward and backward per microbatch carry a cross
+    entropy over the output's fp32 elements (loss_times), the first stage nothing of it, and a tensor-split output
+    its 1/tp share. Two calibrations apart only in loss_eff differ by exactly that."""
+    fast, slow = Calibration.for_device("CPU"), dataclasses.replace(Calibration.for_device("CPU"), loss_eff=0.05)
+    dev = Topology.parse("local:4").device
+    out = tiny_graph.nodes[-1].output  # the logits, traced at fp32
+    for pins, share in ((dict(pp=2, dp=1, tp=1), 1), (dict(pp=1, dp=1, tp=2), 2), (dict(pp=1, dp=2, tp=1), 1)):
+        a, b = (compile(tiny_graph, "local:2", global_batch_size=8, precision="fp32", calibration=c, alternatives=0,
+                        microbatch_size=2, **pins) for c in (fast, slow))
+        elements = out.numel(2, tiny_graph.traced_seq_len) / share  # a microbatch of 2 at the traced length
+        (fa, ba), (fb, bb) = (loss_times(elements, dev, c) for c in (fast, slow))
+        assert a.stages[-1].forward_s - b.stages[-1].forward_s == pytest.approx(fa - fb, rel=1e-6)
+        assert a.stages[-1].backward_s - b.stages[-1].backward_s == pytest.approx(ba - bb, rel=1e-6)
+        if len(a.stages) > 1:
+            assert (a.stages[0].forward_s, a.stages[0].backward_s) == (b.stages[0].forward_s, b.stages[0].backward_s)
 
 
 WORK = [1.0, 2.0, 4.0, 3.0]

@@ -20,7 +20,7 @@ def probe_command(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(format_probe(cal.probe))
     print(f"\ncalibration: device_speed {cal.device_speed:.3g}, mem_eff {cal.mem_eff:.3g}, optimizer_eff "
-          f"{cal.optimizer_eff:.3g}, lowrank_eff {cal.lowrank_eff:.3g}, launch "
+          f"{cal.optimizer_eff:.3g}, lowrank_eff {cal.lowrank_eff:.3g}, loss_eff {cal.loss_eff:.3g}, launch "
           f"{cal.launch_overhead_s * 1e6:.2f} us, intra_node_bw_eff {cal.intra_node_bw_eff:.3g}, "
           f"collective base latency {cal.collective_base_latency_s * 1e6:.0f} us"
           + "".join(f", {op} bandwidth x{f:.3g}" for op, f in cal.collective_bw_eff)
@@ -35,6 +35,8 @@ def format_probe(evidence: dict) -> str:
             f"AdamW step {evidence['optimizer_bytes_per_s'] / 1e9:.1f} GB/s (28 B per parameter), "
             + (f"PowerSGD product {evidence['lowrank_bytes_per_s'] / 1e9:.1f} GB/s, "
                if "lowrank_bytes_per_s" in evidence else "")  # older probe files lack it
+            + (f"cross entropy {evidence['loss_bytes_per_s'] / 1e9:.1f} GB/s (5 fp32 passes), "
+               if "loss_bytes_per_s" in evidence else "")
             + f"op overhead {evidence['op_overhead_s'] * 1e6:.2f} us"]
     for dtype, c in evidence["matmul"].items():
         rows.append(f"matmul {dtype}: plateau {c['plateau_flops_per_s'] / 1e9:.1f} GFLOP/s, half at "

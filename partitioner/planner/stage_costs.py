@@ -3,7 +3,8 @@
 The units' costs come from `partitioner.planner.unit_costs`; a stage (a run of units at pipeline position
 k) gets
 
-    c_k    = f_k + b_k                 compute + TP collectives + p2p receive, per microbatch
+    c_k    = f_k + b_k                 compute + TP collectives + p2p receive, per microbatch (the last stage's
+                                       with the caller's loss on the model's output: compute.loss_times)
     tail_k = exposed DP sync (+ its compression kernels) + optimizer step, once per training step
     mem_k  = model state at rest (ZeRO) + the most of the moments of a backward (the loss's,
              a block's, the end's, a compressed reduction's): activations x in-flight microbatches,
@@ -57,7 +58,7 @@ from cost_models.compression import (
     reduce_scatter_time,
 )
 from cost_models.compression_memory import ReductionMemory, reduction_memory
-from cost_models.compute import elementwise_bytes_per_s
+from cost_models.compute import elementwise_bytes_per_s, loss_times
 from cost_models.memory import (
     DDP_BUCKET_BYTES,
     ModelStateBytes,
@@ -296,9 +297,13 @@ class StageEvaluator:
         # backward, as Megatron's), so the same three tensors at 4 B an element.
         last = ctx.g.nodes[-1] if ctx.g.nodes else None
         out = local(last.cost.bytes_written, cand.microbatch_size, ctx.seq, cand.cp) * ctx.scale if last else 0.0
+        elements = out / self._param_bytes  # (the output is at the compute dtype)
         if last is not None and cand.tp > 1 and last.name in ctx.splits.sharded_nodes:
             out *= (4 / self._param_bytes) / cand.tp
+            elements /= cand.tp
         self._loss_kept, self._loss_work = out, 2 * out
+        # and its time, per microbatch on the last stage: the same cross entropy, in fp32 (cost_models.compute)
+        self._loss_f, self._loss_b = loss_times(elements, ctx.topo.device, ctx.cal)
 
     def lower_bound(self) -> float:
         """No cut beats this (math.inf: no cut fits in memory).
@@ -488,6 +493,8 @@ class StageEvaluator:
         S = self.num_stages
         f = self._f[j] - self._f[i] + (self.p2p[i - 1] if k > 0 else 0.0)
         b = self._b[j] - self._b[i] + (self.p2p[j - 1] if k < S - 1 else 0.0)
+        if k == S - 1:  # the loss on the model's output
+            f, b = f + self._loss_f, b + self._loss_b
         params = self._par[j] - self._par[i]
         rest = self._rest[j] - self._rest[i]
         tied = 0.0  # parameters this stage shares with another pipeline rank (a tied embedding and LM head)

@@ -9,7 +9,8 @@
 * The factors: device_speed, matmul_eff_by_dtype, mem_eff and gemm_half_flops from the curves and the
   elementwise ops' bytes/s against the device preset's peaks; optimizer_eff from torch.optim.AdamW's step
   (bytes as cost_models.optimizer counts them) against the same bandwidth; lowrank_eff from PowerSGD's product
-  (a matrix by r columns) against the elementwise ops' rate; attention_eff_max from the fused
+  (a matrix by r columns) and loss_eff from a cross entropy's forward and backward against the elementwise ops'
+  rate; attention_eff_max from the fused
   attention's rate (FLOP as the tracer counts them); launch_overhead_s the per-op overhead; dp_overlap
   the share of an all-reduce that hid behind matmuls; then per link level its bw_eff and
   extra latency, and collective_base_latency_s, fitted by cost_models.fit as
@@ -84,12 +85,14 @@ def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     elementwise = statistics.median(r["elementwise"]["bytes"] / r["elementwise"]["seconds"] for r in records)
     optimizer = statistics.median(r["optimizer"]["bytes"] / r["optimizer"]["seconds"] for r in records)
     lowrank = [r["lowrank"]["bytes"] / r["lowrank"]["seconds"] for r in records if "lowrank" in r]
+    loss = [r["loss"]["bytes"] / r["loss"]["seconds"] for r in records if "loss" in r]
     ov = {k: statistics.median(r["overlap"][k] for r in records) for k in records[0]["overlap"]}
     return {"ranks": len(records), "devices": sorted({r["device"] for r in records}),
             "fixed_process_bytes": int(statistics.median(r["fixed_process_bytes"] for r in records)),
             "op_overhead_s": statistics.median(r["op_overhead_s"] for r in records),
             "memory_bytes_per_s": stream, "elementwise_bytes_per_s": elementwise, "optimizer_bytes_per_s": optimizer,
             **({"lowrank_bytes_per_s": statistics.median(lowrank)} if lowrank else {}),  # older records lack it
+            **({"loss_bytes_per_s": statistics.median(loss)} if loss else {}),
             "overlap": {**ov, "hidden_fraction": min(1.0, max(0.0, (ov["compute_s"] + ov["comm_s"] - ov["both_s"])
                                                               / ov["comm_s"]))},
             "matmul": curves, "attention": _attention_summary(records), "collectives": lines}
@@ -134,6 +137,7 @@ def derive_calibration(topo: Topology, evidence: dict[str, Any], *, source: str)
         optimizer_eff=min(1.0, evidence["optimizer_bytes_per_s"] / (dev.hbm_bytes_per_s * speed)),
         # PowerSGD's products against the elementwise rate bw (= hbm x speed x mem_eff); older files lack them
         lowrank_eff=min(1.0, evidence.get("lowrank_bytes_per_s", bw) / bw),
+        loss_eff=min(1.0, evidence["loss_bytes_per_s"] / bw) if "loss_bytes_per_s" in evidence else start.loss_eff,
         dp_overlap=evidence["overlap"]["hidden_fraction"],
         matmul_eff_by_dtype=tuple((d, min(1.0, r / speed)) for d, r in zip(curves, ratios)),
         gemm_half_flops=min(hi, max(lo, statistics.median(half))) if half else start.gemm_half_flops,

@@ -1,6 +1,6 @@
 """What one rank of the probe measures, with the default process group up: the rank's device (matmul FLOP/s
-by dtype and size, a per-op overhead, a stream copy's bandwidth, an optimizer step's, PowerSGD's product's, the
-fixed memory of the process) and its share
+by dtype and size, a per-op overhead, a stream copy's bandwidth, an optimizer step's, PowerSGD's product's, a
+cross entropy's, the fixed memory of the process) and its share
 of the collectives (every group of `sweep.groups_by_level` at once, through the runtime's collectives shim,
 the calls the generated programs make).
 
@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from cost_models.compute import LOSS_PASSES
 from cost_models.optimizer import optimizer_step_bytes
 from cost_models.powersgd import POWERSGD_RANK
 from partitioner.probe.sweep import Sweep
@@ -39,7 +40,8 @@ def measure_rank(sweep: Sweep, groups: dict[str, dict[int, list[list[int]]]], de
                            "matmul": _matmuls(sweep, device), "op_overhead_s": _op_overhead(device),
                            "stream": _stream(sweep, device), "elementwise": _elementwise(sweep, device),
                            "optimizer": _optimizer_step(sweep, device), "lowrank": _lowrank(sweep, device),
-                           "overlap": _overlap(sweep, device), "attention": _attention(sweep, device),
+                           "loss": _loss(sweep, device), "overlap": _overlap(sweep, device),
+                           "attention": _attention(sweep, device),
                            "collectives": []}
     comm = Collectives()
     for level, by_size in groups.items():
@@ -196,6 +198,21 @@ def _elementwise(sweep: Sweep, device: torch.device) -> dict[str, float]:
     dist.barrier()
     seconds = sum(_time(fn, device, sweep.repeats) for fn, _ in ops)
     return {"bytes": float(sum(k for _, k in ops) * 4 * n), "seconds": seconds}
+
+
+def _loss(sweep: Sweep, device: torch.device) -> dict[str, float]:
+    """Bytes/s of a language model's loss, forward and backward: F.cross_entropy over fp32 logits of
+    `sweep.loss_shape`, counted as cost_models.compute.loss_times counts it (LOSS_PASSES over the logits). Its own
+    rate: the log-softmax computes an exp per element, and a CPU's fresh tensors of this size fault their pages in."""
+    rows, vocab = sweep.loss_shape
+    logits = torch.randn(rows, vocab, device=device, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,), device=device)
+
+    def step() -> None:
+        torch.autograd.grad(torch.nn.functional.cross_entropy(logits, targets), logits)
+    dist.barrier()
+    s = _time(step, device, sweep.repeats)
+    return {"bytes": float(sum(LOSS_PASSES) * 4 * logits.numel()), "seconds": s}
 
 
 def _attention(sweep: Sweep, device: torch.device) -> dict[str, Any]:

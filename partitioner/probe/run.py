@@ -13,9 +13,9 @@ Where the ranks come from:
 >>> cal.source.startswith("partitioner probe local:2"), out.exists(), Calibration.load(out) == cal
 (True, True, True)
 >>> sorted(cal.probe)[:6]   # the evidence beside the factors
-['attention', 'collectives', 'devices', 'elementwise_bytes_per_s', 'fixed_process_bytes', 'lowrank_bytes_per_s']
+['attention', 'collectives', 'devices', 'elementwise_bytes_per_s', 'fixed_process_bytes', 'loss_bytes_per_s']
 >>> sorted(cal.probe)[6:]
-['matmul', 'memory_bytes_per_s', 'op_overhead_s', 'optimizer_bytes_per_s', 'overlap', 'ranks']
+['lowrank_bytes_per_s', 'matmul', 'memory_bytes_per_s', 'op_overhead_s', 'optimizer_bytes_per_s', 'overlap', 'ranks']
 >>> 0 < cal.optimizer_eff <= 1   # torch.optim.AdamW's step, as a fraction of the memory bandwidth
 True
 """

@@ -37,8 +37,9 @@ class Sweep:
         bandwidth copy moves, the fp32 parameters the optimizer step and the matrices PowerSGD's product are
         timed on; elementwise_bytes:
         the operands of the memory-bound ops timed; overlap_bytes: the all-reduce hidden behind matmuls;
-        attention_shape: (batch, heads, sequence, head dim) of the fused attention timed. repeats: timed runs per
-        point (the median is kept), after one untimed.
+        attention_shape: (batch, heads, sequence, head dim) of the fused attention timed. loss_shape: (tokens,
+        vocabulary) of the fp32 logits the cross entropy is timed on. repeats: timed runs per point (the median
+        is kept), after one untimed.
     max_op_s: a point slower than this ends its size sweep (the larger sizes would only cost time), so the
         probe stays within about a minute on a slow machine.
     """
@@ -50,6 +51,7 @@ class Sweep:
     elementwise_bytes: int = 4 * 2 ** 20
     overlap_bytes: int = 4 * 2 ** 20
     attention_shape: tuple[int, int, int, int] = (1, 8, 1024, 64)
+    loss_shape: tuple[int, int] = (512, 8192)
     repeats: int = 5
     max_op_s: float = 0.3
     collectives: tuple[str, ...] = COLLECTIVES
@@ -69,7 +71,7 @@ class Sweep:
         """A few seconds' sweep (tests; a first look)."""
         return cls(message_bytes=(4096, 65536, 1048576), matmul_sizes=(64, 256), dtypes=("fp32",),
                    stream_bytes=8 * 2 ** 20, elementwise_bytes=2 ** 20, overlap_bytes=2 ** 20,
-                   attention_shape=(1, 4, 256, 64), repeats=3)
+                   attention_shape=(1, 4, 256, 64), loss_shape=(128, 2048), repeats=3)
 
     @classmethod
     def for_gpu(cls) -> "Sweep":
@@ -77,7 +79,7 @@ class Sweep:
         return cls(message_bytes=tuple(4096 * 4 ** k for k in range(10)),
                    matmul_sizes=(256, 512, 1024, 2048, 4096, 8192), dtypes=("fp32", "bf16", "fp16", "fp8"),
                    stream_bytes=2 ** 30, elementwise_bytes=2 ** 28, overlap_bytes=2 ** 26,
-                   attention_shape=(2, 16, 4096, 128), repeats=5)
+                   attention_shape=(2, 16, 4096, 128), loss_shape=(8192, 32768), repeats=5)
 
 
 def groups_by_level(topo: Topology) -> dict[str, dict[int, list[list[int]]]]:
