@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,12 @@ class DataParallel(GradientBuckets, ShardedUnits):
         if self.precision.fp8_gemms:
             convert_linears(model)  # a forward the module runs itself: its linears' GEMMs in fp8 (same parameters)
         self.scaler = LossScaler() if self.precision.loss_scaling else None
+        # fp16: the loss scale enters the backward at the module's output (_root_post_forward) and finish_gradients
+        # unscales. A caller whose module runs in pieces (each pipeline stage's call is the module's: the scale must
+        # enter once, at the model's output) or who owns more gradients of the step (a pipeline's tied copies, the
+        # experts) turns these off and calls scale_output and unscale_ itself (runtime.pipeline.runner).
+        self.scale_root_output = True
+        self.defer_unscale = False
         self._dtype = self.precision.param_dtype
         self._master = self.precision.master_dtype  # what the optimizer steps and gradients accumulate in
         self._params: dict[str, nn.Parameter] = dict(model.named_parameters())  # first names, registration order
@@ -292,8 +299,8 @@ class DataParallel(GradientBuckets, ShardedUnits):
                     f.shard.grad = torch.zeros_like(f.shard)
                     f.fresh = False
         self._skip_step = False
-        if self.scaler is not None:
-            self._unscale()
+        if not self.defer_unscale:
+            self.unscale_()
         self._cycle_open = False
         self.reducer.step_done()
 
@@ -584,23 +591,44 @@ class DataParallel(GradientBuckets, ShardedUnits):
     def _root_post_forward(self, module, args, output):
         if self.zero_stage == 3:
             self._exit_forward()
-        if self.scaler is None or not torch.is_grad_enabled():
+        if not self.scale_root_output:
             return None
-        return scale_grad(output, self.scaler)  # fp16: the loss scale enters at the caller's boundary
+        return self.scale_output(output)
 
     # ---- fp16 -----------------------------------------------------------------------------
+    def caller_scales_loss(self) -> None:
+        """fp16: the caller applies the loss scale (scale_output, on the model's output only) and unscales
+        (unscale_, with its own gradients) where it runs the module in pieces: a pipeline's stages."""
+        self.scale_root_output, self.defer_unscale = False, True
+
+    def scale_output(self, output: Any) -> Any:
+        """fp16: the model's output with the loss scale entering the gradient that flows back into it (the loss's
+        gradient at the caller's boundary, times the scale); else the output as it is."""
+        if self.scaler is None or not torch.is_grad_enabled():
+            return output
+        return scale_grad(output, self.scaler)
+
     @torch.no_grad()
-    def _unscale(self) -> None:
-        params = [p for p in self.optimizer_params() if p.grad is not None]
+    def unscale_(self, extra: Sequence[torch.Tensor] = ()) -> bool:
+        """fp16: divide this step's gradients, and those of the `extra` parameters the caller steps with them, by
+        the loss scale. Where one is not finite on any rank, every rank skips the step (no gradient is kept, so
+        torch.optim leaves every parameter and its state as they were): one process's GradScaler skips the whole
+        step, so every replica, pipeline stage and tensor rank of the world does (all of them step together; a
+        stage that stepped while another skipped would train a model no process trains). Then the scale is
+        updated. Returns whether the step is skipped; without a scaler, False."""
+        if self.scaler is None:
+            return False
+        params = [p for p in (*self.optimizer_params(), *extra) if p.grad is not None]
         found = torch.zeros((), device=rank_device())
         for p in params:
             p.grad.mul_(1.0 / self.scaler.scale)
             found = torch.maximum(found, (~torch.isfinite(p.grad)).any().float())
-        self.collectives.all_reduce(found, self.group, op="max")
+        self.collectives.all_reduce(found, None, op="max")  # the world
         self._skip_step = bool(found.item())
         self.scaler.update(found_inf=self._skip_step)
         if self._skip_step:
             for p in params:
                 p.grad = None  # torch.optim skips parameters without a gradient: the step is a no-op
+        return self._skip_step
 
 

@@ -80,6 +80,13 @@ class PipelineRunner:
             split_backward=engine.split_backward if getattr(engine, "zero_stage", 0) == 3 else None,
             before_last_backward=self._post_tied_recvs)
         self._after_optim = implicit_after_step(engine, self.executor.actions)
+        # fp16: each stage's call is the module's, whose output the engine would scale: the loss scale enters once,
+        # at the model's output on the last stage, and the step is unscaled (and skipped on every rank at an
+        # overflow on any) once the tied gradients are summed (DataParallel.unscale_)
+        self._loss_scaled = getattr(engine, "scaler", None) is not None
+        if self._loss_scaled:
+            engine.caller_scales_loss()
+            stage.on_output = engine.scale_output
         if stage.tied and tie_group is not None and not any(a.op == "GRAD_SYNC" for a in self.executor.actions):
             raise PipelineError(f"rank {dist.get_rank()} holds tied parameters {sorted(stage.tied)} shared with another "
                                 "pipeline rank, and its instruction list has no GRAD_SYNC, where their gradients are "
@@ -193,6 +200,8 @@ class PipelineRunner:
         if self._replicas > 1:
             for p in self.stage.tied.values():
                 self.collectives.all_reduce(p.grad, self.groups.dp, op="avg")
+        if self._loss_scaled:  # fp16: every gradient of the step is complete, the tied ones summed
+            self.engine.unscale_(extra=list(self.stage.tied.values()))
 
     # ---- the tied gradient's sum over its two holders -------------------------------------------
     def _tied_buf(self, name: str, p: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,8 @@ class StageModel:
             p.data = place(p.data)
         # run_as_model only: the module runs its own forward, blocks included (the batch is not the traced one)
         self.eager = False
+        # what the model's output passes through on the stage that makes it (a pipeline's fp16 loss scale)
+        self.on_output: Callable[[Any], Any] | None = None
 
     # ---- what the generated functions read --------------------------------------------------
     def _get(self, name: str) -> torch.Tensor:
@@ -205,8 +207,12 @@ class StageModel:
     def _stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
         if self.tp is not None and self.tp.world > 1:  # sequence parallelism keeps its gathered inputs as shards
             with keep_token_shards():
-                return self._cast_stage(x, inputs, _stage)
-        return self._cast_stage(x, inputs, _stage)
+                out = self._cast_stage(x, inputs, _stage)
+        else:
+            out = self._cast_stage(x, inputs, _stage)
+        if self.on_output is not None and self.stages[_stage][3]:
+            out = self.on_output(out)  # the model's output: fp16's loss scale enters here, once
+        return out
 
     def _cast_stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
         if self.cast is None:
