@@ -313,3 +313,27 @@ def test_fp16_pipeline_stages_scale_the_loss_once_and_skip_together(mesh, topolo
         if w0.is_floating_point():
             want, moved = (one.state_dict[k] - w0).abs().sum(), (got.state_dict[k] - w0).abs().sum()
             assert abs(moved - want) <= 0.1 * want, (k, float(moved), float(want))
+
+
+def overflowing_loss(output, targets):
+    """The example loss times 1e8: its gradient at the fp16 logits (about 1e8 / tokens) overflows fp16 at any
+    loss scale, so every fp16 step overflows."""
+    return 1e8 * training.gpt_loss(output, targets)
+
+
+@pytest.mark.slow
+def test_an_fp16_overflow_skips_the_step_on_every_pipeline_rank_with_clipping():
+    """An overflow skips the step everywhere, as in one process: no stage, replica or tied copy moves, and gradient
+    clipping over the pipeline (which reads every gradient) has nothing to clip (its norm is inf)."""
+    model = training.gpt_tiny_seeded()
+    graph = trace(model, (example_batch(model, 2, seq_len=32)[0],))
+    batches = [example_batch(model, 8, seq_len=32, seed=s) for s in range(2)]
+    start = training.gpt_tiny_seeded().state_dict()
+    for pins, topo in ((dict(dp=1), "1x1xV100-32GB"), (dict(pp=2, dp=2, zero_stage=1), "1x4xV100-32GB")):
+        plan = compile(graph, topo, global_batch_size=8, precision="fp16-mixed", microbatch_size=2, clip_grad_norm=1.0,
+                       **{"dp": 1, "pp": 1, "tp": 1, **pins})
+        out = launch_local(plan, training.gpt_tiny_seeded, training.sgd, overflowing_loss, batches, timeout_s=120,
+                           verify=False)
+        assert all(torch.isfinite(torch.tensor(out.losses))), out.losses
+        for k, w0 in start.items():
+            assert torch.equal(out.state_dict[k], w0), (topo, k)

@@ -596,6 +596,11 @@ class DataParallel(GradientBuckets, ShardedUnits):
         return self.scale_output(output)
 
     # ---- fp16 -----------------------------------------------------------------------------
+    @property
+    def step_skipped(self) -> bool:
+        """fp16: the last unscale_ met an overflow on some rank, so this step changes no parameter."""
+        return self._skip_step
+
     def caller_scales_loss(self) -> None:
         """fp16: the caller applies the loss scale (scale_output, on the model's output only) and unscales
         (unscale_, with its own gradients) where it runs the module in pieces: a pipeline's stages."""

@@ -27,6 +27,8 @@ the result is bit-identical to the all-reduce's; three or more holders all-reduc
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -267,7 +269,10 @@ class PipelineRunner:
 
     @torch.no_grad()
     def _clip(self, max_norm: float) -> float:
-        """torch's clip_grad_norm_ over the whole model: every parameter counted once, wherever it lives."""
+        """torch's clip_grad_norm_ over the whole model: every parameter counted once, wherever it lives. inf
+        where an fp16 overflow skips the step (every rank agreed on it: DataParallel.unscale_): nothing to clip."""
+        if getattr(self.engine, "step_skipped", False):
+            return math.inf
         def weight(name: str) -> float:  # a parameter replicated over the tensor group is counted once
             return 1.0 if is_sharded(self.placements.get(name, (REPLICATED, 1))[0]) else 1.0 / self.tp_size
 
