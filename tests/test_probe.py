@@ -124,7 +124,8 @@ def _records(topo: Topology) -> list[dict]:
     return [{"rank": r, "device": "cpu", "fixed_process_bytes": 300 * 2 ** 20, "matmul": mm, "op_overhead_s": 4e-6,
              "stream": {"bytes": 2e9, "seconds": 0.2}, "elementwise": {"bytes": 1e9, "seconds": 0.25},
              "optimizer": {"bytes": 2.8e8, "seconds": 0.2}, "lowrank": {"bytes": 1e9, "seconds": 1.0},
-             "loss": {"bytes": 1e9, "seconds": 0.5}, "overlap": {"compute_s": 0.01, "comm_s": 0.01, "both_s": 0.016}, "collectives": colls}
+             "loss": {"bytes": 1e9, "seconds": 0.5},
+             "overlap": {"compute_s": 0.01, "comm_s": 0.01, "both_s": 0.016}, "collectives": colls}
             for r in range(2)]
 
 
