@@ -72,7 +72,7 @@ def main() -> int:
     print(f"\n{args.model} on {args.topology}, global batch {args.global_batch_size}, {args.precision}, "
           f"calibration: {cal.source}")
     print(f"factors: device_speed {cal.device_speed:.3g}, mem_eff {cal.mem_eff:.3g}, optimizer_eff "
-          f"{cal.optimizer_eff:.3g}, dp_overlap {cal.dp_overlap:.3g}")
+          f"{cal.optimizer_eff:.3g}, loss_eff {cal.loss_eff:.3g}, dp_overlap {cal.dp_overlap:.3g}")
     print(f"{'plan':<11} {'config':<44} {'pred ms':>8} {'meas ms':>8} {'pred/meas':>9}  load avg")
     for name, config, pred, meas, la in rows:
         print(f"{name:<11} {config:<44} {pred * 1e3:>8.1f} {meas * 1e3:>8.1f} {pred / meas:>9.2f}  {la}")
