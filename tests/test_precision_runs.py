@@ -37,6 +37,7 @@ from partitioner import compile, trace
 from ranks import assert_trains_like, gloo_group, pattern_batches
 from runtime.comm.collectives import Collectives
 from runtime.engines.data_parallel import DataParallel
+from runtime.launch.env import LaunchError
 from runtime.launch.local import launch_local
 
 pytestmark = pytest.mark.slow
@@ -337,3 +338,20 @@ def test_an_fp16_overflow_skips_the_step_on_every_pipeline_rank_with_clipping():
         assert all(torch.isfinite(torch.tensor(out.losses))), out.losses
         for k, w0 in start.items():
             assert torch.equal(out.state_dict[k], w0), (topo, k)
+
+
+@pytest.mark.slow
+def test_fp16_gradients_that_overflow_at_any_scale_stop_the_run_saying_why():
+    """Skipping steps while the loss looks normal is training nothing: once the loss scale has backed off below 1
+    (16 overflows from 2^15) and the gradients still overflow, every rank stops with the cause, under a pipeline
+    as in one process."""
+    model = training.gpt_tiny_seeded()
+    graph = trace(model, (example_batch(model, 2, seq_len=32)[0],))
+    batches = [example_batch(model, 8, seq_len=32, seed=s) for s in range(17)]
+    for pins, topo in ((dict(dp=1), "1x1xV100-32GB"), (dict(pp=2), "1x2xV100-32GB")):
+        plan = compile(graph, topo, global_batch_size=8, precision="fp16-mixed", microbatch_size=2,
+                       **{"dp": 1, "pp": 1, "tp": 1, **pins})
+        with pytest.raises(LaunchError, match=r"Fp16OverflowError.* not finite even at a loss scale of 0\.5 \(17 steps "
+                                              r"skipped so far\).*bf16-mixed"):
+            launch_local(plan, training.gpt_tiny_seeded, training.sgd, overflowing_loss, batches, timeout_s=120,
+                         verify=False)

@@ -101,6 +101,7 @@ from runtime.engines.dp_buckets import Bucket, GradientBuckets
 from runtime.engines.flat import FlatLayout, FlatTensors, default_units, grad_key, resolve_units
 from runtime.engines.fp8 import convert_linears
 from runtime.engines.mixed_precision import (
+    Fp16OverflowError,
     LossScaler,
     PrecisionName,
     cast_floating,
@@ -630,6 +631,13 @@ class DataParallel(GradientBuckets, ShardedUnits):
             found = torch.maximum(found, (~torch.isfinite(p.grad)).any().float())
         self.collectives.all_reduce(found, None, op="max")  # the world
         self._skip_step = bool(found.item())
+        if self._skip_step and self.scaler.scale < 1.0:
+            # (every rank: the flag is the world's, and every rank's scaler has made the same updates)
+            raise Fp16OverflowError(
+                f"fp16-mixed: this step's gradients are not finite even at a loss scale of {self.scaler.scale:g} "
+                f"({self.scaler.skipped_steps + 1} steps skipped so far): the overflow is in the model's fp16 "
+                "arithmetic, not the scale, so no step would ever be taken; train with precision='bf16-mixed' or "
+                "'fp32'")
         self.scaler.update(found_inf=self._skip_step)
         if self._skip_step:
             for p in params:

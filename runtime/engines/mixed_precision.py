@@ -44,7 +44,12 @@ from torch.utils._pytree import tree_map
 from cost_models.choices import PRECISIONS
 from cost_models.choices import Precision as PrecisionChoice
 
-__all__ = ["LossScaler", "Precision", "PrecisionName", "cast_floating", "policy", "scale_grad"]
+__all__ = ["Fp16OverflowError", "LossScaler", "Precision", "PrecisionName", "cast_floating", "policy", "scale_grad"]
+
+
+class Fp16OverflowError(RuntimeError):
+    """fp16 gradients that are not finite even at a loss scale below 1: no scale can make a step, so training
+    would go on skipping every step while its loss looks normal."""
 
 PrecisionName = PrecisionChoice  # cost_models.choices.Precision: this module's Precision is the policy
 
