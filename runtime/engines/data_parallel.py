@@ -158,11 +158,9 @@ class DataParallel(GradientBuckets, ShardedUnits):
             convert_linears(model)  # a forward the module runs itself: its linears' GEMMs in fp8 (same parameters)
         self.scaler = LossScaler() if self.precision.loss_scaling else None
         # fp16: the loss scale enters the backward at the module's output (_root_post_forward) and finish_gradients
-        # unscales. A caller whose module runs in pieces (each pipeline stage's call is the module's: the scale must
-        # enter once, at the model's output) or who owns more gradients of the step (a pipeline's tied copies, the
-        # experts) turns these off and calls scale_output and unscale_ itself (runtime.pipeline.runner).
-        self.scale_root_output = True
-        self.defer_unscale = False
+        # unscales, unless the caller does both (caller_scales_loss: a pipeline, whose stages each call the module
+        # and whose tied copies are gradients of the step too)
+        self._caller_scales = False
         self._dtype = self.precision.param_dtype
         self._master = self.precision.master_dtype  # what the optimizer steps and gradients accumulate in
         self._params: dict[str, nn.Parameter] = dict(model.named_parameters())  # first names, registration order
@@ -300,7 +298,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
                     f.shard.grad = torch.zeros_like(f.shard)
                     f.fresh = False
         self._skip_step = False
-        if not self.defer_unscale:
+        if not self._caller_scales:
             self.unscale_()
         self._cycle_open = False
         self.reducer.step_done()
@@ -592,7 +590,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
     def _root_post_forward(self, module, args, output):
         if self.zero_stage == 3:
             self._exit_forward()
-        if not self.scale_root_output:
+        if self._caller_scales:
             return None
         return self.scale_output(output)
 
@@ -605,7 +603,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
     def caller_scales_loss(self) -> None:
         """fp16: the caller applies the loss scale (scale_output, on the model's output only) and unscales
         (unscale_, with its own gradients) where it runs the module in pieces: a pipeline's stages."""
-        self.scale_root_output, self.defer_unscale = False, True
+        self._caller_scales = True
 
     def scale_output(self, output: Any) -> Any:
         """fp16: the model's output with the loss scale entering the gradient that flows back into it (the loss's

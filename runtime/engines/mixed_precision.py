@@ -51,6 +51,7 @@ class Fp16OverflowError(RuntimeError):
     """fp16 gradients that are not finite even at a loss scale below 1: no scale can make a step, so training
     would go on skipping every step while its loss looks normal."""
 
+
 PrecisionName = PrecisionChoice  # cost_models.choices.Precision: this module's Precision is the policy
 
 

@@ -28,7 +28,6 @@ the result is bit-identical to the all-reduce's; three or more holders all-reduc
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
