@@ -355,3 +355,30 @@ def test_fp16_gradients_that_overflow_at_any_scale_stop_the_run_saying_why():
                                               r"skipped so far\).*bf16-mixed"):
             launch_local(plan, training.gpt_tiny_seeded, training.sgd, overflowing_loss, batches, timeout_s=120,
                          verify=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(pp=2), dict(tp=2)], ids=["pp2", "tp2"])
+def test_fp16_llama_stage_code_keeps_the_norms_upcasts_and_trains_like_one_process(mesh):
+    """Hugging Face's RMSNorm upcasts to fp32 around its variance. Traced with fp32 parameters the upcast and the
+    cast back are one op; before the tracer told them apart (tracer.upcasts), stage code ran both in fp16, whose
+    rsqrt backward overflows at a variance of 4e-4 on CPU ranks: every step skipped, no parameter moved. Against
+    the one-rank plan (the model's own code): fp16 losses within 2^-7, each parameter's update within 10 %."""
+    with torch.device("meta"):
+        model = training.hf_llama_seeded()
+    graph = trace(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 512, (8, 16), generator=g), torch.randint(0, 512, (8, 16), generator=g))
+               for _ in range(STEPS)]
+    runs = {}
+    for name, pins, topo in (("one", dict(dp=1), "1x1xV100-32GB"), ("plan", mesh, "1x2xV100-32GB")):
+        plan = compile(graph, topo, global_batch_size=8, precision="fp16-mixed", microbatch_size=2,
+                       **{"dp": 1, "pp": 1, "tp": 1, **pins})
+        runs[name] = launch_local(plan, training.hf_llama_seeded, training.sgd, training.hf_loss, batches,
+                                  timeout_s=120, verify=False)
+    one, got = runs["one"], runs["plan"]
+    torch.testing.assert_close(got.losses, one.losses, rtol=2**-7, atol=0)
+    start = training.hf_llama_seeded().state_dict()
+    for k, w0 in start.items():
+        want, moved = (one.state_dict[k] - w0).abs().sum(), (got.state_dict[k] - w0).abs().sum()
+        assert want > 0 and abs(moved - want) <= 0.1 * want, (k, float(moved), float(want))

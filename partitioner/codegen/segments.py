@@ -59,6 +59,7 @@ from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewr
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.attention import shape_mask_key
 from partitioner.tracer.capture import unwritten_buffers
+from partitioner.tracer.upcasts import UPCAST
 from partitioner.tracer.writes import mutates, nested_written, with_bases, written
 from partitioner.tracer.blocks import block_index
 
@@ -416,6 +417,8 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         if traced is None or self.dtype_param is None or want != traced.meta["val"].dtype or \
                 not isinstance(src, torch.Tensor) or not src.is_floating_point():
             return False  # integer positions cast to float stay fp32
+        if n.meta.get(UPCAST):
+            return False  # the model's own upcast (a norm's statistics in fp32): tracer.upcasts
         if self.dtype is None:
             self.dtype = self.graph.call_function(getattr, (self.value(self.dtype_param), "dtype"))
         return True

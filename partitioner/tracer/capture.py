@@ -29,6 +29,7 @@ from partitioner.tracer.autograd_functions import Applied, differs_from_its_forw
 from partitioner.tracer.pointwise import fuse_activations
 from partitioner.tracer.symbolic import B, S
 from partitioner.tracer.untouched import untouched
+from partitioner.tracer.upcasts import mark_upcasts
 from partitioner.tracer.writes import nested_written
 from partitioner.tracer.writes import written as block_written
 
@@ -221,6 +222,9 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
     with recording(applied):
         ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes)
     functions = [a.name for a in applied.values() if differs_from_its_forward(a)]
+    # before the rewrites, which leave casts alone but add nodes the probe's graph would not have
+    mark_upcasts(ep, model, tuple(args), dict(kwargs),
+                 lambda m, a, k: torch.export.export(m, a, k, strict=False, dynamic_shapes=dynamic_shapes))
     # before anything reads the graph, so costs and generated code see the same fused attention and activations
     if rewrite:
         user = frozenset(s.arg.name for s in ep.graph_signature.input_specs

@@ -1,0 +1,137 @@
+"""The model's own upcasts to fp32 are told from casts to the parameters' dtype (partitioner.tracer.upcasts).
+
+Traced with fp32 parameters, an RMSNorm's `x.to(torch.float32)` and its `.to(input_dtype)` are the same op; the
+tracer exports again with fp64 parameters and keeps as fp32 the casts that still name fp32. Trained under
+fp16-mixed on CPU ranks, a Llama's pipeline and tensor plans then train like one process
+(tests/test_precision_runs.py); here, the marks, the rewired reads and the generated code.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner import compile, trace
+from partitioner.tracer.upcasts import UPCAST, cast_dtype
+
+
+class Norm(nn.Module):
+    """RMSNorm as Hugging Face writes it: statistics in fp32, the result in the input's dtype."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm, self.fc = Norm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))  # the residual reads x, which the norm's no-op upcast returned at fp32
+
+
+class Toy(nn.Module):
+    def __init__(self, d: int = 16, layers: int = 4, vocab: int = 64, fp64_branch: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.norm, self.head = Norm(d), nn.Linear(d, vocab)
+        self.fp64_branch = fp64_branch
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        if self.fp64_branch and x.dtype == torch.float64:  # code that runs other ops when the parameters are fp64
+            x = x * 1.0
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def _tokens(b: int = 2, s: int = 8) -> torch.Tensor:
+    return torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(0))
+
+
+def _casts(gm) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if cast_dtype(n) == torch.float32]
+
+
+def test_the_norms_upcasts_are_marked_and_their_casts_back_are_not():
+    torch.manual_seed(0)
+    g = trace(Toy(), (_tokens(),))
+    casts = _casts(g.graph_module)
+    marked = [n for n in casts if n.meta.get(UPCAST)]
+    # each traced norm (the three traced blocks' and the final one) has one upcast and one cast back
+    assert len(marked) == 4 and len(casts) == 8
+    for n in marked:  # the upcast feeds the statistics: x.pow(2) and the product with rsqrt
+        assert {u.target for u in n.users} == {torch.ops.aten.pow.Tensor_Scalar, torch.ops.aten.mul.Tensor}
+    for n in set(casts) - set(marked):  # the cast back feeds the weight's product only
+        assert [u.target for u in n.users] == [torch.ops.aten.mul.Tensor]
+
+
+def test_the_residual_reads_the_block_input_not_the_norms_upcast():
+    """At fp32, `x.to(torch.float32)` returns x itself, so export wrote the residual add as reading the cast; with
+    the upcast kept fp32 the residual stream would turn fp32. It reads x, as the model does."""
+    torch.manual_seed(0)
+    g = trace(Toy(), (_tokens(),))
+    adds = [n for n in g.graph_module.graph.nodes if n.target is torch.ops.aten.add.Tensor
+            and any(a.target is torch.ops.aten.linear.default for a in n.args if isinstance(a, torch.fx.Node))]
+    assert len(adds) == 3  # the traced blocks' residuals
+    for n in adds:
+        assert not any(isinstance(a, torch.fx.Node) and cast_dtype(a) is not None for a in n.args), n.args
+
+
+def test_the_users_module_keeps_its_parameters_and_buffers():
+    torch.manual_seed(0)
+    model = Toy()
+    model.register_buffer("table", torch.arange(4.0))
+    before = {k: (v, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
+    trace(model, (_tokens(),))
+    after = model.state_dict(keep_vars=True)
+    for k, (v, copy) in before.items():
+        assert after[k] is v and v.dtype == torch.float32 and torch.equal(v, copy), k
+
+
+def test_stage_code_keeps_the_upcast_and_reads_the_parameters_dtype_for_the_cast_back():
+    torch.manual_seed(0)
+    g = trace(Toy(), (_tokens(),))
+    plan = compile(g, "1x2xA100-80GB", global_batch_size=4, precision="bf16-mixed", pp=2, dp=1, tp=1,
+                   microbatch_size=2)
+    src = plan.program(0).source
+    kept = src.count("torch.ops.aten.to.dtype(x, torch.float32)")
+    back = [line for line in src.splitlines() if "torch.ops.aten.to.dtype(mul" in line]
+    assert kept >= 2 and back and all("torch.float32" not in line for line in back), src
+
+
+def test_code_that_traces_other_ops_at_fp64_warns_and_keeps_the_old_casts():
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = trace(Toy(fp64_branch=True), (_tokens(),))
+    said = [str(w.message) for w in caught if "own casts to fp32" in str(w.message)]
+    assert len(said) == 1 and "different graph" in said[0] and "precision='fp32'" in said[0], said
+    assert not any(n.meta.get(UPCAST) for n in _casts(g.graph_module))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_model_without_fp32_casts_is_exported_once(device, monkeypatch):
+    from examples.gpt import gpt_tiny
+    import partitioner.tracer.upcasts as upcasts
+
+    calls = []
+    real = upcasts._as_probe_dtype
+    monkeypatch.setattr(upcasts, "_as_probe_dtype", lambda m: calls.append(m) or real(m))
+    with torch.device(device):
+        model = gpt_tiny(n_layer=2)
+    trace(model, (torch.zeros(2, 8, dtype=torch.long, device=device),))
+    assert calls == []
