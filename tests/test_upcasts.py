@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from partitioner import compile, trace
-from partitioner.tracer.upcasts import UPCAST, cast_dtype
+from partitioner.tracer.cache import load_trace, save_trace
+from partitioner.tracer.upcasts import cast_dtype, is_upcast
 
 
 class Norm(nn.Module):
@@ -70,7 +71,7 @@ def test_the_norms_upcasts_are_marked_and_their_casts_back_are_not():
     torch.manual_seed(0)
     g = trace(Toy(), (_tokens(),))
     casts = _casts(g.graph_module)
-    marked = [n for n in casts if n.meta.get(UPCAST)]
+    marked = [n for n in casts if is_upcast(n)]
     # each traced norm (the three traced blocks' and the final one) has one upcast and one cast back
     assert len(marked) == 4 and len(casts) == 8
     for n in marked:  # the upcast feeds the statistics: x.pow(2) and the product with rsqrt
@@ -89,6 +90,32 @@ def test_the_residual_reads_the_block_input_not_the_norms_upcast():
     assert len(adds) == 3  # the traced blocks' residuals
     for n in adds:
         assert not any(isinstance(a, torch.fx.Node) and cast_dtype(a) is not None for a in n.args), n.args
+
+
+def test_what_the_model_keeps_fp32_is_charged_at_fp32_under_16_bit_recipes():
+    """The norm's upcast and its rsqrt, kept for backward, are fp32 at run time whatever the recipe: charged as
+    fixed bytes (not halved under bf16-mixed); the cast back, in the compute dtype, is not."""
+    torch.manual_seed(0)
+    g = trace(Toy(), (_tokens(),))
+    casts = [n for n in g.nodes if n.op == "to"]
+    up = [n.cost for n in casts if n.cost.fixed_activation_bytes(2, 8) > 0]
+    back = [n.cost for n in casts if n.cost.fixed_activation_bytes(2, 8) == 0]
+    assert len(up) == len(back) == 5  # the four blocks' norms (three traced, one copied) and the final one
+    assert all(c.activation_bytes(2, 8) == c.fixed_activation_bytes(2, 8) == 2 * 8 * 16 * 4 for c in up)
+    assert all(c.activation_bytes(2, 8) == 2 * 8 * 16 * 4 for c in back)
+    rsqrt = [n.cost for n in g.nodes if n.op == "rsqrt"]
+    assert len(rsqrt) == 5 and all(c.fixed_activation_bytes(2, 8) == c.activation_bytes(2, 8) > 0 for c in rsqrt)
+
+
+def test_the_marks_survive_the_trace_cache(tmp_path):
+    """An elastic restart compiles from the cached trace: its code must keep the upcasts too."""
+    torch.manual_seed(0)
+    g = trace(Toy(), (_tokens(),))
+    assert save_trace(g, tmp_path / "trace", "key")
+    again = load_trace(tmp_path / "trace", "key")
+    def marks(graph):
+        return sorted(n.name for n in _casts(graph.graph_module) if is_upcast(n))
+    assert marks(again) == marks(g) and len(marks(g)) == 4
 
 
 def test_the_users_module_keeps_its_parameters_and_buffers():
@@ -120,7 +147,7 @@ def test_code_that_traces_other_ops_at_fp64_warns_and_keeps_the_old_casts():
         g = trace(Toy(fp64_branch=True), (_tokens(),))
     said = [str(w.message) for w in caught if "own casts to fp32" in str(w.message)]
     assert len(said) == 1 and "different graph" in said[0] and "precision='fp32'" in said[0], said
-    assert not any(n.meta.get(UPCAST) for n in _casts(g.graph_module))
+    assert not any(is_upcast(n) for n in _casts(g.graph_module))
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

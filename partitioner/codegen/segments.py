@@ -59,7 +59,7 @@ from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewr
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.attention import shape_mask_key
 from partitioner.tracer.capture import unwritten_buffers
-from partitioner.tracer.upcasts import UPCAST
+from partitioner.tracer.upcasts import is_upcast
 from partitioner.tracer.writes import mutates, nested_written, with_bases, written
 from partitioner.tracer.blocks import block_index
 
@@ -287,7 +287,8 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
             return node
         if not (self.src.shape_only.get(n, False) or n in self.src.input_only):
             raise SegmentError(f"the {self.name} reads {describe(n)}, computed outside it: only the hidden state "
-                               "may cross a stage boundary (plus values computed from shapes and inputs alone)")
+                               "may cross a stage boundary (plus values computed from shapes and inputs alone)"
+                               f"{_returned_by_the_model([n])}")
         if n.target is _aten.sym_size.int and n.args[0] not in self.env and self.carried is not None:
             # a batch or sequence size read from a tensor this segment does not have: read it from its input
             want = str(n.meta.get("val"))
@@ -417,7 +418,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         if traced is None or self.dtype_param is None or want != traced.meta["val"].dtype or \
                 not isinstance(src, torch.Tensor) or not src.is_floating_point():
             return False  # integer positions cast to float stay fp32
-        if n.meta.get(UPCAST):
+        if is_upcast(n):
             return False  # the model's own upcast (a norm's statistics in fp32): tracer.upcasts
         if self.dtype is None:
             self.dtype = self.graph.call_function(getattr, (self.value(self.dtype_param), "dtype"))

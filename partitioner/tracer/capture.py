@@ -29,7 +29,7 @@ from partitioner.tracer.autograd_functions import Applied, differs_from_its_forw
 from partitioner.tracer.pointwise import fuse_activations
 from partitioner.tracer.symbolic import B, S
 from partitioner.tracer.untouched import untouched
-from partitioner.tracer.upcasts import mark_upcasts
+from partitioner.tracer.upcasts import mark_upcasts, stays_fp32
 from partitioner.tracer.writes import nested_written
 from partitioner.tracer.writes import written as block_written
 
@@ -74,6 +74,9 @@ class RawNode:
     # attention whose mask, computed from shapes alone, is the causal one at the traced sizes
     # (attention.causal_shape_mask): generated code attends with is_causal and keeps no mask
     causal_mask: bool = False
+    # the output is fp32 whatever the parameters' dtype (the model's upcast or what it computes from one:
+    # tracer.upcasts.stays_fp32), so it is kept at 4 bytes an element under 16-bit recipes too
+    fp32: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -280,7 +283,8 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
         causal_mask = attention and causal_shape_mask(n, examples, verdicts, buffers)
         raw = RawNode(name=n.name, op=op, target=str(tgt), args=node_args, outputs=outs,
                       module_path=path, module_type=typ, scalars=scalars,
-                      causal=attention and (causal_mask or causal_attention(n)), causal_mask=causal_mask)
+                      causal=attention and (causal_mask or causal_attention(n)), causal_mask=causal_mask,
+                      fp32=stays_fp32(n))
         if outs:
             refs[n.name] = RawArg(kind="node", ref=n.name, spec=outs[0])
             nodes.append(raw)

@@ -76,8 +76,9 @@ class OpCost:
         view, so a tensor is counted once), plus internal state such as
         dropout masks.
     op_class: the compute model's class of the op.
-    fixed_activation_bytes: the part of activation_bytes that is boolean masks and integer indices,
-        whose size does not follow the compute precision (a 16-bit run halves only the rest).
+    fixed_activation_bytes: the part of activation_bytes that is boolean masks, integer indices and values
+        the model keeps fp32 on purpose (a norm's upcast: partitioner.tracer.upcasts), whose size does not
+        follow the compute precision (a 16-bit run halves only the rest).
     causal: attention that attends causally (partitioner.tracer.attention.causal_attention): its FLOPs
         count the full L x S products (the model FLOPs of MFU), of which a causal kernel computes half
         (FlashAttention-2 skips the blocks above the diagonal; Dao 2023 counts it so): `executed`.

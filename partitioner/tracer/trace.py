@@ -313,7 +313,8 @@ def _costed(n, c, extra_bytes, fixed_bytes, kept: bool, rg, s_value: int, seq: i
             stack: LayerStack | None) -> Costed:
     out_bytes = n.outputs[0].numel() * n.outputs[0].itemsize if kept else 0
     act = extra_bytes + out_bytes
-    fixed_bytes = fixed_bytes + (0 if n.outputs[0].dtype.is_floating_point else out_bytes)
+    # masks, indices and what the model keeps fp32 on purpose: the same size at any precision
+    fixed_bytes = fixed_bytes + (0 if n.outputs[0].dtype.is_floating_point and not n.fp32 else out_bytes)
     cost = OpCost(forward_flops=to_poly(c.forward_flops, s_value=s_value),
                   backward_flops=to_poly(c.backward_flops, s_value=s_value),
                   bytes_read=to_poly(c.bytes_read, s_value=s_value),

@@ -11,10 +11,11 @@ traces both casts as `aten.to.dtype(x, torch.float32)`. Code generated for a 16-
 model asks for fp32 there: a variance of 4e-4 under rsqrt's backward overflows fp16) and make the second read the
 parameters' dtype at run time. Nothing in the fp32 graph tells them apart; the dtype the code names does, once the
 parameters have another dtype. So the forward is exported once more with every fp32 parameter, buffer and float
-input as fp64 (uninitialised storage: nothing is computed, export runs on fake tensors), and a cast that still
-names fp32 there is the model's own: its node in the fp32 graph gets `meta[UPCAST] = True`. fp64 as the probe,
-not a 16-bit dtype: model code branches on fp16 and bf16 (clamps, finfo tables), almost never on fp64, so the
-two graphs are the same ops in the same order, which is checked node by node before any cast is marked.
+input as fp64 (parameters as uninitialised storage: export runs on fake tensors). A cast that still names fp32
+there is the model's own (`is_upcast`); a value that is fp32 there is fp32 under any recipe (`stays_fp32`: the
+cost model charges it 4 bytes an element). fp64 as the probe, not a 16-bit dtype: model code branches on fp16
+and bf16 (clamps, finfo tables), almost never on fp64, so the two graphs are the same ops in the same order,
+which is checked node by node before anything is marked.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["UPCAST", "CASTS", "cast_dtype", "mark_upcasts"]
+__all__ = ["CASTS", "cast_dtype", "mark_upcasts", "is_upcast", "stays_fp32"]
 
-UPCAST = "partitioner_upcast"  # node meta key: the model casts to fp32 here on purpose
+# Node marks, in meta["custom"], which torch.export's serializer keeps: a cached trace (tracer.cache) carries them
+_UPCAST = "partitioner_upcast"  # the model casts to fp32 here on purpose
+_FP32 = "partitioner_fp32"  # the output is fp32 whatever the parameters' dtype (an upcast, or made from one)
 
 _aten = torch.ops.aten
 CASTS = frozenset({_aten.to.dtype, _aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device})
@@ -161,11 +164,25 @@ def mark_upcasts(ep: Any, model: nn.Module, args: tuple, kwargs: dict,
         return _unmarked(type(model).__name__, "its code traces a different graph when the parameters are fp64")
     by_name = {n.name: n for n in probe.graph.nodes}
     marked = 0
-    for n in casts:
-        if cast_dtype(by_name[n.name]) == _TRACED:
-            n.meta[UPCAST] = True
+    for n in ep.graph.nodes:
+        val = by_name[n.name].meta.get("val") if n.op == "call_function" else None
+        if isinstance(val, torch.Tensor) and val.dtype == _TRACED:
+            n.meta.setdefault("custom", {})[_FP32] = True
+        if n in casts and cast_dtype(by_name[n.name]) == _TRACED:
+            n.meta["custom"][_UPCAST] = True
             marked += 1
     return marked
+
+
+def is_upcast(n: fx.Node) -> bool:
+    """Whether `n` is a cast the model makes to fp32 on purpose (`mark_upcasts`), kept fp32 under 16-bit recipes."""
+    return bool(n.meta.get("custom", {}).get(_UPCAST))
+
+
+def stays_fp32(n: fx.Node) -> bool:
+    """Whether `n`'s output is fp32 at any parameter dtype (`mark_upcasts`): its size does not follow the
+    recipe's compute dtype."""
+    return bool(n.meta.get("custom", {}).get(_FP32))
 
 
 def _unmarked(model: str, why: str) -> int:
