@@ -147,9 +147,10 @@ def test_family_trains_like_one_process(family, plan_name):
 @pytest.mark.slow
 @pytest.mark.parametrize("plan_name", ["tp2", "pp2-1f1b"])
 def test_rotary_family_trains_under_bf16_mixed(plan_name):
-    """Traced in fp32, the code lost the model's casts that were no-ops then (Qwen3's rotary tables `.to(x.dtype)`):
-    run in bf16, a fp32 table met bf16 activations and SDPA refused q/k in fp32 beside a bf16 v. Stage code
-    runs under autocast to the compute dtype. Losses against the fp32 run within 0.1 %: bf16 roundings (2^-8
+    """Traced in fp32, the code held the model's casts that were no-ops then (Qwen3's rotary tables `.to(x.dtype)`)
+    as casts to fp32: run in bf16, a fp32 table met bf16 activations and SDPA refused q/k in fp32 beside a bf16 v.
+    They cast to the parameters' dtype, the norms' upcasts stay fp32 (partitioner.tracer.upcasts), and the code
+    runs without autocast. Losses against the fp32 run within 0.1 %: bf16 roundings (2^-8
     relative each) of activations that the loss averages over 128 tokens; measured 2-4e-5."""
     pp, dp, tp, zero, schedule, interleave = PLANS[plan_name]
     plan = compile(meta_graph("qwen3"), f"local:{pp * dp * tp}", global_batch_size=BATCH, precision="bf16-mixed",
@@ -157,6 +158,24 @@ def test_rotary_family_trains_under_bf16_mixed(plan_name):
     out = launch_local(plan, BUILDERS["qwen3"], sgd, hf_loss, batches(), timeout_s=180)
     want_losses, _ = reference("qwen3")
     assert out.losses == pytest.approx(want_losses, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_bf16_stage_code_computes_in_the_modules_own_dtypes():
+    """Stage code that casts as the model does runs without autocast, in the dtypes the module's own forward
+    computes in with bf16 parameters (the one-rank plan runs that forward): DeepSeek-V3 under pp2 then trains
+    exactly as the one-rank plan, where under autocast (which casts the fp32 values its linears and attention
+    meet to bf16, and on a GPU runs norms on fp32 copies) its losses differed by 5e-5."""
+    runs = {}
+    for name, pp in (("one", 1), ("pp2", 2)):
+        plan = compile(meta_graph("deepseek_v3"), f"local:{pp}", global_batch_size=BATCH, precision="bf16-mixed",
+                       pp=pp, dp=1, tp=1, microbatch_size=2)
+        if pp > 1:  # the one-rank plan runs the module's own forward
+            assert plan.code.exact_casts and "stage.autocast = False" in plan.program(0).source
+        runs[name] = launch_local(plan, BUILDERS["deepseek_v3"], sgd, hf_loss, batches(), timeout_s=180)
+    assert runs["pp2"].losses == runs["one"].losses
+    for k, v in runs["one"].state_dict.items():
+        torch.testing.assert_close(runs["pp2"].state_dict[k], v, rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.slow

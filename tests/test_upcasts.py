@@ -138,6 +138,7 @@ def test_stage_code_keeps_the_upcast_and_reads_the_parameters_dtype_for_the_cast
     kept = src.count("torch.ops.aten.to.dtype(x, torch.float32)")
     back = [line for line in src.splitlines() if "torch.ops.aten.to.dtype(mul" in line]
     assert kept >= 2 and back and all("torch.float32" not in line for line in back), src
+    assert plan.code.exact_casts and "stage.autocast = False" in src  # it runs as the model casts, no autocast
 
 
 def test_code_that_traces_other_ops_at_fp64_warns_and_keeps_the_old_casts():
@@ -148,6 +149,9 @@ def test_code_that_traces_other_ops_at_fp64_warns_and_keeps_the_old_casts():
     said = [str(w.message) for w in caught if "own casts to fp32" in str(w.message)]
     assert len(said) == 1 and "different graph" in said[0] and "precision='fp32'" in said[0], said
     assert not any(is_upcast(n) for n in _casts(g.graph_module))
+    plan = compile(g, "1x2xA100-80GB", global_batch_size=4, precision="bf16-mixed", pp=2, dp=1, tp=1,
+                   microbatch_size=2)
+    assert not plan.code.exact_casts and "stage.autocast = True" in plan.program(0).source  # autocast makes up
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
 __all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "SegmentTables",
-           "block_names", "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines",
+           "autocast_line", "block_names", "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines",
            "one_rank_ep_context", "optimizer_lines", "params_table", "program_header", "ranks_text", "recompute_lines",
            "recomputed_blocks", "reduce_scatter_impl", "segment_tables", "torch_compile_import", "torch_compile_lines",
            "torch_compile_refusal"]
@@ -103,6 +103,13 @@ _RECOMPUTE_WHAT = {
     "full": "each block keeps only its input in forward and runs again in backward",
     "selective": "each block keeps the outputs of its matrix products and layer norms and runs every other op "
                  "again in backward, the s x s attention scores included"}
+
+
+def autocast_line(plan: "Plan") -> str:
+    """The build() line that says whether mixed-precision stage code runs under autocast (`StageModel.autocast`)."""
+    if plan.code is not None and plan.code.exact_casts:
+        return "    stage.autocast = False  # the code casts as the model does: it runs in the module's own dtypes\n"
+    return "    stage.autocast = True  # the trace could not tell the model's upcasts from its casts back\n"
 
 
 def block_names(plan: "Plan") -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from partitioner.codegen.common import (
     ZERO_WHAT,
+    autocast_line,
     dp_compression,
     ep_context,
     literal,
@@ -270,7 +271,7 @@ def expert_engine_lines(plan: "Plan") -> str:
              f"1/{c.replicas // c.ep} of their flat\n    # buffer (optimizer state and gradients), all-gathered at UNSHARD."
              if c.zero_stage > 0 and c.replicas > c.ep else "")
     cast = ("    stage.cast = engine.precision.param_dtype  # the fp32 expert slices enter the code in the compute dtype\n"
-            if plan.precision != "fp32" and c.pp == 1 and c.tp == 1 else "")
+            + autocast_line(plan) if plan.precision != "fp32" and c.pp == 1 and c.tp == 1 else "")
     return (f"    # The expert slices stay outside that engine: their gradients are summed over edp_group and divided\n"
             f"    # by the {c.replicas} replicas (one process's mean); the optimizer steps them with the rest.{shard}\n"
             f"    engine = ExpertParallel(engine, stage.experts, ep_group=ep_group, ep_rank=ep.rank, ep={c.ep}, "

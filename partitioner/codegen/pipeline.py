@@ -19,6 +19,7 @@ from partitioner.codegen.common import (
     ZERO_WHAT,
     CodegenError,
     attention_import,
+    autocast_line,
     cp_import,
     ep_context,
     ep_import,
@@ -286,7 +287,7 @@ def build(model_fn, optimizer_fn, loss_fn):
 {context_lines(plan, rank)}{expert_lines(plan, rank)}    stage = make_stage(model, tp{", cp" if c.cp > 1 else ""}{", ep" if ctx else ""})
 
 {engine}{expert_engine_lines(plan)}    {"stage.cast = engine.precision.param_dtype  # tied copies enter the code in the compute dtype" if mixed else "# fp32: tied copies enter the code as they are"}
-{optimizer_lines(plan, 'list(stage.tied.values())')}    return PipelineRunner(
+{autocast_line(plan) if mixed else ""}{optimizer_lines(plan, 'list(stage.tied.values())')}    return PipelineRunner(
         stage=stage, engine=engine, optimizer=optimizer, loss_fn=loss_fn, collectives=collectives, groups=groups,
         tie_group=tie_group, tie_first={bool(tie_pp) and me.pp == tie_pp[0]}, actions=ACTIONS,
         num_stages={len(plan.stages)}, stage_ranks=STAGE_RANKS, dp_rank={me.dp}, dp_size={c.dp}, tp_size={c.tp},

@@ -59,7 +59,7 @@ from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewr
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.attention import shape_mask_key
 from partitioner.tracer.capture import unwritten_buffers
-from partitioner.tracer.upcasts import is_upcast
+from partitioner.tracer.upcasts import casts_known, is_upcast
 from partitioner.tracer.writes import mutates, nested_written, with_bases, written
 from partitioner.tracer.blocks import block_index
 
@@ -302,7 +302,10 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
             if self.cut_dim == dims[0]:  # the input holds 1/tp of the tokens: the whole size
                 self.env[n] = self.graph.call_function(operator.mul, (self.env[n], self.tp))
             return self.env[n]
+        cast = n.target in _CASTS and self._to_param_dtype(n)
         self.env[n] = self._copy_plain(n)
+        if cast:
+            self._retarget(self.env[n])
         return self.env[n]
 
     def _copy_plain(self, n: fx.Node, lookup: Any = None) -> Any:
@@ -396,10 +399,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
             new.kwargs = {**new.kwargs, "site": f"{self.name}: {n.name} {key}",
                           **({"sources": sources} if sources else {})}
         if cast:
-            if "dtype" in new.kwargs:
-                new.kwargs = {**new.kwargs, "dtype": self.dtype}
-            else:
-                new.args = (new.args[0], self.dtype, *new.args[2:])
+            self._retarget(new)
         self.resize(n, new)
         self.whole_lengths(n, new)
         self.sum_replicated_grads(n, new)
@@ -407,6 +407,13 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         self.gather_sequence(n, new)
         self.fork_random(n, new)
         self.env[n] = new
+
+    def _retarget(self, new: fx.Node) -> None:
+        """Make cast `new` convert to the parameters' dtype as the code runs (`self.dtype`)."""
+        if "dtype" in new.kwargs:
+            new.kwargs = {**new.kwargs, "dtype": self.dtype}
+        else:
+            new.args = (new.args[0], self.dtype, *new.args[2:])
 
     def _to_param_dtype(self, n: fx.Node) -> bool:
         """Whether `n` casts to the traced parameter dtype (fp32; e.g. HF's `.to(inputs_embeds.dtype)`): that
@@ -569,7 +576,8 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         b = _Builder(src, "prefix", carried=None, block=None, **kw)
         run(b, src.members("prefix") + src.members("suffix"))
         prefix = b.finish(tuple(b.output(x) for x in flat_out))
-        return ModelCode(stack=None, num_blocks=0, tp=tp, prefix=prefix, block=None, suffix=None, output_spec=spec)
+        return ModelCode(stack=None, num_blocks=0, tp=tp, prefix=prefix, block=None, suffix=None, output_spec=spec,
+                         exact_casts=casts_known(ep.graph))
 
     # prefix -> block 0: one tensor
     # the suffix reads the MoE layers' router logits (a load-balancing loss): they reach it through the ep
@@ -652,7 +660,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     return ModelCode(stack=src.stack, num_blocks=g.blocks[-1].index + 1 if g.blocks else len(blocks), tp=tp,
                      prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec, sp_dim=cut_dim,
                      hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds,
-                     frozen=tuple(sorted(src.param[n] for n in src.frozen)),
+                     frozen=tuple(sorted(src.param[n] for n in src.frozen)), exact_casts=casts_known(ep.graph),
                      **(_expert_fields(g) if kw["routed"] else {}))
 
 

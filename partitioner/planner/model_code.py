@@ -70,6 +70,10 @@ class ModelCode:
     experts: tuple[tuple[str, int], ...] = dataclasses.field(default=(), metadata={"omit_default": True})
     moe_layers: int = dataclasses.field(default=0, metadata={"omit_default": True})
     top_k: int = dataclasses.field(default=0, metadata={"omit_default": True})
+    # the code casts as the model's forward does (partitioner.tracer.upcasts.casts_known): under mixed precision it
+    # runs as it is, in the dtypes the module itself computes in; False (and plans saved before) under autocast to
+    # the compute dtype, which makes up for casts to the parameters' dtype lost at trace time
+    exact_casts: bool = dataclasses.field(default=False, metadata={"omit_default": True})
     # parameters that train nothing (requires_grad=False: RoFormer's sinusoidal position table), which every segment
     # reading them computes from as from a buffer: held by each stage that reads one, never tied between stages
     frozen: tuple[str, ...] = dataclasses.field(default=(), metadata={"omit_default": True})

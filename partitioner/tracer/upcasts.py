@@ -29,11 +29,12 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["CASTS", "cast_dtype", "mark_upcasts", "is_upcast", "stays_fp32"]
+__all__ = ["CASTS", "cast_dtype", "mark_upcasts", "is_upcast", "stays_fp32", "casts_known"]
 
 # Node marks, in meta["custom"], which torch.export's serializer keeps: a cached trace (tracer.cache) carries them
 _UPCAST = "partitioner_upcast"  # the model casts to fp32 here on purpose
 _FP32 = "partitioner_fp32"  # the output is fp32 whatever the parameters' dtype (an upcast, or made from one)
+_UNKNOWN = "partitioner_casts_unknown"  # on the output node: the probe failed, upcasts and casts back look alike
 
 _aten = torch.ops.aten
 CASTS = frozenset({_aten.to.dtype, _aten._to_copy.default, _aten.to.dtype_layout, _aten.to.device})
@@ -159,9 +160,9 @@ def mark_upcasts(ep: Any, model: nn.Module, args: tuple, kwargs: dict,
     except (KeyboardInterrupt, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - only the marks are lost; the fp32 graph stands
-        return _unmarked(type(model).__name__, f"exporting it with fp64 parameters failed ({type(exc).__name__})")
+        return _unmarked(ep, type(model).__name__, f"exporting it with fp64 parameters failed ({type(exc).__name__})")
     if _ops(probe.graph) != _ops(ep.graph) or not _rewire(ep, probe):
-        return _unmarked(type(model).__name__, "its code traces a different graph when the parameters are fp64")
+        return _unmarked(ep, type(model).__name__, "its code traces a different graph when the parameters are fp64")
     by_name = {n.name: n for n in probe.graph.nodes}
     marked = 0
     for n in ep.graph.nodes:
@@ -185,9 +186,19 @@ def stays_fp32(n: fx.Node) -> bool:
     return bool(n.meta.get("custom", {}).get(_FP32))
 
 
-def _unmarked(model: str, why: str) -> int:
+def casts_known(graph: fx.Graph) -> bool:
+    """Whether every cast of `graph` converts as the model's code does (`mark_upcasts` told them apart, or none was
+    ambiguous): generated code then runs without autocast, in the dtypes the model's own forward computes in."""
+    return not any(n.op == "output" and n.meta.get("custom", {}).get(_UNKNOWN) for n in graph.nodes)
+
+
+def _unmarked(ep: Any, model: str, why: str) -> int:
+    """Say that the casts could not be told apart, and mark the graph so (`casts_known`)."""
+    out = next(n for n in ep.graph.nodes if n.op == "output")
+    out.meta.setdefault("custom", {})[_UNKNOWN] = True
     warnings.warn(
         f"trace: could not tell {model}'s own casts to fp32 (such as a norm's upcast) from casts to its parameters' "
-        f"dtype: {why}. Under bf16-mixed and fp16-mixed, stage code runs both in the compute dtype; compile with "
-        "precision='fp32', or pin pp=1 and tp=1 (data-parallel plans run the model's own code)", stacklevel=4)
+        f"dtype: {why}. Under bf16-mixed and fp16-mixed, stage code runs both in the compute dtype, under autocast; "
+        "compile with precision='fp32', or pin pp=1 and tp=1 (data-parallel plans run the model's own code)",
+        stacklevel=4)
     return 0

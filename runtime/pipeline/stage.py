@@ -101,6 +101,9 @@ class StageModel:
         self.input_names, self.block_inputs, self.suffix_inputs = tuple(input_names), \
             tuple(tuple(x) for x in block_inputs), tuple(suffix_inputs)
         self.cast: torch.dtype | None = None  # mixed precision: tied parameters enter the code in this dtype
+        # mixed precision: run the code under autocast to `cast` (set False by programs whose code casts as the
+        # model does: partitioner.tracer.upcasts)
+        self.autocast = True
 
         blocks = sorted({i for a, b, _, _ in self.stages.values() for i in range(a, b)})
         need = set()
@@ -215,13 +218,14 @@ class StageModel:
         return out
 
     def _cast_stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
-        if self.cast is None:
+        if self.cast is None or not self.autocast:
             return self._run_stage(x, inputs, _stage)
-        # Mixed precision: the traced code lost the model's casts that were no-ops at trace time (HF's rotary
-        # tables and norms `.to(x.dtype)` when x was fp32 as the parameters), so a table computed in fp32
-        # meets 16-bit activations (SDPA refuses q/k in fp32 beside a bf16 v; a linear a fp32 input beside
-        # its bf16 weight). Autocast to the compute dtype puts matmuls and attention in it, as the model's
-        # own casts did; elementwise ops keep their inputs' dtype (fp32 where the model upcast on purpose).
+        # Code whose casts the tracer could not tell apart (partitioner.tracer.upcasts: the fp64 export failed):
+        # a cast to the parameters' dtype that was a no-op at trace time may be missing (HF's rotary tables
+        # `.to(x.dtype)`), so a table computed in fp32 meets 16-bit activations (SDPA refuses q/k in fp32 beside
+        # a bf16 v). Autocast to the compute dtype puts matmuls and attention in it, as the model's casts did.
+        # Programs whose code casts as the model does turn it off: on a GPU autocast also runs norms, softmax and
+        # powers on an fp32 copy of their input, which backward keeps, where the module's own forward does not.
         with torch.autocast(device_type=rank_device().type, dtype=self.cast):
             return self._run_stage(x, inputs, _stage)
 
