@@ -108,7 +108,8 @@ def test_the_program_holds_its_experts_and_runs_them_over_the_ep_group():
     assert "EP_GROUPS = ((0, 1),)" in src and "EDP_GROUPS = ((0,), (1,))" in src
     block = src.split("def block", 1)[1].split("def suffix", 1)[0]
     # the experts region is one call; the router and its top-k stay as traced
-    assert "ep_experts(view_8, getitem_7, div__1, mlp_experts_gate_up_proj, mlp_experts_down_proj, linear_9, ep)" in block
+    assert ("ep_experts(view_8, getitem_7, div__1, mlp_experts_gate_up_proj, mlp_experts_down_proj, linear_9, ep)"
+            in block)
     assert "grouped_mm" not in block and "aten.topk" in block
     suffix = src.split("def suffix", 1)[1]
     assert "= ep_aux_loss(ep)" in suffix and "ep_router_logits(ep, 1)" in suffix

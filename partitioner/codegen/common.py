@@ -18,10 +18,10 @@ if TYPE_CHECKING:
     from partitioner.planner.plan import Plan
 
 __all__ = ["CodegenError", "ZERO_WHAT", "DpCompression", "MeshLines", "ModelCodeLines", "SegmentTables",
-           "autocast_line", "block_names", "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines", "model_code_lines",
-           "one_rank_ep_context", "optimizer_lines", "params_table", "program_header", "ranks_text", "recompute_lines",
-           "recomputed_blocks", "reduce_scatter_impl", "segment_tables", "torch_compile_import", "torch_compile_lines",
-           "torch_compile_refusal"]
+           "autocast_line", "block_names", "dp_compression", "ep_context", "ep_stage_lines", "literal", "mesh_lines",
+           "model_code_lines", "one_rank_ep_context", "optimizer_lines", "params_table", "program_header",
+           "ranks_text", "recompute_lines", "recomputed_blocks", "reduce_scatter_impl", "segment_tables",
+           "torch_compile_import", "torch_compile_lines", "torch_compile_refusal"]
 
 ZERO_WHAT = {
     0: "DDP: parameters and optimizer state replicated; gradients all-reduced in buckets while backward runs",
