@@ -59,7 +59,7 @@ from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewr
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.attention import shape_mask_key
 from partitioner.tracer.capture import unwritten_buffers
-from partitioner.tracer.upcasts import casts_known, is_upcast
+from partitioner.tracer.upcasts import cast_dtype, casts_known, is_upcast
 from partitioner.tracer.writes import mutates, nested_written, with_bases, written
 from partitioner.tracer.blocks import block_index
 
@@ -420,7 +420,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         is a cast to whatever dtype the parameters have when the code runs (bf16 under mixed precision),
         so it is rewritten to read it (`self.dtype`, made here, before the cast's copy)."""
         traced = next(iter(self.src.param), None)
-        want = n.kwargs.get("dtype", n.args[1] if n.target is _aten.to.dtype and len(n.args) > 1 else None)
+        want = cast_dtype(n)
         src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
         if traced is None or self.dtype_param is None or want != traced.meta["val"].dtype or \
                 not isinstance(src, torch.Tensor) or not src.is_floating_point():

@@ -150,7 +150,7 @@ def mark_upcasts(ep: Any, model: nn.Module, args: tuple, kwargs: dict,
     parameters; `export` exports again as `ep` was), and make the code after a cast that was a no-op read what
     the model reads (`_rewire`). Returns how many were marked. Where the probe cannot be exported, or exports a
     different graph, nothing changes and a warning says what 16-bit plans then run."""
-    casts = _ambiguous(ep.graph)
+    casts = set(_ambiguous(ep.graph))
     params = [p.dtype for p in model.parameters()]
     if not casts or not params or max(set(params), key=params.count) != _TRACED:
         return 0
