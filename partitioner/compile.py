@@ -280,16 +280,16 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     rewrite = decl.rewrite_attention
     if isinstance(model, OpGraph):
         g = model
-        if g.attention_rewrites and not rewrite:
+        if g.rewritten and not rewrite:
             raise DeclarationError("rewrite_attention=False: trace the model with trace(..., rewrite_attention=False) "
-                                   "(this OpGraph's attention was rewritten to scaled_dot_product_attention), or "
-                                   "compile the module")
+                                   "(this OpGraph's attention, norms or activations were rewritten to fused ops), "
+                                   "or compile the module")
     else:
         if example_inputs is None and not example_kwargs:
             raise DeclarationError("example_inputs: required to trace the model, e.g. example_inputs=(tokens,); "
                                    "or pass an OpGraph from partitioner.tracer.trace")
         g = trace(model, example_inputs or (), example_kwargs, rewrite_attention=rewrite)
-        if g.attention_rewrites and not _runs_code(g):  # no program can run the rewritten code: cost what runs
+        if g.rewritten and not _runs_code(g):  # no program can run the rewritten code: cost what runs
             g = trace(model, example_inputs or (), example_kwargs, rewrite_attention=False)
     plan = plan_graph(g, topo, decl, opts)
     _warn_batch_norm(g, plan)
@@ -645,7 +645,8 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
                 compression=dict(zip(LEVELS, best.compression)),
                 compression_warmup=decl.compression_warmup if best.compression != ("none", "none") else 0,
                 rejected=rejected, baselines=baselines, async_sgd=decl.async_sgd,
-                attention_rewrites=g.attention_rewrites, experts=experts_text(g), block_kinds=_block_kinds(g),
+                attention_rewrites=g.attention_rewrites, fused=_fused_text(g), experts=experts_text(g),
+                block_kinds=_block_kinds(g),
                 expert_parallel=_expert_note(ctx, cand, topo, declared="ep" in (declared or decl.pinned())),
                 block_container=g.block_container if _block_kinds(g) else None, torch_compile=decl.torch_compile,
                 load_balancing_loss=aux_loss,
@@ -903,10 +904,11 @@ def _runs_code(g: OpGraph) -> bool:
 
 def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False, aux_loss: bool = False) -> dict:
     """The prefix/block/suffix code that pipeline and tensor-parallel programs run; data-parallel and async
-    SGD programs run it too when the graph's attention was rewritten (the module's own forward would run
-    it eagerly), and data-parallel ones where the model computes its routers' load-balancing loss (`aux_loss`,
-    async SGD's replicas excepted: the module's own forward would compute each replica's, not the batch's)."""
-    if cand.pp == 1 and cand.tp == 1 and cand.cp == 1 and cand.ep == 1 and not g.attention_rewrites and \
+    SGD programs run it too when the graph's attention, norms or activations were rewritten to fused ops (the
+    module's own forward would run them eagerly: OpGraph.rewritten), and data-parallel ones where the model
+    computes its routers' load-balancing loss (`aux_loss`, async SGD's replicas excepted: the module's own
+    forward would compute each replica's, not the batch's)."""
+    if cand.pp == 1 and cand.tp == 1 and cand.cp == 1 and cand.ep == 1 and not g.rewritten and \
             not (cand.replicas > 1 and aux_loss):
         return {}
     if not isinstance(g.graph_module, torch.export.ExportedProgram):
@@ -918,6 +920,11 @@ def _model_code(g: OpGraph, splits, cand: ParallelConfig, *, fp8: bool = False, 
                                 expert_parallel=cand.ep)}
     except SegmentError as e:
         return {"code_note": str(e)}
+
+
+def _fused_text(g: OpGraph) -> str:
+    """Plan.fused: the fused ops the tracer wrote, with how many of each."""
+    return ", ".join(f"{op} x{k}" for op, k in sorted(g.fused.items()))
 
 
 def _load_balancing_loss(g: OpGraph) -> bool:

@@ -1,5 +1,8 @@
 """The model's own upcasts to fp32 are told from casts to the parameters' dtype (partitioner.tracer.upcasts).
 
+(Traced with rewrite_attention=False: by default the tracer fuses this RMSNorm into aten.rms_norm,
+tests/test_norms.py, and its casts go with it; models whose norms are spelled otherwise keep them.)
+
 Traced with fp32 parameters, an RMSNorm's `x.to(torch.float32)` and its `.to(input_dtype)` are the same op; the
 tracer exports again with fp64 parameters and keeps as fp32 the casts that still name fp32. Trained under
 fp16-mixed on CPU ranks, a Llama's pipeline and tensor plans then train like one process
@@ -63,13 +66,17 @@ def _tokens(b: int = 2, s: int = 8) -> torch.Tensor:
     return torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(0))
 
 
+def _trace(model: nn.Module):
+    return trace(model, (_tokens(),), rewrite_attention=False)
+
+
 def _casts(gm) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if cast_dtype(n) == torch.float32]
 
 
 def test_the_norms_upcasts_are_marked_and_their_casts_back_are_not():
     torch.manual_seed(0)
-    g = trace(Toy(), (_tokens(),))
+    g = _trace(Toy())
     casts = _casts(g.graph_module)
     marked = [n for n in casts if is_upcast(n)]
     # each traced norm (the three traced blocks' and the final one) has one upcast and one cast back
@@ -84,7 +91,7 @@ def test_the_residual_reads_the_block_input_not_the_norms_upcast():
     """At fp32, `x.to(torch.float32)` returns x itself, so export wrote the residual add as reading the cast; with
     the upcast kept fp32 the residual stream would turn fp32. It reads x, as the model does."""
     torch.manual_seed(0)
-    g = trace(Toy(), (_tokens(),))
+    g = _trace(Toy())
     adds = [n for n in g.graph_module.graph.nodes if n.target is torch.ops.aten.add.Tensor
             and any(a.target is torch.ops.aten.linear.default for a in n.args if isinstance(a, torch.fx.Node))]
     assert len(adds) == 3  # the traced blocks' residuals
@@ -96,7 +103,7 @@ def test_what_the_model_keeps_fp32_is_charged_at_fp32_under_16_bit_recipes():
     """The norm's upcast and its rsqrt, kept for backward, are fp32 at run time whatever the recipe: charged as
     fixed bytes (not halved under bf16-mixed); the cast back, in the compute dtype, is not."""
     torch.manual_seed(0)
-    g = trace(Toy(), (_tokens(),))
+    g = _trace(Toy())
     casts = [n for n in g.nodes if n.op == "to"]
     up = [n.cost for n in casts if n.cost.fixed_activation_bytes(2, 8) > 0]
     back = [n.cost for n in casts if n.cost.fixed_activation_bytes(2, 8) == 0]
@@ -110,7 +117,7 @@ def test_what_the_model_keeps_fp32_is_charged_at_fp32_under_16_bit_recipes():
 def test_the_marks_survive_the_trace_cache(tmp_path):
     """An elastic restart compiles from the cached trace: its code must keep the upcasts too."""
     torch.manual_seed(0)
-    g = trace(Toy(), (_tokens(),))
+    g = _trace(Toy())
     assert save_trace(g, tmp_path / "trace", "key")
     again = load_trace(tmp_path / "trace", "key")
     def marks(graph):
@@ -123,7 +130,7 @@ def test_the_users_module_keeps_its_parameters_and_buffers():
     model = Toy()
     model.register_buffer("table", torch.arange(4.0))
     before = {k: (v, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
-    trace(model, (_tokens(),))
+    _trace(model)
     after = model.state_dict(keep_vars=True)
     for k, (v, copy) in before.items():
         assert after[k] is v and v.dtype == torch.float32 and torch.equal(v, copy), k
@@ -131,7 +138,7 @@ def test_the_users_module_keeps_its_parameters_and_buffers():
 
 def test_stage_code_keeps_the_upcast_and_reads_the_parameters_dtype_for_the_cast_back():
     torch.manual_seed(0)
-    g = trace(Toy(), (_tokens(),))
+    g = _trace(Toy())
     plan = compile(g, "1x2xA100-80GB", global_batch_size=4, precision="bf16-mixed", pp=2, dp=1, tp=1,
                    microbatch_size=2)
     src = plan.program(0).source
@@ -145,7 +152,7 @@ def test_code_that_traces_other_ops_at_fp64_warns_and_keeps_the_old_casts():
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        g = trace(Toy(fp64_branch=True), (_tokens(),))
+        g = _trace(Toy(fp64_branch=True))
     said = [str(w.message) for w in caught if "own casts to fp32" in str(w.message)]
     assert len(said) == 1 and "different graph" in said[0] and "precision='fp32'" in said[0], said
     assert not any(is_upcast(n) for n in _casts(g.graph_module))

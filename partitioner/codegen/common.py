@@ -310,10 +310,23 @@ class ModelCodeLines:
     run: str = ""
 
 
+def _fused_why(plan: "Plan") -> str:
+    """Why a data-parallel program runs generated code: the kernels the tracer fused (OpGraph.rewritten)."""
+    attention = (f"its {plan.attention_rewrites} eager attention(s) run as one fused scaled_dot_product_attention"
+                 "\n# each")
+    if not plan.fused:
+        return f"{attention}, as the plan's time and memory assume (partitioner.tracer.attention)"
+    fused = f"its {plan.fused} run as one ATen op each (the model spells them as chains of ops)"
+    if not plan.attention_rewrites:
+        return f"{fused},\n# as the plan's time and memory assume (partitioner.tracer.norms, .pointwise)"
+    return f"{attention},\n# {fused}, as the plan's time and memory assume (partitioner.tracer)"
+
+
 def model_code_lines(plan: "Plan") -> ModelCodeLines:
     """The lines that make a data-parallel or async SGD program (pp = tp = 1) run the plan's model code: a
-    plan carries code for them when its attention was rewritten to a fused kernel, which the module's own
-    forward would not run (partitioner.tracer.attention). All empty otherwise: the module runs as it is."""
+    plan carries code for them when its attention, norms or activations were rewritten to fused kernels, which the
+    module's own forward would not run (partitioner.tracer.attention, .norms, .pointwise). All empty otherwise: the
+    module runs as it is."""
     code = plan.code
     if code is None:
         return ModelCodeLines()
@@ -323,8 +336,7 @@ def model_code_lines(plan: "Plan") -> ModelCodeLines:
     ctx = ep_context(plan)  # the ep context: ep > 1, or the load-balancing loss at ep = 1
     t = segment_tables(code)
     n = code.num_blocks
-    why = (f"its {plan.attention_rewrites} eager attention(s) run as one fused scaled_dot_product_attention\n# each, as "
-           "the plan's time and memory assume (partitioner.tracer.attention)") if not ctx else \
+    why = _fused_why(plan) if not ctx else \
         ("each MoE layer's experts run over the ep group (ep_experts: the\n# all-to-alls of "
          "runtime.experts.expert_parallel) on this rank's experts only (partitioner.codegen.segment_ep)") if ep else \
         (f"the router's load-balancing loss, a statistic of the batch, is computed over the\n# "

@@ -346,6 +346,9 @@ class Plan:
     # eager attentions the tracer rewrote to one fused scaled_dot_product_attention each
     # (partitioner.tracer.attention): costed so, and run so by every program of the plan; 0: none
     attention_rewrites: int = 0
+    # chains of ops the tracer ran as one fused ATen op each, in words ("rms_norm x9, silu x4";
+    # partitioner.tracer.norms and .pointwise): costed so, and run so by every program of the plan; "": none
+    fused: str = dataclasses.field(default="", metadata={"omit_default": True})
     # the mixture-of-experts layers the tracer found (partitioner.tracer.experts), in words; "" for a dense model
     experts: str = ""
     # why the plan divides the experts over ep ranks, or why it cannot (partitioner.planner.expert_split); "" for

@@ -152,6 +152,11 @@ def _attention(p: Plan) -> str:
             "(O(s) memory per row; rewrite_attention=False keeps the traced ops)")
 
 
+def _fused(p: Plan) -> str:
+    return (f"{p.fused}: each chain of ops the model spells one with runs as that one ATen op (one kernel, its input "
+            "kept for backward; rewrite_attention=False keeps the traced ops)")
+
+
 def _compiled(p: Plan) -> str:
     """The torch.compile row (runtime.engines.compiled)."""
     return (f"torch.compile ({p.torch_compile}) of each block's code on its own, and of a stage's prefix and "
@@ -379,6 +384,7 @@ def format_plan(p: Plan) -> str:
             ("compression", compression_text(p)),
             *([("async sgd", _async_sgd(p))] if p.async_sgd else []),
             *([("attention", _attention(p))] if p.attention_rewrites else []),
+            *([("fused", _fused(p))] if p.fused else []),
             *([("experts", _experts(p))] if p.experts else []),
             *([("aux loss", load_balancing_text(p))] if p.load_balancing_loss else []),
             *([("compiled", _compiled(p))] if p.torch_compile else []),

@@ -26,6 +26,7 @@ from cost_models.errors import TraceError
 from partitioner.tracer.attention import causal_attention, causal_shape_mask
 from partitioner.tracer.attention import rewrite_attention as rewrite_attention_in
 from partitioner.tracer.autograd_functions import Applied, differs_from_its_forward, recording
+from partitioner.tracer.norms import fuse_norms
 from partitioner.tracer.pointwise import fuse_activations
 from partitioner.tracer.symbolic import B, S
 from partitioner.tracer.untouched import untouched
@@ -234,6 +235,7 @@ def _capture_export(model, args, kwargs, dynamic_seq: bool, rewrite: bool = Fals
                          if s.kind == torch.export.graph_signature.InputKind.USER_INPUT and hasattr(s.arg, "name"))
         rewrite_attention_in(ep.graph_module, user)  # OpGraph.attention_rewrites counts what it did
         fuse_activations(ep.graph_module)
+        fuse_norms(ep.graph_module)
     sig = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
     kinds = torch.export.graph_signature.InputKind
 

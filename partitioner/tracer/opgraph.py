@@ -30,6 +30,7 @@ from typing import Any, Iterable, Literal
 from cost_models.errors import TraceError
 from partitioner.tracer.attention import SDPA_NAME
 from partitioner.tracer.opgraph_table import format_table
+from partitioner.tracer.pointwise import FUSED_NAME
 from partitioner.tracer.symbolic import Poly
 
 __all__ = ["TensorSpec", "OpCost", "OpNode", "ParamSpec", "Block", "OpGraph"]
@@ -237,6 +238,22 @@ class OpGraph:
         """Eager attentions the tracer rewrote to scaled_dot_product_attention (partitioner.tracer.attention),
         counted over every block."""
         return sum(1 for n in self.nodes if n.op == "scaled_dot_product_attention" and n.name.startswith(SDPA_NAME))
+
+    @property
+    def fused(self) -> dict[str, int]:
+        """Chains of ops the tracer rewrote to one fused ATen op each (partitioner.tracer.pointwise: GELU and SiLU
+        written out; partitioner.tracer.norms: RMSNorm), counted per fused op ({"rms_norm": 9, "silu": 4})."""
+        out: dict[str, int] = {}
+        for n in self.nodes:
+            if n.name.startswith(FUSED_NAME):
+                out[n.op] = out.get(n.op, 0) + 1
+        return out
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether the graph runs other kernels than the module's own forward (attention_rewrites, fused): every
+        program then runs its generated code, which the costs describe."""
+        return bool(self.attention_rewrites or self.fused)
 
     # ---- structure --------------------------------------------------------
     def node(self, name: str) -> OpNode:

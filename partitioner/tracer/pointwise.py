@@ -30,7 +30,9 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["fuse_activations"]
+__all__ = ["fuse_activations", "FUSED_NAME"]
+
+FUSED_NAME = "fused_"  # fused nodes (here and tracer.norms) are named so: the OpGraph counts them (OpGraph.fused)
 
 _aten = torch.ops.aten
 # what each anchor's region may compute: (the fused op, its keyword arguments); the op itself, run in float64 on
@@ -63,7 +65,7 @@ def fuse_activations(gm: fx.GraphModule) -> int:
         if found is not None:
             x, y, region, (op, kwargs) = found
             with gm.graph.inserting_before(y):
-                fused = gm.graph.call_function(op, (x,), dict(kwargs))
+                fused = gm.graph.call_function(op, (x,), dict(kwargs), name=FUSED_NAME + op.__name__.split(".")[0])
             fused.meta = dict(y.meta)
             y.replace_all_uses_with(fused)
             for n in sorted(region, key=_order(gm.graph), reverse=True):
