@@ -168,4 +168,14 @@ MORE_FAMILIES = {
     # a torch.autograd.Function with its own backward (its gradient estimator): pipeline and tensor plans refused
     "phimoe": _from_config("PhimoeConfig", "PhimoeForCausalLM", num_key_value_heads=2, num_local_experts=4,
                            num_experts_per_tok=2),
+    # scalar multipliers on the embeddings, each residual branch, the attention scores and the logits
+    "granite": _from_config("GraniteConfig", "GraniteForCausalLM", num_key_value_heads=2, embedding_multiplier=12.0,
+                            residual_multiplier=0.22, attention_multiplier=0.0078, logits_scaling=8.0),
+    # one fused qkv_proj (q, k, v stacked, grouped-query) and one fused gate_up_proj (gate and up halves)
+    "phi3": _from_config("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2),
+    # experts beside a shared expert whose output a sigmoid gate scales per token
+    "qwen2_moe": _from_config("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_key_value_heads=2, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    # a fused gate_up_proj, rotary on interleaved pairs of half of each head
+    "glm": _from_config("GlmConfig", "GlmForCausalLM", num_key_value_heads=2, head_dim=16),
 }
