@@ -15,8 +15,9 @@ Megatron-LM's and TransformerEngine's fused norms do and torchtitan's `nn.RMSNor
 chain in the graph that costs and generated code both read, so the runtime runs what the cost model counts.
 
 Matched by structure, never by module name: a `rsqrt` of (the mean over the last dim, kept, of x squared) plus a
-number, multiplied by that same x (or its upcast), then optionally cast back and multiplied by a one-dimensional
-tensor of the normalised width (the weight). Every intermediate must be read by the chain alone. In fp32 the
+number, multiplied by that same x (or its upcast), then a cast back to x's dtype and a product with a
+one-dimensional tensor of the normalised width (the weight), in either order (OLMo2 applies the weight before the
+cast), or one of them, or neither. Every intermediate must be read by the chain alone. In fp32 the
 fused op is equal to the chain, forward and backward (tests/test_norms.py); under 16-bit recipes it rounds once
 where the chain rounds the normalised x before the weight (one unit in the last place, as any fused norm).
 A norm that computes anything else (Gemma's `1 + weight` in fp32, a mean over other dims, a cast back to a dtype
