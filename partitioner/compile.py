@@ -184,8 +184,8 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     `zero3_unit` is what ZeRO-3 gathers and frees at once: "block" (a repeated block, FSDP2's per-layer
     wrapping) or "module" (each module holding parameters, DeepSpeed ZeRO-3's granularity: a few Linear
     layers' parameters whole at a time instead of a block's, for more and smaller collectives); it pins
-    zero_stage=3. Unpinned, ZeRO-3 candidates try both where the program runs the module's own forward
-    (pp = tp = cp = 1 and no eager attention rewritten: module hooks gather each unit).
+    zero_stage=3. Unpinned, ZeRO-3 candidates try both where tp = cp = 1 (partitioner.planner.search.module_units_run:
+    the module's own forward gathers in its modules' hooks, generated stage code in runtime.engines.zero3's).
 
     `ep` divides each mixture-of-experts layer's experts over ep ranks of the data-parallel group
     (expert parallelism as Megatron-Core's: ep divides dp and the number of experts; tokens reach their

@@ -58,6 +58,14 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
     # per module: gathered by the first op reading a unit (the module's own forward calls no hook of theirs
     # when the program runs generated code; where it runs the module's forward, its hooks come first)
     granularity = "\n                          unit_granularity='module'," if per_module else ""
+    # Generated code calls each block's module and the root, nothing inside them: its block units are gathered by
+    # those modules' hooks, not by the smallest module holding a unit's parameters (which, with frozen parameters
+    # left out of the units, may be one the code never calls: LoRA's adapters sit in the attention module)
+    by_block = plan.code is not None and c.zero_stage == 3 and not per_module
+    unit_modules = " unit_modules=UNIT_MODULES," if by_block else ""
+    module_table = (f"# The modules whose calls gather each unit: the block the code calls, the root for the rest.\n"
+                    f"UNIT_MODULES = {literal(tuple('' if k.startswith('(') else k for k in blocks))}\n"
+                    if by_block else "")
     units = ",\n".join(f"    {literal(tuple(names), indent=4)}" for names in blocks.values())
     numel = {p.param: math.prod(p.shape) for p in plan.placements if p.param not in held_apart}
     shard_lines = []
@@ -107,7 +115,7 @@ from runtime.engines.optimizer_groups import make_optimizer
 UNITS = (
 {units},
 )
-
+{module_table}
 {instruction_lines(plan, 0)}
 
 
@@ -126,7 +134,7 @@ def build(model_fn, optimizer_fn, loss_fn):
     # Gradient compression on this group: {comp.why}.
     engine = DataParallel(model, group=groups.dp, ranks=groups.dp_ranks, zero_stage={c.zero_stage},
                           collectives=collectives, bucket_bytes={plan.bucket_bytes}, precision={plan.precision!r},
-                          units=UNITS,{granularity} compression={comp.arg}, nodes={comp.nodes},
+                          units=UNITS,{granularity}{unit_modules} compression={comp.arg}, nodes={comp.nodes},
                           compression_warmup={plan.compression_warmup})
 {torch_compile_lines(plan)}{expert_engine_lines(plan)}{recompute}{optimizer_lines(plan)}
     # Each step: rows [{first}, {first + per}) of the {plan.global_batch_size}-sample global batch, as
