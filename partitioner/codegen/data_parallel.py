@@ -34,6 +34,9 @@ __all__ = ["data_parallel_program_source", "expected_collectives", "context_line
            "expert_engine_lines", "expert_groups", "zero3_units"]
 
 
+_OUTSIDE = "(outside the blocks)"  # zero3_units' name for the unit of the parameters outside the blocks
+
+
 def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
     """The source of rank `rank`'s program; `h` is the plan's hash (PROGRAM_HASH)."""
     c = plan.config
@@ -64,7 +67,7 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
     by_block = plan.code is not None and c.zero_stage == 3 and not per_module
     unit_modules = " unit_modules=UNIT_MODULES," if by_block else ""
     module_table = (f"# The modules whose calls gather each unit: the block the code calls, the root for the rest.\n"
-                    f"UNIT_MODULES = {literal(tuple('' if k.startswith('(') else k for k in blocks))}\n"
+                    f"UNIT_MODULES = {literal(tuple('' if k == _OUTSIDE else k for k in blocks))}\n"
                     if by_block else "")
     units = ",\n".join(f"    {literal(tuple(names), indent=4)}" for names in blocks.values())
     numel = {p.param: math.prod(p.shape) for p in plan.placements if p.param not in held_apart}
@@ -164,7 +167,7 @@ def zero3_units(plan: "Plan") -> dict[str, list[str]]:
     for p in plan.placements:
         if p.param in apart:
             continue
-        name = p.param.rpartition(".")[0] or "(the root module)" if per_module else p.block or "(outside the blocks)"
+        name = p.param.rpartition(".")[0] or "(the root module)" if per_module else p.block or _OUTSIDE
         units.setdefault(name, []).append(p.param)
     return units
 
