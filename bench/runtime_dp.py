@@ -56,11 +56,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from torch_ranks import err_line, load_average, ms, rank_main, ratio, spawn  # noqa: E402 (bench/, beside this file)
+from torch_ranks import err_line, load_average, ms, rank_main, ratio, spawn, torch_keeps_freed  # noqa: E402 (beside this file)
 
 GLOBAL_BATCH = 8
 TIMEOUT_S = 300
 GOAL_RATIO = 1.05
+TORCH_MALLOC = {False: "torch ranks on glibc's malloc defaults (the compiled ranks keep freed host memory)",
+                True: "torch ranks keep freed host memory, as the compiled ranks do"}
 STRATEGIES = {"ddp": 0, "zero1": 1, "zero3": 3}  # strategy -> the plan's zero_stage
 TORCH_NAME = {"ddp": "DistributedDataParallel",
               "zero1": "DDP + ZeroRedundancyOptimizer",
@@ -231,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="launches per side per row, alternating order, steps pooled")
     ap.add_argument("--torch-loss-allreduce", action="store_true",
                     help="torch side also all-reduces the loss each step, as the compiled step() does")
+    ap.add_argument("--torch-keep-freed", action="store_true",
+                    help="torch ranks keep freed host memory as the compiled ranks do (glibc never trims its heap)")
     ns = ap.parse_args(argv)
+    if ns.torch_keep_freed:
+        torch_keeps_freed()
     if ns.steps - ns.warmup < 1:
         ap.error(f"--steps {ns.steps} leaves no timed step after --warmup {ns.warmup}")
     if GLOBAL_BATCH % max(ns.worlds) or any(w < 1 for w in ns.worlds):
@@ -259,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs; Gloo, "
           f"1 thread per rank; {ns.steps} steps per launch, median of the last {timed} (after {ns.warmup} warm-up)"
           f"{f' x {ns.rounds} rounds pooled' if ns.rounds > 1 else ''}; torch side "
-          f"{'with' if ns.torch_loss_allreduce else 'without'} the loss all-reduce", flush=True)
+          f"{'with' if ns.torch_loss_allreduce else 'without'} the loss all-reduce"
+          f"; {TORCH_MALLOC[ns.torch_keep_freed]}", flush=True)
     print(f"load average at start {load_average()} (1/5/15 min; anything else running on these cores skews the figures)")
     if timed < 10:
         print(f"note: only {timed} timed steps per launch (the benchmark's standard is >= 10)")

@@ -7,6 +7,11 @@ timeout, the global batches loaded from a file. A worker calls
 `rank_main(rank, world, tmpdir, timeout_s, body)`, where `body(rank,
 batches) -> (losses, step_times_s)` does the timed training; the parent calls
 `spawn(...)` and gets every rank's result.
+
+The compiled workers also keep the host memory a step frees (`runtime.device.keep_freed_host_memory`: glibc
+never trims its heap, so a step in steady state takes no new pages); torch's ranks run with glibc's defaults,
+as a torch user's would, unless `torch_keeps_freed()` is called before `spawn` (the benchmarks'
+`--torch-keep-freed`), which gives them the same allocator setting.
 """
 
 from __future__ import annotations
@@ -23,7 +28,16 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
-__all__ = ["rank_main", "spawn", "err_line", "load_average", "ms", "ratio"]
+__all__ = ["rank_main", "spawn", "torch_keeps_freed", "KEEP_FREED", "err_line", "load_average", "ms", "ratio"]
+
+
+KEEP_FREED = "BENCH_TORCH_KEEP_FREED"  # "1": the torch ranks keep freed host memory as the compiled ones do
+
+
+def torch_keeps_freed() -> None:
+    """The torch ranks spawned from now on call keep_freed_host_memory() at their start (an environment variable:
+    spawned processes inherit it)."""
+    os.environ[KEEP_FREED] = "1"
 
 
 def rank_main(rank: int, world: int, tmpdir: str, timeout_s: float, body: Callable) -> None:
@@ -34,6 +48,10 @@ def rank_main(rank: int, world: int, tmpdir: str, timeout_s: float, body: Callab
     d = Path(tmpdir)
     try:
         torch.set_num_threads(1)  # as launch_local: a few ranks share a few cores
+        if os.environ.get(KEEP_FREED) == "1":
+            from runtime.device import keep_freed_host_memory
+
+            keep_freed_host_memory()
         timeout = timedelta(seconds=timeout_s)
         store = dist.FileStore(str(d / "store"), world)
         store.set_timeout(timeout)

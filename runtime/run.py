@@ -75,7 +75,7 @@ from runtime.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from runtime.device import placing_on, set_rank_device
+from runtime.device import keep_freed_host_memory, placing_on, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
 from runtime.engines.lr_schedule import attach_lr_schedule, resume_lr_schedule
 from runtime.launch.env import DistEnv, LaunchError, choose_device, discover
@@ -149,6 +149,8 @@ def _train(args: argparse.Namespace, env: DistEnv, report: RankReporter | None) 
     plan_text = Path(args.plan).read_text()
 
     set_rank_device(device)
+    if device.type == "cpu":
+        keep_freed_host_memory()
     _init(env, timedelta(seconds=args.timeout_s), name)
     heartbeat = Heartbeat(env)
     finished = False

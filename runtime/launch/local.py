@@ -71,7 +71,7 @@ import torch.multiprocessing as mp
 
 from cost_models.errors import PartitionerError
 from runtime.checkpoint import load_checkpoint, save_checkpoint
-from runtime.device import check_device, set_rank_device
+from runtime.device import check_device, keep_freed_host_memory, set_rank_device
 from runtime.device.audit import audit_requested, device_audit
 from runtime.engines.lr_schedule import attach_lr_schedule, resume_lr_schedule
 from runtime.engines.optimizer_groups import check_optimizer, differing_groups, slices_parameters
@@ -421,6 +421,8 @@ def _worker(job: _Job, rank: int, progress: Any, phase: Any) -> None:
         store.set_timeout(timeout)
         name, dev = choose_device(job.device, local_rank=rank)  # one machine: the local rank is the rank
         set_rank_device(dev)
+        if dev.type == "cpu":
+            keep_freed_host_memory()
         dist.init_process_group(name, rank=rank, world_size=job.world_size, store=store, timeout=timeout)
         if job.device_audit:
             audit.enter_context(device_audit())
