@@ -98,8 +98,10 @@ def _local_worker(rank: int, world: int, tmp: str, sweep: Sweep, topo: dict[str,
     import torch.distributed as dist
 
     from partitioner.probe.measure import measure_rank
+    from runtime.device import keep_freed_host_memory
 
     torch.set_num_threads(1)  # as runtime.launch.local runs a plan's ranks: a few ranks share a few cores
+    keep_freed_host_memory()  # and with their allocator setting: the rates measured are the ones they get
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world), rank=rank,
                             world_size=world, timeout=timeout)
@@ -116,6 +118,7 @@ def _in_job(topo: Topology, sweep: Sweep | None, env, timeout_s: float) -> list[
     import torch.distributed as dist
 
     from partitioner.probe.measure import measure_rank
+    from runtime.device import keep_freed_host_memory
     from runtime.launch.env import backend
     from runtime.launch.rendezvous import rendezvous_store
 
@@ -124,6 +127,8 @@ def _in_job(topo: Topology, sweep: Sweep | None, env, timeout_s: float) -> list[
     device = torch.device("cuda", env.local_rank) if name == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        keep_freed_host_memory()  # as runtime.run's CPU ranks
     sweep = sweep or (Sweep.for_gpu() if device.type == "cuda" else Sweep())
     dist.init_process_group(name, store=rendezvous_store(env, timeout), rank=env.rank, world_size=env.world_size,
                             timeout=timeout)
