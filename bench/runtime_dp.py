@@ -56,7 +56,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from torch_ranks import err_line, load_average, ms, rank_main, ratio, spawn, torch_keeps_freed  # noqa: E402 (beside this file)
+from torch_ranks import (  # noqa: E402 (bench/, beside this file)
+    err_line,
+    load_average,
+    ms,
+    rank_main,
+    ratio,
+    spawn,
+    torch_keeps_freed,
+)
 
 GLOBAL_BATCH = 8
 TIMEOUT_S = 300

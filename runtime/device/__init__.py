@@ -24,5 +24,5 @@ from runtime.device.placement import (
     synchronize,
 )
 
-__all__ = ["DeviceError", "check_device", "keep_freed_host_memory", "place", "place_module", "placing_on", "rank_device",
-           "set_rank_device", "synchronize"]
+__all__ = ["DeviceError", "check_device", "keep_freed_host_memory", "place", "place_module", "placing_on",
+           "rank_device", "set_rank_device", "synchronize"]
