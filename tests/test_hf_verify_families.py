@@ -60,6 +60,19 @@ def test_pipeline_and_tensor_parallel_programs_compute_the_module(family):
 
 
 @pytest.mark.parametrize("family", list(MORE_FAMILIES))
+def test_zero_bubble_v_programs_compute_the_module(family):
+    """Two virtual stages a rank in a V (stage 0 and 3 on rank 0): each family's blocks cut four ways, its embedding
+    and LM head on one rank, and the backward split into input and weight gradients."""
+    if _refused_for_its_own_backward(family, _graph(family), pp=2):
+        return
+    plan = compile(_graph(family), "local:2", global_batch_size=2, microbatch_size=1, precision="fp32", pp=2, dp=1,
+                   schedule="zb-v", interleave=2)
+    x, y = _batch()
+    report = plan.verify(MORE_FAMILIES[family], (x,), hf_loss, targets=y)
+    assert "4 stages" in str(report)
+
+
+@pytest.mark.parametrize("family", list(MORE_FAMILIES))
 def test_sequence_parallel_programs_compute_the_module(family):
     if _refused_for_its_own_backward(family, _graph(family), tp=2, sp=True):
         return
