@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from examples.hf_families import bloom_seeded, gemma3_seeded, mpt_seeded, qwen3_seeded
+from examples.hf_families import MORE_FAMILIES, bloom_seeded, gemma3_seeded, mpt_seeded, qwen3_seeded
 from examples.training import gpt_4l_seeded, gpt_loss, hf_llama_seeded, hf_loss, sgd, train_one_process
 from partitioner import compile, trace
 from partitioner.planner.context_split import LONG_SEQUENCE
@@ -203,6 +203,21 @@ def assert_same_training(plan, name: str = "gpt", optimizer=sgd):
 def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, zero):
     name, sp = name.removesuffix("+sp"), name.endswith("+sp")
     assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, sp=sp, cp_kind=kind, zero=zero, name=name), name)
+
+
+# More families' attention layouts under both kinds: a fused qkv laid out per head (GPT-NeoX), a fused qkv and
+# gate_up with grouped-query attention (Phi3), scalar multipliers on the scores and the residuals (Granite), q/k
+# layer norms per head with partial rotary (Persimmon), attention and MLP in parallel (Cohere), rotary on interleaved
+# pairs of half of each head (GLM)
+@pytest.mark.slow
+@pytest.mark.parametrize("family, kind", [("gpt_neox", "ring"), ("phi3", "all-to-all"), ("granite", "ring"),
+                                          ("persimmon", "all-to-all"), ("cohere", "ring"), ("glm", "all-to-all")])
+def test_more_families_train_like_one_process(family, kind):
+    build = MORE_FAMILIES[family]
+    g = trace(build(), (torch.randint(0, VOCAB, (2, SEQ)),))
+    plan = compile(g, "local:2", global_batch_size=BATCH, precision="fp32", dp=1, cp=2, cp_kind=kind,
+                   microbatch_size=2, alternatives=0)
+    assert_plan_trains_like_one_process(plan, build, sgd, hf_loss, batches())
 
 
 # bf16-mixed: the ring computes its blocks and their merge in fp32 (runtime.context.ring_attention) where one
