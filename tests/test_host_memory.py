@@ -49,9 +49,9 @@ def test_a_step_in_steady_state_takes_no_new_pages():
     said, kept = _faults_per_step(keep=True)
     assert said == "kept"
     assert kept < pages / 100, f"{kept} page faults per step after keep_freed_host_memory()"
-    # glibc's defaults give the heap's freed top back and take it again: the setting is what saves the faults
-    _, default = _faults_per_step(keep=False)
-    assert default > pages / 100, f"{default} page faults per step on glibc's defaults"
+    # Not asserted: what glibc's defaults do with the same steps. Their thresholds move with the process's history
+    # (a freed mmap raises them), so a fresh interpreter faults on every step in one run (819 a step, measured)
+    # and on none in another; the benchmark that motivated the setting is in docs/benchmarks.md.
 
 
 @pytest.mark.parametrize("environ, why", [
