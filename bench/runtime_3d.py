@@ -113,23 +113,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from torch_ranks import (  # noqa: E402 (bench/, beside this file)
-    err_line,
-    load_average,
-    ms,
-    rank_main,
-    ratio,
-    spawn,
-    torch_keeps_freed,
-)
+from torch_ranks import err_line, load_average, ms, rank_main, ratio, spawn, torch_keeps_freed  # noqa: E402
 
 GLOBAL_BATCH = 8
 MICROBATCH = 2  # pipeline rows: 4 microbatches of 2
 LLAMA_SEQ, LLAMA_VOCAB = 64, 512  # hf_llama_seeded: max_position_embeddings 64, vocab 512
 TIMEOUT_S = 300
 GOAL_RATIO = 1.0  # issue 22: at or below torch's own, every row
-TORCH_MALLOC = {False: "torch ranks on glibc's malloc defaults (the compiled ranks keep freed host memory)",
-                True: "torch ranks keep freed host memory, as the compiled ranks do"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -479,8 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch ranks keep freed host memory as the compiled ranks do (glibc never trims its heap)")
     ap.add_argument("--losses", action="store_true", help="also print both sides' loss at every step")
     ns = ap.parse_args(argv)
-    if ns.torch_keep_freed:
-        torch_keeps_freed()
+    torch_malloc = torch_keeps_freed(ns.torch_keep_freed)
     if ns.steps - ns.warmup < 1:
         ap.error(f"--steps {ns.steps} leaves no timed step after --warmup {ns.warmup}")
 
@@ -510,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
           f"1 thread per rank; {ns.steps} steps per launch, median of the last {timed} (after {ns.warmup} warm-up)"
           f"{f' x {ns.rounds} rounds pooled' if ns.rounds > 1 else ''}; rank 0's times; torch pipeline "
           f"{'with' if ns.torch_same_work else 'without'} the tied-gradient and loss all-reduces"
-          f"; {TORCH_MALLOC[ns.torch_keep_freed]}", flush=True)
+          f"; {torch_malloc}", flush=True)
     print(f"load average at start {load_average()} (1/5/15 min; anything else running on these cores skews the figures)")
     if timed < 10:
         print(f"note: only {timed} timed steps per launch (the benchmark's standard is >= 10)")

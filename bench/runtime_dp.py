@@ -56,21 +56,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from torch_ranks import (  # noqa: E402 (bench/, beside this file)
-    err_line,
-    load_average,
-    ms,
-    rank_main,
-    ratio,
-    spawn,
-    torch_keeps_freed,
-)
+from torch_ranks import err_line, load_average, ms, rank_main, ratio, spawn, torch_keeps_freed  # noqa: E402
 
 GLOBAL_BATCH = 8
 TIMEOUT_S = 300
 GOAL_RATIO = 1.05
-TORCH_MALLOC = {False: "torch ranks on glibc's malloc defaults (the compiled ranks keep freed host memory)",
-                True: "torch ranks keep freed host memory, as the compiled ranks do"}
 STRATEGIES = {"ddp": 0, "zero1": 1, "zero3": 3}  # strategy -> the plan's zero_stage
 TORCH_NAME = {"ddp": "DistributedDataParallel",
               "zero1": "DDP + ZeroRedundancyOptimizer",
@@ -244,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-keep-freed", action="store_true",
                     help="torch ranks keep freed host memory as the compiled ranks do (glibc never trims its heap)")
     ns = ap.parse_args(argv)
-    if ns.torch_keep_freed:
-        torch_keeps_freed()
+    torch_malloc = torch_keeps_freed(ns.torch_keep_freed)
     if ns.steps - ns.warmup < 1:
         ap.error(f"--steps {ns.steps} leaves no timed step after --warmup {ns.warmup}")
     if GLOBAL_BATCH % max(ns.worlds) or any(w < 1 for w in ns.worlds):
@@ -274,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
           f"1 thread per rank; {ns.steps} steps per launch, median of the last {timed} (after {ns.warmup} warm-up)"
           f"{f' x {ns.rounds} rounds pooled' if ns.rounds > 1 else ''}; torch side "
           f"{'with' if ns.torch_loss_allreduce else 'without'} the loss all-reduce"
-          f"; {TORCH_MALLOC[ns.torch_keep_freed]}", flush=True)
+          f"; {torch_malloc}", flush=True)
     print(f"load average at start {load_average()} (1/5/15 min; anything else running on these cores skews the figures)")
     if timed < 10:
         print(f"note: only {timed} timed steps per launch (the benchmark's standard is >= 10)")

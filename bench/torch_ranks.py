@@ -10,7 +10,7 @@ batches) -> (losses, step_times_s)` does the timed training; the parent calls
 
 The compiled workers also keep the host memory a step frees (`runtime.device.keep_freed_host_memory`: glibc
 never trims its heap, so a step in steady state takes no new pages); torch's ranks run with glibc's defaults,
-as a torch user's would, unless `torch_keeps_freed()` is called before `spawn` (the benchmarks'
+as a torch user's would, unless `torch_keeps_freed(True)` is called before `spawn` (the benchmarks'
 `--torch-keep-freed`), which gives them the same allocator setting.
 """
 
@@ -28,16 +28,19 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
-__all__ = ["rank_main", "spawn", "torch_keeps_freed", "KEEP_FREED", "err_line", "load_average", "ms", "ratio"]
+__all__ = ["rank_main", "spawn", "torch_keeps_freed", "err_line", "load_average", "ms", "ratio"]
 
 
 KEEP_FREED = "BENCH_TORCH_KEEP_FREED"  # "1": the torch ranks keep freed host memory as the compiled ones do
 
 
-def torch_keeps_freed() -> None:
-    """The torch ranks spawned from now on call keep_freed_host_memory() at their start (an environment variable:
-    spawned processes inherit it)."""
+def torch_keeps_freed(keep: bool) -> str:
+    """With `keep`, the torch ranks spawned from now on call keep_freed_host_memory() at their start (an environment
+    variable: spawned processes inherit it). Returns what a benchmark's header says of the torch ranks' malloc."""
+    if not keep:
+        return "torch ranks on glibc's malloc defaults (the compiled ranks keep freed host memory)"
     os.environ[KEEP_FREED] = "1"
+    return "torch ranks keep freed host memory, as the compiled ranks do"
 
 
 def rank_main(rank: int, world: int, tmpdir: str, timeout_s: float, body: Callable) -> None:

@@ -20,7 +20,7 @@ _STEPS = textwrap.dedent("""
     import torch
     sys.path.insert(0, {repo!r})
     from runtime.device import keep_freed_host_memory
-    said = keep_freed_host_memory() if {keep} else "defaults"
+    said = keep_freed_host_memory()
 
     def step():
         xs = [torch.ones(2 * 2**20) for _ in range(4)]
@@ -35,18 +35,22 @@ _STEPS = textwrap.dedent("""
 """)
 
 
-def _faults_per_step(keep: bool) -> tuple[str, float]:
-    out = subprocess.run([sys.executable, "-c", _STEPS.format(repo=str(REPO), keep=keep)], capture_output=True,
+def _faults_per_step_kept() -> tuple[str, float]:
+    # a bare environment: a MALLOC_*_ variable, LD_PRELOAD or PARTITIONER_HOST_MALLOC here would make it leave malloc
+    out = subprocess.run([sys.executable, "-c", _STEPS.format(repo=str(REPO))], capture_output=True,
                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     said, faults = out.stdout.split()
     return said, float(faults)
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+# mallopt is glibc's: with any other C library keep_freed_host_memory leaves malloc as it is and says so, and there
+# is no setting to measure
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                    reason="mallopt is glibc's; other C libraries are left as set")
 def test_a_step_in_steady_state_takes_no_new_pages():
     pages = 4 * 8 * 2**20 // 4096  # what one step writes
-    said, kept = _faults_per_step(keep=True)
+    said, kept = _faults_per_step_kept()
     assert said == "kept"
     assert kept < pages / 100, f"{kept} page faults per step after keep_freed_host_memory()"
     # Not asserted: what glibc's defaults do with the same steps. Their thresholds move with the process's history
