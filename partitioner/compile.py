@@ -367,7 +367,7 @@ def plan_graph(g: OpGraph, topo: Topology, decl: Declarations, opts: PlannerOpti
                            memory_cap=(decl.max_memory_fraction or 1.0) * topo.device.memory_bytes,
                            allocator_slack=decl.max_memory_fraction is None,
                            calibration=opts.calibration, granularity=opts.cut_granularity, compression=compression,
-                           async_sgd=async_sgd, experts=experts)
+                           async_sgd=async_sgd, experts=experts, compression_warmup=decl.compression_warmup)
 
     reduction = reduction_pins(decl)  # the compression pins, grad_reduce_dtype's included
     ctx = context(reduction, decl.async_sgd)
@@ -627,7 +627,8 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
     saving = 0.0
     if best.compression != ("none", "none"):
         plain = StageEvaluator(ctx, cand, ("none", "none"))
-        saving = simulate(sched, durations(plain, evaluate_cut(plain, cut.bounds))).step_time_s - sim.step_time_s
+        plain_cut = evaluate_cut(plain, cut.bounds, fitting=False)  # (it may not fit: the compression may be why)
+        saving = simulate(sched, durations(plain, plain_cut)).step_time_s - sim.step_time_s
     predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving)
     aux_loss = _load_balancing_loss(g)
     alternatives = tuple(Alternative(config=o.cand, step_time_s=o.cut.step_time_s,

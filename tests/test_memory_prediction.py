@@ -125,12 +125,18 @@ def _traced(name: str):
                                   {"dp": 4, "zero_stage": 3, "zero3_unit": "module", "microbatch_size": 2,
                                    "model": "gpt_small", "global_batch_size": 16, "recompute": "full"},
                                   {"dp": 2, "pp": 2, "zero_stage": 3, "zero3_unit": "module", "microbatch_size": 4,
-                                   "model": "gpt_small", "global_batch_size": 16, "schedule": "1f1b"}],
+                                   "model": "gpt_small", "global_batch_size": 16, "schedule": "1f1b"},
+                                  # a bf16 reduction takes each unit's bf16 gradient as it is, no fp32 copy
+                                  {"dp": 4, "zero_stage": 3, "zero3_unit": "block", "microbatch_size": 2,
+                                   "model": "gpt_small", "global_batch_size": 16, "precision": "bf16-mixed",
+                                   "compression": "bf16"},
+                                  {"dp": 4, "zero_stage": 3, "zero3_unit": "block", "microbatch_size": 2,
+                                   "model": "gpt_small", "global_batch_size": 16, "precision": "bf16-mixed"}],
                          ids=["dp2-pp2-zero3", "dp4-zero2", "dp4-zero0-int8", "dp4-zero2-int4", "dp4-zero1-powersgd",
                               "dp2-pp2-interleaved", "dp2-pp2-interleaved-m4", "dp2-pp2-zb-h1", "pp2-tp2-sp", "pp2-tp2",
                               "pp2-tp2-sp-bf16",
                               "dp4-zero3-block", "dp4-zero3-module", "dp4-zero3-module-recompute",
-                              "dp2-pp2-zero3-module"])
+                              "dp2-pp2-zero3-module", "dp4-zero3-bf16-mixed-bf16-reduction", "dp4-zero3-bf16-mixed"])
 def test_predicted_peak_per_rank_within_10_percent_of_measured(pins):
     from examples import gpt
     from partitioner import Topology, compile

@@ -114,17 +114,22 @@ def _bf16_reduction(stage: int, rank: int, world: int) -> dict:
     local = torch.cat([p.grad.float().flatten() for p in copy.parameters()])
     halves = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(halves, local)  # test bookkeeping
+    inputs = []  # the dtype of each gradient a ZeRO-3 unit's reduce-scatter was handed (test bookkeeping)
+    if stage == 3:
+        reduce = dp._reduce
+        dp._reduce = lambda u, g: (inputs.append(g.dtype), reduce(u, g))[1]
     _loss(dp.module, *rows).backward()
     dp.finish_gradients()
     if stage == 0:
         reduced = torch.cat([p.grad.flatten() for p in dp.optimizer_params()])
-    else:  # ZeRO-2: this rank's shard of the flat gradient, in layout order; gather the shards back
-        f = dp._flats[0]
-        full = torch.empty(f.layout.padded_numel)
-        dist.all_gather_into_tensor(full, f.shard.grad)
-        by_name = dict(zip(f.layout.names, f.layout.views(full)))
+    else:  # ZeRO-2/3: this rank's shard of each flat gradient, in layout order; gather the shards back
+        by_name = {}
+        for f in dp._flats:
+            full = torch.empty(f.layout.padded_numel)
+            dist.all_gather_into_tensor(full, f.shard.grad)
+            by_name.update(zip(f.layout.names, f.layout.views(full)))
         reduced = torch.cat([by_name[k].flatten() for k, _ in copy.named_parameters()])
-    return {"halves": halves, "reduced": reduced}
+    return {"halves": halves, "reduced": reduced, "inputs": inputs}
 
 
 def _mixed_held(stage: int, rank: int, world: int) -> dict:
@@ -153,7 +158,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     with gloo_group(rank, world, store_path):
         results = {("pure", s): _pure_bf16(s, rank, world) for s in (0, 1, 2, 3)}
-        results.update({("reduce", s): _bf16_reduction(s, rank, world) for s in (0, 2)})
+        results.update({("reduce", s): _bf16_reduction(s, rank, world) for s in (0, 2, 3)})
         results.update({("mixed-held", s): _mixed_held(s, rank, world) for s in (0, 1, 2, 3)})
         results.update({("pure", s, c): _pure_bf16(s, rank, world, c) for s, c in ((0, "powersgd"), (2, "int8"))})
         if rank == 0:
@@ -213,9 +218,12 @@ def test_pure_bf16_gradients_go_through_the_compressors(ranks2, stage, compressi
 
 
 # ---- bf16 gradient reduction ----------------------------------------------------------------------
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_bf16_reduction_is_one_rounding_of_each_half_and_of_their_sum(ranks2, stage):
+    """ZeRO-3 hands the reduce-scatter its units' bf16 gradients as they are (runtime.engines.zero3), ZeRO-0/2 their
+    fp32 buffers: the same roundings on 2 ranks, where halving is exact."""
     got = ranks2["reduce", stage]
+    assert set(got["inputs"]) == ({torch.bfloat16} if stage == 3 else set())  # no fp32 copy of a unit's gradient
     g0, g1 = got["halves"]
     bf = torch.bfloat16
     exact = ((g0 / 2).to(bf).float() + (g1 / 2).to(bf).float()).to(bf).float()

@@ -486,7 +486,15 @@ class StageEvaluator:
     def _reduction_mem(self) -> dict[tuple[str, str], ReductionMemory]:
         """Per compression option, what its reduction holds (cost_models.compression_memory)."""
         c = self.cand
-        return {o: reduction_memory(o, zero_stage=c.zero_stage, dp=c.replicas, nodes=self._nodes) for o in self.options}
+        return {o: reduction_memory(o, zero_stage=c.zero_stage, dp=c.replicas, nodes=self._nodes,
+                                    sixteen_bit_units=self._sixteen_bit_units) for o in self.options}
+
+    @functools.cached_property
+    def _sixteen_bit_units(self) -> bool:
+        """ZeRO-3's units hold 16-bit gradients (every precision but fp32), and a bf16 reduction takes them as they
+        are, in the background like an uncompressed one, where no warm-up steps reduce otherwise
+        (runtime.engines.zero3)."""
+        return self.cand.zero_stage == 3 and self.ctx.precision != "fp32" and not self.ctx.compression_warmup
 
     def _stage(self, i: int, j: int, k: int) -> StageCost:
         ctx, cand = self.ctx, self.cand
@@ -640,9 +648,7 @@ class StageEvaluator:
             rest, live = root, (3 if cand.recompute != "none" else 2)
         else:
             blocks, live = arr.blocks[j] - arr.blocks[i], 2
-        reduction = {2: min(grads, DDP_BUCKET_BYTES), 3: max(block, rest) * gb}.get(z, 0.0)
         several = z == 3 or grads > DDP_BUCKET_BYTES
-        before = reduction if carried else 0.0  # the previous microbatch's last reduction, still in flight
         kept = rest * pb if z == 3 else 0.0
         gathered = min(live, blocks) * block * pb if z == 3 else 0.0  # the unit, the one prefetched (recomputed)
         act1 = self._microbatch_act(i, j)
@@ -660,35 +666,44 @@ class StageEvaluator:
             acts += min(k % cand.pp + 1, cand.num_microbatches) * max(0.0, held)
         big, twice = self._largest_param(i, j)
 
-        # (grads, activations, loss, buffers) beyond the state at rest, per moment
-        moments = []
         carry = step_grads if carried else 0.0
-        if last:
-            moments.append((carry + before, acts, self._loss_kept * inflight + self._loss_work, kept))
         freed = min(arr.unit_act[i:j], default=0.0)
-        filling = {2: reduction + (reduction if carried or several else 0.0),
-                   3: max(0.0, min(2, blocks) * block * gb - freed) + before}.get(z, 0.0)
         received = 0.0 if last else ctx.boundary_bytes(j - 1, mb, self.cand.tp if self.cand.sp else 1, self.cand.cp)
         # cp > 1: one attention node's context-parallel buffers (a ring's k/v blocks and dk/dv accumulators), held
         # while it runs in this backward
         attention = max(arr.cp_buffers[i:j], default=0.0)
-        moments.append((carry + filling, acts + 2 * max(arr.biggest[i:j], default=0.0), 0.0,
-                        kept + gathered + received + attention))
         # without an engine (Unreplicated) the parameter's .grad is the gradient, already in step_grads
         parts = (max(big, 2 * twice) + (twice if z < 3 else 0.0)) * pb if (flat_grads or z >= 2) else 0.0
-        ending = {2: reduction * (2 if carried or several else 1) + reduction / cand.replicas,
-                  3: 2 * reduction}.get(z, 0.0)
-        moments.append((step_grads + ending + parts, act1 * (inflight - 1), 0.0, kept + gathered))
-        bucket = reduction if z >= 2 else min(grads, DDP_BUCKET_BYTES)
         # A compressed reduction runs synchronously in the hook of its bucket's last gradient, which the
         # hook still holds: the gradients then, the bucket being reduced (ZeRO-2/3: the input; at ZeRO-0/1
         # it is in the flat gradients), that parameter's gradient, and the working set on top.
         # (a tied parameter is outside the engine: no hook holds it; the engine's own largest is then
         # not known here, and small beside the tied embedding it stands in for)
         hook = (0.0 if tied and big <= tied else max(big, twice)) * pb if (flat_grads or z >= 2) else 0.0
-        reducing = (step_grads + (reduction if z >= 2 else 0.0) + hook, act1 * (inflight - 1), 0.0, kept + gathered)
+
+        @functools.cache
+        def moments_of(ub: float) -> tuple[list, tuple, float]:
+            """(moments, the reduction's own moment, one reduction's input) when a ZeRO-3 unit's reduction
+            takes its gradient at `ub` bytes per element (the engine's buffers' gb, or a bf16 reduction's 2)."""
+            reduction = {2: min(grads, DDP_BUCKET_BYTES), 3: max(block, rest) * ub}.get(z, 0.0)
+            before = reduction if carried else 0.0  # the previous microbatch's last reduction, still in flight
+            # (grads, activations, loss, buffers) beyond the state at rest, per moment
+            moments = []
+            if last:
+                moments.append((carry + before, acts, self._loss_kept * inflight + self._loss_work, kept))
+            filling = {2: reduction + (reduction if carried or several else 0.0),
+                       3: max(0.0, min(2, blocks) * block * ub - freed) + before}.get(z, 0.0)
+            moments.append((carry + filling, acts + 2 * max(arr.biggest[i:j], default=0.0), 0.0,
+                            kept + gathered + received + attention))
+            ending = {2: reduction * (2 if carried or several else 1) + reduction / cand.replicas,
+                      3: 2 * reduction}.get(z, 0.0)
+            moments.append((step_grads + ending + parts, act1 * (inflight - 1), 0.0, kept + gathered))
+            reducing = (step_grads + (reduction if z >= 2 else 0.0) + hook, act1 * (inflight - 1), 0.0,
+                        kept + gathered)
+            return moments, reducing, reduction if z >= 2 else min(grads, DDP_BUCKET_BYTES)
 
         def at_peak(rm: ReductionMemory) -> StageMemory:
+            moments, reducing, bucket = moments_of(rm.input_bytes or gb)
             if rm == _NO_BUFFERS:
                 at = moments
             else:  # the error feedback at every moment (gradient-shaped state, per chunk: with the
@@ -891,7 +906,8 @@ class StageEvaluator:
         W), 4 or 5 transfers of the parameters per step. Each collective pays its link's
         latency (the alpha of `gather_time` and `reduce_scatter_time`), so n units of P/n cost more
         than one of P: what finer units pay for holding less. A compressed reduce-scatter hides behind
-        nothing (the engine runs it synchronously); the (quantized) gathers still prefetch.
+        nothing (the engine runs it synchronously), except a bf16 one of 16-bit gradients
+        (`_sixteen_bit_units`), which runs in the background; the (quantized) gathers still prefetch.
         """
         overlap = self.ctx.cal.dp_overlap
         compressor = self._compressor[option]
@@ -899,7 +915,10 @@ class StageEvaluator:
         r_wire, r_kernel = self._reduction(unit_params, option, None)
         gathers = 1 + regathers  # in the backward
         forward = max(0.0, n * g_wire - overlap * f)
-        if compressor != "none":  # a synchronous reduce-scatter; the gathers still prefetch
+        background = compressor == "bf16" and self._sixteen_bit_units
+        if background:  # its one pass, dividing the 16-bit gradient in place, is the engine's cast
+            r_kernel = 0.0  # (cost_models.optimizer.gradient_buffer_bytes)
+        if compressor != "none" and not background:  # a synchronous reduce-scatter; the gathers still prefetch
             backward = max(0.0, n * gathers * g_wire - overlap * b) + n * r_wire
         else:
             backward = max(0.0, n * (gathers * g_wire + r_wire) - overlap * b)

@@ -100,12 +100,14 @@ class CostContext:
                  seq_len: int | None, memory_cap: float, calibration: Calibration | None = None,
                  granularity: str = "block", compression: dict[str, str] | None = None,
                  async_sgd: dict[str, int] | None = None, experts: Experts | None = None,
-                 allocator_slack: bool = False):
+                 allocator_slack: bool = False, compression_warmup: int = 0):
         """experts: the graph's MoE layers as compile() found them (with why they cannot be divided, where it
         found that out); default: expert_split.experts_of(g). allocator_slack: a plan fits when its peak times the
         caching allocator's slack for its recompute mode (cost_models.memory.ALLOCATOR_SLACK) is within
-        memory_cap (compile(): where max_memory_fraction is not pinned); else when its peak is."""
+        memory_cap (compile(): where max_memory_fraction is not pinned); else when its peak is.
+        compression_warmup: the first steps reduce uncompressed, in the engine's own buffers."""
         self.g, self.topo, self.splits = g, topo, splits
+        self.compression_warmup = compression_warmup
         self.async_sgd = dict(async_sgd) if async_sgd else None  # {"every": k} or {"staleness": s}
         self.compression_pins = dict(compression or {})  # level -> compressor the user pinned
         self.precision = precision

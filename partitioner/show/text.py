@@ -119,6 +119,8 @@ def compression_text(p: Plan) -> str:
         what = "data-parallel gradient all-reduce" if z <= 1 else "data-parallel gradient reduce-scatter"
         if z == 3 and any(c in ("int8", "int4") for c in p.compression.values()):
             what += " and int8 parameter all-gathers"
+        if z == 3 and "bf16" in p.compression.values() and p.precision != "fp32" and not p.compression_warmup:
+            what += ", each unit's 16-bit gradient sent as it is (no fp32 copy)"
         if "powersgd" in p.compression.values():
             what += f", rank-{POWERSGD_RANK} PowerSGD with error feedback"
         if p.compression_warmup:

@@ -535,7 +535,17 @@ class DataParallel(GradientBuckets, ShardedUnits):
 
 
     # ---- reduce-scatter into shards (stages 2 and 3) --------------------------------------
-    def _reduce_scatter(self, f: FlatTensors, inp: torch.Tensor) -> None:
+    def _reduce_scatter(self, f: FlatTensors, inp: torch.Tensor, consume: bool = False) -> None:
+        """Start reducing inp into f's shard (consume: inp is the engine's own copy, a compressor may overwrite it).
+        A bf16 reduction of a 16-bit input (a ZeRO-3 unit's gradient: runtime.engines.zero3) is a plain collective in
+        bf16, so it runs in the background like the uncompressed one (the codecs and fp32 casts run in the hook)."""
+        if consume and inp.dtype == torch.bfloat16 and self.reducer.compressing and self.reducer.flat == "bf16":
+            out = torch.empty(f.layout.shard_numel, dtype=torch.bfloat16, device=inp.device)
+            # the sum of the halves, as the compressor sends it (runtime.compression.grad_compression)
+            work = self.collectives.reduce_scatter(out, inp.div_(self.reducer.world), self.group, op="sum",
+                                                   async_op=True)
+            f.pending.append((work, out, inp))
+            return
         if self.reducer.compressing:
             f.pending.append((None, self.reducer.reduce_scatter_mean(inp, grad_key(f.layout.names)), inp))
             return
@@ -556,7 +566,7 @@ class DataParallel(GradientBuckets, ShardedUnits):
         for work, out, _ in f.pending:
             if work is not None:
                 work.wait()
-            out = out.to(f.shard.dtype)  # a compressor's result is fp32; pure bf16 steps bf16 shards
+            out = out.to(f.shard.dtype)  # a compressor's result is fp32, a background bf16 reduction's bf16
             if f.fresh or f.shard.grad is None:
                 f.shard.grad, f.fresh = out, False
             else:
