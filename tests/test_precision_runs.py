@@ -232,6 +232,21 @@ def test_bf16_reduction_is_one_rounding_of_each_half_and_of_their_sum(ranks2, st
     assert ((got["reduced"] - mean).abs() <= 2**-8 * torch.maximum(g0.abs(), g1.abs())).all()
 
 
+def test_zero3_bf16_reduction_trains_as_zero2s():
+    """The compiled programs: ZeRO-3 sends each unit's bf16 gradient as it is, in the background; ZeRO-2 rounds its
+    fp32 buckets to bf16 for the same wire. On 2 ranks (halving is exact), one microbatch a step, the same sums:
+    the two plans train alike, bit for bit."""
+    model = training.gpt_tiny_seeded()
+    graph = trace(model, example_batch(model, 2, seq_len=32))
+    kw = dict(global_batch_size=8, precision="bf16-mixed", microbatch_size=4, pp=1, tp=1, dp=2, compression="bf16")
+    batches = [example_batch(model, 8, seq_len=32, seed=s) for s in range(STEPS)]
+    zero2, zero3 = (launch_local(compile(graph, "local:2", zero_stage=z, **kw), training.gpt_tiny_seeded,
+                                 training.adamw, training.gpt_loss, batches, timeout_s=120) for z in (2, 3))
+    assert zero3.losses == zero2.losses
+    for k, v in zero2.state_dict.items():
+        assert torch.equal(zero3.state_dict[k], v), k
+
+
 # ---- the distributed optimizer ----------------------------------------------------------------------
 def test_distributed_optimizer_is_zero_1_and_trains_like_one_process():
     model = training.gpt_tiny_seeded()
