@@ -624,12 +624,14 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
     sched = build_schedule(cand.schedule, pp=cand.pp, num_microbatches=cand.num_microbatches,
                            interleave=cand.interleave)
     sim = simulate(sched, durations(ev, cut))
-    saving = 0.0
+    saving, needed = 0.0, False
     if best.compression != ("none", "none"):
         plain = StageEvaluator(ctx, cand, ("none", "none"))
         plain_cut = evaluate_cut(plain, cut.bounds, fitting=False)  # (it may not fit: the compression may be why)
         saving = simulate(sched, durations(plain, plain_cut)).step_time_s - sim.step_time_s
-    predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving)
+        needed = not all(st.fits for st in plain_cut.stages)
+    predicted = dataclasses.replace(_predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving),
+                                    compression_needed_to_fit=needed)
     aux_loss = _load_balancing_loss(g)
     alternatives = tuple(Alternative(config=o.cand, step_time_s=o.cut.step_time_s,
                                      peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp, o.cand.schedule).values()),

@@ -14,7 +14,7 @@ from cost_models.compression import (
     wire_bytes,
 )
 from examples import gpt as gpt_mod
-from partitioner import DeclarationError, OpGraph, Topology, compile, trace
+from partitioner import DeclarationError, OpGraph, PlanInfeasibleError, Topology, compile, trace
 from test_planner_compression import GB, SLOW
 
 ONE_PER_NODE = Topology(nodes=4, devices_per_node=1, device="H100-80GB", inter_node_GBps=1.25)
@@ -106,3 +106,19 @@ def test_cost_model_of_the_compressed_reduce_scatter_and_gathers():
     for c in ("int8", "int4"):  # int4 gradients still gather int8 weights
         t = gather_time(n, ranks, cm, c, param_bytes=2)
         assert t.wire_s == cm.all_gather(GATHER_CODE_BYTES * n, ranks) and t.kernel_s > 0
+
+
+def test_zero3_takes_the_bf16_reduction_where_only_it_fits(tiny):
+    """A ZeRO-3 unit's bf16 reduction takes its 16-bit gradient, not an fp32 copy (runtime.engines.zero3): the peak
+    is lower, and with room between the two peaks the planner chooses it to fit, and says so."""
+    kw = dict(global_batch_size=16, precision="bf16-mixed", dp=4, tp=1, pp=1, zero_stage=3, microbatch_size=2,
+              zero3_unit="block", recompute="none")
+    fp32, bf16 = (compile(tiny, "local:4", compression=c, **kw).predicted.peak_memory_bytes for c in ("none", "bf16"))
+    assert bf16 < fp32
+    room = (fp32 + bf16) / 2 / Topology.parse("local:4").device.memory_bytes
+    plan = compile(tiny, "local:4", max_memory_fraction=room, **kw)
+    assert plan.compression["intra_node"] == "bf16" and plan.predicted.compression_needed_to_fit
+    assert "uncompressed it does not fit" in str(plan)
+    assert type(plan).from_json(plan.to_json()).predicted.compression_needed_to_fit  # kept in the plan file
+    with pytest.raises(PlanInfeasibleError, match="no plan fits"):
+        compile(tiny, "local:4", max_memory_fraction=room, compression="none", **kw)

@@ -244,6 +244,9 @@ class Predicted:
     exposed_comm_s: float  # the busiest stage's data-parallel communication and compression kernels nothing hides
     # step time the plan's gradient compression saves against the same configuration and cut uncompressed
     compression_saving_s: float = 0.0
+    # uncompressed, that cut does not fit (a ZeRO-3 unit's bf16 reduction holds less: cost_models.compression_memory).
+    # Written in plan JSON only when true.
+    compression_needed_to_fit: bool = dataclasses.field(default=False, metadata={"omit_default": True})
     # the search's closed-form estimate of this cut's step time (cut.step_time), the basis on which the
     # runners-up were ranked; step_time_s simulates the instruction lists. 0.0: not recorded (older plans)
     search_step_time_s: float = 0.0

@@ -115,6 +115,8 @@ def compression_text(p: Plan) -> str:
         ms = p.predicted.compression_saving_s * 1e3
         gain = f"saves {ms:.0f} ms/step of exposed DP traffic" if ms >= 0 else \
             f"costs {-ms:.0f} ms/step more than uncompressed"
+        if p.predicted.compression_needed_to_fit:
+            gain = f"uncompressed it does not fit; {gain}"
         z = p.config.zero_stage
         what = "data-parallel gradient all-reduce" if z <= 1 else "data-parallel gradient reduce-scatter"
         if z == 3 and any(c in ("int8", "int4") for c in p.compression.values()):
