@@ -49,7 +49,7 @@ import dataclasses
 
 from cost_models.compression import group_compressor
 
-__all__ = ["ReductionMemory", "reduction_memory"]
+__all__ = ["ReductionMemory", "reduction_memory", "sixteen_bit_units"]
 
 _BITS = ("int8", "int4")
 
@@ -69,6 +69,16 @@ class ReductionMemory:
     held: float = 0.0
     working: float = 0.0
     input_bytes: float | None = None
+
+
+def sixteen_bit_units(*, zero_stage: int, precision: str, compression_warmup: int = 0) -> bool:
+    """Whether a bf16 reduction takes ZeRO-3's units' gradients as they are: they are 16-bit under every precision
+    but fp32, and no uncompressed warm-up steps reduce them in fp32 first (runtime.engines.zero3).
+
+    >>> sixteen_bit_units(zero_stage=3, precision="bf16-mixed"), sixteen_bit_units(zero_stage=3, precision="fp32")
+    (True, False)
+    """
+    return zero_stage == 3 and precision != "fp32" and not compression_warmup
 
 
 def reduction_memory(compression: tuple[str, str], *, zero_stage: int, dp: int,

@@ -630,8 +630,7 @@ def _assemble(g: OpGraph, topo: Topology, decl: Declarations, splits: TensorSpli
         plain_cut = evaluate_cut(plain, cut.bounds, fitting=False)  # (it may not fit: the compression may be why)
         saving = simulate(sched, durations(plain, plain_cut)).step_time_s - sim.step_time_s
         needed = not all(st.fits for st in plain_cut.stages)
-    predicted = dataclasses.replace(_predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving),
-                                    compression_needed_to_fit=needed)
+    predicted = _predict(g, topo, decl, ctx, ev, cand, cut, stages, sim, best.compression, saving, needed)
     aux_loss = _load_balancing_loss(g)
     alternatives = tuple(Alternative(config=o.cand, step_time_s=o.cut.step_time_s,
                                      peak_memory_bytes=max(m.total for m in rank_memory(o.cut, o.cand.pp, o.cand.schedule).values()),
@@ -947,7 +946,8 @@ def _segment_name(g: OpGraph, n: int) -> str:
 
 
 def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, ev: StageEvaluator, cand: ParallelConfig,
-             cut: Cut, stages: list[StagePlan], sim: Any, compression: tuple[str, str], saving: float) -> Predicted:
+             cut: Cut, stages: list[StagePlan], sim: Any, compression: tuple[str, str], saving: float,
+             needed: bool = False) -> Predicted:
     step = charge_idle(cut.stages, cand.num_microbatches, cand.interleave, sim.step_time_s, ctx.cal.pipeline_idle_cost)
     gb, s = decl.global_batch_size, g.traced_seq_len or 1
     model_flops = g.flops(batch_size=gb, seq_len=g.traced_seq_len) if g.batch_symbolic else \
@@ -960,7 +960,7 @@ def _predict(g: OpGraph, topo: Topology, decl: Declarations, ctx: CostContext, e
                      peak_memory_bytes=worst.total, memory=worst, memory_capacity_bytes=float(topo.device.memory_bytes),
                      bytes_per_link=_traffic(ctx, ev, cand, cut, topo, dict(zip(LEVELS, compression))),
                      bubble_fraction=sim.bubble_fraction, exposed_comm_s=max(st.exposed_comm_s for st in cut.stages),
-                     compression_saving_s=saving, search_step_time_s=cut.step_time_s,
+                     compression_saving_s=saving, compression_needed_to_fit=needed, search_step_time_s=cut.step_time_s,
                      context_buffer_bytes=_context_buffers(ctx, cand))
 
 

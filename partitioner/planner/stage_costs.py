@@ -57,7 +57,7 @@ from cost_models.compression import (
     group_shape,
     reduce_scatter_time,
 )
-from cost_models.compression_memory import ReductionMemory, reduction_memory
+from cost_models.compression_memory import ReductionMemory, reduction_memory, sixteen_bit_units
 from cost_models.compute import elementwise_bytes_per_s, loss_times
 from cost_models.memory import (
     DDP_BUCKET_BYTES,
@@ -491,10 +491,10 @@ class StageEvaluator:
 
     @functools.cached_property
     def _sixteen_bit_units(self) -> bool:
-        """ZeRO-3's units hold 16-bit gradients (every precision but fp32), and a bf16 reduction takes them as they
-        are, in the background like an uncompressed one, where no warm-up steps reduce otherwise
-        (runtime.engines.zero3)."""
-        return self.cand.zero_stage == 3 and self.ctx.precision != "fp32" and not self.ctx.compression_warmup
+        """A bf16 reduction takes ZeRO-3's units' 16-bit gradients as they are, in the background like an
+        uncompressed one (cost_models.compression_memory.sixteen_bit_units)."""
+        return sixteen_bit_units(zero_stage=self.cand.zero_stage, precision=self.ctx.precision,
+                                 compression_warmup=self.ctx.compression_warmup)
 
     def _stage(self, i: int, j: int, k: int) -> StageCost:
         ctx, cand = self.ctx, self.cand

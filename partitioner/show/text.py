@@ -19,6 +19,7 @@ import re
 import textwrap
 from typing import TYPE_CHECKING
 
+from cost_models.compression_memory import sixteen_bit_units
 from cost_models.fp8 import FUSED_CAST_BYTES, TORCH_CAST_BYTES
 from cost_models.mesh import Mesh
 from cost_models.powersgd import POWERSGD_RANK
@@ -121,7 +122,8 @@ def compression_text(p: Plan) -> str:
         what = "data-parallel gradient all-reduce" if z <= 1 else "data-parallel gradient reduce-scatter"
         if z == 3 and any(c in ("int8", "int4") for c in p.compression.values()):
             what += " and int8 parameter all-gathers"
-        if z == 3 and "bf16" in p.compression.values() and p.precision != "fp32" and not p.compression_warmup:
+        if "bf16" in p.compression.values() and sixteen_bit_units(zero_stage=z, precision=p.precision,
+                                                                    compression_warmup=p.compression_warmup):
             what += ", each unit's 16-bit gradient sent as it is (no fp32 copy)"
         if "powersgd" in p.compression.values():
             what += f", rank-{POWERSGD_RANK} PowerSGD with error feedback"

@@ -535,11 +535,11 @@ class DataParallel(GradientBuckets, ShardedUnits):
 
 
     # ---- reduce-scatter into shards (stages 2 and 3) --------------------------------------
-    def _reduce_scatter(self, f: FlatTensors, inp: torch.Tensor, consume: bool = False) -> None:
-        """Start reducing inp into f's shard (consume: inp is the engine's own copy, a compressor may overwrite it).
-        A bf16 reduction of a 16-bit input (a ZeRO-3 unit's gradient: runtime.engines.zero3) is a plain collective in
-        bf16, so it runs in the background like the uncompressed one (the codecs and fp32 casts run in the hook)."""
-        if consume and inp.dtype == torch.bfloat16 and self.reducer.compressing and self.reducer.flat == "bf16":
+    def _reduce_scatter(self, f: FlatTensors, inp: torch.Tensor, sixteen_bit: bool = False) -> None:
+        """Start reducing inp into f's shard. sixteen_bit: inp is a ZeRO-3 unit's bf16 gradient under a bf16
+        reduction, the engine's own (runtime.engines.zero3): divided in place and reduced as a plain bf16 collective,
+        in the background like the uncompressed one (the codecs and fp32 casts run in the hook)."""
+        if sixteen_bit:
             out = torch.empty(f.layout.shard_numel, dtype=torch.bfloat16, device=inp.device)
             # the sum of the halves, as the compressor sends it (runtime.compression.grad_compression)
             work = self.collectives.reduce_scatter(out, inp.div_(self.reducer.world), self.group, op="sum",

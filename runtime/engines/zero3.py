@@ -350,7 +350,7 @@ class ShardedUnits:
     def _reduce(self, u: Unit, g: torch.Tensor) -> None:
         """Reduce-scatter u's gradient g, the engine's own (taken off the gathered buffer, or a copy of it)."""
         self._drain_all()  # at most one reduce-scatter in flight
-        self._reduce_scatter(u.flat, g, consume=self._sixteen_bit_reduction(g))
+        self._reduce_scatter(u.flat, g, sixteen_bit=self._sixteen_bit_reduction(g))
         u.reduced = True
 
     @contextlib.contextmanager
