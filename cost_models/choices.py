@@ -45,7 +45,10 @@ LAYOUT_ZERO_STAGE = {"replicated": 0, "distributed": 1}  # the ZeRO stage each l
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipe-v"]
 SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 
-Recompute = Literal["none", "selective", "full"]
+# selective: Korthikanti et al.'s (every matrix product's output kept, the rest recomputed); selective-op:
+# torchtitan's per-op policy (fused attention's outputs and every second matrix product's kept, the other products
+# and everything else recomputed); full: only each block's input kept (runtime.engines.recompute)
+Recompute = Literal["none", "selective", "full", "selective-op"]
 RECOMPUTE_POLICIES: tuple[str, ...] = get_args(Recompute)
 
 OptimizerName = Literal["adam", "adamw", "sgd"]  # what a plan is compiled for (adamw keeps Adam's state)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
 
-from cost_models.choices import PRECISIONS, RECOMPUTE_POLICIES, SCHEDULES, ZERO_STAGES
+from cost_models.choices import PRECISIONS, RECOMPUTE_POLICIES, SCHEDULES, ZERO_STAGES, Recompute
 from cost_models.errors import PartitionerError
 
 __all__ = [
     "PRECISIONS", "OPTIMIZERS", "ZERO_STAGES", "RECOMPUTE_POLICIES", "SCHEDULES",
-    "DDP_BUCKET_BYTES", "SELECTIVE_KEEPS", "ModelStateBytes", "model_state_bytes",
+    "DDP_BUCKET_BYTES", "MATRIX_PRODUCTS", "SELECTIVE_KEEPS", "ModelStateBytes", "model_state_bytes",
     "transformer_activation_bytes", "inflight_microbatches", "chunk_inflight", "chunk_live",
     "TemporaryBytes", "temporary_buffer_bytes", "process_fixed_bytes", "ALLOCATOR_SLACK", "allocator_slack",
 ]
@@ -28,7 +27,11 @@ OPTIMIZERS = ("adam", "sgd", "sgd-momentum")  # the optimizer state a parameter 
 # The ATen ops whose outputs selective recomputation keeps: matrix products and layer norms (Korthikanti et
 # al. 2022), unless they read or write the s x s attention scores. The planner costs what they keep; the
 # runtime's checkpoint policy (runtime.engines.recompute) saves exactly these.
-SELECTIVE_KEEPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "layer_norm")
+MATRIX_PRODUCTS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm")
+SELECTIVE_KEEPS = MATRIX_PRODUCTS + ("layer_norm",)
+# torchtitan's per-op policy ("selective-op") keeps fused attention's outputs and those of every second matrix
+# product in a block's forward order (the first, third, ...; a product that reads or writes the attention scores is
+# recomputed and not counted), and recomputes the other products and every other op.
 
 # Bytes per parameter: (params, grads, optimizer state).
 # fp32: fp32 weights and grads; Adam keeps m and v in fp32 (8), SGD with
@@ -123,7 +126,7 @@ def model_state_bytes(num_params: float, *, precision: str, optimizer: str,
 
 # --- activations ----------------------------------------------------------
 def transformer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
-                                 recompute: Literal["none", "selective", "full"] = "none",
+                                 recompute: Recompute = "none",
                                  sequence_parallel: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward, per microbatch.
 
@@ -143,6 +146,10 @@ def transformer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
     """
     _positive(s=s, b=b, h=h, a=a, t=t)
     _choice("recompute", recompute, RECOMPUTE_POLICIES)
+    if recompute == "selective-op":
+        raise PartitionerError("transformer_activation_bytes(recompute='selective-op'): the paper has no row for "
+                               "torchtitan's per-op policy (what it keeps depends on the order of the layer's "
+                               "matrix products); compile() counts it from the traced graph")
     sbh = s * b * h
     attention = 5 * a * s / (h * t)  # the softmax/dropout/QK^T term, paper's 5as/h
     if recompute == "full":
@@ -158,7 +165,7 @@ def transformer_activation_bytes(*, s: int, b: int, h: int, a: int, t: int = 1,
 # without recomputation, 1.120 with full recomputation (its many short-lived buffers of varying sizes); taken
 # with some margin. Where max_memory_fraction is not pinned, a plan fits when its predicted peak times this
 # slack fits in the device's memory.
-ALLOCATOR_SLACK = {"none": 1.05, "selective": 1.05, "full": 1.12}
+ALLOCATOR_SLACK = {"none": 1.05, "selective": 1.05, "full": 1.12, "selective-op": 1.05}
 
 
 def allocator_slack(recompute: str, blocks: tuple[int, int] = (1, 1)) -> float:

@@ -175,7 +175,9 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     it (partitioner.planner.context_split).
 
     `recompute` is "none", "selective" (a block's matrix products and norms kept, the rest, the s x s
-    attention scores included, run again in backward) or "full" (a block keeps only its input). Pinned
+    attention scores included, run again in backward), "full" (a block keeps only its input) or
+    "selective-op" (torchtitan's per-op selective AC: fused attention's outputs and every second matrix
+    product's kept, the other products and every other op run again; considered only where pinned). Pinned
     "full" recomputes every block; `recompute_blocks` (k, n) or "k/n" recomputes only the first k of every n
     consecutive blocks and lets the others keep their activations (Megatron-LM's recompute_num_layers,
     torchtitan's selective_ac_option=N as (1, N)); it pins recompute="full". Unpinned, a plan that would

@@ -78,7 +78,8 @@ def test_programs_from_before_the_zero_actions_still_train_like_one_process(tiny
     check_equal(out, *reference(training.gpt_tiny_seeded, training.adamw, training.gpt_loss, batches))
 
 
-@pytest.mark.parametrize("zero,recompute", [(0, "full"), (1, "selective"), (2, "full"), (3, "full"), (3, "selective")])
+@pytest.mark.parametrize("zero,recompute", [(0, "full"), (1, "selective"), (2, "full"), (3, "full"), (3, "selective"),
+                                           (1, "selective-op"), (3, "selective-op")])
 def test_recomputing_plans_train_like_one_process_and_hold_less(tiny_graph, zero, recompute):
     """A data-parallel plan that recomputes checkpoints its blocks (ZeRO-3: the recomputation re-installs the
     gathered unit): the same training as one process, and less held at the step's peak than without."""

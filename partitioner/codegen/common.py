@@ -102,7 +102,9 @@ def dp_compression(plan: "Plan", dp_ranks: tuple[int, ...]) -> DpCompression:
 _RECOMPUTE_WHAT = {
     "full": "each block keeps only its input in forward and runs again in backward",
     "selective": "each block keeps the outputs of its matrix products and layer norms and runs every other op "
-                 "again in backward, the s x s attention scores included"}
+                 "again in backward, the s x s attention scores included",
+    "selective-op": "each block keeps fused attention's outputs and those of every second matrix product (the "
+                    "first, third, ...) and runs the other products and every other op again in backward"}
 
 
 def autocast_line(plan: "Plan") -> str:

@@ -589,9 +589,9 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
             f"V; torch's ScheduleDualPipeV checks the same), but global_batch_size={d.global_batch_size} / "
             f"(dp({d.dp}) * microbatch_size({d.microbatch_size})) = {m}: use microbatch_size <= "
             f"{max(1, d.global_batch_size // (d.dp * 2 * d.pp))}, a larger global batch, or schedule='zb-v'")
-    if d.schedule in SPLIT_BACKWARD and d.recompute == "selective":
+    if d.schedule in SPLIT_BACKWARD and d.recompute in ("selective", "selective-op"):
         raise DeclarationError(
-            f"schedule={d.schedule!r} with recompute='selective': a split backward runs autograd twice over each "
+            f"schedule={d.schedule!r} with recompute={d.recompute!r}: a split backward runs autograd twice over each "
             "block (I, then W), and torch's selective checkpoint allows one backward per region; use "
             "recompute='full' or 'none', or schedule='1f1b'")
     if d.schedule in ("interleaved-1f1b", "interleaved-zb") and d.interleave == 1:

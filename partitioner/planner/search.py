@@ -38,7 +38,7 @@ from partitioner.planner.unit_costs import CostContext
 __all__ = ["PARTIAL_RECOMPUTE", "Scored", "SearchResult", "enumerate_candidates", "recompute_part", "search",
            "simplicity"]
 
-_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "selective-op": 2, "full": 3}
 # Shares of the blocks (ParallelConfig.recompute_blocks) a leader that recomputes every block fully is tried with,
 # least recomputation first: Megatron-LM's recompute_num_layers and torchtitan's every-N-th-block AC do the same
 PARTIAL_RECOMPUTE = ((1, 4), (1, 3), (1, 2), (2, 3), (3, 4))
@@ -139,7 +139,7 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                         # pair ran 1.3-1.45x slower than ZeRO-3 with 1F1B where it predicts 0.91x: the search
                         # does not pick it by itself until W's cost is understood
                         zeros = [z for z in zeros if z != 3 or (d.zero_stage == 3 and d.schedule == sched)]
-                        recomputes = [rc for rc in recomputes if rc != "selective"]
+                        recomputes = [rc for rc in recomputes if rc not in ("selective", "selective-op")]
                     share = d.recompute_blocks or (1, 1)
                     for z, rc in itertools.product(zeros, recomputes):
                         sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]

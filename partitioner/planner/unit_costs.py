@@ -30,7 +30,7 @@ from cost_models.compression import (
 )
 from cost_models.compute import RooflineCompute, dtype_for
 from cost_models.fp8 import FP8_GEMM_OPS, FP8_PRECISIONS, cast_bytes, check_fp8, gemm_dtype
-from cost_models.memory import SELECTIVE_KEEPS, allocator_slack
+from cost_models.memory import MATRIX_PRODUCTS, SELECTIVE_KEEPS, allocator_slack
 from cost_models.mesh import Mesh
 from cost_models.placements import is_sharded
 from cost_models.powersgd import LowRank, low_rank
@@ -154,6 +154,8 @@ class CostContext:
         # the units ep changes (their expert ops and all-to-alls); every other unit costs what it does at ep = 1
         self._moe_units = frozenset(u for u, (a, b) in enumerate(self.units)
                                     if any(n.name in moe_nodes for n in g.nodes[a:b]))
+        self._outputs = {n.name: n.output for n in g.nodes}
+        self._op_kept = self._every_second_product(g)
         ids: dict[tuple, int] = {}
         self._keys = [ids.setdefault(self._unit_key(a, b), len(ids)) for a, b in self.units]
         first: dict[int, int] = {}
@@ -163,7 +165,6 @@ class CostContext:
         self._unit_kinds = tuple((u, counts[k]) for k, u in first.items())  # (a unit of each kind, how many)
         self._boundary, self._boundary_new = self._boundary_bytes()
         self._memo: dict[tuple, UnitCost] = {}
-        self._outputs = {n.name: n.output for n in g.nodes}
         self._kv = kv_blocks(g)  # per attention node, the k and v a context-parallel kernel sends
         self._arrays: dict[tuple, UnitArrays] = {}
         self._bottlenecks: dict[tuple, float] = {}  # StageEvaluator.min_max_c
@@ -189,7 +190,8 @@ class CostContext:
         return tuple((n.cost, n.op in FP8_GEMM_OPS, n.name in self.splits.sharded_nodes, n.name in self._seq,
                       tuple((c.phase, c.bytes) for c in self._collectives.get(n.name, ())),
                       tuple((c.phase, c.kind, c.bytes) for c in self._sp_collectives.get(n.name, ())),
-                      n.output.nbytes(1, 1) if n.output else 0, self._expert_w.get(n.name)) for n in nodes)
+                      n.output.nbytes(1, 1) if n.output else 0, self._expert_w.get(n.name), n.name in self._op_kept)
+                     for n in nodes)
 
     @staticmethod
     def _sequence_collectives(g: OpGraph, splits: TensorSplits, tensor: dict[str, list[TPCollective]],
@@ -357,6 +359,24 @@ class CostContext:
     def _sharded_param(self, name: str) -> bool:
         return self._sharded[name]
 
+    def _every_second_product(self, g: OpGraph) -> frozenset[str]:
+        """The nodes "selective-op" keeps, as runtime.engines.recompute's policy does: each block's fused
+        attention and every second matrix product in its forward order, the first included, counting only the
+        products that do not touch the attention scores."""
+        kept, count, block = set(), 0, None
+        for n in g.nodes:
+            if n.block != block:
+                block, count = n.block, 0
+            if n.block is None:
+                continue
+            if n.op == ATTENTION_OP:
+                kept.add(n.name)
+            elif n.op in MATRIX_PRODUCTS and not self._touches_scores(n):
+                count += 1
+                if count % 2:
+                    kept.add(n.name)
+        return frozenset(kept)
+
     def _touches_scores(self, n) -> bool:
         """Whether op n reads or writes an s x s tensor (the attention scores): selective recomputes it."""
         specs = [n.output, *(self._outputs.get(i) for i in n.inputs)]
@@ -429,7 +449,8 @@ class CostContext:
         # Recomputation (runtime.engines.recompute) runs inside the blocks only, never on the prefix or suffix
         # (the loss's inputs) a unit may also hold: their activations stay, their ops run once.
         # full: a block keeps its input; selective: the outputs of its matrix products and layer
-        # norms that do not touch the s x s attention scores, every other op runs again in backward.
+        # norms that do not touch the s x s attention scores, every other op runs again in backward;
+        # selective-op: fused attention's outputs and every second product's (_every_second_product).
         outside = block_f = kept_sel = recomputed_f = 0.0
         block_input = None  # the inputs of the blocks the unit holds (None: it holds none)
         starts_block = False  # its first node starts a block whose input comes from the unit before
@@ -500,7 +521,9 @@ class CostContext:
                             if prev.output is not None else 0.0
                     block_input = (block_input or 0.0) + ins
                 block_f += tf + collective_f
-                if n.op in _SAVED_OPS and n.output is not None and not self._touches_scores(n):
+                keeps = n.name in self._op_kept if recompute == "selective-op" else \
+                    n.op in _SAVED_OPS and not self._touches_scores(n)
+                if keeps and n.output is not None:
                     kept_sel += nbytes(n.output) * sc / d
                 else:  # a collective is not kept either: it runs again with its op
                     recomputed_f += tf + collective_f
@@ -508,7 +531,7 @@ class CostContext:
             prev = n
         # a nonzero stage_start_bytes marks the unit for unit_cost, which fills in its input's bytes
         start = 1.0 if starts_block else 0.0
-        if recompute == "selective" and block_input is not None:
+        if recompute in ("selective", "selective-op") and block_input is not None:
             return UnitCost(forward_s=fwd, backward_s=bwd + recomputed_f, activation_bytes=outside + block_input + kept_sel,
                             working_bytes=max(0.0, act - outside - kept_sel), params=0.0, largest_output=biggest,
                             weight_s=wgt, weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers,

@@ -265,7 +265,9 @@ def _schedule(p: Plan) -> str:
 
 _RECOMPUTE = {"none": "every in-flight microbatch keeps its activations",
               "selective": "attention scores recomputed in the backward (Korthikanti et al. 2022)",
-              "full": "only each block's input kept, its forward rerun in the backward"}
+              "full": "only each block's input kept, its forward rerun in the backward",
+              "selective-op": "fused attention's and every second matrix product's outputs kept, the rest rerun in the "
+                              "backward (torchtitan's per-op selective AC)"}
 
 
 def _recompute(c) -> str:
