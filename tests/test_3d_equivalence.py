@@ -274,7 +274,7 @@ def test_sequence_parallel_under_zero_bubble_trains_like_one_process():
     assert_same_training(plan, "gpt", optimizer=sgd)
 
 
-@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("recompute", ["selective", "full", "selective-op"])
 def test_sequence_parallel_recomputes_its_gathers_like_one_process(recompute):
     """Recomputation re-runs the token gathers in backward, under the saved-tensor hooks that keep them as
     shards: every rank issues the same collectives in the same order."""
@@ -286,10 +286,10 @@ def test_sequence_parallel_recomputes_its_gathers_like_one_process(recompute):
 @pytest.mark.parametrize("on", ["cpu", "meta"])
 @pytest.mark.parametrize("name,pp,dp,tp,zero,recompute", [
     ("gpt", 2, 1, 2, 0, "selective"), ("gpt", 2, 1, 2, 0, "full"), ("hf", 2, 2, 1, 3, "selective"),
-    ("llama", 1, 1, 2, 0, "selective")])
+    ("llama", 1, 1, 2, 0, "selective"), ("gpt", 2, 1, 2, 0, "selective-op"), ("llama", 1, 1, 2, 0, "selective-op")])
 def test_recomputing_stages_train_like_one_process(name, pp, dp, tp, zero, recompute, on):
-    """runtime.engines.recompute inside pipeline and tensor-parallel stages: selective re-runs the ops it does not keep,
-    tensor-parallel collectives included; full the whole block."""
+    """runtime.engines.recompute inside pipeline and tensor-parallel stages: selective and selective-op re-run the ops
+    they do not keep, tensor-parallel collectives included; full the whole block."""
     plan = plan_for(name, pp=pp, dp=dp, tp=tp, zero=zero, recompute=recompute, on=on)
     assert plan.config.recompute == recompute
     assert_same_training(plan, name)
