@@ -92,17 +92,15 @@ _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "H200-141GB": {"matmul_eff_by_dtype": {"bf16": 0.72, "fp16": 0.69, "fp32": 0.75, "fp8": 0.64}, "mem_eff": 0.83,
                    "attention_eff_max": 0.40, "optimizer_eff": 0.26, "lowrank_eff": 0.52},
 }
-# A100 (40 and 80 GB): no probe has run on one. Its 16-bit GEMMs at 0.70 of the 312 TFLOP/s peak, attention scaled
-# alike (0.6 x 0.70 / 0.75), fitted to the published A100 runs of the development set whose recomputation the planner
-# can express exactly (bench/fidelity; docs/benchmarks.md, "What an A100 sustains"): torchtitan's FSDP2 Llama rows on
-# 64 A100s without AC and with full AC (its performance page at 157a12c5) and MT-NLG 530B on 2240-3360 A100s (Smith
-# et al. 2022, Megatron-DeepSpeed; full recomputation, as its hardware to model FLOP/s ratio of 1.34 shows): at 0.75
-# -14 % to +2 %, at 0.70 -9 % to +5 % (median |error| 2 %), at 0.62 +2 % to +16 %. torchtitan's rows with per-op
-# selective AC (it recomputes half the forward matmuls, which no planner mode does) are left out of the fit: with the
-# planner's cheaper 'selective' in their place they asked for 0.62. Isolated large GEMMs reach ~0.8 of peak; a
-# training step sustains less (clocks under the power cap of eight busy GPUs, the overlapped collectives' kernels on
-# the same SMs).
-_DEVICE_DEFAULTS["A100-80GB"] = _DEVICE_DEFAULTS["A100-40GB"] = {"matmul_eff_by_dtype": {"bf16": 0.70, "fp16": 0.70}}
+# A100 (40 and 80 GB): no probe has run on one. Its 16-bit GEMMs at 0.68 of the 312 TFLOP/s peak, attention scaled
+# alike (0.6 x 0.68 / 0.75): the least-squares fit to the nine published A100 runs of the development set, each with
+# the recomputation it ran (bench/fidelity; docs/benchmarks.md, "What an A100 sustains"): torchtitan's FSDP2 Llama
+# rows on 64 A100s without AC, with full AC and with its per-op selective AC ("selective-op"; its performance page at
+# 157a12c5), and MT-NLG 530B on 2240-3360 A100s (Smith et al. 2022, Megatron-DeepSpeed; full recomputation, as its
+# hardware to model FLOP/s ratio of 1.34 shows). At 0.68 they are -12 % to +10 % (median |error| 6 %); at 0.75
+# -20 % to +2 %, at 0.62 -4 % to +16 %. Isolated large GEMMs reach ~0.8 of peak; a training step sustains less
+# (clocks under the power cap of eight busy GPUs, the overlapped collectives' kernels on the same SMs).
+_DEVICE_DEFAULTS["A100-80GB"] = _DEVICE_DEFAULTS["A100-40GB"] = {"matmul_eff_by_dtype": {"bf16": 0.68, "fp16": 0.68}}
 # The H800 is an H100 SXM5 with NVLink cut (devices.py): the same chip, clocks and HBM, so the H100's measured factors.
 _DEVICE_DEFAULTS["H800-80GB"] = _DEVICE_DEFAULTS["H100-80GB"]
 

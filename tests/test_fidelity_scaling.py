@@ -9,7 +9,7 @@ _zero3_exposed, cost_models/comm.py nccl_ring_latency) must show the curve flatt
 
 With fp32 gradient reduce-scatters (compression pinned "none"). Left free, the planner reduces in bf16 at 1536
 (DeepSpeed's fp16 reduction sent as many bytes), which halves the reduce-scatter's bytes and runs in the background:
-0.57 of the 768-GPU step (fp32: 0.71), where 1.0 was measured. The model does not see all of what ZeRO-3 cost at that
+0.56 of the 768-GPU step (fp32: 0.69), where 1.0 was measured. The model does not see all of what ZeRO-3 cost at that
 scale.
 """
 

@@ -43,8 +43,8 @@ def needs(ex: Exception) -> bool:
     """An error that says compile() lacks a pin or precision, not that the run is wrong.
 
     grade.py lists a TypeError (an unknown keyword such as cp=) and a ValueError naming the precision as NEEDS; a
-    recompute the row cannot state as a pin (torchtitan's per-layer AC without its N, its per-op AC) is the same
-    kind of missing pin."""
+    recompute the row cannot state as a pin (torchtitan's per-layer AC without its N) is the same kind of
+    missing pin."""
     if isinstance(ex, TypeError):
         return True
     msg = str(ex)
