@@ -29,9 +29,9 @@ class Block(torch.nn.Module):
         self.up = torch.nn.Linear(H, H, bias=False)
 
     def forward(self, x):
-        b = x.shape[0]
-        q, k, v = (f(x).view(b, S, HEADS, H // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, S, H)
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, HEADS, H // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, H)
         y = x + self.o(a)
         return y + torch.relu(self.up(y))
 
@@ -47,9 +47,9 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward(mode: str):
+def _backward(mode: str, s: int = S):
     torch.manual_seed(0)
-    block, x = Block(), torch.randn(2, S, H, requires_grad=True)
+    block, x = Block(), torch.randn(2, s, H, requires_grad=True)
     loss = run_recomputed(mode, block, x).square().sum()
     with _Count() as seen:
         loss.backward()
@@ -85,3 +85,10 @@ def test_the_planner_orders_the_modes_as_they_run(tiny_graph):
     assert "selective-op: fused attention's and every second matrix product's" in str(plans["selective-op"])
     free = compile(tiny_graph, "local:2", global_batch_size=16, alternatives=50)
     assert all(o.config.recompute != "selective-op" for o in (free, *free.alternatives)), free.config
+
+
+def test_a_weight_as_wide_as_the_sequence_is_not_taken_for_the_scores():
+    """With the hidden size equal to the sequence length every weight is s x s; the policies tell the scores by
+    their batch dimension, so selective-op still reruns exactly the second and fourth products."""
+    seen, base = _backward("selective-op", s=H)[0], _backward("none", s=H)[0]
+    assert (seen.products - base.products, seen.attention) == (2, 0)

@@ -58,8 +58,11 @@ _FUSED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     if hasattr(torch.ops.aten, name)}
 
 
+# The scores are batched, (..., s, s) with a batch or head dimension in front, as every attention computes them
+# (bmm, baddbmm, a 4-d matmul): a 2-d operand is a weight or flattened tokens, which may be s wide by chance
+# (hidden size = sequence length), and is never taken for them.
 def _square(t: Any, s: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == s and t.shape[-2] == s
+    return isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-1] == s and t.shape[-2] == s
 
 
 def _touches_scores(op, args: tuple, s: int) -> bool:
@@ -68,7 +71,7 @@ def _touches_scores(op, args: tuple, s: int) -> bool:
         return True
     if op in _MATMULS and len(tensors) >= 2:  # q @ k^T writes the scores
         a, b = tensors[-2], tensors[-1]
-        return a.dim() >= 2 and b.dim() >= 2 and a.shape[-2] == s and b.shape[-1] == s
+        return a.dim() >= 3 and b.dim() >= 3 and a.shape[-2] == s and b.shape[-1] == s
     return False
 
 
