@@ -177,7 +177,7 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     `recompute` is "none", "selective" (a block's matrix products and norms kept, the rest, the s x s
     attention scores included, run again in backward), "full" (a block keeps only its input) or
     "selective-op" (torchtitan's per-op selective AC: fused attention's outputs and every second matrix
-    product's kept, the other products and every other op run again; considered only where pinned). Pinned
+    product's kept, the other products and every other op run again: between the two in time and memory). Pinned
     "full" recomputes every block; `recompute_blocks` (k, n) or "k/n" recomputes only the first k of every n
     consecutive blocks and lets the others keep their activations (Megatron-LM's recompute_num_layers,
     torchtitan's selective_ac_option=N as (1, N)); it pins recompute="full". Unpinned, a plan that would

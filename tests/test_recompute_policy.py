@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from examples import gpt as gpt_mod
 from examples import training
-from partitioner import compile, trace
+from partitioner import Topology, compile, trace
 from runtime.engines.recompute import run_recomputed
 
 H, S, HEADS = 32, 16, 4
@@ -73,18 +73,24 @@ def tiny_graph():
     return trace(model, gpt_mod.example_batch(model, 2, seq_len=32))
 
 
+PINS = dict(global_batch_size=16, dp=2, pp=1, tp=1, zero_stage=1, microbatch_size=4, precision="fp32")
+
+
 def test_the_planner_orders_the_modes_as_they_run(tiny_graph):
-    """More recomputation, more time and less memory: none, selective, selective-op, full. The planner never
-    picks selective-op on its own (it is torchtitan's, for matching a run); pinned, it is honoured and named."""
-    plans = {r: compile(tiny_graph, "local:2", global_batch_size=16, pp=1, tp=1, zero_stage=1, microbatch_size=4,
-                        recompute=r, precision="fp32") for r in ("none", "selective", "selective-op", "full")}
+    """More recomputation, more time and less memory: none, selective, selective-op, full; where selective does
+    not fit and selective-op does, the search takes it over full."""
+    plans = {r: compile(tiny_graph, "local:2", recompute=r, **PINS)
+             for r in ("none", "selective", "selective-op", "full")}
     times = [p.predicted.step_time_s for p in plans.values()]
     kept = [p.predicted.memory.activations for p in plans.values()]
     assert times == sorted(times) and len(set(times)) == 4, times
     assert kept == sorted(kept, reverse=True) and len(set(kept)) == 4, kept
     assert "selective-op: fused attention's and every second matrix product's" in str(plans["selective-op"])
-    free = compile(tiny_graph, "local:2", global_batch_size=16, alternatives=50)
-    assert all(o.config.recompute != "selective-op" for o in (free, *free.alternatives)), free.config
+    peak = {r: p.predicted.memory.total for r, p in plans.items()}
+    between = (peak["selective"] + peak["selective-op"]) / 2
+    free = compile(tiny_graph, "local:2", max_memory_fraction=between / Topology.parse("local:2").device.memory_bytes,
+                   **PINS)
+    assert free.config.recompute == "selective-op", (free.config, peak)
 
 
 def test_a_weight_as_wide_as_the_sequence_is_not_taken_for_the_scores():

@@ -132,7 +132,8 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                     continue
                 for sched, v in _schedules(d, pp, m, num_units):
                     zeros = [d.zero_stage] if d.zero_stage is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
-                    recomputes = [d.recompute] if d.recompute is not None else ["none", "selective", "full"]
+                    recomputes = [d.recompute] if d.recompute is not None else \
+                        ["none", "selective", "selective-op", "full"]
                     if sched in SPLIT_BACKWARD:  # what a split backward does not run with (declarations.py)
                         # ZeRO-3 runs when pinned with this schedule, each W gathering its units again
                         # (zero3.split_backward); the cost model charges that gather, but measured on Gloo the
