@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cost_models.choices import RECOMPUTE_POLICIES
 from examples import gpt as gpt_mod
 from examples import training
 from partitioner import DeclarationError, compile, trace
 from partitioner.planner.declarations import Declarations, recompute_blocks_pin
 from partitioner.planner.plan import Plan
+from partitioner.planner.search import PARTIAL_RECOMPUTE
 from runtime.engines.recompute import run_recomputed
 from runtime.launch.local import launch_local
 
@@ -58,10 +60,12 @@ def test_costs_lie_between_none_and_full_and_fall_with_the_share(graph8):
 
 
 def test_the_planner_recomputes_the_fewest_blocks_that_fit(graph8):
-    """With room between what full recomputation and none need, the plan recomputes part of the blocks, fits,
-    and is faster than recomputing all of them; pinned recompute='full' still recomputes every block."""
+    """With room between what full recomputation needs and what every lighter policy does (selective-op, the
+    least of them, just over the cap), the plan recomputes part of the blocks, fits, and is faster than
+    recomputing all of them; pinned recompute='full' still recomputes every block."""
     none, full = _pinned(graph8, recompute="none"), _pinned(graph8, recompute="full")
-    cap = (none.predicted.peak_memory_bytes + full.predicted.peak_memory_bytes) / 2
+    cap = 0.99 * _pinned(graph8, recompute="selective-op").predicted.peak_memory_bytes
+    assert full.predicted.peak_memory_bytes < cap
     fraction = cap / none.predicted.memory_capacity_bytes
     plan = _pinned(graph8, max_memory_fraction=fraction)
     k, n = plan.config.recompute_blocks
@@ -71,7 +75,6 @@ def test_the_planner_recomputes_the_fewest_blocks_that_fit(graph8):
     assert f"recompute=full:{k}/{n}" in str(plan) and "keep their activations" in str(plan)
     assert _pinned(graph8, recompute="full", max_memory_fraction=fraction).config.recompute_blocks == (1, 1)
     # one share fewer does not fit (the shares are tried least first)
-    from partitioner.planner.search import PARTIAL_RECOMPUTE
     fewer = PARTIAL_RECOMPUTE[PARTIAL_RECOMPUTE.index((k, n)) - 1] if (k, n) != PARTIAL_RECOMPUTE[0] else None
     if fewer is not None:
         less = _pinned(graph8, recompute_blocks=fewer)
@@ -157,3 +160,18 @@ def test_the_cli_pins_it():
     assert runs["ok"].returncode == 0, runs["ok"].stderr
     assert "recompute=full:1/2" in runs["ok"].stdout
     assert runs["bad"].returncode != 0 and "recompute_blocks='3/2'" in runs["bad"].stderr
+
+
+def test_the_plan_is_never_slower_than_a_recomputation_that_fits(graph8):
+    """Under a memory cap at each option's own peak, the plan is at least as fast as every recompute option that
+    fits there (each mode, each share of the blocks): a leader under a lighter policy (selective-op) does not end
+    the search for shares, since part of the blocks recomputed fully may fit and run faster."""
+    pinned = [_pinned(graph8, recompute=r) for r in RECOMPUTE_POLICIES] + \
+        [_pinned(graph8, recompute_blocks=share) for share in PARTIAL_RECOMPUTE]
+    capacity = pinned[0].predicted.memory_capacity_bytes
+    for cap in sorted({p.predicted.peak_memory_bytes for p in pinned})[:-1]:
+        fits = [p for p in pinned if p.predicted.peak_memory_bytes <= cap]
+        plan = _pinned(graph8, max_memory_fraction=cap / capacity)
+        best = min(fits, key=lambda p: p.predicted.search_step_time_s)  # the search's objective
+        assert plan.predicted.search_step_time_s <= best.predicted.search_step_time_s * (1 + 1e-9), \
+            (cap, plan.config, best.config)

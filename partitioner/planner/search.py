@@ -261,11 +261,12 @@ def recompute_part(ctx: CostContext, result: SearchResult, *, bounds: tuple[int,
     Full recomputation wins where keeping every activation does not fit; keeping some often does, and each
     block that keeps its activations saves a forward in the backward. The enumeration leaves the shares out
     (five more candidates for each that recomputes: the planning time of the largest models), so they are
-    tried here, on the configurations that already won with every block recomputed, where the leader is one
-    (a leader that keeps its activations needs no recomputation at all)."""
+    tried here, on the configurations that already won with every block recomputed, where the leader recomputes
+    something (one that keeps every activation needs no recomputation; a selective leader may lose to part of
+    the blocks recomputed fully)."""
     ranked, evaluated, space = list(result.ranked), result.evaluated, result.space
-    if not ranked or (ranked[0].cand.recompute, ranked[0].cand.recompute_blocks) != ("full", (1, 1)):
-        return result  # the leader keeps activations: they fit where it matters
+    if not ranked or ranked[0].cand.recompute == "none":
+        return result  # the leader keeps every activation: they fit where it matters
     for i, s in enumerate(result.ranked):
         c = s.cand
         if c.recompute != "full" or c.recompute_blocks != (1, 1):
