@@ -177,11 +177,12 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     `recompute` is "none", "selective" (a block's matrix products and norms kept, the rest, the s x s
     attention scores included, run again in backward), "full" (a block keeps only its input) or
     "selective-op" (torchtitan's per-op selective AC: fused attention's outputs and every second matrix
-    product's kept, the other products and every other op run again: between the two in time and memory). Pinned
-    "full" recomputes every block; `recompute_blocks` (k, n) or "k/n" recomputes only the first k of every n
-    consecutive blocks and lets the others keep their activations (Megatron-LM's recompute_num_layers,
-    torchtitan's selective_ac_option=N as (1, N)); it pins recompute="full". Unpinned, a plan that would
-    recompute every block is tried with part of them (1/4, 1/3, 1/2, 2/3, 3/4), the least that fits.
+    product's kept, the other products and every other op run again: between selective and full in time and
+    memory). Pinned "full" recomputes every block; `recompute_blocks` (k, n) or "k/n" recomputes only the
+    first k of every n consecutive blocks and lets the others keep their activations (Megatron-LM's
+    recompute_num_layers, torchtitan's selective_ac_option=N as (1, N)); it pins recompute="full". Unpinned,
+    where the fastest plan recomputes (in any mode), the leaders that recompute every block fully are tried
+    with part of them (1/4, 1/3, 1/2, 2/3, 3/4): the least that fits and is faster.
 
     `zero3_unit` is what ZeRO-3 gathers and frees at once: "block" (a repeated block, FSDP2's per-layer
     wrapping) or "module" (each module holding parameters, DeepSpeed ZeRO-3's granularity: a few Linear
