@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 __all__ = ["Precision", "PRECISIONS", "ScheduleKind", "SCHEDULES", "Recompute", "RECOMPUTE_POLICIES",
-           "OptimizerName", "OPTIMIZERS", "ZERO_STAGES", "GradReduceDtype", "GRAD_REDUCE_DTYPES",
+           "SELECTIVE_RECOMPUTE", "OptimizerName", "OPTIMIZERS", "ZERO_STAGES", "GradReduceDtype", "GRAD_REDUCE_DTYPES",
            "OptimizerLayout", "OPTIMIZER_LAYOUTS", "LAYOUT_ZERO_STAGE", "CpKind", "CP_KINDS", "Zero3Unit",
            "ZERO3_UNITS"]
 
@@ -50,6 +50,8 @@ SCHEDULES: tuple[str, ...] = get_args(ScheduleKind)
 # and everything else recomputed); full: only each block's input kept (runtime.engines.recompute)
 Recompute = Literal["none", "selective", "full", "selective-op"]
 RECOMPUTE_POLICIES: tuple[str, ...] = get_args(Recompute)
+# the modes run by torch's selective activation checkpointing: a policy per op, one backward per region
+SELECTIVE_RECOMPUTE: tuple[str, ...] = ("selective", "selective-op")
 
 OptimizerName = Literal["adam", "adamw", "sgd"]  # what a plan is compiled for (adamw keeps Adam's state)
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)

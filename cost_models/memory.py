@@ -25,13 +25,12 @@ __all__ = [
 
 OPTIMIZERS = ("adam", "sgd", "sgd-momentum")  # the optimizer state a parameter carries (see _BYTES)
 # The ATen ops whose outputs selective recomputation keeps: matrix products and layer norms (Korthikanti et
-# al. 2022), unless they read or write the s x s attention scores. The planner costs what they keep; the
-# runtime's checkpoint policy (runtime.engines.recompute) saves exactly these.
+# al. 2022), unless they read or write the s x s attention scores. torchtitan's per-op policy ("selective-op")
+# keeps fused attention's outputs and those of every second matrix product in a block's forward order (the first,
+# third, ...; one that reads or writes the scores is recomputed and not counted). The planner costs what they
+# keep; the runtime's checkpoint policies (runtime.engines.recompute) save exactly these.
 MATRIX_PRODUCTS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm")
 SELECTIVE_KEEPS = MATRIX_PRODUCTS + ("layer_norm",)
-# torchtitan's per-op policy ("selective-op") keeps fused attention's outputs and those of every second matrix
-# product in a block's forward order (the first, third, ...; a product that reads or writes the attention scores is
-# recomputed and not counted), and recomputes the other products and every other op.
 
 # Bytes per parameter: (params, grads, optimizer state).
 # fp32: fp32 weights and grads; Adam keeps m and v in fp32 (8), SGD with

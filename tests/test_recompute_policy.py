@@ -8,14 +8,11 @@ product, the second and fourth here, and never the attention; "selective" reruns
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from examples import gpt as gpt_mod
-from examples import training
-from partitioner import Topology, compile, trace
+from partitioner import Topology, compile
 from runtime.engines.recompute import run_recomputed
 
 H, S, HEADS = 32, 16, 4
@@ -67,19 +64,13 @@ def test_each_mode_reruns_what_it_says():
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=mode)
 
 
-@pytest.fixture(scope="module")
-def tiny_graph():
-    model = training.gpt_tiny_seeded()
-    return trace(model, gpt_mod.example_batch(model, 2, seq_len=32))
-
-
 PINS = dict(global_batch_size=16, dp=2, pp=1, tp=1, zero_stage=1, microbatch_size=4, precision="fp32")
 
 
-def test_the_planner_orders_the_modes_as_they_run(tiny_graph):
+def test_the_planner_orders_the_modes_as_they_run(meta_gpt_graph):
     """More recomputation, more time and less memory: none, selective, selective-op, full; where selective does
     not fit and selective-op does, the search takes it over full."""
-    plans = {r: compile(tiny_graph, "local:2", recompute=r, **PINS)
+    plans = {r: compile(meta_gpt_graph, "local:2", recompute=r, **PINS)
              for r in ("none", "selective", "selective-op", "full")}
     times = [p.predicted.step_time_s for p in plans.values()]
     kept = [p.predicted.memory.activations for p in plans.values()]
@@ -88,7 +79,7 @@ def test_the_planner_orders_the_modes_as_they_run(tiny_graph):
     assert "selective-op: fused attention's and every second matrix product's" in str(plans["selective-op"])
     peak = {r: p.predicted.memory.total for r, p in plans.items()}
     between = (peak["selective"] + peak["selective-op"]) / 2
-    free = compile(tiny_graph, "local:2", max_memory_fraction=between / Topology.parse("local:2").device.memory_bytes,
+    free = compile(meta_gpt_graph, "local:2", max_memory_fraction=between / Topology.parse("local:2").device.memory_bytes,
                    **PINS)
     assert free.config.recompute == "selective-op", (free.config, peak)
 

@@ -16,7 +16,7 @@ from typing import Any
 from cost_models.calibration import Calibration
 from cost_models.choices import GRAD_REDUCE_DTYPES, LAYOUT_ZERO_STAGE, OPTIMIZER_LAYOUTS, OPTIMIZERS, PRECISIONS
 from cost_models.choices import RECOMPUTE_POLICIES as RECOMPUTE
-from cost_models.choices import CP_KINDS, SCHEDULES, ZERO3_UNITS
+from cost_models.choices import CP_KINDS, SCHEDULES, SELECTIVE_RECOMPUTE, ZERO3_UNITS
 from cost_models.compression import COMPRESSORS, IMPLEMENTED, LEVELS
 from cost_models.errors import DeclarationError
 
@@ -589,7 +589,7 @@ def check_declarations(d: Declarations, *, world_size: int, topology_name: str, 
             f"V; torch's ScheduleDualPipeV checks the same), but global_batch_size={d.global_batch_size} / "
             f"(dp({d.dp}) * microbatch_size({d.microbatch_size})) = {m}: use microbatch_size <= "
             f"{max(1, d.global_batch_size // (d.dp * 2 * d.pp))}, a larger global batch, or schedule='zb-v'")
-    if d.schedule in SPLIT_BACKWARD and d.recompute in ("selective", "selective-op"):
+    if d.schedule in SPLIT_BACKWARD and d.recompute in SELECTIVE_RECOMPUTE:
         raise DeclarationError(
             f"schedule={d.schedule!r} with recompute={d.recompute!r}: a split backward runs autograd twice over each "
             "block (I, then W), and torch's selective checkpoint allows one backward per region; use "

@@ -29,6 +29,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
+from cost_models.choices import SELECTIVE_RECOMPUTE
 from partitioner.planner.cut import Cut, cut_stages, evaluate_cut, step_time
 from partitioner.planner.declarations import INTERLEAVED, MAX_MICROBATCHES, SPLIT_BACKWARD, Declarations, divisors
 from partitioner.planner.plan import ParallelConfig, per_rank_memory
@@ -140,7 +141,7 @@ def enumerate_candidates(d: Declarations, *, world_size: int, devices_per_node: 
                         # pair ran 1.3-1.45x slower than ZeRO-3 with 1F1B where it predicts 0.91x: the search
                         # does not pick it by itself until W's cost is understood
                         zeros = [z for z in zeros if z != 3 or (d.zero_stage == 3 and d.schedule == sched)]
-                        recomputes = [rc for rc in recomputes if rc not in ("selective", "selective-op")]
+                        recomputes = [rc for rc in recomputes if rc not in SELECTIVE_RECOMPUTE]
                     share = d.recompute_blocks or (1, 1)
                     for z, rc in itertools.product(zeros, recomputes):
                         sps = [True] if d.sp or (can and sp_dominates(tp, mb, rc)) else [False, True] if can else [False]

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from cost_models.calibration import Calibration
+from cost_models.choices import SELECTIVE_RECOMPUTE
 from cost_models.comm import CommModel
 from cost_models.compression import (
     LEVELS,
@@ -531,7 +532,7 @@ class CostContext:
             prev = n
         # a nonzero stage_start_bytes marks the unit for unit_cost, which fills in its input's bytes
         start = 1.0 if starts_block else 0.0
-        if recompute in ("selective", "selective-op") and block_input is not None:
+        if recompute in SELECTIVE_RECOMPUTE and block_input is not None:
             return UnitCost(forward_s=fwd, backward_s=bwd + recomputed_f, activation_bytes=outside + block_input + kept_sel,
                             working_bytes=max(0.0, act - outside - kept_sel), params=0.0, largest_output=biggest,
                             weight_s=wgt, weight_grad_bytes=wbytes, context_buffer_bytes=cp_buffers,

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from cost_models.choices import SELECTIVE_RECOMPUTE
 from cost_models.memory import MATRIX_PRODUCTS, SELECTIVE_KEEPS
 from runtime.engines.fp8 import FP8_LINEAR_OP
 
@@ -103,7 +104,7 @@ def run_recomputed(mode: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     if mode == "full":
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    if mode not in ("selective", "selective-op"):
+    if mode not in SELECTIVE_RECOMPUTE:
         raise ValueError(f"recompute={mode!r}: one of {', '.join(MODES)}")
     x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if x is None or x.dim() < 2:
