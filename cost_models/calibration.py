@@ -68,8 +68,12 @@ _DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     # PowerSGD's product (bmm of gpt_small's 5.28M gradient elements by 4 columns, 3 passes) runs at ~4.5 GB/s there.
     # F.cross_entropy forward and backward over gpt_small's logits (512 x 8192 fp32, 5 passes) streams 4.7 GB/s on one
     # thread, where the probe's elementwise kernels stream 21 (a fresh 16 MB tensor per pass: page faults).
+    # `partitioner probe --topology local:2` on this machine (docs/benchmarks.md, "The CPU's GEMM curve"): a matmul
+    # reaches half its plateau at 1.9e5 FLOP in fp32 and 5.9e6 in bf16, not the 1e9 of a GPU, which priced every
+    # small GEMM of a CPU run at >= 27 ms (the example GPT on local:2 at 1.18 s a step, measured 16 ms); 1e6 lies
+    # between the two.
     "CPU": {"compress_mem_eff": 0.085, "optimizer_eff": 0.31, "lowrank_eff": 0.22,  # 1.7, 6.2, 4.5 GB/s / 20e9
-            "loss_eff": 0.22},  # 4.7 / 21 GB/s
+            "loss_eff": 0.22, "gemm_half_flops": 1e6},  # 4.7 / 21 GB/s
     # Measured by `partitioner probe` on one H100 80GB HBM3 (SXM) with torch 2.11 (docs/benchmarks.md, "On a lent
     # H100"): large GEMMs at 73 % (bf16), 69 % (fp16), 77 % (fp32) of the datasheet peaks; torch's elementwise
     # kernels at 82 % of HBM; fused causal attention (SDPA, 2 x 16 heads x 4096 x 128, fwd+bwd) at 690 TFLOP/s

@@ -143,7 +143,9 @@ def compile(model: Any, topology: Topology | str | dict, example_inputs: Sequenc
     ZeRO-2/3 one compressor for the whole group (no PowerSGD); PowerSGD on a
     group crossing both levels only as {"intra_node": "none", "inter_node":
     "powersgd"}. int8/int4 at ZeRO-3 also gather the weights as int8 codes:
-    the planner picks that only where pinned. Pins no allowed configuration
+    the planner picks that only where pinned. Under precision="fp32" it
+    compresses nothing on its own (fp32 end to end, as declared); levels
+    pinned there still compress. Pins no allowed configuration
     can run are refused, as is a compressor pinned with dp=1 or PowerSGD with
     zero_stage >= 2. `compression_warmup` steps first run uncompressed (PowerSGD
     with Adam needs some: tests/test_compression_convergence.py).

@@ -792,12 +792,17 @@ class CostContext:
         ZeRO-3 gather int8 parameters, so the forward and backward compute with
         rounded weights (no error feedback repairs that, unlike the gradients'),
         a change of the model's numerics rather than of its gradient noise: it
-        is considered only where the user pinned it.
+        is considered only where the user pinned it. Nor does it compress
+        anything on its own under precision="fp32": whoever declares fp32 asks
+        for fp32 arithmetic end to end, the gradients' reduction included (a
+        level they pinned compresses; the others stay "none").
         """
         if self.async_sgd:  # it averages parameters, uncompressed; no gradient all-reduce to compress
             return (("none", "none"),)
         crossed = self.crossed_levels(cand)
         pins = {lv: c for lv, c in self.compression_pins.items() if lv in crossed}
+        if self.precision == "fp32":
+            pins = {lv: pins.get(lv, "none") for lv in crossed}
         pinned = set(pins.values())
         return tuple(o for o in combinations(crossed, cand.zero_stage)
                      if all(o[LEVELS.index(lv)] == c for lv, c in pins.items())
