@@ -57,6 +57,18 @@ def test_slow_inter_node_links_compress_the_inter_node_reduction(gpt3_xl, slow_p
     assert f"inter_node {slow_plan.compression['inter_node']} (saves" in line and "intra_node" not in line
 
 
+def test_under_fp32_the_planner_compresses_only_what_is_pinned(gpt3_xl):
+    """precision="fp32" is fp32 end to end: on the link where bf16-mixed compresses, the fp32 plan does not,
+    though compressing its own configuration would be faster; a level pinned under fp32 compresses."""
+    free = compile(gpt3_xl, VERY_SLOW, global_batch_size=GB, precision="fp32", zero_stage=0)  # DDP: one a level
+    assert free.dp > 1 and free.compression == {"intra_node": "none", "inter_node": "none"}
+    assert all(a.compression == free.compression for a in free.alternatives)
+    pins = dict(same_config(free), precision="fp32")
+    pinned = compile(gpt3_xl, VERY_SLOW, global_batch_size=GB, compression={"inter_node": "int8"}, **pins)
+    assert pinned.compression == {"intra_node": "none", "inter_node": "int8"}
+    assert pinned.predicted.step_time_s < free.predicted.step_time_s  # it would pay: only the declaration says no
+
+
 def test_pins_are_honoured_string_and_dict(gpt3_xl, slow_plan):
     pins = same_config(slow_plan)
     everywhere = compile(gpt3_xl, SLOW, global_batch_size=GB, compression="int8", **pins)

@@ -8,10 +8,10 @@ The smallest tune: one trial of one measured step on two local processes (progre
 >>> res = autotune("examples/gpt.py:gpt_tiny", "local:2", global_batch_size=8, trials=1, steps=1, warmup=0,
 ...                max_rounds=1, db=tmp / "tune.sqlite")
 >>> print(res.plan.config)   # the best measured configuration, compiled with the fitted calibration
-dp1 tp1 pp2 zero0 mb8x1 zb-h1 recompute=none
+dp2 tp1 pp1 zero3 mb4x1 1f1b recompute=none
 >>> print(format_trials(res.trials))   # each: config, predicted and measured step time and peak memory, status
 config                                                   status  meas ms  pred ms calib ms     err meas MiB calib MiB mem err
-dp1 tp1 pp2 zero0 mb8x1 zb-h1 recompute=none                 ok ...
+dp2 tp1 pp1 zero3 mb4x1 1f1b recompute=none                  ok ...
 >>> res.calibration_path
 PosixPath('.../tune.calibration.json')
 
@@ -52,7 +52,7 @@ One node's torchrun job here (the default endpoint: 127.0.0.1 and a free port):
 ...                max_rounds=1, db=tmp / "cluster.sqlite", launcher="torchrun",
 ...                launcher_args=dict(trial_dir=tmp / "trials"))
 >>> [(str(t.config), t.status) for t in res.trials]
-[('dp1 tp1 pp2 zero0 mb8x1 zb-h1 recompute=none', 'ok')]
+[('dp2 tp1 pp1 zero3 mb4x1 1f1b recompute=none', 'ok')]
 >>> import shutil; shutil.rmtree(tmp)
 
 On two nodes of a cluster the topology says so and torchrun needs a meeting point and a way onto
