@@ -79,8 +79,8 @@ def test_the_planner_orders_the_modes_as_they_run(meta_gpt_graph):
     assert "selective-op: fused attention's and every second matrix product's" in str(plans["selective-op"])
     peak = {r: p.predicted.memory.total for r, p in plans.items()}
     between = (peak["selective"] + peak["selective-op"]) / 2
-    free = compile(meta_gpt_graph, "local:2", max_memory_fraction=between / Topology.parse("local:2").device.memory_bytes,
-                   **PINS)
+    room = between / Topology.parse("local:2").device.memory_bytes
+    free = compile(meta_gpt_graph, "local:2", max_memory_fraction=room, **PINS)
     assert free.config.recompute == "selective-op", (free.config, peak)
 
 
