@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from examples.hf_families import MORE_FAMILIES, bloom_seeded, gemma3_seeded, mpt_seeded, qwen3_seeded
+from examples.hf_families import MORE_FAMILIES, bloom_seeded, from_config, gemma3_seeded, mpt_seeded, qwen3_seeded
 from examples.training import gpt_4l_seeded, gpt_loss, hf_llama_seeded, hf_loss, sgd, train_one_process
 from partitioner import compile, trace
 from partitioner.planner.context_split import LONG_SEQUENCE
@@ -205,15 +205,26 @@ def test_context_parallel_trains_like_one_process(name, pp, dp, cp, tp, kind, ze
     assert_same_training(plan_for(pp=pp, dp=dp, cp=cp, tp=tp, sp=sp, cp_kind=kind, zero=zero, name=name), name)
 
 
+# OPT with its dropout off: its residual dropout draws other masks on a rank's share of the tokens than one process
+# on the whole sequence (as under dp), so only the dropout-free model can match one process
+CP_FAMILIES = {**MORE_FAMILIES, "opt_no_dropout": functools.partial(
+    from_config, "OPTConfig", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=64, dropout=0.0,
+    attention_dropout=0.0)}
+
+
 # More families' attention layouts under both kinds: a fused qkv laid out per head (GPT-NeoX), a fused qkv and
 # gate_up with grouped-query attention (Phi3), scalar multipliers on the scores and the residuals (Granite), q/k
 # layer norms per head with partial rotary (Persimmon), attention and MLP in parallel (Cohere), rotary on interleaved
-# pairs of half of each head (GLM)
+# pairs of half of each head (GLM); rotary on interleaved pairs of the first dims (GPT-J), partial rotary with
+# attention and MLP in parallel (Phi), q/k RMSNorm over all heads' width (OLMo 2), learned positions indexed by the
+# attention mask's cumulative sum, offset by 2 (OPT)
 @pytest.mark.slow
 @pytest.mark.parametrize("family, kind", [("gpt_neox", "ring"), ("phi3", "all-to-all"), ("granite", "ring"),
-                                          ("persimmon", "all-to-all"), ("cohere", "ring"), ("glm", "all-to-all")])
+                                          ("persimmon", "all-to-all"), ("cohere", "ring"), ("glm", "all-to-all"),
+                                          ("gptj", "ring"), ("phi", "all-to-all"), ("olmo2", "ring"),
+                                          ("opt_no_dropout", "ring")])
 def test_more_families_train_like_one_process(family, kind):
-    build = MORE_FAMILIES[family]
+    build = CP_FAMILIES[family]
     g = trace(build(), (torch.randint(0, VOCAB, (2, SEQ)),))
     plan = compile(g, "local:2", global_batch_size=BATCH, precision="fp32", dp=1, cp=2, cp_kind=kind,
                    microbatch_size=2, alternatives=0)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cost_models.errors import DeclarationError
+from examples.hf_families import MORE_FAMILIES, from_config
 from examples.training import hf_loss, sgd, train_one_process
 from partitioner import compile, trace
 from partitioner.codegen.program import CodegenError
@@ -447,3 +448,47 @@ def test_recomputed_moe_layers_train_like_one_process(name, recompute, pins):
     out = assert_same_training(plan_for(name, recompute=recompute, **pins), name)
     # per MoE layer and microbatch: 3 all-to-alls forward, 3 more in the recomputed forward, 2 backward
     assert all(c["all_to_all"] == STEPS * 2 * 8 for c in out.collective_counts), out.collective_counts
+
+
+def _with_score_bias(build):
+    """`build()` with its routers' score-correction biases drawn at random: they start at zero, where a router
+    that lost them would choose the same experts."""
+    model = build()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn(t.shape, generator=g))
+    return model
+
+
+def _moe_family(config: str, model: str, **kw):
+    return functools.partial(from_config, config, model, num_key_value_heads=2, **kw)
+
+
+# More Hugging Face MoE families, each routing or holding its experts its own way: a softmax over every expert
+# before the top-k (OLMoE), the experts as two ParallelExperts modules behind a top-k then softmax (GraniteMoE), a
+# shared expert behind a sigmoid gate (Qwen2-MoE), a softmax router whose choice (not its weights) reads a
+# correction bias (ERNIE 4.5 MoE), a sigmoid router with grouped top-k and a correction bias beside shared experts,
+# the first layer dense (GLM-4.5 MoE)
+MORE_MOE = {
+    "olmoe": _moe_family("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2),
+    "granitemoe": _moe_family("GraniteMoeConfig", "GraniteMoeForCausalLM", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": MORE_FAMILIES["qwen2_moe"],
+    "ernie4_5_moe": functools.partial(_with_score_bias, _moe_family(
+        "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+        moe_layer_start_index=0)),
+    "glm4_moe": functools.partial(_with_score_bias, _moe_family(
+        "Glm4MoeConfig", "Glm4MoeForCausalLM", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=16)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(MORE_MOE))
+def test_more_moe_families_train_like_one_process(family):
+    build = MORE_MOE[family]
+    plan = compile(trace(build(), (torch.randint(0, VOCAB, (2, SEQ)),)), "local:2", global_batch_size=BATCH,
+                   precision="fp32", dp=2, ep=2, microbatch_size=BATCH // 2, alternatives=0)
+    assert plan.config.ep == 2
+    assert_plan_trains_like_one_process(plan, build, sgd, hf_loss, batches(), timeout_s=240)
