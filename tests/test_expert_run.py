@@ -470,7 +470,7 @@ def _moe_family(config: str, model: str, **kw):
 # before the top-k (OLMoE), the experts as two ParallelExperts modules behind a top-k then softmax (GraniteMoE), a
 # shared expert behind a sigmoid gate (Qwen2-MoE), a softmax router whose choice (not its weights) reads a
 # correction bias (ERNIE 4.5 MoE), a sigmoid router with grouped top-k and a correction bias beside shared experts,
-# the first layer dense (GLM-4.5 MoE)
+# the first layer dense (GLM-4.5 MoE), a router one module deeper (`mlp.gate.wg`) beside a shared MLP (HunYuan)
 MORE_MOE = {
     "olmoe": _moe_family("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2),
     "granitemoe": _moe_family("GraniteMoeConfig", "GraniteMoeForCausalLM", num_local_experts=4, num_experts_per_tok=2),
@@ -481,6 +481,8 @@ MORE_MOE = {
     "glm4_moe": functools.partial(_with_score_bias, _moe_family(
         "Glm4MoeConfig", "Glm4MoeForCausalLM", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=16)),
+    "hunyuan_moe": _moe_family("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", num_experts=4, moe_topk=2,
+                               head_dim=16),
 }
 
 

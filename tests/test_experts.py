@@ -22,13 +22,24 @@ class Expert(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
+class Gate(nn.Module):
+    """A router whose linear sits one module deeper (HunYuan's `mlp.gate.wg`)."""
+
+    def __init__(self, h: int, e: int):
+        super().__init__()
+        self.wg = nn.Linear(h, e, bias=False)
+
+    def forward(self, x):
+        return self.wg(x)
+
+
 class CapacityMoE(nn.Module):
     """A list of expert modules; each takes the `cap` tokens routed to it with the largest weight (static shapes)."""
 
-    def __init__(self, h: int, widths: list[int], k: int, data_dependent: bool = False):
+    def __init__(self, h: int, widths: list[int], k: int, data_dependent: bool = False, deep_router: bool = False):
         super().__init__()
         self.k, self.data_dependent = k, data_dependent
-        self.router = nn.Linear(h, len(widths), bias=False)
+        self.router = Gate(h, len(widths)) if deep_router else nn.Linear(h, len(widths), bias=False)
         self.experts = nn.ModuleList(Expert(h, f) for f in widths)
 
     def forward(self, x):
@@ -47,11 +58,12 @@ class CapacityMoE(nn.Module):
 class Net(nn.Module):
     """Dense and MoE blocks alternating, as mixed stacks do (moe_every=1: every block MoE)."""
 
-    def __init__(self, widths=(32, 32, 32, 32), k=2, data_dependent=False, h=16, n=4, vocab=64, moe_every=2):
+    def __init__(self, widths=(32, 32, 32, 32), k=2, data_dependent=False, h=16, n=4, vocab=64, moe_every=2,
+                 deep_router=False):
         super().__init__()
         self.emb = nn.Embedding(vocab, h)
-        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(h), "mlp": CapacityMoE(h, list(widths), k, data_dependent)
-                                                   if i % moe_every == moe_every - 1 else Expert(h, 2 * h)})
+        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(h), "mlp": CapacityMoE(
+            h, list(widths), k, data_dependent, deep_router) if i % moe_every == moe_every - 1 else Expert(h, 2 * h)})
                                     for i in range(n))
         self.head = nn.Linear(h, vocab)
 
@@ -97,6 +109,15 @@ def test_a_list_of_expert_modules():
     assert next(n for n in g.nodes if n.name == layers[0].combine).op == "index_add"
     assert experts_text(g) == ("2 MoE layers (layers.{1, 3}.mlp) of 4 experts, top-2, a list of expert modules; "
                                "2 dense blocks (0, 2)")
+
+
+def test_a_router_one_module_deeper_still_finds_its_layer():
+    """The layer is the nearest module above the router's that holds the experts its choice reaches: `mlp` for
+    `mlp.router.wg.weight` as for `mlp.router.weight` (HunYuan's MoE found none before)."""
+    layers = find_experts(trace(Net(deep_router=True), TOKENS))
+    assert [(m.module, m.router, m.num_experts, m.style) for m in layers] == [
+        (f"layers.{i}.mlp", f"layers.{i}.mlp.router.wg.weight", 4, "module_list") for i in (1, 3)]
+    assert layers[0].experts == find_experts(trace(Net(), TOKENS))[0].experts
 
 
 def test_experts_of_different_shapes_are_said():

@@ -118,16 +118,19 @@ def find_experts(g: "OpGraph") -> tuple[MoELayer, ...]:
         if router is None:
             continue
         weight, num_experts, module, token_shape = router
-        # the layer is the module that holds the router: its owner's parent ("...mlp" for "...mlp.gate.weight");
-        # what the choice reaches outside it (the residual stream, later layers) is not this layer's
-        scope = weight.rsplit(".", 2)[0] if weight.count(".") >= 2 else ""
-        reach = descendants(t.name, lambda n: n.block == t.block and (
-            not scope or n.module_path == scope or n.module_path.startswith(scope + ".")))
         router_owner = weight.rsplit(".", 1)[0]
         mine = lambda p: p == weight or p.startswith(router_owner + ".")  # noqa: E731  the router's own (its bias)
-        expert_params = [p for x in sorted(reach, key=order.__getitem__) for p in param_of(x) if not mine(p)]
-        experts, style = _experts(params, list(dict.fromkeys(expert_params)), num_experts)
-        if not experts:
+        # the layer is the nearest module above the router's that holds experts the choice reaches: its owner's
+        # parent ("...mlp" for "...mlp.gate.weight"), or higher where the router sits deeper ("...mlp.gate.wg.weight",
+        # HunYuan's); what the choice reaches outside it (the residual stream, later layers) is not this layer's
+        for scope in _ancestors(router_owner):
+            reach = descendants(t.name, lambda n, scope=scope: n.block == t.block and (
+                not scope or n.module_path == scope or n.module_path.startswith(scope + ".")))
+            expert_params = [p for x in sorted(reach, key=order.__getitem__) for p in param_of(x) if not mine(p)]
+            experts, style = _experts(params, list(dict.fromkeys(expert_params)), num_experts)
+            if experts:
+                break
+        else:
             continue
         # the routing top-k: the last of this router's top-k's over the E scores (not a capacity's over tokens)
         topks = [x for x in reach if nodes[x].op == "topk" and nodes[x].inputs and nodes[x].inputs[0] in nodes
@@ -231,6 +234,12 @@ def _combine(nodes, order, reach, expert_users: list[str], token_shape) -> str |
         if n.output is not None and tuple(n.output.shape) == token_shape:
             return n.name
     return None
+
+
+def _ancestors(path: str) -> list[str]:
+    """The modules above `path`, nearest first, the root ("") last: "a.b.c" -> ["a.b", "a", ""]."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
 
 
 def common_prefix(paths: list[str]) -> str:
