@@ -178,4 +178,7 @@ MORE_FAMILIES = {
                               num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     # a fused gate_up_proj, rotary on interleaved pairs of half of each head
     "glm": _from_config("GlmConfig", "GlmForCausalLM", num_key_value_heads=2, head_dim=16),
+    # a router one module deeper (mlp.gate.wg), q/k layer norms, a shared MLP beside the experts
+    "hunyuan_moe": _from_config("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", num_key_value_heads=2, num_experts=4,
+                                moe_topk=2, head_dim=16),
 }

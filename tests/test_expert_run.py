@@ -481,8 +481,7 @@ MORE_MOE = {
     "glm4_moe": functools.partial(_with_score_bias, _moe_family(
         "Glm4MoeConfig", "Glm4MoeForCausalLM", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=16)),
-    "hunyuan_moe": _moe_family("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", num_experts=4, moe_topk=2,
-                               head_dim=16),
+    "hunyuan_moe": MORE_FAMILIES["hunyuan_moe"],
 }
 
 
