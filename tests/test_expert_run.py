@@ -470,7 +470,8 @@ def _moe_family(config: str, model: str, **kw):
 # before the top-k (OLMoE), the experts as two ParallelExperts modules behind a top-k then softmax (GraniteMoE), a
 # shared expert behind a sigmoid gate (Qwen2-MoE), a softmax router whose choice (not its weights) reads a
 # correction bias (ERNIE 4.5 MoE), a sigmoid router with grouped top-k and a correction bias beside shared experts,
-# the first layer dense (GLM-4.5 MoE), a router one module deeper (`mlp.gate.wg`) beside a shared MLP (HunYuan)
+# the first layer dense (GLM-4.5 MoE), a router one module deeper (`mlp.gate.wg`) beside a shared MLP (HunYuan),
+# multi-head latent attention, whose blocks reuse a product of sizes the experts region computes (DeepSeek-V2)
 MORE_MOE = {
     "olmoe": _moe_family("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2),
     "granitemoe": _moe_family("GraniteMoeConfig", "GraniteMoeForCausalLM", num_local_experts=4, num_experts_per_tok=2),
@@ -482,6 +483,10 @@ MORE_MOE = {
         "Glm4MoeConfig", "Glm4MoeForCausalLM", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=16)),
     "hunyuan_moe": MORE_FAMILIES["hunyuan_moe"],
+    "deepseek_v2": functools.partial(
+        from_config, "DeepseekV2Config", "DeepseekV2ForCausalLM", n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, n_group=1, topk_group=1),
 }
 
 

@@ -102,7 +102,9 @@ class ExpertParallelRewrite:
             return False
         if scope not in self.regions:
             self.regions[scope] = self._region(scope)
-        exit_node, call_args = self.regions[scope]
+        exit_node, call_args, kept = self.regions[scope]
+        if n in kept:
+            return False
         if n is exit_node:
             out = self.graph.create_node("call_function", ep_experts,
                                          (*(self.value(a) for a in call_args), self._router_arg(), self.ep_arg),
@@ -121,11 +123,13 @@ class ExpertParallelRewrite:
     def _router_arg(self):
         return self.value(self.router_out) if self.router_out is not None else None
 
-    def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...]]:
-        """The experts region's output node and (x, topk_idx, topk_weight, gate_up_proj, down_proj)."""
+    def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...], frozenset[fx.Node]]:
+        """The experts region's output node, (x, topk_idx, topk_weight, gate_up_proj, down_proj), and the
+        shape arithmetic in it that is copied as it is (see `_kept_shapes`)."""
         nodes = [m for m in self.src.gm.graph.nodes if m.op == "call_function" and in_scope(m, scope)]
         inside = set(nodes)
-        outs = [m for m in nodes if any(u not in inside for u in m.users)]
+        kept = self._kept_shapes(nodes, inside)
+        outs = [m for m in nodes if m not in kept and any(u not in inside for u in m.users)]
         ins = {a for m in nodes for a in m.all_input_nodes
                if a not in inside and not self.src.shape_only.get(a, False) and a not in self.src.param}
         params = sorted({self.src.param[a] for m in nodes for a in m.all_input_nodes if a in self.src.param})
@@ -156,7 +160,17 @@ class ExpertParallelRewrite:
             raise SegmentError(f"expert parallelism: {form} read {sorted(describe(a) for a in ins)}, not the "
                                "tokens (T, H), the router's top-k indices and weights (T, k); compile with ep=1")
         p_node = {self.src.param[a]: a for m in nodes for a in m.all_input_nodes if a in self.src.param}
-        return outs[0], (x[0], idx[0], w[0], p_node[short["gate_up_proj"]], p_node[short["down_proj"]])
+        return outs[0], (x[0], idx[0], w[0], p_node[short["gate_up_proj"]], p_node[short["down_proj"]]), kept
+
+    def _kept_shapes(self, nodes: list[fx.Node], inside: set[fx.Node]) -> frozenset[fx.Node]:
+        """The region's shape arithmetic on sizes known outside it (export computes a product of sizes such as
+        b * s once and hands it to every later op that needs it, DeepSeek-V2's blocks after their experts):
+        copied as it is, so that those later ops still find it, rather than taken for an output of the experts."""
+        kept: set[fx.Node] = set()
+        for m in nodes:
+            if self.src.shape_only.get(m, False) and all(a not in inside or a in kept for a in m.all_input_nodes):
+                kept.add(m)
+        return frozenset(kept)
 
     # ---- the suffix: the router logits and the load-balancing loss --------------------------------------
     def router_logits_node(self, n: fx.Node) -> fx.Node:
