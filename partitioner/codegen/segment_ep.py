@@ -164,8 +164,9 @@ class ExpertParallelRewrite:
 
     def _kept_shapes(self, nodes: list[fx.Node], inside: set[fx.Node]) -> frozenset[fx.Node]:
         """The region's shape arithmetic on sizes known outside it (export computes a product of sizes such as
-        b * s once and hands it to every later op that needs it, DeepSeek-V2's blocks after their experts):
-        copied as it is, so that those later ops still find it, rather than taken for an output of the experts."""
+        b * s once and hands it to every later op that needs it: DeepSeek-V2's later layers read the products its
+        first MoE layer's experts computed): copied as it is, so that those later ops still find it, rather than
+        taken for an output of the experts."""
         kept: set[fx.Node] = set()
         for m in nodes:
             if self.src.shape_only.get(m, False) and all(a not in inside or a in kept for a in m.all_input_nodes):
