@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from partitioner.codegen.ep_region_check import region_mismatch
 from partitioner.planner.model_code import SegmentError, describe
 
 __all__ = ["EP_FUNCTIONS", "ExpertParallelRewrite", "ep_aux_loss", "ep_experts", "ep_record_router_logits",
@@ -66,6 +67,18 @@ def ep_record_router_logits(router_logits, ep):
 
 
 EP_FUNCTIONS = ("ep_experts", "ep_aux_loss", "ep_router_logits", "ep_record_router_logits")
+
+
+def _transposed(form: str, gate_up: torch.Size, down: torch.Size) -> bool:
+    """Whether the expert weights are stored (E, H, 2I) and (E, I, H) rather than (E, 2I, H) and (E, H, I);
+    refused where the shapes are neither."""
+    if len(gate_up) == 3 and len(down) == 3 and gate_up[0] == down[0]:
+        if gate_up[1] == 2 * down[2] and gate_up[2] == down[1]:
+            return False
+        if gate_up[2] == 2 * down[1] and gate_up[1] == down[2]:
+            return True
+    raise SegmentError(f"expert parallelism: {form} keep gate_up_proj {tuple(gate_up)} and down_proj {tuple(down)}, "
+                       "neither (E, 2I, H) and (E, H, I) nor their transposes; compile with ep=1")
 
 
 def path_of(n: fx.Node) -> str:
@@ -102,16 +115,24 @@ class ExpertParallelRewrite:
             return False
         if scope not in self.regions:
             self.regions[scope] = self._region(scope)
-        exit_node, call_args, kept = self.regions[scope]
+        exit_node, call_args, kept, transposed = self.regions[scope]
         if n in kept:
             return False
         if n is exit_node:
+            args = [self.value(a) for a in call_args]
+            if transposed:  # stored (E, H, 2I) and (E, I, H), as Aria's experts: the runtime takes their transposes
+                args[3:] = [self._transpose(a) for a in args[3:]]
             out = self.graph.create_node("call_function", ep_experts,
-                                         (*(self.value(a) for a in call_args), self._router_arg(), self.ep_arg),
-                                         name=n.name)
+                                         (*args, self._router_arg(), self.ep_arg), name=n.name)
             out.meta = dict(n.meta)
             self.env[n] = out
         return True
+
+    def _transpose(self, a: fx.Node) -> fx.Node:
+        t = self.graph.create_node("call_function", _aten.transpose.int, (a, -2, -1), name=f"{a.name}_t")
+        if isinstance(a.meta.get("val"), torch.Tensor):
+            t.meta["val"] = a.meta["val"].transpose(-2, -1)
+        return t
 
     def record_router_logits(self) -> None:
         """At ep = 1, a block that hands its router logits on records them on the ep context (under ep > 1
@@ -123,9 +144,10 @@ class ExpertParallelRewrite:
     def _router_arg(self):
         return self.value(self.router_out) if self.router_out is not None else None
 
-    def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...], frozenset[fx.Node]]:
-        """The experts region's output node, (x, topk_idx, topk_weight, gate_up_proj, down_proj), and the
-        shape arithmetic in it that is copied as it is (see `_kept_shapes`)."""
+    def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...], frozenset[fx.Node], bool]:
+        """The experts region's output node, (x, topk_idx, topk_weight, gate_up_proj, down_proj), the shape
+        arithmetic in it that is copied as it is (see `_kept_shapes`), and whether the two weights are stored
+        transposed. The region is run on random values against what replaces it (`ep_region_check`)."""
         nodes = [m for m in self.src.gm.graph.nodes if m.op == "call_function" and in_scope(m, scope)]
         inside = set(nodes)
         kept = self._kept_shapes(nodes, inside)
@@ -160,7 +182,14 @@ class ExpertParallelRewrite:
             raise SegmentError(f"expert parallelism: {form} read {sorted(describe(a) for a in ins)}, not the "
                                "tokens (T, H), the router's top-k indices and weights (T, k); compile with ep=1")
         p_node = {self.src.param[a]: a for m in nodes for a in m.all_input_nodes if a in self.src.param}
-        return outs[0], (x[0], idx[0], w[0], p_node[short["gate_up_proj"]], p_node[short["down_proj"]]), kept
+        gate_up, down = p_node[short["gate_up_proj"]], p_node[short["down_proj"]]
+        transposed = _transposed(form, gate_up.meta["val"].shape, down.meta["val"].shape)
+        why = region_mismatch(nodes, outs[0], x[0], idx[0], w[0], gate_up, down, transposed=transposed)
+        if why:
+            raise SegmentError(f"expert parallelism runs batched SiLU-gated experts, down(silu(gate x) * up x) with "
+                               f"gate and up the two halves of gate_up_proj, weighted by the router; {form} compute "
+                               f"something else: {why}; compile with ep=1")
+        return outs[0], (x[0], idx[0], w[0], gate_up, down), kept, transposed
 
     def _kept_shapes(self, nodes: list[fx.Node], inside: set[fx.Node]) -> frozenset[fx.Node]:
         """The region's shape arithmetic on sizes known outside it (export computes a product of sizes such as

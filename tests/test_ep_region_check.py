@@ -1,0 +1,94 @@
+"""Expert parallelism takes a MoE layer's experts for the runtime's SiLU-gated ones only where they compute the same.
+
+`partitioner.codegen.ep_region_check` runs the traced experts region on random tokens and routing against
+down(silu(gate x) * up x) weighted by the router. Here: experts written another way (weights gathered per
+choice, einsums) that compute the same are taken and train under ep2 like one process; experts whose names and
+activation match but whose arithmetic does not (the halves of gate_up_proj swapped, a scale inside, the router's
+weights renormalised inside) are refused before anything runs, where the rewrite would have trained them wrong;
+Aria's experts, stored transposed, train like one process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cost_models.errors import DeclarationError
+from examples.hf_families import from_config
+from examples.training import hf_loss, sgd
+from partitioner import compile, trace
+from ranks import assert_plan_trains_like_one_process
+
+VOCAB, SEQ, BATCH = 128, 16, 8
+
+
+def _gathered(self, hidden_states, top_k_index, top_k_weights, variant="same"):
+    """Each (token, choice) pair's expert weights gathered and applied by einsum: no sort, no grouped matmul."""
+    h = torch.einsum("th,tkoh->tko", hidden_states, self.gate_up_proj[top_k_index])
+    gate, up = h.chunk(2, dim=-1)
+    if variant == "swapped":
+        gate, up = up, gate
+    out = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, self.down_proj[top_k_index])
+    if variant == "scaled":
+        out = out * 2.0
+    weights = top_k_weights / top_k_weights.sum(-1, keepdim=True) if variant == "renormalised" else top_k_weights
+    return (out * weights.unsqueeze(-1)).sum(1)
+
+
+def mixtral_gathered(variant: str = "same"):
+    """A small Mixtral whose experts compute `_gathered(variant)` (a top-level builder: spawned ranks call it)."""
+    model = from_config("MixtralConfig", "MixtralForCausalLM", vocab_size=VOCAB, num_hidden_layers=2,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                        output_router_logits=False)
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.forward = functools.partial(_gathered, experts, variant=variant)
+    return model
+
+
+aria = functools.partial(from_config, "AriaTextConfig", "AriaTextForCausalLM", vocab_size=VOCAB, num_hidden_layers=2,
+                         num_key_value_heads=2, moe_num_experts=4, moe_topk=2, moe_intermediate_size=32,
+                         moe_num_shared_experts=1)
+
+
+def _plan(build):
+    return compile(trace(build(), (torch.randint(0, VOCAB, (2, SEQ)),)), "local:2", global_batch_size=BATCH,
+                   precision="fp32", dp=2, ep=2, microbatch_size=BATCH // 2, alternatives=0)
+
+
+def _batches(steps: int = 3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("variant, words", [
+    ("swapped", "differs from down\\(silu\\(gate x\\) \\* up x\\) weighted by the router"),
+    ("scaled", "differs from"),
+    ("renormalised", "differs from"),
+])
+def test_experts_that_compute_otherwise_are_refused_before_anything_runs(variant, words):
+    with pytest.raises(DeclarationError, match=rf"the experts of model.layers.\d+.mlp.experts compute something "
+                                               rf"else: on \d+ random tokens it {words}.*compile with ep=1"):
+        _plan(functools.partial(mixtral_gathered, variant))
+
+
+def test_experts_written_another_way_are_taken():
+    plan = _plan(mixtral_gathered)
+    assert plan.config.ep == 2
+    src = plan.program(rank=0).source
+    assert "ep_experts(" in src and "einsum" not in src  # the gathered einsums are what ep_experts replaces
+
+
+def test_transposed_expert_weights_are_passed_transposed():
+    src = _plan(aria).program(rank=0).source
+    assert "ep_experts(" in src and "gate_up_proj_t," in src and "down_proj_t," in src
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [mixtral_gathered, aria], ids=["gathered", "aria"])
+def test_they_train_like_one_process(build):
+    assert_plan_trains_like_one_process(_plan(build), build, sgd, hf_loss, _batches(), timeout_s=240)
