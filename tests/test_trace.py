@@ -536,3 +536,28 @@ def test_a_model_traced_in_eval_mode_with_dropout_is_warned():
         trace(transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**cfg.to_dict(), "resid_pdrop": 0.0,
                                                                       "embd_pdrop": 0.0, "attn_pdrop": 0.0})).eval(),
               (x,))
+
+
+def test_einsum_is_costed_as_the_products_its_equation_names():
+    """2 FLOPs per combination of the indices (an attention written with einsums costs what its bmm would), with no
+    'no cost rule' warning; backward twice that where both operands need a gradient."""
+
+    class EinsumAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(16, 16)
+
+        def forward(self, x):  # x (b, s, 16): scores over 2 heads of 8, then the weighted values
+            q = self.q(x).view(*x.shape[:2], 2, 8)
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, q)
+            return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), q)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = trace(EinsumAttention(), (torch.randn(2, 6, 16),))
+    einsums = [n for n in g.nodes if n.op == "einsum"]
+    assert len(einsums) == 2
+    for n in einsums:  # b s s h d at b=2, s=6: 2 x 2*6*6*2*8
+        assert n.cost.op_class == "matmul"
+        assert n.cost.forward_flops(2) == 2 * 2 * 6 * 6 * 2 * 8
+        assert n.cost.backward_flops(2) == 2 * n.cost.forward_flops(2)

@@ -38,14 +38,14 @@ from partitioner.tracer.symbolic import Poly
 
 __all__ = ["load_trace", "save_trace", "source_key"]
 
-_FORMAT = 13  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one shared attention mask;
+_FORMAT = 14  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one shared attention mask;
 # 5: no mask kept where a shape-only mask is the causal one; 6: cost rules for square, repeat_interleave, tile;
 # 7: no attention rewrite under a mask read from the inputs; block kinds tell masks made from the inputs apart;
 # 8: ParamSpec.trainable, causal masks made from buffers, reshape_as a view; 9: ALiBi folded into q and k, long
 # causal masks judged at a shorter length; 10: GELU and SiLU spelled as elementwise ops fused
 # (tracer.pointwise); 11: OpGraph.custom_functions; 12: the model's own upcasts marked, reads of a no-op cast
 # rewired, values kept fp32 on purpose charged as fixed (tracer.upcasts); 13: RMSNorms fused (tracer.norms), fused
-# nodes named so
+# nodes named so; 14: string arguments among a node's scalars (einsum's equation, costed as products)
 _GRAPH, _ARCHIVE = "opgraph.json", "graph.pt2"
 
 

@@ -354,7 +354,7 @@ def _collect_args(n: fx.Node, refs: dict[str, RawArg]) -> tuple[tuple[RawArg, ..
         if isinstance(a, fx.Node):
             if a.name in refs:
                 tensors.append(refs[a.name])
-        elif isinstance(a, (int, float, bool)):
+        elif isinstance(a, (int, float, bool, str)):  # str: einsum's equation
             scalars.append(a)
     return tuple(tensors), tuple(scalars)
 

@@ -23,6 +23,7 @@ its input, softmax its output, gelu its input, dropout a 1-byte mask...).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import sympy
 import torch
@@ -105,7 +106,7 @@ _POOL = {"max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "
 def known_op(op: str) -> bool:
     return (op in VIEW_OPS or op in _COPY_OPS or op in _CREATION_OPS or op in _MATMUL_OPS or op in _CONV_OPS
             or op in _NORM_FLOPS or op in _EW or op in _REDUCTIONS or op in _POOL or op in _OPAQUE
-            or op in _GROUPED_MM_OPS or op in ROUTING_OPS
+            or op in _GROUPED_MM_OPS or op in ROUTING_OPS or op == "einsum"
             or op in {"linear", "conv1d_hf", "embedding", "scaled_dot_product_attention", "softmax",
                       "log_softmax", "cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd",
                       "dropout", "native_dropout", "feature_dropout"})
@@ -157,6 +158,14 @@ def op_cost(node: RawNode, arg_rg: list[bool]) -> SymCost:
         bwd = (mm if arg_rg[a_i] else 0) + (mm if arg_rg[b_i] else 0) + (out_numel if bias_i is not None and arg_rg[bias_i] else 0)
         saved = ([a_i] if arg_rg[b_i] else []) + ([b_i] if arg_rg[a_i] else [])
         return cost("matmul", fwd, bwd, saved)
+
+    if op == "einsum" and node.scalars and isinstance(node.scalars[0], str) and "->" in node.scalars[0]:
+        # every combination of the indices is met once: 2 per product of the sizes of all of them (two operands)
+        sizes = _einsum_sizes(node.scalars[0], [a.spec.shape for a in args])
+        if sizes is not None and len(args) >= 2:
+            mm = 2 * (len(args) - 1) * sympy.Mul(*sizes.values())
+            bwd = sum(mm if rg else 0 for rg in arg_rg)
+            return cost("matmul", mm, bwd, [i for i in range(len(args)) if any(arg_rg[:i] + arg_rg[i + 1:])])
 
     if op in _GROUPED_MM_OPS:
         # x (T, K) @ w[g] (K, N) for each group g of x's rows: every row meets one matrix, so 2 T K N
@@ -252,6 +261,25 @@ def op_cost(node: RawNode, arg_rg: list[bool]) -> SymCost:
 
     # Unknown op: one FLOP per output element and keep its input; OpGraph lists it.
     return cost("other", out_numel, 2 * out_numel if out_rg else 0, [0] if out_rg and args else [])
+
+
+def _einsum_sizes(equation: str, shapes: list) -> dict[str, Any] | None:
+    """Each index of `equation` (an ellipsis' dims counted from its right) and its size in `shapes`; None
+    where they do not fit."""
+    terms = equation.replace(" ", "").split("->")[0].split(",")
+    if len(terms) != len(shapes):
+        return None
+    sizes: dict[str, Any] = {}
+    for term, shape in zip(terms, shapes):
+        head, _, tail = term.partition("...")
+        ellipsis = len(shape) - len(head) - len(tail) if "..." in term else 0
+        if ellipsis < 0 or ("..." not in term and len(term) != len(shape)):
+            return None
+        names = [*head, *(f"...{ellipsis - i}" for i in range(ellipsis)), *tail]
+        for name, size in zip(names, shape):
+            if sizes.get(name, 1) == 1:  # a broadcast 1 gives way to the other operand's size
+                sizes[name] = size
+    return sizes
 
 
 def _dropout_p(node: RawNode) -> float | None:
