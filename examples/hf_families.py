@@ -181,4 +181,11 @@ MORE_FAMILIES = {
     # a router one module deeper (mlp.gate.wg), q/k layer norms, a shared MLP beside the experts
     "hunyuan_moe": _from_config("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", num_key_value_heads=2, num_experts=4,
                                 moe_topk=2, head_dim=16),
+    # DeepSeek sparse attention over latent (MLA) attention: a no_grad indexer picks each query's top-k keys, and
+    # export hands the size it computes, min(top-k, tokens), from the first layer to every later one
+    "glm_moe_dsa": _from_config("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", num_key_value_heads=4, head_dim=8,
+                                kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                index_head_dim=16, index_n_heads=4, index_topk=8, n_routed_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                                topk_group=1, n_shared_experts=1),
 }

@@ -22,7 +22,9 @@ from partitioner import compile, trace
 from runtime.launch.local import check_sendable
 
 VOCAB, SEQ = 512, 16
-NO_SP = {"opt": "the blocks' input is not split along the tokens"}  # OPT flattens (b, s) inside each layer
+NO_SP = {"opt": "the blocks' input is not split along the tokens",  # OPT flattens (b, s) inside each layer
+         # its indexer runs in a no_grad region on the hidden state, where the sequence split does not follow
+         "glm_moe_dsa": "sequence split does not follow into it"}
 # A torch.autograd.Function with its own backward in the forward: generated code would differentiate its forward's
 # ops instead, so pipeline and tensor plans are refused, naming it (sparsemixer's gradient estimator for the router)
 OWN_BACKWARD = {"phimoe": "PhimoeMultiplier"}

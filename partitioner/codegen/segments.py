@@ -77,6 +77,55 @@ def _argname(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
 
+def size_expression(n: fx.Node) -> Any:
+    """The expression of the model's sizes that `n`, an integer an op computed, equals (sympy); None where it is
+    no such integer (a tensor, a size read by sym_size, an integer computed from data)."""
+    val = n.meta.get("val")
+    if n.op != "call_function" or n.target is _aten.sym_size.int or not isinstance(val, torch.SymInt):
+        return None
+    expr = val.node.expr
+    if not expr.free_symbols or not all(_SIZE_SYMBOL.fullmatch(str(s)) for s in expr.free_symbols):
+        return None
+    return expr if _emittable(expr) else None
+
+
+_SIZE_SYMBOL = re.compile(r"s\d+")  # torch.export's symbols for input sizes (u0...: sizes computed from data)
+
+
+def _size_ops() -> dict:
+    """The sympy functions a size expression may hold, and the Python function that computes each."""
+    import sympy
+
+    from torch.utils._sympy import functions as f
+
+    return {sympy.Add: operator.add, sympy.Mul: operator.mul, sympy.Min: torch.sym_min, sympy.Max: torch.sym_max,
+            f.Min: torch.sym_min, f.Max: torch.sym_max, f.FloorDiv: operator.floordiv}
+
+
+def _emittable(expr: Any) -> bool:
+    import sympy
+
+    if isinstance(expr, (sympy.Integer, sympy.Symbol)):
+        return True
+    return isinstance(expr, tuple(_size_ops())) and all(_emittable(a) for a in expr.args)
+
+
+def _emit_size(graph: fx.Graph, expr: Any, sizes: dict, n: fx.Node) -> Any:
+    """Nodes of `graph` computing `expr` from the size nodes `sizes` (one per symbol)."""
+    import sympy
+
+    if isinstance(expr, sympy.Integer):
+        return int(expr)
+    if isinstance(expr, sympy.Symbol):
+        return sizes[expr]
+    fn = next(f for t, f in _size_ops().items() if isinstance(expr, t))
+    args = [_emit_size(graph, a, sizes, n) for a in expr.args]
+    out = args[0]
+    for a in args[1:]:
+        out = graph.call_function(fn, (out, a))
+    return out
+
+
 class _Source:
     """What every node of the exported graph is: parameter, buffer, input, shape-only, or in which segment."""
 
@@ -130,7 +179,7 @@ class _Source:
                                        "stage code cannot hold it")
             elif n.op == "call_function":
                 self.shape_only[n] = n.target is _aten.sym_size.int or \
-                    all(self.shape_only[a] for a in n.all_input_nodes)
+                    all(self.shape_only[a] for a in n.all_input_nodes) or size_expression(n) is not None
                 writes = mutates(n) or bool(nested_written(n, self.gm))
                 if (self.shape_only[n] and not writes) or not (n.users or writes):
                     # an in-place write into a tensor (x[:, :k] = y) has no users and must stay; one into a buffer
@@ -302,11 +351,42 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
             if self.cut_dim == dims[0]:  # the input holds 1/tp of the tokens: the whole size
                 self.env[n] = self.graph.call_function(operator.mul, (self.env[n], self.tp))
             return self.env[n]
+        if size_expression(n) is not None and not all(self.src.shape_only[a] for a in n.all_input_nodes):
+            # a size a region computed besides tensors (min(tokens, top-k) from a no_grad indexer), which export
+            # hands to every later op that needs it, later blocks too: computed here from the input's sizes
+            self.env[n] = self._size_from_input(n, size_expression(n))
+            return self.env[n]
         cast = n.target in _CASTS and self._to_param_dtype(n)
         self.env[n] = self._copy_plain(n)
         if cast:
             self._retarget(self.env[n])
         return self.env[n]
+
+    def _size_from_input(self, n: fx.Node, expr: Any) -> Any:
+        """`expr`, a function of the model's sizes, computed from the sizes of this segment's input."""
+        sizes = {}
+        for sym in expr.free_symbols:
+            node = fx.Node(self.src.gm.graph, f"size_{sym}", "call_function", _aten.sym_size.int, (None, 0), {})
+            node.meta["val"] = sym
+            sizes[sym] = self._input_size(node, str(sym), n)
+        return _emit_size(self.graph, expr, sizes, n)
+
+    def _input_size(self, n: fx.Node, want: str, reader: fx.Node) -> fx.Node:
+        """Size `want` (a symbol) read off this segment's input, or off a model input where it has none."""
+        if self.carried is not None:
+            shape = self.carried.meta["val"].shape
+            dims = [j for j, s in enumerate(shape) if str(s) == want]
+            if dims:
+                size = self.graph.call_function(_aten.sym_size.int, (self.env[self.carried], dims[0]))
+                if self.cut_dim == dims[0]:  # the input holds 1/tp of the tokens: the whole size
+                    size = self.graph.call_function(operator.mul, (size, self.tp))
+                return size
+        for x in self.src.inputs:
+            dims = [j for j, s in enumerate(x.meta["val"].shape) if str(s) == want]
+            if dims:
+                return self.graph.call_function(_aten.sym_size.int, (self.value(x), dims[0]))
+        raise SegmentError(f"the {self.name} needs size {want} for {describe(reader)}, which neither its input nor "
+                           "a model input carries")
 
     def _copy_plain(self, n: fx.Node, lookup: Any = None) -> Any:
         """node_copy, except: a higher-order op's nested graph is inlined (its value: a tuple of nodes),
@@ -321,6 +401,12 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         # wrap_with_set_grad_enabled / wrap_with_autocast: (flags..., graph, *inputs). Inlined, the region runs
         # in the caller's grad and autocast mode: the same values wherever (as here) it computes from shapes
         # and buffers, which need no gradient, and no autocast runs around generated code.
+        split = [a.name for a in n.args[sub + 1:] if isinstance(a, fx.Node) and a.name in self.seq_dims]
+        if split:
+            # its ops run inlined on this rank's tokens while the sizes they read are the whole sequence's
+            raise SegmentError(f"sequence parallelism: the {self.name} runs a nested region ({describe(n)}) on "
+                               f"{', '.join(split)}, split along the tokens over the tensor group, which the "
+                               "sequence split does not follow into it; pin sp=False")
         nested = getattr(self.src.gm, n.args[sub].target)
         env: dict[fx.Node, Any] = {}
         holes = [x for x in nested.graph.nodes if x.op == "placeholder"]
@@ -329,7 +415,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         no_grad = "set_grad_enabled" in str(n.target) and n.args[0] is False
         for ph, a in zip(holes, n.args[sub + 1:]):
             env[ph] = lookup(a) if isinstance(a, fx.Node) else a
-            if no_grad and isinstance(env[ph], fx.Node):
+            if no_grad and isinstance(env[ph], fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):  # not a size
                 env[ph] = self.graph.call_function(_aten.detach.default, (env[ph],))
                 env[ph].meta = dict(a.meta)
         out: Any = ()
