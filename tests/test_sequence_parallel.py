@@ -6,6 +6,8 @@ the ranks hold in test_memory_prediction.py, the faults plan.verify names in tes
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -143,3 +145,56 @@ def test_a_split_value_without_a_sequence_dim_is_refused_naming_the_microbatch()
     why = SequenceSplits(extents=(tokens, batch)).divides(2, 1, 16)
     assert "hold no sequence length" in why and "dim 0, 1 (= b at microbatch 1)" in why
     assert "pick a microbatch size that tp divides" in why
+
+
+class _ShiftedMLPs(torch.nn.Module):
+    """Two tensor-parallel MLPs with a time shift between them (RWKV's token shift: each token mixed with the one
+    before it, by a pad of one token in front and one dropped at the end), in the sequence-split region."""
+
+    def __init__(self, vocab: int = 64, h: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, h)
+        self.up1, self.down1 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+        self.norm = torch.nn.LayerNorm(h)
+        self.up2, self.down2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+        self.head = torch.nn.Linear(h, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.down1(torch.relu(self.up1(x)))
+        y = self.norm(x)
+        y = y + torch.nn.functional.pad(y, (0, 0, 1, -1))  # (b, s, h): the token before, zeros for the first
+        return self.head(y + self.down2(torch.relu(self.up2(y))))
+
+
+def _shifted_mlps():
+    torch.manual_seed(0)
+    return _ShiftedMLPs()
+
+
+def test_a_shift_along_the_tokens_reads_them_all():
+    """The pad keeps the token dim's extent, but each token's value comes from its neighbour: on a rank's slice of
+    the tokens it would take the slice's edge for the sequence's. It reads the tokens gathered, and the programs
+    compute the module (they did not when the pad was taken for a token-local op)."""
+    ids = torch.randint(0, 64, (2, 16))
+    g = trace(_shifted_mlps(), (ids,))
+    seq = find_splits(g).sequence
+    pad = next(n.name for n in g.nodes if n.op in ("pad", "constant_pad_nd"))
+    assert pad not in seq.nodes and any(node == pad and kind == "rep" for node, _, _, kind in seq.gathers)
+    plan = compile(g, "local:2", global_batch_size=2, microbatch_size=2, precision="fp32", tp=2, sp=True)
+    plan.verify(_shifted_mlps, (ids,))
+
+
+def test_rwkv_writes_its_recurrence_into_split_tokens_and_computes_the_module():
+    """RWKV's recurrence copies each token's state in place into a buffer of the block's tokens; the copy is a
+    token-local op on split tokens (it was read gathered, so the write landed in the gathered copy and the buffer
+    stayed zeros)."""
+    from examples.hf_families import from_config
+    from examples.training import hf_loss
+
+    build = functools.partial(from_config, "RwkvConfig", "RwkvForCausalLM", context_length=64,
+                              attention_hidden_size=64, num_hidden_layers=2)
+    ids, targets = torch.randint(1, 512, (2, 16)), torch.randint(1, 512, (2, 16))
+    plan = compile(trace(build(), (ids,)), "local:2", global_batch_size=2, microbatch_size=2, precision="fp32",
+                   tp=2, sp=True)
+    plan.verify(build, (ids,), hf_loss, targets=targets)

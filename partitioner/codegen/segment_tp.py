@@ -65,6 +65,7 @@ from torch import fx
 from cost_models.placements import is_sharded
 from partitioner.codegen.segment_attention import shape_mask_attention
 from partitioner.planner.model_code import SegmentError, describe
+from partitioner.tracer.writes import written
 
 __all__ = ["RUNTIME_FUNCTIONS", "TensorParallelRewrite", "unmangle"]
 
@@ -272,6 +273,11 @@ class TensorParallelRewrite:
         replicated one. One gather per value, kind and segment, before its first use."""
         for operand, dim, kind in self.seq_gathers.get(n.name, ()):
             old = next(a for a in n.all_input_nodes if a.name == operand)
+            if old in written(n):
+                # the write would land in the gathered copy, and the tensor it writes into would never see it
+                raise SegmentError(f"sequence parallelism: {describe(n)} writes in place into {old.name}, split "
+                                   "along the tokens over the tensor group, where the op needs every token; "
+                                   "pin sp=False")
             v = self.value(old)
             if (v, kind) not in self.seq_gathered:
                 fn = sp_gather if kind == "tp" else tp_gather
@@ -286,6 +292,9 @@ class TensorParallelRewrite:
             return
         for operand, dim in self.chunks.get(n.name, ()):
             old = next(a for a in n.all_input_nodes if a.name == operand)
+            if old in written(n):  # the write would land in the chunk, a copy
+                raise SegmentError(f"tensor parallelism: {describe(n)} writes in place into {old.name}, whole on "
+                                   "every rank, from values split over the tensor group; pin tp=1 (or sp=False)")
             v = self.value(old)
             if (v, dim) not in self.operand_chunks:  # one per value, dim and segment, before its first use
                 with self.graph.inserting_before(new):

@@ -28,7 +28,7 @@ _EW = frozenset(
     "hardsigmoid log1p expm1 square sign floor ceil trunc round nan_to_num eq ne lt le gt ge logical_not "
     "logical_and logical_or bitwise_not floor_divide remainder and or xor invert dropout native_dropout "
     "feature_dropout alpha_dropout alias detach to to_copy type float half bfloat16 double contiguous clone "
-    "type_as lift_fresh zeros_like ones_like empty_like full_like rand_like randn_like".split())
+    "type_as lift_fresh zeros_like ones_like empty_like full_like rand_like randn_like copy".split())
 _FIRST_ONLY = frozenset({"type_as", "to", "view_as", "expand_as"})  # the second tensor gives a dtype or shape
 _RESHAPES = frozenset("view reshape unsafe_view flatten unflatten squeeze unsqueeze view_as select".split())
 _TRANSPOSES = frozenset("transpose t permute swapaxes movedim numpy_T".split())

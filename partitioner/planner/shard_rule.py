@@ -125,6 +125,10 @@ def _rule(ctx: _Context, n: OpNode, state: dict[str, _Shard], *, chunk_any: bool
     name, st = split[0]
     ish, d = ctx.shape(name), st.dim
 
+    if op in _PADS and d in _padded_dims(ctx, n.name, len(ish)):
+        # its extent may stay (RWKV's time shift pads one token before and drops the last): each rank's tokens
+        # would be shifted by its own slice's edge, not the sequence's
+        return "pads or shifts along the split dim"
     binary_extremum = op in ("max", "min") and len(n.inputs) > 1  # torch.max(a, b) is elementwise
     if op in _EW or binary_extremum or op in _EXPANDS or op in _SAME_RANK or op == "cat" or op == "concat":
         if (op in _SAME_RANK or op in ("cat", "concat")) and (len(ish) != r or osh[d] != ish[d]):
@@ -222,6 +226,20 @@ def _rule(ctx: _Context, n: OpNode, state: dict[str, _Shard], *, chunk_any: bool
             return _Step(sink=True)
         return "takes a cross entropy with the split dim not the class dim"
     return f"is not known to act independently per split feature ({op})"
+
+
+_PADS = frozenset({"pad", "constant_pad_nd"})
+
+
+def _padded_dims(ctx: _Context, name: str, ndim: int) -> set[int]:
+    """The dims pad node `name` pads or trims (every dim where the traced graph does not say)."""
+    gm = getattr(ctx.g.graph_module, "graph_module", ctx.g.graph_module)
+    node = next((m for m in gm.graph.nodes if m.name == name), None) if gm is not None else None
+    pad = node.args[1] if node is not None and len(node.args) > 1 else None
+    if not isinstance(pad, (list, tuple)):
+        return set(range(ndim))
+    # (left, right) pairs from the last dim backwards
+    return {ndim - 1 - i // 2 for i, amount in enumerate(pad) if not (isinstance(amount, int) and amount == 0)}
 
 
 def _chunk_dim(ctx: _Context, i: str, osh: tuple[Poly, ...], od: int, chunk_any: bool = False) -> int | None:
