@@ -80,7 +80,7 @@ _EW: dict[str, tuple[float, str]] = {
     "clamp": (1, "input"), "where": (1, "mask"), "masked_fill": (1, "mask"), "relu": (1, "output"),
     "gelu": (8, "input"), "silu": (4, "input"), "sigmoid": (4, "output"), "tanh": (4, "output"),
     "erf": (4, "input"), "sin": (4, "input"), "cos": (4, "input"), "mish": (8, "input"),
-    "leaky_relu": (1, "input"), "hardtanh": (1, "input"), "elu": (2, "output"),
+    "leaky_relu": (1, "input"), "hardtanh": (1, "input"), "elu": (2, "output"), "softplus": (4, "input"),
     "eq": (1, "none"), "ne": (1, "none"), "lt": (1, "none"), "le": (1, "none"), "gt": (1, "none"),
     "ge": (1, "none"), "logical_not": (1, "none"), "logical_and": (1, "none"), "logical_or": (1, "none"),
     "bitwise_not": (1, "none"), "floor_divide": (1, "none"), "remainder": (1, "none"),
