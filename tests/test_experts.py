@@ -55,21 +55,39 @@ class CapacityMoE(nn.Module):
         return out.reshape(b, s, h)
 
 
+class SlotIndexer(nn.Module):
+    """A sparse attention's indexer, as DeepSeek's: its heads' weights times relu(q . k) summed over the heads
+    into scores over keys, then their top-k (4 learned key slots here: as many as its heads and the experts)."""
+
+    def __init__(self, h: int, heads: int = 4, slots: int = 4, d: int = 8):
+        super().__init__()
+        self.heads, self.d = heads, d
+        self.w, self.q = nn.Linear(h, heads, bias=False), nn.Linear(h, heads * d, bias=False)
+        self.keys, self.values = nn.Parameter(torch.randn(slots, d)), nn.Parameter(torch.randn(slots, h))
+
+    def forward(self, x):
+        q = self.q(x).view(*x.shape[:-1], self.heads, self.d)
+        scores = (self.w(x).unsqueeze(-1) * torch.relu(q @ self.keys.T)).sum(-2)   # (b, s, slots)
+        return self.values[scores.topk(2, -1).indices].sum(-2)
+
+
 class Net(nn.Module):
     """Dense and MoE blocks alternating, as mixed stacks do (moe_every=1: every block MoE)."""
 
     def __init__(self, widths=(32, 32, 32, 32), k=2, data_dependent=False, h=16, n=4, vocab=64, moe_every=2,
-                 deep_router=False):
+                 deep_router=False, indexer=False):
         super().__init__()
         self.emb = nn.Embedding(vocab, h)
         self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(h), "mlp": CapacityMoE(
-            h, list(widths), k, data_dependent, deep_router) if i % moe_every == moe_every - 1 else Expert(h, 2 * h)})
-                                    for i in range(n))
+            h, list(widths), k, data_dependent, deep_router) if i % moe_every == moe_every - 1 else Expert(h, 2 * h),
+            **({"indexer": SlotIndexer(h)} if indexer else {})}) for i in range(n))
         self.head = nn.Linear(h, vocab)
 
     def forward(self, idx):
         x = self.emb(idx)
         for layer in self.layers:
+            if "indexer" in layer:
+                x = x + layer["indexer"](x)
             x = x + layer["mlp"](layer["norm"](x))
         return self.head(x)
 
@@ -118,6 +136,15 @@ def test_a_router_one_module_deeper_still_finds_its_layer():
     assert [(m.module, m.router, m.num_experts, m.style) for m in layers] == [
         (f"layers.{i}.mlp", f"layers.{i}.mlp.router.wg.weight", 4, "module_list") for i in (1, 3)]
     assert layers[0].experts == find_experts(trace(Net(), TOKENS))[0].experts
+
+
+def test_a_top_k_over_keys_summed_over_index_heads_is_no_router():
+    """A sparse attention's indexer takes a top-k over scores that its heads' weights (a linear with as many rows
+    as experts) make through a sum over the heads: no router's (DeepSeek-V4's MoE layer was found at the layer with
+    the indexer's weights for its router, and the real router's weight for an expert)."""
+    layers = find_experts(trace(Net(indexer=True), TOKENS))
+    assert [(m.module, m.router) for m in layers] == [(f"layers.{i}.mlp", f"layers.{i}.mlp.router.weight")
+                                                      for i in (1, 3)]
 
 
 def test_experts_of_different_shapes_are_said():

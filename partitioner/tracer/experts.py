@@ -46,6 +46,7 @@ __all__ = ["MoELayer", "common_prefix", "find_experts", "experts_text"]
 # and the gathers, selections and counts around them
 _DISPATCH_OPS = ROUTING_OPS | {"index", "index_select", "gather", "nonzero", "where", "masked_select", "cumsum"}
 _LINEAR_OPS = frozenset({"linear", "matmul", "mm"})
+_REDUCING = frozenset({"sum", "mean", "amax", "amin", "prod", "logsumexp", "bmm", "baddbmm", "einsum", "norm"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,6 +185,10 @@ def _router_weight(nodes, params, t: "OpNode", param_of):
                     x = nodes.get(n.inputs[0]) if n.inputs else None
                     return p, e, n.module_path, (tuple(x.output.shape) if x is not None and x.output else None)
             continue  # a linear without an E x H weight is not a router's: stop this path
+        if n.op in _REDUCING:
+            # what a sum or product over a dim makes is not the E scores of what it reads (a sparse attention's
+            # indexer sums its heads' weights times q.k into scores over keys, then takes their top-k)
+            continue
         stack.extend(i for i in n.inputs if i in nodes)
     return None
 
