@@ -5,7 +5,8 @@ down(silu(gate x) * up x) weighted by the router. Here: experts written another 
 choice, einsums) that compute the same are taken and train under ep2 like one process; experts whose names and
 activation match but whose arithmetic does not (the halves of gate_up_proj swapped, a scale inside, the router's
 weights renormalised inside) are refused before anything runs, where the rewrite would have trained them wrong;
-Aria's experts, stored transposed, train like one process.
+a clamped SwiGLU (DeepSeek-V4's) runs at the limit its clamps name; Aria's experts, stored transposed, train like
+one process.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from examples.training import hf_loss, sgd
 from partitioner import compile, trace
 from ranks import assert_plan_trains_like_one_process
 
-VOCAB, SEQ, BATCH = 128, 16, 8
+VOCAB, SEQ, BATCH, LIMIT = 128, 16, 8, 0.05
 
 
 def _gathered(self, hidden_states, top_k_index, top_k_weights, variant="same"):
@@ -31,6 +32,8 @@ def _gathered(self, hidden_states, top_k_index, top_k_weights, variant="same"):
     gate, up = h.chunk(2, dim=-1)
     if variant == "swapped":
         gate, up = up, gate
+    if variant.startswith("clamped"):  # DeepSeek-V4's clamped SwiGLU, at a limit the tiny model's values reach
+        gate, up = gate.clamp(max=LIMIT), up.clamp(min=-LIMIT, max=LIMIT * (2 if variant == "clamped_unequal" else 1))
     out = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, self.down_proj[top_k_index])
     if variant == "scaled":
         out = out * 2.0
@@ -76,6 +79,15 @@ def test_experts_that_compute_otherwise_are_refused_before_anything_runs(variant
         _plan(functools.partial(mixtral_gathered, variant))
 
 
+def test_a_clamped_swiglu_is_run_at_its_limit():
+    """The limit is read off the two clamps (gate at most L, up within [-L, L]) and passed to ep_experts; the
+    region is checked against the clamped formula. Clamps of another form are refused."""
+    assert f"limit = {LIMIT}" in _plan(functools.partial(mixtral_gathered, "clamped")).program(rank=0).source
+    with pytest.raises(DeclarationError, match=r"runs SiLU-gated experts \(their gate and up clamped.* compute "
+                                               r"\['aten.clamp.default', 'aten.silu.default'\]"):
+        _plan(functools.partial(mixtral_gathered, "clamped_unequal"))
+
+
 def test_experts_written_another_way_are_taken():
     plan = _plan(mixtral_gathered)
     assert plan.config.ep == 2
@@ -89,6 +101,7 @@ def test_transposed_expert_weights_are_passed_transposed():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [mixtral_gathered, aria], ids=["gathered", "aria"])
+@pytest.mark.parametrize("build", [mixtral_gathered, functools.partial(mixtral_gathered, "clamped"), aria],
+                         ids=["gathered", "clamped", "aria"])
 def test_they_train_like_one_process(build):
     assert_plan_trains_like_one_process(_plan(build), build, sgd, hf_loss, _batches(), timeout_s=240)

@@ -10,7 +10,9 @@ cannot tell that a model's experts compute this: the halves may come in the othe
 scale or a bias may sit inside, the router's weights may be renormalised there. Any of those would train
 silently wrong under ep > 1. So the region itself is run, op for op as traced, on random tokens, a random
 routing (distinct top-k choices, some experts idle) and random weights, and compared with that formula;
-the rewrite is taken only where they agree to the dtype's rounding.
+the rewrite is taken only where they agree to the dtype's rounding. A clamped SwiGLU (DeepSeek-V4's gate
+clamped to at most L and up to [-L, L]) is checked against that formula, on tokens scaled by L so that the
+clamps act.
 
 Sizes: every size the trace left symbolic (the tokens) is set small, so a 671B model's layer checks in a
 moment. Expert weights beyond `_DISTINCT_ELEMENTS` are one expert's random weights repeated over the E
@@ -35,15 +37,16 @@ _checked: dict[tuple, str | None] = {}
 
 
 def region_mismatch(nodes: list[fx.Node], exit_node: fx.Node, x: fx.Node, idx: fx.Node, w: fx.Node,
-                    gate_up: fx.Node, down: fx.Node, *, transposed: bool) -> str | None:
+                    gate_up: fx.Node, down: fx.Node, *, transposed: bool, limit: float | None = None) -> str | None:
     """None where the region `nodes` (in graph order, output `exit_node`) computes the batched SiLU-gated
     experts of its tokens `x`, routing `idx`, `w` and weights `gate_up` (E, 2I, H) and `down` (E, H, I) (each
-    stored as its transpose where `transposed`); else what differs, in words."""
-    key = _signature(nodes, exit_node, (x, idx, w, gate_up, down))
+    stored as its transpose where `transposed`; gate clamped to at most `limit` and up to [-limit, limit] where
+    given); else what differs, in words."""
+    key = (_signature(nodes, exit_node, (x, idx, w, gate_up, down)), transposed, limit)
     if key not in _checked:
         if len(_checked) > 256:
             _checked.clear()
-        _checked[key] = _check(nodes, exit_node, x, idx, w, gate_up, down, transposed)
+        _checked[key] = _check(nodes, exit_node, x, idx, w, gate_up, down, transposed, limit)
     return _checked[key]
 
 
@@ -64,10 +67,11 @@ def _signature(nodes: list[fx.Node], exit_node: fx.Node, inputs: tuple[fx.Node, 
                   for n in nodes), pos[exit_node], tuple(str(a.meta.get("val")) for a in inputs))
 
 
-def _check(nodes, exit_node, x, idx, w, gate_up, down, transposed) -> str | None:
+def _check(nodes, exit_node, x, idx, w, gate_up, down, transposed, limit) -> str | None:
     sizes = _small_sizes(nodes, x)
     gen = torch.Generator().manual_seed(0)
-    xv = _random(x.meta["val"], sizes, gen)
+    # at a clamp's scale, so that about a third of the gate and up values lie beyond it
+    xv = _random(x.meta["val"], sizes, gen) * (limit or 1.0)
     t, k = (_concrete(d, sizes) for d in idx.meta["val"].shape)
     gu_val, down_val = gate_up.meta["val"], down.meta["val"]
     num_experts = int(gu_val.shape[0])
@@ -83,7 +87,7 @@ def _check(nodes, exit_node, x, idx, w, gate_up, down, transposed) -> str | None
         return f"running it on {t} random tokens failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     if transposed:
         guv, downv = guv.transpose(-2, -1), downv.transpose(-2, -1)
-    want = _reference(xv, idxv, wv, guv, downv)
+    want = _reference(xv, idxv, wv, guv, downv, limit)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return f"it hands on {getattr(got, 'shape', type(got).__name__)} where (T, H) = {tuple(want.shape)}"
     diff = (got.double() - want.double()).abs().max().item()
@@ -95,12 +99,14 @@ def _check(nodes, exit_node, x, idx, w, gate_up, down, transposed) -> str | None
     return None
 
 
-def _reference(x, idx, w, gate_up, down) -> torch.Tensor:
+def _reference(x, idx, w, gate_up, down, limit=None) -> torch.Tensor:
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
             e = int(idx[t, j])
             gate, up = F.linear(x[t].double(), gate_up[e].double()).chunk(2)
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
             out[t] += float(w[t, j]) * F.linear(F.silu(gate) * up, down[e].double())
     return out.to(x.dtype)
 

@@ -49,7 +49,7 @@ __all__ = ["EP_FUNCTIONS", "ExpertParallelRewrite", "ep_aux_loss", "ep_experts",
 _aten = torch.ops.aten
 
 
-def ep_experts(x, topk_idx, topk_weight, gate_up_proj, down_proj, router_logits, ep):
+def ep_experts(x, topk_idx, topk_weight, gate_up_proj, down_proj, router_logits, ep, limit=None):
     raise NotImplementedError("a planner-side stand-in; the generated program imports the runtime's")
 
 
@@ -67,6 +67,22 @@ def ep_record_router_logits(router_logits, ep):
 
 
 EP_FUNCTIONS = ("ep_experts", "ep_aux_loss", "ep_router_logits", "ep_record_router_logits")
+
+
+def _swiglu_limit(nodes: list[fx.Node]) -> float | None:
+    """The limit L of a clamped SwiGLU (gate clamped to at most L, up to [-L, L]) read off the region's two
+    clamps; None where they are not two such clamps. The region check then runs the experts against it."""
+    bounds = []
+    for m in nodes:
+        if m.target is _aten.clamp.default:
+            bounds.append((m.args[1] if len(m.args) > 1 else m.kwargs.get("min"),
+                           m.args[2] if len(m.args) > 2 else m.kwargs.get("max")))
+    if len(bounds) != 2 or not all(isinstance(hi, (int, float)) for _, hi in bounds):
+        return None
+    (lo1, hi1), (lo2, hi2) = sorted(bounds, key=lambda b: b[0] is not None)
+    if lo1 is None and hi1 == hi2 and lo2 == -hi2 and hi2 > 0:
+        return float(hi2)
+    return None
 
 
 def _transposed(form: str, gate_up: torch.Size, down: torch.Size) -> bool:
@@ -115,15 +131,15 @@ class ExpertParallelRewrite:
             return False
         if scope not in self.regions:
             self.regions[scope] = self._region(scope)
-        exit_node, call_args, kept, transposed = self.regions[scope]
+        exit_node, call_args, kept, transposed, limit = self.regions[scope]
         if n in kept:
             return False
         if n is exit_node:
             args = [self.value(a) for a in call_args]
             if transposed:  # stored (E, H, 2I) and (E, I, H), as Aria's experts: the runtime takes their transposes
                 args[3:] = [self._transpose(a) for a in args[3:]]
-            out = self.graph.create_node("call_function", ep_experts,
-                                         (*args, self._router_arg(), self.ep_arg), name=n.name)
+            out = self.graph.create_node("call_function", ep_experts, (*args, self._router_arg(), self.ep_arg),
+                                         {"limit": limit} if limit is not None else {}, name=n.name)
             out.meta = dict(n.meta)
             self.env[n] = out
         return True
@@ -144,10 +160,10 @@ class ExpertParallelRewrite:
     def _router_arg(self):
         return self.value(self.router_out) if self.router_out is not None else None
 
-    def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...], frozenset[fx.Node], bool]:
+    def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...], frozenset[fx.Node], bool, float | None]:
         """The experts region's output node, (x, topk_idx, topk_weight, gate_up_proj, down_proj), the shape
-        arithmetic in it that is copied as it is (see `_kept_shapes`), and whether the two weights are stored
-        transposed. The region is run on random values against what replaces it (`ep_region_check`)."""
+        arithmetic in it that is copied as it is (see `_kept_shapes`), whether the two weights are stored
+        transposed, and a clamped SwiGLU's limit (None: not clamped). The region is run on random values against what replaces it (`ep_region_check`)."""
         nodes = [m for m in self.src.gm.graph.nodes if m.op == "call_function" and in_scope(m, scope)]
         inside = set(nodes)
         kept = self._kept_shapes(nodes, inside)
@@ -168,8 +184,10 @@ class ExpertParallelRewrite:
                                f"({', '.join(o.name for o in outs)}), not one (T, H) output; compile with ep=1")
         acts = {m.target for m in nodes if m.target in (_aten.silu.default, _aten.gelu.default, _aten.relu.default,
                                                           _aten.sigmoid.default, _aten.tanh.default, _aten.clamp.default)}
-        if acts != {_aten.silu.default}:
-            raise SegmentError(f"expert parallelism runs SiLU-gated experts, but {form} compute "
+        limit = _swiglu_limit(nodes) if acts == {_aten.silu.default, _aten.clamp.default} else None
+        if acts != {_aten.silu.default} and limit is None:
+            raise SegmentError(f"expert parallelism runs SiLU-gated experts (their gate and up clamped, as "
+                               f"DeepSeek-V4's, or not), but {form} compute "
                                f"{sorted(str(a) for a in acts) or 'no SiLU'}; compile with ep=1")
         tensors = {a: a.meta.get("val") for a in ins}
         x = [a for a, v in tensors.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.is_floating_point()
@@ -184,12 +202,12 @@ class ExpertParallelRewrite:
         p_node = {self.src.param[a]: a for m in nodes for a in m.all_input_nodes if a in self.src.param}
         gate_up, down = p_node[short["gate_up_proj"]], p_node[short["down_proj"]]
         transposed = _transposed(form, gate_up.meta["val"].shape, down.meta["val"].shape)
-        why = region_mismatch(nodes, outs[0], x[0], idx[0], w[0], gate_up, down, transposed=transposed)
+        why = region_mismatch(nodes, outs[0], x[0], idx[0], w[0], gate_up, down, transposed=transposed, limit=limit)
         if why:
             raise SegmentError(f"expert parallelism runs batched SiLU-gated experts, down(silu(gate x) * up x) with "
-                               f"gate and up the two halves of gate_up_proj, weighted by the router; {form} compute "
-                               f"something else: {why}; compile with ep=1")
-        return outs[0], (x[0], idx[0], w[0], gate_up, down), kept, transposed
+                               f"gate and up the two halves of gate_up_proj{f' clamped at {limit:g}' if limit else ''}, "
+                               f"weighted by the router; {form} compute something else: {why}; compile with ep=1")
+        return outs[0], (x[0], idx[0], w[0], gate_up, down), kept, transposed, limit
 
     def _kept_shapes(self, nodes: list[fx.Node], inside: set[fx.Node]) -> frozenset[fx.Node]:
         """The region's shape arithmetic on sizes known outside it (export computes a product of sizes such as

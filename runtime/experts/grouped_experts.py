@@ -44,8 +44,10 @@ def _splits(tokens: torch.Tensor, counts: torch.Tensor, n_experts: int) -> list[
 
 
 def batched_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                    act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> LocalExpertsFn:
+                    act: Callable[[torch.Tensor], torch.Tensor] = F.silu, limit: float | None = None) -> LocalExpertsFn:
     """This rank's experts from batched weights: gate_up_proj (E_local, 2I, H), down_proj (E_local, H, I).
+    `limit` (a clamped SwiGLU, DeepSeek-V4's `swiglu_limit`): the gate clamped to at most limit and the up
+    projection to [-limit, limit] before they meet.
 
     Pass the rank's slice of the full `[E, ...]` parameters (experts `dispatch.local_experts(rank, ep, E)`),
     or leaves of those shapes that the rank owns; gradients flow into whichever is passed."""
@@ -59,6 +61,8 @@ def batched_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
         outs = []
         for e, rows in enumerate(_splits(tokens, counts, gate_up_proj.shape[0])):
             gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)   # (n_e, I) each
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
             outs.append(F.linear(act(gate) * up, down_proj[e]))            # (n_e, H)
         return torch.cat(outs)                                             # (N, H)
 
