@@ -561,3 +561,13 @@ def test_einsum_is_costed_as_the_products_its_equation_names():
         assert n.cost.op_class == "matmul"
         assert n.cost.forward_flops(2) == 2 * 2 * 6 * 6 * 2 * 8
         assert n.cost.backward_flops(2) == 2 * n.cost.forward_flops(2)
+
+
+def test_softplus_is_costed_as_an_elementwise_op():
+    """A router's softplus scores (DeepSeek-V4's sqrt-softplus): 4 FLOPs an element, no 'no cost rule' warning."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Softplus())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = trace(model, (torch.randn(2, 8),))
+    softplus = next(n for n in g.nodes if n.op == "softplus")
+    assert softplus.cost.forward_flops(2) == 4 * 2 * 4
