@@ -80,13 +80,17 @@ def _check(nodes, exit_node, x, idx, w, gate_up, down, transposed, limit) -> str
     idxv = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(t)]).to(idx.meta["val"].dtype)
     wv = torch.rand(t, k, generator=gen).to(w.meta["val"].dtype) + 0.1
     guv, downv = _weights(gu_val, gen), _weights(down_val, gen)
+    device = _device(x.meta["val"])
+    xv, idxv, wv, guv, downv = (v.to(device) for v in (xv, idxv, wv, guv, downv))
     given = {x: xv, idx: idxv, w: wv, gate_up: guv, down: downv}
     try:
-        got = _run(nodes, exit_node, given, sizes)
+        got = _run(nodes, exit_node, given, sizes, device)
     except Exception as e:  # noqa: BLE001 - any failure to run means the rewrite is not known to be exact
         return f"running it on {t} random tokens failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     if transposed:
         guv, downv = guv.transpose(-2, -1), downv.transpose(-2, -1)
+    got, xv, idxv, wv, guv, downv = (v.cpu() if isinstance(v, torch.Tensor) else v
+                                     for v in (got, xv, idxv, wv, guv, downv))
     want = _reference(xv, idxv, wv, guv, downv, limit)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return f"it hands on {getattr(got, 'shape', type(got).__name__)} where (T, H) = {tuple(want.shape)}"
@@ -97,6 +101,15 @@ def _check(nodes, exit_node, x, idx, w, gate_up, down, transposed, limit) -> str
         return (f"on {t} random tokens it differs from down(silu(gate x) * up x) weighted by the router by up to "
                 f"{diff:.3g} (outputs up to {scale:.3g})")
     return None
+
+
+def _device(val: torch.Tensor) -> torch.device:
+    """Where the region runs: the device it was traced for (a CUDA-only kernel, torch._grouped_mm, may be among
+    its ops), else the CPU (traced on the meta device, or for a device this process does not have)."""
+    d = val.device
+    if d.type == "cuda" and torch.cuda.is_available():
+        return d
+    return torch.device("cpu")
 
 
 def _reference(x, idx, w, gate_up, down, limit=None) -> torch.Tensor:
@@ -144,9 +157,18 @@ def _concrete(d: Any, sizes: dict) -> Any:
     return d
 
 
-def _run(nodes: list[fx.Node], exit_node: fx.Node, given: dict, sizes: dict) -> Any:
+def _ints_as_float(args: Any) -> Any:
+    if isinstance(args, torch.Tensor) and not args.is_floating_point() and args.dtype != torch.bool:
+        return args.double()
+    if isinstance(args, (list, tuple)):
+        return type(args)(_ints_as_float(a) for a in args)
+    return args
+
+
+def _run(nodes: list[fx.Node], exit_node: fx.Node, given: dict, sizes: dict, device: torch.device) -> Any:
     """The region's ops as traced, on `given` values; a size read from outside it is the small size; a value
-    computed outside it from sizes alone is computed here too."""
+    computed outside it from sizes alone is computed here too; a tensor made on a device (the meta device of a
+    model planned there) is made on `device`."""
     env = dict(given)
 
     def value(a: fx.Node) -> Any:
@@ -164,7 +186,16 @@ def _run(nodes: list[fx.Node], exit_node: fx.Node, given: dict, sizes: dict) -> 
     def _call(n: fx.Node) -> Any:
         args = fx.node.map_arg(n.args, value)
         kwargs = fx.node.map_arg(n.kwargs, value)
-        return n.target(*args, **kwargs)
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": device}
+        try:
+            return n.target(*args, **kwargs)
+        except NotImplementedError:
+            # an integer kernel this device lacks, where the trace was for another (histc of int counts, which
+            # Hugging Face takes off the CPU): the same values through float64, in the traced dtype
+            out = n.target(*_ints_as_float(args), **kwargs)
+            val = n.meta.get("val")
+            return out.to(val.dtype) if isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor) else out
 
     for n in nodes:
         env[n] = _call(n)
