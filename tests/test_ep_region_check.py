@@ -105,3 +105,14 @@ def test_transposed_expert_weights_are_passed_transposed():
                          ids=["gathered", "clamped", "aria"])
 def test_they_train_like_one_process(build):
     assert_plan_trains_like_one_process(_plan(build), build, sgd, hf_loss, _batches(), timeout_s=240)
+
+
+def test_a_model_planned_on_the_meta_device_is_checked_and_keeps_ep():
+    """Traced on the meta device, Hugging Face's experts count tokens with an integer histc (its non-CPU path),
+    which the CPU lacks: the check runs it through float64, and the plan keeps ep."""
+    with torch.device("meta"):
+        model = from_config("MixtralConfig", "MixtralForCausalLM", vocab_size=VOCAB, num_hidden_layers=2,
+                            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    plan = compile(trace(model, (torch.randint(0, VOCAB, (2, SEQ)),)), "local:2", global_batch_size=BATCH,
+                   precision="fp32", dp=2, ep=2, microbatch_size=BATCH // 2, alternatives=0)
+    assert plan.config.ep == 2 and "ep_experts(" in plan.program(rank=0).source
