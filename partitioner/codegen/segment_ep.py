@@ -163,7 +163,8 @@ class ExpertParallelRewrite:
     def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...], frozenset[fx.Node], bool, float | None]:
         """The experts region's output node, (x, topk_idx, topk_weight, gate_up_proj, down_proj), the shape
         arithmetic in it that is copied as it is (see `_kept_shapes`), whether the two weights are stored
-        transposed, and a clamped SwiGLU's limit (None: not clamped). The region is run on random values against what replaces it (`ep_region_check`)."""
+        transposed, and a clamped SwiGLU's limit (None: not clamped). The region is run on random values against
+        what replaces it (`ep_region_check`)."""
         nodes = [m for m in self.src.gm.graph.nodes if m.op == "call_function" and in_scope(m, scope)]
         inside = set(nodes)
         kept = self._kept_shapes(nodes, inside)
@@ -204,9 +205,10 @@ class ExpertParallelRewrite:
         transposed = _transposed(form, gate_up.meta["val"].shape, down.meta["val"].shape)
         why = region_mismatch(nodes, outs[0], x[0], idx[0], w[0], gate_up, down, transposed=transposed, limit=limit)
         if why:
+            clamped = f" clamped at {limit:g}" if limit else ""
             raise SegmentError(f"expert parallelism runs batched SiLU-gated experts, down(silu(gate x) * up x) with "
-                               f"gate and up the two halves of gate_up_proj{f' clamped at {limit:g}' if limit else ''}, "
-                               f"weighted by the router; {form} compute something else: {why}; compile with ep=1")
+                               f"gate and up the two halves of gate_up_proj{clamped}, weighted by the router; {form} "
+                               f"compute something else: {why}; compile with ep=1")
         return outs[0], (x[0], idx[0], w[0], gate_up, down), kept, transposed, limit
 
     def _kept_shapes(self, nodes: list[fx.Node], inside: set[fx.Node]) -> frozenset[fx.Node]:
