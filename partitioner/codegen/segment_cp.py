@@ -40,6 +40,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from partitioner.planner.model_code import SegmentError, describe
+from partitioner.planner.shard_dims import padded_dims
 
 __all__ = ["CP_FUNCTIONS", "ContextParallelRewrite", "cp_attention", "cp_positions", "sequence_symbols"]
 
@@ -58,13 +59,6 @@ _CONVOLUTIONS = {_aten.convolution.default, _aten.conv1d.default, _aten.conv2d.d
 _REORDERS = {"roll", "flip", "rot90"}  # their `dims` move tokens to other positions (permute's only name the dims)
 _PADS = {"pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d",
          "_pad_circular"}
-
-
-def _padded_dims(n: fx.Node, ndim: int) -> set[int]:
-    """The dims a pad op pads by a non-zero amount: its list holds (before, after) pairs from the last dim back."""
-    pad = n.args[1] if len(n.args) > 1 else n.kwargs.get("pad", n.kwargs.get("padding", ()))
-    pairs = list(pad) if isinstance(pad, (list, tuple)) else []
-    return {ndim - 1 - k // 2 for k, amount in enumerate(pairs) if not (isinstance(amount, int) and amount == 0)}
 
 
 def _whole_slice(n: fx.Node) -> bool:
@@ -229,7 +223,7 @@ class ContextParallelRewrite:
         name = n.target.overloadpacket.__name__
         if not seq or name in _DIM_LOCAL or (name == "slice" and _whole_slice(n)):
             return ""
-        if name in _PADS and _padded_dims(n, val.dim()) & set(seq):
+        if name in _PADS and (padded_dims(n, val.dim()) or set()) & set(seq):
             # a shift: Hugging Face's causal-LM loss pads its labels by one and drops the first, so that each
             # token's target is the next token, which on a rank's tokens is another chunk's or none
             return f"a {name} along the token dim (a shift of the tokens)"

@@ -110,7 +110,7 @@ def _emittable(expr: Any) -> bool:
     return isinstance(expr, tuple(_size_ops())) and all(_emittable(a) for a in expr.args)
 
 
-def _emit_size(graph: fx.Graph, expr: Any, sizes: dict, n: fx.Node) -> Any:
+def _emit_size(graph: fx.Graph, expr: Any, sizes: dict) -> Any:
     """Nodes of `graph` computing `expr` from the size nodes `sizes` (one per symbol)."""
     import sympy
 
@@ -119,7 +119,7 @@ def _emit_size(graph: fx.Graph, expr: Any, sizes: dict, n: fx.Node) -> Any:
     if isinstance(expr, sympy.Symbol):
         return sizes[expr]
     fn = next(f for t, f in _size_ops().items() if isinstance(expr, t))
-    args = [_emit_size(graph, a, sizes, n) for a in expr.args]
+    args = [_emit_size(graph, a, sizes) for a in expr.args]
     out = args[0]
     for a in args[1:]:
         out = graph.call_function(fn, (out, a))
@@ -341,20 +341,19 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         if n.target is _aten.sym_size.int and n.args[0] not in self.env and self.carried is not None:
             # a batch or sequence size read from a tensor this segment does not have: read it from its input
             want = str(n.meta.get("val"))
-            shape = self.carried.meta["val"].shape
-            dims = [j for j, s in enumerate(shape) if str(s) == want]
-            if not dims:
+            size = self._carried_size(want, meta=n.meta)
+            if size is None:
                 raise SegmentError(f"the {self.name} needs size {want} ({n.name}), which its input "
-                                   f"{self.carried.name} of shape {tuple(shape)} does not carry")
-            self.env[n] = self.graph.call_function(_aten.sym_size.int, (self.env[self.carried], dims[0]))
-            self.env[n].meta = dict(n.meta)
-            if self.cut_dim == dims[0]:  # the input holds 1/tp of the tokens: the whole size
-                self.env[n] = self.graph.call_function(operator.mul, (self.env[n], self.tp))
-            return self.env[n]
-        if size_expression(n) is not None and not all(self.src.shape_only[a] for a in n.all_input_nodes):
+                                   f"{self.carried.name} of shape {tuple(self.carried.meta['val'].shape)} does not "
+                                   "carry")
+            self.env[n] = size
+            return size
+        expr = size_expression(n)
+        if expr is not None and not all(self.src.shape_only[a] for a in n.all_input_nodes):
             # a size a region computed besides tensors (min(tokens, top-k) from a no_grad indexer), which export
             # hands to every later op that needs it, later blocks too: computed here from the input's sizes
-            self.env[n] = self._size_from_input(n, size_expression(n))
+            sizes = {sym: self._input_size(str(sym), n) for sym in expr.free_symbols}
+            self.env[n] = _emit_size(self.graph, expr, sizes)
             return self.env[n]
         cast = n.target in _CASTS and self._to_param_dtype(n)
         self.env[n] = self._copy_plain(n)
@@ -362,25 +361,25 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
             self._retarget(self.env[n])
         return self.env[n]
 
-    def _size_from_input(self, n: fx.Node, expr: Any) -> Any:
-        """`expr`, a function of the model's sizes, computed from the sizes of this segment's input."""
-        sizes = {}
-        for sym in expr.free_symbols:
-            node = fx.Node(self.src.gm.graph, f"size_{sym}", "call_function", _aten.sym_size.int, (None, 0), {})
-            node.meta["val"] = sym
-            sizes[sym] = self._input_size(node, str(sym), n)
-        return _emit_size(self.graph, expr, sizes, n)
+    def _carried_size(self, want: str, meta: dict | None = None) -> fx.Node | None:
+        """Size `want` (a symbol's name) read off this segment's input, the whole size where the input holds 1/tp
+        of the tokens; None where the input has no such dim."""
+        shape = self.carried.meta["val"].shape
+        dims = [j for j, s in enumerate(shape) if str(s) == want]
+        if not dims:
+            return None
+        size = self.graph.call_function(_aten.sym_size.int, (self.env[self.carried], dims[0]))
+        if meta is not None:
+            size.meta = dict(meta)
+        if self.cut_dim == dims[0]:
+            size = self.graph.call_function(operator.mul, (size, self.tp))
+        return size
 
-    def _input_size(self, n: fx.Node, want: str, reader: fx.Node) -> fx.Node:
-        """Size `want` (a symbol) read off this segment's input, or off a model input where it has none."""
-        if self.carried is not None:
-            shape = self.carried.meta["val"].shape
-            dims = [j for j, s in enumerate(shape) if str(s) == want]
-            if dims:
-                size = self.graph.call_function(_aten.sym_size.int, (self.env[self.carried], dims[0]))
-                if self.cut_dim == dims[0]:  # the input holds 1/tp of the tokens: the whole size
-                    size = self.graph.call_function(operator.mul, (size, self.tp))
-                return size
+    def _input_size(self, want: str, reader: fx.Node) -> fx.Node:
+        """Size `want` (a symbol's name) read off this segment's input, or off a model input where it has none."""
+        size = self._carried_size(want) if self.carried is not None else None
+        if size is not None:
+            return size
         for x in self.src.inputs:
             dims = [j for j, s in enumerate(x.meta["val"].shape) if str(s) == want]
             if dims:

@@ -129,3 +129,12 @@ def _drop_dim(ish: tuple[Poly, ...], osh: tuple[Poly, ...], d: int) -> int | Non
     if left[d] != r:
         return None
     return "dropped" if r is None else r
+
+
+def padded_dims(pad_node, ndim: int) -> set[int] | None:
+    """The dims an fx pad op (aten.pad, constant_pad_nd, ...) pads or trims by a non-zero amount: its list holds
+    (before, after) pairs from the last dim back. None where the node gives no such list."""
+    pad = pad_node.args[1] if len(pad_node.args) > 1 else pad_node.kwargs.get("pad", pad_node.kwargs.get("padding"))
+    if not isinstance(pad, (list, tuple)):
+        return None
+    return {ndim - 1 - k // 2 for k, amount in enumerate(pad) if not (isinstance(amount, int) and amount == 0)}

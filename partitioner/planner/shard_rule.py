@@ -35,6 +35,7 @@ from partitioner.planner.shard_dims import (
     _permute_dim,
     _prod,
     _reshape_dim,
+    padded_dims,
 )
 from partitioner.tracer.opgraph import OpGraph, OpNode
 from partitioner.tracer.symbolic import Poly
@@ -235,11 +236,8 @@ def _padded_dims(ctx: _Context, name: str, ndim: int) -> set[int]:
     """The dims pad node `name` pads or trims (every dim where the traced graph does not say)."""
     gm = getattr(ctx.g.graph_module, "graph_module", ctx.g.graph_module)
     node = next((m for m in gm.graph.nodes if m.name == name), None) if gm is not None else None
-    pad = node.args[1] if node is not None and len(node.args) > 1 else None
-    if not isinstance(pad, (list, tuple)):
-        return set(range(ndim))
-    # (left, right) pairs from the last dim backwards
-    return {ndim - 1 - i // 2 for i, amount in enumerate(pad) if not (isinstance(amount, int) and amount == 0)}
+    dims = padded_dims(node, ndim) if node is not None else None
+    return set(range(ndim)) if dims is None else dims
 
 
 def _chunk_dim(ctx: _Context, i: str, osh: tuple[Poly, ...], od: int, chunk_any: bool = False) -> int | None:
