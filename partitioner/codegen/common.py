@@ -284,6 +284,8 @@ class SegmentTables(NamedTuple):
     block_inputs: tuple  # the model inputs each block template reads
     kinds_line: str  # BLOCK_KINDS = ... with why
     suffix_args: str  # SUFFIX_ARGS or ()
+    lengths_line: str  # "\nSEQ_LENGTHS = ..." with why, where the code holds at some sequence lengths only; else ""
+    lengths_kw: str  # ", seq_lengths=SEQ_LENGTHS" or ""
 
 
 def segment_tables(code: Any) -> SegmentTables:
@@ -298,7 +300,19 @@ def segment_tables(code: Any) -> SegmentTables:
         kinds_line=(f"# The blocks are not all alike: kind of each block (kind 0 runs `block`, kind k `block_k`).\n"
                     f"BLOCK_KINDS = {literal(code.block_kinds)}" if code.block_kinds else
                     "BLOCK_KINDS = ()  # every block runs `block`"),
-        suffix_args="SUFFIX_ARGS" if code.suffix is not None else "()")
+        suffix_args="SUFFIX_ARGS" if code.suffix is not None else "()",
+        lengths_line=_lengths_line(code.seq_lengths),
+        lengths_kw=", seq_lengths=SEQ_LENGTHS" if code.seq_lengths is not None else "")
+
+
+def _lengths_line(lengths: tuple[int, int | None] | None) -> str:
+    if lengths is None:
+        return ""
+    lo, hi = lengths
+    span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+    return (f"\n# The code holds for sequence lengths {span} only, the range torch.export traced it for (a table of\n"
+            f"# positions that long, or a branch on the length that the example's took): other lengths are refused.\n"
+            f"SEQ_LENGTHS = {lengths!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,7 +369,7 @@ inf, nan = float("inf"), float("nan")
 
 
 {t.args}
-{t.kinds_line}
+{t.kinds_line}{t.lengths_line}
 OUTPUT_SPEC = {code.output_spec!r}
 # One stage: the prefix, {f"blocks 0..{n - 1}" if n > 1 else f"{n} block(s)"} of {code.stack or "the model"},
 # the suffix.
@@ -368,7 +382,7 @@ def make_stage(model, tp{", cp" if cp else ""}{ep_param}):
                       block_inputs={t.block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={t.block_args}, suffix_args={t.suffix_args},
-                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{tc}{ep_kw})
+                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{tc}{ep_kw}{t.lengths_kw})
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"

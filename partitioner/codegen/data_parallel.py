@@ -54,7 +54,7 @@ def data_parallel_program_source(plan: "Plan", rank: int, h: str) -> str:
         expected += (" (and inside every attention, over the cp group: the ring's k/v sends" if c.cp_kind == "ring"
                      else " (and inside every attention, over the cp group: Ulysses' all-to-alls") + ")"
 
-    held_apart = _experts_apart(plan)
+    held_apart = _outside_engine(plan)
     blocks = zero3_units(plan)
     per_module = c.zero_stage == 3 and c.zero3_unit == "module"
     unit_word = "module" if per_module else "block"
@@ -152,9 +152,15 @@ def build(model_fn, optimizer_fn, loss_fn):
 
 
 
-def _experts_apart(plan: "Plan") -> set[str]:
-    """The expert slices an ep > 1 program keeps outside the data-parallel engine (runtime.experts.engine)."""
-    return {n for n, _ in plan.code.experts} if plan.config.ep > 1 and plan.code is not None else set()
+def _outside_engine(plan: "Plan") -> set[str]:
+    """The expert slices an ep > 1 program keeps outside the data-parallel engine (runtime.experts.engine), and
+    the parameters its code never reads, which its stage drops (runtime.pipeline.stage)."""
+    code = plan.code
+    if code is None:
+        return set()
+    read = code.read_params()
+    unread = {p.param for p in plan.placements if not read & {p.param, *p.aliases}}
+    return unread | ({n for n, _ in code.experts} if plan.config.ep > 1 else set())
 
 
 def zero3_units(plan: "Plan") -> dict[str, list[str]]:
@@ -162,7 +168,7 @@ def zero3_units(plan: "Plan") -> dict[str, list[str]]:
     blocks one more unit), or with zero3_unit="module" per module holding parameters directly, in the
     placements' order; expert slices held apart under ep > 1 are in none."""
     per_module = plan.config.zero_stage == 3 and plan.config.zero3_unit == "module"
-    apart = _experts_apart(plan)
+    apart = _outside_engine(plan)
     units: dict[str, list[str]] = {}
     for p in plan.placements:
         if p.param in apart:
@@ -320,7 +326,7 @@ def expected_collectives(plan: "Plan") -> dict[str, int]:
     c = plan.config
     if c.replicas == 1:
         return {}
-    apart = _experts_apart(plan)
+    apart = _outside_engine(plan)
     dense = [p for p in plan.placements if p.param not in apart]
     names = [p.param for p in dense][::-1]
     numels = [math.prod(p.shape) for p in dense][::-1]

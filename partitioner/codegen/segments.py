@@ -662,7 +662,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         run(b, src.members("prefix") + src.members("suffix"))
         prefix = b.finish(tuple(b.output(x) for x in flat_out))
         return ModelCode(stack=None, num_blocks=0, tp=tp, prefix=prefix, block=None, suffix=None, output_spec=spec,
-                         exact_casts=casts_known(ep.graph))
+                         exact_casts=casts_known(ep.graph), seq_lengths=getattr(g, "seq_lengths", None))
 
     # prefix -> block 0: one tensor
     # the suffix reads the MoE layers' router logits (a load-balancing loss): they reach it through the ep
@@ -746,7 +746,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
                      prefix=prefix, block=templates[0], suffix=suffix, output_spec=spec, sp_dim=cut_dim,
                      hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds,
                      frozen=tuple(sorted(src.param[n] for n in src.frozen)), exact_casts=casts_known(ep.graph),
-                     **(_expert_fields(g) if kw["routed"] else {}))
+                     seq_lengths=getattr(g, "seq_lengths", None), **(_expert_fields(g) if kw["routed"] else {}))
 
 
 def _first_block_input(src: _Source, first: int) -> set[fx.Node]:

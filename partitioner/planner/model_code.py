@@ -77,6 +77,9 @@ class ModelCode:
     # parameters that train nothing (requires_grad=False: RoFormer's sinusoidal position table), which every segment
     # reading them computes from as from a buffer: held by each stage that reads one, never tied between stages
     frozen: tuple[str, ...] = dataclasses.field(default=(), metadata={"omit_default": True})
+    # the sequence lengths the code holds at (OpGraph.seq_lengths: the model branches on its length, and the trace
+    # took one branch), (lo, hi) with hi None for no end; None: any
+    seq_lengths: tuple[int, int | None] | None = dataclasses.field(default=None, metadata={"omit_default": True})
 
     @property
     def aux_loss(self) -> bool:
@@ -98,6 +101,14 @@ class ModelCode:
     def block_params(self, i: int) -> tuple[str, ...]:
         t = self.template(i)
         return tuple(n.format(i=i) for _, n in t.params) if t is not None else ()
+
+    def read_params(self) -> frozenset[str]:
+        """The names under which the code reads parameters, every block's included. A parameter the traced
+        forward never read (DeepSeek-V4's compressor below its window) is not among them: the stages drop it,
+        and one process leaves it without a gradient."""
+        edges = [s for s in (self.prefix, self.suffix) if s is not None]
+        return frozenset({n for s in edges for _, n in s.params}
+                         | {n for i in range(self.num_blocks) for n in self.block_params(i)})
 
 
 def describe(n: fx.Node) -> str:

@@ -38,14 +38,15 @@ from partitioner.tracer.symbolic import Poly
 
 __all__ = ["load_trace", "save_trace", "source_key"]
 
-_FORMAT = 14  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one shared attention mask;
+_FORMAT = 15  # 2: OpCost.fixed_activation_bytes; 3: OpCost.causal; 4: one shared attention mask;
 # 5: no mask kept where a shape-only mask is the causal one; 6: cost rules for square, repeat_interleave, tile;
 # 7: no attention rewrite under a mask read from the inputs; block kinds tell masks made from the inputs apart;
 # 8: ParamSpec.trainable, causal masks made from buffers, reshape_as a view; 9: ALiBi folded into q and k, long
 # causal masks judged at a shorter length; 10: GELU and SiLU spelled as elementwise ops fused
 # (tracer.pointwise); 11: OpGraph.custom_functions; 12: the model's own upcasts marked, reads of a no-op cast
 # rewired, values kept fp32 on purpose charged as fixed (tracer.upcasts); 13: RMSNorms fused (tracer.norms), fused
-# nodes named so; 14: string arguments among a node's scalars (einsum's equation, costed as products)
+# nodes named so; 14: string arguments among a node's scalars (einsum's equation, costed as products);
+# 15: OpGraph.seq_lengths
 _GRAPH, _ARCHIVE = "opgraph.json", "graph.pt2"
 
 
@@ -148,7 +149,9 @@ def _graph_to_json(g: OpGraph) -> dict:
 
 def _graph_from_json(d: dict) -> OpGraph:
     params = tuple(ParamSpec(**{**p, "shape": tuple(p["shape"]), "aliases": tuple(p["aliases"])}) for p in d["params"])
+    lengths = d.get("seq_lengths")
     return OpGraph(**{**d, "custom_functions": tuple(d.get("custom_functions", ())),
+                      "seq_lengths": tuple(lengths) if lengths is not None else None,
                       "nodes": tuple(_node_from_json(n) for n in d["nodes"]), "params": params,
                       "blocks": tuple(Block(**b) for b in d["blocks"]),
                       "inputs": tuple(_spec_from_json(t) for t in d["inputs"])})

@@ -187,6 +187,10 @@ class OpGraph:
     # forward's ops, which the graph holds, so code cut from it would train differently (tracer.autograd_functions);
     # "module.Name (file:line)"
     custom_functions: tuple[str, ...] = ()
+    # the sequence lengths the graph holds at, (lo, hi) with hi None for no end: torch.export's range for the
+    # sequence symbol, where the model branches on its length (DeepSeek-V4's compressors run from a window's worth
+    # of tokens on) and was traced down one branch; None where only torch.export's own s >= 2 bounds it
+    seq_lengths: tuple[int, int | None] | None = None
     graph_module: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)
 
     # ---- totals ---------------------------------------------------------

@@ -395,4 +395,17 @@ def _assemble(costed: list[Costed], cap: Capture, model: nn.Module, stack: Layer
                    method=cap.method, model_name=type(model).__name__,
                    block_container=stack.path if stack is not None else None, expanded_from=expanded_from,
                    buffer_bytes=sum(b.numel() * b.element_size() for b in buffers.values()),
-                   custom_functions=cap.custom_functions, graph_module=cap.graph_module)
+                   custom_functions=cap.custom_functions, seq_lengths=_seq_lengths(cap.seq_range),
+                   graph_module=cap.graph_module)
+
+
+def _seq_lengths(seq_range: tuple[int, float] | None) -> tuple[int, int | None] | None:
+    """The capture's sequence range as OpGraph.seq_lengths: None where nothing but torch.export's 0/1
+    specialisation (a symbol is never 0 or 1) bounds it, so that only a model's own branches on its length
+    constrain the lengths it trains at."""
+    if seq_range is None:
+        return None
+    lo, hi = seq_range
+    if lo <= 2 and hi == float("inf"):
+        return None
+    return int(lo), None if hi == float("inf") else int(hi)

@@ -40,7 +40,7 @@ from runtime.engines.compiled import compile_function
 from runtime.engines.recompute import run_recomputed
 from runtime.pipeline.tensor_parallel import keep_token_shards, shard_parameter
 
-__all__ = ["StageModel", "StageSpec"]
+__all__ = ["StageModel", "StageSpec", "check_lengths"]
 
 # stage index -> (first block, end block, runs prefix, runs suffix)
 StageSpec = tuple[int, int, bool, bool]
@@ -61,6 +61,26 @@ class _WithContext:
         return self.fn(tp, self.cp, *args, **kwargs)
 
 
+def check_lengths(named: Mapping[str, Any], lengths: tuple[int, int | None] | None, cp_world: int = 1) -> None:
+    """Refuse token inputs (integer tensors of 2 or more dims, the sequence along dim 1, as traced) whose length
+    lies outside `lengths` (ModelCode.seq_lengths; None: any): the code took one branch of a model that branches
+    on its length, so at another it would compute something else than the module, silently. Under context
+    parallelism a rank holds 1/cp_world of each row's tokens."""
+    if lengths is None:
+        return
+    lo, hi = lengths
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.dtype.is_floating_point or x.dtype == torch.bool:
+            continue
+        s = x.shape[1] * cp_world
+        if s < lo or (hi is not None and s > hi):
+            span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+            raise ValueError(f"input {name!r} has sequence length {s}, but the plan's code holds for lengths {span} "
+                             "only, the range torch.export traced it for (the model reads a table of positions that "
+                             "long, or branches on its length and the example's took one branch); compile with "
+                             "example inputs of the length the training passes (one plan per range of lengths)")
+
+
 class StageModel:
     """Prunes `model` in place to this rank's stages; `self.module` is what the engine wraps."""
 
@@ -72,7 +92,8 @@ class StageModel:
                  placements: Mapping[str, tuple[str, int]], tied: Sequence[str], tp: Any = None,
                  tp_rank: int = 0, tp_world: int = 1, recompute: str = "none",
                  recompute_blocks: tuple[int, int] = (1, 1), cp: Any = None,
-                 torch_compile: str = "", ep: Any = None, experts: Mapping[str, tuple[int, int]] | None = None):
+                 torch_compile: str = "", ep: Any = None, experts: Mapping[str, tuple[int, int]] | None = None,
+                 seq_lengths: tuple[int, int | None] | None = None):
         # torch_compile: the backend each segment function (prefix, every block kind, suffix) is compiled with
         # (runtime.engines.compiled); recomputation and the blocks' module hooks stay outside; "": eager
         if torch_compile:
@@ -86,6 +107,9 @@ class StageModel:
         functions = {k: _WithContext(f, cp) for k, f in functions.items()} if cp is not None else functions
         functions = {k: _WithContext(f, ep) for k, f in functions.items()} if ep is not None else functions
         self.has_ep = ep is not None  # the module's own forward computes neither ep nor the loss over ranks
+        # the sequence lengths the code holds at (the model branched on its length while traced), and the
+        # context-parallel degree that splits each row's tokens over ranks
+        self.seq_lengths, self._cp_world = seq_lengths, getattr(cp, "world", 1)
         # the ep context sees each stage's forward start and end (a new record of router logits; under pp > 1
         # the load-balancing loss's sums carried from stage to stage: runtime.experts.pipeline_aux)
         self.ep = ep if hasattr(ep, "enter_stage") else None
@@ -125,6 +149,12 @@ class StageModel:
             for i in range(len(container)):
                 if i not in blocks:
                     container[i] = nn.Module()
+        # what any stage reads: a parameter of this rank's part that none does (DeepSeek-V4's compressor, traced
+        # below its window) trains nothing, as in one process, where it gets no gradient: kept, frozen, so the
+        # engines hold it apart from the trained ones (and the state dict has it, unchanged)
+        read = {n for _, n in (*self.prefix_args, *self.suffix_args)}
+        if container is not None:
+            read |= {n.format(i=i) for i in range(len(container)) for _, n in self.block_args[self.kind(i)]}
         # parameters no stage of this rank reads: dropped; tensor-parallel ones: cut to the shard
         self.tied: dict[str, nn.Parameter] = {}
         self.experts: dict[str, nn.Parameter] = {}
@@ -135,7 +165,9 @@ class StageModel:
                 p = model.get_parameter(names[0])
             except AttributeError:
                 continue  # lived in a removed block
-            if not any(n in need for n in names):
+            if not any(n in read for n in names):
+                p.requires_grad_(False)
+            elif not any(n in need for n in names):
                 for n in names:
                     mod, attr = _split(n)
                     model.get_submodule(mod)._parameters[attr] = None
@@ -232,6 +264,7 @@ class StageModel:
     def _run_stage(self, x: Any, inputs: Any, _stage: int = 0) -> Any:
         a, b, pre, suf = self.stages[_stage]
         named = self.named_inputs(inputs)
+        check_lengths(named, self.seq_lengths, self._cp_world)
         if self.ep is not None:
             x = self.ep.enter_stage(_stage, x, first=pre)
         if pre:

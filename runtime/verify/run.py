@@ -28,6 +28,7 @@ from torch import nn
 from cost_models.errors import PartitionerError
 from runtime.engines.step import check_parameters
 from runtime.pipeline.program_module import exec_program
+from runtime.pipeline.stage import check_lengths
 from runtime.pipeline.tensor_parallel import TPContext
 from runtime.pipeline.vocab_logits import full_logits
 from runtime.verify.local_collectives import LocalCollectiveError, LocalCollectives, LocalGroup
@@ -199,6 +200,8 @@ def setup(plan: Any, model_fn: Callable, inputs: Any, targets: Any, loss_fn: Cal
         inputs = default_inputs(facts, reference, next(iter(ranks.values())).stage.input_names)
     elif isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
+    first = next(iter(ranks.values())).stage
+    check_lengths(first.named_inputs(inputs), first.seq_lengths)  # bad input, not a difference: refused first
     return Setup(facts=facts, reference=reference, ranks=ranks, stage_pp=tuple(owner[s] for s in range(len(owner))),
                   group=group, inputs=_cpu(inputs), targets=_cpu(targets), loss_fn=loss_fn, rtol=rtol, atol=atol)
 
