@@ -354,7 +354,7 @@ def test_a_list_of_expert_modules_is_refused_by_name():
     from test_experts import Net
 
     torch.manual_seed(0)
-    with pytest.raises(DeclarationError, match=r"ep=2: no expert-parallel program .*runs batched SiLU-gated experts "
+    with pytest.raises(DeclarationError, match=r"ep=2: no expert-parallel program .*runs batched gated experts "
                                                r".* but the experts of layers.1.mlp.experts read .*a list of expert "
                                                r"modules"):
         compile(Net(moe_every=1), "local:2", example_inputs=(torch.zeros(2, 16, dtype=torch.long),),

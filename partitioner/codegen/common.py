@@ -382,7 +382,8 @@ def make_stage(model, tp{", cp" if cp else ""}{ep_param}):
                       block_inputs={t.block_inputs!r}, block_kinds=BLOCK_KINDS,
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={t.block_args}, suffix_args={t.suffix_args},
-                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{tc}{ep_kw}{t.lengths_kw})
+                      output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{tc}{ep_kw}\
+{t.lengths_kw})
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"

@@ -1,18 +1,19 @@
 """Does a MoE layer's traced experts region compute what `ep_experts` will compute in its place?
 
 The expert-parallel rewrite (`partitioner.codegen.segment_ep`) drops the ops of an experts module and calls
-the runtime's batched SiLU-gated experts instead:
+the runtime's batched experts instead:
 
-    out[t] = sum_j w[t, j] * down_e (silu(gate_e x[t]) * up_e x[t]),   e = idx[t, j]
+    out[t] = sum_j w[t, j] * down_e(gated(gate_up_e x[t])),   e = idx[t, j]
 
-with gate_e and up_e the first and second halves of `gate_up_proj[e]`'s 2I rows. Names and shapes alone
+with `runtime.experts.grouped_experts.gated` the gated unit of the two parts of `gate_up_proj[e]`'s 2I rows: by
+default SiLU(gate) * up, gate and up the first and second halves; or a form the rewrite read off the region
+(clamped, GPT-OSS's gate * sigmoid(alpha gate) * (up + 1), interleaved halves, biases). Names and shapes alone
 cannot tell that a model's experts compute this: the halves may come in the other order or interleaved, a
 scale or a bias may sit inside, the router's weights may be renormalised there. Any of those would train
 silently wrong under ep > 1. So the region itself is run, op for op as traced, on random tokens, a random
-routing (distinct top-k choices, some experts idle) and random weights, and compared with that formula;
-the rewrite is taken only where they agree to the dtype's rounding. A clamped SwiGLU (DeepSeek-V4's gate
-clamped to at most L and up to [-L, L]) is checked against that formula, on tokens scaled by L so that the
-clamps act.
+routing (distinct top-k choices, some experts idle) and random weights, and compared with that formula (the
+runtime's own `gated`, in float64); the rewrite is taken only where they agree to the dtype's rounding. A
+clamped unit is checked on tokens scaled by its limit, so that the clamps act.
 
 Sizes: every size the trace left symbolic (the tokens) is set small, so a 671B model's layer checks in a
 moment. Expert weights beyond `_DISTINCT_ELEMENTS` are one expert's random weights repeated over the E
@@ -37,16 +38,17 @@ _checked: dict[tuple, str | None] = {}
 
 
 def region_mismatch(nodes: list[fx.Node], exit_node: fx.Node, x: fx.Node, idx: fx.Node, w: fx.Node,
-                    gate_up: fx.Node, down: fx.Node, *, transposed: bool, limit: float | None = None) -> str | None:
-    """None where the region `nodes` (in graph order, output `exit_node`) computes the batched SiLU-gated
-    experts of its tokens `x`, routing `idx`, `w` and weights `gate_up` (E, 2I, H) and `down` (E, H, I) (each
-    stored as its transpose where `transposed`; gate clamped to at most `limit` and up to [-limit, limit] where
-    given); else what differs, in words."""
-    key = (_signature(nodes, exit_node, (x, idx, w, gate_up, down)), transposed, limit)
+                    gate_up: fx.Node, down: fx.Node, *, transposed: bool,
+                    biases: tuple[fx.Node | None, ...] = (None, None), **form: Any) -> str | None:
+    """None where the region `nodes` (in graph order, output `exit_node`) computes the batched experts of its
+    tokens `x`, routing `idx`, `w` and weights `gate_up` (E, 2I, H) and `down` (E, H, I) (each stored as its
+    transpose where `transposed`), `biases` (E, 2I) and (E, H) (or None), gated as `form` (the keywords of
+    `runtime.experts.grouped_experts.gated`: limit, glu, alpha, interleaved) says; else what differs, in words."""
+    key = (_signature(nodes, exit_node, (x, idx, w, gate_up, down, *biases)), transposed, tuple(sorted(form.items())))
     if key not in _checked:
         if len(_checked) > 256:
             _checked.clear()
-        _checked[key] = _check(nodes, exit_node, x, idx, w, gate_up, down, transposed, limit)
+        _checked[key] = _check(nodes, exit_node, x, idx, w, gate_up, down, biases, transposed, form)
     return _checked[key]
 
 
@@ -54,7 +56,7 @@ def _signature(nodes: list[fx.Node], exit_node: fx.Node, inputs: tuple[fx.Node, 
     """The region up to renaming: each op's target, its arguments as positions in the region (or which input,
     or an outer size), the shapes it was traced with."""
     pos = {n: i for i, n in enumerate(nodes)}
-    role = {a: f"in{i}" for i, a in enumerate(inputs)}
+    role = {a: f"in{i}" for i, a in enumerate(inputs) if a is not None}
 
     def arg(a: Any) -> Any:
         if isinstance(a, fx.Node):
@@ -64,14 +66,15 @@ def _signature(nodes: list[fx.Node], exit_node: fx.Node, inputs: tuple[fx.Node, 
         return repr(a)
 
     return (tuple((str(n.target), arg(n.args), arg(tuple(sorted(n.kwargs.items()))), str(n.meta.get("val")))
-                  for n in nodes), pos[exit_node], tuple(str(a.meta.get("val")) for a in inputs))
+                  for n in nodes), pos[exit_node],
+            tuple(str(a.meta.get("val")) if a is not None else "-" for a in inputs))
 
 
-def _check(nodes, exit_node, x, idx, w, gate_up, down, transposed, limit) -> str | None:
+def _check(nodes, exit_node, x, idx, w, gate_up, down, biases, transposed, form) -> str | None:
     sizes = _small_sizes(nodes, x)
     gen = torch.Generator().manual_seed(0)
     # at a clamp's scale, so that about a third of the gate and up values lie beyond it
-    xv = _random(x.meta["val"], sizes, gen) * (limit or 1.0)
+    xv = _random(x.meta["val"], sizes, gen) * (form.get("limit") or 1.0)
     t, k = (_concrete(d, sizes) for d in idx.meta["val"].shape)
     gu_val, down_val = gate_up.meta["val"], down.meta["val"]
     num_experts = int(gu_val.shape[0])
@@ -80,9 +83,11 @@ def _check(nodes, exit_node, x, idx, w, gate_up, down, transposed, limit) -> str
     idxv = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(t)]).to(idx.meta["val"].dtype)
     wv = torch.rand(t, k, generator=gen).to(w.meta["val"].dtype) + 0.1
     guv, downv = _weights(gu_val, gen), _weights(down_val, gen)
+    bv = tuple(None if b is None else _weights(b.meta["val"], gen) for b in biases)
     device = _device(x.meta["val"])
     xv, idxv, wv, guv, downv = (v.to(device) for v in (xv, idxv, wv, guv, downv))
-    given = {x: xv, idx: idxv, w: wv, gate_up: guv, down: downv}
+    bv = tuple(None if v is None else v.to(device) for v in bv)
+    given = {x: xv, idx: idxv, w: wv, gate_up: guv, down: downv, **{b: v for b, v in zip(biases, bv) if b is not None}}
     try:
         got = _run(nodes, exit_node, given, sizes, device)
     except Exception as e:  # noqa: BLE001 - any failure to run means the rewrite is not known to be exact
@@ -91,14 +96,14 @@ def _check(nodes, exit_node, x, idx, w, gate_up, down, transposed, limit) -> str
         guv, downv = guv.transpose(-2, -1), downv.transpose(-2, -1)
     got, xv, idxv, wv, guv, downv = (v.cpu() if isinstance(v, torch.Tensor) else v
                                      for v in (got, xv, idxv, wv, guv, downv))
-    want = _reference(xv, idxv, wv, guv, downv, limit)
+    want = _reference(xv, idxv, wv, guv, downv, tuple(None if v is None else v.cpu() for v in bv), form)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return f"it hands on {getattr(got, 'shape', type(got).__name__)} where (T, H) = {tuple(want.shape)}"
     diff = (got.double() - want.double()).abs().max().item()
     scale = want.double().abs().max().item()
     tol = _TOLERANCE.get(want.dtype, 1e-4)
     if not diff <= tol * max(scale, 1e-6):
-        return (f"on {t} random tokens it differs from down(silu(gate x) * up x) weighted by the router by up to "
+        return (f"on {t} random tokens it differs from down(gated(gate_up x)) weighted by the router by up to "
                 f"{diff:.3g} (outputs up to {scale:.3g})")
     return None
 
@@ -112,15 +117,19 @@ def _device(val: torch.Tensor) -> torch.device:
     return torch.device("cpu")
 
 
-def _reference(x, idx, w, gate_up, down, limit=None) -> torch.Tensor:
+def _reference(x, idx, w, gate_up, down, biases, form) -> torch.Tensor:
+    """The runtime's experts (`gated`, the same function ep_experts runs), token by token, in float64."""
+    from runtime.experts.grouped_experts import gated
+
+    def bias(b, e):
+        return None if b is None else b[e].double()
+
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
             e = int(idx[t, j])
-            gate, up = F.linear(x[t].double(), gate_up[e].double()).chunk(2)
-            if limit is not None:
-                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-            out[t] += float(w[t, j]) * F.linear(F.silu(gate) * up, down[e].double())
+            h = F.linear(x[t].double(), gate_up[e].double(), bias(biases[0], e))
+            out[t] += float(w[t, j]) * F.linear(gated(h, **form), down[e].double(), bias(biases[1], e))
     return out.to(x.dtype)
 
 

@@ -10,6 +10,10 @@ one call:
 
     ep_experts(x, topk_idx, topk_weight, experts_gate_up_proj, experts_down_proj, router_logits, ep)
 
+with, where the experts are gated otherwise than SiLU(gate) * up on the two halves, the unit's form as keywords
+(`_gated_form`: GPT-OSS's `limit=7.0, glu='sigmoid', alpha=1.702, interleaved=True`) and their biases
+(`gate_up_bias=..., down_bias=...`); the region check (`ep_region_check`) runs the region against that form.
+
 which runs `runtime.experts.expert_parallel.ep_moe` over the ep group on the rank's slice of the expert
 weights (the program passes slices; `runtime.experts.program`). The router, its top-k and the shared
 experts stay as traced: replicated, on the rank's own tokens.
@@ -30,12 +34,14 @@ wherever the suffix reads the router logits the code takes the ep context (at ep
 `ep_aux_loss(ep)` as above. Per forward, that is per microbatch: with several microbatches a step, the
 step's loss is the mean of theirs (as Megatron-Core computes it), which the plan states.
 
-Refused, with the node named: experts of another form (a list of expert modules, biases, an activation
-other than SiLU), a region with other inputs or outputs, a suffix that computes anything but one scalar
-from the router logits.
+Refused, with the node named: experts of another form (a list of expert modules, other weights, an activation
+other than those units), a region that computes other than the form read off it, a region with other inputs or
+outputs, a suffix that computes anything but one scalar from the router logits.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import fx
@@ -85,6 +91,44 @@ def _swiglu_limit(nodes: list[fx.Node]) -> float | None:
     return None
 
 
+_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+_GATES = (_aten.silu.default, _aten.gelu.default, _aten.relu.default, _aten.sigmoid.default, _aten.tanh.default,
+          _aten.clamp.default)
+
+
+def _gated_form(nodes: list[fx.Node]) -> dict[str, Any] | str:
+    """The gated unit the region's activations spell, as ep_experts' keywords (`grouped_experts.gated`): SiLU
+    alone, or a sigmoid, each with two clamps (limit) or none; a sigmoid of a product with a number takes that as
+    alpha; gate and up interleaved where the region slices with a step of 2. A guess from the ops, which the
+    region check then runs; the activations in words where they are neither."""
+    acts = {m.target for m in nodes if m.target in _GATES}
+    clamped = _aten.clamp.default in acts
+    limit = _swiglu_limit(nodes) if clamped else None
+    gates = acts - {_aten.clamp.default}
+    if (clamped and limit is None) or gates not in ({_aten.silu.default}, {_aten.sigmoid.default}):
+        return str(sorted(str(a) for a in acts) or "no activation")
+    form: dict[str, Any] = {"limit": limit} if limit is not None else {}
+    if _aten.sigmoid.default in acts:
+        form["glu"] = "sigmoid"
+        sig = next(m for m in nodes if m.target is _aten.sigmoid.default)
+        scale = sig.args[0]
+        if isinstance(scale, fx.Node) and scale.target is _aten.mul.Tensor and isinstance(scale.args[1], (int, float)):
+            form["alpha"] = float(scale.args[1])
+    if any(m.target is _aten.slice.Tensor and len(m.args) > 4 and m.args[4] == 2 for m in nodes):
+        form["interleaved"] = True
+    return form
+
+
+def _describe(unit: dict[str, Any], biases: tuple) -> str:
+    """The gated unit in words, for a refusal."""
+    halves = "the even and odd columns" if unit.get("interleaved") else "the two halves"
+    glu = (f"gate * sigmoid({unit.get('alpha', 1.0):g} gate) * (up + 1)" if unit.get("glu") == "sigmoid"
+           else "silu(gate) * up")
+    clamp = f", clamped at {unit['limit']:g}" if unit.get("limit") else ""
+    bias = ", with biases" if any(b is not None for b in biases) else ""
+    return f"gated(h) = {glu}, gate and up {halves} of h{clamp}{bias}"
+
+
 def _transposed(form: str, gate_up: torch.Size, down: torch.Size) -> bool:
     """Whether the expert weights are stored (E, H, 2I) and (E, I, H) rather than (E, 2I, H) and (E, H, I);
     refused where the shapes are neither."""
@@ -131,15 +175,17 @@ class ExpertParallelRewrite:
             return False
         if scope not in self.regions:
             self.regions[scope] = self._region(scope)
-        exit_node, call_args, kept, transposed, limit = self.regions[scope]
+        exit_node, call_args, kept, transposed, form, biases = self.regions[scope]
         if n in kept:
             return False
         if n is exit_node:
             args = [self.value(a) for a in call_args]
             if transposed:  # stored (E, H, 2I) and (E, I, H), as Aria's experts: the runtime takes their transposes
                 args[3:] = [self._transpose(a) for a in args[3:]]
+            given = zip(("gate_up_bias", "down_bias"), biases)
+            kwargs = {**form, **{k: self.value(b) for k, b in given if b is not None}}
             out = self.graph.create_node("call_function", ep_experts, (*args, self._router_arg(), self.ep_arg),
-                                         {"limit": limit} if limit is not None else {}, name=n.name)
+                                         kwargs, name=n.name)
             out.meta = dict(n.meta)
             self.env[n] = out
         return True
@@ -160,11 +206,13 @@ class ExpertParallelRewrite:
     def _router_arg(self):
         return self.value(self.router_out) if self.router_out is not None else None
 
-    def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...], frozenset[fx.Node], bool, float | None]:
+    def _region(self, scope: str) -> tuple[fx.Node, tuple[fx.Node, ...], frozenset[fx.Node], bool, dict,
+                                           tuple[fx.Node | None, fx.Node | None]]:
         """The experts region's output node, (x, topk_idx, topk_weight, gate_up_proj, down_proj), the shape
         arithmetic in it that is copied as it is (see `_kept_shapes`), whether the two weights are stored
-        transposed, and a clamped SwiGLU's limit (None: not clamped). The region is run on random values against
-        what replaces it (`ep_region_check`)."""
+        transposed, the gated unit's form (`_gated_form`: ep_experts' keywords) and the two biases (None where
+        the experts have none). The region is run on random values against what replaces it
+        (`ep_region_check`)."""
         nodes = [m for m in self.src.gm.graph.nodes if m.op == "call_function" and in_scope(m, scope)]
         inside = set(nodes)
         kept = self._kept_shapes(nodes, inside)
@@ -174,22 +222,20 @@ class ExpertParallelRewrite:
         params = sorted({self.src.param[a] for m in nodes for a in m.all_input_nodes if a in self.src.param})
         form = f"the experts of {scope}"
         short = {p.rsplit(".", 1)[-1]: p for p in params}
-        if sorted(short) != ["down_proj", "gate_up_proj"]:
-            raise SegmentError(f"expert parallelism runs batched SiLU-gated experts (gate_up_proj (E, 2I, H) and "
-                               f"down_proj (E, H, I), as Mixtral, Qwen3-MoE and DeepSeek-V3 keep them), but {form} "
+        if not {"gate_up_proj", "down_proj"} <= set(short) or set(short) - {"gate_up_proj", "down_proj", *_BIASES}:
+            raise SegmentError(f"expert parallelism runs batched gated experts (gate_up_proj (E, 2I, H) and "
+                               f"down_proj (E, H, I), as Mixtral, Qwen3-MoE and DeepSeek-V3 keep them, with biases "
+                               f"{' and '.join(_BIASES)} or without), but {form} "
                                f"read {', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} "
-                               "(a list of expert modules, biases or other weights are not run yet); "
-                               "compile with ep=1")
+                               "(a list of expert modules or other weights are not run yet); compile with ep=1")
         if len(outs) != 1:
             raise SegmentError(f"expert parallelism: {form} hand on {len(outs)} values "
                                f"({', '.join(o.name for o in outs)}), not one (T, H) output; compile with ep=1")
-        acts = {m.target for m in nodes if m.target in (_aten.silu.default, _aten.gelu.default, _aten.relu.default,
-                                                          _aten.sigmoid.default, _aten.tanh.default, _aten.clamp.default)}
-        limit = _swiglu_limit(nodes) if acts == {_aten.silu.default, _aten.clamp.default} else None
-        if acts != {_aten.silu.default} and limit is None:
-            raise SegmentError(f"expert parallelism runs SiLU-gated experts (their gate and up clamped, as "
-                               f"DeepSeek-V4's, or not), but {form} compute "
-                               f"{sorted(str(a) for a in acts) or 'no SiLU'}; compile with ep=1")
+        unit = _gated_form(nodes)
+        if isinstance(unit, str):
+            raise SegmentError(f"expert parallelism runs experts gated as SiLU(gate) * up or as GPT-OSS's gate * "
+                               f"sigmoid(alpha gate) * (up + 1) (either clamped, as DeepSeek-V4's and GPT-OSS's, or "
+                               f"not), but {form} compute {unit}; compile with ep=1")
         tensors = {a: a.meta.get("val") for a in ins}
         x = [a for a, v in tensors.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.is_floating_point()
              and v.shape[1] == outs[0].meta["val"].shape[-1]]
@@ -202,14 +248,15 @@ class ExpertParallelRewrite:
                                "tokens (T, H), the router's top-k indices and weights (T, k); compile with ep=1")
         p_node = {self.src.param[a]: a for m in nodes for a in m.all_input_nodes if a in self.src.param}
         gate_up, down = p_node[short["gate_up_proj"]], p_node[short["down_proj"]]
+        biases = tuple(p_node[short[b]] if b in short else None for b in _BIASES)
         transposed = _transposed(form, gate_up.meta["val"].shape, down.meta["val"].shape)
-        why = region_mismatch(nodes, outs[0], x[0], idx[0], w[0], gate_up, down, transposed=transposed, limit=limit)
+        why = region_mismatch(nodes, outs[0], x[0], idx[0], w[0], gate_up, down, transposed=transposed, biases=biases,
+                              **unit)
         if why:
-            clamped = f" clamped at {limit:g}" if limit else ""
-            raise SegmentError(f"expert parallelism runs batched SiLU-gated experts, down(silu(gate x) * up x) with "
-                               f"gate and up the two halves of gate_up_proj{clamped}, weighted by the router; {form} "
-                               f"compute something else: {why}; compile with ep=1")
-        return outs[0], (x[0], idx[0], w[0], gate_up, down), kept, transposed, limit
+            raise SegmentError(f"expert parallelism runs batched experts, down(gated(gate_up x)) with "
+                               f"{_describe(unit, biases)}, weighted by the router; {form} compute something else: "
+                               f"{why}; compile with ep=1")
+        return outs[0], (x[0], idx[0], w[0], gate_up, down), kept, transposed, unit, biases
 
     def _kept_shapes(self, nodes: list[fx.Node], inside: set[fx.Node]) -> frozenset[fx.Node]:
         """The region's shape arithmetic on sizes known outside it (export computes a product of sizes such as

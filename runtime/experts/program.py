@@ -89,18 +89,21 @@ class EPContext:
 
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                down_proj: torch.Tensor, router_logits: torch.Tensor | None, ep: EPContext,
-               limit: float | None = None) -> torch.Tensor:
+               limit: float | None = None, *, glu: str = "silu", alpha: float = 1.0, interleaved: bool = False,
+               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """A MoE layer's experts on this rank's tokens x (T, H): sum_j topk_weight[t, j] * expert_{topk_idx[t, j]}(x[t]),
-    the experts spread over the ep group; gate_up_proj (E/ep, 2I, H) and down_proj (E/ep, H, I) are this rank's
-    experts (SiLU-gated, as Mixtral, Qwen3-MoE and DeepSeek-V3 compute them). router_logits (T, E): recorded
-    for `ep_aux_loss` (None when the model computes no auxiliary loss). limit: a clamped SwiGLU's
-    (`grouped_experts.batched_experts`)."""
+    the experts spread over the ep group; gate_up_proj (E/ep, 2I, H) and down_proj (E/ep, H, I) (and their biases
+    (E/ep, 2I) and (E/ep, H), where the model has them) are this rank's experts: SiLU-gated by default, as Mixtral,
+    Qwen3-MoE and DeepSeek-V3 compute them, or as limit, glu, alpha and interleaved say
+    (`grouped_experts.gated`). router_logits (T, E): recorded for `ep_aux_loss` (None when the model computes no
+    auxiliary loss)."""
     if router_logits is not None:
         ep_record_router_logits(router_logits, ep)
     coll = ep.collectives if ep.collectives is not None else Collectives()
     group = ep.group if ep.world > 1 else None
-    return ep_moe(x, topk_idx, topk_weight, batched_experts(gate_up_proj, down_proj, limit=limit), ep.num_experts,
-                  group, coll)
+    experts = batched_experts(gate_up_proj, down_proj, limit=limit, glu=glu, alpha=alpha, interleaved=interleaved,
+                              gate_up_bias=gate_up_bias, down_bias=down_bias)
+    return ep_moe(x, topk_idx, topk_weight, experts, ep.num_experts, group, coll)
 
 
 def ep_record_router_logits(router_logits: torch.Tensor, ep: EPContext) -> None:
