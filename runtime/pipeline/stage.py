@@ -312,7 +312,8 @@ class StageModel:
                               "eager attention does not run fused as the plan's time and memory assume; trace "
                               "with the inputs the training passes", RuntimeWarning, stacklevel=2)
                 self.eager = True
-            if self.eager:
+            if self.eager:  # frozen parameters the code never read would not train at a length that reads them
+                check_lengths(kwargs or {f"input {i}": a for i, a in enumerate(args)}, self.seq_lengths, self._cp_world)
                 return own(self.module, *args, **kwargs)
             return self._stage(None, kwargs if kwargs else args, stage)
 
