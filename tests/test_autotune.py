@@ -193,8 +193,14 @@ def test_failing_candidates_are_recorded_and_the_tuner_goes_on(tmp_path):
 
 
 _RESUME = """
-import sys
+import sys, time
 from partitioner import autotune
+from partitioner.tune.db import TrialStore
+put = TrialStore.put
+def put_then_wait(self, key, **kw):  # the interruption lands before a second trial commits, however busy the machine
+    put(self, key, **kw)
+    time.sleep(60)
+TrialStore.put = put_then_wait
 autotune("examples/gpt.py:gpt_tiny", "local:2", global_batch_size=8, db=sys.argv[1], steps=1, warmup=0,
          candidates=[dict(dp=2, zero_stage=0), dict(dp=2, zero_stage=3), dict(pp=2, schedule="1f1b")],
          precision="fp32", max_rounds=1, progress=True)

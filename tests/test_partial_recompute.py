@@ -90,7 +90,7 @@ def test_programs_recompute_exactly_the_blocks_the_plan_names(graph8):
                  recompute_blocks="1/2")
     assert "for i in range(8) if i % 2 < 1), 'full')" in dp.program(0).source
     pp = _pinned(graph8, recompute_blocks="2/3")
-    assert "recompute='full', recompute_blocks=(2, 3))" in pp.program(1).source
+    assert "recompute='full', recompute_blocks=(2, 3)" in pp.program(1).source
 
 
 def test_a_stage_recomputes_the_blocks_its_share_picks(monkeypatch):
