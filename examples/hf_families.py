@@ -181,6 +181,11 @@ MORE_FAMILIES = {
     # a router one module deeper (mlp.gate.wg), q/k layer norms, a shared MLP beside the experts
     "hunyuan_moe": _from_config("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", num_key_value_heads=2, num_experts=4,
                                 moe_topk=2, head_dim=16),
+    # sliding and full attention, the embeddings scaled by sqrt(hidden), norms on q, k and v: its fp32 rounding grows
+    # past rtol over four layers, so plan.verify holds it to the module's own rounding (its fp32 against its fp64)
+    "gemma4_unified_text": _from_config("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", num_key_value_heads=2,
+                                        head_dim=16, sliding_window=8, tie_word_embeddings=False,
+                                        layer_types=["sliding_attention", "full_attention"] * 2),
     # DeepSeek sparse attention over latent (MLA) attention: a no_grad indexer picks each query's top-k keys, and
     # export hands the size it computes, min(top-k, tokens), from the first layer to every later one
     "glm_moe_dsa": _from_config("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", num_key_value_heads=4, head_dim=8,

@@ -34,7 +34,7 @@ from runtime.pipeline.vocab_logits import full_logits
 from runtime.verify.local_collectives import LocalCollectiveError, LocalCollectives, LocalGroup
 from runtime.verify.no_randomness import NoRandomness
 
-__all__ = ["Facts", "Setup", "VerifyError", "call_module", "generic_loss", "on_slices", "plan_facts",
+__all__ = ["Facts", "Setup", "VerifyError", "build_module", "call_module", "generic_loss", "on_slices", "plan_facts",
            "program_hash", "run_generated", "setup", "zero_grads"]
 
 
@@ -132,7 +132,7 @@ def generic_loss(out: Any) -> torch.Tensor:
     return total
 
 
-def _build(model_fn: Callable) -> nn.Module:
+def build_module(model_fn: Callable) -> nn.Module:
     # seeded as launch_local's workers build it, and without moving the caller's random state
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -176,12 +176,12 @@ def setup(plan: Any, model_fn: Callable, inputs: Any, targets: Any, loss_fn: Cal
     if len(set(hashes.values())) > 1:
         raise VerifyError(f"the programs come from different plans (PROGRAM_HASH per rank: "
                           f"{ {r: h[:12] for r, h in hashes.items()} }); generate every rank's program from one plan")
-    reference = _build(model_fn)
+    reference = build_module(model_fn)
     group = LocalGroup(facts.tp) if facts.tp > 1 else None
     ranks: dict[tuple[int, int], _Rank] = {}
     for r, p, t in facts.ranks:
         ns = _exec(srcs[r], r)
-        model = _build(model_fn)
+        model = build_module(model_fn)
         _same_start(reference, model, r)
         if "PARAMS" in ns:
             check_parameters(model, ns["PARAMS"])
