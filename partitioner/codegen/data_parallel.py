@@ -154,7 +154,7 @@ def build(model_fn, optimizer_fn, loss_fn):
 
 def _outside_engine(plan: "Plan") -> set[str]:
     """The expert slices an ep > 1 program keeps outside the data-parallel engine (runtime.experts.engine), and
-    the parameters its code never reads, which its stage drops (runtime.pipeline.stage)."""
+    the parameters its code never reads, which its stage keeps frozen (runtime.pipeline.stage)."""
     code = plan.code
     if code is None:
         return set()

@@ -77,8 +77,8 @@ class ModelCode:
     # parameters that train nothing (requires_grad=False: RoFormer's sinusoidal position table), which every segment
     # reading them computes from as from a buffer: held by each stage that reads one, never tied between stages
     frozen: tuple[str, ...] = dataclasses.field(default=(), metadata={"omit_default": True})
-    # the sequence lengths the code holds at (OpGraph.seq_lengths: the model branches on its length, and the trace
-    # took one branch), (lo, hi) with hi None for no end; None: any
+    # the sequence lengths the code holds at (OpGraph.seq_lengths: a table of positions, or a branch on the length
+    # that the trace took one way), (lo, hi) with hi None for no end; None: any
     seq_lengths: tuple[int, int | None] | None = dataclasses.field(default=None, metadata={"omit_default": True})
 
     @property
@@ -104,8 +104,8 @@ class ModelCode:
 
     def read_params(self) -> frozenset[str]:
         """The names under which the code reads parameters, every block's included. A parameter the traced
-        forward never read (DeepSeek-V4's compressor below its window) is not among them: the stages drop it,
-        and one process leaves it without a gradient."""
+        forward never read (DeepSeek-V4's compressor below its window) is not among them: one process leaves it
+        without a gradient, and the stages keep it frozen (runtime.pipeline.stage)."""
         edges = [s for s in (self.prefix, self.suffix) if s is not None]
         return frozenset({n for s in edges for _, n in s.params}
                          | {n for i in range(self.num_blocks) for n in self.block_params(i)})
