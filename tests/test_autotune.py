@@ -193,7 +193,8 @@ def test_failing_candidates_are_recorded_and_the_tuner_goes_on(tmp_path):
 
 
 _RESUME = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with SIGINT ignored
 from partitioner import autotune
 from partitioner.tune.db import TrialStore
 put = TrialStore.put
