@@ -53,7 +53,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from runtime.engines.fp8 import exact_gemms
-from runtime.verify.compare import compare_all, leaves, within_rounding
+from runtime.verify.compare import ROUNDING_FACTOR, compare_all, leaves, within_rounding
 from runtime.verify.no_randomness import NoRandomness
 from runtime.verify.run import (
     Facts,
@@ -242,8 +242,8 @@ def _verify(facts: Facts, plan: Any, model_fn: Callable, inputs: Any, loss_fn: C
         floor = _fp64_floor(st, model_fn, ref_out, ref_loss)
         if floor is not None:
             bad = within_rounding(bad, floor)
-            note = "" if bad else ("some beyond rtol, within 16x the module's own fp32 rounding there (its fp32 "
-                                   "against its fp64 result)")
+            note = "" if bad else (f"some beyond rtol, within {ROUNDING_FACTOR}x the module's own fp32 rounding there "
+                                   "(its fp32 against its fp64 result)")
     if bad:
         from runtime.verify.locate import locate
 

@@ -20,11 +20,11 @@ import torch.utils._pytree as pytree
 from runtime.pipeline.tensor_parallel import unshard_parameter
 from runtime.verify.run import Setup, VerifyError
 
-__all__ = ["Diff", "compare", "compare_all", "gathered_grads", "leaves", "within_rounding"]
+__all__ = ["ROUNDING_FACTOR", "Diff", "compare", "compare_all", "gathered_grads", "leaves", "within_rounding"]
 
 # A difference up to this many times the module's own fp32 rounding (its fp32 result against its fp64 one) is
 # rounding: two fp32 orders of the same sums differ by about twice it, and a wrong program by the values' scale.
-_ROUNDING_FACTOR = 16
+ROUNDING_FACTOR = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,14 +153,14 @@ def compare_all(st: Setup, ref_out: Any, ref_loss: torch.Tensor, outs: list[Any]
 
 
 def within_rounding(bad: list[Diff], floor: dict[str, float]) -> list[Diff]:
-    """Of the mismatches `bad`, those beyond `_ROUNDING_FACTOR` times the module's own fp32 rounding error of the
+    """Of the mismatches `bad`, those beyond `ROUNDING_FACTOR` times the module's own fp32 rounding error of the
     same value (`floor`: "model output i", "loss", "gradient of name" -> the largest |fp32 - fp64| of the module):
     a model that amplifies rounding (Gemma 4's, by 5x past rtol over four layers) is not failed for it, where a
     wrong program, off by its values' scale, still is. A value with no floor, or one off by inf, stays."""
     out = []
     for d in bad:
         key = d.what.split(" (tensor slice")[0]
-        limit = _ROUNDING_FACTOR * floor.get(key, 0.0)
+        limit = ROUNDING_FACTOR * floor.get(key, 0.0)
         if not (math.isfinite(d.max_abs) and d.max_abs <= limit):
             out.append(d)
     return out
