@@ -286,6 +286,8 @@ class SegmentTables(NamedTuple):
     suffix_args: str  # SUFFIX_ARGS or ()
     lengths_line: str  # "\nSEQ_LENGTHS = ..." with why, where the code holds at some sequence lengths only; else ""
     lengths_kw: str  # ", seq_lengths=SEQ_LENGTHS" or ""
+    carry_line: str  # "\nCARRY = ..." with why, where values besides the hidden state cross the cuts; else ""
+    carry_kw: str  # ", carry=CARRY" or ""
 
 
 def segment_tables(code: Any) -> SegmentTables:
@@ -302,7 +304,21 @@ def segment_tables(code: Any) -> SegmentTables:
                     "BLOCK_KINDS = ()  # every block runs `block`"),
         suffix_args="SUFFIX_ARGS" if code.suffix is not None else "()",
         lengths_line=_lengths_line(code.seq_lengths),
-        lengths_kw=", seq_lengths=SEQ_LENGTHS" if code.seq_lengths is not None else "")
+        lengths_kw=", seq_lengths=SEQ_LENGTHS" if code.seq_lengths is not None else "",
+        carry_line=_carry_line(code, segs),
+        carry_kw=", carry=CARRY" if len(code.carried) > 1 else "")
+
+
+def _carry_line(code: Any, segs: list) -> str:
+    """The CARRY table of code whose cuts carry values besides the hidden state (partitioner.codegen.segment_carry):
+    per function, the names of those it takes and returns."""
+    if len(code.carried) == 1:
+        return ""
+    table = {s.name: (s.inputs if s is not code.prefix else (), s.outputs) for s in segs}
+    return ("\n# Besides the hidden state x, values cross the cuts between blocks (partitioner.codegen.segment_carry):\n"
+            "# what each function takes of them and returns, by name. A value no block has written yet is None; a\n"
+            f"# pipeline cut sends {', '.join(code.carried)} as one tensor (runtime.pipeline.carry).\n"
+            f"CARRY = {literal(table)}")
 
 
 def _lengths_line(lengths: tuple[int, int | None] | None) -> str:
@@ -369,7 +385,7 @@ inf, nan = float("inf"), float("nan")
 
 
 {t.args}
-{t.kinds_line}{t.lengths_line}
+{t.kinds_line}{t.lengths_line}{t.carry_line}
 OUTPUT_SPEC = {code.output_spec!r}
 # One stage: the prefix, {f"blocks 0..{n - 1}" if n > 1 else f"{n} block(s)"} of {code.stack or "the model"},
 # the suffix.
@@ -383,7 +399,7 @@ def make_stage(model, tp{", cp" if cp else ""}{ep_param}):
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={t.block_args}, suffix_args={t.suffix_args},
                       output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{tc}{ep_kw}\
-{t.lengths_kw})
+{t.lengths_kw}{t.carry_kw})
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"

@@ -157,8 +157,8 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
     place_lines = "\n".join(f"    {n!r}: {v!r},  # {by_param[n].role}: "
                             f"{slice_text(by_param[n].shape, v[0], v[1], c.tp, me.tp)}"
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
-    functions, args, fn_table, block_args, block_inputs, kinds_line, suffix_args, lengths_line, lengths_kw = \
-        segment_tables(code)
+    functions, args, fn_table, block_args, block_inputs, kinds_line, suffix_args, lengths_line, lengths_kw, \
+        carry_line, carry_kw = segment_tables(code)
     cp_args = "" if c.cp == 1 else f",\n        cp_rank={me.cp}, cp_size={c.cp}"  # this rank's tokens of each row
     mixed = plan.precision != "fp32"
     comp = dp_compression(plan, dp_ranks)
@@ -258,7 +258,7 @@ UNIT_MODULES = {literal(tuple(unit_modules))}
 
 
 {args}
-{kinds_line}{lengths_line}
+{kinds_line}{lengths_line}{carry_line}
 OUTPUT_SPEC = {code.output_spec!r}
 # The hidden state at every cut, as sizes of the model inputs: receivers size their buffers from
 # the microbatch they hold, so no shape message precedes an activation{"" if code.hidden_shape else " (unknown here: one does)"}.
@@ -273,7 +273,7 @@ def make_stage(model, tp{", cp" if c.cp > 1 else ""}{ep_param}):
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
                       placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
-                      recompute={c.recompute!r}{blocks_kw}{", cp=cp" if c.cp > 1 else ""}{ep_kw}{tc}{lengths_kw})
+                      recompute={c.recompute!r}{blocks_kw}{", cp=cp" if c.cp > 1 else ""}{ep_kw}{tc}{lengths_kw}{carry_kw})
 
 
 def build(model_fn, optimizer_fn, loss_fn):

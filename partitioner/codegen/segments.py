@@ -53,6 +53,7 @@ from torch import fx
 
 from partitioner.codegen.segment_attention import (ATTENTION_FUNCTIONS, attention_mask, mask_sources, shape_mask,
                                                    shape_mask_attention)
+from partitioner.codegen.segment_carry import carry
 from partitioner.codegen.segment_cp import CP_FUNCTIONS, ContextParallelRewrite, sequence_symbols
 from partitioner.codegen.segment_ep import EP_FUNCTIONS, ExpertParallelRewrite, in_scope
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
@@ -249,8 +250,11 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
                  tp: int, seq_dims: dict[str, int], scatters: dict[str, int],
                  seq_gathers: dict[str, list[tuple[str, int, str]]], fp8: bool = False, cp: int = 1,
                  seq_syms: frozenset[str] = frozenset(), ep: int = 1, moe: tuple[tuple[str, str, int], ...] = (),
-                 routed: bool = False):
+                 routed: bool = False, side: tuple[tuple[fx.Node, str], ...] = ()):
+        # side: values besides the hidden state this segment reads across its cut, and the argument named for
+        # each (`_Carry`)
         self.src, self.name, self.carried, self.block = src, name, carried, block
+        self.outputs: tuple[str, ...] = ()
         self.fp8 = fp8
         self.placements, self.dims, self.chunks, self.tp = placements, dims, chunks, tp
         self.seq_dims, self.scatters, self.seq_gathers = seq_dims, scatters, seq_gathers
@@ -287,9 +291,10 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
                 self.env[n] = self.graph.placeholder(n.name)
                 self.env[n].meta = dict(n.meta)
         else:
-            self.input_names = ("x",)
-            self.env[carried] = self.graph.placeholder("x")
-            self.env[carried].meta = dict(carried.meta)
+            self.input_names = ("x", *(name for _, name in side))
+            for node, name in ((carried, "x"), *side):
+                self.env[node] = self.graph.placeholder(name)
+                self.env[node].meta = dict(node.meta)
         self.model_inputs: list[str] = []  # model inputs a block or the suffix reads (every stage has them)
         self.dtype: fx.Node | None = None  # the parameters' dtype at run time, read from dtype_param
         self.dtype_param: fx.Node | None = None
@@ -529,7 +534,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         src = _annotate(src, self._shard_shapes())
         src = src.replace("def forward(self, ", f"def {self.name}(", 1).strip() + "\n"
         return Segment(name=self.name, source=src, inputs=self.input_names, model_inputs=tuple(self.model_inputs),
-                       params=tuple(self.params.items()), buffers=tuple(self.buffers.items()))
+                       params=tuple(self.params.items()), buffers=tuple(self.buffers.items()), outputs=self.outputs)
 
     def _shard_shapes(self) -> dict[str, str]:
         """Each value's shape on this rank, as the fx printer's verbose form writes it ("f32[b, s, 192]"):
@@ -668,8 +673,19 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     # the suffix reads the MoE layers' router logits (a load-balancing loss): they reach it through the ep
     # context, at any ep (partitioner.codegen.segment_ep)
     kw["routed"] = expert_parallel > 1 or _suffix_reads_routers(src, kw["moe"])
+    kinds = tuple(b.kind for b in g.blocks) if g.blocks else ()
+    kinds = kinds if len(set(kinds)) > 1 and TEMPLATE_PER_KIND else ()
+    # more than the hidden state crosses the cuts (segment_carry): None where it alone does
+    carried = carry(src, blocks, kinds, lambda values: _router_outs(values, kw["moe"]), src.stack)
+    if carried is not None and (seq or cp > 1):
+        raise SegmentError(f"{'sequence' if seq else 'context'} parallelism: besides the hidden state, "
+                           f"{sorted({v.name for v, n in carried.prefix_writes if n != 'x'})} or values the blocks "
+                           f"hand on cross the cuts of {src.stack}, which the token split does not follow yet; pin "
+                           f"{'sp=False' if seq else 'cp=1'}")
     pre = src.members("prefix")
     reads, outs = src.crossing(pre)
+    if carried is not None:
+        outs = {carried.prefix_writes[0][0]}
     if not outs:
         # nothing before the blocks (a stack of residual blocks at the model's root): the prefix hands on the
         # model input the first block reads, as it is
@@ -687,12 +703,12 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         # the blocks take 1/tp of the tokens at every cut; the prefix's hidden state, whole when no
         # all-reduce made it (a replicated embedding), hands on this rank's slice
         out = b.graph.create_node("call_function", tp_chunk, (out, cut_dim, b.tp_arg), name=f"{hidden.name}_slice")
+    if carried is not None:
+        out = _returning(b, carried.prefix_writes)
     prefix = b.finish(out)
 
     # one template per kind of block (partitioner.tracer.block_kinds): its second traced block when there is
     # one (the tracer may lower the first block differently), else its first
-    kinds = tuple(b.kind for b in g.blocks) if g.blocks else ()
-    kinds = kinds if len(set(kinds)) > 1 and TEMPLATE_PER_KIND else ()
     templates: list[Segment] = []
     cuts: list[fx.Node] = [hidden]
     for k in sorted(set(kinds)) if kinds else [0]:
@@ -704,6 +720,8 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         reads, outs = src.crossing(members)
         router = _router_outs(outs, kw["moe"])
         outs = outs - router
+        if carried is not None:
+            reads, outs = {carried.hidden(t)[0]}, {carried.hidden(t)[1]}
         if len(reads) != 1 or len(outs) != 1 or len(router) > 1:
             raise SegmentError(f"block {t} of {src.stack} reads {sorted(r.name for r in reads)} and hands on "
                                f"{sorted(o.name for o in outs)} across its boundary; a pipeline cut passes exactly "
@@ -712,32 +730,37 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         if seq and (kw["seq_dims"].get(x_in.name) != cut_dim or kw["seq_dims"].get(x_out.name) != cut_dim):
             raise SegmentError(f"sequence parallelism: block {t} of {src.stack} takes {x_in.name} and hands on "
                                f"{x_out.name}, not both split along the same token dim; pin sp=False")
-        b = _Builder(src, "block" if k == 0 else f"block_{k}", carried=x_in, block=t, **kw)
+        side = carried.reads[t][1:] if carried is not None else ()
+        b = _Builder(src, "block" if k == 0 else f"block_{k}", carried=x_in, block=t, side=side, **kw)
         b.cut_dim = cut_dim
         b.router_out = next(iter(router), None)
         run(b, members)
         b.record_router_logits()
-        templates.append(b.finish(b.value(x_out)))
+        templates.append(b.finish(_returning(b, carried.writes[t]) if carried is not None else b.value(x_out)))
         cuts += [x_in, x_out]
 
     last = src.members(blocks[-1])
     _, last_outs = src.crossing(last)
     (last_out, *more) = last_outs - _router_outs(last_outs, kw["moe"])
+    if carried is not None:
+        last_out, more = carried.hidden("suffix")[0], []
     if more:
         raise SegmentError(f"the last block hands {1 + len(more)} values to the suffix; a pipeline cut passes one")
     suf = src.members("suffix")
     reads, _ = src.crossing(suf)
     routers = sorted(_router_outs(reads, kw["moe"]), key=_order(src))
-    if reads - {last_out} - set(routers):
+    side = carried.suffix_reads[1:] if carried is not None else ()
+    if reads - {last_out} - set(routers) - {v for v, _ in side}:
         raise SegmentError(f"the suffix reads {sorted(r.name for r in reads - {last_out})} besides the last block's "
                            "output; a pipeline cut passes exactly one tensor")
-    b = _Builder(src, "suffix", carried=last_out, block=None, **kw)
+    b = _Builder(src, "suffix", carried=last_out, block=None, side=side, **kw)
     b.cut_dim = cut_dim
     b.router_values = routers
     b.mark_aux(suf)
     run(b, suf)
     suffix = b.finish(tuple(b.output(x) for x in flat_out))
-    hidden_shape = _hidden_shape(src, *cuts)
+    # more than one value crossing: each cut's message says its shapes (runtime.pipeline.carry)
+    hidden_shape = _hidden_shape(src, *cuts) if carried is None else None
     if hidden_shape is not None and cut_dim is not None:  # each rank sends and receives its 1/tp of the tokens
         d = hidden_shape[cut_dim]
         hidden_shape = (*hidden_shape[:cut_dim], d // tp if isinstance(d, int) else (*d, tp),
@@ -747,6 +770,13 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
                      hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds,
                      frozen=tuple(sorted(src.param[n] for n in src.frozen)), exact_casts=casts_known(ep.graph),
                      seq_lengths=getattr(g, "seq_lengths", None), **(_expert_fields(g) if kw["routed"] else {}))
+
+
+def _returning(b: _Builder, slots: tuple[tuple[fx.Node, str], ...]) -> tuple[fx.Node, ...]:
+    """The values a segment returns where more than the hidden state crosses the cuts (segment_carry): each of
+    its slots, the hidden state first; their names go into `Segment.outputs`."""
+    b.outputs = tuple(name for _, name in slots)
+    return tuple(b.value(v) for v, _ in slots)
 
 
 def _first_block_input(src: _Source, first: int) -> set[fx.Node]:

@@ -28,6 +28,8 @@ class Segment:
     model_inputs: model inputs a block or the suffix reads besides (labels, an attention mask),
         passed as `input_<name>`: every pipeline rank has the batch, so no stage sends them.
     params/buffers: (argument, name in the model); a block's names hold "{i}" for its index.
+    outputs: where values besides the hidden state cross the cuts (`ModelCode.carried`), the names of those the
+        prefix or a block returns, in order (a tuple), the hidden state "x" first; () where it returns x alone.
     """
 
     name: str
@@ -36,6 +38,7 @@ class Segment:
     model_inputs: tuple[str, ...]
     params: tuple[tuple[str, str], ...]
     buffers: tuple[tuple[str, str], ...]
+    outputs: tuple[str, ...] = dataclasses.field(default=(), metadata={"omit_default": True})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,6 +83,16 @@ class ModelCode:
     # the sequence lengths the code holds at (OpGraph.seq_lengths: a table of positions, or a branch on the length
     # that the trace took one way), (lo, hi) with hi None for no end; None: any
     seq_lengths: tuple[int, int | None] | None = dataclasses.field(default=None, metadata={"omit_default": True})
+
+    @property
+    def carried(self) -> tuple[str, ...]:
+        """What crosses each cut between blocks: ("x",), the hidden state alone, unless values besides it do
+        (Zamba's input embeddings that its hybrid layers read again, HunYuan's top-k indices that a layer hands to
+        the next ones): then every name a function returns, "x" first, in the order a pipeline sends them. A
+        block takes the ones it reads (`Segment.inputs`) and returns the ones it writes (`Segment.outputs`); a
+        value no function has written yet crosses as None."""
+        names = {n for s in (self.prefix, *self.templates) for n in s.outputs}
+        return ("x", *sorted(names - {"x"}, key=lambda n: int(n.rpartition("_")[2])))
 
     @property
     def aux_loss(self) -> bool:

@@ -38,6 +38,7 @@ from cost_models.placements import REPLICATED, is_sharded
 from runtime.device import place, place_module, rank_device
 from runtime.engines.compiled import compile_function
 from runtime.engines.recompute import run_recomputed
+from runtime.pipeline.carry import pack, unpack
 from runtime.pipeline.tensor_parallel import keep_token_shards, shard_parameter
 
 __all__ = ["StageModel", "StageSpec", "check_lengths"]
@@ -93,7 +94,8 @@ class StageModel:
                  tp_rank: int = 0, tp_world: int = 1, recompute: str = "none",
                  recompute_blocks: tuple[int, int] = (1, 1), cp: Any = None,
                  torch_compile: str = "", ep: Any = None, experts: Mapping[str, tuple[int, int]] | None = None,
-                 seq_lengths: tuple[int, int | None] | None = None):
+                 seq_lengths: tuple[int, int | None] | None = None,
+                 carry: Mapping[str, tuple[Sequence[str], Sequence[str]]] | None = None):
         # torch_compile: the backend each segment function (prefix, every block kind, suffix) is compiled with
         # (runtime.engines.compiled); recomputation and the blocks' module hooks stay outside; "": eager
         if torch_compile:
@@ -114,6 +116,11 @@ class StageModel:
         # the load-balancing loss's sums carried from stage to stage: runtime.experts.pipeline_aux)
         self.ep = ep if hasattr(ep, "enter_stage") else None
         self.module, self.functions, self.stack, self.stages = model, dict(functions), stack, dict(stages)
+        # where values besides the hidden state cross the cuts (partitioner.codegen.segment_carry): per function,
+        # the names of those it takes and returns; the names of all, in the order a pipeline cut packs them
+        self.carry = {k: (tuple(i), tuple(o)) for k, (i, o) in (carry or {}).items()}
+        self.carried = ("x", *sorted({n for _, o in self.carry.values() for n in o} - {"x"},
+                                     key=lambda n: int(n.rpartition("_")[2])))
         # per kind of block (kind 0 runs functions["block"], kind k functions[f"block_{k}"]): its
         # parameter arguments and the model inputs it reads; block_kinds: the kind of every block
         self.prefix_args, self.block_args, self.suffix_args = tuple(prefix_args), \
@@ -226,7 +233,7 @@ class StageModel:
         fn = self.functions["block" if k == 0 else f"block_{k}"]
         k_of, n_of = self.recompute_blocks
         mode = self.recompute if i % n_of < k_of else "none"
-        return run_recomputed(mode, fn, self.tp, x, **model_inputs, **self._args(self.block_args[k], i))
+        return run_recomputed(mode, fn, self.tp, x, *args, **model_inputs, **self._args(self.block_args[k], i))
 
     def named_inputs(self, inputs: Any) -> dict[str, Any]:
         """A microbatch's model inputs by the forward's argument names (a dict, a tuple, or one tensor)."""
@@ -267,6 +274,8 @@ class StageModel:
         check_lengths(named, self.seq_lengths, self._cp_world)
         if self.ep is not None:
             x = self.ep.enter_stage(_stage, x, first=pre)
+        if self.carry:
+            return self._run_carrying(x, named, _stage)
         if pre:
             x = self.functions["prefix"](self.tp, *(named[n] for n in self.input_names), **self._args(self.prefix_args))
         container = self.module.get_submodule(self.stack) if self.stack is not None else None
@@ -280,6 +289,36 @@ class StageModel:
         if (suf or self.stack is None) and self.out_spec is not None:
             flat = list(x) if isinstance(x, (tuple, list)) else [x]
             return pytree.tree_unflatten(flat, self.out_spec)
+        return x
+
+    def _run_carrying(self, x: Any, named: dict[str, Any], stage: int) -> Any:
+        """`_run_stage` where values besides the hidden state cross the cuts: the blocks read and write a state
+        of named values; a stage before the last hands all of it on as one tensor (runtime.pipeline.carry)."""
+        a, b, pre, suf = self.stages[stage]
+        if pre:
+            outs = self.functions["prefix"](self.tp, *(named[n] for n in self.input_names),
+                                            **self._args(self.prefix_args))
+            state = dict(zip(self.carry["prefix"][1], outs))
+        else:
+            state = dict(zip(self.carried, unpack(x, len(self.carried))))
+        container = self.module.get_submodule(self.stack)
+        for i in range(a, b):
+            k = self.kind(i)
+            reads, writes = self.carry["block" if k == 0 else f"block_{k}"]
+            outs = container[i](*(state[n] if n in state else None for n in reads),
+                                **{f"input_{n}": named[n] for n in self.block_inputs[k]})
+            state.update(zip(writes, outs))
+        if not suf:
+            x = pack([state.get(n) for n in self.carried])
+            return self.ep.leave_stage(stage, x, last=False) if self.ep is not None else x
+        x = state["x"]
+        if self.ep is not None:
+            x = self.ep.leave_stage(stage, x, last=True)
+        x = self.functions["suffix"](self.tp, *(state[n] if n in state else None for n in self.carry["suffix"][0]),
+                                     **{f"input_{n}": named[n] for n in self.suffix_inputs},
+                                     **self._args(self.suffix_args))
+        if self.out_spec is not None:
+            return pytree.tree_unflatten(list(x) if isinstance(x, (tuple, list)) else [x], self.out_spec)
         return x
 
     def run_as_model(self) -> None:
