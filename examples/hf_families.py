@@ -193,4 +193,11 @@ MORE_FAMILIES = {
                                 index_head_dim=16, index_n_heads=4, index_topk=8, n_routed_experts=4,
                                 num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
                                 topk_group=1, n_shared_experts=1),
+    # HunYuan v4: four residual streams mixed by hyper-connections, and top-k indices that a layer with an indexer
+    # hands to the layers after it, which reuse them (layers 2, 3): a value besides the hidden state crosses the
+    # cuts (partitioner.codegen.segment_carry). index_topk under the sequence length, so a wrong hand-off shows
+    "hy_v4": _from_config("HYV4Config", "HYV4ForCausalLM", kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                          qk_nope_head_dim=8, v_head_dim=16, index_head_dim=16, index_n_heads=4, index_topk=8,
+                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                          pad_token_id=0, bos_token_id=0, eos_token_id=0),
 }
