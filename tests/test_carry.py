@@ -88,10 +88,23 @@ def test_programs_compute_what_the_module_does(pins):
     assert "CARRY = {" in program and "carry=CARRY" in program
 
 
-def test_sequence_parallelism_is_refused_saying_why():
+@pytest.mark.parametrize("pp", [1, 2])
+def test_sequence_parallel_programs_compute_what_the_module_does(pp):
+    """Under sp the hidden state crosses the cuts split along the tokens and the indices whole, as their
+    writers (in regions gathered over the tokens) make them; the mean over the picked tokens, whole on every
+    rank and added to each rank's tokens, has its gradient summed over the tensor group."""
+    x, y = _batch()
+    plan = compile(_net(), f"local:{2 * pp}", example_inputs=(x,), global_batch_size=4, precision="fp32",
+                   microbatch_size=2, tp=2, pp=pp, sp=True, alternatives=0)
+    assert plan.config.sp
+    plan.verify(_net, (x[:2],), loss_fn=_loss, targets=y[:2])
+
+
+def test_context_parallelism_is_refused_saying_why():
     x, _ = _batch()
-    with pytest.raises(DeclarationError, match=r"sp=True: .*besides the hidden state.*cross the cuts"):
-        compile(_net(), "local:2", example_inputs=(x,), global_batch_size=4, precision="fp32", tp=2, sp=True)
+    with pytest.raises(DeclarationError, match=r"cp=2: .*besides the hidden state, x_1 \(\w+\), x_2 \(\w+\) cross "
+                                               r"the cuts of layers.*pin cp=1"):
+        compile(_net(), "local:2", example_inputs=(x,), global_batch_size=4, precision="fp32", cp=2)
 
 
 class _Reads(nn.Module):

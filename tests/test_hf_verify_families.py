@@ -25,8 +25,8 @@ VOCAB, SEQ = 512, 16
 NO_SP = {"opt": "the blocks' input is not split along the tokens",  # OPT flattens (b, s) inside each layer
          # its indexer runs in a no_grad region on the hidden state, where the sequence split does not follow
          "glm_moe_dsa": "sequence split does not follow into it",
-         # top-k indices cross the cuts beside the hidden state, which the token split does not follow
-         "hy_v4": "besides the hidden state"}
+         # its hyper-connections mix four streams of each token before every block: no row-parallel output splits them
+         "hy_v4": "the blocks' input is not split along the tokens"}
 # A torch.autograd.Function with its own backward in the forward: generated code would differentiate its forward's
 # ops instead, so pipeline and tensor plans are refused, naming it (sparsemixer's gradient estimator for the router)
 OWN_BACKWARD = {"phimoe": "PhimoeMultiplier"}

@@ -198,3 +198,55 @@ def test_rwkv_writes_its_recurrence_into_split_tokens_and_computes_the_module():
     plan = compile(trace(build(), (ids,)), "local:2", global_batch_size=2, microbatch_size=2, precision="fp32",
                    tp=2, sp=True)
     plan.verify(build, (ids,), hf_loss, targets=targets)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, d: int, mean: bool):
+        super().__init__()
+        self.fc, self.mean = torch.nn.Linear(d, d), mean
+
+    def forward(self, x):
+        y = x + torch.tanh(self.fc(x))
+        return y + y.mean(1, keepdim=True) if self.mean else y  # a mean over every token, added to each
+
+
+class _NoFinalNorm(torch.nn.Module):
+    """Blocks too narrow to split (their weights replicated), the LM head reading the last block's output itself,
+    with no final norm between (GPT-1's post-norm blocks end so)."""
+
+    def __init__(self, mean: bool = False, d: int = 16, vocab: int = 64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(_Layer(d, mean) for _ in range(4))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _no_final_norm(mean: bool = False):
+    torch.manual_seed(0)
+    return _NoFinalNorm(mean)
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_values_after_the_stack_and_broadcast_over_the_tokens_compute_the_module(mean):
+    """Two rules the programs missed under sp (both failed plan.verify, so a launch refused them):
+
+    - the LM head reads the last block's output all-gathered: the splits name it by the traced graph's copy of the
+      last block (`name__3`), the code by the last traced block's node; it was read through f, on this rank's
+      tokens alone, so the logits held 1/tp of them;
+    - a per-row mean over every token (read gathered, whole on every rank) added back to each rank's tokens: its
+      gradient, made from this rank's tokens alone, is summed over the tensor group (SequenceSplits.reduces),
+      where the block's weight gradients were 26 % off."""
+    ids, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    g = trace(_no_final_norm(mean), (ids,))
+    seq = find_splits(g).sequence
+    assert bool(seq.reduces) == mean
+    plan = compile(g, "local:2", global_batch_size=2, microbatch_size=2, precision="fp32", tp=2, sp=True)
+    assert plan.config.sp and "sp_gather" in plan.program(0).source
+    loss = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+    plan.verify(functools.partial(_no_final_norm, mean), (ids,), loss, targets=targets)

@@ -46,6 +46,27 @@ class Carry:
     writes: dict[int, tuple[Slot, ...]]  # per traced block: what it returns, the hidden state first
     suffix_reads: tuple[Slot, ...]
 
+    def side_names(self) -> str:
+        """The values besides the hidden state that cross the cuts, for a message: "x_1 (embedding), ..."."""
+        named = {n: v.name for slots in (self.prefix_writes, *self.writes.values()) for v, n in slots if n != "x"}
+        return ", ".join(f"{n} ({named[n]})" for n in sorted(named))
+
+    def check_token_split(self, seq_dims: dict[str, int], cut_dim: int) -> None:
+        """Under sequence parallelism (partitioner.planner.sequence_split): each value besides the hidden state
+        crosses its cuts as the values of its slot all are, split along the cut's token dim or whole, so every
+        reader holds it as its writer made it; refused otherwise."""
+        dims: dict[str, dict[str, int | None]] = {}
+        for slots in (self.prefix_writes, *self.reads.values(), *self.writes.values(), self.suffix_reads):
+            for v, n in slots:
+                if n != "x":
+                    dims.setdefault(n, {})[v.name] = seq_dims.get(v.name)
+        for n, by_value in sorted(dims.items()):
+            if len(set(by_value.values())) > 1 or set(by_value.values()) - {None, cut_dim}:
+                split = ", ".join(f"{v}: {'whole' if d is None else f'dim {d}'}" for v, d in sorted(by_value.items()))
+                raise SegmentError(f"sequence parallelism: {n}, a value besides the hidden state that crosses the "
+                                   f"cuts, is split along the tokens in some places and not in others ({split}); "
+                                   "pin sp=False")
+
     def hidden(self, block: int | str) -> tuple[fx.Node, fx.Node]:
         """(the hidden state a traced block, or the suffix, reads; the one it returns: None for the suffix)."""
         if block == "suffix":

@@ -164,7 +164,8 @@ def unmangle(src: str, globs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 class TensorParallelRewrite:
     """Mixed into the segment builder, which provides graph, env, value(), src, placements, dims, chunks, tp,
     tp_arg and operand_chunks (the tp_chunk made per value and dim); under sequence parallelism also seq_dims,
-    scatters, seq_gathers and seq_gathered (the gather made per value and kind), all empty without it; and, for
+    scatters, seq_gathers and seq_gathered (the gather made per value and kind), and seq_reduces (node -> the
+    replicated operands it broadcasts over the tokens), all empty without it; and, for
     `fork_random`, cp, cp_arg and _seq_dims (partitioner.codegen.segment_cp)."""
 
     def _role(self, n: fx.Node) -> str | None:
@@ -285,6 +286,19 @@ class TensorParallelRewrite:
                     self.seq_gathered[v, kind] = self.graph.create_node("call_function", fn, (v, dim, self.tp_arg),
                                                                         name=f"{v.name}_gathered")
             new.replace_input_with(v, self.seq_gathered[v, kind])
+
+    def reduce_broadcast_operands(self, n: fx.Node, new: fx.Node) -> None:
+        """Under sequence parallelism: each replicated operand that `n` broadcasts over the split tokens
+        (partitioner.planner.sequence_split, "reduces") is read through Megatron's f (`tp_copy`), whose backward
+        sums its gradient, made from this rank's tokens alone, over the tensor group."""
+        for operand in self.seq_reduces.get(n.name, ()):
+            old = next(a for a in n.all_input_nodes if a.name == operand)
+            v = self.value(old)
+            if v not in self.copies:
+                with self.graph.inserting_before(new):
+                    self.copies[v] = self.graph.create_node("call_function", tp_copy, (v, self.tp_arg),
+                                                            name=f"{v.name}_f")
+            new.replace_input_with(v, self.copies[v])
 
     def chunk_replicated_operands(self, n: fx.Node, new: fx.Node) -> None:
         """Read this rank's chunk of each replicated operand the splits name for `n` (see the module docstring)."""

@@ -248,7 +248,8 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
     def __init__(self, src: _Source, name: str, *, carried: fx.Node | None, block: int | None,
                  placements: dict[str, Any], dims: dict[str, int], chunks: dict[str, list[tuple[str, int]]],
                  tp: int, seq_dims: dict[str, int], scatters: dict[str, int],
-                 seq_gathers: dict[str, list[tuple[str, int, str]]], fp8: bool = False, cp: int = 1,
+                 seq_gathers: dict[str, list[tuple[str, int, str]]], seq_reduces: dict[str, list[str]],
+                 fp8: bool = False, cp: int = 1,
                  seq_syms: frozenset[str] = frozenset(), ep: int = 1, moe: tuple[tuple[str, str, int], ...] = (),
                  routed: bool = False, side: tuple[tuple[fx.Node, str], ...] = ()):
         # side: values besides the hidden state this segment reads across its cut, and the argument named for
@@ -257,7 +258,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         self.outputs: tuple[str, ...] = ()
         self.fp8 = fp8
         self.placements, self.dims, self.chunks, self.tp = placements, dims, chunks, tp
-        self.seq_dims, self.scatters, self.seq_gathers = seq_dims, scatters, seq_gathers
+        self.seq_dims, self.scatters, self.seq_gathers, self.seq_reduces = seq_dims, scatters, seq_gathers, seq_reduces
         self.cut_dim: int | None = None  # under sequence parallelism: the token dim the carried input is split on
         self.seq_gathered: dict[tuple[fx.Node, str], fx.Node] = {}  # sp_gather / tp_gather per value and kind
         self.graph = fx.Graph()
@@ -495,6 +496,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         self.sum_replicated_grads(n, new)
         self.chunk_replicated_operands(n, new)
         self.gather_sequence(n, new)
+        self.reduce_broadcast_operands(n, new)
         self.fork_random(n, new)
         self.env[n] = new
 
@@ -635,24 +637,28 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     src = _Source(ep, g)
     placements = {p.param: p for p in splits.placements} if splits is not None else {}
     dims = dict(splits.shard_dims) if splits is not None else {}
+    exported = _exported_operand(src, g)
     chunks: dict[str, list[tuple[str, int]]] = {}
     for node, operand, dim in (splits.chunks if splits is not None else ()):
-        chunks.setdefault(node, []).append((operand, dim))
+        chunks.setdefault(node, []).append((exported(node, operand), dim))
     if tp > 1 and splits is None:
         raise SegmentError("tp > 1 needs the tensor splits (partitioner.planner.tensor_split.find_splits)")
     sp = sp and tp > 1
     seq = splits.sequence if sp else None
     seq_gathers: dict[str, list[tuple[str, int, str]]] = {}
     for node, operand, dim, kind in (seq.gathers if seq else ()):
-        seq_gathers.setdefault(node, []).append((operand, dim, kind))
+        seq_gathers.setdefault(node, []).append((exported(node, operand), dim, kind))
     for node, operand, dim in (seq.chunks if seq else ()):
-        chunks.setdefault(node, []).append((operand, dim))
+        chunks.setdefault(node, []).append((exported(node, operand), dim))
+    seq_reduces: dict[str, list[str]] = {}
+    for node, operand in (seq.reduces if seq else ()):
+        seq_reduces.setdefault(node, []).append(exported(node, operand))
     spec = pytree.treespec_dumps(ep.call_spec.out_spec)
     flat_out = src.output.args[0]
     blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
     kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp,
               seq_dims=dict(seq.dims) if seq else {}, scatters=dict(seq.scatters) if seq else {},
-              seq_gathers=seq_gathers, fp8=fp8, cp=cp, seq_syms=sequence_symbols(src.inputs) if cp > 1 else frozenset(),
+              seq_gathers=seq_gathers, seq_reduces=seq_reduces, fp8=fp8, cp=cp, seq_syms=sequence_symbols(src.inputs) if cp > 1 else frozenset(),
               ep=expert_parallel, moe=_moe_scopes(g))
 
     def run(b: _Builder, members: list[fx.Node]) -> None:
@@ -677,11 +683,9 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     kinds = kinds if len(set(kinds)) > 1 and TEMPLATE_PER_KIND else ()
     # more than the hidden state crosses the cuts (segment_carry): None where it alone does
     carried = carry(src, blocks, kinds, lambda values: _router_outs(values, kw["moe"]), src.stack)
-    if carried is not None and (seq or cp > 1):
-        raise SegmentError(f"{'sequence' if seq else 'context'} parallelism: besides the hidden state, "
-                           f"{sorted({v.name for v, n in carried.prefix_writes if n != 'x'})} or values the blocks "
-                           f"hand on cross the cuts of {src.stack}, which the token split does not follow yet; pin "
-                           f"{'sp=False' if seq else 'cp=1'}")
+    if carried is not None and cp > 1:
+        raise SegmentError(f"context parallelism: besides the hidden state, {carried.side_names()} cross the cuts of "
+                           f"{src.stack}, which the token split over the context group does not follow yet; pin cp=1")
     pre = src.members("prefix")
     reads, outs = src.crossing(pre)
     if carried is not None:
@@ -697,7 +701,10 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     b = _Builder(src, "prefix", carried=None, block=None, **kw)
     run(b, pre)
     template = blocks[1] if len(blocks) > 1 else blocks[0]
-    cut_dim = _sequence_cut_dim(kw["seq_dims"], src.crossing(src.members(template))[0]) if seq else None
+    template_reads = {carried.hidden(template)[0]} if carried is not None else src.crossing(src.members(template))[0]
+    cut_dim = _sequence_cut_dim(kw["seq_dims"], template_reads) if seq else None
+    if carried is not None and seq:
+        carried.check_token_split(kw["seq_dims"], cut_dim)
     out = b.value(hidden)
     if cut_dim is not None and hidden.name not in kw["seq_dims"]:
         # the blocks take 1/tp of the tokens at every cut; the prefix's hidden state, whole when no
@@ -770,6 +777,23 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
                      hidden_shape=hidden_shape, other_blocks=tuple(templates[1:]), block_kinds=kinds,
                      frozen=tuple(sorted(src.param[n] for n in src.frozen)), exact_casts=casts_known(ep.graph),
                      seq_lengths=getattr(g, "seq_lengths", None), **(_expert_fields(g) if kw["routed"] else {}))
+
+
+def _exported_operand(src: _Source, g: Any) -> Any:
+    """operand name -> the name the exported graph gives it, as read by node `node`. The splits name what the
+    OpGraph's nodes read; past its traced blocks the OpGraph copies them (partitioner.tracer.blocks: `name__k`
+    for block k), so a node after the stack reads the last block's copy there, and the last traced block's
+    value in the exported graph. Matched in the order the node reads such values."""
+    by_name = {n.name: n for n in src.gm.graph.nodes}
+    ops = {n.name: n for n in getattr(g, "nodes", ())}
+
+    def exported(node: str, operand: str) -> str:
+        if operand in by_name or node not in by_name or node not in ops:
+            return operand
+        copies = [x for x in dict.fromkeys(ops[node].inputs) if x not in by_name]
+        traced = [a.name for a in by_name[node].all_input_nodes if isinstance(src.segment.get(a), int)]
+        return dict(zip(copies, traced)).get(operand, operand) if len(copies) == len(traced) else operand
+    return exported
 
 
 def _returning(b: _Builder, slots: tuple[tuple[fx.Node, str], ...]) -> tuple[fx.Node, ...]:

@@ -22,6 +22,10 @@ followed forward with the same shard-local rules as the tensor splits
 - a replicated parameter applied to sequence-split values (a layer norm's
   weight) sees 1/tp of the tokens: its gradient is summed over the group,
   as Megatron does for the layer norms under sequence parallelism;
+- a replicated value broadcast over the split dim (a per-row mean over the tokens, a conditioning vector
+  (b, 1, h) added to every token) is read whole by each rank, which computes its gradient from its own
+  tokens alone: that partial gradient is summed over the group (Megatron's f, `tp_copy`: identity forward,
+  all-reduce backward; "reduces");
 - an op that is not token-local (a loss over every token, an attention
   that is not tensor-split, a reshape merging tokens across the split) reads
   the value all-gathered; the gradient is this rank's slice of the
@@ -48,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from partitioner.planner.shard_dims import _CROSS_ENTROPY, _NEW, _RESHAPES
+from partitioner.planner.shard_dims import _CROSS_ENTROPY, _FIRST_ONLY, _NEW, _RESHAPES
 from partitioner.planner.shard_rule import _Context, _rule, _Shard
 from partitioner.tracer.opgraph import OpNode
 from partitioner.tracer.symbolic import Poly
@@ -73,6 +77,8 @@ class SequenceSplits:
     extents: the token dims' extents (Poly in b, s) tp must divide.
     param_grads: (node, param bytes): replicated parameters applied to sequence-split values,
         their gradients summed over the tensor group.
+    reduces: (node, operand): `node` reads replicated `operand`, which needs a gradient, broadcast over the
+        split dim: its gradient, summed over this rank's tokens only, is summed over the tensor group.
     """
 
     dims: tuple[tuple[str, int], ...] = ()
@@ -81,6 +87,7 @@ class SequenceSplits:
     chunks: tuple[tuple[str, str, int], ...] = ()
     extents: tuple[Poly, ...] = ()
     param_grads: tuple[tuple[str, int], ...] = ()
+    reduces: tuple[tuple[str, str], ...] = ()
 
     @property
     def nodes(self) -> frozenset[str]:
@@ -105,7 +112,8 @@ class SequenceSplits:
         return {"dims": [list(d) for d in self.dims], "scatters": [list(d) for d in self.scatters],
                 "gathers": [list(g) for g in self.gathers], "chunks": [list(c) for c in self.chunks],
                 "extents": [e.to_json() for e in self.extents],
-                "param_grads": [list(p) for p in self.param_grads]}
+                "param_grads": [list(p) for p in self.param_grads],
+                **({"reduces": [list(r) for r in self.reduces]} if self.reduces else {})}
 
     @staticmethod
     def from_json(data: dict) -> SequenceSplits:
@@ -114,7 +122,8 @@ class SequenceSplits:
                               gathers=tuple((str(n), str(x), int(d), k) for n, x, d, k in data["gathers"]),
                               chunks=tuple((str(n), str(x), int(d)) for n, x, d in data["chunks"]),
                               extents=tuple(Poly.from_json(e) for e in data["extents"]),
-                              param_grads=tuple((str(n), int(b)) for n, b in data["param_grads"]))
+                              param_grads=tuple((str(n), int(b)) for n, b in data["param_grads"]),
+                              reduces=tuple((str(n), str(x)) for n, x in data.get("reduces", ())))
 
 
 def token_dim(shape: tuple[Poly, ...]) -> int:
@@ -138,6 +147,7 @@ def find_sequence_splits(ctx: _Context, sharded: frozenset[str], rows: frozenset
     chunks: list[tuple[str, str, int]] = []
     extents: dict[Poly, None] = {}
     param_grads: list[tuple[str, int]] = []
+    reduces: list[tuple[str, str]] = []
     pbytes = {p.name: p.nbytes for p in ctx.g.params}
 
     def split(n: OpNode, d: int) -> None:
@@ -192,7 +202,11 @@ def find_sequence_splits(ctx: _Context, sharded: frozenset[str], rows: frozenset
         split(n, step.dim)
         chunks.extend((n.name, i, k) for i, k in step.chunks)
         param_grads.extend((n.name, pbytes[p]) for p in n.params)
+        chunked = {i for i, _ in step.chunks}
+        read = n.inputs[:1] if n.op in _FIRST_ONLY else n.inputs  # the others give a dtype or shape
+        reduces.extend((n.name, i) for i in dict.fromkeys(read) if i not in state and i not in chunked
+                       and getattr(ctx.node.get(i), "requires_grad", False))
 
     return SequenceSplits(dims=tuple(dims), scatters=tuple(scatters), gathers=tuple(gathers.values()),
                           chunks=tuple(chunks), extents=tuple(extents),
-                          param_grads=tuple(param_grads))
+                          param_grads=tuple(param_grads), reduces=tuple(reduces))

@@ -203,7 +203,8 @@ class CostContext:
         backward; an all-gather before
         each tensor-split reader, and in backward a reduce-scatter of its gradient and the same all-gather again
         (the reader keeps only this rank's tokens for backward, Megatron's choice, so the activations are 1/tp);
-        the gradients of replicated parameters applied to 1/tp of the tokens summed.
+        the gradients of replicated parameters applied to 1/tp of the tokens summed, and those of replicated values
+        broadcast over them.
 
         A value several readers gather (the q, k and v projections of one normed input) is gathered once, its
         gradient reduce-scattered once and gathered again once, as the generated code does
@@ -238,6 +239,9 @@ class CostContext:
                 add(n, "backward", "all_gather", nbytes[x], f"sequence parallel: gradient of {x} all-gathered")
         for n, b in seq.param_grads:
             add(n, "backward", "all_reduce", Poly.const(b), "sequence parallel: replicated parameter gradient")
+        for n, x in seq.reduces:
+            add(n, "backward", "all_reduce", nbytes[x], f"sequence parallel: gradient of {x}, broadcast over the "
+                "tokens, summed")
         kept = {node: [c for c in cs if not (c.node in scattered and c.what in (WHAT_G, WHAT_VOCAB_EMBEDDING))
                        and not (c.node in gathered_by_tp and c.what == WHAT_F)] for node, cs in tensor.items()}
         return {node: kept.get(node, []) + out.get(node, []) for node in {*kept, *out}}
