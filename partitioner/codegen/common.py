@@ -315,8 +315,9 @@ def _carry_line(code: Any, segs: list) -> str:
     if len(code.carried) == 1:
         return ""
     table = {s.name: (s.inputs if s is not code.prefix else (), s.outputs) for s in segs}
-    return ("\n# Besides the hidden state x, values cross the cuts between blocks (partitioner.codegen.segment_carry):\n"
-            "# what each function takes of them and returns, by name. A value no block has written yet is None; a\n"
+    return ("\n# Besides the hidden state x, values cross the cuts between blocks (partitioner.codegen."
+            "segment_carry):\n# what each function takes of them and returns, by name. A value no block has written "
+            "yet is None; a\n"
             f"# pipeline cut sends {', '.join(code.carried)} as one tensor (runtime.pipeline.carry).\n"
             f"CARRY = {literal(table)}")
 

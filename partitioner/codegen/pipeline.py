@@ -159,6 +159,7 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
     functions, args, fn_table, block_args, block_inputs, kinds_line, suffix_args, lengths_line, lengths_kw, \
         carry_line, carry_kw = segment_tables(code)
+    lengths_kw += carry_kw  # both end StageModel's call
     cp_args = "" if c.cp == 1 else f",\n        cp_rank={me.cp}, cp_size={c.cp}"  # this rank's tokens of each row
     mixed = plan.precision != "fp32"
     comp = dp_compression(plan, dp_ranks)
@@ -273,7 +274,7 @@ def make_stage(model, tp{", cp" if c.cp > 1 else ""}{ep_param}):
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={block_args}, suffix_args={suffix_args}, output_spec=OUTPUT_SPEC, stages=STAGES,
                       placements=PLACEMENTS, tied=TIED, tp=tp, tp_rank={me.tp}, tp_world={c.tp},
-                      recompute={c.recompute!r}{blocks_kw}{", cp=cp" if c.cp > 1 else ""}{ep_kw}{tc}{lengths_kw}{carry_kw})
+                      recompute={c.recompute!r}{blocks_kw}{", cp=cp" if c.cp > 1 else ""}{ep_kw}{tc}{lengths_kw})
 
 
 def build(model_fn, optimizer_fn, loss_fn):

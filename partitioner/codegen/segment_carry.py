@@ -140,8 +140,8 @@ def carry(src: Any, blocks: Sequence[int], kinds: Sequence[int], routers: Callab
                                    f"{[v.name for v, _ in writes[b]]})")
     inside = set(members["suffix"])
     last = len(order) - 2
-    suffix = slots({a for m in members["suffix"] for a in m.all_input_nodes if a not in inside and a in set(live[last])},
-                   keyed[last])
+    read = {a for m in members["suffix"] for a in m.all_input_nodes if a not in inside and a in set(live[last])}
+    suffix = slots(read, keyed[last])
     out = Carry(prefix_writes=slots(live[0], keyed[0]), reads=reads, writes=writes, suffix_reads=suffix)
     _check_order(out, blocks, kinds, stack)
     return out

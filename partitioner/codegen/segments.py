@@ -658,7 +658,8 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
     blocks = sorted({s for s in src.segment.values() if isinstance(s, int)})
     kw = dict(placements=placements, dims=dims, chunks=chunks, tp=tp,
               seq_dims=dict(seq.dims) if seq else {}, scatters=dict(seq.scatters) if seq else {},
-              seq_gathers=seq_gathers, seq_reduces=seq_reduces, fp8=fp8, cp=cp, seq_syms=sequence_symbols(src.inputs) if cp > 1 else frozenset(),
+              seq_gathers=seq_gathers, seq_reduces=seq_reduces, fp8=fp8, cp=cp,
+              seq_syms=sequence_symbols(src.inputs) if cp > 1 else frozenset(),
               ep=expert_parallel, moe=_moe_scopes(g))
 
     def run(b: _Builder, members: list[fx.Node]) -> None:
@@ -711,7 +712,7 @@ def extract(ep: Any, g: Any, *, splits: Any = None, tp: int = 1, sp: bool = Fals
         # all-reduce made it (a replicated embedding), hands on this rank's slice
         out = b.graph.create_node("call_function", tp_chunk, (out, cut_dim, b.tp_arg), name=f"{hidden.name}_slice")
     if carried is not None:
-        out = _returning(b, carried.prefix_writes)
+        out = _returning(b, carried.prefix_writes, hidden=out)
     prefix = b.finish(out)
 
     # one template per kind of block (partitioner.tracer.block_kinds): its second traced block when there is
@@ -796,11 +797,14 @@ def _exported_operand(src: _Source, g: Any) -> Any:
     return exported
 
 
-def _returning(b: _Builder, slots: tuple[tuple[fx.Node, str], ...]) -> tuple[fx.Node, ...]:
+def _returning(b: _Builder, slots: tuple[tuple[fx.Node, str], ...], hidden: fx.Node | None = None
+               ) -> tuple[fx.Node, ...]:
     """The values a segment returns where more than the hidden state crosses the cuts (segment_carry): each of
-    its slots, the hidden state first; their names go into `Segment.outputs`."""
+    its slots, the hidden state first (`hidden`, where the segment made it to hand on: this rank's tokens of
+    it); their names go into `Segment.outputs`."""
     b.outputs = tuple(name for _, name in slots)
-    return tuple(b.value(v) for v, _ in slots)
+    values = [b.value(v) for v, _ in slots]
+    return (hidden if hidden is not None else values[0], *values[1:])
 
 
 def _first_block_input(src: _Source, first: int) -> set[fx.Node]:
