@@ -121,9 +121,8 @@ def carry(src: Any, blocks: Sequence[int], kinds: Sequence[int], routers: Callab
             names.setdefault(k, f"x_{len(names)}")
 
     def slots(values: Sequence[fx.Node], at: dict[Any, fx.Node]) -> tuple[Slot, ...]:
-        got = sorted(((v, names[key(v)]) for v in values if at.get(key(v)) is v),
-                     key=lambda s: (s[1] != "x", s[1]))
-        return tuple(got)
+        got = [(v, names[key(v)]) for v in values if at.get(key(v)) is v]
+        return tuple(sorted(got, key=lambda s: _order(s[1])))
 
     reads: dict[int, tuple[Slot, ...]] = {}
     writes: dict[int, tuple[Slot, ...]] = {}
@@ -171,6 +170,11 @@ def _check_order(c: Carry, blocks: Sequence[int], kinds: Sequence[int], stack: s
     missing = [n for n in names(c.suffix_reads) if n not in written]
     if missing:
         raise SegmentError(f"the suffix after {stack} reads {missing}, which no block hands on")
+
+
+def _order(name: str) -> int:
+    """x first, then x_1, x_2, ..., x_10 by number."""
+    return 0 if name == "x" else int(name.rpartition("_")[2])
 
 
 def _where(seg: Any, stack: str) -> str:
