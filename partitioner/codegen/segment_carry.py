@@ -84,6 +84,9 @@ def carry(src: Any, blocks: Sequence[int], kinds: Sequence[int], routers: Callab
     order: list[Any] = ["prefix", *blocks, "suffix"]
     pos = {seg: i for i, seg in enumerate(order)}
     members = {seg: src.members(seg) for seg in order}
+    where = {n: i for i, n in enumerate(src.gm.graph.nodes)}
+    if members["suffix"] and min(map(where.get, members["suffix"])) < max(map(where.get, members[blocks[-1]])):
+        return None  # ops outside the blocks between them (a residual add in the root's forward): no stack to cut
     live: list[list[fx.Node]] = []  # per cut c (after order[c]): what is made before it and read after it
     for c in range(len(order) - 1):
         made = [m for seg in order[:c + 1] for m in members[seg] if m not in src.input_only]
