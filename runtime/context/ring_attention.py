@@ -207,10 +207,15 @@ class _RingAttention(torch.autograd.Function):
                 kb, vb = (_repeat(_take(t, cols), groups) for t in kv)
                 out_b, lse_b = block_forward(_take(qf, rows), kb, vb, scale, mask)   # (B, H, m, D), (B, H, m)
                 lse_old, out_old = _take(lse.unsqueeze(-1), rows).squeeze(-1), _take(out, rows)
-                lse_new = torch.logaddexp(lse_old, lse_b)
-                merged = (out_old * torch.exp(lse_old - lse_new).unsqueeze(-1)
-                          + out_b * torch.exp(lse_b - lse_new).unsqueeze(-1))
-                out[:, :, rows], lse[:, :, rows] = merged, lse_new
+                # merged in fp64, so the lse is the blocks' sum correctly rounded, however fp32 logaddexp would
+                # round it (it rounds by its operands' layout, and the CPU flash kernel's lse is a (B, m, H)
+                # buffer): the backward recomputes p from this lse and subtracts rowsum(do * out), which cancels
+                # where attention is near uniform, so an ulp between lse and out shows in the gradients (OPT's
+                # small config under cp2: 9e-6 in its parameters after 3 SGD steps, 1e-8 merged in fp64)
+                lse_new = torch.logaddexp(lse_old.double(), lse_b.double())
+                merged = (out_old * torch.exp(lse_old - lse_new).float().unsqueeze(-1)
+                          + out_b * torch.exp(lse_b - lse_new).float().unsqueeze(-1))
+                out[:, :, rows], lse[:, :, rows] = merged, lse_new.float()
             _wait(works)
             if works:
                 kv = nxt
