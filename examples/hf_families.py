@@ -200,4 +200,10 @@ MORE_FAMILIES = {
                           qk_nope_head_dim=8, v_head_dim=16, index_head_dim=16, index_n_heads=4, index_topk=8,
                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                           pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    # Gemma 4 (E2B, E4B) with per-layer inputs: the root's layer loop slices each layer's input out of a tensor the
+    # prefix made, per_layer_inputs[:, :, i, :], between the blocks; those ops run in the block they feed, with its
+    # index (partitioner.codegen.segment_glue), and the tensor crosses the cuts (segment_carry)
+    "gemma4_text": _from_config("Gemma4TextConfig", "Gemma4ForCausalLM", num_key_value_heads=2, head_dim=16,
+                                sliding_window=8, tie_word_embeddings=False, hidden_size_per_layer_input=16,
+                                vocab_size_per_layer_input=512, layer_types=["sliding_attention", "full_attention"] * 2),
 }

@@ -288,6 +288,7 @@ class SegmentTables(NamedTuple):
     lengths_kw: str  # ", seq_lengths=SEQ_LENGTHS" or ""
     carry_line: str  # "\nCARRY = ..." with why, where values besides the hidden state cross the cuts; else ""
     carry_kw: str  # ", carry=CARRY" or ""
+    index_kw: str  # ", block_indexed=(...)" where a block template takes its index (segment_glue), or ""
 
 
 def segment_tables(code: Any) -> SegmentTables:
@@ -306,7 +307,9 @@ def segment_tables(code: Any) -> SegmentTables:
         lengths_line=_lengths_line(code.seq_lengths),
         lengths_kw=", seq_lengths=SEQ_LENGTHS" if code.seq_lengths is not None else "",
         carry_line=_carry_line(code, segs),
-        carry_kw=", carry=CARRY" if len(code.carried) > 1 else "")
+        carry_kw=", carry=CARRY" if len(code.carried) > 1 else "",
+        index_kw=f", block_indexed={tuple(t.indexed for t in code.templates)!r}"
+        if any(t.indexed for t in code.templates) else "")
 
 
 def _carry_line(code: Any, segs: list) -> str:
@@ -400,7 +403,7 @@ def make_stage(model, tp{", cp" if cp else ""}{ep_param}):
                       suffix_inputs={code.suffix.model_inputs if code.suffix else ()!r}, prefix_args=PREFIX_ARGS,
                       block_args={t.block_args}, suffix_args={t.suffix_args},
                       output_spec=OUTPUT_SPEC, stages=STAGES, placements={{}}, tied=(), tp=tp{", cp=cp" if cp else ""}{tc}{ep_kw}\
-{t.lengths_kw}{t.carry_kw})
+{t.lengths_kw}{t.carry_kw}{t.index_kw})
 
 '''
     run = ("    # The model runs the code above: its forward takes the batch and runs prefix, blocks and suffix\n"

@@ -158,8 +158,8 @@ def pipeline_program_source(plan: Plan, rank: int) -> tuple[str, str]:
                             f"{slice_text(by_param[n].shape, v[0], v[1], c.tp, me.tp)}"
                             for n, v in placements.items()) or "    # none: every parameter is whole on every rank"
     functions, args, fn_table, block_args, block_inputs, kinds_line, suffix_args, lengths_line, lengths_kw, \
-        carry_line, carry_kw = segment_tables(code)
-    lengths_kw += carry_kw  # both end StageModel's call
+        carry_line, carry_kw, index_kw = segment_tables(code)
+    lengths_kw += carry_kw + index_kw  # all end StageModel's call
     cp_args = "" if c.cp == 1 else f",\n        cp_rank={me.cp}, cp_size={c.cp}"  # this rank's tokens of each row
     mixed = plan.precision != "fp32"
     comp = dp_compression(plan, dp_ranks)

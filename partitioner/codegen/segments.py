@@ -56,6 +56,7 @@ from partitioner.codegen.segment_attention import (ATTENTION_FUNCTIONS, attentio
 from partitioner.codegen.segment_carry import carry
 from partitioner.codegen.segment_cp import CP_FUNCTIONS, ContextParallelRewrite, sequence_symbols
 from partitioner.codegen.segment_ep import EP_FUNCTIONS, ExpertParallelRewrite, in_scope
+from partitioner.codegen.segment_glue import NONE, find_glue
 from partitioner.codegen.segment_tp import RUNTIME_FUNCTIONS, TensorParallelRewrite, fp8_linear, tp_chunk, unmangle
 from partitioner.planner.model_code import ModelCode, Segment, SegmentError, describe
 from partitioner.tracer.attention import shape_mask_key
@@ -193,6 +194,10 @@ class _Source:
                     self.segment[n] = b
                 else:
                     self.segment[n] = "suffix" if seen_block else "prefix"
+        # ops the layer loop runs for one block alone (Gemma 4's per_layer_inputs[:, :, i, :]) run in that block
+        self.glue = find_glue(list(self.gm.graph.nodes), self.segment, g.blocks[-1].index + 1 if g.blocks else 0,
+                              self.stack) if self.stack is not None else NONE
+        self.segment.update(self.glue.owner)
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
         # what the prefix hands on, when it is made from the inputs alone (an MLP's flattened input), is the hidden
         # state itself: handed on as it is, not computed again
@@ -297,6 +302,7 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
                 self.env[node] = self.graph.placeholder(name)
                 self.env[node].meta = dict(node.meta)
         self.model_inputs: list[str] = []  # model inputs a block or the suffix reads (every stage has them)
+        self.block_index: fx.Node | None = None  # a block's own index, where the layer loop's ops read it
         self.dtype: fx.Node | None = None  # the parameters' dtype at run time, read from dtype_param
         self.dtype_param: fx.Node | None = None
         self._device: fx.Node | None = None  # the device of this segment's input at run time
@@ -476,13 +482,21 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
     def copy(self, n: fx.Node) -> None:
         """Copy member `n` into the segment: in its tensor-parallel form, or plain (casts retargeted,
         sizes on split dims divided by tp)."""
+        indexed = self.src.glue.indexed.get(n, ()) if self.block is not None else ()
         if self.rewrite_ep(n) or self.rewrite_op(n) or self.rewrite_cp(n):
+            if indexed:
+                raise SegmentError(f"the {self.name} rewrites {describe(n)}, which takes the block's index, for its "
+                                   "parallel plan; pin pp=1, tp=1")
             return
+        if indexed and self.block_index is None:  # the layer loop's index (segment_glue): each block passes its own
+            self.block_index = self.graph.placeholder("block_index")
         cast = n.target in _CASTS and self._to_param_dtype(n)
         new = self._copy_plain(n)
         if not isinstance(new, fx.Node):  # an inlined nested graph, or an item of one
             self.env[n] = new
             return
+        if indexed:
+            new.args = tuple(self.block_index if k in indexed else a for k, a in enumerate(new.args))
         if shape_mask(n, self.src.unwritten):  # the fused kernel's causal path where the mask is causal
             new.target = shape_mask_attention
             key = shape_mask_key(attention_mask(n), self.src.unwritten)
@@ -536,7 +550,8 @@ class _Builder(TensorParallelRewrite, ContextParallelRewrite, ExpertParallelRewr
         src = _annotate(src, self._shard_shapes())
         src = src.replace("def forward(self, ", f"def {self.name}(", 1).strip() + "\n"
         return Segment(name=self.name, source=src, inputs=self.input_names, model_inputs=tuple(self.model_inputs),
-                       params=tuple(self.params.items()), buffers=tuple(self.buffers.items()), outputs=self.outputs)
+                       params=tuple(self.params.items()), buffers=tuple(self.buffers.items()), outputs=self.outputs,
+                       indexed=self.block_index is not None)
 
     def _shard_shapes(self) -> dict[str, str]:
         """Each value's shape on this rank, as the fx printer's verbose form writes it ("f32[b, s, 192]"):

@@ -30,6 +30,8 @@ class Segment:
     params/buffers: (argument, name in the model); a block's names hold "{i}" for its index.
     outputs: where values besides the hidden state cross the cuts (`ModelCode.carried`), the names of those the
         prefix or a block returns, in order (a tuple), the hidden state "x" first; () where it returns x alone.
+    indexed: a block that takes its own index in the stack as `block_index` (the layer loop's ops for it:
+        partitioner.codegen.segment_glue).
     """
 
     name: str
@@ -39,6 +41,7 @@ class Segment:
     params: tuple[tuple[str, str], ...]
     buffers: tuple[tuple[str, str], ...]
     outputs: tuple[str, ...] = dataclasses.field(default=(), metadata={"omit_default": True})
+    indexed: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -95,7 +95,8 @@ class StageModel:
                  recompute_blocks: tuple[int, int] = (1, 1), cp: Any = None,
                  torch_compile: str = "", ep: Any = None, experts: Mapping[str, tuple[int, int]] | None = None,
                  seq_lengths: tuple[int, int | None] | None = None,
-                 carry: Mapping[str, tuple[Sequence[str], Sequence[str]]] | None = None):
+                 carry: Mapping[str, tuple[Sequence[str], Sequence[str]]] | None = None,
+                 block_indexed: Sequence[bool] = ()):
         # torch_compile: the backend each segment function (prefix, every block kind, suffix) is compiled with
         # (runtime.engines.compiled); recomputation and the blocks' module hooks stay outside; "": eager
         if torch_compile:
@@ -126,6 +127,9 @@ class StageModel:
         self.prefix_args, self.block_args, self.suffix_args = tuple(prefix_args), \
             tuple(tuple(a) for a in block_args), tuple(suffix_args)
         self.block_kinds = tuple(block_kinds)
+        # per kind: whether its function takes the block's index (`block_index`: the layer loop's ops for one
+        # block, run in it: partitioner.codegen.segment_glue)
+        self.block_indexed = tuple(block_indexed)
         self.out_spec = pytree.treespec_loads(output_spec) if output_spec else None
         # recompute_blocks (k, n): only the first k of every n blocks (by index in the stack) recompute
         self.tp, self.recompute, self.recompute_blocks = tp, recompute, tuple(recompute_blocks)
@@ -233,6 +237,8 @@ class StageModel:
         fn = self.functions["block" if k == 0 else f"block_{k}"]
         k_of, n_of = self.recompute_blocks
         mode = self.recompute if i % n_of < k_of else "none"
+        if self.block_indexed and self.block_indexed[k]:
+            model_inputs["block_index"] = i
         return run_recomputed(mode, fn, self.tp, x, *args, **model_inputs, **self._args(self.block_args[k], i))
 
     def named_inputs(self, inputs: Any) -> dict[str, Any]:
