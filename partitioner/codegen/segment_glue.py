@@ -17,7 +17,7 @@ its argument `block_index`. Anything else is refused, as is such work where the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 from torch import fx
@@ -39,10 +39,13 @@ class Glue:
 NONE = Glue({}, {})
 
 
-def find_glue(nodes: Sequence[fx.Node], segment: Mapping[fx.Node, Any], num_blocks: int, stack: str) -> Glue:
+def find_glue(nodes: Sequence[fx.Node], segment: Mapping[fx.Node, Any], recomputed: Container[fx.Node],
+              num_blocks: int, stack: str) -> Glue:
     """The ops between the traced blocks of `stack` (in `nodes`, the graph's order; `segment`: "prefix", a block
     index or "suffix" per op) that feed one block alone and read no block's value, and the block each runs in;
-    `num_blocks`: the blocks of the whole stack. Raises SegmentError where the blocks' ops differ."""
+    `num_blocks`: the blocks of the whole stack. Not values each reader computes again from the model's inputs
+    (`recomputed`: segments._Source.input_only), which cross no cut. Raises SegmentError where the blocks' ops
+    differ."""
     pos = {n: i for i, n in enumerate(nodes)}
     blocks = sorted({s for s in segment.values() if isinstance(s, int)})
     if not blocks:
@@ -50,7 +53,7 @@ def find_glue(nodes: Sequence[fx.Node], segment: Mapping[fx.Node, Any], num_bloc
     end = max(pos[n] for n, s in segment.items() if s == blocks[-1])
     owner: dict[fx.Node, int] = {}
     for n in reversed(nodes):  # users first: a chain of such ops joins its block from the block back
-        if segment.get(n) != "suffix" or pos[n] > end:
+        if segment.get(n) != "suffix" or pos[n] > end or n in recomputed:
             continue
         users = {owner.get(u, segment.get(u)) for u in n.users}
         if len(users) == 1 and isinstance(b := next(iter(users)), int) and \

@@ -195,8 +195,8 @@ class _Source:
                 else:
                     self.segment[n] = "suffix" if seen_block else "prefix"
         # ops the layer loop runs for one block alone (Gemma 4's per_layer_inputs[:, :, i, :]) run in that block
-        self.glue = find_glue(list(self.gm.graph.nodes), self.segment, g.blocks[-1].index + 1 if g.blocks else 0,
-                              self.stack) if self.stack is not None else NONE
+        self.glue = find_glue(list(self.gm.graph.nodes), self.segment, self.input_only,
+                              g.blocks[-1].index + 1 if g.blocks else 0, self.stack) if self.stack is not None else NONE
         self.segment.update(self.glue.owner)
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
         # what the prefix hands on, when it is made from the inputs alone (an MLP's flattened input), is the hidden
