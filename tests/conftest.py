@@ -10,6 +10,12 @@ import pytest
 # TRITON_INTERPRET=0 to test the compiled kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n 3`, as .ci/run runs) several workers share the machine's few cores: each computes on one
+# thread, as the ranks it starts do (runtime.launch.local). Two OpenMP threads a worker would oversubscribe the cores,
+# and a parallel region runs at the pace of its descheduled thread. Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # What the tests' ranks (launch_local, ranks.spawn) start with imported: the fork server imports it once,
 # where each rank would import it itself, for seconds (a Hugging Face modeling module under a loaded machine
 # took 4-8 s a rank). The server starts at the first launch, after this.

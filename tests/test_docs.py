@@ -237,7 +237,7 @@ def test_readme_starts_with_the_two_commands():
     bash = [body for _, info, body in blocks(ROOT / "README.md") if info == "bash"][:2]
     setup = "python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[test]' && "
     assert bash == [setup + "partitioner compile examples/gpt.py:gpt_small --topology local:4 --global-batch-size 32",
-                    setup + "python -m pytest -q"]
+                    setup + "python -m pytest -q -n 3"]
 
 
 def test_the_plan_shown_in_seeing_plans_is_the_golden_file():
