@@ -1,8 +1,7 @@
 """Ops a layer loop runs between its blocks for one block alone: they run in that block.
 
-A loop over the layers may do a little work of its own for each layer before calling it. Gemma 4 (and
-Gemma 3n) slice each layer's input out of a tensor the prefix made, `per_layer_inputs[:, :, i, :]`, in the
-root's loop. In the exported graph those ops sit at the stack's level between the blocks, so no block held
+A loop over the layers may do a little work of its own for each layer before calling it. Gemma 4 slices
+each layer's input out of a tensor the prefix made, `per_layer_inputs[:, :, i, :]`, in the root's loop. In the exported graph those ops sit at the stack's level between the blocks, so no block held
 them and the stack could not be cut. Such ops (the first block's too, which export puts in the prefix) now run
 in the block they feed, and that block reads the prefix's tensor across its cuts instead
 (`partitioner.codegen.segment_carry`: a prefix value read past the first block).
